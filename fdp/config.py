@@ -1,0 +1,283 @@
+"""Typed schemas behind the Hydra configs in ``conf/``.
+
+Every YAML file in ``conf/`` extends one of these dataclasses, so an unknown key or a
+value of the wrong type fails when the config is composed, with a message naming the
+key. Range checks that a type cannot express live in ``validate``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+# -- model -----------------------------------------------------------------------------
+@dataclass
+class MLPConfig:
+    name: str = "mlp"
+    hidden: int = 256
+    depth: int = 2
+
+
+@dataclass
+class ConvNetConfig:
+    name: str = "convnet"
+    width: int = 32
+
+
+@dataclass
+class CharLMConfig:
+    name: str = "charlm"
+    d_model: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    dropout: float = 0.0
+
+
+# -- data ------------------------------------------------------------------------------
+@dataclass
+class DigitsConfig:
+    name: str = "digits"
+    global_batch_size: int = 64
+    test_fraction: float = 0.2
+
+
+@dataclass
+class StdlibTextConfig:
+    name: str = "stdlib_text"
+    global_batch_size: int = 32
+    block_size: int = 64
+    max_chars: int = 1_000_000
+    test_fraction: float = 0.1
+
+
+# -- optimizer -------------------------------------------------------------------------
+@dataclass
+class OptimBase:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    schedule: str = "constant"  # constant | warmup_cosine
+    warmup_steps: int = 0
+    end_lr: float = 0.0  # warmup_cosine: the rate at trainer.max_steps
+    clip_norm: Optional[float] = None
+
+
+@dataclass
+class SGDConfig(OptimBase):
+    name: str = "sgd"
+    lr: float = 0.1
+    momentum: float = 0.9
+    dampening: float = 0.0
+    nesterov: bool = False
+
+
+@dataclass
+class AdamConfig(OptimBase):
+    name: str = "adam"
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+
+
+@dataclass
+class AdamWConfig(AdamConfig):
+    name: str = "adamw"
+    weight_decay: float = 0.01
+
+
+# -- trainer and world -----------------------------------------------------------------
+@dataclass
+class TrainerConfig:
+    max_steps: int = 300
+    accum_steps: int = 1
+    log_every: int = 10
+    eval_every: int = 100  # 0: evaluate only at the end
+    eval_batches: int = 20
+    checkpoint_every: int = 100  # 0: checkpoint only at the end
+    keep_checkpoints: int = 2
+    resume: bool = False
+    bucket_cap_mb: float = 25.0
+    first_bucket_cap_mb: float = 1.0
+    allow_unused: bool = False
+    schedule: str = "auto"  # auto | after | overlap: when bucket reductions start
+    nonfinite: str = "raise"  # raise | skip
+    trace: bool = False
+    progress: bool = True
+
+
+@dataclass
+class WorldConfig:
+    name: str = "single"
+    launcher: str = "none"  # none | elastic | torchrun
+    nnodes: int = 1
+    nproc_per_node: int = 1
+    backend: str = "auto"  # auto | gloo | nccl
+    timeout_s: float = 300.0
+    max_restarts: int = 0
+
+
+# -- hooks -----------------------------------------------------------------------------
+@dataclass
+class AllreduceConfig:
+    name: str = "allreduce"
+
+
+@dataclass
+class Fp16Config:
+    name: str = "fp16"
+
+
+@dataclass
+class Bf16Config:
+    name: str = "bf16"
+
+
+@dataclass
+class NoopConfig:
+    name: str = "noop"
+
+
+@dataclass
+class PowerSGDConfig:
+    name: str = "powersgd"
+    rank: int = 1
+    start_iter: int = 10
+    min_compression_rate: float = 2.0
+    error_feedback: bool = True
+    warm_start: bool = True
+    orthogonalization_epsilon: float = 0.0
+    seed: int = 0
+    batch_same_shape: bool = True
+
+
+@dataclass
+class BatchedPowerSGDConfig:
+    name: str = "batched_powersgd"
+    rank: int = 1
+    start_iter: int = 10
+    error_feedback: bool = True
+    warm_start: bool = True
+    seed: int = 0
+
+
+@dataclass
+class TopKConfig:
+    name: str = "topk"
+    ratio: float = 0.01
+    error_feedback: bool = True
+
+
+@dataclass
+class ChainConfig:
+    name: str = "chain"
+    stages: List[Any] = field(default_factory=list)
+
+
+# -- the whole run ---------------------------------------------------------------------
+@dataclass
+class Config:
+    model: Any = MISSING
+    data: Any = MISSING
+    optim: Any = MISSING
+    hooks: Any = MISSING
+    world: WorldConfig = field(default_factory=WorldConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    seed: int = 0
+
+
+SCHEMAS = {
+    "model": {"mlp": MLPConfig, "convnet": ConvNetConfig, "charlm": CharLMConfig},
+    "data": {"digits": DigitsConfig, "stdlib_text": StdlibTextConfig},
+    "optim": {"sgd": SGDConfig, "adam": AdamConfig, "adamw": AdamWConfig},
+    "hooks": {
+        "allreduce": AllreduceConfig,
+        "fp16": Fp16Config,
+        "bf16": Bf16Config,
+        "noop": NoopConfig,
+        "powersgd": PowerSGDConfig,
+        "batched_powersgd": BatchedPowerSGDConfig,
+        "topk": TopKConfig,
+        "chain": ChainConfig,
+    },
+    "world": {"world": WorldConfig},
+}
+
+
+def register_configs() -> None:
+    """Register the schemas with Hydra; YAML files extend them as ``<name>_schema``."""
+    store = ConfigStore.instance()
+    store.store(name="config_schema", node=Config)
+    for group, schemas in SCHEMAS.items():
+        for name, schema in schemas.items():
+            store.store(group=group, name=f"{name}_schema", node=schema)
+
+
+# -- checks a type cannot express -------------------------------------------------------
+class ConfigError(ValueError):
+    """A setting out of range or inconsistent with another; the message names it."""
+
+
+def _require(ok: bool, setting: str, value: Any, expected: str) -> None:
+    if not ok:
+        raise ConfigError(f"{setting}={value!r}: expected {expected}")
+
+
+def validate(cfg: Any, run_dir: Any = None) -> None:
+    """Refuse a config before anything is built or written; each error names one setting."""
+    from pathlib import Path
+
+    from fdp.hooks.registry import build_hook
+    from fdp.launch import BACKENDS, LAUNCHERS
+
+    t, w, d, o, m = cfg.trainer, cfg.world, cfg.data, cfg.optim, cfg.model
+    for key in ("max_steps", "accum_steps", "log_every", "keep_checkpoints"):
+        _require(t[key] >= 1, f"trainer.{key}", t[key], "an integer >= 1")
+    for key in ("eval_every", "checkpoint_every", "eval_batches"):
+        _require(t[key] >= 0, f"trainer.{key}", t[key], "an integer >= 0")
+    for key in ("bucket_cap_mb", "first_bucket_cap_mb"):
+        _require(t[key] > 0, f"trainer.{key}", t[key], "a size in MiB > 0")
+    _require(t.schedule in ("auto", "after", "overlap"), "trainer.schedule", t.schedule, "auto, after or overlap")
+    _require(t.nonfinite in ("raise", "skip"), "trainer.nonfinite", t.nonfinite, "raise or skip")
+    _require(w.launcher in LAUNCHERS, "world.launcher", w.launcher, f"one of {LAUNCHERS}")
+    _require(w.backend in BACKENDS, "world.backend", w.backend, f"one of {BACKENDS}")
+    _require(w.nproc_per_node >= 1, "world.nproc_per_node", w.nproc_per_node, "an integer >= 1")
+    _require(w.nnodes >= 1, "world.nnodes", w.nnodes, "an integer >= 1")
+    _require(w.timeout_s > 0, "world.timeout_s", w.timeout_s, "seconds > 0")
+    _require(w.max_restarts >= 0, "world.max_restarts", w.max_restarts, "an integer >= 0")
+    _require(d.global_batch_size >= 1, "data.global_batch_size", d.global_batch_size, "an integer >= 1")
+    if w.launcher != "torchrun":
+        world = w.nnodes * w.nproc_per_node
+        _require(d.global_batch_size % world == 0, "data.global_batch_size", d.global_batch_size,
+                 f"a multiple of the world size {world}")
+        per_rank = d.global_batch_size // world
+        _require(per_rank % t.accum_steps == 0, "trainer.accum_steps", t.accum_steps,
+                 f"a divisor of the per-rank batch {per_rank}")
+    text_model, text_data = m.name == "charlm", d.name == "stdlib_text"
+    _require(text_model == text_data, "data", d.name,
+             "stdlib_text for model=charlm" if text_model else f"digits for model={m.name}")
+    if text_model:
+        _require(m.d_model % m.n_head == 0, "model.n_head", m.n_head, f"a divisor of model.d_model={m.d_model}")
+        _require(0.0 <= m.dropout < 1.0, "model.dropout", m.dropout, "a probability in [0, 1)")
+    _require(o.lr > 0, "optim.lr", o.lr, "a learning rate > 0")
+    _require(o.schedule in ("constant", "warmup_cosine"), "optim.schedule", o.schedule, "constant or warmup_cosine")
+    _require(0 <= o.warmup_steps <= t.max_steps, "optim.warmup_steps", o.warmup_steps,
+             f"between 0 and trainer.max_steps={t.max_steps} (the schedule must not end before warm-up)")
+    _require(o.clip_norm is None or o.clip_norm > 0, "optim.clip_norm", o.clip_norm, "null (off) or > 0")
+    build_hook(_container(cfg.hooks))
+    if run_dir is not None:
+        run_dir = Path(run_dir)
+        last = run_dir / "checkpoints" / "last.pt"
+        if t.resume:
+            _require(last.is_file(), "trainer.resume", True, f"a checkpoint at {last} (set hydra.run.dir to the run to continue)")
+        else:
+            taken = (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()
+            _require(not taken, "hydra.run.dir", str(run_dir),
+                     "a directory without a previous run (or set trainer.resume=true to continue it)")
+
+
+def _container(node: Any) -> Any:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node

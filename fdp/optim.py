@@ -1,0 +1,342 @@
+"""Functional optimizers in the style of optax, with ``torch.optim`` numerics.
+
+Params, grads and updates are flat dicts ``{name: tensor}``. A ``GradientTransformation``
+is a pair of pure functions: ``init(params) -> state`` and
+``update(grads, state, params) -> (updates, new_state)``. Updates are *added* to the
+params (``apply_updates``), so a descent step is negative. Nothing is modified in place:
+the same inputs always give the same outputs, and the caller's tensors stay intact.
+
+States are NamedTuples of ints, floats, ``None`` and (dicts of) tensors, so they flatten
+with ``torch.utils._pytree`` and their leaves load with ``torch.load(weights_only=True)``.
+Each optimizer state carries ``count`` (updates done so far; schedules are evaluated on
+it) and ``lr`` (the learning rate of the last update, see ``current_lr``).
+
+Tensor math goes through the out-of-place ``torch._foreach_*`` ops over the dict values,
+in the order of the ``grads`` keys: one dispatch per op instead of one per tensor, and the
+fused multi-tensor kernels on CUDA.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+Params = dict[str, torch.Tensor]
+Grads = dict[str, torch.Tensor]
+Updates = dict[str, torch.Tensor]
+State = Any
+Schedule = Callable[[int], float]
+
+__all__ = [
+    "GradientTransformation", "Schedule", "SGDState", "AdamState", "ClipState",
+    "constant_schedule", "warmup_cosine_schedule", "sgd", "adam", "adamw",
+    "clip_by_global_norm", "chain", "apply_updates", "current_lr",
+]
+
+
+class GradientTransformation(NamedTuple):
+    """``init(params) -> state`` and ``update(grads, state, params) -> (updates, state)``."""
+
+    init: Callable[[Params], State]
+    update: Callable[[Grads, State, Params], tuple[Updates, State]]
+
+
+class SGDState(NamedTuple):
+    count: int
+    lr: float
+    momentum: dict[str, torch.Tensor] | None  # None when momentum == 0
+
+
+class AdamState(NamedTuple):
+    count: int
+    lr: float
+    mu: dict[str, torch.Tensor]
+    nu: dict[str, torch.Tensor]
+
+
+class ClipState(NamedTuple):
+    pass
+
+
+# ---------------------------------------------------------------------------- schedules
+
+
+def constant_schedule(value: float) -> Schedule:
+    """The schedule that is ``value`` at every step.
+
+    >>> constant_schedule(0.1)(1000)
+    0.1
+    """
+    _check(value >= 0, "value", ">= 0", value)
+    return lambda count: value
+
+
+def warmup_cosine_schedule(
+    peak_value: float, warmup_steps: int, decay_steps: int, end_value: float = 0.0, init_value: float = 0.0
+) -> Schedule:
+    """Linear warm-up from ``init_value`` to ``peak_value``, then cosine decay to ``end_value``.
+
+    ``lr(t) = init + (peak - init) * t / warmup_steps`` for ``t < warmup_steps``, then
+    ``end + (peak - end) * (1 + cos(pi * (t - warmup_steps) / (decay_steps - warmup_steps))) / 2``
+    until ``t = decay_steps`` (counted from step 0, warm-up included), and ``end_value`` after.
+    With the default ``init_value=0`` the first update (``t = 0``) has learning rate 0.
+
+    >>> lr = warmup_cosine_schedule(1.0, warmup_steps=10, decay_steps=110, end_value=0.1)
+    >>> lr(0), lr(5), lr(10), round(lr(60), 6), lr(110), lr(500)
+    (0.0, 0.5, 1.0, 0.55, 0.1, 0.1)
+    """
+    for name, value in (("peak_value", peak_value), ("end_value", end_value), ("init_value", init_value),
+                        ("warmup_steps", warmup_steps)):
+        _check(value >= 0, name, ">= 0", value)
+    _check(decay_steps >= warmup_steps, "decay_steps", f">= warmup_steps ({warmup_steps})", decay_steps)
+
+    def schedule(count: int) -> float:
+        if count < warmup_steps:
+            return init_value + (peak_value - init_value) * count / warmup_steps
+        if count >= decay_steps:
+            return end_value
+        progress = (count - warmup_steps) / (decay_steps - warmup_steps)
+        return end_value + (peak_value - end_value) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return schedule
+
+
+# --------------------------------------------------------------------------- optimizers
+
+
+def sgd(
+    lr: float | Schedule, momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False,
+    weight_decay: float = 0.0,
+) -> GradientTransformation:
+    """SGD with ``torch.optim.SGD`` semantics (L2 weight decay added to the gradient).
+
+    As in torch, the first step seeds the momentum buffer with the gradient itself
+    (dampening is not applied to it).
+
+    >>> opt = sgd(0.1, momentum=0.9)
+    >>> params = {"w": torch.tensor([1.0])}
+    >>> state = opt.init(params)
+    >>> updates, state = opt.update({"w": torch.tensor([2.0])}, state, params)
+    >>> updates["w"], state.count
+    (tensor([-0.2000]), 1)
+    """
+    schedule = _as_schedule(lr)
+    _check(momentum >= 0, "momentum", ">= 0", momentum)
+    _check(0 <= dampening <= 1, "dampening", "in [0, 1]", dampening)
+    _check(weight_decay >= 0, "weight_decay", ">= 0", weight_decay)
+    if nesterov:
+        _check(momentum > 0, "momentum", "> 0 with nesterov=True", momentum)
+        _check(dampening == 0, "dampening", "== 0 with nesterov=True", dampening)
+
+    def init(params: Params) -> SGDState:
+        buffers = {k: torch.zeros_like(p) for k, p in params.items()} if momentum else None
+        return SGDState(count=0, lr=schedule(0), momentum=buffers)
+
+    def update(grads: Grads, state: SGDState, params: Params | None = None) -> tuple[Updates, SGDState]:
+        keys, d = _values(grads)
+        if weight_decay:
+            d = torch._foreach_add(d, _params_for(keys, params, "weight_decay"), alpha=weight_decay)
+        buffers = None
+        if momentum:
+            if state.count == 0:
+                # Cloned so the state never aliases the caller's grads.
+                buf = [t.clone() for t in d]
+            else:
+                buf = torch._foreach_mul([state.momentum[k] for k in keys], momentum)
+                torch._foreach_add_(buf, d, alpha=1.0 - dampening)
+            d = torch._foreach_add(d, buf, alpha=momentum) if nesterov else buf
+            buffers = dict(zip(keys, buf))
+        lr_now = schedule(state.count)
+        updates = dict(zip(keys, torch._foreach_mul(d, -lr_now)))
+        return updates, SGDState(count=state.count + 1, lr=lr_now, momentum=buffers)
+
+    return GradientTransformation(init, update)
+
+
+def adam(
+    lr: float | Schedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0
+) -> GradientTransformation:
+    """Adam with ``torch.optim.Adam`` semantics (L2 weight decay added to the gradient).
+
+    >>> opt = adam(0.1)
+    >>> params = {"w": torch.tensor([1.0, -1.0])}
+    >>> updates, state = opt.update({"w": torch.tensor([3.0, -0.5])}, opt.init(params), params)
+    >>> updates["w"]  # the first Adam step is -lr * sign(grad)
+    tensor([-0.1000,  0.1000])
+    """
+    return _adam(lr, b1, b2, eps, weight_decay, decoupled=False)
+
+
+def adamw(
+    lr: float | Schedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-2
+) -> GradientTransformation:
+    """AdamW with ``torch.optim.AdamW`` semantics: params shrink by ``lr * weight_decay`` each step.
+
+    >>> opt = adamw(0.1, weight_decay=0.5)
+    >>> params = {"w": torch.tensor([2.0])}
+    >>> updates, state = opt.update({"w": torch.tensor([0.0])}, opt.init(params), params)
+    >>> updates["w"]  # zero gradient: only the decay, -0.1 * 0.5 * 2.0
+    tensor([-0.1000])
+    """
+    return _adam(lr, b1, b2, eps, weight_decay, decoupled=True)
+
+
+def _adam(lr: float | Schedule, b1: float, b2: float, eps: float, weight_decay: float, decoupled: bool):
+    schedule = _as_schedule(lr)
+    _check(0 <= b1 < 1, "b1", "in [0, 1)", b1)
+    _check(0 <= b2 < 1, "b2", "in [0, 1)", b2)
+    _check(eps > 0, "eps", "> 0", eps)
+    _check(weight_decay >= 0, "weight_decay", ">= 0", weight_decay)
+
+    def init(params: Params) -> AdamState:
+        mu = {k: torch.zeros_like(p) for k, p in params.items()}
+        nu = {k: torch.zeros_like(p) for k, p in params.items()}
+        return AdamState(count=0, lr=schedule(0), mu=mu, nu=nu)
+
+    def update(grads: Grads, state: AdamState, params: Params | None = None) -> tuple[Updates, AdamState]:
+        keys, g = _values(grads)
+        p = _params_for(keys, params, "weight_decay") if weight_decay else None
+        if weight_decay and not decoupled:
+            g = torch._foreach_add(g, p, alpha=weight_decay)
+        # Same op sequence as torch.optim's, so the float32 results agree to the last bits.
+        # In-place ops only ever touch tensors allocated here: fewer allocations, still pure.
+        mu = torch._foreach_lerp([state.mu[k] for k in keys], g, 1.0 - b1)
+        nu = torch._foreach_mul([state.nu[k] for k in keys], b2)
+        torch._foreach_addcmul_(nu, g, g, value=1.0 - b2)
+        lr_now, count = schedule(state.count), state.count + 1
+        denom = torch._foreach_sqrt(nu)
+        torch._foreach_div_(denom, (1.0 - b2**count) ** 0.5)
+        torch._foreach_add_(denom, eps)
+        updates = torch._foreach_mul(mu, -lr_now / (1.0 - b1**count))
+        torch._foreach_div_(updates, denom)
+        if weight_decay and decoupled:
+            torch._foreach_add_(updates, p, alpha=-lr_now * weight_decay)
+        new_state = AdamState(count=count, lr=lr_now, mu=dict(zip(keys, mu)), nu=dict(zip(keys, nu)))
+        return dict(zip(keys, updates)), new_state
+
+    return GradientTransformation(init, update)
+
+
+# ---------------------------------------------------------------------- combinators etc.
+
+
+def clip_by_global_norm(max_norm: float) -> GradientTransformation:
+    """Scale all updates by ``min(1, max_norm / (global_norm + 1e-6))``, as ``clip_grad_norm_``.
+
+    The scale stays a tensor (no ``.item()``), so clipping never synchronizes with a GPU.
+
+    >>> clip = clip_by_global_norm(1.0)
+    >>> grads = {"a": torch.tensor([3.0]), "b": torch.tensor([4.0])}
+    >>> updates, _ = clip.update(grads, clip.init(grads), None)
+    >>> torch.cat(list(updates.values()))  # norm 5 -> 1
+    tensor([0.6000, 0.8000])
+    """
+    _check(max_norm > 0, "max_norm", "> 0", max_norm)
+
+    def init(params: Params) -> ClipState:
+        return ClipState()
+
+    def update(grads: Grads, state: ClipState, params: Params | None = None) -> tuple[Updates, ClipState]:
+        keys, g = _values(grads)
+        if not g:
+            return {}, state
+        device = g[0].device
+        norms = torch._foreach_norm(g, 2)
+        total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), 2)
+        scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        # Grouped by device because a foreach op takes one scale tensor for all its inputs.
+        out: dict[str, torch.Tensor] = {}
+        for dev in dict.fromkeys(t.device for t in g):
+            idx = [i for i, t in enumerate(g) if t.device == dev]
+            scaled = torch._foreach_mul([g[i] for i in idx], scale.to(dev))
+            out.update(zip((keys[i] for i in idx), scaled))
+        return {k: out[k] for k in keys}, state
+
+    return GradientTransformation(init, update)
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    """Apply ``transforms`` in order, each to the previous one's updates; state is a tuple.
+
+    >>> opt = chain(clip_by_global_norm(1.0), sgd(0.5))
+    >>> params = {"w": torch.tensor([0.0, 0.0])}
+    >>> updates, state = opt.update({"w": torch.tensor([6.0, 8.0])}, opt.init(params), params)
+    >>> updates["w"]
+    tensor([-0.3000, -0.4000])
+    """
+
+    def init(params: Params) -> tuple:
+        return tuple(t.init(params) for t in transforms)
+
+    def update(grads: Grads, state: tuple, params: Params | None = None) -> tuple[Updates, tuple]:
+        if len(state) != len(transforms):
+            raise ValueError(f"state has {len(state)} members, chain has {len(transforms)} transforms")
+        new_states = []
+        for transform, member in zip(transforms, state):
+            grads, member = transform.update(grads, member, params)
+            new_states.append(member)
+        return grads, tuple(new_states)
+
+    return GradientTransformation(init, update)
+
+
+def apply_updates(params: Params, updates: Updates) -> Params:
+    """Return a new dict ``{k: params[k] + updates[k]}``; ``params`` is left untouched.
+
+    >>> apply_updates({"w": torch.tensor([1.0])}, {"w": torch.tensor([-0.25])})
+    {'w': tensor([0.7500])}
+    """
+    if params.keys() != updates.keys():
+        raise ValueError(f"params and updates have different keys: {sorted(params.keys() ^ updates.keys())}")
+    keys, p = _values(params)
+    return dict(zip(keys, torch._foreach_add(p, [updates[k] for k in keys])))
+
+
+def current_lr(opt_state: State) -> float | None:
+    """The learning rate of the last update (before any update: of the first), for logging.
+
+    Searches a (possibly nested, chained) state and returns the first optimizer's ``lr``;
+    ``None`` if no member has one.
+
+    >>> opt = chain(clip_by_global_norm(1.0), adamw(warmup_cosine_schedule(1.0, 4, 8)))
+    >>> params = {"w": torch.zeros(2)}
+    >>> state = opt.init(params)
+    >>> for _ in range(3):
+    ...     _, state = opt.update({"w": torch.ones(2)}, state, params)
+    >>> current_lr(state)  # the third update ran at step 2 of the warm-up
+    0.5
+    """
+    if isinstance(opt_state, (SGDState, AdamState)):
+        return opt_state.lr
+    if isinstance(opt_state, (tuple, list)):
+        for member in opt_state:
+            lr = current_lr(member)
+            if lr is not None:
+                return lr
+    return None
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def _check(ok: bool, name: str, expected: str, value: Any) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+
+
+def _as_schedule(lr: float | Schedule) -> Schedule:
+    if callable(lr):
+        return lr
+    _check(lr >= 0, "lr", ">= 0", lr)
+    return constant_schedule(float(lr))
+
+
+def _values(tree: dict[str, torch.Tensor]) -> tuple[list[str], list[torch.Tensor]]:
+    return list(tree), list(tree.values())
+
+
+def _params_for(keys: list[str], params: Params | None, why: str) -> list[torch.Tensor]:
+    if params is None:
+        raise ValueError(f"params must be passed to update when {why} != 0")
+    return [params[k] for k in keys]

@@ -1,0 +1,147 @@
+"""The train state and the pure train step: ``state, batch -> state, metrics``."""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from fdp.comm import Comm
+from fdp.data import split_micro_batches
+from fdp.functional import Buffers, FunctionalModel, Params
+from fdp.hooks import Hook, allreduce
+from fdp.optim import GradientTransformation, apply_updates, current_lr
+from fdp.plan import BucketPlan
+from fdp.reduce import GradReducer, init_hook_states
+
+
+NONFINITE = ("raise", "skip")
+
+
+def _all_finite(flats) -> bool:
+    # One reduction per bucket: a NaN or inf anywhere makes the sum non-finite.
+    return bool(torch.isfinite(torch.stack([flat.sum(dtype=torch.float32) for flat in flats])).all())
+
+
+def _first_nonfinite(grads: dict) -> str | None:
+    return next((name for name, g in grads.items() if not torch.isfinite(g).all()), None)
+
+
+class TrainState(NamedTuple):
+    """Everything that changes during training, in one value.
+
+    ``hook_state`` holds one state per bucket for the reduction's hook chain; ``rng`` is
+    the CPU generator state that dropout and other random ops draw from.
+    """
+
+    step: int
+    params: Params
+    buffers: Buffers
+    opt_state: Any
+    hook_state: Any
+    rng: torch.Tensor
+
+
+def init_train_state(
+    params: Params,
+    buffers: Buffers,
+    optimizer: GradientTransformation,
+    plan: BucketPlan | None = None,
+    hook: Hook | None = None,
+    seed: int = 0,
+) -> TrainState:
+    """The state before step 1.
+
+    >>> from fdp import functionalize, sgd
+    >>> model, params, buffers = functionalize(torch.nn.Linear(2, 2))
+    >>> init_train_state(params, buffers, sgd(0.1)).step
+    0
+    """
+    hook_state = init_hook_states(hook or allreduce(), plan) if plan is not None else ()
+    rng = torch.Generator().manual_seed(seed).get_state()
+    return TrainState(0, params, buffers, optimizer.init(params), hook_state, rng)
+
+
+def cross_entropy_loss(model: FunctionalModel) -> Callable:
+    """``loss_fn(params, buffers, batch) -> (loss, (new_buffers, metrics))`` for classifiers and LMs.
+
+    Logits of any shape ``(..., classes)`` are scored against targets of shape ``(...)``.
+    """
+
+    def loss_fn(params: Params, buffers: Buffers, batch):
+        inputs, targets = batch
+        logits, new_buffers = model.apply(params, buffers, inputs)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return loss, (new_buffers, {})
+
+    return loss_fn
+
+
+def planner_loss(loss_fn: Callable, buffers: Buffers) -> Callable:
+    """Adapt a train loss to the planner's ``loss(params, batch)`` signature."""
+    return lambda params, batch: loss_fn(params, buffers, batch)[0]
+
+
+def make_train_step(
+    loss_fn: Callable,
+    optimizer: GradientTransformation,
+    plan: BucketPlan,
+    hook: Hook | None = None,
+    comm: Comm | None = None,
+    accum_steps: int = 1,
+    schedule: str = "after",
+    nonfinite: str = "raise",
+) -> Callable[[TrainState, tuple], tuple[TrainState, dict]]:
+    """Build ``train_step(state, batch) -> (new_state, metrics)``.
+
+    The step splits ``batch`` (this rank's share of the global batch) into
+    ``accum_steps`` micro-batches, accumulates their gradients in the bucket buffers,
+    reduces them once through ``hook`` over ``plan``, and applies ``optimizer``. It never
+    modifies ``state``; the same state and batch always give the same result.
+
+    >>> step = make_train_step(loss_fn, sgd(0.1), plan)          # doctest: +SKIP
+    >>> state, metrics = step(state, (x, y))                     # doctest: +SKIP
+    """
+    if nonfinite not in NONFINITE:
+        raise ValueError(f"trainer.nonfinite={nonfinite!r}: expected one of {NONFINITE}")
+    reducer = GradReducer(loss_fn, plan, hook or allreduce(), comm or Comm(), schedule)
+
+    def train_step(state: TrainState, batch: tuple) -> tuple[TrainState, dict]:
+        t0 = time.perf_counter()
+        micro_batches = split_micro_batches(batch, accum_steps)
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(state.rng)
+            reduced = reducer(state.params, state.buffers, micro_batches, state.hook_state)
+            rng = torch.get_rng_state()
+        grads, stats = reduced.grads, reduced.stats
+        loss = torch.stack([l.detach() for l in reduced.losses]).mean()
+        # Reduced gradients are identical on every rank, so this decision is too.
+        finite = _all_finite(reduced.flats)
+        if finite:
+            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+            new_state = TrainState(
+                state.step + 1, apply_updates(state.params, updates), reduced.auxes[-1][0], opt_state, reduced.hook_states, rng
+            )
+        elif nonfinite == "skip":
+            new_state = state._replace(step=state.step + 1, rng=rng)
+        else:
+            raise FloatingPointError(
+                f"non-finite gradient at step {state.step + 1} in parameter {_first_nonfinite(grads)!r} "
+                "(set trainer.nonfinite=skip to skip such steps)"
+            )
+        elapsed = time.perf_counter() - t0
+        metrics = {
+            "loss": loss,
+            "lr": current_lr(new_state.opt_state),
+            "skipped": 0 if finite else 1,
+            "step_s": elapsed,
+            "comm_wait_s": stats.wait_s,
+            "compute_s": elapsed - stats.wait_s,
+            "bytes_sent": stats.bytes_sent,
+            "collectives": stats.collectives,
+        }
+        return new_state, metrics
+
+    train_step.reducer = reducer
+    return train_step

@@ -1,0 +1,318 @@
+"""From a config to a trained, logged and checkpointed run, on one process or many.
+
+``run(cfg, run_dir)`` is what ``recipes/train.py`` calls. For a local world it starts
+the workers with the elastic launcher; each worker (or the single process) then runs
+``train_worker``: build the pieces, check that the ranks agree, and loop.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+
+from fdp import checkpoint
+from fdp.comm import Comm
+from fdp.config import validate
+from fdp.data import Dataset, eval_batches, global_batch, load_dataset, shard
+from fdp.functional import FunctionalModel, functionalize
+from fdp.hooks import Hook
+from fdp.hooks.registry import build_hook
+from fdp.launch import WorldLayout, init_distributed, spawn, tune_allocator
+from fdp.metrics import MetricsLog, StepTimes, progress, summary_line
+from fdp.models import build_model, count_parameters
+from fdp.optim import (
+    GradientTransformation,
+    adam,
+    adamw,
+    chain,
+    clip_by_global_norm,
+    constant_schedule,
+    sgd,
+    warmup_cosine_schedule,
+)
+from fdp.plan import BucketPlan, plan_buckets
+from fdp.train import TrainState, cross_entropy_loss, init_train_state, make_train_step, planner_loss
+
+log = logging.getLogger("fdp")
+
+
+# -- building the pieces from config ------------------------------------------------------
+def build_optimizer(cfg: DictConfig, max_steps: int) -> GradientTransformation:
+    """The optimizer an ``optim`` config describes, with its schedule and clipping."""
+    if cfg.schedule == "warmup_cosine":
+        lr = warmup_cosine_schedule(cfg.lr, cfg.warmup_steps, max_steps, cfg.end_lr)
+    else:
+        lr = constant_schedule(cfg.lr)
+    if cfg.name == "sgd":
+        opt = sgd(lr, momentum=cfg.momentum, dampening=cfg.dampening, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay)
+    elif cfg.name == "adam":
+        opt = adam(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    else:
+        opt = adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    return chain(clip_by_global_norm(cfg.clip_norm), opt) if cfg.clip_norm else opt
+
+
+def build_data(cfg: DictConfig) -> Dataset:
+    settings = {k: v for k, v in OmegaConf.to_container(cfg).items() if k not in ("name", "global_batch_size")}
+    return load_dataset(cfg.name, seed=0, **settings)
+
+
+def build_module(cfg: DictConfig, data: Dataset) -> torch.nn.Module:
+    settings = {k: v for k, v in OmegaConf.to_container(cfg).items() if k != "name"}
+    if cfg.name == "mlp":
+        return build_model("mlp", in_features=data.train_x[0].numel(), out_features=data.num_classes, **settings)
+    if cfg.name == "convnet":
+        return build_model("convnet", in_channels=1, num_classes=data.num_classes, **settings)
+    return build_model("charlm", vocab_size=data.num_classes, block_size=data.block_size, **settings)
+
+
+def layout_of(cfg: DictConfig) -> WorldLayout:
+    world = cfg.world
+    nnodes, nproc = world.nnodes, world.nproc_per_node
+    if world.launcher == "torchrun":
+        nproc = int(os.environ.get("LOCAL_WORLD_SIZE", nproc))
+        nnodes = int(os.environ.get("WORLD_SIZE", nproc)) // max(1, nproc)
+    return WorldLayout(world.launcher, nnodes, nproc, world.backend, world.timeout_s, world.max_restarts)
+
+
+# -- checks across ranks ------------------------------------------------------------------
+def check_same_plan(plan: BucketPlan, comm: Comm) -> None:
+    """Stop every rank with a named difference if any rank planned other buckets."""
+    if comm.world_size == 1:
+        return
+    plans = [None] * comm.world_size
+    dist.all_gather_object(plans, plan.to_dict())
+    reference = BucketPlan.from_dict(plans[0])
+    for rank, other in enumerate(plans[1:], start=1):
+        difference = reference.first_difference(BucketPlan.from_dict(other))
+        if difference:
+            raise RuntimeError(f"bucket plans differ between rank 0 and rank {rank} (different models?): {difference}")
+
+
+def broadcast_from_rank0(tensors: dict[str, torch.Tensor], comm: Comm) -> dict[str, torch.Tensor]:
+    """Rank 0's values for every tensor (new tensors; the inputs are untouched)."""
+    if comm.world_size == 1:
+        return tensors
+    out = {name: t.clone() for name, t in tensors.items()}
+    for t in out.values():
+        dist.broadcast(t, src=0)
+    return out
+
+
+# -- evaluation -------------------------------------------------------------------------------
+@torch.no_grad()
+def evaluate(model: FunctionalModel, params, buffers, data: Dataset, max_batches: int, batch_size: int = 256) -> dict:
+    """Mean loss and accuracy over (up to ``max_batches`` batches of) the test split."""
+    total_loss, correct, count = 0.0, 0, 0
+    for x, y in eval_batches(data, batch_size, max_batches):
+        logits, _ = model.apply(params, buffers, x, training=False)
+        logits, y = logits.reshape(-1, logits.shape[-1]), y.reshape(-1)
+        total_loss += F.cross_entropy(logits, y, reduction="sum").item()
+        correct += (logits.argmax(-1) == y).sum().item()
+        count += y.numel()
+    return {"test_loss": total_loss / count, "test_acc": correct / count}
+
+
+# -- the run --------------------------------------------------------------------------------
+class Run(NamedTuple):
+    """Everything a worker builds before step 1."""
+
+    model: FunctionalModel
+    data: Dataset
+    plan: BucketPlan
+    hook: Hook
+    optimizer: GradientTransformation
+    state: TrainState
+    num_params: int
+
+
+def setup(cfg: DictConfig, comm: Comm) -> Run:
+    """Build model, data, plan, hooks, optimizer and the first train state on this rank."""
+    data = build_data(cfg.data)
+    torch.manual_seed(cfg.seed)
+    module = build_module(cfg.model, data)
+    model, params, buffers = functionalize(module)
+    params, buffers = broadcast_from_rank0(params, comm), broadcast_from_rank0(buffers, comm)
+    loss_fn = cross_entropy_loss(model)
+    example = shard(global_batch(data, 0, cfg.data.global_batch_size, cfg.seed), comm.rank, comm.world_size)
+    example = tuple(t[: max(1, t.shape[0] // cfg.trainer.accum_steps)] for t in example)
+    plan = plan_buckets(
+        planner_loss(loss_fn, buffers),
+        params,
+        example,
+        bucket_cap_mb=cfg.trainer.bucket_cap_mb,
+        first_bucket_cap_mb=cfg.trainer.first_bucket_cap_mb,
+        allow_unused=cfg.trainer.allow_unused,
+    )
+    check_same_plan(plan, comm)
+    hook = build_hook(OmegaConf.to_container(cfg.hooks))
+    optimizer = build_optimizer(cfg.optim, cfg.trainer.max_steps)
+    state = init_train_state(params, buffers, optimizer, plan, hook, seed=cfg.seed + comm.rank)
+    return Run(model, data, plan, hook, optimizer, state, count_parameters(module))
+
+
+def schedule_for(cfg: DictConfig, backend: str) -> str:
+    """``trainer.schedule=auto``: overlap where compute and communication use different hardware."""
+    if cfg.trainer.schedule != "auto":
+        return cfg.trainer.schedule
+    return "overlap" if backend == "nccl" else "after"
+
+
+def _save(run_dir: Path, state: TrainState, comm: Comm, cfg: DictConfig, plan: BucketPlan) -> None:
+    mine = checkpoint.rank_payload(state)
+    per_rank = [mine]
+    if comm.world_size > 1:
+        per_rank = [None] * comm.world_size if comm.rank == 0 else None
+        dist.gather_object(mine, per_rank, dst=0)
+    if comm.rank == 0:
+        payload = checkpoint.state_payload(
+            state, per_rank, {"config": OmegaConf.to_yaml(cfg), "plan_fingerprint": plan.fingerprint()}
+        )
+        checkpoint.save(run_dir / "checkpoints", payload, keep=cfg.trainer.keep_checkpoints)
+
+
+def _resume(run_dir: Path, run: Run, comm: Comm) -> TrainState:
+    path = run_dir / "checkpoints" / checkpoint.LAST
+    payload = [checkpoint.load(path) if comm.rank == 0 else None]
+    if comm.world_size > 1:
+        dist.broadcast_object_list(payload, src=0)
+    if payload[0].get("plan_fingerprint") != run.plan.fingerprint():
+        raise checkpoint.CheckpointError(f"checkpoint {path} was written with another bucket plan (model or bucket caps changed)")
+    return checkpoint.restore(payload[0], run.state, comm.rank, path)
+
+
+def _setup_logging(run_dir: Path, rank: int) -> None:
+    handler: logging.Handler
+    if rank == 0:
+        handler = logging.StreamHandler(sys.stdout)
+    else:
+        handler = logging.FileHandler(run_dir / f"rank{rank}.log")
+    handler.setFormatter(logging.Formatter(f"[rank{rank}] %(message)s"))
+    log.handlers[:] = [handler]
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+def train_worker(cfg: DictConfig, run_dir: str) -> dict:
+    """Train on this rank until ``trainer.max_steps``; return the summary (rank 0's is the one printed)."""
+    cfg = OmegaConf.create(cfg) if not isinstance(cfg, DictConfig) else cfg
+    tune_allocator()
+    comm = init_distributed(layout_of(cfg))
+    try:
+        return _train(cfg, Path(run_dir), comm)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train(cfg: DictConfig, run_dir: Path, comm: Comm) -> dict:
+    rank, world = comm.rank, comm.world_size
+    _setup_logging(run_dir, rank)
+    tc = cfg.trainer
+    if cfg.data.global_batch_size % world:
+        raise ValueError(f"data.global_batch_size={cfg.data.global_batch_size}: expected a multiple of the world size {world}")
+    run = setup(cfg, comm)
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+    has_checkpoint = (run_dir / "checkpoints" / checkpoint.LAST).exists()
+    state = _resume(run_dir, run, comm) if tc.resume or (restarted and has_checkpoint) else run.state
+    if rank == 0:
+        log.info(f"{cfg.model.name}: {run.num_params:,} parameters, {len(run.plan)} buckets, world {world}")
+        log.info("\n" + str(run.plan))
+    backend = "nccl" if torch.distributed.is_initialized() and dist.get_backend() == "nccl" else "gloo"
+    train_step = make_train_step(
+        cross_entropy_loss(run.model),
+        run.optimizer,
+        run.plan,
+        run.hook,
+        comm,
+        accum_steps=tc.accum_steps,
+        schedule=schedule_for(cfg, backend),
+        nonfinite=tc.nonfinite,
+    )
+    metrics_log = MetricsLog(run_dir, resume=state.step > 0) if rank == 0 else None
+    times, skipped, last_eval, record = StepTimes(), 0, {}, {}
+    gbs = cfg.data.global_batch_size
+    t_start = time.perf_counter()
+    bar = progress(tc.max_steps, state.step, enabled=tc.progress and rank == 0)
+    while state.step < tc.max_steps:
+        batch = shard(global_batch(run.data, state.step, gbs, cfg.seed), rank, world)
+        state, m = train_step(state, batch)
+        times.add(m)
+        skipped += m["skipped"]
+        step = state.step
+        bar.update(1)
+        done = step == tc.max_steps
+        if step % tc.log_every == 0 or done:
+            loss = m["loss"].clone()
+            if world > 1:
+                loss = comm.allreduce(loss / world).wait()
+            record = {
+                "step": step,
+                "loss": loss.item(),
+                "lr": m["lr"],
+                "samples_per_s": gbs / m["step_s"],
+                "step_ms": 1e3 * m["step_s"],
+                "compute_ms": 1e3 * m["compute_s"],
+                "comm_wait_ms": 1e3 * m["comm_wait_s"],
+                "bytes_sent": m["bytes_sent"],
+                "compression": run.plan.nbytes / m["bytes_sent"] if m["bytes_sent"] else None,
+                "skipped_steps": skipped,
+            }
+            if (tc.eval_every and step % tc.eval_every == 0 or done) and run.data.test_x is not None and rank == 0:
+                last_eval = evaluate(run.model, state.params, state.buffers, run.data, tc.eval_batches)
+                record.update(last_eval)
+            bar.set_postfix(loss=f"{record['loss']:.4f}", samples_s=f"{record['samples_per_s']:.0f}")
+            if metrics_log:
+                metrics_log.write(record)
+        if tc.checkpoint_every and step % tc.checkpoint_every == 0 or done:
+            _save(run_dir, state, comm, cfg, run.plan)
+    bar.close()
+    wall = time.perf_counter() - t_start
+    summary = {
+        "model": cfg.model.name,
+        "world": world,
+        "steps": state.step,
+        "loss": record.get("loss"),
+        **last_eval,
+        "wall_s": wall,
+        "step_ms": 1e3 * times.median("step_s"),
+        "compute_ms": 1e3 * times.median("compute_s"),
+        "comm_wait_ms": 1e3 * times.median("comm_wait_s"),
+        "bytes_per_step": int(times.median("bytes_sent")) if times.rows else 0,
+        "samples_per_s": gbs / times.median("step_s"),
+        "skipped_steps": skipped,
+        "run_dir": str(run_dir),
+    }
+    if metrics_log:
+        metrics_log.write({"summary": True, **summary})
+        metrics_log.close()
+    return summary
+
+
+def run(cfg: DictConfig, run_dir: str | Path) -> dict:
+    """Validate ``cfg`` and train it in ``run_dir`` on the world it names; return rank 0's summary."""
+    validate(cfg, run_dir)
+    layout = layout_of(cfg)
+    container = OmegaConf.to_container(cfg, resolve=True)
+    if layout.launcher == "elastic":
+        results = spawn(train_worker, (container, str(run_dir)), layout)
+        summary = results[0]
+    else:
+        summary = train_worker(cfg, str(run_dir))
+    return summary
+
+
+def main(cfg: DictConfig, run_dir: str | Path) -> dict:
+    """Run and print the one-line summary (what ``recipes/train.py`` does)."""
+    summary = run(cfg, run_dir)
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(summary_line(summary), flush=True)
+    return summary

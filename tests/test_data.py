@@ -1,0 +1,315 @@
+import os
+import sysconfig
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fdp.data import (
+    STDLIB_TEXT_MODULES,
+    Dataset,
+    _digits_split,
+    eval_batches,
+    global_batch,
+    load_dataset,
+    load_digits,
+    load_stdlib_text,
+    shard,
+    split_micro_batches,
+)
+
+torch.set_num_threads(1)
+
+TEXT_CHARS = 50_000
+
+
+@pytest.fixture(scope="module")
+def digits() -> Dataset:
+    return load_digits()
+
+
+@pytest.fixture(scope="module")
+def text() -> Dataset:
+    return load_stdlib_text(block_size=16, max_chars=TEXT_CHARS)
+
+
+def _toy(n: int) -> Dataset:
+    # Labels equal indices, so a batch's labels say exactly which samples it holds.
+    return Dataset("toy", torch.arange(n, dtype=torch.float32)[:, None], torch.arange(n), None, None, n)
+
+
+def _equal(a, b) -> bool:
+    return len(a) == len(b) and all(torch.equal(u, v) for u, v in zip(a, b))
+
+
+def _stdlib_source(max_chars: int) -> str:
+    """The expected text, read independently of fdp.data."""
+    root = sysconfig.get_paths()["stdlib"]
+    chunks = []
+    for module in STDLIB_TEXT_MODULES:
+        path = os.path.join(root, module + ".py")
+        if not os.path.exists(path):
+            path = os.path.join(root, module, "__init__.py")
+        with open(path, encoding="utf-8") as f:
+            chunks.append(f.read())
+    return "".join(chunks)[:max_chars]
+
+
+# --- digits -------------------------------------------------------------------------------
+
+
+def test_digits_shapes_and_dtypes(digits):
+    assert digits.train_x.shape == (1438, 64) and digits.test_x.shape == (359, 64)
+    assert digits.train_y.shape == (1438,) and digits.test_y.shape == (359,)
+    assert digits.train_x.dtype == torch.float32 and digits.train_y.dtype == torch.int64
+    assert digits.num_classes == 10 and not digits.is_text
+    assert set(digits.train_y.tolist()) == set(range(10))
+    images = load_digits(flatten=False)
+    assert images.train_x.shape == (1438, 1, 8, 8)
+    assert torch.equal(images.train_x.flatten(1), digits.train_x)
+    assert load_digits(test_fraction=0.5).test_x.shape[0] == round(1797 * 0.5)
+
+
+def test_digits_split_is_disjoint_and_standardised_with_train_statistics():
+    from sklearn.datasets import load_digits as sk_load_digits
+
+    raw = sk_load_digits()
+    x = torch.as_tensor(raw.data, dtype=torch.float32) / 16.0
+    y = torch.as_tensor(raw.target)
+    data = load_digits(seed=3)
+    train_idx, test_idx = _digits_split(1797, 359, 3)
+    assert len(train_idx) == 1438 and len(test_idx) == 359
+    assert not set(train_idx.tolist()) & set(test_idx.tolist())
+    assert sorted(train_idx.tolist() + test_idx.tolist()) == list(range(1797))
+
+    mean, std = x[train_idx].mean(0), x[train_idx].std(0)
+    std[std == 0] = 1.0
+    torch.testing.assert_close(data.train_x, (x[train_idx] - mean) / std)
+    torch.testing.assert_close(data.test_x, (x[test_idx] - mean) / std)
+    assert torch.equal(data.train_y, y[train_idx]) and torch.equal(data.test_y, y[test_idx])
+    varying = x[train_idx].std(0) > 0
+    torch.testing.assert_close(data.train_x.mean(0), torch.zeros(64), atol=1e-5, rtol=0)
+    torch.testing.assert_close(data.train_x.std(0)[varying], torch.ones(int(varying.sum())), atol=1e-5, rtol=0)
+
+
+def test_digits_deterministic_and_seed_dependent(digits):
+    again = load_digits()
+    assert _equal(digits[1:5], again[1:5])
+    assert not torch.equal(load_digits(seed=1).train_y, digits.train_y)
+
+
+def test_digits_bad_fraction():
+    with pytest.raises(ValueError, match="test_fraction"):
+        load_digits(test_fraction=1.0)
+
+
+# --- global_batch: classification ------------------------------------------------------------
+
+
+def test_global_batch_is_deterministic(digits):
+    a = global_batch(digits, 7, 64, seed=5)
+    b = global_batch(digits, 7, 64, seed=5)
+    assert _equal(a, b)
+    assert a[0].shape == (64, 64) and a[1].shape == (64,)
+    assert not torch.equal(global_batch(digits, 7, 64, seed=6)[1], a[1])
+    assert not torch.equal(global_batch(digits, 8, 64, seed=5)[1], a[1])
+
+
+def test_one_epoch_visits_every_digit_exactly_once(digits):
+    # 1438 = 2 * 719: two steps are one epoch.
+    xs = torch.cat([global_batch(digits, s, 719, seed=0)[0] for s in range(2)])
+    assert xs.shape == digits.train_x.shape
+    assert sorted(map(tuple, xs.tolist())) == sorted(map(tuple, digits.train_x.tolist()))  # same multiset of rows
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 40), batch=st.integers(1, 40), seed=st.integers(0, 2**40), epochs=st.integers(1, 3))
+def test_epoch_semantics(n, batch, seed, epochs):
+    batch = min(batch, n)
+    data = _toy(n)
+    steps = -(-epochs * n // batch)
+    stream = torch.cat([global_batch(data, s, batch, seed)[1] for s in range(steps)])
+    assert len(stream) == steps * batch
+    # Each epoch is a permutation: wrap into the next epoch, never drop nor repeat within one.
+    for e in range(len(stream) // n):
+        assert sorted(stream[e * n : (e + 1) * n].tolist()) == list(range(n))
+    leftover = stream[(len(stream) // n) * n :].tolist()
+    assert len(set(leftover)) == len(leftover)
+
+
+def test_epochs_use_different_permutations():
+    data = _toy(50)
+    epoch0 = global_batch(data, 0, 50, seed=0)[1]
+    epoch1 = global_batch(data, 1, 50, seed=0)[1]
+    assert sorted(epoch1.tolist()) == list(range(50))
+    assert not torch.equal(epoch0, epoch1)
+
+
+@pytest.mark.parametrize("k", [0, 3, 17])
+def test_resumption_reproduces_the_uninterrupted_run(k, digits):
+    torch.manual_seed(0)
+    uninterrupted = [global_batch(digits, s, 100, seed=9) for s in range(k + 1)]
+    torch.manual_seed(1)  # a resumed process has a different global RNG state
+    resumed = global_batch(digits, k, 100, seed=9)
+    assert _equal(uninterrupted[k], resumed)
+
+
+def test_global_rng_untouched(digits, text):
+    torch.manual_seed(42)
+    expected = torch.rand(3)
+    torch.manual_seed(42)
+    global_batch(digits, 3, 32, seed=0)
+    global_batch(text, 3, 32, seed=0)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_global_batch_size_validation(digits, text):
+    for bad in (0, -4):
+        with pytest.raises(ValueError, match=r"data\.global_batch_size"):
+            global_batch(digits, 0, bad, seed=0)
+        with pytest.raises(ValueError, match=r"data\.global_batch_size"):
+            global_batch(text, 0, bad, seed=0)
+    with pytest.raises(ValueError, match=r"data\.global_batch_size=1439.*more samples per step.*1438"):
+        global_batch(digits, 0, 1439, seed=0)
+    assert global_batch(digits, 0, 1438, seed=0)[0].shape[0] == 1438
+    x, y = global_batch(text, 0, 2 * TEXT_CHARS, seed=0)  # more windows than exist: allowed for text
+    assert x.shape == (2 * TEXT_CHARS, 16)
+
+
+# --- shard / micro-batches ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
+def test_shards_concatenate_to_the_global_batch(world_size, digits, text):
+    for data in (digits, text):
+        batch = global_batch(data, 2, 64, seed=1)
+        shards = [shard(batch, r, world_size) for r in range(world_size)]
+        assert all(s[0].shape[0] == 64 // world_size for s in shards)
+        assert _equal(tuple(torch.cat(parts) for parts in zip(*shards)), batch)
+
+
+def test_shard_errors_name_the_setting(digits):
+    batch = global_batch(digits, 0, 30, seed=0)
+    with pytest.raises(ValueError, match=r"data\.global_batch_size=30.*world size 4"):
+        shard(batch, 0, 4)
+    with pytest.raises(ValueError, match="rank"):
+        shard(batch, 3, 3)
+    with pytest.raises(ValueError, match="batch dimension"):
+        shard((torch.zeros(4), torch.zeros(6)), 0, 2)
+
+
+def test_micro_batches_concatenate_to_the_shard(digits):
+    batch = shard(global_batch(digits, 0, 48, seed=0), 1, 2)
+    micro = split_micro_batches(batch, 3)
+    assert len(micro) == 3 and all(m[0].shape[0] == 8 for m in micro)
+    assert _equal(tuple(torch.cat(parts) for parts in zip(*micro)), batch)
+    assert _equal(split_micro_batches(batch, 1)[0], batch)
+    with pytest.raises(ValueError, match=r"trainer\.accum_steps=5"):
+        split_micro_batches(batch, 5)
+    with pytest.raises(ValueError, match=r"trainer\.accum_steps"):
+        split_micro_batches(batch, 0)
+
+
+# --- stdlib text --------------------------------------------------------------------------
+
+
+def test_stdlib_text_matches_the_sources_and_vocabulary_covers_it(text):
+    expected = _stdlib_source(TEXT_CHARS)
+    assert len(expected) == TEXT_CHARS
+    assert text.vocab == "".join(sorted(set(expected))) and text.num_classes == len(text.vocab)
+    assert text.decode(text.train_x) + text.decode(text.test_x) == expected
+    assert text.train_x.dtype == torch.int64
+    assert int(text.train_x.max()) < text.num_classes and int(text.train_x.min()) >= 0
+    assert text.train_x.shape[0] == 45_000 and text.test_x.shape[0] == 5_000  # last 10% by position
+    assert text.train_y is text.train_x  # streams are stored once, not materialised windows
+
+
+def test_stdlib_text_is_the_same_twice(text):
+    again = load_stdlib_text(block_size=16, max_chars=TEXT_CHARS)
+    assert again.vocab == text.vocab
+    assert torch.equal(again.train_x, text.train_x) and torch.equal(again.test_x, text.test_x)
+    prefix = load_stdlib_text(max_chars=1000)
+    assert prefix.decode(prefix.train_x) == text.decode(text.train_x[:900])
+
+
+def test_text_windows_are_shifted_by_one(text):
+    x, y = global_batch(text, 4, 32, seed=3)
+    assert x.shape == y.shape == (32, 16)
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    train_text = text.decode(text.train_x)
+    for row_x, row_y in zip(x[:4], y[:4]):
+        window = text.decode(row_x) + text.decode(row_y[-1:])
+        assert window in train_text
+
+
+def test_text_batches_depend_on_seed_and_step(text):
+    a = global_batch(text, 4, 32, seed=3)
+    assert _equal(a, global_batch(text, 4, 32, seed=3))
+    assert not torch.equal(a[0], global_batch(text, 5, 32, seed=3)[0])
+    assert not torch.equal(a[0], global_batch(text, 4, 32, seed=4)[0])
+
+
+def test_text_windows_reach_both_ends_of_the_stream():
+    data = load_stdlib_text(block_size=4, max_chars=100)  # 90 train chars: offsets 0..85
+    x, y = global_batch(data, 0, 5000, seed=0)
+    starts = {data.decode(r) for r in x}
+    assert data.decode(data.train_x[:4]) in starts
+    assert data.decode(data.train_x[-5:-1]) in starts
+    ends = {data.decode(r) for r in y}
+    assert data.decode(data.train_x[-4:]) in ends
+
+
+def test_load_stdlib_text_is_fast():
+    timings = []
+    for _ in range(2):
+        start = time.perf_counter()
+        data = load_stdlib_text()
+        timings.append(time.perf_counter() - start)
+    assert data.train_x.shape[0] + data.test_x.shape[0] == 1_000_000
+    assert min(timings) < 1.0, timings
+
+
+def test_stdlib_text_too_short():
+    with pytest.raises(ValueError, match="block_size"):
+        load_stdlib_text(block_size=64, max_chars=200)
+
+
+# --- eval --------------------------------------------------------------------------------
+
+
+def test_eval_batches_digits_in_order(digits):
+    batches = list(eval_batches(digits, 100))
+    assert [len(y) for _, y in batches] == [100, 100, 100, 59]
+    assert torch.equal(torch.cat([x for x, _ in batches]), digits.test_x)
+    assert torch.equal(torch.cat([y for _, y in batches]), digits.test_y)
+    assert len(list(eval_batches(digits, 100, max_batches=2))) == 2
+    assert _equal(next(eval_batches(digits, 100)), batches[0])
+
+
+def test_eval_batches_text_non_overlapping(text):
+    batches = list(eval_batches(text, 64))
+    x = torch.cat([b[0] for b in batches])
+    y = torch.cat([b[1] for b in batches])
+    n = (5_000 - 1) // 16
+    assert x.shape == y.shape == (n, 16)
+    assert torch.equal(x.flatten(), text.test_x[: n * 16])
+    assert torch.equal(y.flatten(), text.test_x[1 : n * 16 + 1])
+    assert len(list(eval_batches(text, 64, max_batches=1))) == 1
+
+
+def test_eval_batches_needs_a_test_split():
+    with pytest.raises(ValueError, match="no test split"):
+        next(eval_batches(_toy(4), 2))
+
+
+# --- registry ------------------------------------------------------------------------------
+
+
+def test_load_dataset(digits):
+    assert _equal(load_dataset("digits")[1:5], digits[1:5])
+    data = load_dataset("stdlib_text", block_size=8, max_chars=2000)
+    assert data.name == "stdlib_text" and data.block_size == 8
+    with pytest.raises(ValueError, match="known datasets: digits, stdlib_text"):
+        load_dataset("mnist")
