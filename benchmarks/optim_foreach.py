@@ -93,6 +93,10 @@ def main() -> None:
         "| update | elements/tensor | foreach (us) | loop (us) | loop / foreach |",
         "|---|---:|---:|---:|---:|",
         *(f"| {n} | {numel:,} | {tf:,.0f} | {tl:,.0f} | {r:.2f}x |" for n, numel, tf, tl, r in rows),
+        "",
+        "On CPU the foreach ops run a C++ loop over the tensors (no fused kernel), so they save",
+        "only Python dispatch overhead; with large tensors each op sweeps the whole list (26 MB per",
+        "list at 65,536 elements) while the loop keeps one tensor's intermediates in cache.",
     ]
     table = "\n".join(lines) + "\n"
     print(table)

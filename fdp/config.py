@@ -90,7 +90,8 @@ class AdamWConfig(AdamConfig):
 # -- trainer and world -----------------------------------------------------------------
 @dataclass
 class TrainerConfig:
-    max_steps: int = 300
+    max_steps: int = 300  # the length of the run (schedules span it)
+    stop_at: int = 0  # end this invocation early at this step, to resume later (0: run to max_steps)
     accum_steps: int = 1
     log_every: int = 10
     eval_every: int = 100  # 0: evaluate only at the end
@@ -234,7 +235,7 @@ def validate(cfg: Any, run_dir: Any = None) -> None:
     t, w, d, o, m = cfg.trainer, cfg.world, cfg.data, cfg.optim, cfg.model
     for key in ("max_steps", "accum_steps", "log_every", "keep_checkpoints"):
         _require(t[key] >= 1, f"trainer.{key}", t[key], "an integer >= 1")
-    for key in ("eval_every", "checkpoint_every", "eval_batches"):
+    for key in ("eval_every", "checkpoint_every", "eval_batches", "stop_at"):
         _require(t[key] >= 0, f"trainer.{key}", t[key], "an integer >= 0")
     for key in ("bucket_cap_mb", "first_bucket_cap_mb"):
         _require(t[key] > 0, f"trainer.{key}", t[key], "a size in MiB > 0")

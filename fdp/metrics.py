@@ -59,7 +59,9 @@ def progress(total: int, initial: int, enabled: bool):
     """A tqdm bar on stderr (or a silent stand-in when disabled)."""
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, initial=initial, disable=not enabled, file=sys.stderr, dynamic_ncols=True, unit="step")
+    # Not a terminal (CI, log files): fewer, longer-spaced updates.
+    interval = 0.1 if sys.stderr.isatty() else 10.0
+    return tqdm(total=total, initial=initial, disable=not enabled, file=sys.stderr, mininterval=interval, unit="step")
 
 
 def summary_line(summary: dict) -> str:

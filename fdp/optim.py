@@ -11,9 +11,10 @@ with ``torch.utils._pytree`` and their leaves load with ``torch.load(weights_onl
 Each optimizer state carries ``count`` (updates done so far; schedules are evaluated on
 it) and ``lr`` (the learning rate of the last update, see ``current_lr``).
 
-Tensor math goes through the out-of-place ``torch._foreach_*`` ops over the dict values,
-in the order of the ``grads`` keys: one dispatch per op instead of one per tensor, and the
-fused multi-tensor kernels on CUDA.
+Tensor math goes through ``torch._foreach_*`` ops over the dict values (in the key order
+of the state that ``init`` made): one dispatch per op instead of one per tensor, and the
+fused multi-tensor kernels on CUDA. Inputs are only read; in-place ops touch only tensors
+allocated inside the same call.
 """
 from __future__ import annotations
 
@@ -43,12 +44,16 @@ class GradientTransformation(NamedTuple):
 
 
 class SGDState(NamedTuple):
+    """``count`` updates done; ``lr`` of the last one; momentum buffers."""
+
     count: int
     lr: float
     momentum: dict[str, torch.Tensor] | None  # None when momentum == 0
 
 
 class AdamState(NamedTuple):
+    """``count`` updates done; ``lr`` of the last one; first and second moment estimates."""
+
     count: int
     lr: float
     mu: dict[str, torch.Tensor]
@@ -56,7 +61,7 @@ class AdamState(NamedTuple):
 
 
 class ClipState(NamedTuple):
-    pass
+    """Empty: clipping keeps no state, but a chained state still has one member per transform."""
 
 
 # ---------------------------------------------------------------------------- schedules
@@ -134,7 +139,7 @@ def sgd(
         return SGDState(count=0, lr=schedule(0), momentum=buffers)
 
     def update(grads: Grads, state: SGDState, params: Params | None = None) -> tuple[Updates, SGDState]:
-        keys, d = _values(grads)
+        keys, d = _aligned(grads, state.momentum)
         if weight_decay:
             d = torch._foreach_add(d, _params_for(keys, params, "weight_decay"), alpha=weight_decay)
         buffers = None
@@ -195,7 +200,7 @@ def _adam(lr: float | Schedule, b1: float, b2: float, eps: float, weight_decay: 
         return AdamState(count=0, lr=schedule(0), mu=mu, nu=nu)
 
     def update(grads: Grads, state: AdamState, params: Params | None = None) -> tuple[Updates, AdamState]:
-        keys, g = _values(grads)
+        keys, g = _aligned(grads, state.mu)
         p = _params_for(keys, params, "weight_decay") if weight_decay else None
         if weight_decay and not decoupled:
             g = torch._foreach_add(g, p, alpha=weight_decay)
@@ -238,7 +243,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         return ClipState()
 
     def update(grads: Grads, state: ClipState, params: Params | None = None) -> tuple[Updates, ClipState]:
-        keys, g = _values(grads)
+        keys, g = _aligned(grads, None)
         if not g:
             return {}, state
         device = g[0].device
@@ -289,8 +294,8 @@ def apply_updates(params: Params, updates: Updates) -> Params:
     """
     if params.keys() != updates.keys():
         raise ValueError(f"params and updates have different keys: {sorted(params.keys() ^ updates.keys())}")
-    keys, p = _values(params)
-    return dict(zip(keys, torch._foreach_add(p, [updates[k] for k in keys])))
+    keys = list(params)
+    return dict(zip(keys, torch._foreach_add(list(params.values()), [updates[k] for k in keys])))
 
 
 def current_lr(opt_state: State) -> float | None:
@@ -327,13 +332,24 @@ def _check(ok: bool, name: str, expected: str, value: Any) -> None:
 
 def _as_schedule(lr: float | Schedule) -> Schedule:
     if callable(lr):
-        return lr
+        # A plain float, so the state's ``lr`` stays loadable with weights_only=True.
+        return lambda count: float(lr(count))
     _check(lr >= 0, "lr", ">= 0", lr)
     return constant_schedule(float(lr))
 
 
-def _values(tree: dict[str, torch.Tensor]) -> tuple[list[str], list[torch.Tensor]]:
-    return list(tree), list(tree.values())
+def _aligned(grads: Grads, state_dict: dict | None) -> tuple[list[str], list[torch.Tensor]]:
+    """Keys and values of ``grads``, in the key order of ``state_dict`` when there is one.
+
+    Following the state's order (set by ``init``) keeps the state's pytree structure fixed,
+    so a checkpoint's flat leaves always line up with the template they are rebuilt on.
+    """
+    if state_dict is None:
+        return list(grads), list(grads.values())
+    if grads.keys() != state_dict.keys():
+        raise ValueError(f"grads and optimizer state have different keys: {sorted(grads.keys() ^ state_dict.keys())[:5]}")
+    keys = list(state_dict)
+    return keys, [grads[k] for k in keys]
 
 
 def _params_for(keys: list[str], params: Params | None, why: str) -> list[torch.Tensor]:

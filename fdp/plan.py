@@ -458,7 +458,7 @@ def _greedy(
             cur = open_[key] = [[], 0, cap, pos]
         cur[0].append(spec)
         cur[1] += nbytes
-        cur[3] = pos
+        pass
     closed += [(c[3], dtype, device, c[0], unused) for (dtype, device), c in open_.items()]
     return closed
 

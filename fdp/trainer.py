@@ -241,15 +241,16 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm) -> dict:
     times, skipped, last_eval, record = StepTimes(), 0, {}, {}
     gbs = cfg.data.global_batch_size
     t_start = time.perf_counter()
-    bar = progress(tc.max_steps, state.step, enabled=tc.progress and rank == 0)
-    while state.step < tc.max_steps:
+    last_step = min(tc.max_steps, tc.stop_at or tc.max_steps)
+    bar = progress(last_step, state.step, enabled=tc.progress and rank == 0)
+    while state.step < last_step:
         batch = shard(global_batch(run.data, state.step, gbs, cfg.seed), rank, world)
         state, m = train_step(state, batch)
         times.add(m)
         skipped += m["skipped"]
         step = state.step
         bar.update(1)
-        done = step == tc.max_steps
+        done = step == last_step
         if step % tc.log_every == 0 or done:
             loss = m["loss"].clone()
             if world > 1:

@@ -216,6 +216,22 @@ def test_apply_updates_is_out_of_place():
         fo.apply_updates(params, {"v": torch.zeros(2)})
 
 
+@pytest.mark.parametrize("name", ["sgd_nesterov_wd", "clip_adamw_schedule"])
+def test_state_keeps_init_key_order(name):
+    """Grads in another key order (e.g. bucket order) must not reorder the state's pytree."""
+    opt, model = PURE[name](), _mlp()
+    params = {k: p.detach().clone() for k, p in model.named_parameters()}
+    state = opt.init(params)
+    init_spec = pytree.tree_flatten(state)[1]
+    grads = _fdp_grads(model, params, 0)
+    shuffled = dict(reversed(grads.items()))
+    updates, new_state = opt.update(shuffled, state, params)
+    assert pytree.tree_flatten(new_state)[1] == init_spec
+    assert _bit_equal((updates, new_state), opt.update(grads, state, params))  # same values, same order
+    with pytest.raises(ValueError, match="different keys"):
+        opt.update({k: v for k, v in grads.items() if k != "0.bias"}, state, params)
+
+
 # ------------------------------------------------------------------------------- schedules
 
 

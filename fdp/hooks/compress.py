@@ -1,0 +1,74 @@
+"""Half-precision compression: cast before the collective, cast back after.
+
+``fp16_compress()`` and ``bf16_compress()`` replace the bucket's buffer by a 16-bit copy;
+``fp16_decompress()`` / ``bf16_decompress()`` cast whatever arrives back to the bucket's
+own dtype (``grads.spec.torch_dtype``). Between them any stage may run, so
+``chain(fp16_compress(), powersgd(), fp16_decompress())`` is DDP's
+``fp16_compress_wrapper(powerSGD_hook)``.
+
+``fp16()`` and ``bf16()`` are the usual chains with a plain average in the middle. Their
+numerics are those of DDP's ``fp16_compress_hook``: the gradient is cast first and then
+divided by the world size *in 16 bits*, summed in 16 bits, and only then cast back (the
+``allreduce`` stage divides before summing, which is what keeps the sum in range).
+
+DDP refuses ``bf16_compress_hook`` unless NCCL is available (it checks the hook's name),
+but gloo sums bfloat16 tensors correctly, so ``bf16()`` works on CPU worlds too.
+
+>>> from fdp.hooks import run_hook
+>>> hook = fp16()
+"""
+from __future__ import annotations
+
+import torch
+
+from fdp.comm import Comm
+from fdp.hooks.allreduce import allreduce
+from fdp.hooks.base import GradBucket, Hook, chain, stateless
+
+__all__ = ["fp16_compress", "fp16_decompress", "bf16_compress", "bf16_decompress", "fp16", "bf16"]
+
+
+def _cast_to(dtype: torch.dtype) -> Hook:
+    def apply(grads: GradBucket, comm: Comm) -> GradBucket:
+        # ``to`` returns a new tensor whenever the dtype changes; when it does not, the
+        # buffer is passed on as is, which is safe because no stage writes to its input.
+        return grads._replace(buffer=grads.buffer.to(dtype))
+
+    return stateless(apply)
+
+
+def _cast_back() -> Hook:
+    def apply(grads: GradBucket, comm: Comm) -> GradBucket:
+        return grads._replace(buffer=grads.buffer.to(grads.spec.torch_dtype))
+
+    return stateless(apply)
+
+
+def fp16_compress() -> Hook:
+    """Cast the bucket to ``float16`` (no division: the next stage averages)."""
+    return _cast_to(torch.float16)
+
+
+def bf16_compress() -> Hook:
+    """Cast the bucket to ``bfloat16`` (no division: the next stage averages)."""
+    return _cast_to(torch.bfloat16)
+
+
+def fp16_decompress() -> Hook:
+    """Cast the bucket back to its own dtype (``grads.spec.torch_dtype``)."""
+    return _cast_back()
+
+
+def bf16_decompress() -> Hook:
+    """Cast the bucket back to its own dtype (``grads.spec.torch_dtype``)."""
+    return _cast_back()
+
+
+def fp16() -> Hook:
+    """``chain(fp16_compress(), allreduce(), fp16_decompress())``: DDP's ``fp16_compress_hook``."""
+    return chain(fp16_compress(), allreduce(), fp16_decompress())
+
+
+def bf16() -> Hook:
+    """``chain(bf16_compress(), allreduce(), bf16_decompress())``: DDP's ``bf16_compress_hook``, on gloo too."""
+    return chain(bf16_compress(), allreduce(), bf16_decompress())

@@ -1,0 +1,88 @@
+"""Atomic checkpoints, clear errors for bad files, and exact resume."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from fdp import checkpoint
+from fdp.config import register_configs
+from fdp.models import MLP
+from fdp.trainer import run
+
+CONF = str(Path(__file__).resolve().parents[1] / "conf")
+register_configs()
+
+
+def make_cfg(*overrides):
+    with initialize_config_dir(config_dir=CONF, version_base=None):
+        return compose("config", overrides=["trainer.progress=false", *overrides])
+
+
+def test_atomic_save_replaces_whole_files(tmp_path):
+    path = tmp_path / "c.pt"
+    checkpoint.atomic_save({"step": 1, "params": {"w": torch.ones(3)}}, path)
+    checkpoint.atomic_save({"step": 2, "params": {"w": torch.zeros(3)}}, path)
+    loaded = torch.load(path, weights_only=True)
+    assert loaded["step"] == 2 and torch.equal(loaded["params"]["w"], torch.zeros(3))
+    assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]  # no temporary left behind
+
+
+def test_killed_writer_leaves_previous_checkpoint_intact(tmp_path):
+    path = tmp_path / "c.pt"
+    checkpoint.atomic_save({"step": 1, "params": {"w": torch.ones(3)}}, path)
+    # A writer killed in the middle of torch.save: the big payload is being written when SIGKILL lands.
+    script = (
+        "import os, signal, threading, torch, sys\n"
+        "from fdp import checkpoint\n"
+        "threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()\n"
+        f"checkpoint.atomic_save({{'step': 2, 'params': {{'w': torch.randn(60_000_000)}}}}, {str(path)!r})\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    assert proc.returncode == -9
+    loaded = checkpoint.load(path)
+    assert loaded["step"] == 1 and torch.equal(loaded["params"]["w"], torch.ones(3))
+
+
+def test_truncated_and_foreign_files_give_one_line_errors(tmp_path):
+    good = tmp_path / "good.pt"
+    checkpoint.atomic_save({"step": 3, "params": {"w": torch.ones(1000)}}, good)
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(good.read_bytes()[:500])
+    with pytest.raises(checkpoint.CheckpointError, match="truncated.pt"):
+        checkpoint.load(truncated)
+    foreign = tmp_path / "foreign.pt"
+    torch.save([1, 2, 3], foreign)
+    with pytest.raises(checkpoint.CheckpointError, match="not an fdp checkpoint"):
+        checkpoint.load(foreign)
+    with pytest.raises(checkpoint.CheckpointError, match="does not exist"):
+        checkpoint.load(tmp_path / "missing.pt")
+
+
+def test_checkpoint_loads_with_weights_only_and_names_params(tmp_path):
+    cfg = make_cfg("trainer.max_steps=4", "trainer.checkpoint_every=2", "model.hidden=16")
+    run(cfg, tmp_path)
+    payload = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
+    assert payload["step"] == 4
+    expected = {name: p.shape for name, p in MLP(64, 16, 2, 10).named_parameters()}
+    assert {name: t.shape for name, t in payload["params"].items()} == expected
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["last.pt", "step_00000002.pt", "step_00000004.pt"]
+
+
+def test_resume_is_bit_identical_with_adam_and_a_schedule(tmp_path):
+    common = ["optim=adamw", "optim.warmup_steps=5", "model.hidden=32", "trainer.checkpoint_every=10", "trainer.eval_every=0"]
+    straight = tmp_path / "straight"
+    run(make_cfg(*common, "trainer.max_steps=20"), straight)
+    stopped = tmp_path / "stopped"
+    run(make_cfg(*common, "trainer.max_steps=20", "trainer.stop_at=10"), stopped)
+    run(make_cfg(*common, "trainer.max_steps=20", "trainer.resume=true"), stopped)
+    a = torch.load(straight / "checkpoints" / "last.pt", weights_only=True)
+    b = torch.load(stopped / "checkpoints" / "last.pt", weights_only=True)
+    assert a["step"] == b["step"] == 20
+    for name in a["params"]:
+        assert torch.equal(a["params"][name], b["params"][name]), name
+    for x, y in zip(a["opt_state"], b["opt_state"]):
+        assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
