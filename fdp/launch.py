@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from fdp.comm import Comm
+from fdp.plan import BucketPlan
 
 LOOPBACK = "127.0.0.1"
 LAUNCHERS = ("none", "elastic", "torchrun")
@@ -128,3 +129,26 @@ def tune_allocator() -> None:
     m_trim_threshold, m_mmap_threshold = -1, -3
     libc.mallopt(m_mmap_threshold, 32 * 2**20)  # glibc's ceiling for this setting
     libc.mallopt(m_trim_threshold, 2**30)
+
+
+def check_same_plan(plan: BucketPlan, comm: Comm) -> None:
+    """Stop every rank with a named difference if any rank planned other buckets."""
+    if comm.world_size == 1:
+        return
+    plans = [None] * comm.world_size
+    dist.all_gather_object(plans, plan.to_dict())
+    reference = BucketPlan.from_dict(plans[0])
+    for rank, other in enumerate(plans[1:], start=1):
+        difference = reference.first_difference(BucketPlan.from_dict(other))
+        if difference:
+            raise RuntimeError(f"bucket plans differ between rank 0 and rank {rank} (different models?): {difference}")
+
+
+def broadcast_from_rank0(tensors: dict[str, torch.Tensor], comm: Comm) -> dict[str, torch.Tensor]:
+    """Rank 0's values for every tensor (new tensors; the inputs are untouched)."""
+    if comm.world_size == 1:
+        return tensors
+    out = {name: t.clone() for name, t in tensors.items()}
+    for t in out.values():
+        dist.broadcast(t, src=0)
+    return out

@@ -458,7 +458,7 @@ def _greedy(
             cur = open_[key] = [[], 0, cap, pos]
         cur[0].append(spec)
         cur[1] += nbytes
-        pass
+        cur[3] = pos
     closed += [(c[3], dtype, device, c[0], unused) for (dtype, device), c in open_.items()]
     return closed
 
@@ -528,9 +528,10 @@ def gradient_ready_order(
     * ``"real"``: the given tensors and (tiny) example batch;
     * ``"auto"`` (default): ``"meta"``, and ``"real"`` if the meta run raises.
 
-    Meta kernels are Python decompositions (~0.1-0.5 ms per op, and the first one in a
-    process imports ``torch._dynamo``, ~1.5 s), so for models of many small tensors a real
-    backward on a tiny batch is faster; see ``benchmarks/results/plan_and_pack.md``.
+    Many meta kernels are Python decompositions (~0.1-0.5 ms per op against a few us for a
+    tiny real op), so for models of many small tensors ``"real"`` on a tiny batch is
+    several times faster, while for large dense layers ``"meta"`` is; see
+    ``benchmarks/results/plan_and_pack.md``.
 
     >>> import torch.nn.functional as F
     >>> params = {"w1": torch.randn(8, 4), "w2": torch.randn(2, 8)}

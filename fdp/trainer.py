@@ -25,7 +25,7 @@ from fdp.data import Dataset, eval_batches, global_batch, load_dataset, shard
 from fdp.functional import FunctionalModel, functionalize
 from fdp.hooks import Hook
 from fdp.hooks.registry import build_hook
-from fdp.launch import WorldLayout, init_distributed, spawn, tune_allocator
+from fdp.launch import WorldLayout, broadcast_from_rank0, check_same_plan, init_distributed, spawn, tune_allocator
 from fdp.metrics import MetricsLog, StepTimes, progress, summary_line
 from fdp.models import build_model, count_parameters
 from fdp.optim import (
@@ -83,30 +83,6 @@ def layout_of(cfg: DictConfig) -> WorldLayout:
     return WorldLayout(world.launcher, nnodes, nproc, world.backend, world.timeout_s, world.max_restarts)
 
 
-# -- checks across ranks ------------------------------------------------------------------
-def check_same_plan(plan: BucketPlan, comm: Comm) -> None:
-    """Stop every rank with a named difference if any rank planned other buckets."""
-    if comm.world_size == 1:
-        return
-    plans = [None] * comm.world_size
-    dist.all_gather_object(plans, plan.to_dict())
-    reference = BucketPlan.from_dict(plans[0])
-    for rank, other in enumerate(plans[1:], start=1):
-        difference = reference.first_difference(BucketPlan.from_dict(other))
-        if difference:
-            raise RuntimeError(f"bucket plans differ between rank 0 and rank {rank} (different models?): {difference}")
-
-
-def broadcast_from_rank0(tensors: dict[str, torch.Tensor], comm: Comm) -> dict[str, torch.Tensor]:
-    """Rank 0's values for every tensor (new tensors; the inputs are untouched)."""
-    if comm.world_size == 1:
-        return tensors
-    out = {name: t.clone() for name, t in tensors.items()}
-    for t in out.values():
-        dist.broadcast(t, src=0)
-    return out
-
-
 # -- evaluation -------------------------------------------------------------------------------
 @torch.no_grad()
 def evaluate(model: FunctionalModel, params, buffers, data: Dataset, max_batches: int, batch_size: int = 256) -> dict:
@@ -140,7 +116,6 @@ def setup(cfg: DictConfig, comm: Comm) -> Run:
     torch.manual_seed(cfg.seed)
     module = build_module(cfg.model, data)
     model, params, buffers = functionalize(module)
-    params, buffers = broadcast_from_rank0(params, comm), broadcast_from_rank0(buffers, comm)
     loss_fn = cross_entropy_loss(model)
     example = shard(global_batch(data, 0, cfg.data.global_batch_size, cfg.seed), comm.rank, comm.world_size)
     example = tuple(t[: max(1, t.shape[0] // cfg.trainer.accum_steps)] for t in example)
@@ -152,7 +127,9 @@ def setup(cfg: DictConfig, comm: Comm) -> Run:
         first_bucket_cap_mb=cfg.trainer.first_bucket_cap_mb,
         allow_unused=cfg.trainer.allow_unused,
     )
+    # Shapes are checked before any broadcast: a broadcast of mismatched shapes would hang.
     check_same_plan(plan, comm)
+    params, buffers = broadcast_from_rank0(params, comm), broadcast_from_rank0(buffers, comm)
     hook = build_hook(OmegaConf.to_container(cfg.hooks))
     optimizer = build_optimizer(cfg.optim, cfg.trainer.max_steps)
     state = init_train_state(params, buffers, optimizer, plan, hook, seed=cfg.seed + comm.rank)
@@ -301,6 +278,7 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm) -> dict:
 def run(cfg: DictConfig, run_dir: str | Path) -> dict:
     """Validate ``cfg`` and train it in ``run_dir`` on the world it names; return rank 0's summary."""
     validate(cfg, run_dir)
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
     layout = layout_of(cfg)
     container = OmegaConf.to_container(cfg, resolve=True)
     if layout.launcher == "elastic":

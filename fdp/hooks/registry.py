@@ -1,0 +1,88 @@
+"""Hooks from config: ``build_hook({"name": "powersgd", "rank": 4})``.
+
+A spec is a mapping with a ``name`` and that hook's settings, or a chain of specs, given
+either as ``{"chain": [spec, ...]}`` or as ``{"name": "chain", "stages": [spec, ...]}``
+(the form of ``fdp.config.ChainConfig``). A bare string is a hook with default settings.
+Errors are ``ValueError`` naming the setting by its path (``hooks.rank``,
+``hooks.chain[1].name``) and listing what is accepted.
+
+>>> hook = build_hook({"chain": [{"name": "fp16_compress"}, {"name": "powersgd", "rank": 4}, {"name": "fp16_decompress"}]})
+"""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable
+
+from fdp.hooks.allreduce import allreduce
+from fdp.hooks.base import Hook, chain
+from fdp.hooks.compress import bf16, bf16_compress, bf16_decompress, fp16, fp16_compress, fp16_decompress
+from fdp.hooks.noop import noop
+from fdp.hooks.powersgd import batched_powersgd, powersgd
+from fdp.hooks.topk import topk
+
+__all__ = ["HOOKS", "build_hook"]
+
+HOOKS: dict[str, Callable[..., Hook]] = {
+    "allreduce": allreduce,
+    "fp16": fp16,
+    "bf16": bf16,
+    "fp16_compress": fp16_compress,
+    "fp16_decompress": fp16_decompress,
+    "bf16_compress": bf16_compress,
+    "bf16_decompress": bf16_decompress,
+    "powersgd": powersgd,
+    "batched_powersgd": batched_powersgd,
+    "topk": topk,
+    "noop": noop,
+}
+
+
+def _known() -> str:
+    return ", ".join([*HOOKS, "chain"])
+
+
+def build_hook(spec: Any, path: str = "hooks") -> Hook:
+    """The hook a spec describes (see the module docstring).
+
+    >>> build_hook({"name": "topk", "ratio": 0.1}).init  # doctest: +ELLIPSIS
+    <function topk.<locals>.init at ...>
+    """
+    if isinstance(spec, str):
+        spec = {"name": spec}
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"{path}={spec!r}: expected a mapping with a 'name' (one of {_known()}) or a 'chain'")
+    settings = {str(key): value for key, value in spec.items()}
+    if "chain" in settings or settings.get("name") == "chain":
+        return _build_chain(settings, path)
+    if "name" not in settings:
+        raise ValueError(f"{path}.name: missing; expected one of {_known()}")
+    name = settings.pop("name")
+    factory = HOOKS.get(name) if isinstance(name, str) else None
+    if factory is None:
+        raise ValueError(f"{path}.name={name!r}: unknown hook; known hooks: {_known()}")
+    accepted = list(inspect.signature(factory).parameters)
+    for key in settings:
+        if key not in accepted:
+            listed = ", ".join(accepted) if accepted else "none"
+            raise ValueError(f"{path}.{key}: not a setting of hook {name!r}; accepted settings: {listed}")
+    try:
+        return factory(**settings)
+    except ValueError as error:
+        message = str(error)
+        # The factories name their settings "hooks.<setting>"; give the full path instead.
+        if path != "hooks" and message.startswith("hooks."):
+            raise ValueError(path + message[len("hooks") :]) from None
+        raise
+
+
+def _build_chain(settings: dict[str, Any], path: str) -> Hook:
+    key = "chain" if "chain" in settings else "stages"
+    allowed = {"chain"} if key == "chain" else {"name", "stages"}
+    for extra in settings:
+        if extra not in allowed:
+            raise ValueError(f"{path}.{extra}: not a setting of a chain; accepted settings: {', '.join(sorted(allowed))}")
+    stages = settings.get(key)
+    if isinstance(stages, (str, bytes)) or not isinstance(stages, Sequence) or not stages:
+        raise ValueError(f"{path}.{key}={stages!r}: expected a non-empty list of hook specs")
+    return chain(*(build_hook(stage, f"{path}.{key}[{i}]") for i, stage in enumerate(stages)))

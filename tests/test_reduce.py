@@ -1,0 +1,102 @@
+"""The data-parallel reduction on 2 gloo ranks: against DDP, both schedules, start-up checks, timeouts."""
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fdp.comm import Comm
+from fdp.data import global_batch, load_digits, shard
+from fdp.functional import functionalize
+from fdp.hooks import allreduce
+from fdp.models import ConvNet, MLP
+from fdp.optim import sgd
+from fdp.plan import plan_buckets
+from fdp.launch import check_same_plan
+from fdp.train import cross_entropy_loss, init_train_state, make_train_step, planner_loss
+
+STEPS = 20
+
+
+def _fdp_and_ddp(rank, world, model_name, schedule, accum_steps):
+    torch.manual_seed(0)
+    make = (lambda: MLP(64, 64, 3, 10)) if model_name == "mlp" else ConvNet
+    module = make()
+    reference = make()
+    reference.load_state_dict(module.state_dict())
+    ddp = nn.parallel.DistributedDataParallel(reference, bucket_cap_mb=0.02)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+
+    model, params, buffers = functionalize(module)
+    loss_fn = cross_entropy_loss(model)
+    data = load_digits(flatten=False)
+    example = shard(global_batch(data, 0, 32, 0), rank, world)
+    # Small caps so several buckets are in flight at once.
+    plan = plan_buckets(planner_loss(loss_fn, buffers), params, example, bucket_cap_mb=0.02, first_bucket_cap_mb=0.005)
+    comm = Comm()
+    step = make_train_step(loss_fn, sgd(0.05, momentum=0.9), plan, allreduce(), comm, accum_steps=accum_steps, schedule=schedule)
+    state = init_train_state(params, buffers, sgd(0.05, momentum=0.9), plan)
+    sent = []
+    for i in range(STEPS):
+        x, y = shard(global_batch(data, i, 32, 0), rank, world)
+        state, metrics = step(state, (x, y))
+        sent.append(metrics["bytes_sent"])
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    diff = max((state.params[n] - p.detach()).abs().max().item() for n, p in ddp.module.named_parameters())
+    return diff, len(plan), sent[-1], plan.nbytes
+
+
+@pytest.mark.parametrize(
+    "model_name,schedule,accum_steps",
+    [("mlp", "after", 1), ("mlp", "overlap", 1), ("convnet", "overlap", 1), ("mlp", "overlap", 2)],
+)
+def test_fdp_matches_ddp(run_ranks, model_name, schedule, accum_steps):
+    """Same model, data and SGD: fdp's params equal DDP's within 1e-5 after 20 steps."""
+    results = run_ranks(_fdp_and_ddp, model_name, schedule, accum_steps)
+    for diff, buckets, sent, nbytes in results:
+        assert buckets > 1
+        assert diff <= 1e-5
+        assert sent == nbytes  # allreduce sends each gradient byte once per step
+
+
+def _mismatched_plans(rank, world):
+    torch.manual_seed(0)
+    module = MLP(64, 32 if rank == 0 else 48, 2, 10)
+    model, params, buffers = functionalize(module)
+    loss_fn = cross_entropy_loss(model)
+    batch = (torch.randn(4, 64), torch.randint(0, 10, (4,)))
+    plan = plan_buckets(planner_loss(loss_fn, buffers), params, batch)
+    try:
+        check_same_plan(plan, Comm())
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_plan_mismatch_stops_every_rank_naming_the_parameter(run_ranks):
+    messages = run_ranks(_mismatched_plans)
+    for message in messages:
+        assert message is not None and "rank 1" in message
+        assert "net." in message and "shape" in message
+
+
+def _silent_peer(rank, world):
+    if rank == 1:
+        time.sleep(8)  # never joins the collective
+        return None
+    start = time.perf_counter()
+    try:
+        Comm().allreduce(torch.ones(4)).wait()
+    except RuntimeError as e:
+        return str(e), time.perf_counter() - start
+    return "no error", time.perf_counter() - start
+
+
+def test_collective_timeout_is_an_error_not_a_hang(run_ranks):
+    result = run_ranks(_silent_peer, timeout_s=2.0)[0]
+    message, waited = result
+    assert message != "no error"
+    assert waited < 8
