@@ -152,7 +152,9 @@ def _orthonormalise(mats: torch.Tensor, epsilon: float) -> torch.Tensor:
     """
     k = mats.shape[2]
     if k > 2 and mats.dtype not in (torch.float16, torch.bfloat16):
-        return torch.linalg.qr(mats).Q
+        # LAPACK hands Q back column-major; the matmuls that follow round differently on
+        # a transposed operand, so give them the row-major layout PyTorch's hook uses.
+        return torch.linalg.qr(mats).Q.contiguous()
     done = mats
     for i in range(k):
         col = done[:, :, i : i + 1]
