@@ -165,8 +165,12 @@ def _aliases(bucket: Bucket, flat: torch.Tensor) -> list[torch.Tensor]:
     entry = _ALIASES.get(key)
     if entry is not None:
         ref, ptr, cached_bucket, aliases = entry
-        if ref() is flat and ptr == flat.data_ptr() and (cached_bucket is bucket or cached_bucket == bucket):
-            return aliases
+        if ref() is flat and ptr == flat.data_ptr():
+            if cached_bucket is bucket:
+                return aliases
+            if cached_bucket == bucket:  # an equal plan rebuilt (e.g. from JSON): same layout
+                _ALIASES[key] = (ref, ptr, bucket, aliases)
+                return aliases
     _, _, shapes, strides, offsets = bucket._layout
     storage, base = flat.untyped_storage(), flat.storage_offset()
     aliases = [

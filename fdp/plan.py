@@ -329,8 +329,7 @@ class BucketPlan:
             if name_a != name_b:
                 return f"parameter {i}: {name_a!r} vs {name_b!r}"
             head = f"parameter {i}: {name_a!r}"
-            labels = ("name", "shape", "dtype", "device", "unused", "bucket", "offset")
-            for label, x, y in zip(labels[1:], a[1:], b[1:]):
+            for label, x, y in zip(("shape", "dtype", "device", "unused", "bucket", "offset"), a[1:], b[1:]):
                 if x != y:
                     if label == "unused":
                         return f"{head} {'unused' if x else 'used'} vs {'unused' if y else 'used'}"
@@ -454,6 +453,8 @@ def _greedy(
         if cur is None:
             cur = open_[key] = [[], 0, first_cap, pos]
         elif cur[0] and cur[1] + nbytes > cur[2]:
+            # Close before overflowing; an empty bucket still takes an oversized tensor,
+            # since tensors are never split.
             closed.append((cur[3], dtype, device, cur[0], unused))
             cur = open_[key] = [[], 0, cap, pos]
         cur[0].append(spec)
@@ -507,6 +508,11 @@ def _check_cap(name: str, value: float) -> float:
 # ----------------------------------------------------------------------------- tracing
 
 
+# Below this mean tensor size a real backward on a tiny batch beats the meta device's
+# Python decompositions (measured in benchmarks/plan_and_pack.py).
+_META_MIN_MEAN_NUMEL = 2**16
+
+
 def gradient_ready_order(
     loss_fn: Callable[[dict[str, torch.Tensor], Any], Any],
     params: Mapping[str, torch.Tensor],
@@ -526,7 +532,11 @@ def gradient_ready_order(
       no arithmetic; fails for models that mix in real tensors (e.g. buffers captured by
       ``loss_fn``) or read values (data-dependent control flow);
     * ``"real"``: the given tensors and (tiny) example batch;
-    * ``"auto"`` (default): ``"meta"``, and ``"real"`` if the meta run raises.
+    * ``"auto"`` (default): ``"meta"`` (then ``"real"`` if the meta run raises) for trees
+      of large tensors, ``"real"`` for trees of many small ones, whichever is faster.
+
+    ``loss_fn`` should not keep tensors from the trace: a module that caches, say, rotary
+    tables built from its input would keep meta tensors after a meta trace.
 
     Many meta kernels are Python decompositions (~0.1-0.5 ms per op against a few us for a
     tiny real op), so for models of many small tensors ``"real"`` on a tiny batch is
@@ -543,6 +553,8 @@ def gradient_ready_order(
         raise ValueError("no parameters to trace: the parameter tree is empty")
     if trace not in ("auto", "meta", "real"):
         raise ValueError(f"trace={trace!r}: expected 'auto', 'meta' or 'real'")
+    if trace == "auto" and sum(t.numel() for t in params.values()) < _META_MIN_MEAN_NUMEL * len(params):
+        trace = "real"
     if trace == "real":
         return _traced_order(loss_fn, dict(params), example_batch)
     try:

@@ -183,3 +183,12 @@ def test_real_model_grads_round_trip_through_buffers():
     assert out.keys() == grads.keys()
     for name in grads:
         assert torch.equal(out[name], grads[name])
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    import fdp.buckets
+
+    result = doctest.testmod(fdp.buckets)
+    assert result.attempted > 10 and result.failed == 0

@@ -27,7 +27,7 @@ torch.set_num_threads(1)
 MiB = 2**20
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-MODEL_SETTINGS = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+MODEL_SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -371,6 +371,19 @@ def test_mixed_dtype_model_groups_by_dtype_in_ready_order():
     assert {b.dtype for b in plan.buckets} == {"float32", "float64"}
 
 
+def test_independently_built_models_give_equal_plans():
+    def build(seed: int):
+        torch.manual_seed(seed)  # other values, same architecture
+        model, params, buffers = functionalize(Branchy([6, 9, 5], 4, 3, bias=True))
+        batch = (torch.randn(2, 6), torch.randn(2, 3))
+        return plan_buckets(model_loss(model, buffers), params, batch, bucket_cap_mb=1e-3, first_bucket_cap_mb=2e-4)
+
+    a, b = build(0), build(1)
+    assert a is not b and a == b and hash(a) == hash(b)
+    assert a.fingerprint() == b.fingerprint() and a.first_difference(b) is None
+    assert len(a) > 1
+
+
 def test_tied_weights_appear_once():
     class TiedLM(nn.Module):
         def __init__(self):
@@ -500,3 +513,12 @@ def test_failed_meta_trace_falls_back_to_the_real_batch():
 def test_trace_argument_is_checked():
     with pytest.raises(ValueError, match="trace='gpu'"):
         gradient_ready_order(lambda p, x: p["w"].sum(), {"w": torch.ones(1)}, None, trace="gpu")
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    import fdp.plan
+
+    result = doctest.testmod(fdp.plan, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 20 and result.failed == 0

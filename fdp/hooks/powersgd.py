@@ -129,7 +129,7 @@ def _rng_pack(stream: np.random.RandomState) -> torch.Tensor:
 
 def _rng_draw(packed: torch.Tensor) -> tuple[int, torch.Tensor]:
     """The next Q seed of a packed stream, and the stream after the draw (the input is untouched)."""
-    words = packed.numpy()
+    words = packed.cpu().numpy()
     stream = np.random.RandomState(0)
     stream.set_state(("MT19937", words[:_MT_WORDS].astype(np.uint32), int(words[_MT_WORDS])))
     value = int(stream.randint(_SEED_BOUND))
