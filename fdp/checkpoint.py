@@ -61,19 +61,31 @@ def atomic_save(payload: dict, path: str | os.PathLike) -> Path:
     return path
 
 
-def load(path: str | os.PathLike) -> dict:
-    """Read a checkpoint written by ``save``; any defect is a ``CheckpointError`` naming the file."""
+def load(path: str | os.PathLike, mmap: bool = False) -> dict:
+    """Read a checkpoint written by ``save``; any defect is a ``CheckpointError`` naming the file.
+
+    ``mmap=True`` maps the tensors' bytes instead of reading them (see ``check_readable``).
+    """
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # torch raises many kinds for a truncated or foreign file
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        # The first sentence: torch's longer messages go on to speculate about causes.
+        reason = str(e).strip().splitlines()[0].split(". ")[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"checkpoint {path} is unreadable (truncated or corrupted?): {reason}") from None
     if not isinstance(payload, dict) or "step" not in payload or "params" not in payload:
         raise CheckpointError(f"checkpoint {path} is not an fdp checkpoint (no 'step'/'params' entries)")
     return payload
+
+
+def check_readable(path: str | os.PathLike) -> None:
+    """Raise ``CheckpointError`` unless ``path`` is a whole fdp checkpoint; cheap (tensors are mapped, not read)."""
+    try:
+        load(path, mmap=True)
+    except CheckpointError:
+        load(path)  # the plain reader names the defect better (mmap refuses non-zip files first)
 
 
 def _leaves(tree: Any) -> list:
@@ -140,4 +152,7 @@ def save(directory: str | os.PathLike, payload: dict, keep: int = 2) -> Path:
     _fsync_dir(directory)
     for old in sorted(p for p in directory.iterdir() if _STEP_FILE.search(p.name))[:-keep or None]:
         old.unlink()
+    # Temporaries of a writer that was killed mid-save (only one process saves, and it is done).
+    for stale in directory.glob(".step_*.tmp"):
+        stale.unlink(missing_ok=True)
     return path

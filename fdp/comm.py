@@ -70,7 +70,7 @@ class Comm:
         """Every rank's ``tensor``, stacked: the result has shape ``(world_size, *tensor.shape)``."""
         world = self.world_size
         if world == 1:
-            return Pending(tensor.unsqueeze(0))
+            return Pending(tensor.unsqueeze(0).clone())  # a new tensor, as with many ranks
         self._count(tensor)
         out = tensor.new_empty(world * tensor.numel())
         work = _all_gather_flat(out, tensor.contiguous().view(-1), group=self.group, async_op=True)

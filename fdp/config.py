@@ -150,7 +150,7 @@ class PowerSGDConfig:
     warm_start: bool = True
     orthogonalization_epsilon: float = 0.0
     seed: int = 0
-    batch_same_shape: bool = True
+    batch_same_shape: bool = False
 
 
 @dataclass
@@ -235,8 +235,10 @@ def validate(cfg: Any, run_dir: Any = None) -> None:
     t, w, d, o, m = cfg.trainer, cfg.world, cfg.data, cfg.optim, cfg.model
     for key in ("max_steps", "accum_steps", "log_every", "keep_checkpoints"):
         _require(t[key] >= 1, f"trainer.{key}", t[key], "an integer >= 1")
-    for key in ("eval_every", "checkpoint_every", "eval_batches", "stop_at"):
+    for key in ("eval_every", "checkpoint_every", "stop_at"):
         _require(t[key] >= 0, f"trainer.{key}", t[key], "an integer >= 0")
+    # The run always evaluates at its end: zero batches would average over nothing.
+    _require(t.eval_batches >= 1, "trainer.eval_batches", t.eval_batches, "an integer >= 1")
     for key in ("bucket_cap_mb", "first_bucket_cap_mb"):
         _require(t[key] > 0, f"trainer.{key}", t[key], "a size in MiB > 0")
     _require(t.schedule in ("auto", "after", "overlap"), "trainer.schedule", t.schedule, "auto, after or overlap")
@@ -248,6 +250,10 @@ def validate(cfg: Any, run_dir: Any = None) -> None:
     _require(w.timeout_s > 0, "world.timeout_s", w.timeout_s, "seconds > 0")
     _require(w.max_restarts >= 0, "world.max_restarts", w.max_restarts, "an integer >= 0")
     _require(d.global_batch_size >= 1, "data.global_batch_size", d.global_batch_size, "an integer >= 1")
+    _require(0.0 < d.test_fraction < 1.0, "data.test_fraction", d.test_fraction, "a fraction in (0, 1)")
+    if d.name == "stdlib_text":
+        _require(d.block_size >= 1, "data.block_size", d.block_size, "an integer >= 1")
+        _require(d.max_chars >= 1, "data.max_chars", d.max_chars, "an integer >= 1")
     if w.launcher != "torchrun":
         world = w.nnodes * w.nproc_per_node
         _require(d.global_batch_size % world == 0, "data.global_batch_size", d.global_batch_size,
@@ -258,6 +264,11 @@ def validate(cfg: Any, run_dir: Any = None) -> None:
     text_model, text_data = m.name == "charlm", d.name == "stdlib_text"
     _require(text_model == text_data, "data", d.name,
              "stdlib_text for model=charlm" if text_model else f"digits for model={m.name}")
+    sizes = {"mlp": ("hidden",), "convnet": ("width",), "charlm": ("d_model", "n_layer", "n_head")}.get(m.name, ())
+    for key in sizes:
+        _require(m[key] >= 1, f"model.{key}", m[key], "an integer >= 1")
+    if m.name == "mlp":
+        _require(m.depth >= 0, "model.depth", m.depth, "an integer >= 0")
     if text_model:
         _require(m.d_model % m.n_head == 0, "model.n_head", m.n_head, f"a divisor of model.d_model={m.d_model}")
         _require(0.0 <= m.dropout < 1.0, "model.dropout", m.dropout, "a probability in [0, 1)")
@@ -266,12 +277,18 @@ def validate(cfg: Any, run_dir: Any = None) -> None:
     _require(0 <= o.warmup_steps <= t.max_steps, "optim.warmup_steps", o.warmup_steps,
              f"between 0 and trainer.max_steps={t.max_steps} (the schedule must not end before warm-up)")
     _require(o.clip_norm is None or o.clip_norm > 0, "optim.clip_norm", o.clip_norm, "null (off) or > 0")
-    build_hook(_container(cfg.hooks))
+    try:
+        build_hook(_container(cfg.hooks))
+    except ValueError as error:  # the registry names the setting: "hooks.rank=0: expected ..."
+        raise ConfigError(str(error)) from None
     if run_dir is not None:
         run_dir = Path(run_dir)
         last = run_dir / "checkpoints" / "last.pt"
         if t.resume:
             _require(last.is_file(), "trainer.resume", True, f"a checkpoint at {last} (set hydra.run.dir to the run to continue)")
+            from fdp.checkpoint import check_readable
+
+            check_readable(last)  # a truncated or foreign file fails here, before any worker starts
         else:
             taken = (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()
             _require(not taken, "hydra.run.dir", str(run_dir),

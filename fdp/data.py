@@ -26,6 +26,7 @@ __all__ = [
     "load_stdlib_text",
     "global_batch",
     "shard",
+    "shard_dataset",
     "split_micro_batches",
     "eval_batches",
     "load_dataset",
@@ -270,6 +271,38 @@ def shard(batch: tuple[Tensor, ...], rank: int, world_size: int) -> tuple[Tensor
         )
     per_rank = size // world_size
     return tuple(t[rank * per_rank : (rank + 1) * per_rank] for t in batch)
+
+
+def shard_dataset(data: Dataset, rank: int, world_size: int, drop_last: bool = False) -> Dataset:
+    """Rank ``rank``'s share of the training samples: the same number on every rank.
+
+    The trainer never needs this (``global_batch`` + ``shard`` split every step's batch
+    evenly); it is for code that iterates over a per-rank dataset. N samples dealt
+    round-robin over W ranks (rank r takes samples r, r + W, ...) leave the first N mod W
+    ranks one sample more, hence possibly one batch more per epoch: a collective that its
+    peers never join, and a hang. As with ``DistributedSampler``, the shards are evened
+    out: ``drop_last=False`` pads with samples wrapped around from the start (ceil(N/W)
+    each, so a few samples are seen twice per epoch), ``drop_last=True`` drops the tail
+    (floor(N/W) each, so a few are not seen). The test split is left whole.
+
+    >>> data = load_digits()._replace(train_x=torch.arange(5.0)[:, None], train_y=torch.arange(5))
+    >>> [shard_dataset(data, r, 2).train_y.tolist() for r in range(2)]
+    [[0, 2, 4], [1, 3, 0]]
+    >>> [shard_dataset(data, r, 2, drop_last=True).train_y.tolist() for r in range(2)]
+    [[0, 2], [1, 3]]
+    """
+    if world_size <= 0:
+        raise ValueError(f"world_size must be positive, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    if data.is_text:
+        raise ValueError(f"dataset {data.name!r} is a token stream: use global_batch, which cuts windows per step")
+    n = data.train_x.shape[0]
+    per_rank = n // world_size if drop_last else -(-n // world_size)
+    if per_rank == 0:
+        raise ValueError(f"{n} training samples leave nothing for {world_size} ranks with drop_last=True")
+    idx = (torch.arange(per_rank) * world_size + rank) % n
+    return data._replace(train_x=data.train_x[idx], train_y=data.train_y[idx])
 
 
 def split_micro_batches(batch: tuple[Tensor, ...], accum_steps: int) -> list[tuple[Tensor, ...]]:

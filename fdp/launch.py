@@ -12,7 +12,10 @@ from __future__ import annotations
 import ctypes
 import datetime
 import os
+import re
 import socket
+import threading
+import time
 import uuid
 from typing import Any, Callable, NamedTuple
 
@@ -49,31 +52,100 @@ def free_port(host: str = LOOPBACK) -> int:
         return s.getsockname()[1]
 
 
+class WorkerFailedError(RuntimeError):
+    """A local worker raised or died; the message is one line naming its rank.
+
+    ``rank``, ``pid``, ``exitcode`` and ``signal`` (a name such as ``"SIGKILL"``, or
+    ``None`` when the worker raised) describe the first failure the launcher saw;
+    ``reason`` is the worker's exception as ``Type: message`` (empty for a signal).
+    """
+
+    def __init__(self, rank: int, pid: int, exitcode: int, reason: str = ""):
+        self.rank, self.pid, self.exitcode, self.reason = rank, pid, exitcode, reason
+        self.signal = _signal_name(exitcode)
+        if self.signal:
+            message = f"rank {rank} (pid {pid}) was killed by {self.signal}"
+        else:
+            # "FloatingPointError: non-finite ..." -> "non-finite ... (rank 0)": the worker's own line.
+            text = re.sub(r"^[A-Za-z_][\w.]*: ", "", reason.strip().splitlines()[0]) if reason.strip() else ""
+            message = f"{text} (rank {rank})" if text else f"rank {rank} (pid {pid}) exited with code {exitcode}"
+        super().__init__(message)
+
+
+class RankLostError(RuntimeError):
+    """A rank died, hung or became unreachable; the message names it and the step."""
+
+
+def _signal_name(exitcode: int) -> str | None:
+    import signal
+
+    if exitcode >= 0:
+        return None
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"
+
+
+def _loopback_store(timeout_s: float):
+    """A rendezvous store server listening on 127.0.0.1 only, and its port.
+
+    ``TCPStore`` binds its server to every interface whatever host it is given, so the
+    socket is bound here and handed over (the store closes it). The launcher's own
+    store, created with ``multi_tenant=True`` on the same port, reuses this server.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((LOOPBACK, 0))
+        sock.listen(128)
+        port = sock.getsockname()[1]
+    except BaseException:
+        sock.close()
+        raise
+    store = dist.TCPStore(
+        LOOPBACK, port, is_master=True, multi_tenant=True, master_listen_fd=sock.detach(),
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return store, port
+
+
 def spawn(entry: Callable[..., Any], args: tuple, layout: WorldLayout) -> dict[int, Any]:
     """Run ``entry(*args)`` on ``layout.nproc_per_node`` local workers; return each rank's result.
 
-    The rendezvous binds to 127.0.0.1 only. A worker that raises makes the whole launch
-    raise (``ChildFailedError`` carries the rank and its traceback); with
-    ``max_restarts > 0`` the group is restarted that many times first.
+    Everything listens on 127.0.0.1 only: the rendezvous store (a static rendezvous on a
+    loopback-bound server that the workers share) and, in ``init_distributed``, gloo. A
+    worker that raises or dies makes the whole launch raise ``WorkerFailedError`` (one line
+    naming the rank; the launcher has stopped the other workers); with ``max_restarts > 0``
+    the group is restarted that many times first.
 
     >>> spawn(my_worker, (cfg,), WorldLayout("elastic", nproc_per_node=2))   # doctest: +SKIP
     """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    store, port = _loopback_store(layout.timeout_s)
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=layout.nproc_per_node,
         run_id=uuid.uuid4().hex,
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"{LOOPBACK}:{free_port()}",
-        rdzv_configs={"timeout": int(layout.timeout_s)},
+        rdzv_backend="static",
+        rdzv_endpoint=f"{LOOPBACK}:{port}",
+        rdzv_configs={"rank": 0, "timeout": int(layout.timeout_s)},
         max_restarts=layout.max_restarts,
         local_addr=LOOPBACK,
         monitor_interval=0.1,
         start_method="spawn",
     )
-    return elastic_launch(config, entry)(*args)
+    try:
+        return elastic_launch(config, entry)(*args)
+    except ChildFailedError as error:
+        rank, failure = error.get_first_failure()
+        message = failure.message
+        reason = message.get("message", "") if isinstance(message, dict) else ""
+        raise WorkerFailedError(rank, failure.pid, failure.exitcode, reason) from error
+    finally:
+        del store
 
 
 def resolve_backend(backend: str) -> str:
@@ -95,6 +167,10 @@ def init_distributed(layout: WorldLayout) -> Comm:
         return Comm()
     backend = resolve_backend(layout.backend)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if layout.launcher == "elastic":
+        # A local world talks over loopback only; gloo would otherwise listen on the
+        # address the hostname resolves to (often the LAN address).
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
     else:
@@ -106,6 +182,65 @@ def init_distributed(layout: WorldLayout) -> Comm:
     if layout.launcher == "elastic" and expected != layout.world_size:
         raise RuntimeError(f"world has {expected} processes, layout expects {layout.world_size}")
     return Comm()
+
+
+def loopback_interface() -> str:
+    """The name of this machine's loopback network interface (``lo`` on Linux)."""
+    names = [name for _, name in socket.if_nameindex()]
+    for name in names:
+        try:
+            flags = int(open(f"/sys/class/net/{name}/flags").read(), 16)
+        except (OSError, ValueError):
+            continue
+        if flags & 0x8:  # IFF_LOOPBACK
+            return name
+    return "lo0" if "lo0" in names else "lo"
+
+
+class Heartbeat:
+    """Every rank bumps its counter in the process group's store every ``interval_s`` seconds.
+
+    When a collective fails, ``silent_ranks()`` says which ranks stopped beating (killed,
+    stopped or unreachable) as opposed to ranks that merely saw the failure too. The beat
+    runs in a daemon thread, so a rank blocked in a collective still answers.
+    """
+
+    def __init__(self, rank: int, world_size: int, interval_s: float = 0.5):
+        self.rank, self.world_size, self.interval_s = rank, world_size, interval_s
+        self._store = dist.distributed_c10d._get_default_store()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="fdp-heartbeat", daemon=True)
+
+    def _key(self, rank: int) -> str:
+        return f"fdp/heartbeat/{rank}"
+
+    def _beat(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._store.add(self._key(self.rank), 1)
+            except Exception:  # the store is gone: nothing left to tell
+                return
+            self._stop.wait(self.interval_s)
+
+    def start(self) -> "Heartbeat":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _counts(self) -> list[int]:
+        return [self._store.add(self._key(r), 0) for r in range(self.world_size)]
+
+    def silent_ranks(self) -> list[int] | None:
+        """Ranks whose counter did not move over three beats (``None``: the store does not answer)."""
+        try:
+            before = self._counts()
+            time.sleep(3 * self.interval_s)
+            after = self._counts()
+        except Exception:
+            return None
+        return [r for r, (a, b) in enumerate(zip(before, after)) if a == b and r != self.rank]
 
 
 def device_for(backend: str) -> torch.device:

@@ -90,6 +90,8 @@ class Reduction:
                 value = pending.wait()
                 waited += time.perf_counter() - t0
                 self._advance(index, run, value)
+        if len(self._done) != len(self._plan.buckets):
+            raise RuntimeError(f"{len(self._plan.buckets) - len(self._done)} buckets were never started")
         results = [self._done[i] for i in range(len(self._done))]
         flats = tuple(grads.buffer for grads, _ in results)
         states = tuple(state for _, state in results)
@@ -241,8 +243,11 @@ class GradReducer:
                     target.copy_(grad)
             self._remaining[bucket] -= 1
             reduction = self._reduction
-            while reduction.started < len(self._remaining) and self._remaining[reduction.started] == 0:
-                reduction.start(self.flats[reduction.started])
+            # Hook chains run outside the transform: tensors they create (and keep in
+            # their state) must be plain tensors, not this grad level's wrappers.
+            with torch._C._DisableFuncTorch(), torch.no_grad():
+                while reduction.started < len(self._remaining) and self._remaining[reduction.started] == 0:
+                    reduction.start(self.flats[reduction.started])
             # Returning None keeps autograd's own gradient (returning it again also kept
             # a gradient set alive, through the same cycle).
             return None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -20,12 +21,22 @@ from omegaconf import DictConfig, OmegaConf
 
 from fdp import checkpoint
 from fdp.comm import Comm
-from fdp.config import validate
+from fdp.config import ConfigError, validate
 from fdp.data import Dataset, eval_batches, global_batch, load_dataset, shard
 from fdp.functional import FunctionalModel, functionalize
 from fdp.hooks import Hook
 from fdp.hooks.registry import build_hook
-from fdp.launch import WorldLayout, broadcast_from_rank0, check_same_plan, init_distributed, spawn, tune_allocator
+from fdp.launch import (
+    Heartbeat,
+    RankLostError,
+    WorkerFailedError,
+    WorldLayout,
+    broadcast_from_rank0,
+    check_same_plan,
+    init_distributed,
+    spawn,
+    tune_allocator,
+)
 from fdp.metrics import MetricsLog, StepTimes, progress, summary_line
 from fdp.models import build_model, count_parameters
 from fdp.optim import (
@@ -62,7 +73,19 @@ def build_optimizer(cfg: DictConfig, max_steps: int) -> GradientTransformation:
 
 def build_data(cfg: DictConfig) -> Dataset:
     settings = {k: v for k, v in OmegaConf.to_container(cfg).items() if k not in ("name", "global_batch_size")}
-    return load_dataset(cfg.name, seed=0, **settings)
+    try:
+        return load_dataset(cfg.name, seed=0, **settings)
+    except ValueError as error:  # e.g. max_chars too small for two splits of block_size + 1
+        raise ConfigError(f"data={cfg.name}: {error}") from None
+
+
+def check_data(cfg: DictConfig, data: Dataset) -> None:
+    """The settings ``validate`` cannot check without the data: every rank refuses them alike."""
+    gbs = cfg.data.global_batch_size
+    if not data.is_text and gbs > data.train_x.shape[0]:
+        raise ConfigError(
+            f"data.global_batch_size={gbs}: expected at most the {data.train_x.shape[0]} training samples of {data.name}"
+        )
 
 
 def build_module(cfg: DictConfig, data: Dataset) -> torch.nn.Module:
@@ -113,6 +136,7 @@ class Run(NamedTuple):
 def setup(cfg: DictConfig, comm: Comm) -> Run:
     """Build model, data, plan, hooks, optimizer and the first train state on this rank."""
     data = build_data(cfg.data)
+    check_data(cfg, data)
     torch.manual_seed(cfg.seed)
     module = build_module(cfg.model, data)
     model, params, buffers = functionalize(module)
@@ -166,6 +190,57 @@ def _resume(run_dir: Path, run: Run, comm: Comm) -> TrainState:
     return checkpoint.restore(payload[0], run.state, comm.rank, path)
 
 
+class Progress:
+    """``<run dir>/ranks/rank<N>.txt``: ``pid=<pid> step=<step being computed>``, rewritten each step.
+
+    It tells the launcher which step a rank that died by a signal was on, and an operator
+    (or a test) which process is which rank. One ``pwrite`` per step, no fsync.
+    """
+
+    def __init__(self, run_dir: Path, rank: int):
+        path = self.path(run_dir, rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._pid = os.getpid()
+        self.step = 0
+
+    @staticmethod
+    def path(run_dir: Path, rank: int) -> Path:
+        return Path(run_dir) / "ranks" / f"rank{rank}.txt"
+
+    @staticmethod
+    def read(run_dir: Path, rank: int) -> dict[str, int]:
+        """``{"pid": ..., "step": ...}`` as rank ``rank`` last wrote them (empty if never)."""
+        try:
+            text = Progress.path(run_dir, rank).read_text()
+        except OSError:
+            return {}
+        return {key: int(value) for key, value in re.findall(r"(\w+)=(\d+)", text)}
+
+    def update(self, step: int) -> None:
+        # Within one process the line only grows (the step never decreases), so an
+        # in-place write never leaves a stale tail.
+        self.step = step
+        os.pwrite(self._fd, f"pid={self._pid} step={step}\n".encode(), 0)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def _lost_rank_error(error: RuntimeError, heartbeat: Heartbeat | None, rank: int, step: int) -> RankLostError | None:
+    """After a failed collective: a ``RankLostError`` naming the ranks that stopped answering, if any."""
+    lost = heartbeat.silent_ranks() if heartbeat is not None else None
+    if not lost:
+        return None
+    # Gloo prefixes its messages with its source location: "[.../pair.cc:537] Read error ...".
+    reason = re.sub(r"^\[[^\]]*\]\s*", "", (str(error).strip().splitlines() or [""])[0])
+    names = ", ".join(map(str, lost))
+    return RankLostError(
+        f"rank {names} was lost at step {step}: it stopped answering (killed, hung or unreachable); "
+        f"the collective on rank {rank} failed with: {reason}"
+    )
+
+
 def _setup_logging(run_dir: Path, rank: int) -> None:
     handler: logging.Handler
     if rank == 0:
@@ -195,7 +270,7 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm) -> dict:
     _setup_logging(run_dir, rank)
     tc = cfg.trainer
     if cfg.data.global_batch_size % world:
-        raise ValueError(f"data.global_batch_size={cfg.data.global_batch_size}: expected a multiple of the world size {world}")
+        raise ConfigError(f"data.global_batch_size={cfg.data.global_batch_size}: expected a multiple of the world size {world}")
     run = setup(cfg, comm)
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
     has_checkpoint = (run_dir / "checkpoints" / checkpoint.LAST).exists()
@@ -220,38 +295,51 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm) -> dict:
     t_start = time.perf_counter()
     last_step = min(tc.max_steps, tc.stop_at or tc.max_steps)
     bar = progress(last_step, state.step, enabled=tc.progress and rank == 0)
-    while state.step < last_step:
-        batch = shard(global_batch(run.data, state.step, gbs, cfg.seed), rank, world)
-        state, m = train_step(state, batch)
-        times.add(m)
-        skipped += m["skipped"]
-        step = state.step
-        bar.update(1)
-        done = step == last_step
-        if step % tc.log_every == 0 or done:
-            loss = m["loss"].clone()
-            if world > 1:
-                loss = comm.allreduce(loss / world).wait()
-            record = {
-                "step": step,
-                "loss": loss.item(),
-                "lr": m["lr"],
-                "samples_per_s": gbs / m["step_s"],
-                "step_ms": 1e3 * m["step_s"],
-                "compute_ms": 1e3 * m["compute_s"],
-                "comm_wait_ms": 1e3 * m["comm_wait_s"],
-                "bytes_sent": m["bytes_sent"],
-                "compression": run.plan.nbytes / m["bytes_sent"] if m["bytes_sent"] else None,
-                "skipped_steps": skipped,
-            }
-            if (tc.eval_every and step % tc.eval_every == 0 or done) and run.data.test_x is not None and rank == 0:
-                last_eval = evaluate(run.model, state.params, state.buffers, run.data, tc.eval_batches)
-                record.update(last_eval)
-            bar.set_postfix(loss=f"{record['loss']:.4f}", samples_s=f"{record['samples_per_s']:.0f}")
-            if metrics_log:
-                metrics_log.write(record)
-        if tc.checkpoint_every and step % tc.checkpoint_every == 0 or done:
-            _save(run_dir, state, comm, cfg, run.plan)
+    tracker = Progress(run_dir, rank)
+    heartbeat = Heartbeat(rank, world).start() if world > 1 else None
+    try:
+        while state.step < last_step:
+            tracker.update(state.step + 1)
+            batch = shard(global_batch(run.data, state.step, gbs, cfg.seed), rank, world)
+            state, m = train_step(state, batch)
+            times.add(m)
+            skipped += m["skipped"]
+            step = state.step
+            bar.update(1)
+            done = step == last_step
+            if step % tc.log_every == 0 or done:
+                loss = m["loss"].clone()
+                if world > 1:
+                    loss = comm.allreduce(loss / world).wait()
+                record = {
+                    "step": step,
+                    "loss": loss.item(),
+                    "lr": m["lr"],
+                    "samples_per_s": gbs / m["step_s"],
+                    "step_ms": 1e3 * m["step_s"],
+                    "compute_ms": 1e3 * m["compute_s"],
+                    "comm_wait_ms": 1e3 * m["comm_wait_s"],
+                    "bytes_sent": m["bytes_sent"],
+                    "compression": run.plan.nbytes / m["bytes_sent"] if m["bytes_sent"] else None,
+                    "skipped_steps": skipped,
+                }
+                if (tc.eval_every and step % tc.eval_every == 0 or done) and run.data.test_x is not None and rank == 0:
+                    last_eval = evaluate(run.model, state.params, state.buffers, run.data, tc.eval_batches)
+                    record.update(last_eval)
+                bar.set_postfix(loss=f"{record['loss']:.4f}", samples_s=f"{record['samples_per_s']:.0f}")
+                if metrics_log:
+                    metrics_log.write(record)
+            if tc.checkpoint_every and step % tc.checkpoint_every == 0 or done:
+                _save(run_dir, state, comm, cfg, run.plan)
+    except RuntimeError as error:
+        lost = _lost_rank_error(error, heartbeat, rank, tracker.step) if world > 1 else None
+        if lost is None:
+            raise
+        raise lost from error
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
+        tracker.close()
     bar.close()
     wall = time.perf_counter() - t_start
     summary = {
@@ -282,11 +370,25 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
     layout = layout_of(cfg)
     container = OmegaConf.to_container(cfg, resolve=True)
     if layout.launcher == "elastic":
-        results = spawn(train_worker, (container, str(run_dir)), layout)
+        try:
+            results = spawn(train_worker, (container, str(run_dir)), layout)
+        except WorkerFailedError as error:
+            if error.signal is None:
+                raise  # the worker's own one-line error
+            raise RankLostError(_lost_message(Path(run_dir), error)) from error
         summary = results[0]
     else:
         summary = train_worker(cfg, str(run_dir))
     return summary
+
+
+def _lost_message(run_dir: Path, error: WorkerFailedError) -> str:
+    step = Progress.read(run_dir, error.rank).get("step")
+    at = f" at step {step}" if step else " before step 1"
+    steps = sorted(int(m.group(1)) for p in (run_dir / "checkpoints").glob("step_*.pt") if (m := re.search(r"(\d+)", p.name)))
+    resume = (f"the last checkpoint is step {steps[-1]} (continue with trainer.resume=true, or set "
+              "world.max_restarts to restart from it automatically)") if steps else "there is no checkpoint yet"
+    return f"rank {error.rank} was lost{at}: process {error.pid} was killed by {error.signal}; the other ranks were stopped; {resume}"
 
 
 def main(cfg: DictConfig, run_dir: str | Path) -> dict:

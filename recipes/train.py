@@ -8,25 +8,51 @@
 Every setting is in conf/ and fdp/config.py; the logic lives in fdp/trainer.py.
 """
 import sys
+from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from fdp.checkpoint import CheckpointError
-from fdp.config import ConfigError, register_configs
+from fdp.config import ConfigError, register_configs, validate
+from fdp.launch import RankLostError, WorkerFailedError
 from fdp.trainer import main as train
 
 register_configs()
 
 
+def save_hydra_files(cfg: DictConfig, run_dir: str) -> None:
+    """What Hydra's ``output_subdir`` would hold, written only once the config is valid.
+
+    A resumed run keeps the files of the invocations before it: each resume writes its
+    own ``.hydra/resume-<N>/``.
+    """
+    hydra_cfg = HydraConfig.get()
+    out = Path(run_dir) / ".hydra"
+    n = 0
+    while (out / "config.yaml").exists():
+        n += 1
+        out = Path(run_dir) / ".hydra" / f"resume-{n}"
+    out.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, out / "config.yaml")
+    OmegaConf.save(OmegaConf.create({"hydra": hydra_cfg}), out / "hydra.yaml")
+    OmegaConf.save(hydra_cfg.overrides.task, out / "overrides.yaml")
+
+
 @hydra.main(config_path="../conf", config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
+    run_dir = HydraConfig.get().runtime.output_dir
     try:
-        train(cfg, HydraConfig.get().runtime.output_dir)
+        validate(cfg, run_dir)  # before anything is written to run_dir
+        save_hydra_files(cfg, run_dir)
+        train(cfg, run_dir)
     except (ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except (WorkerFailedError, RankLostError, FloatingPointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -489,7 +489,7 @@ def test_powersgd_matches_an_independent_rank_r_power_step():
     hook = powersgd(rank=2, start_iter=0, error_feedback=False)
     g = torch.randn(bucket.numel, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     q = torch.randn(12 * 2, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
-    state = hook.init(bucket)._replace(iteration=1, q=q)  # past the random draw: warm Q from the state
+    state = hook.init(bucket)._replace(iteration=1, q=q, draws=1)  # past the random draw: warm Q from the state
     out, new_state = run_hook(hook, state, GradBucket(0, g, bucket), Comm())
     M = g[:240].view(20, 12)
     Q, _ = torch.linalg.qr(state.q.view(12, 2))
@@ -512,6 +512,12 @@ def test_powersgd_start_iter_averages_exactly_then_compresses():
             assert torch.equal(out.buffer, g) and not state.error.any()
         else:
             assert torch.linalg.matrix_rank(out.buffer.view(32, 32)).item() == 1
+    assert state.draws == 1  # warm start: one random Q, at the first compressed step
+    # A run resumed with a later start_iter than it was begun with still draws its first Q.
+    late = powersgd(rank=1, start_iter=1)
+    out, state = run_hook(late, powersgd(rank=1, start_iter=100).init(bucket)._replace(iteration=50),
+                          GradBucket(0, g, bucket), Comm())
+    assert state.draws == 1 and torch.linalg.matrix_rank(out.buffer.view(32, 32)).item() == 1
 
 
 def test_powersgd_zero_gradient_stays_zero_instead_of_nan():
@@ -548,6 +554,41 @@ def test_state_saved_and_loaded_resumes_bit_identically(tmp_path, make):
     for flats, expected in zip(stream[3:], straight[3:]):
         out, states = _reduce(hook, plan, flats, states, Comm())
         assert all(_same(a, b) for a, b in zip(out, expected))
+
+
+@pytest.mark.parametrize("make", [lambda: powersgd(rank=1, start_iter=0, warm_start=False),
+                                  lambda: batched_powersgd(start_iter=0, warm_start=False)], ids=["powersgd", "batched"])
+def test_state_holds_no_functorch_wrapper_when_the_chain_starts_inside_backward(make):
+    """The overlap schedule starts a bucket's chain from a tensor hook inside torch.func.grad,
+    where every new tensor is wrapped for the transform; the chain is resumed after the
+    transform has ended. Nothing made before the first collective may end up in the state."""
+    from torch._C._functorch import is_functorch_wrapped_tensor
+
+    hook = make()
+    bucket = _plan([("w", (16, 12)), ("b", (16,))]).buckets[0]
+    state = hook.init(bucket)
+    grads = GradBucket(0, torch.randn(bucket.numel, generator=torch.Generator().manual_seed(0)), bucket)
+    started = {}
+
+    def loss(w):
+        def on_grad(_):
+            run = hook.apply(state, grads, Comm())
+            started["run"], started["pending"] = run, next(run)
+
+        w.register_hook(on_grad)
+        return (w * 2).sum()
+
+    torch.func.grad(loss)(torch.ones(3))
+    run, pending = started["run"], started["pending"]
+    try:
+        while True:
+            pending = run.send(pending.wait())
+    except StopIteration as done:
+        out, new_state = done.value
+    leaves = [leaf for leaf in pytree.tree_leaves(new_state) if isinstance(leaf, torch.Tensor)]
+    assert leaves and not any(is_functorch_wrapped_tensor(leaf) for leaf in leaves)
+    expected, expected_state = run_hook(hook, state, grads, Comm())
+    assert _same(out.buffer, expected.buffer) and _same(new_state, expected_state)
 
 
 def test_powersgd_state_is_fixed_in_structure_and_seeded_per_bucket():

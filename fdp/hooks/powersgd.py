@@ -30,7 +30,10 @@ function of (state, gradient) and a resumed run continues bit for bit:
 * ``q``: the Q of the last step (``None`` without warm start); P is recomputed from
   scratch each step, so it is not state;
 * ``rng``: the state of the generator that seeds each random Q (a numpy
-  ``RandomState``, as in PyTorch, packed into an int64 tensor).
+  ``RandomState``, as in PyTorch, packed into an int64 tensor);
+* ``draws``: how many random Qs were drawn. With warm start Q is drawn when ``draws``
+  is 0 (the first compressed step) and reused after, whatever ``start_iter`` a resumed
+  run is given.
 
 All tensors are allocated by ``init`` in the bucket's dtype, so the state has the same
 structure from the first step to the last (checkpoints flatten it). When the stage runs
@@ -86,6 +89,7 @@ class PowerSGDState(NamedTuple):
     error: torch.Tensor | None
     q: torch.Tensor | None
     rng: torch.Tensor
+    draws: int  # random Qs drawn so far (with warm start: 0 until compression starts, then 1)
 
 
 # ----------------------------------------------------------------------------- settings
@@ -127,13 +131,19 @@ def _rng_pack(stream: np.random.RandomState) -> torch.Tensor:
     return torch.from_numpy(np.append(words.astype(np.int64), np.int64(pos)))
 
 
-def _rng_draw(packed: torch.Tensor) -> tuple[int, torch.Tensor]:
-    """The next Q seed of a packed stream, and the stream after the draw (the input is untouched)."""
-    words = packed.cpu().numpy()
+def _rng_draw(packed: torch.Tensor) -> tuple[int, np.random.RandomState]:
+    """The next Q seed of a packed stream, and the stream after the draw (the input is untouched).
+
+    The caller packs the advanced stream (``_rng_pack``) only after its first collective:
+    under the overlap schedule the code before it runs inside torch.func's grad
+    transform, where a new tensor comes out wrapped and must not be kept in the state.
+    """
+    # tolist, not numpy(): inside the transform even plain tensors refuse numpy().
+    words = np.asarray(packed.tolist(), dtype=np.int64)
     stream = np.random.RandomState(0)
     stream.set_state(("MT19937", words[:_MT_WORDS].astype(np.uint32), int(words[_MT_WORDS])))
     value = int(stream.randint(_SEED_BOUND))
-    return value, _rng_pack(stream)
+    return value, stream
 
 
 def _random_matrices(seed: int, shapes, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
@@ -303,7 +313,7 @@ def powersgd(
             units = _layout(bucket, rank, min_compression_rate, batch).units
             q_numel = sum(len(u.slots) * u.m * u.r for u in units)
             q = torch.zeros(q_numel, dtype=dtype, device=device)
-        return PowerSGDState(0, error, q, _rng_init(seed, bucket.index))
+        return PowerSGDState(0, error, q, _rng_init(seed, bucket.index), 0)
 
     def apply(state: PowerSGDState, grads: GradBucket, comm: Comm):
         if state.iteration < start_iter:
@@ -330,9 +340,9 @@ def powersgd(
                 ms.append(torch.stack([piece(i).view(unit.n, unit.m) for i in unit.slots]))
         q_shapes = [(len(u.slots), u.m, u.r) for u in layout.units]
 
-        rng = state.rng
-        if not warm_start or state.iteration == start_iter:
-            q_seed, rng = _rng_draw(rng)
+        stream = None
+        if not warm_start or state.draws == 0:
+            q_seed, stream = _rng_draw(state.rng)
             qs = _random_matrices(q_seed, q_shapes, dtype, buf.device)
         else:
             qs = _split(state.q.to(dtype), q_shapes)
@@ -364,7 +374,8 @@ def powersgd(
 
         error = (x - out).to(state.error.dtype) if error_feedback else None
         q = q_mean.to(state.q.dtype) if warm_start else None
-        return grads._replace(buffer=out), PowerSGDState(state.iteration + 1, error, q, rng)
+        rng, draws = (state.rng, state.draws) if stream is None else (_rng_pack(stream), state.draws + 1)
+        return grads._replace(buffer=out), PowerSGDState(state.iteration + 1, error, q, rng, draws)
 
     return Hook(init, apply)
 
@@ -403,7 +414,7 @@ def batched_powersgd(
         side, r = sizes(bucket.numel)
         error = torch.zeros(side * side, dtype=dtype, device=device) if error_feedback else None
         q = torch.zeros(side * r, dtype=dtype, device=device) if warm_start else None
-        return PowerSGDState(0, error, q, _rng_init(seed, bucket.index))
+        return PowerSGDState(0, error, q, _rng_init(seed, bucket.index), 0)
 
     def apply(state: PowerSGDState, grads: GradBucket, comm: Comm):
         if state.iteration < start_iter:
@@ -419,9 +430,9 @@ def batched_powersgd(
             x = x + state.error.to(dtype)
         matrix = x.view(side, side)
 
-        rng = state.rng
-        if not warm_start or state.iteration == start_iter:
-            q_seed, rng = _rng_draw(rng)
+        stream = None
+        if not warm_start or state.draws == 0:
+            q_seed, stream = _rng_draw(state.rng)
             (q,) = _random_matrices(q_seed, [(side, r)], dtype, buf.device)
         else:
             q = state.q.to(dtype).view(side, r)
@@ -436,6 +447,7 @@ def batched_powersgd(
         error = (x - approx).to(state.error.dtype) if error_feedback else None
         q_new = q_mean.reshape(-1).to(state.q.dtype) if warm_start else None
         out = approx[:numel].clone()
-        return grads._replace(buffer=out), PowerSGDState(state.iteration + 1, error, q_new, rng)
+        rng, draws = (state.rng, state.draws) if stream is None else (_rng_pack(stream), state.draws + 1)
+        return grads._replace(buffer=out), PowerSGDState(state.iteration + 1, error, q_new, rng, draws)
 
     return Hook(init, apply)

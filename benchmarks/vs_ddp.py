@@ -1,0 +1,432 @@
+"""Benchmark: fdp against PyTorch DDP, same model, data, world and settings, in one run.
+
+Two models: an MLP of ~25M parameters (24 x Linear(1024, 1024) + ReLU, a 10-way head;
+batch 32 per rank) and a ``CharTransformer`` of ~16M (d_model 512, 5 layers, 8 heads,
+vocab 256; batch 4 x 64 tokens per rank). Random inputs, a fixed batch per rank.
+
+Both sides: 2 ranks started by ``fdp.launch.spawn`` (PyTorch's elastic launcher), gloo,
+one torch thread per rank, SGD(lr 0.01, momentum 0.9), bucket caps 25 MiB (first 1 MiB),
+a mean allreduce. A step is everything: forward, backward, reduction, optimizer.
+
+* ``ddp``: ``DistributedDataParallel`` (defaults) + ``torch.optim.SGD``.
+* ``fdp after`` / ``fdp overlap``: ``fdp.train.make_train_step`` with each schedule.
+* no-communication lower bounds: ``fdp noop`` (``fdp.hooks.noop``) and ``ddp noop``
+  (``noop_hook``).
+* ``--hooks``: ``fdp fp16`` vs ``ddp fp16`` (``fp16_compress_hook``) and ``fdp powersgd``
+  vs ``ddp powersgd`` (``powerSGD_hook``), both rank 1 with compression from step 3.
+  torch's ``powerSGD_hook`` races on gloo with more than one bucket (the ranks interleave
+  the P and Q allreduces of different buckets differently), so it runs wrapped in a hook
+  that waits for its future before returning: that serialises DDP's PowerSGD buckets.
+
+Every variant runs in blocks: built fresh (so its memory is its own), warmed up, timed for
+some steps, torn down (``gc`` + ``malloc_trim``). Blocks alternate between variants
+(the order rotates every repetition), so load from other jobs on the machine falls on all
+of them alike. Reported: median step time over all timed steps (rank 0; the ranks are in
+lock step), peak RSS per rank (``VmHWM`` of the block, reset through
+``/proc/self/clear_refs``; max over ranks and blocks), and how much CPU other processes
+took during the run (from ``/proc/stat`` minus the ranks' own CPU time).
+
+``fdp.launch.tune_allocator()`` runs in each rank first, as fdp's trainer does; it is
+process-wide, so DDP runs under it too (``--allocator default`` leaves glibc alone).
+
+    python benchmarks/vs_ddp.py [--quick] [--hooks] [--allocator tuned|default]
+
+The last line printed is ``fdp/ddp step time: X``: the worse (larger) of the two models'
+ratios of fdp's step time, with the schedule fdp's trainer picks for gloo, to DDP's.
+The full run writes ``benchmarks/results/vs_ddp.md`` and ``vs_ddp.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import gc
+import importlib.util
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script: make ``fdp`` and this module importable
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "results"
+LR, MOMENTUM = 0.01, 0.9
+BUCKET_CAP_MB, FIRST_BUCKET_CAP_MB = 25.0, 1.0
+POWERSGD_RANK, POWERSGD_START = 1, 2
+
+MODELS = {
+    "mlp": {"kind": "mlp", "width": 1024, "depth": 24, "classes": 10, "batch": 32},
+    "transformer": {"kind": "charlm", "vocab": 256, "seq": 64, "d_model": 512, "n_layer": 5, "n_head": 8, "batch": 4},
+}
+CORE = ["ddp", "fdp after", "fdp overlap", "ddp noop", "fdp noop"]
+HOOKED = ["ddp fp16", "fdp fp16", "ddp powersgd", "fdp powersgd"]
+HOOK_MODULES = ["fdp.hooks.compress", "fdp.hooks.powersgd", "fdp.hooks.registry"]
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def _status_mib(field: str) -> float:
+    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) / 1024
+
+
+def _reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def _release_memory() -> None:
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
+def _busy_jiffies() -> int:
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields[:8]) - idle
+
+
+def _own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+# ----------------------------------------------------------------------------- variants
+
+
+def _module(spec: dict):
+    from fdp.models import MLP, CharTransformer
+
+    torch.manual_seed(0)
+    if spec["kind"] == "mlp":
+        return MLP(spec["width"], spec["width"], spec["depth"], spec["classes"])
+    return CharTransformer(spec["vocab"], spec["seq"], spec["d_model"], spec["n_layer"], spec["n_head"])
+
+
+def _batch(spec: dict, rank: int):
+    g = torch.Generator().manual_seed(1000 + rank)
+    if spec["kind"] == "mlp":
+        return torch.randn(spec["batch"], spec["width"], generator=g), torch.randint(0, spec["classes"], (spec["batch"],), generator=g)
+    tokens = torch.randint(0, spec["vocab"], (spec["batch"], spec["seq"] + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def _ddp_powersgd_waiting(state, bucket):
+    """torch's ``powerSGD_hook``, made safe for several buckets on gloo by waiting inside."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as P
+
+    fut = P.powerSGD_hook(state, bucket)
+    fut.wait()
+    return fut
+
+
+def _build_ddp(spec: dict, batch, hook: str | None):
+    from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks as D
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as P
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(_module(spec), bucket_cap_mb=BUCKET_CAP_MB)
+    if hook == "noop":
+        ddp.register_comm_hook(None, debugging_hooks.noop_hook)
+    elif hook == "fp16":
+        ddp.register_comm_hook(None, D.fp16_compress_hook)
+    elif hook == "powersgd":
+        state = P.PowerSGDState(None, matrix_approximation_rank=POWERSGD_RANK, start_powerSGD_iter=POWERSGD_START)
+        ddp.register_comm_hook(state, _ddp_powersgd_waiting)
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=MOMENTUM)
+    x, y = batch
+
+    def step() -> float:
+        opt.zero_grad()
+        logits = ddp(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        return 0.0
+
+    return step
+
+
+def _fdp_hook(name: str):
+    from fdp import hooks
+
+    if name == "allreduce":
+        return hooks.allreduce()
+    if name == "noop":
+        return hooks.noop()
+    if name == "fp16":
+        return hooks.fp16()
+    if name == "powersgd":
+        return hooks.powersgd(rank=POWERSGD_RANK, start_iter=POWERSGD_START)
+    raise ValueError(name)
+
+
+def _build_fdp(spec: dict, batch, schedule: str, hook_name: str):
+    from fdp.comm import Comm
+    from fdp.functional import functionalize
+    from fdp.optim import sgd
+    from fdp.plan import plan_buckets
+    from fdp.train import cross_entropy_loss, init_train_state, make_train_step, planner_loss
+
+    model, params, buffers = functionalize(_module(spec))
+    loss_fn = cross_entropy_loss(model)
+    plan = plan_buckets(
+        planner_loss(loss_fn, buffers), params, batch, bucket_cap_mb=BUCKET_CAP_MB, first_bucket_cap_mb=FIRST_BUCKET_CAP_MB
+    )
+    hook, optimizer = _fdp_hook(hook_name), sgd(LR, momentum=MOMENTUM)
+    train_step = make_train_step(loss_fn, optimizer, plan, hook, Comm(), schedule=schedule)
+    holder = [init_train_state(params, buffers, optimizer, plan, hook)]
+    del params, buffers
+
+    def step() -> float:
+        holder[0], metrics = train_step(holder[0], batch)
+        return metrics["comm_wait_s"]
+
+    step.buckets = len(plan)
+    return step
+
+
+def _build(variant: str, spec: dict, batch):
+    side, _, what = variant.partition(" ")
+    if side == "ddp":
+        return _build_ddp(spec, batch, what or None)
+    if what in ("after", "overlap"):
+        return _build_fdp(spec, batch, what, "allreduce")
+    return _build_fdp(spec, batch, _fdp_default_schedule(), what)
+
+
+def _fdp_default_schedule() -> str:
+    """The schedule fdp's trainer picks on gloo (``trainer.schedule=auto``)."""
+    try:
+        from omegaconf import OmegaConf
+
+        from fdp.trainer import schedule_for
+
+        return schedule_for(OmegaConf.create({"trainer": {"schedule": "auto"}}), "gloo")
+    except Exception:  # noqa: BLE001 - the trainer is optional here
+        return "after"
+
+
+# ----------------------------------------------------------------------------- worker
+
+
+def worker(model_name: str, variants: list[str], reps: int, warmup: int, steps: int, allocator: str) -> dict:
+    from fdp.launch import WorldLayout, init_distributed, tune_allocator
+
+    if allocator == "tuned":
+        tune_allocator()
+    comm = init_distributed(WorldLayout("elastic", nproc_per_node=2, backend="gloo"))
+    torch.set_num_threads(1)
+    rank = comm.rank
+    spec = MODELS[model_name]
+    batch = _batch(spec, rank)
+    n_params = sum(p.numel() for p in _module(spec).parameters())
+    _release_memory()
+    out = {v: {"ms": [], "wait_ms": [], "peak_mib": [], "base_mib": [], "rss_after_mib": [], "buckets": None} for v in variants}
+    blocks = []
+    cpu0, busy0, wall0 = _own_cpu_s(), _busy_jiffies(), time.perf_counter()
+    for rep in range(reps):
+        shift = rep % len(variants)
+        order = variants[shift:] + variants[:shift]
+        for variant in order:
+            _release_memory()
+            base = _status_mib("VmRSS")
+            _reset_peak()
+            step = _build(variant, spec, batch)
+            dist.barrier()
+            for _ in range(warmup):
+                step()
+            times, waits = [], []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                waits.append(step())
+                times.append(time.perf_counter() - t0)
+            rec = out[variant]
+            rec["ms"] += [1e3 * t for t in times]
+            rec["wait_ms"] += [1e3 * w for w in waits]
+            rec["peak_mib"].append(_status_mib("VmHWM"))
+            rec["base_mib"].append(base)
+            rec["rss_after_mib"].append(_status_mib("VmRSS"))
+            rec["buckets"] = getattr(step, "buckets", None)
+            blocks.append((variant, statistics.median(times) * 1e3))
+            del step
+            dist.barrier()
+    wall = time.perf_counter() - wall0
+    result = {
+        "variants": out,
+        "blocks": blocks,
+        "params": n_params,
+        "cpu_s": _own_cpu_s() - cpu0,
+        "busy_s": (_busy_jiffies() - busy0) / os.sysconf("SC_CLK_TCK"),
+        "wall_s": wall,
+    }
+    dist.destroy_process_group()
+    return result
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def _run_model(model_name: str, variants: list[str], args) -> dict:
+    from fdp.launch import WorldLayout, spawn
+
+    layout = WorldLayout("elastic", nproc_per_node=2, backend="gloo", timeout_s=600.0)
+    entry = _importable_worker()
+    res = spawn(entry, (model_name, variants, args.reps, args.warmup, args.steps, args.allocator), layout)
+    r0, r1 = res[0], res[1]
+    others = max(0.0, r0["busy_s"] - r0["cpu_s"] - r1["cpu_s"]) / r0["wall_s"]
+    rows = {}
+    for v in variants:
+        a, b = r0["variants"][v], r1["variants"][v]
+        ms = a["ms"]
+        rows[v] = {
+            "median_ms": statistics.median(ms),
+            "q1_ms": _quantile(ms, 0.25),
+            "q3_ms": _quantile(ms, 0.75),
+            "n": len(ms),
+            "wait_ms": statistics.median(a["wait_ms"]),
+            "peak_rss_mib": max(a["peak_mib"] + b["peak_mib"]),
+            "base_rss_mib": max(a["base_mib"] + b["base_mib"]),
+            "rss_after_mib": max(a["rss_after_mib"] + b["rss_after_mib"]),
+            "buckets": a["buckets"],
+        }
+    return {"params": r0["params"], "rows": rows, "blocks": r0["blocks"], "others_cores": others, "wall_s": r0["wall_s"]}
+
+
+def _importable_worker():
+    # The launcher pickles the entry point by module name; under ``python benchmarks/vs_ddp.py``
+    # this module is ``__main__``, which the spawned workers cannot import by that name.
+    if __name__ != "__main__":
+        return worker
+    import importlib
+
+    return importlib.import_module("benchmarks.vs_ddp").worker
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    i = q * (len(s) - 1)
+    lo = int(i)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (i - lo)
+
+
+def _missing_hook_modules() -> list[str]:
+    return [m for m in HOOK_MODULES if importlib.util.find_spec(m) is None]
+
+
+def _ratio_rows(rows: dict) -> dict[str, float]:
+    ddp = rows["ddp"]["median_ms"]
+    out = {v: r["median_ms"] / ddp for v, r in rows.items() if v.startswith("fdp") and v in ("fdp after", "fdp overlap")}
+    for name in ("fp16", "powersgd"):
+        if f"fdp {name}" in rows and f"ddp {name}" in rows:
+            out[f"fdp {name}"] = rows[f"fdp {name}"]["median_ms"] / rows[f"ddp {name}"]["median_ms"]
+    return out
+
+
+def _table(results: dict, default: str) -> list[str]:
+    lines = [
+        "| model | variant | step ms (median) | IQR ms | steps | comm wait ms | vs DDP | peak RSS/rank MiB |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for model, res in results.items():
+        rows = res["rows"]
+        ratios = _ratio_rows(rows)
+        for v, r in rows.items():
+            mark = " (default)" if v == f"fdp {default}" else ""
+            ratio = f"{ratios[v]:.2f}" if v in ratios else ""
+            wait = f"{r['wait_ms']:.0f}" if v.startswith("fdp") else ""
+            lines.append(
+                f"| {model} ({res['params'] / 1e6:.1f}M) | {v}{mark} | {r['median_ms']:.0f} | "
+                f"{r['q1_ms']:.0f}-{r['q3_ms']:.0f} | {r['n']} | {wait} | {ratio} | {r['peak_rss_mib']:.0f} |"
+            )
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer, shorter blocks (under 2 minutes); prints only")
+    parser.add_argument("--hooks", action="store_true", help="add fp16 and PowerSGD rows (fdp hooks vs DDP's torch hooks)")
+    parser.add_argument("--models", default="mlp,transformer")
+    parser.add_argument("--allocator", choices=("tuned", "default"), default="tuned")
+    parser.add_argument("--reps", type=int)
+    parser.add_argument("--warmup", type=int)
+    parser.add_argument("--steps", type=int, help="timed steps per block")
+    parser.add_argument("--write", action="store_true", help="write the results files even with --quick")
+    args = parser.parse_args()
+    quick = dict(reps=2, warmup=2, steps=4) if args.quick else dict(reps=5, warmup=3, steps=10)
+    for k, v in quick.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.hooks:
+        missing = _missing_hook_modules()
+        if missing:
+            sys.exit(f"--hooks needs the fdp hook library, missing: {', '.join(missing)}")
+        args.warmup = max(args.warmup, POWERSGD_START + 1)  # PowerSGD compresses in every timed step
+    variants = CORE + (HOOKED if args.hooks else [])
+    default = _fdp_default_schedule()
+
+    load_before = os.getloadavg()
+    started = time.perf_counter()
+    results = {}
+    for model in args.models.split(","):
+        results[model] = _run_model(model, variants, args)
+        print(f"{model}: done in {results[model]['wall_s']:.0f} s", flush=True)
+    load_after = os.getloadavg()
+    elapsed = time.perf_counter() - started
+
+    worst = max(_ratio_rows(res["rows"])[f"fdp {default}"] for res in results.values())
+    others = ", ".join(f"{m} {r['others_cores']:.2f}" for m, r in results.items())
+    header = [
+        f"# fdp vs DDP ({datetime.date.today().isoformat()})",
+        "",
+        f"torch {torch.__version__}, Python {platform.python_version()}, {platform.machine()}, "
+        f"{os.cpu_count()} CPU cores shared with other jobs; 2 ranks, gloo, 1 torch thread each; "
+        f"allocator: {args.allocator}.",
+        f"Load average before {load_before[0]:.2f} / after {load_after[0]:.2f} (1 min); CPU taken by other "
+        f"processes during the run, in cores of {os.cpu_count()}: {others}.",
+        f"SGD lr {LR} momentum {MOMENTUM}; buckets {BUCKET_CAP_MB:g} MiB (first {FIRST_BUCKET_CAP_MB:g} MiB); "
+        f"mean allreduce. {args.reps} repetitions x {len(variants)} variants, alternating; each block: fresh "
+        f"build, {args.warmup} warm-up + {args.steps} timed steps. Medians over the timed steps of rank 0.",
+        f"fdp's default schedule on gloo: `{default}`. No-communication rows (`noop`) are the lower bound. "
+        + ("DDP's PowerSGD hook is wrapped to wait() inside the hook (gloo races otherwise), which "
+           "serialises its buckets. " if args.hooks else "")
+        + f"Total run {elapsed:.0f} s.",
+        "",
+    ]
+    lines = header + _table(results, default)
+    ratio_line = "; ".join(
+        f"{m}: " + ", ".join(f"{v} {x:.2f}" for v, x in _ratio_rows(r["rows"]).items()) for m, r in results.items()
+    )
+    lines += ["", f"fdp/DDP step-time ratios: {ratio_line}."]
+    print("\n".join(lines))
+    if not args.quick or args.write:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / "vs_ddp.md").write_text("\n".join(lines) + f"\n\nfdp/ddp step time: {worst:.2f}\n")
+        payload = {
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "torch": torch.__version__,
+            "load_before": load_before,
+            "load_after": load_after,
+            "settings": {k: getattr(args, k) for k in ("reps", "warmup", "steps", "allocator", "hooks")},
+            "models": MODELS,
+            "results": results,
+        }
+        (RESULTS / "vs_ddp.json").write_text(json.dumps(payload, indent=1))
+    print(f"fdp/ddp step time: {worst:.2f}")
+
+
+if __name__ == "__main__":
+    main()

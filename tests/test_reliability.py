@@ -1,0 +1,561 @@
+"""Reliability: lost and hung ranks, restarts, crash-safe checkpoints, bad input,
+non-finite gradients, uneven shards, and local worlds that listen on loopback only.
+
+Every run is a tiny MLP on two gloo ranks started by the elastic launcher. Faults come
+from outside the run (the test signals a worker whose pid it reads from
+``<run dir>/ranks/rank<N>.txt``) or from a test-only worker entry that wraps
+``train_worker``; nothing here needs a knob in the production path.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import ipaddress
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from fdp import checkpoint
+from fdp.comm import Comm
+from fdp.config import ConfigError, register_configs, validate
+from fdp.data import load_digits, shard_dataset
+from fdp.functional import functionalize
+from fdp.launch import RankLostError, WorkerFailedError, spawn
+from fdp.optim import sgd
+from fdp.plan import plan_buckets
+from fdp.train import cross_entropy_loss, init_train_state, make_train_step, planner_loss
+from fdp.trainer import Progress, layout_of, run, train_worker
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = str(ROOT / "conf")
+register_configs()
+
+TINY = ["model.hidden=16", "data.global_batch_size=16", "trainer.eval_every=0", "trainer.progress=false"]
+LOCAL2 = ["world=local2", "world.backend=gloo", "world.timeout_s=30"]
+# The run that restarts must match: SGD with momentum (optimizer state), checkpoints every 20 steps.
+STEPS, EVERY = 200, 20
+REFERENCE = [*TINY, *LOCAL2, f"trainer.max_steps={STEPS}", f"trainer.checkpoint_every={EVERY}"]
+
+
+def make_cfg(*overrides):
+    with initialize_config_dir(config_dir=CONF, version_base=None):
+        return compose("config", overrides=list(overrides))
+
+
+def final_params(run_dir):
+    return torch.load(Path(run_dir) / "checkpoints" / "last.pt", weights_only=True)["params"]
+
+
+def assert_same_params(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def wait_for(predicate, timeout=120.0, every=0.005):
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met in time")
+        time.sleep(every)
+    return value
+
+
+class Background(threading.Thread):
+    """``fn()`` in a thread; ``result()`` joins it and returns its value or raises its error."""
+
+    def __init__(self, fn):
+        super().__init__(daemon=True)
+        self.fn, self.value, self.error = fn, None, None
+        self.start()
+
+    def run(self):
+        try:
+            self.value = self.fn()
+        except BaseException as e:  # handed to the test thread
+            self.error = e
+
+    def result(self, timeout=120.0):
+        self.join(timeout)
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def checkpointed(run_dir, step):
+    return (Path(run_dir) / "checkpoints" / f"step_{step:08d}.pt").exists()
+
+
+def alive(pid):
+    """Running, and not a zombie waiting for its parent."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+# -- the uninterrupted run, and what listened while it ran ---------------------------------
+def _proc_children():
+    children = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int(entry.joinpath("stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    return children
+
+
+def _descendants(pid):
+    children, out, todo = _proc_children(), [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def _socket_inodes(pid):
+    inodes = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(int(target[8:-1]))
+    except OSError:
+        pass
+    return inodes
+
+
+def _listening():
+    """``{inode: ip address}`` of every TCP socket in LISTEN state (IPv4 and IPv6)."""
+    out = {}
+    for table, width in (("tcp", 4), ("tcp6", 16)):
+        try:
+            rows = Path(f"/proc/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if fields[3] != "0A":  # TCP_LISTEN
+                continue
+            raw = bytes.fromhex(fields[1].split(":")[0])
+            # /proc prints each 32-bit word in host (little-endian) order.
+            packed = b"".join(raw[i : i + 4][::-1] for i in range(0, width, 4))
+            out[int(fields[9])] = ipaddress.ip_address(packed)
+    return out
+
+
+class ListenWatch(Background):
+    """Records the listening addresses of this process and its descendants until stopped."""
+
+    def __init__(self):
+        self.seen: set[tuple[str, str]] = set()
+        self.halt = threading.Event()
+        super().__init__(self._watch)
+
+    def _watch(self):
+        me = os.getpid()
+        while not self.halt.is_set():
+            listening = _listening()
+            for pid in _descendants(me):
+                for inode in _socket_inodes(pid) & listening.keys():
+                    self.seen.add(("launcher" if pid == me else "worker", str(listening[inode])))
+            self.halt.wait(0.05)
+        return self.seen
+
+    def stop(self):
+        self.halt.set()
+        return self.result()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted 2-rank run that interrupted ones must reproduce bit for bit."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    watch = ListenWatch()
+    try:
+        summary = run(make_cfg(*REFERENCE), run_dir)
+    finally:
+        listening = watch.stop()
+    assert summary["steps"] == STEPS
+    return {"params": final_params(run_dir), "listening": listening}
+
+
+def test_local_world_listens_on_loopback_only(reference):
+    """The rendezvous store (in the launcher) and gloo (in each worker) bind 127.0.0.1, not every interface."""
+    roles = {role for role, _ in reference["listening"]}
+    assert roles == {"launcher", "worker"}, reference["listening"]
+    for role, address in reference["listening"]:
+        ip = ipaddress.ip_address(address)
+        mapped = getattr(ip, "ipv4_mapped", None)
+        assert ip.is_loopback or (mapped is not None and mapped.is_loopback), (role, address)
+
+
+# -- 1. a lost rank ------------------------------------------------------------------------
+def test_killed_rank_stops_the_run_naming_the_rank_and_the_step(tmp_path):
+    timeout_s = 30
+    cfg = make_cfg(*TINY, *LOCAL2, f"world.timeout_s={timeout_s}", "trainer.max_steps=5000", "trainer.checkpoint_every=20")
+
+    def kill_rank1():
+        wait_for(lambda: checkpointed(tmp_path, 20))
+        victim = Progress.read(tmp_path, 1)
+        os.kill(victim["pid"], signal.SIGKILL)
+        return victim, time.monotonic()
+
+    killer = Background(kill_rank1)
+    with pytest.raises(RankLostError) as caught:
+        run(cfg, tmp_path)
+    stopped = time.monotonic()
+    victim, killed_at = killer.result()
+    message = str(caught.value)
+    match = re.fullmatch(
+        r"rank 1 was lost at step (\d+): process (\d+) was killed by SIGKILL; the other ranks were stopped; "
+        r"the last checkpoint is step (\d+) \(continue with trainer.resume=true, or set world.max_restarts .*\)",
+        message,
+    )
+    assert match, message
+    assert int(match[2]) == victim["pid"]
+    assert int(match[1]) >= victim["step"] > 20 and int(match[3]) >= 20
+    assert stopped - killed_at < timeout_s
+    assert not alive(Progress.read(tmp_path, 0)["pid"])
+
+
+def test_hung_rank_is_named_by_the_survivor_within_the_timeout(tmp_path):
+    """A stopped (not dead) rank: the survivor's collective times out, and the heartbeat says who is gone."""
+    timeout_s = 4
+    cfg = make_cfg(*TINY, *LOCAL2, f"world.timeout_s={timeout_s}", "trainer.max_steps=5000", "trainer.checkpoint_every=20")
+
+    def stop_rank1():
+        wait_for(lambda: checkpointed(tmp_path, 20))
+        survivor, victim = Progress.read(tmp_path, 0), Progress.read(tmp_path, 1)
+        os.kill(victim["pid"], signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        try:
+            wait_for(lambda: not alive(survivor["pid"]), timeout=timeout_s + 60)
+            return victim, time.monotonic() - stopped_at
+        finally:
+            os.kill(victim["pid"], signal.SIGCONT)  # so it takes the launcher's SIGTERM
+
+    stopper = Background(stop_rank1)
+    with pytest.raises(WorkerFailedError) as caught:
+        run(cfg, tmp_path)
+    victim, survivor_stopped_after = stopper.result()
+    message = str(caught.value)
+    match = re.fullmatch(
+        r"rank 1 was lost at step (\d+): it stopped answering \(killed, hung or unreachable\); "
+        r"the collective on rank 0 failed with: (.*) \(rank 0\)",
+        message,
+    )
+    assert match, message
+    assert int(match[1]) >= victim["step"] > 20
+    assert "imed out" in match[2]  # gloo's "Timed out waiting 4000ms for recv operation to complete"
+    assert timeout_s <= survivor_stopped_after < timeout_s + 10
+
+
+def test_restarted_world_resumes_from_the_last_checkpoint_bit_identically(tmp_path, reference):
+    """world.max_restarts=1: rank 1 is killed from outside after a checkpoint; the relaunched
+    world resumes from it and ends with exactly the reference run's parameters."""
+
+    def kill_rank1():
+        wait_for(lambda: checkpointed(tmp_path, 2 * EVERY))
+        victim = Progress.read(tmp_path, 1)
+        os.kill(victim["pid"], signal.SIGKILL)
+        return victim
+
+    killer = Background(kill_rank1)
+    summary = run(make_cfg(*REFERENCE, "world.max_restarts=1"), tmp_path)
+    victim = killer.result()
+    assert 2 * EVERY < victim["step"] < STEPS  # killed mid-run
+    assert Progress.read(tmp_path, 1)["pid"] != victim["pid"]  # a new rank 1 finished it
+    assert summary["steps"] == STEPS
+    assert_same_params(final_params(tmp_path), reference["params"])
+
+
+# -- 2. crash-safe checkpoints in a real 2-rank run ------------------------------------------
+def _die_while_saving(cfg, run_dir, kill_at):
+    """``train_worker``, except that on the first attempt rank 0 is SIGKILLed halfway
+    through writing checkpoint ``kill_at`` (half its bytes are on disk, fsynced)."""
+    if os.environ.get("RANK") == "0" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        real_save = torch.save
+
+        def save(obj, f, *args, **kwargs):
+            if isinstance(obj, dict) and obj.get("step") == kill_at:
+                buffer = io.BytesIO()
+                real_save(obj, buffer, *args, **kwargs)
+                f.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+                f.flush()
+                os.fsync(f.fileno())
+                Path(run_dir, "killed-while-saving").write_text(str(kill_at))
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real_save(obj, f, *args, **kwargs)
+
+        torch.save = save
+    return train_worker(cfg, run_dir)
+
+
+def test_rank_killed_while_saving_leaves_the_previous_checkpoint_and_resumes(tmp_path, reference):
+    cfg = make_cfg(*REFERENCE, "world.max_restarts=1")
+    validate(cfg, tmp_path)
+    checkpoints = tmp_path / "checkpoints"
+
+    def inspect():
+        wait_for(lambda: (tmp_path / "killed-while-saving").exists())
+        wait_for(lambda: not alive(Progress.read(tmp_path, 0)["pid"]))
+        partial = [p.name for p in checkpoints.glob(".step_*.tmp")]
+        return checkpoint.load(checkpoints / checkpoint.LAST)["step"], partial
+
+    inspector = Background(inspect)
+    results = spawn(_die_while_saving, (OmegaConf.to_container(cfg, resolve=True), str(tmp_path), 2 * EVERY), layout_of(cfg))
+    last_step, partial = inspector.result()
+    assert last_step == EVERY  # last.pt still named the previous, whole checkpoint
+    assert len(partial) == 1 and partial[0].startswith(f".step_{2 * EVERY:08d}.pt.")
+    assert not list(checkpoints.glob(".*.tmp"))  # later saves cleared the dead writer's temporary
+    assert results[0]["steps"] == STEPS
+    assert_same_params(final_params(tmp_path), reference["params"])
+
+
+# -- 3. bad input ----------------------------------------------------------------------------
+def _snapshot(directory):
+    return {
+        str(p.relative_to(directory)): (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+        for p in sorted(Path(directory).rglob("*"))
+        if p.is_file()
+    }
+
+
+def _unchanged(before, directory):
+    after = _snapshot(directory)
+    return {name: stamp for name, stamp in before.items() if after.get(name) != stamp}
+
+
+def recipe(*overrides, timeout=120):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / "train.py"), *overrides],
+        capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env,
+    )
+
+
+@pytest.fixture(scope="module")
+def previous_run(tmp_path_factory):
+    """A finished run made by the recipe, and a copy of it whose last.pt is cut in half."""
+    run_dir = tmp_path_factory.mktemp("previous")
+    proc = recipe("trainer.max_steps=4", "model.hidden=16", "trainer.progress=false", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (run_dir / ".hydra" / "config.yaml").exists() and (run_dir / "checkpoints" / "last.pt").exists()
+    corrupt = tmp_path_factory.mktemp("corrupt")
+    shutil.copytree(run_dir, corrupt, dirs_exist_ok=True)
+    last = corrupt / "checkpoints" / "last.pt"
+    data = last.read_bytes()
+    last.unlink()  # a hard link to step_4: cut a copy, not the step file too
+    last.write_bytes(data[: len(data) // 2])
+    return run_dir, corrupt
+
+
+M = ["model.hidden=16"]
+CHARLM = ["model=charlm", "data=stdlib_text", "model.d_model=16", "model.n_layer=1", "model.n_head=2",
+          "data.block_size=8", "data.max_chars=5000"]
+# (overrides, where it is refused, what the first line of the error must say). Where:
+# "compose" = Hydra refuses the override; "validate" = fdp.config.validate before anything
+# runs; "run" = fdp.trainer.run once the data or the checkpoint is loaded. "{run_dir}" is
+# the previous run's directory, which must be left exactly as it was.
+BAD_INPUTS = [
+    (["trainer.bucket_cap_mb=0"], "validate", r"^trainer\.bucket_cap_mb=0\.0: expected a size in MiB > 0$"),
+    (["trainer.bucket_cap_mb=-1"], "validate", r"^trainer\.bucket_cap_mb=-1\.0: expected a size in MiB > 0$"),
+    (["trainer.first_bucket_cap_mb=-0.5"], "validate", r"^trainer\.first_bucket_cap_mb=-0\.5: expected"),
+    (["hooks.name=foo"], "validate", r"^hooks\.name='foo': unknown hook; known hooks: allreduce, "),
+    (["hooks=foo"], "compose", r"Could not find 'hooks/foo'"),
+    (["model=resnet"], "compose", r"Could not find 'model/resnet'"),
+    (["hooks=powersgd", "hooks.rank=0"], "validate", r"^hooks\.rank=0: expected an integer >= 1$"),
+    (["hooks=powersgd", "hooks.start_iter=-1"], "validate", r"^hooks\.start_iter=-1: expected an integer >= 0$"),
+    (["hooks=topk", "hooks.ratio=1.5"], "validate", r"^hooks\.ratio=1\.5: expected a fraction with 0 < ratio <= 1$"),
+    (["hooks=topk", "hooks.ratio=0"], "validate", r"^hooks\.ratio=0\.0: expected a fraction"),
+    (["world=local2", "data.global_batch_size=33"], "validate", r"^data\.global_batch_size=33: expected a multiple of the world size 2$"),
+    (["world=local4", "data.global_batch_size=2"], "validate", r"^data\.global_batch_size=2: expected a multiple of the world size 4$"),
+    (["data.global_batch_size=5000"], "run", r"^data\.global_batch_size=5000: expected at most the 1438 training samples of digits$"),
+    (["trainer.resume=true", "hydra.run.dir={missing}"], "validate", r"^trainer\.resume=True: expected a checkpoint at .*missing/checkpoints/last\.pt"),
+    (["trainer.resume=true", "hydra.run.dir={corrupt}"], "validate", r"^checkpoint .*/last\.pt is unreadable \(truncated or corrupted\?\)"),
+    (["trainer.resume=true", "model.hidden=32"], "run", r"^checkpoint .*/last\.pt was written with another bucket plan"),
+    (["optim.warmup_steps=500", "trainer.max_steps=100"], "validate", r"^optim\.warmup_steps=500: expected between 0 and trainer\.max_steps=100"),
+    (["trainer.max_steps=abc"], "compose", r"trainer\.max_steps=abc"),
+    (["hooks=powersgd", "hooks.rank=four"], "compose", r"hooks\.rank=four"),
+    (["trainer.max_stpes=5"], "compose", r"trainer\.max_stpes"),
+    (["trainer.nonfinite=maybe"], "validate", r"^trainer\.nonfinite='maybe': expected raise or skip$"),
+    (["trainer.accum_steps=3"], "validate", r"^trainer\.accum_steps=3: expected a divisor of the per-rank batch 64$"),
+    (["model=charlm"], "validate", r"^data='digits': expected stdlib_text for model=charlm$"),
+    ([*CHARLM, "model.n_head=3"], "validate", r"^model\.n_head=3: expected a divisor of model\.d_model=16$"),
+    ([*CHARLM, "model.n_head=0"], "validate", r"^model\.n_head=0: expected an integer >= 1$"),
+    ([*CHARLM, "data.max_chars=100"], "run", r"^data=stdlib_text: max_chars=100 gives 90 train / 10 test characters"),
+    ([*CHARLM, "model.dropout=1.0"], "validate", r"^model\.dropout=1\.0: expected a probability in \[0, 1\)$"),
+    (["world.timeout_s=0"], "validate", r"^world\.timeout_s=0\.0: expected seconds > 0$"),
+    (["world.timeout_s=-5"], "validate", r"^world\.timeout_s=-5\.0: expected seconds > 0$"),
+    (["world.max_restarts=-1"], "validate", r"^world\.max_restarts=-1: expected an integer >= 0$"),
+    (["world.backend=mpi"], "validate", r"^world\.backend='mpi': expected one of"),
+    (["trainer.eval_batches=0"], "validate", r"^trainer\.eval_batches=0: expected an integer >= 1$"),
+    (["trainer.max_steps=0"], "validate", r"^trainer\.max_steps=0: expected an integer >= 1$"),
+    (["trainer.schedule=sometimes"], "validate", r"^trainer\.schedule='sometimes': expected auto, after or overlap$"),
+    (["model.hidden=0"], "validate", r"^model\.hidden=0: expected an integer >= 1$"),
+    (["optim.lr=0"], "validate", r"^optim\.lr=0\.0: expected a learning rate > 0$"),
+    (["optim.schedule=linear"], "validate", r"^optim\.schedule='linear': expected constant or warmup_cosine$"),
+    (["optim.clip_norm=0"], "validate", r"^optim\.clip_norm=0\.0: expected null \(off\) or > 0$"),
+    (["data.test_fraction=1.0"], "validate", r"^data\.test_fraction=1\.0: expected a fraction in \(0, 1\)$"),
+    ([], "validate", r"^hydra\.run\.dir='.*': expected a directory without a previous run \(or set trainer\.resume=true"),
+]
+
+
+def test_bad_inputs_are_refused_with_one_line_naming_the_setting(previous_run, tmp_path):
+    previous, corrupt = previous_run
+    before = {d: _snapshot(d) for d in (previous, corrupt)}
+    dirs = {"missing": tmp_path / "missing", "corrupt": corrupt}
+    for case, (overrides, where, expected) in enumerate(BAD_INPUTS):
+        run_dir = previous
+        args = []
+        for o in overrides:
+            if o.startswith("hydra.run.dir="):
+                run_dir = dirs[o[len("hydra.run.dir={"):-1]]
+            else:
+                args.append(o)
+        if where == "compose":
+            with pytest.raises(Exception) as caught:
+                make_cfg(*M, *args)
+            assert not isinstance(caught.value, ConfigError)
+        else:
+            cfg = make_cfg(*M, "trainer.progress=false", *args)
+            if where == "validate":
+                with pytest.raises((ConfigError, checkpoint.CheckpointError)) as caught:
+                    validate(cfg, run_dir)
+            else:
+                validate(cfg, run_dir if "trainer.resume=true" in args else None)
+                with pytest.raises((ConfigError, checkpoint.CheckpointError)) as caught:
+                    run(cfg, run_dir if "trainer.resume=true" in args else tmp_path / f"fresh{case}")
+        first_line = str(caught.value).strip().splitlines()[0]
+        assert re.search(expected, first_line), (overrides, first_line)
+        if where != "compose":
+            assert "\n" not in str(caught.value), overrides
+    assert len(BAD_INPUTS) >= 20
+    for d, snapshot in before.items():
+        assert not _unchanged(snapshot, d), d
+    assert not (tmp_path / "missing").exists()
+
+
+# Through the real shell entry point: exit status, the printed line, and the previous run's files.
+RECIPE_CASES = [
+    (["hooks=powersgd", "hooks.rank=0"], 2, r"error: hooks\.rank=0: expected an integer >= 1"),
+    (["world=local2", "data.global_batch_size=33"], 2, r"error: data\.global_batch_size=33: expected a multiple of the world size 2"),
+    (["trainer.resume=true", "model.hidden=32"], 2, r"error: checkpoint .*/last\.pt was written with another bucket plan .*"),
+    (["trainer.resume=true", "hydra.run.dir={corrupt}"], 2, r"error: checkpoint .*/last\.pt is unreadable \(truncated or corrupted\?\): .*"),
+    (["trainer.max_stpes=5"], 1, None),  # Hydra's own message: its first line names the key
+]
+
+
+def test_bad_inputs_through_the_recipe_exit_non_zero_with_one_line(previous_run):
+    previous, corrupt = previous_run
+    for overrides, status, expected in RECIPE_CASES:
+        run_dir = corrupt if "hydra.run.dir={corrupt}" in overrides else previous
+        args = [o for o in overrides if not o.startswith("hydra.run.dir=")]
+        before = _snapshot(run_dir)
+        proc = recipe(*M, "trainer.progress=false", *args, f"hydra.run.dir={run_dir}")
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert proc.returncode == status, (overrides, proc.stderr[-2000:])
+        if expected is None:
+            assert "trainer.max_stpes" in lines[0] and "Traceback" not in proc.stderr, lines
+        else:
+            assert len(lines) == 1 and re.fullmatch(expected, lines[0]), lines
+        assert "fdp: " not in proc.stdout
+        assert not _unchanged(before, run_dir), overrides
+
+
+# -- 4. non-finite gradients end to end --------------------------------------------------------
+DIVERGING = [*TINY, *LOCAL2, "optim.lr=1e30"]  # step 1 is finite, then the weights overflow
+
+
+def test_nonfinite_raise_names_the_step_and_the_first_bad_parameter(tmp_path):
+    with pytest.raises(FloatingPointError) as single:
+        run(make_cfg(*TINY, "optim.lr=1e30", "trainer.max_steps=20"), tmp_path / "single")
+    with pytest.raises(WorkerFailedError) as two:
+        run(make_cfg(*DIVERGING, "trainer.max_steps=20"), tmp_path / "local2")
+    pattern = r"non-finite gradient at step (\d+) in parameter '(net\.\d+\.(?:weight|bias))' \(set trainer\.nonfinite=skip to skip such steps\)"
+    one = re.fullmatch(pattern, str(single.value))
+    both = re.fullmatch(pattern + r" \(rank [01]\)", str(two.value))
+    assert one and both, (str(single.value), str(two.value))
+    assert int(both[1]) >= 2 and (both[1], both[2]) == (one[1], one[2])
+
+
+def _with_every_ranks_params(cfg, run_dir):
+    """``train_worker`` whose checkpoints also hold each rank's own parameters (under ``ranks``)."""
+    rank_payload = checkpoint.rank_payload
+    checkpoint.rank_payload = lambda state: {**rank_payload(state), "params": dict(state.params)}
+    return train_worker(cfg, run_dir)
+
+
+def test_nonfinite_skip_keeps_every_rank_unchanged_and_counts_skips(tmp_path):
+    steps = 6
+    cfg = make_cfg(*DIVERGING, "trainer.nonfinite=skip", f"trainer.max_steps={steps}", "trainer.log_every=1",
+                   "trainer.checkpoint_every=1", f"trainer.keep_checkpoints={steps}")
+    validate(cfg, tmp_path)
+    spawn(_with_every_ranks_params, (OmegaConf.to_container(cfg, resolve=True), str(tmp_path)), layout_of(cfg))
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    logged, summary = records[:-1], records[-1]
+    assert [r["step"] for r in logged] == list(range(1, steps + 1))
+    skipped = [r["skipped_steps"] for r in logged]
+    assert skipped == [0] + list(range(1, steps))  # step 1 is finite; every later one is skipped
+    assert summary["summary"] and summary["skipped_steps"] == steps - 1
+    payloads = [torch.load(tmp_path / "checkpoints" / f"step_{s:08d}.pt", weights_only=True) for s in range(1, steps + 1)]
+    for payload in payloads:
+        assert_same_params(payload["ranks"][0]["params"], payload["params"])
+        assert_same_params(payload["ranks"][1]["params"], payload["params"])  # every rank alike
+    for later in payloads[1:]:  # skipped steps leave params and optimizer state as they were
+        assert_same_params(later["params"], payloads[0]["params"])
+        for a, b in zip(later["opt_state"], payloads[0]["opt_state"]):
+            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+# -- 5. uneven inputs -----------------------------------------------------------------------
+def _epoch_on_own_shard(rank, world, n, batch_size):
+    """One epoch over this rank's ``shard_dataset`` of the first ``n`` digits, in local batches."""
+    digits = load_digits()
+    data = digits._replace(train_x=digits.train_x[:n], train_y=digits.train_y[:n])
+    out = {}
+    for drop_last in (False, True):
+        torch.manual_seed(0)
+        model, params, buffers = functionalize(torch.nn.Linear(64, 10))
+        loss_fn = cross_entropy_loss(model)
+        mine = shard_dataset(data, rank, world, drop_last=drop_last)
+        plan = plan_buckets(planner_loss(loss_fn, buffers), params, (mine.train_x[:2], mine.train_y[:2]))
+        step = make_train_step(loss_fn, sgd(0.1), plan, comm=Comm())
+        state = init_train_state(params, buffers, sgd(0.1), plan)
+        for start in range(0, len(mine.train_y), batch_size):
+            state, _ = step(state, (mine.train_x[start : start + batch_size], mine.train_y[start : start + batch_size]))
+        out[drop_last] = (len(mine.train_y), state.step, state.params)
+    return out
+
+
+def test_uneven_shards_give_every_rank_the_same_steps_and_no_hang(run_ranks):
+    n, batch_size = 33, 4
+    # Dealt round-robin without evening out, rank 0 would hold 17 samples (5 batches) and
+    # rank 1 16 (4 batches): rank 0's fifth step would wait for a peer that never comes.
+    assert [-(-len(range(r, n, 2)) // batch_size) for r in range(2)] == [5, 4]
+    start = time.monotonic()
+    results = run_ranks(_epoch_on_own_shard, n, batch_size, timeout_s=15.0)
+    assert time.monotonic() - start < 120
+    for drop_last, (samples, steps) in {False: (17, 5), True: (16, 4)}.items():
+        assert [r[drop_last][:2] for r in results] == [(samples, steps)] * 2
+        assert_same_params(results[0][drop_last][2], results[1][drop_last][2])
