@@ -353,6 +353,7 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm) -> dict:
         "compute_ms": 1e3 * times.median("compute_s"),
         "comm_wait_ms": 1e3 * times.median("comm_wait_s"),
         "bytes_per_step": int(times.median("bytes_sent")) if times.rows else 0,
+        "compression": run.plan.nbytes / times.median("bytes_sent") if times.rows and times.median("bytes_sent") else None,
         "samples_per_s": gbs / times.median("step_s"),
         "skipped_steps": skipped,
         "run_dir": str(run_dir),

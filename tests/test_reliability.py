@@ -371,8 +371,7 @@ def previous_run(tmp_path_factory):
 
 
 M = ["model.hidden=16"]
-CHARLM = ["model=charlm", "data=stdlib_text", "model.d_model=16", "model.n_layer=1", "model.n_head=2",
-          "data.block_size=8", "data.max_chars=5000"]
+CHARLM = ["model=charlm", "data=stdlib_text", "model.d_model=16", "model.n_layer=1", "model.n_head=2", "data.block_size=8"]
 # (overrides, where it is refused, what the first line of the error must say). Where:
 # "compose" = Hydra refuses the override; "validate" = fdp.config.validate before anything
 # runs; "run" = fdp.trainer.run once the data or the checkpoint is loaded. "{run_dir}" is
@@ -433,12 +432,14 @@ def test_bad_inputs_are_refused_with_one_line_naming_the_setting(previous_run, t
                 run_dir = dirs[o[len("hydra.run.dir={"):-1]]
             else:
                 args.append(o)
+        if not any(a.startswith("model=") for a in args):
+            args = [*M, *args]
         if where == "compose":
             with pytest.raises(Exception) as caught:
-                make_cfg(*M, *args)
+                make_cfg(*args)
             assert not isinstance(caught.value, ConfigError)
         else:
-            cfg = make_cfg(*M, "trainer.progress=false", *args)
+            cfg = make_cfg("trainer.progress=false", *args)
             if where == "validate":
                 with pytest.raises((ConfigError, checkpoint.CheckpointError)) as caught:
                     validate(cfg, run_dir)
