@@ -251,18 +251,25 @@ def device_for(backend: str) -> torch.device:
 
 
 def tune_allocator() -> None:
-    """Keep freed gradient-sized blocks in glibc's heap instead of returning them to the OS.
+    """Keep freed tensor memory in glibc's heap instead of returning it to the OS.
 
-    A pure step allocates new parameter and gradient tensors every step; with glibc's
-    defaults each large block is mmap-ed and unmapped again, paying page faults on every
-    step. Raising the mmap and trim thresholds lets the heap reuse them.
+    A pure step allocates new parameter, optimizer-state and gradient tensors every step
+    and frees last step's. With glibc's defaults a block above the mmap threshold (at most
+    32 MiB, glibc's ceiling for that setting) is mmap-ed and unmapped again, so every
+    step pays a page fault per 4 KiB of it: on a model with 64 MiB tensors that was
+    ~246,000 faults and ~65% of the CPU time of a step. ``M_MMAP_MAX = 0`` serves blocks
+    of any size from the heap, and a 1 GiB trim threshold keeps the freed ones there for
+    the next step (measured: 0 faults per step, 2.9x less CPU per step, peak RSS +17%).
+    Tensors under the threshold are not affected; glibc's dynamic threshold already
+    reuses them. Call it once per process, before the model is built.
     """
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:  # not glibc: nothing to tune
         return
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    libc.mallopt(m_mmap_threshold, 32 * 2**20)  # glibc's ceiling for this setting
+    m_trim_threshold, m_mmap_threshold, m_mmap_max = -1, -3, -4
+    libc.mallopt(m_mmap_threshold, 32 * 2**20)  # glibc's ceiling; also freezes the trim threshold
+    libc.mallopt(m_mmap_max, 0)  # no mmap-ed blocks: large tensors come from (and return to) the heap
     libc.mallopt(m_trim_threshold, 2**30)
 
 

@@ -270,26 +270,7 @@ def test_hung_rank_is_named_by_the_survivor_within_the_timeout(tmp_path):
     assert timeout_s <= survivor_stopped_after < timeout_s + 10
 
 
-def test_restarted_world_resumes_from_the_last_checkpoint_bit_identically(tmp_path, reference):
-    """world.max_restarts=1: rank 1 is killed from outside after a checkpoint; the relaunched
-    world resumes from it and ends with exactly the reference run's parameters."""
-
-    def kill_rank1():
-        wait_for(lambda: checkpointed(tmp_path, 2 * EVERY))
-        victim = Progress.read(tmp_path, 1)
-        os.kill(victim["pid"], signal.SIGKILL)
-        return victim
-
-    killer = Background(kill_rank1)
-    summary = run(make_cfg(*REFERENCE, "world.max_restarts=1"), tmp_path)
-    victim = killer.result()
-    assert 2 * EVERY < victim["step"] < STEPS  # killed mid-run
-    assert Progress.read(tmp_path, 1)["pid"] != victim["pid"]  # a new rank 1 finished it
-    assert summary["steps"] == STEPS
-    assert_same_params(final_params(tmp_path), reference["params"])
-
-
-# -- 2. crash-safe checkpoints in a real 2-rank run ------------------------------------------
+# -- restarts, and a rank killed while saving (item 2), in one interrupted run -------------------
 def _die_while_saving(cfg, run_dir, kill_at):
     """``train_worker``, except that on the first attempt rank 0 is SIGKILLed halfway
     through writing checkpoint ``kill_at`` (half its bytes are on disk, fsynced)."""
@@ -311,25 +292,51 @@ def _die_while_saving(cfg, run_dir, kill_at):
     return train_worker(cfg, run_dir)
 
 
-def test_rank_killed_while_saving_leaves_the_previous_checkpoint_and_resumes(tmp_path, reference):
-    cfg = make_cfg(*REFERENCE, "world.max_restarts=1")
-    validate(cfg, tmp_path)
-    checkpoints = tmp_path / "checkpoints"
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory):
+    """The reference run with ``world.max_restarts=2``, interrupted twice:
 
-    def inspect():
-        wait_for(lambda: (tmp_path / "killed-while-saving").exists())
-        wait_for(lambda: not alive(Progress.read(tmp_path, 0)["pid"]))
-        partial = [p.name for p in checkpoints.glob(".step_*.tmp")]
-        return checkpoint.load(checkpoints / checkpoint.LAST)["step"], partial
+    1. rank 0 is SIGKILLed halfway through writing checkpoint 2*EVERY (``_die_while_saving``);
+       the launcher restarts the world, which resumes from checkpoint EVERY;
+    2. once that world has written checkpoint 4*EVERY, the test SIGKILLs rank 1 from outside;
+       the launcher restarts the world again, which resumes and finishes the run.
+    """
+    run_dir = tmp_path_factory.mktemp("interrupted")
+    cfg = make_cfg(*REFERENCE, "world.max_restarts=2")
+    validate(cfg, run_dir)
+    checkpoints = run_dir / "checkpoints"
 
-    inspector = Background(inspect)
-    results = spawn(_die_while_saving, (OmegaConf.to_container(cfg, resolve=True), str(tmp_path), 2 * EVERY), layout_of(cfg))
-    last_step, partial = inspector.result()
-    assert last_step == EVERY  # last.pt still named the previous, whole checkpoint
-    assert len(partial) == 1 and partial[0].startswith(f".step_{2 * EVERY:08d}.pt.")
-    assert not list(checkpoints.glob(".*.tmp"))  # later saves cleared the dead writer's temporary
-    assert results[0]["steps"] == STEPS
-    assert_same_params(final_params(tmp_path), reference["params"])
+    def interrupt():
+        seen = {}
+        wait_for(lambda: (run_dir / "killed-while-saving").exists())
+        wait_for(lambda: not alive(Progress.read(run_dir, 0)["pid"]))
+        seen["last_after_save_kill"] = checkpoint.load(checkpoints / checkpoint.LAST)["step"]
+        seen["partial"] = sorted(p.name for p in checkpoints.glob(".step_*.tmp"))
+        wait_for(lambda: checkpointed(run_dir, 4 * EVERY))
+        seen["victim"] = Progress.read(run_dir, 1)
+        os.kill(seen["victim"]["pid"], signal.SIGKILL)
+        return seen
+
+    interrupter = Background(interrupt)
+    results = spawn(_die_while_saving, (OmegaConf.to_container(cfg, resolve=True), str(run_dir), 2 * EVERY), layout_of(cfg))
+    return {"dir": run_dir, "summary": results[0], **interrupter.result()}
+
+
+def test_rank_killed_while_saving_leaves_the_previous_checkpoint(interrupted):
+    assert interrupted["last_after_save_kill"] == EVERY  # last.pt still named the previous, whole checkpoint
+    partial = interrupted["partial"]  # the dead writer's half-written temporary, never renamed
+    assert len(partial) == 1 and partial[0].startswith(f".step_{2 * EVERY:08d}.pt."), partial
+    assert not list((interrupted["dir"] / "checkpoints").glob(".*.tmp"))  # later saves cleared it
+
+
+def test_restarted_world_resumes_from_the_last_checkpoint_bit_identically(interrupted, reference):
+    """Two restarts (max_restarts=2), each resuming from the last checkpoint: data position,
+    optimizer state and RNG are restored, so the run ends with exactly the reference's params."""
+    victim = interrupted["victim"]
+    assert 4 * EVERY < victim["step"] < STEPS  # rank 1 was killed mid-run
+    assert Progress.read(interrupted["dir"], 1)["pid"] != victim["pid"]  # a new rank 1 finished it
+    assert interrupted["summary"]["steps"] == STEPS
+    assert_same_params(final_params(interrupted["dir"]), reference["params"])
 
 
 # -- 3. bad input ----------------------------------------------------------------------------
@@ -389,10 +396,10 @@ BAD_INPUTS = [
     (["hooks=topk", "hooks.ratio=0"], "validate", r"^hooks\.ratio=0\.0: expected a fraction"),
     (["world=local2", "data.global_batch_size=33"], "validate", r"^data\.global_batch_size=33: expected a multiple of the world size 2$"),
     (["world=local4", "data.global_batch_size=2"], "validate", r"^data\.global_batch_size=2: expected a multiple of the world size 4$"),
-    (["data.global_batch_size=5000"], "run", r"^data\.global_batch_size=5000: expected at most the 1438 training samples of digits$"),
+    (["data.global_batch_size=5000", "trainer.max_steps=2"], "run", r"^data\.global_batch_size=5000: expected at most the 1438 training samples of digits$"),
     (["trainer.resume=true", "hydra.run.dir={missing}"], "validate", r"^trainer\.resume=True: expected a checkpoint at .*missing/checkpoints/last\.pt"),
     (["trainer.resume=true", "hydra.run.dir={corrupt}"], "validate", r"^checkpoint .*/last\.pt is unreadable \(truncated or corrupted\?\)"),
-    (["trainer.resume=true", "model.hidden=32"], "run", r"^checkpoint .*/last\.pt was written with another bucket plan"),
+    (["trainer.resume=true", "model.hidden=32", "trainer.max_steps=8"], "run", r"^checkpoint .*/last\.pt was written with another bucket plan"),
     (["optim.warmup_steps=500", "trainer.max_steps=100"], "validate", r"^optim\.warmup_steps=500: expected between 0 and trainer\.max_steps=100"),
     (["trainer.max_steps=abc"], "compose", r"trainer\.max_steps=abc"),
     (["hooks=powersgd", "hooks.rank=four"], "compose", r"hooks\.rank=four"),
@@ -402,7 +409,7 @@ BAD_INPUTS = [
     (["model=charlm"], "validate", r"^data='digits': expected stdlib_text for model=charlm$"),
     ([*CHARLM, "model.n_head=3"], "validate", r"^model\.n_head=3: expected a divisor of model\.d_model=16$"),
     ([*CHARLM, "model.n_head=0"], "validate", r"^model\.n_head=0: expected an integer >= 1$"),
-    ([*CHARLM, "data.max_chars=100"], "run", r"^data=stdlib_text: max_chars=100 gives 90 train / 10 test characters"),
+    ([*CHARLM, "data.max_chars=12", "trainer.max_steps=2"], "run", r"^data=stdlib_text: max_chars=12 gives 11 train / 1 test characters; each split needs at least block_size \+ 1 = 9$"),
     ([*CHARLM, "model.dropout=1.0"], "validate", r"^model\.dropout=1\.0: expected a probability in \[0, 1\)$"),
     (["world.timeout_s=0"], "validate", r"^world\.timeout_s=0\.0: expected seconds > 0$"),
     (["world.timeout_s=-5"], "validate", r"^world\.timeout_s=-5\.0: expected seconds > 0$"),

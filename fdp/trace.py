@@ -1,0 +1,77 @@
+"""A per-rank timeline of the train step in Chrome's trace format.
+
+Open the file in chrome://tracing or https://ui.perfetto.dev. The main track shows
+forward, backward and the optimizer; each bucket's reduction is an async span from the
+moment its hook chain starts to the moment its result is in, with one slice per
+collective inside, so overlap of communication with backward shows as bucket spans
+that begin inside the backward span.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+
+class Timeline:
+    """Collects trace events for one rank; ``save`` writes them as Chrome trace JSON.
+
+    >>> timeline = Timeline(rank=0)
+    >>> with timeline.span("optimizer"):
+    ...     pass
+    >>> len(timeline.events)
+    1
+    """
+
+    def __init__(self, rank: int = 0):
+        self.rank = rank
+        self.events: list[dict] = []
+        self.step = 0
+        self._t0 = time.perf_counter()
+
+    def now_us(self) -> float:
+        return (time.perf_counter() - self._t0) * 1e6
+
+    def complete(self, name: str, start_us: float, end_us: float, cat: str = "step", **args) -> None:
+        """A finished span on the main track."""
+        self.events.append(
+            {"name": name, "cat": cat, "ph": "X", "ts": start_us, "dur": max(0.0, end_us - start_us),
+             "pid": self.rank, "tid": 0, "args": {"step": self.step, **args}}
+        )
+
+    @contextmanager
+    def span(self, name: str, cat: str = "step", **args):
+        start = self.now_us()
+        try:
+            yield
+        finally:
+            self.complete(name, start, self.now_us(), cat, **args)
+
+    def _async(self, phase: str, name: str, bucket: int, cat: str, args: dict) -> None:
+        self.events.append(
+            {"name": name, "cat": cat, "ph": phase, "ts": self.now_us(), "pid": self.rank, "tid": 0,
+             "id": f"{self.step}.{bucket}", "args": {"step": self.step, "bucket": bucket, **args}}
+        )
+
+    def bucket_begin(self, bucket: int) -> None:
+        self._async("b", f"bucket {bucket}", bucket, "bucket", {})
+
+    def bucket_end(self, bucket: int) -> None:
+        self._async("e", f"bucket {bucket}", bucket, "bucket", {})
+
+    def collective_begin(self, bucket: int, stage: int, nbytes: int) -> None:
+        self._async("b", f"collective {stage}", bucket, "bucket", {"bytes": nbytes})
+
+    def collective_end(self, bucket: int, stage: int) -> None:
+        self._async("e", f"collective {stage}", bucket, "bucket", {})
+
+    def save(self, path: str | os.PathLike) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        meta = [{"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": f"rank {self.rank}"}}]
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"traceEvents": meta + self.events, "displayTimeUnit": "ms"}))
+        os.replace(tmp, path)
+        return path
