@@ -19,12 +19,19 @@ a mean allreduce. A step is everything: forward, backward, reduction, optimizer.
   that waits for its future before returning: that serialises DDP's PowerSGD buckets.
 
 Every variant runs in blocks: built fresh (so its memory is its own), warmed up, timed for
-some steps, torn down (``gc`` + ``malloc_trim``). Blocks alternate between variants
-(the order rotates every repetition), so load from other jobs on the machine falls on all
-of them alike. Reported: median step time over all timed steps (rank 0; the ranks are in
-lock step), peak RSS per rank (``VmHWM`` of the block, reset through
-``/proc/self/clear_refs``; max over ranks and blocks), and how much CPU other processes
-took during the run (from ``/proc/stat`` minus the ranks' own CPU time).
+some steps, torn down (``gc`` + ``malloc_trim``). All blocks run in one launch of 2 ranks;
+they alternate between variants (the order rotates every repetition), so load from other
+jobs on the machine falls on all of them alike. Reported per variant:
+
+* median step time over all timed steps (rank 0's clock; the ranks run in lock step) and
+  its interquartile range; the ratio to DDP's median;
+* CPU time per step and rank (the process: compute thread and gloo's threads): the work,
+  which other load on the machine inflates much less than the wall time;
+* fdp's own ``comm_wait_s`` (time blocked on collectives after compute);
+* peak RSS per rank during the timed steps (``VmHWM``, reset through
+  ``/proc/self/clear_refs`` after warm-up; the larger rank, median over blocks), and how
+  much of it the variant added over the RSS the rank had before building it;
+* how much CPU other processes took during the run (``/proc/stat`` minus the ranks' own).
 
 ``fdp.launch.tune_allocator()`` runs in each rank first, as fdp's trainer does; it is
 process-wide, so DDP runs under it too (``--allocator default`` leaves glibc alone).
@@ -60,6 +67,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
+NOTES_MARKER = "## Notes"
 LR, MOMENTUM = 0.01, 0.9
 BUCKET_CAP_MB, FIRST_BUCKET_CAP_MB = 25.0, 1.0
 POWERSGD_RANK, POWERSGD_START = 1, 2
@@ -69,6 +77,7 @@ MODELS = {
     "transformer": {"kind": "charlm", "vocab": 256, "seq": 64, "d_model": 512, "n_layer": 5, "n_head": 8, "batch": 4},
 }
 CORE = ["ddp", "fdp after", "fdp overlap", "ddp noop", "fdp noop"]
+WHAT_IF = ["fdp after what-if"]
 HOOKED = ["ddp fp16", "fdp fp16", "ddp powersgd", "fdp powersgd"]
 HOOK_MODULES = ["fdp.hooks.compress", "fdp.hooks.powersgd", "fdp.hooks.registry"]
 
@@ -173,7 +182,8 @@ def _fdp_hook(name: str):
     raise ValueError(name)
 
 
-def _build_fdp(spec: dict, batch, schedule: str, hook_name: str):
+def _build_fdp(spec: dict, batch, schedule: str, hook_name: str, what_if: bool = False):
+    from fdp import train
     from fdp.comm import Comm
     from fdp.functional import functionalize
     from fdp.optim import sgd
@@ -186,22 +196,73 @@ def _build_fdp(spec: dict, batch, schedule: str, hook_name: str):
         planner_loss(loss_fn, buffers), params, batch, bucket_cap_mb=BUCKET_CAP_MB, first_bucket_cap_mb=FIRST_BUCKET_CAP_MB
     )
     hook, optimizer = _fdp_hook(hook_name), sgd(LR, momentum=MOMENTUM)
+    patches = {}
+    if what_if:
+        hook, optimizer, patches = _what_if(hook, optimizer)
+        model.module.to("meta")  # every tensor comes from params/buffers: the module's own copies are dead weight
     train_step = make_train_step(loss_fn, optimizer, plan, hook, Comm(), schedule=schedule)
     holder = [init_train_state(params, buffers, optimizer, plan, hook)]
     del params, buffers
 
     def step() -> float:
-        holder[0], metrics = train_step(holder[0], batch)
+        saved = {name: getattr(train, name) for name in patches}
+        for name, value in patches.items():
+            setattr(train, name, value)
+        try:
+            holder[0], metrics = train_step(holder[0], batch)
+        finally:
+            for name, value in saved.items():
+                setattr(train, name, value)
         return metrics["comm_wait_s"]
 
     step.buckets = len(plan)
     return step
 
 
+def _what_if(hook, optimizer):
+    """Prototypes of changes suggested outside this benchmark's files, to measure their gain.
+
+    * SGD fused with ``apply_updates``: the momentum buffer in one out-of-place op
+      (``g + m * buf``) and the new params in one more (``p - lr * buf``), instead of
+      ``mul``, ``add_``, ``mul`` and ``apply_updates``' ``add`` (two fewer passes over the
+      model and no ``updates`` tensors). The update returns the new params, and
+      ``fdp.train.apply_updates`` is patched to take them as they are.
+    * allreduce that divides the bucket in place and reduces it in place: the reducer owns
+      the bucket buffers and refills them every step, so they can be donated to the chain
+      (no new bucket-sized tensor per step). Only in the ``after`` schedule: inside the
+      ``torch.func`` transform (``overlap``) in-place ops on the buffers are refused.
+    * no non-finite check (``fdp.train._all_finite``: one more read of every gradient).
+    * the module's own parameters freed (``module.to("meta")``), since ``functionalize``
+      copies them and ``functional_call`` never reads the originals.
+    """
+    from fdp.hooks.base import stateless
+    from fdp.optim import GradientTransformation, SGDState
+
+    def fused_update(grads, state, params):
+        keys = list(state.momentum)
+        d = [grads[k] for k in keys]
+        if state.count == 0:
+            buf = [t.clone() for t in d]
+        else:
+            buf = torch._foreach_add(d, [state.momentum[k] for k in keys], alpha=MOMENTUM)
+        new_params = torch._foreach_add([params[k] for k in keys], buf, alpha=-LR)
+        return dict(zip(keys, new_params)), SGDState(state.count + 1, LR, dict(zip(keys, buf)))
+
+    def donated_allreduce(grads, comm):
+        summed = yield comm.allreduce(grads.buffer.div_(comm.world_size))
+        return grads._replace(buffer=summed)
+
+    fused = GradientTransformation(optimizer.init, fused_update)
+    patches = {"apply_updates": lambda params, new_params: new_params, "_all_finite": lambda flats: True}
+    return stateless(donated_allreduce), fused, patches
+
+
 def _build(variant: str, spec: dict, batch):
     side, _, what = variant.partition(" ")
     if side == "ddp":
         return _build_ddp(spec, batch, what or None)
+    if what == "after what-if":
+        return _build_fdp(spec, batch, "after", "allreduce", what_if=True)
     if what in ("after", "overlap"):
         return _build_fdp(spec, batch, what, "allreduce")
     return _build_fdp(spec, batch, _fdp_default_schedule(), what)
@@ -222,25 +283,30 @@ def _fdp_default_schedule() -> str:
 # ----------------------------------------------------------------------------- worker
 
 
-def worker(model_name: str, variants: list[str], reps: int, warmup: int, steps: int, allocator: str) -> dict:
+def worker(models: list[str], variants: list[str], reps: int, warmup: int, steps: int, allocator: str) -> dict:
+    """One rank: every model, every variant, in alternating blocks. Returns {model: measurements}."""
     from fdp.launch import WorldLayout, init_distributed, tune_allocator
 
     if allocator == "tuned":
         tune_allocator()
     comm = init_distributed(WorldLayout("elastic", nproc_per_node=2, backend="gloo"))
     torch.set_num_threads(1)
-    rank = comm.rank
+    results = {m: _measure_model(m, comm.rank, variants, reps, warmup, steps) for m in models}
+    dist.destroy_process_group()
+    return results
+
+
+def _measure_model(model_name: str, rank: int, variants: list[str], reps: int, warmup: int, steps: int) -> dict:
     spec = MODELS[model_name]
     batch = _batch(spec, rank)
     n_params = sum(p.numel() for p in _module(spec).parameters())
-    _release_memory()
-    out = {v: {"ms": [], "wait_ms": [], "peak_mib": [], "base_mib": [], "rss_after_mib": [], "buckets": None} for v in variants}
+    keys = ("ms", "wait_ms", "cpu_ms", "peak_mib", "build_peak_mib", "base_mib")
+    out = {v: {**{k: [] for k in keys}, "buckets": None} for v in variants}
     blocks = []
     cpu0, busy0, wall0 = _own_cpu_s(), _busy_jiffies(), time.perf_counter()
     for rep in range(reps):
         shift = rep % len(variants)
-        order = variants[shift:] + variants[:shift]
-        for variant in order:
+        for variant in variants[shift:] + variants[:shift]:
             _release_memory()
             base = _status_mib("VmRSS")
             _reset_peak()
@@ -248,61 +314,71 @@ def worker(model_name: str, variants: list[str], reps: int, warmup: int, steps: 
             dist.barrier()
             for _ in range(warmup):
                 step()
-            times, waits = [], []
+            build_peak = _status_mib("VmHWM")
+            _reset_peak()  # the reported peak is that of the timed (steady-state) steps
+            times, waits, cpus = [], [], []
             for _ in range(steps):
-                t0 = time.perf_counter()
+                c0, t0 = _own_cpu_s(), time.perf_counter()
                 waits.append(step())
                 times.append(time.perf_counter() - t0)
+                cpus.append(_own_cpu_s() - c0)
             rec = out[variant]
             rec["ms"] += [1e3 * t for t in times]
             rec["wait_ms"] += [1e3 * w for w in waits]
+            rec["cpu_ms"] += [1e3 * c for c in cpus]
             rec["peak_mib"].append(_status_mib("VmHWM"))
+            rec["build_peak_mib"].append(build_peak)
             rec["base_mib"].append(base)
-            rec["rss_after_mib"].append(_status_mib("VmRSS"))
             rec["buckets"] = getattr(step, "buckets", None)
-            blocks.append((variant, statistics.median(times) * 1e3))
+            blocks.append((variant, round(statistics.median(times) * 1e3, 1)))
             del step
             dist.barrier()
-    wall = time.perf_counter() - wall0
-    result = {
+    return {
         "variants": out,
         "blocks": blocks,
         "params": n_params,
         "cpu_s": _own_cpu_s() - cpu0,
         "busy_s": (_busy_jiffies() - busy0) / os.sysconf("SC_CLK_TCK"),
-        "wall_s": wall,
+        "wall_s": time.perf_counter() - wall0,
     }
-    dist.destroy_process_group()
-    return result
 
 
 # ----------------------------------------------------------------------------- driver
 
 
-def _run_model(model_name: str, variants: list[str], args) -> dict:
+def _run_models(models: list[str], variants: list[str], args) -> dict:
     from fdp.launch import WorldLayout, spawn
 
     layout = WorldLayout("elastic", nproc_per_node=2, backend="gloo", timeout_s=600.0)
-    entry = _importable_worker()
-    res = spawn(entry, (model_name, variants, args.reps, args.warmup, args.steps, args.allocator), layout)
-    r0, r1 = res[0], res[1]
+    res = spawn(_importable_worker(), (models, variants, args.reps, args.warmup, args.steps, args.allocator), layout)
+    return {m: _summarise(res[0][m], res[1][m], variants) for m in models}
+
+
+def _summarise(r0: dict, r1: dict, variants: list[str]) -> dict:
+    # Other processes' CPU: all busy time on the machine minus both ranks' own.
     others = max(0.0, r0["busy_s"] - r0["cpu_s"] - r1["cpu_s"]) / r0["wall_s"]
     rows = {}
     for v in variants:
         a, b = r0["variants"][v], r1["variants"][v]
-        ms = a["ms"]
+        ms = a["ms"]  # the ranks run in lock step; rank 0's clock is the step time
         rows[v] = {
             "median_ms": statistics.median(ms),
             "q1_ms": _quantile(ms, 0.25),
             "q3_ms": _quantile(ms, 0.75),
             "n": len(ms),
             "wait_ms": statistics.median(a["wait_ms"]),
-            "peak_rss_mib": max(a["peak_mib"] + b["peak_mib"]),
-            "base_rss_mib": max(a["base_mib"] + b["base_mib"]),
-            "rss_after_mib": max(a["rss_after_mib"] + b["rss_after_mib"]),
+            "cpu_ms": statistics.median(a["cpu_ms"] + b["cpu_ms"]),
+            # Per block, the larger of the two ranks; then the median over the blocks.
+            "peak_rss_mib": statistics.median(map(max, a["peak_mib"], b["peak_mib"])),
+            "added_rss_mib": statistics.median(
+                max(pa - ba, pb - bb) for pa, ba, pb, bb in zip(a["peak_mib"], a["base_mib"], b["peak_mib"], b["base_mib"])
+            ),
+            "build_peak_rss_mib": statistics.median(map(max, a["build_peak_mib"], b["build_peak_mib"])),
+            "base_rss_mib": statistics.median(map(max, a["base_mib"], b["base_mib"])),
             "buckets": a["buckets"],
+            "block_medians_ms": [t for name, t in r0["blocks"] if name == v],
         }
-    return {"params": r0["params"], "rows": rows, "blocks": r0["blocks"], "others_cores": others, "wall_s": r0["wall_s"]}
+    return {"params": r0["params"], "rows": rows, "others_cores": others, "wall_s": r0["wall_s"]}
 
 
 def _importable_worker():
@@ -329,7 +405,7 @@ def _missing_hook_modules() -> list[str]:
 
 def _ratio_rows(rows: dict) -> dict[str, float]:
     ddp = rows["ddp"]["median_ms"]
-    out = {v: r["median_ms"] / ddp for v, r in rows.items() if v.startswith("fdp") and v in ("fdp after", "fdp overlap")}
+    out = {v: r["median_ms"] / ddp for v, r in rows.items() if v in ("fdp after", "fdp overlap", "fdp after what-if")}
     for name in ("fp16", "powersgd"):
         if f"fdp {name}" in rows and f"ddp {name}" in rows:
             out[f"fdp {name}"] = rows[f"fdp {name}"]["median_ms"] / rows[f"ddp {name}"]["median_ms"]
@@ -338,8 +414,8 @@ def _ratio_rows(rows: dict) -> dict[str, float]:
 
 def _table(results: dict, default: str) -> list[str]:
     lines = [
-        "| model | variant | step ms (median) | IQR ms | steps | comm wait ms | vs DDP | peak RSS/rank MiB |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| model | variant | step ms (median) | IQR ms | steps | vs DDP | CPU ms/step/rank | comm wait ms | peak RSS/rank MiB | of which added by the variant |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for model, res in results.items():
         rows = res["rows"]
@@ -350,7 +426,8 @@ def _table(results: dict, default: str) -> list[str]:
             wait = f"{r['wait_ms']:.0f}" if v.startswith("fdp") else ""
             lines.append(
                 f"| {model} ({res['params'] / 1e6:.1f}M) | {v}{mark} | {r['median_ms']:.0f} | "
-                f"{r['q1_ms']:.0f}-{r['q3_ms']:.0f} | {r['n']} | {wait} | {ratio} | {r['peak_rss_mib']:.0f} |"
+                f"{r['q1_ms']:.0f}-{r['q3_ms']:.0f} | {r['n']} | {ratio} | {r['cpu_ms']:.0f} | {wait} | "
+                f"{r['peak_rss_mib']:.0f} | {r['added_rss_mib']:.0f} |"
             )
     return lines
 
@@ -360,13 +437,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer, shorter blocks (under 2 minutes); prints only")
     parser.add_argument("--hooks", action="store_true", help="add fp16 and PowerSGD rows (fdp hooks vs DDP's torch hooks)")
     parser.add_argument("--models", default="mlp,transformer")
+    parser.add_argument(
+        "--what-if", action="store_true", help="add a row prototyping suggested changes outside fdp.reduce (see _what_if)"
+    )
     parser.add_argument("--allocator", choices=("tuned", "default"), default="tuned")
     parser.add_argument("--reps", type=int)
     parser.add_argument("--warmup", type=int)
     parser.add_argument("--steps", type=int, help="timed steps per block")
     parser.add_argument("--write", action="store_true", help="write the results files even with --quick")
     args = parser.parse_args()
-    quick = dict(reps=2, warmup=2, steps=4) if args.quick else dict(reps=5, warmup=3, steps=10)
+    quick = dict(reps=2, warmup=2, steps=3) if args.quick else dict(reps=6, warmup=3, steps=8)
     for k, v in quick.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -375,15 +455,12 @@ def main() -> None:
         if missing:
             sys.exit(f"--hooks needs the fdp hook library, missing: {', '.join(missing)}")
         args.warmup = max(args.warmup, POWERSGD_START + 1)  # PowerSGD compresses in every timed step
-    variants = CORE + (HOOKED if args.hooks else [])
+    variants = CORE + (WHAT_IF if args.what_if else []) + (HOOKED if args.hooks else [])
     default = _fdp_default_schedule()
 
     load_before = os.getloadavg()
     started = time.perf_counter()
-    results = {}
-    for model in args.models.split(","):
-        results[model] = _run_model(model, variants, args)
-        print(f"{model}: done in {results[model]['wall_s']:.0f} s", flush=True)
+    results = _run_models(args.models.split(","), variants, args)
     load_after = os.getloadavg()
     elapsed = time.perf_counter() - started
 
@@ -414,7 +491,11 @@ def main() -> None:
     print("\n".join(lines))
     if not args.quick or args.write:
         RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "vs_ddp.md").write_text("\n".join(lines) + f"\n\nfdp/ddp step time: {worst:.2f}\n")
+        md = RESULTS / "vs_ddp.md"
+        # Hand-written analysis below NOTES_MARKER survives a rerun; the measured part above is replaced.
+        kept = md.read_text().partition(NOTES_MARKER) if md.exists() else ("", "", "")
+        notes = kept[1] + kept[2] if kept[1] else ""
+        md.write_text("\n".join(lines) + f"\n\nfdp/ddp step time: {worst:.2f}\n" + (f"\n{notes}" if notes else ""))
         payload = {
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "torch": torch.__version__,

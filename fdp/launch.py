@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import logging
 import os
 import re
+import signal
 import socket
 import threading
 import time
@@ -57,12 +59,15 @@ class WorkerFailedError(RuntimeError):
 
     ``rank``, ``pid``, ``exitcode`` and ``signal`` (a name such as ``"SIGKILL"``, or
     ``None`` when the worker raised) describe the first failure the launcher saw;
-    ``reason`` is the worker's exception as ``Type: message`` (empty for a signal).
+    ``reason`` is the worker's exception as ``Type: message`` (empty for a signal),
+    ``error_type`` that type's name and ``traceback`` the worker's traceback.
     """
 
-    def __init__(self, rank: int, pid: int, exitcode: int, reason: str = ""):
-        self.rank, self.pid, self.exitcode, self.reason = rank, pid, exitcode, reason
+    def __init__(self, rank: int, pid: int, exitcode: int, reason: str = "", traceback: str = ""):
+        self.rank, self.pid, self.exitcode, self.reason, self.traceback = rank, pid, exitcode, reason, traceback
         self.signal = _signal_name(exitcode)
+        named = re.match(r"([A-Za-z_][\w.]*): ", reason.strip())
+        self.error_type = named.group(1).rsplit(".", 1)[-1] if named else None
         if self.signal:
             message = f"rank {rank} (pid {pid}) was killed by {self.signal}"
         else:
@@ -77,8 +82,6 @@ class RankLostError(RuntimeError):
 
 
 def _signal_name(exitcode: int) -> str | None:
-    import signal
-
     if exitcode >= 0:
         return None
     try:
@@ -124,6 +127,9 @@ def spawn(entry: Callable[..., Any], args: tuple, layout: WorldLayout) -> dict[i
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     store, port = _loopback_store(layout.timeout_s)
+    quiet = _WorkerFailureFilter()
+    for name in _QUIETED:
+        logging.getLogger(name).addFilter(quiet)
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -143,9 +149,24 @@ def spawn(entry: Callable[..., Any], args: tuple, layout: WorldLayout) -> dict[i
         rank, failure = error.get_first_failure()
         message = failure.message
         reason = message.get("message", "") if isinstance(message, dict) else ""
-        raise WorkerFailedError(rank, failure.pid, failure.exitcode, reason) from error
+        traceback = message.get("extraInfo", {}).get("py_callstack", "") if isinstance(message, dict) else ""
+        raise WorkerFailedError(rank, failure.pid, failure.exitcode, reason, traceback) from error
     finally:
+        for name in _QUIETED:
+            logging.getLogger(name).removeFilter(quiet)
         del store
+
+
+_QUIETED = ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")
+
+
+class _WorkerFailureFilter(logging.Filter):
+    """Drops the launcher's log of a failed worker's traceback (``WorkerFailedError`` carries
+    it) and of the routine stop of the other workers, so a failure reads as one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = str(record.msg)
+        return not ((record.exc_info and message.startswith("failed (exitcode")) or message.startswith("Terminating process"))
 
 
 def resolve_backend(backend: str) -> str:
@@ -168,20 +189,41 @@ def init_distributed(layout: WorldLayout) -> Comm:
     backend = resolve_backend(layout.backend)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if layout.launcher == "elastic":
-        # A local world talks over loopback only; gloo would otherwise listen on the
-        # address the hostname resolves to (often the LAN address).
+        # A local world talks over loopback only; gloo (and NCCL's bootstrap) would
+        # otherwise listen on the address the hostname resolves to, often the LAN's.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback_interface())
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
     else:
         # Ranks on one machine share its cores; more threads each only contend.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))))
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=layout.timeout_s))
+        timeout = datetime.timedelta(seconds=layout.timeout_s)
+        store = _attempt_store(timeout)
+        if store is None:
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     expected = int(os.environ.get("WORLD_SIZE", layout.world_size))
     if layout.launcher == "elastic" and expected != layout.world_size:
         raise RuntimeError(f"world has {expected} processes, layout expects {layout.world_size}")
     return Comm()
+
+
+def _attempt_store(timeout: datetime.timedelta):
+    """This attempt's own key space in the elastic agent's store (``None``: not under such an agent).
+
+    The agent's store outlives the workers, so after a restart (``world.max_restarts``)
+    the keys of the dead attempt are still there and gloo's rendezvous reads a dead
+    worker's address, failing with "connectFullMesh ... Connect timeout" (pytorch issue
+    135712). Every worker of one agent agrees on ``TORCHELASTIC_RESTART_COUNT``.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"fdp/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
 
 
 def loopback_interface() -> str:
@@ -202,12 +244,16 @@ class Heartbeat:
 
     When a collective fails, ``silent_ranks()`` says which ranks stopped beating (killed,
     stopped or unreachable) as opposed to ranks that merely saw the failure too. The beat
-    runs in a daemon thread, so a rank blocked in a collective still answers.
+    runs in a daemon thread, so a rank blocked in a collective still answers. Without a
+    store to beat in (a torch that hides it), ``silent_ranks()`` is ``None``: unknown.
     """
 
     def __init__(self, rank: int, world_size: int, interval_s: float = 0.5):
         self.rank, self.world_size, self.interval_s = rank, world_size, interval_s
-        self._store = dist.distributed_c10d._get_default_store()
+        try:
+            self._store = dist.distributed_c10d._get_default_store()
+        except (AttributeError, RuntimeError, ValueError):
+            self._store = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="fdp-heartbeat", daemon=True)
 
@@ -223,7 +269,8 @@ class Heartbeat:
             self._stop.wait(self.interval_s)
 
     def start(self) -> "Heartbeat":
-        self._thread.start()
+        if self._store is not None:
+            self._thread.start()
         return self
 
     def stop(self) -> None:
@@ -234,6 +281,8 @@ class Heartbeat:
 
     def silent_ranks(self) -> list[int] | None:
         """Ranks whose counter did not move over three beats (``None``: the store does not answer)."""
+        if self._store is None:
+            return None
         try:
             before = self._counts()
             time.sleep(3 * self.interval_s)

@@ -7,6 +7,7 @@
 
 Every setting is in conf/ and fdp/config.py; the logic lives in fdp/trainer.py.
 """
+import os
 import sys
 from pathlib import Path
 
@@ -20,6 +21,9 @@ from fdp.launch import RankLostError, WorkerFailedError
 from fdp.trainer import main as train
 
 register_configs()
+
+# Failures the run reports in one line: the message says what happened and what to change.
+EXPECTED = ("ConfigError", "CheckpointError", "FloatingPointError", "RankLostError")
 
 
 def save_hydra_files(cfg: DictConfig, run_dir: str) -> None:
@@ -45,12 +49,21 @@ def main(cfg: DictConfig) -> None:
     run_dir = HydraConfig.get().runtime.output_dir
     try:
         validate(cfg, run_dir)  # before anything is written to run_dir
-        save_hydra_files(cfg, run_dir)
+        if int(os.environ.get("RANK", 0)) == 0:  # under torchrun every rank runs this script
+            save_hydra_files(cfg, run_dir)
         train(cfg, run_dir)
     except (ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    except (WorkerFailedError, RankLostError, FloatingPointError) as e:
+    except WorkerFailedError as e:
+        if e.error_type in ("ConfigError", "CheckpointError"):  # refused by the workers
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        if e.error_type not in EXPECTED and e.traceback:  # a bug: show where
+            print(e.traceback, file=sys.stderr, end="")
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except (RankLostError, FloatingPointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
 

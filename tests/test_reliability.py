@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -32,7 +33,7 @@ from fdp.comm import Comm
 from fdp.config import ConfigError, register_configs, validate
 from fdp.data import load_digits, shard_dataset
 from fdp.functional import functionalize
-from fdp.launch import RankLostError, WorkerFailedError, spawn
+from fdp.launch import RankLostError, WorkerFailedError, WorldLayout, init_distributed, loopback_interface, spawn
 from fdp.optim import sgd
 from fdp.plan import plan_buckets
 from fdp.train import cross_entropy_loss, init_train_state, make_train_step, planner_loss
@@ -178,7 +179,7 @@ class ListenWatch(Background):
             for pid in _descendants(me):
                 for inode in _socket_inodes(pid) & listening.keys():
                     self.seen.add(("launcher" if pid == me else "worker", str(listening[inode])))
-            self.halt.wait(0.05)
+            self.halt.wait(0.25)
         return self.seen
 
     def stop(self):
@@ -207,6 +208,26 @@ def test_local_world_listens_on_loopback_only(reference):
         ip = ipaddress.ip_address(address)
         mapped = getattr(ip, "ipv4_mapped", None)
         assert ip.is_loopback or (mapped is not None and mapped.is_loopback), (role, address)
+
+
+def test_local_worlds_pin_gloo_and_nccl_to_the_loopback_interface(monkeypatch):
+    """Where the hostname resolves to a LAN address (not on every machine, so the run above
+    may not show it) gloo would listen there; local worlds name the loopback interface."""
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.setenv(var, "unset")  # recorded, so the teardown restores the original state
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda *args, **kwargs: None)
+    threads = torch.get_num_threads()
+    try:
+        init_distributed(WorldLayout("elastic", nproc_per_node=1, backend="gloo"))
+    finally:
+        torch.set_num_threads(threads)
+    interface = os.environ["GLOO_SOCKET_IFNAME"]
+    assert interface == os.environ["NCCL_SOCKET_IFNAME"] == loopback_interface()
+    if Path(f"/sys/class/net/{interface}/flags").exists():
+        assert int(Path(f"/sys/class/net/{interface}/flags").read_text(), 16) & 0x8  # IFF_LOOPBACK
 
 
 # -- 1. a lost rank ------------------------------------------------------------------------
@@ -467,28 +488,38 @@ def test_bad_inputs_are_refused_with_one_line_naming_the_setting(previous_run, t
 # Through the real shell entry point: exit status, the printed line, and the previous run's files.
 RECIPE_CASES = [
     (["hooks=powersgd", "hooks.rank=0"], 2, r"error: hooks\.rank=0: expected an integer >= 1"),
-    (["world=local2", "data.global_batch_size=33"], 2, r"error: data\.global_batch_size=33: expected a multiple of the world size 2"),
+    # Refused by the workers of a local world, after the launcher started them.
+    (["world=local2", "data.global_batch_size=2000", "hydra.run.dir={fresh}"], 2,
+     r"error: data\.global_batch_size=2000: expected at most the 1438 training samples of digits \(rank [01]\)"),
+    # Valid config, refused once the checkpoint is read: .hydra/ of the previous run is kept.
     (["trainer.resume=true", "model.hidden=32"], 2, r"error: checkpoint .*/last\.pt was written with another bucket plan .*"),
     (["trainer.resume=true", "hydra.run.dir={corrupt}"], 2, r"error: checkpoint .*/last\.pt is unreadable \(truncated or corrupted\?\): .*"),
     (["trainer.max_stpes=5"], 1, None),  # Hydra's own message: its first line names the key
 ]
 
 
-def test_bad_inputs_through_the_recipe_exit_non_zero_with_one_line(previous_run):
+def test_bad_inputs_through_the_recipe_exit_non_zero_with_one_line(previous_run, tmp_path):
     previous, corrupt = previous_run
-    for overrides, status, expected in RECIPE_CASES:
-        run_dir = corrupt if "hydra.run.dir={corrupt}" in overrides else previous
-        args = [o for o in overrides if not o.startswith("hydra.run.dir=")]
-        before = _snapshot(run_dir)
-        proc = recipe(*M, "trainer.progress=false", *args, f"hydra.run.dir={run_dir}")
-        lines = [line for line in proc.stderr.splitlines() if line.strip()]
-        assert proc.returncode == status, (overrides, proc.stderr[-2000:])
+    dirs = {"corrupt": corrupt, "fresh": tmp_path / "fresh"}
+    before = {d: _snapshot(d) for d in (previous, corrupt)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = []
+    for overrides, status, expected in RECIPE_CASES:  # concurrently: each is mostly start-up
+        run_dir = next((dirs[o[len("hydra.run.dir={"):-1]] for o in overrides if o.startswith("hydra.run.dir=")), previous)
+        args = [*M, "trainer.progress=false", *(o for o in overrides if not o.startswith("hydra.run.dir=")), f"hydra.run.dir={run_dir}"]
+        command = [sys.executable, str(ROOT / "recipes" / "train.py"), *args]
+        procs.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for (overrides, status, expected), proc in zip(RECIPE_CASES, procs):
+        stdout, stderr = proc.communicate(timeout=180)
+        lines = [line for line in stderr.splitlines() if line.strip()]
+        assert proc.returncode == status, (overrides, stderr[-2000:])
         if expected is None:
-            assert "trainer.max_stpes" in lines[0] and "Traceback" not in proc.stderr, lines
+            assert "trainer.max_stpes" in lines[0] and "Traceback" not in stderr, lines
         else:
             assert len(lines) == 1 and re.fullmatch(expected, lines[0]), lines
-        assert "fdp: " not in proc.stdout
-        assert not _unchanged(before, run_dir), overrides
+        assert "fdp: " not in stdout
+    for d, snapshot in before.items():
+        assert not _unchanged(snapshot, d), d
 
 
 # -- 4. non-finite gradients end to end --------------------------------------------------------
