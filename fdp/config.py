@@ -7,10 +7,11 @@ key. Range checks that a type cannot express live in ``validate``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig
 
 
 # -- model -----------------------------------------------------------------------------
@@ -204,6 +205,24 @@ SCHEMAS = {
     },
     "world": {"world": WorldConfig},
 }
+
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+
+def compose(*overrides: str, config_dir: str | Path = CONF_DIR) -> DictConfig:
+    """The run config for ``overrides``, as ``recipes/train.py`` would see it (from Python or a notebook).
+
+    >>> cfg = compose("model=convnet", "trainer.max_steps=50")
+    >>> cfg.model.name, cfg.trainer.max_steps
+    ('convnet', 50)
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+        return hydra_compose("config", overrides=list(overrides))
 
 
 def register_configs() -> None:

@@ -121,7 +121,9 @@ def spawn(entry: Callable[..., Any], args: tuple, layout: WorldLayout) -> dict[i
     naming the rank; the launcher has stopped the other workers); with ``max_restarts > 0``
     the group is restarted that many times first.
 
-    >>> spawn(my_worker, (cfg,), WorldLayout("elastic", nproc_per_node=2))   # doctest: +SKIP
+    Example (``my_worker`` must be importable, it is pickled into the workers)::
+
+        results = spawn(my_worker, (cfg,), WorldLayout("elastic", nproc_per_node=2))
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch

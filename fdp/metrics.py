@@ -40,6 +40,19 @@ class MetricsLog:
         self._file.close()
 
 
+def read_metrics(run_dir: str | Path) -> tuple[list[dict], dict | None]:
+    """The logged steps of a run and its summary (``None`` while it is still running).
+
+    Example::
+
+        steps, summary = read_metrics("outputs/2026-11-21/10-00-00")
+        losses = [s["loss"] for s in steps]
+    """
+    records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
+    summary = next((r for r in reversed(records) if r.get("summary")), None)
+    return [r for r in records if not r.get("summary")], summary
+
+
 class StepTimes:
     """Running per-step timings; medians skip the first steps (allocation, warm caches)."""
 

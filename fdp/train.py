@@ -100,8 +100,15 @@ def make_train_step(
     reduces them once through ``hook`` over ``plan``, and applies ``optimizer``. It never
     modifies ``state``; the same state and batch always give the same result.
 
-    >>> step = make_train_step(loss_fn, sgd(0.1), plan)          # doctest: +SKIP
-    >>> state, metrics = step(state, (x, y))                     # doctest: +SKIP
+    >>> from fdp import functionalize, plan_buckets, sgd
+    >>> model, params, buffers = functionalize(torch.nn.Linear(4, 3))
+    >>> loss_fn = cross_entropy_loss(model)
+    >>> batch = (torch.randn(8, 4), torch.randint(0, 3, (8,)))
+    >>> plan = plan_buckets(planner_loss(loss_fn, buffers), params, batch)
+    >>> step = make_train_step(loss_fn, sgd(0.1), plan)
+    >>> state, metrics = step(init_train_state(params, buffers, sgd(0.1), plan), batch)
+    >>> state.step
+    1
     """
     if nonfinite not in NONFINITE:
         raise ValueError(f"trainer.nonfinite={nonfinite!r}: expected one of {NONFINITE}")

@@ -6,6 +6,7 @@ the workers with the elastic launcher; each worker (or the single process) then 
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -276,8 +277,12 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm) -> dict:
     has_checkpoint = (run_dir / "checkpoints" / checkpoint.LAST).exists()
     state = _resume(run_dir, run, comm) if tc.resume or (restarted and has_checkpoint) else run.state
     if rank == 0:
-        log.info(f"{cfg.model.name}: {run.num_params:,} parameters, {len(run.plan)} buckets, world {world}")
-        log.info("\n" + str(run.plan))
+        (run_dir / "plan.txt").write_text(f"{run.plan}\nfingerprint: {run.plan.fingerprint()}\n")
+        (run_dir / "plan.json").write_text(json.dumps(run.plan.to_dict(), indent=1))
+        log.info(
+            f"{cfg.model.name}: {run.num_params:,} parameters in {len(run.plan)} buckets "
+            f"({run.plan.nbytes / 2**20:.2f} MiB, plan {run.plan.fingerprint()[:12]}, see plan.txt), world {world}"
+        )
     backend = "nccl" if torch.distributed.is_initialized() and dist.get_backend() == "nccl" else "gloo"
     train_step = make_train_step(
         cross_entropy_loss(run.model),

@@ -45,9 +45,14 @@ register_configs()
 
 TINY = ["model.hidden=16", "data.global_batch_size=16", "trainer.eval_every=0", "trainer.progress=false"]
 LOCAL2 = ["world=local2", "world.backend=gloo", "world.timeout_s=30"]
-# The run that restarts must match: SGD with momentum (optimizer state), checkpoints every 20 steps.
+# The run that is interrupted and restarted: a tiny character transformer with dropout (so the
+# per-rank RNG matters) and AdamW with a warm-up schedule (optimizer state and step count).
 STEPS, EVERY = 200, 20
-REFERENCE = [*TINY, *LOCAL2, f"trainer.max_steps={STEPS}", f"trainer.checkpoint_every={EVERY}"]
+REFERENCE = [
+    "model=charlm", "data=stdlib_text", "model.d_model=16", "model.n_layer=1", "model.n_head=2", "model.dropout=0.1",
+    "data.block_size=8", "data.max_chars=5000", "data.global_batch_size=8", "optim=adamw", "optim.warmup_steps=10",
+    "trainer.eval_every=0", "trainer.progress=false", *LOCAL2, f"trainer.max_steps={STEPS}", f"trainer.checkpoint_every={EVERY}",
+]
 
 
 def make_cfg(*overrides):
@@ -254,7 +259,7 @@ def test_killed_rank_stops_the_run_naming_the_rank_and_the_step(tmp_path):
     )
     assert match, message
     assert int(match[2]) == victim["pid"]
-    assert int(match[1]) >= victim["step"] > 20 and int(match[3]) >= 20
+    assert int(match[1]) >= victim["step"] >= 20 and int(match[3]) >= 20
     assert stopped - killed_at < timeout_s
     assert not alive(Progress.read(tmp_path, 0)["pid"])
 
@@ -286,9 +291,10 @@ def test_hung_rank_is_named_by_the_survivor_within_the_timeout(tmp_path):
         message,
     )
     assert match, message
-    assert int(match[1]) >= victim["step"] > 20
+    assert int(match[1]) >= victim["step"] >= 20
     assert "imed out" in match[2]  # gloo's "Timed out waiting 4000ms for recv operation to complete"
-    assert timeout_s <= survivor_stopped_after < timeout_s + 10
+    # The collective may have begun just before the stop; the heartbeat check adds ~1.5 s.
+    assert timeout_s - 1 <= survivor_stopped_after < timeout_s + 10
 
 
 # -- restarts, and a rank killed while saving (item 2), in one interrupted run -------------------
@@ -352,9 +358,10 @@ def test_rank_killed_while_saving_leaves_the_previous_checkpoint(interrupted):
 
 def test_restarted_world_resumes_from_the_last_checkpoint_bit_identically(interrupted, reference):
     """Two restarts (max_restarts=2), each resuming from the last checkpoint: data position,
-    optimizer state and RNG are restored, so the run ends with exactly the reference's params."""
+    optimizer state and each rank's dropout RNG are restored, so the run ends with exactly
+    the reference's parameters."""
     victim = interrupted["victim"]
-    assert 4 * EVERY < victim["step"] < STEPS  # rank 1 was killed mid-run
+    assert 4 * EVERY <= victim["step"] < STEPS  # rank 1 was killed mid-run
     assert Progress.read(interrupted["dir"], 1)["pid"] != victim["pid"]  # a new rank 1 finished it
     assert interrupted["summary"]["steps"] == STEPS
     assert_same_params(final_params(interrupted["dir"]), reference["params"])
@@ -487,7 +494,6 @@ def test_bad_inputs_are_refused_with_one_line_naming_the_setting(previous_run, t
 
 # Through the real shell entry point: exit status, the printed line, and the previous run's files.
 RECIPE_CASES = [
-    (["hooks=powersgd", "hooks.rank=0"], 2, r"error: hooks\.rank=0: expected an integer >= 1"),
     # Refused by the workers of a local world, after the launcher started them.
     (["world=local2", "data.global_batch_size=2000", "hydra.run.dir={fresh}"], 2,
      r"error: data\.global_batch_size=2000: expected at most the 1438 training samples of digits \(rank [01]\)"),

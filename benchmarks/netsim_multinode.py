@@ -1,0 +1,392 @@
+"""Benchmark: fdp vs DDP on two simulated nodes with shaped links (netsim), per comm hook.
+
+Two network namespaces (``/work/shared/netsim``: veth links, tbf at RATE per node and
+direction, no added delay), one rank per node, gloo over ``nsim0``. For each rate
+(1 Gbit/s and 100 Mbit/s), each model and each hook:
+
+* fdp: ``python recipes/train.py world=torchrun ...`` in each node, the user's path
+  (``hooks=noop|allreduce|fp16|powersgd|topk``; PowerSGD rank 1 and 4 compress from step 3);
+* DDP: the same model, data, initial weights, batches and optimizer under
+  ``DistributedDataParallel`` with torch's hook: ``noop_hook``, ``allreduce_hook``,
+  ``fp16_compress_hook``, ``powerSGD_hook`` (rank 1 / 4, start iteration 2, wrapped to
+  ``wait()`` inside the hook: unwrapped it races on gloo with several buckets). Top-k has no
+  DDP hook in torch, so it is fdp only.
+
+Models (see ``_netsim.MODELS``): the 25.27M MLP (25 x 1024 hidden, digits, 32 per rank)
+and the 15.85M char transformer (d_model 512, 5 layers, stdlib text, 4 x 64 tokens per
+rank); Adam 1e-3 on both sides. Per run: median step time over the steps after the first
+two (fdp's own convention), the bytes each rank hands to collectives per step (fdp's
+``bytes_sent``; the DDP worker counts the same at ``dist.all_reduce``), and the training
+loss at the last step (mean over ranks, the batch of that step, as fdp logs it). The
+``noop`` rows are the no-communication floor.
+
+    python benchmarks/netsim_multinode.py            # full run (root), ~45-60 min on 2 busy cores
+    python benchmarks/netsim_multinode.py --quick    # MLP, 3 hooks, few steps (~5 min)
+
+Writes ``benchmarks/results/netsim_multinode.{md,json}`` and ``netsim_multinode*.png``
+after every run (``--quick`` writes to a scratch directory unless ``--write``). The network
+is taken down at the end, on an error, on Ctrl-C and on SIGTERM/SIGHUP.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import _netsim as N  # noqa: E402
+
+RATES = ["1gbit", "100mbit"]
+FDP_VARIANTS = ["noop", "allreduce", "fp16", "powersgd1", "powersgd4", "topk"]
+UNCOMPRESSED = {"allreduce", "fp16"}  # ~100 MB / 50 MB a step: few steps at 100 Mbit
+LABELS = {"noop": "noop (no comm)", "allreduce": "allreduce", "fp16": "fp16", "powersgd1": "PowerSGD r1",
+          "powersgd4": "PowerSGD r4", "topk": "top-k 1%"}
+TORCH_HOOK = {"noop": "noop_hook", "allreduce": "allreduce_hook", "fp16": "fp16_compress_hook",
+              "powersgd1": "powerSGD_hook r1 (+wait)", "powersgd4": "powerSGD_hook r4 (+wait)", "topk": "none in torch"}
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="MLP only, noop/allreduce/powersgd4, few steps")
+    p.add_argument("--rates", help=f"comma list (default {','.join(RATES)})")
+    p.add_argument("--models", help="comma list of mlp,transformer")
+    p.add_argument("--variants", help=f"comma list of {','.join(FDP_VARIANTS)}")
+    p.add_argument("--steps", type=int, help="steps per run (default 20; --quick 6)")
+    p.add_argument("--steps-uncompressed", type=int,
+                   help="steps for allreduce/fp16 below 1 Gbit/s (default 6; --quick 4)")
+    p.add_argument("--reps", type=int, default=1, help="repeat every run, in rotated order (default 1)")
+    p.add_argument("--no-ddp", action="store_true")
+    p.add_argument("--timeout", type=float, default=1200, help="seconds per run")
+    p.add_argument("--force", action="store_true", help="rebuild netsim even if nsim-* namespaces exist")
+    p.add_argument("--write", action="store_true", help="with --quick: write into benchmarks/results")
+    p.add_argument("--out", help="results directory (default benchmarks/results)")
+    a = p.parse_args()
+    q = a.quick
+    a.rates = (a.rates or ",".join(RATES)).split(",")
+    a.models = (a.models or ("mlp" if q else "mlp,transformer")).split(",")
+    a.variants = (a.variants or ("noop,allreduce,powersgd4" if q else ",".join(FDP_VARIANTS))).split(",")
+    a.steps = a.steps or (6 if q else 20)
+    a.steps_uncompressed = a.steps_uncompressed or (4 if q else 6)
+    for m in a.models:
+        if m not in N.MODELS:
+            p.error(f"unknown model {m!r}")
+    for v in a.variants:
+        if v not in FDP_VARIANTS:
+            p.error(f"unknown variant {v!r}")
+    return a
+
+
+def steps_for(rate: str, variant: str, args) -> int:
+    if variant in UNCOMPRESSED and rate_bps(rate) < 1e9:
+        return min(args.steps, args.steps_uncompressed)
+    return args.steps
+
+
+def rate_bps(rate: str) -> float:
+    r = rate.lower()
+    for suffix, mult in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
+        if r.endswith(suffix):
+            return float(r[: -len(suffix)]) * mult
+    return float("inf")
+
+
+# ----------------------------------------------------------------------------- reporting
+def _fmt_ms(r: dict | None) -> str:
+    if not r:
+        return ""
+    if r.get("error"):
+        return "failed"
+    return f"{r['median_ms']:.0f} ({r['q1_ms']:.0f}-{r['q3_ms']:.0f})"
+
+
+def _mb(r: dict | None) -> str:
+    return f"{r['bytes_per_step'] / 1e6:.2f}" if r and "bytes_per_step" in r else ""
+
+
+def _loss(r: dict | None) -> str:
+    return f"{r['loss_final']:.4f}" if r and "loss_final" in r else ""
+
+
+def _load(r: dict | None) -> str:
+    if not r or "load" not in r:
+        return ""
+    ld = r["load"]
+    return f"{ld['load_start']:.1f}→{ld['load_end']:.1f} / {ld['others_cores']:.2f}"
+
+
+def merge_reps(reps: list[dict]) -> dict:
+    """One row from several repetitions: medians over all timed steps of all of them."""
+    ok = [r for r in reps if "median_ms" in r]
+    if not ok:
+        return reps[-1]
+    if len(ok) == 1:
+        return ok[0]
+    rows = []
+    for r in ok:
+        rows += r["step_ms_all"][N.WARMUP_STEPS:]
+    import statistics
+
+    out = dict(ok[-1])
+    out["median_ms"] = statistics.median(rows)
+    out["q1_ms"], out["q3_ms"] = N.quantile(rows, 0.25), N.quantile(rows, 0.75)
+    out["rep_medians_ms"] = [round(r["median_ms"], 1) for r in ok]
+    return out
+
+
+def goals(results: dict, rate: str = "1gbit") -> list[str]:
+    lines = []
+    for model, sides in results.get(rate, {}).items():
+        fdp = {v: merge_reps(r) for v, r in sides.get("fdp", {}).items()}
+        ddp = {v: merge_reps(r) for v, r in sides.get("ddp", {}).items()}
+        p4, noop, ar = fdp.get("powersgd4"), fdp.get("noop"), fdp.get("allreduce")
+        d_ar = ddp.get("allreduce")
+        ok = lambda r: r is not None and "median_ms" in r  # noqa: E731
+        if ok(p4) and ok(noop):
+            x = p4["median_ms"] / noop["median_ms"]
+            lines.append(f"- {model} @ {rate}: fdp PowerSGD r4 / fdp no-comm step = {p4['median_ms']:.0f} / "
+                         f"{noop['median_ms']:.0f} ms = **{x:.2f}x** (goal ≤ 1.5x: {'met' if x <= 1.5 else 'NOT met'})")
+        if ok(p4) and ok(d_ar):
+            x = d_ar["median_ms"] / p4["median_ms"]
+            bound = f"; the ceiling with zero-cost communication is DDP allreduce / fdp no-comm = " \
+                    f"{d_ar['median_ms'] / noop['median_ms']:.2f}x" if ok(noop) else ""
+            lines.append(f"- {model} @ {rate}: DDP allreduce / fdp PowerSGD r4 = {d_ar['median_ms']:.0f} / "
+                         f"{p4['median_ms']:.0f} ms = **{x:.2f}x** faster (goal ≥ 5x: {'met' if x >= 5 else 'NOT met'}"
+                         f"{bound})")
+        if ok(p4) and ok(ar) and p4["steps"] == ar["steps"]:
+            d = (p4["loss_final"] - ar["loss_final"]) / ar["loss_final"]
+            d5 = (p4["loss_last5"] - ar["loss_last5"]) / ar["loss_last5"]
+            lines.append(f"- {model} @ {rate}: loss after {p4['steps']} steps, fdp PowerSGD r4 vs fdp allreduce: "
+                         f"{p4['loss_final']:.4f} vs {ar['loss_final']:.4f} = **{100 * d:+.2f}%** "
+                         f"(mean of the last 5 steps {100 * d5:+.2f}%) (goal within ±2%: "
+                         f"{'met' if abs(d) <= 0.02 else 'NOT met'})")
+        if ok(ar) and ok(d_ar) and ar["steps"] == d_ar["steps"]:
+            same = max(abs(a - b) for a, b in zip(ar["losses"], d_ar["losses"]))
+            lines.append(f"- {model} @ {rate}: fdp allreduce vs DDP allreduce, largest per-step loss difference "
+                         f"over {ar['steps']} steps: {same:.2e}")
+    return lines
+
+
+def write_report(results: dict, meta: dict, out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "netsim_multinode.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    lines = [
+        f"# fdp vs DDP on two simulated nodes (netsim), {meta['date']}",
+        "",
+        f"torch {meta['torch']}, Python {meta['python']}, {meta['cpus']} CPU cores shared with other jobs. "
+        "netsim veth back-end: 2 network namespaces, one rank each, tbf at RATE per node and direction, "
+        "MTU 1500, no added delay; gloo over `nsim0`; 1 torch thread per rank (both nodes share the host's cores).",
+        f"Models: {meta['models']}. Adam lr 1e-3 on both sides. fdp buckets 25 MiB (first 1 MiB), DDP defaults "
+        "(the same caps). PowerSGD: compression from step 3 (`hooks.start_iter=2`, `start_powerSGD_iter=2`), "
+        "error feedback and warm start on. DDP's PowerSGD hook waits inside the hook (gloo races otherwise), "
+        "which serialises its buckets. Top-k: ratio 0.01 (values + int32 positions, two allgathers); torch has no "
+        "top-k DDP hook.",
+        f"Step time: median over the steps after the first {N.WARMUP_STEPS} of rank 0 (IQR in brackets); steps per run "
+        f"{meta['steps']} ({meta['steps_uncompressed']} for allreduce/fp16 below 1 Gbit/s). Bytes: what each rank hands "
+        "to collectives per step (payload, not wire bytes). Loss: training loss of the last step (mean over ranks); "
+        "both sides see the same batches from the same initial weights. Load: 1-min load average at start→end of "
+        "the fdp run / CPU cores other processes took during it.",
+        f"Commands: `{meta['command']}`; fdp side per node: `recipes/train.py world=torchrun <overrides>` (in the JSON).",
+        "",
+        "| rate | model | hook (torch hook) | steps | fdp ms | DDP ms | DDP/fdp | fdp × no-comm | fdp comm wait ms "
+        "| fdp MB/step | DDP MB/step | fdp loss | DDP loss | load fdp / others' cores |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for rate, models in results.items():
+        for model, sides in models.items():
+            fdp = {v: merge_reps(r) for v, r in sides.get("fdp", {}).items()}
+            ddp = {v: merge_reps(r) for v, r in sides.get("ddp", {}).items()}
+            floor = fdp.get("noop", {}).get("median_ms")
+            for v in FDP_VARIANTS:
+                f, d = fdp.get(v), ddp.get(v)
+                if not f and not d:
+                    continue
+                ratio = f"{d['median_ms'] / f['median_ms']:.2f}" if f and d and "median_ms" in f and "median_ms" in d else ""
+                vs_floor = f"{f['median_ms'] / floor:.2f}" if f and floor and "median_ms" in f else ""
+                wait = f"{f['comm_wait_ms']:.0f}" if f and "comm_wait_ms" in f else ""
+                steps = (f or d).get("steps", "")
+                params = (f or d).get("params")
+                mname = f"{model} ({params / 1e6:.2f}M)" if params else model
+                lines.append(
+                    f"| {rate} | {mname} | {LABELS[v]} ({TORCH_HOOK[v]}) | {steps} | {_fmt_ms(f)} | "
+                    f"{_fmt_ms(d) if v != 'topk' else 'n/a'} | {ratio} | {vs_floor} | {wait} | {_mb(f)} | "
+                    f"{_mb(d) if v != 'topk' else 'n/a'} | {_loss(f)} | {_loss(d) if v != 'topk' else 'n/a'} | {_load(f)} |"
+                )
+    lines += ["", "## Goals (1 Gbit/s)", ""] + (goals(results) or ["(no 1 Gbit/s results yet)"])
+    failures = [f"- {rate} {model} {side} {v}: {r[-1]['error'].splitlines()[0]}"
+                for rate, models in results.items() for model, sides in models.items()
+                for side, vs in sides.items() for v, r in vs.items() if r and "error" in r[-1]]
+    if failures:
+        lines += ["", "## Failed runs", ""] + failures
+    if meta.get("notes"):
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in meta["notes"]]
+    lines += ["", f"Load average (1 min) at start {meta['load_start']:.2f}; now {os.getloadavg()[0]:.2f}. "
+              f"Elapsed {meta.get('elapsed_s', 0):.0f} s. Per-run details (every step's time and loss, "
+              "compute/comm-wait split, load) are in `netsim_multinode.json`.", ""]
+    (out_dir / "netsim_multinode.md").write_text("\n".join(lines))
+
+
+def plot(results: dict, out_dir: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rates = list(results)
+    models = sorted({m for r in results.values() for m in r})
+    if not rates or not models:
+        return
+    fig, axes = plt.subplots(len(rates), len(models), figsize=(6.5 * len(models), 4.2 * len(rates)), squeeze=False)
+    for i, rate in enumerate(rates):
+        for j, model in enumerate(models):
+            ax = axes[i][j]
+            sides = results[rate].get(model, {})
+            fdp = {v: merge_reps(r) for v, r in sides.get("fdp", {}).items()}
+            ddp = {v: merge_reps(r) for v, r in sides.get("ddp", {}).items()}
+            vs = [v for v in FDP_VARIANTS if v in fdp or v in ddp]
+            xs = range(len(vs))
+            fv = [fdp[v]["median_ms"] if v in fdp and "median_ms" in fdp[v] else 0 for v in vs]
+            dv = [ddp[v]["median_ms"] if v in ddp and "median_ms" in ddp[v] else 0 for v in vs]
+            ax.bar([x - 0.2 for x in xs], fv, 0.4, label="fdp (recipe)", color="tab:blue")
+            ax.bar([x + 0.2 for x in xs], dv, 0.4, label="DDP (torch hook)", color="tab:orange")
+            for x, a, b in zip(xs, fv, dv):
+                if a:
+                    ax.text(x - 0.2, a, f"{a:.0f}", ha="center", va="bottom", fontsize=7)
+                if b:
+                    ax.text(x + 0.2, b, f"{b:.0f}", ha="center", va="bottom", fontsize=7)
+            if "noop" in fdp and "median_ms" in fdp["noop"]:
+                ax.axhline(fdp["noop"]["median_ms"], color="tab:blue", ls="--", lw=0.8)
+                ax.axhline(1.5 * fdp["noop"]["median_ms"], color="tab:green", ls=":", lw=0.8,
+                           label="1.5 × fdp no-comm")
+            ax.set_xticks(list(xs))
+            ax.set_xticklabels([LABELS[v].replace(" (no comm)", "") for v in vs], rotation=20, fontsize=8)
+            ax.set_yscale("log")
+            ax.set_ylabel("median step ms (log)")
+            ax.set_title(f"{model} @ {rate}")
+            ax.legend(fontsize=7)
+    fig.suptitle("fdp vs DDP, 2 simulated nodes (netsim), step time per hook")
+    fig.tight_layout()
+    fig.savefig(out_dir / "netsim_multinode.png", dpi=110)
+    plt.close(fig)
+
+    # Loss curves at the first rate that has them, per model.
+    rate = next((r for r in rates if results[r]), None)
+    if rate is None:
+        return
+    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4), squeeze=False)
+    for j, model in enumerate(models):
+        ax = axes[0][j]
+        sides = results[rate].get(model, {})
+        for side, style in (("fdp", "-"), ("ddp", "--")):
+            for v, reps in sides.get(side, {}).items():
+                r = reps[-1]
+                if "losses" in r:
+                    ax.plot(range(1, len(r["losses"]) + 1), r["losses"], style, label=f"{side} {LABELS[v]}", lw=1)
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss (mean over ranks)")
+        ax.set_title(f"{model} @ {rate}: same data and initial weights")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / "netsim_multinode_loss.png", dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- driver
+def main() -> None:
+    args = parse_args()
+    N.install_signal_handlers()
+    import torch
+
+    quick_scratch = args.quick and not args.write and not args.out
+    work = N.work_dir("fdp-netsim-multinode")
+    out_dir = Path(args.out) if args.out else (work if quick_scratch else N.RESULTS)
+    meta = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "command": "python " + " ".join([f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]]),
+        "models": "; ".join(f"{m}: {' '.join(o)}" for m, o in N.MODELS.items() if m in args.models),
+        "steps": args.steps,
+        "steps_uncompressed": args.steps_uncompressed,
+        "load_start": os.getloadavg()[0],
+        "work_dir": str(work),
+        "notes": [],
+    }
+    results: dict = {}
+    plan = []
+    for rate in args.rates:
+        for model in args.models:
+            runs = []
+            for v in args.variants:
+                runs.append(("fdp", v))
+                if not args.no_ddp and v in N.DDP_HOOKS:
+                    runs.append(("ddp", v))
+            plan.append((rate, model, runs))
+    total = sum(len(runs) for _, _, runs in plan) * args.reps
+    print(f"netsim_multinode: {total} runs; logs and run directories in {work}; results -> {out_dir}", flush=True)
+    t_start, done = time.perf_counter(), 0
+    try:
+        with N.Netsim(nodes=2, force=args.force) as net:
+            for rate, model, runs in plan:
+                print(net.up(rate), flush=True)
+                for rep in range(args.reps):
+                    shift = rep % len(runs)
+                    for side, v in runs[shift:] + runs[:shift]:
+                        done += 1
+                        steps = steps_for(rate, v, args)
+                        tag = f"[{done}/{total}] {rate} {model} {side} {v} ({steps} steps)"
+                        print(f"{tag} ...", flush=True)
+                        name = f"{rate}-{model}-{side}-{v}-rep{rep}"
+                        try:
+                            with N.LoadMeter() as lm:
+                                if side == "fdp":
+                                    r = N.fdp_run(model, v, steps, work / name, True, args.timeout)
+                                else:
+                                    r = N.ddp_run(model, v, steps, work / name, args.timeout)
+                            r["load"] = lm.as_dict()
+                            print(f"{tag}: {r['median_ms']:.0f} ms/step (IQR {r['q1_ms']:.0f}-{r['q3_ms']:.0f}), "
+                                  f"{r['bytes_per_step'] / 1e6:.2f} MB/step, loss {r['loss_final']:.4f}, "
+                                  f"load {lm.load0:.1f}→{lm.load1:.1f}, others {lm.others_cores:.2f} cores, "
+                                  f"{lm.wall:.0f} s", flush=True)
+                        except (RuntimeError, TimeoutError) as error:
+                            r = {"error": str(error), "steps": steps}
+                            print(f"{tag}: FAILED: {error}", flush=True)
+                        results.setdefault(rate, {}).setdefault(model, {}).setdefault(side, {}).setdefault(v, []).append(r)
+                        meta["elapsed_s"] = time.perf_counter() - t_start
+                        write_report(results, meta, out_dir)
+                plot(results, out_dir)
+    except KeyboardInterrupt:
+        print("netsim_multinode: interrupted", file=sys.stderr, flush=True)
+        meta["notes"].append("run interrupted (Ctrl-C); results are partial")
+        raise SystemExit(130)
+    except N._Stop as stop:
+        meta["notes"].append(f"run {stop}; results are partial")
+        raise SystemExit(143)
+    except N.NetsimError as error:
+        raise SystemExit(f"netsim_multinode: {error}")
+    except Exception:
+        traceback.print_exc()
+        meta["notes"].append("run aborted by an error; results are partial")
+        raise SystemExit(1)
+    finally:
+        meta["elapsed_s"] = time.perf_counter() - t_start
+        if results:
+            write_report(results, meta, out_dir)
+            plot(results, out_dir)
+        print(f"netsim_multinode: results in {out_dir}", flush=True)
+    print("\n".join(["", *goals(results)]), flush=True)
+    print((out_dir / "netsim_multinode.md").read_text(), flush=True)
+
+
+if __name__ == "__main__":
+    main()
