@@ -47,7 +47,7 @@ import _netsim as N  # noqa: E402
 RATES = ["1gbit", "100mbit"]
 FDP_VARIANTS = ["noop", "allreduce", "fp16", "powersgd1", "powersgd4", "topk"]
 UNCOMPRESSED = {"allreduce", "fp16"}  # ~100 MB / 50 MB a step: few steps at 100 Mbit
-LABELS = {"noop": "noop (no comm)", "allreduce": "allreduce", "fp16": "fp16", "powersgd1": "PowerSGD r1",
+LABELS = {"noop": "noop", "allreduce": "allreduce", "fp16": "fp16", "powersgd1": "PowerSGD r1",
           "powersgd4": "PowerSGD r4", "topk": "top-k 1%"}
 TORCH_HOOK = {"noop": "noop_hook", "allreduce": "allreduce_hook", "fp16": "fp16_compress_hook",
               "powersgd1": "powerSGD_hook r1 (+wait)", "powersgd4": "powerSGD_hook r4 (+wait)", "topk": "none in torch"}
@@ -167,6 +167,9 @@ def goals(results: dict, rate: str = "1gbit") -> list[str]:
                          f"{p4['loss_final']:.4f} vs {ar['loss_final']:.4f} = **{100 * d:+.2f}%** "
                          f"(mean of the last 5 steps {100 * d5:+.2f}%) (goal within ±2%: "
                          f"{'met' if abs(d) <= 0.02 else 'NOT met'})")
+        if ok(ar):
+            lines.append(f"- {model} @ {rate}: fdp allreduce training loss step 1 → {ar['steps']}: "
+                         f"{ar['losses'][0]:.4f} → {ar['losses'][-1]:.4f} (how far training moved in the run)")
         if ok(ar) and ok(d_ar) and ar["steps"] == d_ar["steps"]:
             same = max(abs(a - b) for a, b in zip(ar["losses"], d_ar["losses"]))
             lines.append(f"- {model} @ {rate}: fdp allreduce vs DDP allreduce, largest per-step loss difference "
@@ -268,7 +271,7 @@ def plot(results: dict, out_dir: Path) -> None:
                 ax.axhline(1.5 * fdp["noop"]["median_ms"], color="tab:green", ls=":", lw=0.8,
                            label="1.5 × fdp no-comm")
             ax.set_xticks(list(xs))
-            ax.set_xticklabels([LABELS[v].replace(" (no comm)", "") for v in vs], rotation=20, fontsize=8)
+            ax.set_xticklabels([LABELS[v] for v in vs], rotation=20, fontsize=8)
             ax.set_yscale("log")
             ax.set_ylabel("median step ms (log)")
             ax.set_title(f"{model} @ {rate}")

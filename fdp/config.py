@@ -105,7 +105,7 @@ class TrainerConfig:
     allow_unused: bool = False
     schedule: str = "auto"  # auto | after | overlap: when bucket reductions start
     nonfinite: str = "raise"  # raise | skip
-    trace: bool = False
+    trace: bool = False  # write a Chrome trace per rank to <run dir>/trace/ (for short diagnostic runs)
     progress: bool = True
 
 

@@ -24,6 +24,7 @@ from fdp import buckets as bucket_buffers
 from fdp.comm import Comm
 from fdp.hooks.base import GradBucket, Hook
 from fdp.plan import BucketPlan
+from fdp.trace import Timeline
 
 SCHEDULES = ("after", "overlap")
 
@@ -50,31 +51,43 @@ class Reduced(NamedTuple):
 class Reduction:
     """The hook chains of one step's buckets, started in plan order and finished together."""
 
-    def __init__(self, hook: Hook, comm: Comm, states: tuple, plan: BucketPlan):
+    def __init__(self, hook: Hook, comm: Comm, states: tuple, plan: BucketPlan, timeline: Timeline | None = None):
         self._hook, self._comm, self._states, self._plan = hook, comm, states, plan
+        self._timeline = timeline
         self._running: dict[int, Any] = {}  # bucket index -> (generator, pending)
         self._done: dict[int, tuple[GradBucket, Any]] = {}
+        self._stage: dict[int, int] = {}  # bucket index -> collectives issued so far
         self.started = 0
 
     def start(self, flat: torch.Tensor) -> None:
         """Start the next bucket's chain (buckets start strictly in plan order)."""
         index = self.started
         self.started += 1
+        if self._timeline:
+            self._timeline.bucket_begin(index)
         grads = GradBucket(index, flat, self._plan.buckets[index])
         run = self._hook.apply(self._states[index], grads, self._comm)
         if not inspect.isgenerator(run):
-            self._done[index] = run
+            self._finished(index, run)
             return
         self._advance(index, run, None)
+
+    def _finished(self, index: int, result) -> None:
+        self._done[index] = result
+        self._running.pop(index, None)
+        if self._timeline:
+            self._timeline.bucket_end(index)
 
     def _advance(self, index: int, run, value) -> None:
         try:
             pending = run.send(value)
         except StopIteration as finished:
-            self._done[index] = finished.value
-            self._running.pop(index, None)
+            self._finished(index, finished.value)
             return
         self._running[index] = (run, pending)
+        stage = self._stage[index] = self._stage.get(index, 0) + 1
+        if self._timeline:
+            self._timeline.collective_begin(index, stage)
 
     def finish(self) -> tuple[tuple[torch.Tensor, ...], tuple, float]:
         """Resume the chains round by round until all are done.
@@ -89,6 +102,8 @@ class Reduction:
                 t0 = time.perf_counter()
                 value = pending.wait()
                 waited += time.perf_counter() - t0
+                if self._timeline:
+                    self._timeline.collective_end(index, self._stage[index])
                 self._advance(index, run, value)
         if len(self._done) != len(self._plan.buckets):
             raise RuntimeError(f"{len(self._plan.buckets) - len(self._done)} buckets were never started")
@@ -101,6 +116,17 @@ class Reduction:
 def init_hook_states(hook: Hook, plan: BucketPlan) -> tuple:
     """One hook state per bucket of ``plan``."""
     return tuple(hook.init(bucket) for bucket in plan.buckets)
+
+
+def _marking_forward_end(loss_fn: LossFn, timeline: Timeline) -> LossFn:
+    """``loss_fn`` that notes on ``timeline`` when the forward is done (backward starts next)."""
+
+    def marked(*args):
+        out = loss_fn(*args)
+        timeline.forward_end_us = timeline.now_us()
+        return out
+
+    return marked
 
 
 class _SlotTable(NamedTuple):
@@ -128,10 +154,16 @@ class GradReducer:
     returns are views into them, valid until the next call.
     """
 
-    def __init__(self, loss_fn: LossFn, plan: BucketPlan, hook: Hook, comm: Comm, schedule: str = "after"):
+    def __init__(
+        self, loss_fn: LossFn, plan: BucketPlan, hook: Hook, comm: Comm, schedule: str = "after",
+        timeline: Timeline | None = None,
+    ):
         if schedule not in SCHEDULES:
             raise ValueError(f"trainer.schedule={schedule!r}: expected one of {SCHEDULES}")
-        self.loss_fn, self.plan, self.hook, self.comm, self.schedule = loss_fn, plan, hook, comm, schedule
+        self.plan, self.hook, self.comm, self.schedule = plan, hook, comm, schedule
+        self.timeline = timeline
+        self.loss_fn = _marking_forward_end(loss_fn, timeline) if timeline else loss_fn
+        loss_fn = self.loss_fn
         self.flats = bucket_buffers.allocate(plan)
         self._table = _slot_table(plan, self.flats)
         self._plain_grad = grad_and_value(loss_fn, has_aux=True)
@@ -148,16 +180,21 @@ class GradReducer:
         the newest).
         """
         self.comm.take_counters()
-        reduction = Reduction(self.hook, self.comm, hook_states, self.plan)
+        reduction = Reduction(self.hook, self.comm, hook_states, self.plan, self.timeline)
         scale = 1.0 / len(micro_batches)
         losses, auxes = [], []
         for i, batch in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
+            start_us = self.timeline.now_us() if self.timeline else 0.0
             if last and self.schedule == "overlap":
                 loss, aux = self._overlapped(params, buffers, batch, reduction, scale, accumulate=i > 0)
             else:
                 grads, (loss, aux) = self._plain_grad(params, buffers, batch)
                 self._store(grads, scale, accumulate=i > 0)
+            if self.timeline:
+                forward_end = self.timeline.forward_end_us
+                self.timeline.complete("forward", start_us, forward_end, micro_batch=i)
+                self.timeline.complete("backward", forward_end, self.timeline.now_us(), micro_batch=i)
             buffers = aux[0] if isinstance(aux, tuple) else buffers
             losses.append(loss)
             auxes.append(aux)

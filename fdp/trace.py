@@ -29,6 +29,7 @@ class Timeline:
         self.rank = rank
         self.events: list[dict] = []
         self.step = 0
+        self.forward_end_us = 0.0
         self._t0 = time.perf_counter()
 
     def now_us(self) -> float:
@@ -61,8 +62,8 @@ class Timeline:
     def bucket_end(self, bucket: int) -> None:
         self._async("e", f"bucket {bucket}", bucket, "bucket", {})
 
-    def collective_begin(self, bucket: int, stage: int, nbytes: int) -> None:
-        self._async("b", f"collective {stage}", bucket, "bucket", {"bytes": nbytes})
+    def collective_begin(self, bucket: int, stage: int) -> None:
+        self._async("b", f"collective {stage}", bucket, "bucket", {})
 
     def collective_end(self, bucket: int, stage: int) -> None:
         self._async("e", f"collective {stage}", bucket, "bucket", {})

@@ -14,6 +14,7 @@ from fdp.hooks import Hook, allreduce
 from fdp.optim import GradientTransformation, apply_updates, current_lr
 from fdp.plan import BucketPlan
 from fdp.reduce import GradReducer, init_hook_states
+from fdp.trace import Timeline
 
 
 NONFINITE = ("raise", "skip")
@@ -92,6 +93,7 @@ def make_train_step(
     accum_steps: int = 1,
     schedule: str = "after",
     nonfinite: str = "raise",
+    timeline: Timeline | None = None,
 ) -> Callable[[TrainState, tuple], tuple[TrainState, dict]]:
     """Build ``train_step(state, batch) -> (new_state, metrics)``.
 
@@ -112,10 +114,12 @@ def make_train_step(
     """
     if nonfinite not in NONFINITE:
         raise ValueError(f"trainer.nonfinite={nonfinite!r}: expected one of {NONFINITE}")
-    reducer = GradReducer(loss_fn, plan, hook or allreduce(), comm or Comm(), schedule)
+    reducer = GradReducer(loss_fn, plan, hook or allreduce(), comm or Comm(), schedule, timeline)
 
     def train_step(state: TrainState, batch: tuple) -> tuple[TrainState, dict]:
         t0 = time.perf_counter()
+        if timeline:
+            timeline.step = state.step + 1
         micro_batches = split_micro_batches(batch, accum_steps)
         with torch.random.fork_rng(devices=[]):
             torch.set_rng_state(state.rng)
@@ -126,10 +130,12 @@ def make_train_step(
         # Reduced gradients are identical on every rank, so this decision is too.
         finite = _all_finite(reduced.flats)
         if finite:
+            optimizer_start = timeline.now_us() if timeline else 0.0
             updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-            new_state = TrainState(
-                state.step + 1, apply_updates(state.params, updates), reduced.auxes[-1][0], opt_state, reduced.hook_states, rng
-            )
+            params = apply_updates(state.params, updates)
+            if timeline:
+                timeline.complete("optimizer", optimizer_start, timeline.now_us())
+            new_state = TrainState(state.step + 1, params, reduced.auxes[-1][0], opt_state, reduced.hook_states, rng)
         elif nonfinite == "skip":
             new_state = state._replace(step=state.step + 1, rng=rng)
         else:

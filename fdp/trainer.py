@@ -51,6 +51,7 @@ from fdp.optim import (
     warmup_cosine_schedule,
 )
 from fdp.plan import BucketPlan, plan_buckets
+from fdp.trace import Timeline
 from fdp.train import TrainState, cross_entropy_loss, init_train_state, make_train_step, planner_loss
 
 log = logging.getLogger("fdp")
@@ -284,6 +285,7 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm) -> dict:
             f"({run.plan.nbytes / 2**20:.2f} MiB, plan {run.plan.fingerprint()[:12]}, see plan.txt), world {world}"
         )
     backend = "nccl" if torch.distributed.is_initialized() and dist.get_backend() == "nccl" else "gloo"
+    timeline = Timeline(rank) if tc.trace else None
     train_step = make_train_step(
         cross_entropy_loss(run.model),
         run.optimizer,
@@ -293,6 +295,7 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm) -> dict:
         accum_steps=tc.accum_steps,
         schedule=schedule_for(cfg, backend),
         nonfinite=tc.nonfinite,
+        timeline=timeline,
     )
     metrics_log = MetricsLog(run_dir, resume=state.step > 0) if rank == 0 else None
     times, skipped, last_eval, record = StepTimes(), 0, {}, {}
@@ -342,6 +345,8 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm) -> dict:
             raise
         raise lost from error
     finally:
+        if timeline is not None:
+            timeline.save(run_dir / "trace" / f"rank{rank}.json")
         if heartbeat is not None:
             heartbeat.stop()
         tracker.close()

@@ -51,7 +51,8 @@ def test_two_ranks_train_like_one_process_on_the_union_batch(tmp_path, model):
 
 
 def test_run_writes_metrics_summary_and_rank_logs(tmp_path):
-    run(make_cfg(*SMALL["mlp"], "trainer.max_steps=6", "trainer.log_every=2", "world=local2", "trainer.eval_every=3"), tmp_path)
+    run(make_cfg(*SMALL["mlp"], "trainer.max_steps=6", "trainer.log_every=2", "world=local2", "trainer.eval_every=3",
+                 "trainer.trace=true"), tmp_path)
     lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [l for l in lines if "summary" not in l]
     assert [l["step"] for l in steps] == [2, 4, 6]
@@ -60,3 +61,6 @@ def test_run_writes_metrics_summary_and_rank_logs(tmp_path):
     assert "test_acc" in steps[-1]
     assert lines[-1]["summary"] and lines[-1]["steps"] == 6
     assert (tmp_path / "rank1.log").exists() and not (tmp_path / "rank0.log").exists()
+    for rank in (0, 1):  # one timeline per rank
+        trace = json.loads((tmp_path / "trace" / f"rank{rank}.json").read_text())
+        assert sum(e["name"] == "optimizer" for e in trace["traceEvents"]) == 6
