@@ -199,7 +199,6 @@ def _build_fdp(spec: dict, batch, schedule: str, hook_name: str, what_if: bool =
     patches = {}
     if what_if:
         hook, optimizer, patches = _what_if(hook, optimizer)
-        model.module.to("meta")  # every tensor comes from params/buffers: the module's own copies are dead weight
     train_step = make_train_step(loss_fn, optimizer, plan, hook, Comm(), schedule=schedule)
     holder = [init_train_state(params, buffers, optimizer, plan, hook)]
     del params, buffers
@@ -232,8 +231,6 @@ def _what_if(hook, optimizer):
       (no new bucket-sized tensor per step). Only in the ``after`` schedule: inside the
       ``torch.func`` transform (``overlap``) in-place ops on the buffers are refused.
     * no non-finite check (``fdp.train._all_finite``: one more read of every gradient).
-    * the module's own parameters freed (``module.to("meta")``), since ``functionalize``
-      copies them and ``functional_call`` never reads the originals.
     """
     from fdp.hooks.base import stateless
     from fdp.optim import GradientTransformation, SGDState
@@ -346,12 +343,53 @@ def _measure_model(model_name: str, rank: int, variants: list[str], reps: int, w
 # ----------------------------------------------------------------------------- driver
 
 
+def rss_worker(model_name: str, variant: str, warmup: int, steps: int, allocator: str) -> tuple[float, float]:
+    """One rank of a fresh launch that runs one variant: (RSS before building it, peak RSS of its timed steps)."""
+    from fdp.launch import WorldLayout, init_distributed, tune_allocator
+
+    if allocator == "tuned":
+        tune_allocator()
+    comm = init_distributed(WorldLayout("elastic", nproc_per_node=2, backend="gloo"))
+    torch.set_num_threads(1)
+    spec = MODELS[model_name]
+    batch = _batch(spec, comm.rank)
+    base = _status_mib("VmRSS")
+    step = _build(variant, spec, batch)
+    for _ in range(warmup):
+        step()
+    _reset_peak()
+    for _ in range(steps):
+        step()
+    peak = _status_mib("VmHWM")
+    dist.destroy_process_group()
+    return base, peak
+
+
 def _run_models(models: list[str], variants: list[str], args) -> dict:
     from fdp.launch import WorldLayout, spawn
 
     layout = WorldLayout("elastic", nproc_per_node=2, backend="gloo", timeout_s=600.0)
-    res = spawn(_importable_worker(), (models, variants, args.reps, args.warmup, args.steps, args.allocator), layout)
+    res = spawn(_importable_worker("worker"), (models, variants, args.reps, args.warmup, args.steps, args.allocator), layout)
     return {m: _summarise(res[0][m], res[1][m], variants) for m in models}
+
+
+def _fresh_rss(results: dict, variants: list[str], args) -> None:
+    """Replace the RSS columns by those of a fresh launch per variant.
+
+    Memory the variants leave behind in a shared process (glibc's heap, caches) shifts the
+    next one's RSS by ~100-200 MiB; the in-process figures stay in the JSON.
+    """
+    from fdp.launch import WorldLayout, spawn
+
+    layout = WorldLayout("elastic", nproc_per_node=2, backend="gloo", timeout_s=600.0)
+    for m in results:
+        for v in variants:
+            r = spawn(_importable_worker("rss_worker"), (m, v, args.warmup, max(3, args.steps // 2), args.allocator), layout)
+            row = results[m]["rows"][v]
+            row["in_process_peak_rss_mib"], row["in_process_added_rss_mib"] = row["peak_rss_mib"], row["added_rss_mib"]
+            row["peak_rss_mib"] = max(r[0][1], r[1][1])
+            row["added_rss_mib"] = max(r[0][1] - r[0][0], r[1][1] - r[1][0])
+            print(f"  RSS {m} {v}: {row['peak_rss_mib']:.0f} MiB", flush=True)
 
 
 def _summarise(r0: dict, r1: dict, variants: list[str]) -> dict:
@@ -377,18 +415,19 @@ def _summarise(r0: dict, r1: dict, variants: list[str]) -> dict:
             "base_rss_mib": statistics.median(map(max, a["base_mib"], b["base_mib"])),
             "buckets": a["buckets"],
             "block_medians_ms": [t for name, t in r0["blocks"] if name == v],
+            "block_rss_before_build_mib": [round(max(x, y)) for x, y in zip(a["base_mib"], b["base_mib"])],
         }
     return {"params": r0["params"], "rows": rows, "others_cores": others, "wall_s": r0["wall_s"]}
 
 
-def _importable_worker():
+def _importable_worker(name: str):
     # The launcher pickles the entry point by module name; under ``python benchmarks/vs_ddp.py``
     # this module is ``__main__``, which the spawned workers cannot import by that name.
     if __name__ != "__main__":
-        return worker
+        return globals()[name]
     import importlib
 
-    return importlib.import_module("benchmarks.vs_ddp").worker
+    return getattr(importlib.import_module("benchmarks.vs_ddp"), name)
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -444,12 +483,20 @@ def main() -> None:
     parser.add_argument("--reps", type=int)
     parser.add_argument("--warmup", type=int)
     parser.add_argument("--steps", type=int, help="timed steps per block")
+    parser.add_argument(
+        "--fresh-rss",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="RSS from a fresh launch per variant (default: on, off with --quick)",
+    )
     parser.add_argument("--write", action="store_true", help="write the results files even with --quick")
     args = parser.parse_args()
     quick = dict(reps=2, warmup=2, steps=3) if args.quick else dict(reps=6, warmup=3, steps=8)
     for k, v in quick.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    if args.fresh_rss is None:
+        args.fresh_rss = not args.quick
     if args.hooks:
         missing = _missing_hook_modules()
         if missing:
@@ -463,6 +510,8 @@ def main() -> None:
     results = _run_models(args.models.split(","), variants, args)
     load_after = os.getloadavg()
     elapsed = time.perf_counter() - started
+    if args.fresh_rss:
+        _fresh_rss(results, variants, args)
 
     worst = max(_ratio_rows(res["rows"])[f"fdp {default}"] for res in results.values())
     others = ", ".join(f"{m} {r['others_cores']:.2f}" for m, r in results.items())
@@ -476,11 +525,20 @@ def main() -> None:
         f"processes during the run, in cores of {os.cpu_count()}: {others}.",
         f"SGD lr {LR} momentum {MOMENTUM}; buckets {BUCKET_CAP_MB:g} MiB (first {FIRST_BUCKET_CAP_MB:g} MiB); "
         f"mean allreduce. {args.reps} repetitions x {len(variants)} variants, alternating; each block: fresh "
-        f"build, {args.warmup} warm-up + {args.steps} timed steps. Medians over the timed steps of rank 0.",
+        f"build, {args.warmup} warm-up + {args.steps} timed steps. Medians over the timed steps of rank 0; "
+        "CPU ms/step/rank counts the compute thread and gloo's threads.",
+        ("Peak RSS: the larger rank, over timed steps after warm-up, in a fresh launch per variant; 'added' is "
+         "that peak minus the rank's RSS before building the variant (torch, gloo and the data are the rest)."
+         if args.fresh_rss else
+         "Peak RSS: the larger rank, over timed steps after warm-up, within the shared timing process (what "
+         "earlier blocks left in the heap shifts it by 100-200 MiB; the full run measures fresh launches)."),
         f"fdp's default schedule on gloo: `{default}`. No-communication rows (`noop`) are the lower bound. "
         + ("DDP's PowerSGD hook is wrapped to wait() inside the hook (gloo races otherwise), which "
            "serialises its buckets. " if args.hooks else "")
-        + f"Total run {elapsed:.0f} s.",
+        + ("`fdp after what-if` prototypes changes suggested outside fdp.reduce (fused SGD + apply_updates, "
+           "allreduce dividing and reducing the reducer's own bucket in place, no non-finite check); see "
+           "`_what_if` in benchmarks/vs_ddp.py. " if args.what_if else "")
+        + f"Timed part {elapsed:.0f} s.",
         "",
     ]
     lines = header + _table(results, default)
