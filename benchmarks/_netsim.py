@@ -129,6 +129,8 @@ def install_signal_handlers() -> None:
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, handler)
+    # Ctrl-C raises KeyboardInterrupt even where SIGINT was inherited as ignored (a background job).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 class Netsim:
@@ -302,12 +304,32 @@ def summarise_steps(rows: list[dict]) -> dict:
     return out
 
 
+def merge_reps(reps: list[dict]) -> dict:
+    """One row from several repetitions of a run: medians over the timed steps of all of them."""
+    ok = [r for r in reps if "median_ms" in r]
+    if not ok:
+        return reps[-1]
+    if len(ok) == 1:
+        return ok[0]
+    ms = []
+    for r in ok:
+        ms += r["step_ms_all"][WARMUP_STEPS:]
+    out = dict(ok[-1])
+    out["median_ms"] = statistics.median(ms)
+    out["q1_ms"], out["q3_ms"] = quantile(ms, 0.25), quantile(ms, 0.75)
+    out["rep_medians_ms"] = [round(r["median_ms"], 1) for r in ok]
+    if all("comm_wait_ms" in r for r in ok):
+        out["comm_wait_ms"] = statistics.median(r["comm_wait_ms"] for r in ok)
+    out["reps"] = len(ok)
+    return out
+
+
 def parse_fdp_log(log: Path) -> dict:
-    """Parameter and bucket counts from rank 0's ``[rank0] mlp: 25,267,610 parameters, 5 buckets, world 2``."""
+    """Parameter and bucket counts from rank 0's ``[rank0] mlp: 25,267,210 parameters in 5 buckets (...), world 2``."""
     import re
 
     text = log.read_text(errors="replace") if log.exists() else ""
-    m = re.search(r"([\d,]+) parameters, (\d+) buckets, world (\d+)", text)
+    m = re.search(r"([\d,]+) parameters(?:,| in) (\d+) buckets.*?world (\d+)", text)
     if not m:
         return {}
     return {"params": int(m.group(1).replace(",", "")), "buckets": int(m.group(2)), "world": int(m.group(3))}

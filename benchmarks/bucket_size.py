@@ -13,10 +13,11 @@ does once ``bucket_cap_mb`` is given) and every schedule (``trainer.schedule=aft
 all buckets after the backward pass, fdp's default on gloo; ``overlap``: launch each bucket
 from the backward pass as it fills), the median step time over the steps after the first
 two. Caps are run in an interleaved order (small, large, small, ...) so that a drift in
-the load from other jobs does not draw a trend. One tensor is never split: each 1024 x 1024
-weight is 4 MiB, so caps below that all give one bucket per weight.
+the load from other jobs does not draw a trend; every run is repeated (``--reps``, default 2)
+with the order reversed. One tensor is never split: each 1024 x 1024 weight is 4 MiB, so caps
+below that all give about one bucket per weight.
 
-    python benchmarks/bucket_size.py            # full (root for the 1 Gbit/s half), ~25-35 min
+    python benchmarks/bucket_size.py            # full (root for the 1 Gbit/s half), ~35-45 min
     python benchmarks/bucket_size.py --quick    # 4 caps, schedule after, few steps
     python benchmarks/bucket_size.py --networks loopback   # no root needed
 
@@ -64,6 +65,8 @@ def parse_args():
     p.add_argument("--networks", help="comma list of loopback and netsim rates, e.g. loopback,1gbit")
     p.add_argument("--schedules", help="comma list of after,overlap (default both; --quick after)")
     p.add_argument("--steps", type=int, help="steps per run (default 12; --quick 6)")
+    p.add_argument("--reps", type=int, help="repetitions of every run, the caps' order reversed each time "
+                   "(default 2; --quick 1); the table merges the timed steps of all")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--force", action="store_true", help="rebuild netsim even if nsim-* namespaces exist")
     p.add_argument("--write", action="store_true", help="with --quick: write into benchmarks/results")
@@ -73,6 +76,7 @@ def parse_args():
     a.networks = (a.networks or ",".join(NETWORKS)).split(",")
     a.schedules = (a.schedules or ("after" if a.quick else ",".join(SCHEDULES))).split(",")
     a.steps = a.steps or (6 if a.quick else 12)
+    a.reps = a.reps or (1 if a.quick else 2)
     return a
 
 
@@ -80,9 +84,15 @@ def _cap(c: float) -> str:
     return f"{c:g}"
 
 
-def write_report(results: dict, meta: dict, out_dir: Path) -> None:
+def merged(raw: dict) -> dict:
+    return {net: {sch: {c: N.merge_reps(rs) for c, rs in caps.items()} for sch, caps in schs.items()}
+            for net, schs in raw.items()}
+
+
+def write_report(raw: dict, meta: dict, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "bucket_size.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    (out_dir / "bucket_size.json").write_text(json.dumps({"meta": meta, "results": raw}, indent=1))
+    results = merged(raw)
     cols = [(net, sch) for net in results for sch in meta["schedules"]]
     caps = sorted({float(c) for net in results.values() for sch in net.values() for c in sch})
     lines = [
@@ -93,9 +103,10 @@ def write_report(results: dict, meta: dict, out_dir: Path) -> None:
         "(32 samples per rank), Adam 1e-3, `hooks=allreduce`, `trainer.bucket_cap_mb = trainer.first_bucket_cap_mb "
         "= cap`. loopback: `world=local2`; 1gbit: netsim veth, 1 Gbit/s per node and direction, one rank per node, "
         "`world=torchrun`.",
-        f"Median step time over steps 3..{meta['steps']} of rank 0, IQR in brackets; buckets = fdp's plan. "
-        "Caps were run interleaved (small, large, small, ...). The gradient is 101.07 MB; each 1024x1024 weight is "
-        "4 MiB and is never split, so caps ≤ 4 MiB give one bucket per weight.",
+        f"Median step time over steps 3..{meta['steps']} of rank 0 and over {meta['reps']} repetition(s), IQR in "
+        "brackets; buckets = fdp's plan. Caps were run interleaved (small, large, small, ...; reversed in every other "
+        "repetition; the two schedules alternate which goes first). The gradient is 101.07 MB; each 1024x1024 weight is "
+        "4 MiB and is never split, so every cap below 4 MiB gives about one bucket per weight (49-50 buckets).",
         f"Command: `{meta['command']}`.",
         "",
         "| cap MiB | buckets | " + " | ".join(f"{net} {sch} ms" for net, sch in cols) + " |",
@@ -122,7 +133,7 @@ def write_report(results: dict, meta: dict, out_dir: Path) -> None:
     import statistics
 
     for net, sch in cols:
-        rs = [r for r in results.get(net, {}).get(sch, {}).values() if "load" in r]
+        rs = [r for rs_ in raw.get(net, {}).get(sch, {}).values() for r in rs_ if "load" in r]
         if not rs:
             continue
         loads = [r["load"]["load_start"] for r in rs] + [r["load"]["load_end"] for r in rs]
@@ -144,7 +155,8 @@ def write_report(results: dict, meta: dict, out_dir: Path) -> None:
     (out_dir / "bucket_size.md").write_text("\n".join(lines))
 
 
-def plot(results: dict, meta: dict, out_dir: Path) -> None:
+def plot(raw: dict, meta: dict, out_dir: Path) -> None:
+    results = merged(raw)
     try:
         import matplotlib
 
@@ -191,11 +203,11 @@ def main() -> None:
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
         "command": "python " + " ".join([f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]]),
-        "steps": args.steps, "schedules": args.schedules, "caps": args.caps,
+        "steps": args.steps, "reps": args.reps, "schedules": args.schedules, "caps": args.caps,
         "load_start": os.getloadavg()[0], "work_dir": str(work), "notes": [],
     }
     order = interleave(args.caps)
-    total = len(args.networks) * len(order) * len(args.schedules)
+    total = len(args.networks) * len(order) * len(args.schedules) * args.reps
     print(f"bucket_size: {total} runs; logs in {work}; results -> {out_dir}", flush=True)
     results: dict = {}
     t0, done = time.perf_counter(), 0
@@ -208,18 +220,19 @@ def main() -> None:
                     if net is None:
                         net = stack.enter_context(N.Netsim(nodes=2, force=args.force))
                     print(net.up(network), flush=True)
-                for i, cap in enumerate(order):
+                sequence = [(rep, cap) for rep in range(args.reps) for cap in (order if rep % 2 == 0 else order[::-1])]
+                for i, (rep, cap) in enumerate(sequence):
                     # alternate which schedule goes first, so neither always follows the other
                     schedules = args.schedules if i % 2 == 0 else args.schedules[::-1]
                     for sch in schedules:
                         done += 1
-                        tag = f"[{done}/{total}] {network} cap {cap:g} MiB schedule={sch}"
+                        tag = f"[{done}/{total}] {network} cap {cap:g} MiB schedule={sch} rep {rep + 1}"
                         print(f"{tag} ...", flush=True)
                         extra = [f"trainer.bucket_cap_mb={cap:g}", f"trainer.first_bucket_cap_mb={cap:g}",
                                  f"trainer.schedule={sch}"]
                         try:
                             with N.LoadMeter() as lm:
-                                r = N.fdp_run("mlp", "allreduce", args.steps, work / f"{network}-{sch}-cap{cap:g}",
+                                r = N.fdp_run("mlp", "allreduce", args.steps, work / f"{network}-{sch}-cap{cap:g}-rep{rep}",
                                               netsim, args.timeout, extra=extra)
                             r["load"] = lm.as_dict()
                             print(f"{tag}: {r['median_ms']:.0f} ms/step (IQR {r['q1_ms']:.0f}-{r['q3_ms']:.0f}), "
@@ -229,7 +242,7 @@ def main() -> None:
                         except (RuntimeError, TimeoutError) as error:
                             r = {"error": str(error)}
                             print(f"{tag}: FAILED: {error}", flush=True)
-                        results.setdefault(network, {}).setdefault(sch, {})[_cap(cap)] = r
+                        results.setdefault(network, {}).setdefault(sch, {}).setdefault(_cap(cap), []).append(r)
                         meta["elapsed_s"] = time.perf_counter() - t0
                         write_report(results, meta, out_dir)
                         plot(results, meta, out_dir)

@@ -46,7 +46,8 @@ import _netsim as N  # noqa: E402
 
 RATES = ["1gbit", "100mbit"]
 FDP_VARIANTS = ["noop", "allreduce", "fp16", "powersgd1", "powersgd4", "topk"]
-UNCOMPRESSED = {"allreduce", "fp16"}  # ~100 MB / 50 MB a step: few steps at 100 Mbit
+UNCOMPRESSED = {"allreduce", "fp16"}
+GOAL_VARIANTS = {"noop", "allreduce", "powersgd4"}  # repeated --goal-reps times at 1 Gbit/s  # ~100 MB / 50 MB a step: few steps at 100 Mbit
 LABELS = {"noop": "noop", "allreduce": "allreduce", "fp16": "fp16", "powersgd1": "PowerSGD r1",
           "powersgd4": "PowerSGD r4", "topk": "top-k 1%"}
 TORCH_HOOK = {"noop": "noop_hook", "allreduce": "allreduce_hook", "fp16": "fp16_compress_hook",
@@ -63,6 +64,9 @@ def parse_args():
     p.add_argument("--steps-uncompressed", type=int,
                    help="steps for allreduce/fp16 below 1 Gbit/s (default 6; --quick 4)")
     p.add_argument("--reps", type=int, default=1, help="repeat every run, in rotated order (default 1)")
+    p.add_argument("--goal-reps", type=int,
+                   help="repetitions of the runs the goals compare (1 Gbit/s: noop, allreduce, PowerSGD r4, both "
+                        "sides), interleaved with the others (default 3; --quick 1)")
     p.add_argument("--no-ddp", action="store_true")
     p.add_argument("--timeout", type=float, default=1200, help="seconds per run")
     p.add_argument("--force", action="store_true", help="rebuild netsim even if nsim-* namespaces exist")
@@ -75,6 +79,7 @@ def parse_args():
     a.variants = (a.variants or ("noop,allreduce,powersgd4" if q else ",".join(FDP_VARIANTS))).split(",")
     a.steps = a.steps or (6 if q else 20)
     a.steps_uncompressed = a.steps_uncompressed or (4 if q else 6)
+    a.goal_reps = a.goal_reps or (1 if q else 3)
     for m in a.models:
         if m not in N.MODELS:
             p.error(f"unknown model {m!r}")
@@ -122,23 +127,7 @@ def _load(r: dict | None) -> str:
     return f"{ld['load_start']:.1f}→{ld['load_end']:.1f} / {ld['others_cores']:.2f}"
 
 
-def merge_reps(reps: list[dict]) -> dict:
-    """One row from several repetitions: medians over all timed steps of all of them."""
-    ok = [r for r in reps if "median_ms" in r]
-    if not ok:
-        return reps[-1]
-    if len(ok) == 1:
-        return ok[0]
-    rows = []
-    for r in ok:
-        rows += r["step_ms_all"][N.WARMUP_STEPS:]
-    import statistics
-
-    out = dict(ok[-1])
-    out["median_ms"] = statistics.median(rows)
-    out["q1_ms"], out["q3_ms"] = N.quantile(rows, 0.25), N.quantile(rows, 0.75)
-    out["rep_medians_ms"] = [round(r["median_ms"], 1) for r in ok]
-    return out
+merge_reps = N.merge_reps
 
 
 def goals(results: dict, rate: str = "1gbit") -> list[str]:
@@ -191,7 +180,8 @@ def write_report(results: dict, meta: dict, out_dir: Path) -> None:
         "error feedback and warm start on. DDP's PowerSGD hook waits inside the hook (gloo races otherwise), "
         "which serialises its buckets. Top-k: ratio 0.01 (values + int32 positions, two allgathers); torch has no "
         "top-k DDP hook.",
-        f"Step time: median over the steps after the first {N.WARMUP_STEPS} of rank 0 (IQR in brackets); steps per run "
+        f"Step time: median over the steps after the first {N.WARMUP_STEPS} of rank 0 (IQR in brackets; rows with "
+        "steps `N ×K`: over the timed steps of K repetitions run interleaved with the other rows); steps per run "
         f"{meta['steps']} ({meta['steps_uncompressed']} for allreduce/fp16 below 1 Gbit/s). Bytes: what each rank hands "
         "to collectives per step (payload, not wire bytes). Loss: training loss of the last step (mean over ranks); "
         "both sides see the same batches from the same initial weights. Load: 1-min load average at start→end of "
@@ -215,6 +205,8 @@ def write_report(results: dict, meta: dict, out_dir: Path) -> None:
                 vs_floor = f"{f['median_ms'] / floor:.2f}" if f and floor and "median_ms" in f else ""
                 wait = f"{f['comm_wait_ms']:.0f}" if f and "comm_wait_ms" in f else ""
                 steps = (f or d).get("steps", "")
+                if max((f or {}).get("reps", 1), (d or {}).get("reps", 1)) > 1:
+                    steps = f"{steps} ×{max((f or {}).get('reps', 1), (d or {}).get('reps', 1))}"
                 params = (f or d).get("params")
                 mname = f"{model} ({params / 1e6:.2f}M)" if params else model
                 lines.append(
@@ -331,20 +323,23 @@ def main() -> None:
         for model in args.models:
             runs = []
             for v in args.variants:
-                runs.append(("fdp", v))
+                reps = max(args.reps, args.goal_reps if rate == "1gbit" and v in GOAL_VARIANTS else 1)
+                runs.append(("fdp", v, reps))
                 if not args.no_ddp and v in N.DDP_HOOKS:
-                    runs.append(("ddp", v))
+                    runs.append(("ddp", v, reps))
             plan.append((rate, model, runs))
-    total = sum(len(runs) for _, _, runs in plan) * args.reps
+    total = sum(reps for _, _, runs in plan for _, _, reps in runs)
     print(f"netsim_multinode: {total} runs; logs and run directories in {work}; results -> {out_dir}", flush=True)
     t_start, done = time.perf_counter(), 0
     try:
         with N.Netsim(nodes=2, force=args.force) as net:
             for rate, model, runs in plan:
                 print(net.up(rate), flush=True)
-                for rep in range(args.reps):
+                for rep in range(max(reps for _, _, reps in runs)):
                     shift = rep % len(runs)
-                    for side, v in runs[shift:] + runs[:shift]:
+                    for side, v, reps in runs[shift:] + runs[:shift]:
+                        if rep >= reps:
+                            continue
                         done += 1
                         steps = steps_for(rate, v, args)
                         tag = f"[{done}/{total}] {rate} {model} {side} {v} ({steps} steps)"

@@ -280,20 +280,37 @@ def _fdp_default_schedule() -> str:
 # ----------------------------------------------------------------------------- worker
 
 
-def worker(models: list[str], variants: list[str], reps: int, warmup: int, steps: int, allocator: str) -> dict:
-    """One rank: every model, every variant, in alternating blocks. Returns {model: measurements}."""
+def worker(
+    models: list[str], variants: list[str], reps: int, warmup: int, steps: int, allocator: str, budget_s: float | None
+) -> dict:
+    """One rank: every model, every variant, in alternating blocks. Returns {model: measurements}.
+
+    With ``budget_s``, each model gets an equal share of it, and a repetition after the first
+    starts only if the last one would still fit (rank 0 decides, so the ranks agree).
+    """
     from fdp.launch import WorldLayout, init_distributed, tune_allocator
 
     if allocator == "tuned":
         tune_allocator()
     comm = init_distributed(WorldLayout("elastic", nproc_per_node=2, backend="gloo"))
     torch.set_num_threads(1)
-    results = {m: _measure_model(m, comm.rank, variants, reps, warmup, steps) for m in models}
+    share = budget_s / len(models) if budget_s else None
+    results = {m: _measure_model(m, comm.rank, variants, reps, warmup, steps, share) for m in models}
     dist.destroy_process_group()
     return results
 
 
-def _measure_model(model_name: str, rank: int, variants: list[str], reps: int, warmup: int, steps: int) -> dict:
+def _go_on(rank: int, elapsed: float, per_rep: float, budget: float | None) -> bool:
+    if budget is None:
+        return True
+    flag = torch.tensor([1 if rank != 0 or elapsed + per_rep <= budget else 0])
+    dist.broadcast(flag, src=0)
+    return bool(flag.item())
+
+
+def _measure_model(
+    model_name: str, rank: int, variants: list[str], reps: int, warmup: int, steps: int, budget_s: float | None = None
+) -> dict:
     spec = MODELS[model_name]
     batch = _batch(spec, rank)
     n_params = sum(p.numel() for p in _module(spec).parameters())
@@ -302,6 +319,9 @@ def _measure_model(model_name: str, rank: int, variants: list[str], reps: int, w
     blocks = []
     cpu0, busy0, wall0 = _own_cpu_s(), _busy_jiffies(), time.perf_counter()
     for rep in range(reps):
+        elapsed = time.perf_counter() - wall0
+        if rep and not _go_on(rank, elapsed, elapsed / rep, budget_s):
+            break
         shift = rep % len(variants)
         for variant in variants[shift:] + variants[:shift]:
             _release_memory()
@@ -315,10 +335,10 @@ def _measure_model(model_name: str, rank: int, variants: list[str], reps: int, w
             _reset_peak()  # the reported peak is that of the timed (steady-state) steps
             times, waits, cpus = [], [], []
             for _ in range(steps):
-                c0, t0 = _own_cpu_s(), time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()  # process CPU: all threads, ns clock
                 waits.append(step())
                 times.append(time.perf_counter() - t0)
-                cpus.append(_own_cpu_s() - c0)
+                cpus.append(time.process_time() - c0)
             rec = out[variant]
             rec["ms"] += [1e3 * t for t in times]
             rec["wait_ms"] += [1e3 * w for w in waits]
@@ -369,7 +389,9 @@ def _run_models(models: list[str], variants: list[str], args) -> dict:
     from fdp.launch import WorldLayout, spawn
 
     layout = WorldLayout("elastic", nproc_per_node=2, backend="gloo", timeout_s=600.0)
-    res = spawn(_importable_worker("worker"), (models, variants, args.reps, args.warmup, args.steps, args.allocator), layout)
+    res = spawn(
+        _importable_worker("worker"), (models, variants, args.reps, args.warmup, args.steps, args.allocator, args.budget_s), layout
+    )
     return {m: _summarise(res[0][m], res[1][m], variants) for m in models}
 
 
@@ -442,12 +464,25 @@ def _missing_hook_modules() -> list[str]:
     return [m for m in HOOK_MODULES if importlib.util.find_spec(m) is None]
 
 
+def _pairs(rows: dict) -> dict[str, str]:
+    """fdp variant -> the DDP variant it is compared with."""
+    out = {v: "ddp" for v in ("fdp after", "fdp overlap", "fdp after what-if") if v in rows}
+    out.update({f"fdp {h}": f"ddp {h}" for h in ("fp16", "powersgd") if f"fdp {h}" in rows and f"ddp {h}" in rows})
+    return out
+
+
 def _ratio_rows(rows: dict) -> dict[str, float]:
-    ddp = rows["ddp"]["median_ms"]
-    out = {v: r["median_ms"] / ddp for v, r in rows.items() if v in ("fdp after", "fdp overlap", "fdp after what-if")}
-    for name in ("fp16", "powersgd"):
-        if f"fdp {name}" in rows and f"ddp {name}" in rows:
-            out[f"fdp {name}"] = rows[f"fdp {name}"]["median_ms"] / rows[f"ddp {name}"]["median_ms"]
+    """Ratio of median step times, fdp / DDP."""
+    return {v: rows[v]["median_ms"] / rows[d]["median_ms"] for v, d in _pairs(rows).items()}
+
+
+def _robust_ratios(rows: dict) -> dict[str, tuple[float, float]]:
+    """Two checks on the ratio that other load moves less: the median over repetitions of the
+    ratio of neighbouring blocks (run within seconds of each other), and the ratio of CPU time."""
+    out = {}
+    for v, d in _pairs(rows).items():
+        paired = [x / y for x, y in zip(rows[v]["block_medians_ms"], rows[d]["block_medians_ms"])]
+        out[v] = (statistics.median(paired), rows[v]["cpu_ms"] / rows[d]["cpu_ms"])
     return out
 
 
@@ -483,6 +518,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int)
     parser.add_argument("--warmup", type=int)
     parser.add_argument("--steps", type=int, help="timed steps per block")
+    parser.add_argument("--budget-s", type=float, help="time for the timed blocks; later repetitions are dropped to fit (--quick: 70)")
     parser.add_argument(
         "--fresh-rss",
         action=argparse.BooleanOptionalAction,
@@ -491,7 +527,7 @@ def main() -> None:
     )
     parser.add_argument("--write", action="store_true", help="write the results files even with --quick")
     args = parser.parse_args()
-    quick = dict(reps=2, warmup=2, steps=3) if args.quick else dict(reps=6, warmup=3, steps=8)
+    quick = dict(reps=3, warmup=1, steps=3, budget_s=70.0) if args.quick else dict(reps=6, warmup=3, steps=8, budget_s=None)
     for k, v in quick.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -524,7 +560,10 @@ def main() -> None:
         f"Load average before {load_before[0]:.2f} / after {load_after[0]:.2f} (1 min); CPU taken by other "
         f"processes during the run, in cores of {os.cpu_count()}: {others}.",
         f"SGD lr {LR} momentum {MOMENTUM}; buckets {BUCKET_CAP_MB:g} MiB (first {FIRST_BUCKET_CAP_MB:g} MiB); "
-        f"mean allreduce. {args.reps} repetitions x {len(variants)} variants, alternating; each block: fresh "
+        f"mean allreduce. Repetitions of {len(variants)} alternating variants: "
+        + ", ".join(f"{m} {len(r['rows']['ddp']['block_medians_ms'])}" for m, r in results.items())
+        + (f" (at most {args.reps}; a {args.budget_s:g} s budget drops the rest)" if args.budget_s else "")
+        + f"; each block: fresh "
         f"build, {args.warmup} warm-up + {args.steps} timed steps. Medians over the timed steps of rank 0; "
         "CPU ms/step/rank counts the compute thread and gloo's threads.",
         ("Peak RSS: the larger rank, over timed steps after warm-up, in a fresh launch per variant; 'added' is "
@@ -545,7 +584,15 @@ def main() -> None:
     ratio_line = "; ".join(
         f"{m}: " + ", ".join(f"{v} {x:.2f}" for v, x in _ratio_rows(r["rows"]).items()) for m, r in results.items()
     )
-    lines += ["", f"fdp/DDP step-time ratios: {ratio_line}."]
+    robust_line = "; ".join(
+        f"{m}: " + ", ".join(f"{v} {p:.2f} / {c:.2f}" for v, (p, c) in _robust_ratios(r["rows"]).items())
+        for m, r in results.items()
+    )
+    lines += [
+        "",
+        f"fdp/DDP step-time ratios (medians): {ratio_line}.",
+        f"Checks, median of per-repetition block ratios / CPU-time ratio: {robust_line}.",
+    ]
     print("\n".join(lines))
     if not args.quick or args.write:
         RESULTS.mkdir(parents=True, exist_ok=True)
