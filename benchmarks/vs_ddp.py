@@ -228,8 +228,8 @@ def _what_if(hook, optimizer):
       ``fdp.train.apply_updates`` is patched to take them as they are.
     * allreduce that divides the bucket in place and reduces it in place: the reducer owns
       the bucket buffers and refills them every step, so they can be donated to the chain
-      (no new bucket-sized tensor per step). Only in the ``after`` schedule: inside the
-      ``torch.func`` transform (``overlap``) in-place ops on the buffers are refused.
+      (no new bucket-sized tensor per step). The row runs it under ``after``; it also gives
+      the same params under ``overlap`` now that hook chains run outside the transform.
     * no non-finite check (``fdp.train._all_finite``: one more read of every gradient).
     """
     from fdp.hooks.base import stateless
