@@ -29,14 +29,20 @@ jobs on the machine falls on all of them alike. Reported per variant:
   which other load on the machine inflates much less than the wall time;
 * fdp's own ``comm_wait_s`` (time blocked on collectives after compute);
 * peak RSS per rank during the timed steps (``VmHWM``, reset through
-  ``/proc/self/clear_refs`` after warm-up; the larger rank, median over blocks), and how
-  much of it the variant added over the RSS the rank had before building it;
+  ``/proc/self/clear_refs`` after warm-up; the larger rank), and how much of it the
+  variant added over the RSS the rank had before building it. The full run takes it from a
+  fresh launch per variant (what earlier blocks leave in a shared process shifts RSS by
+  100-200 MiB); ``--quick`` reports the in-process figure (median over blocks);
 * how much CPU other processes took during the run (``/proc/stat`` minus the ranks' own).
 
 ``fdp.launch.tune_allocator()`` runs in each rank first, as fdp's trainer does; it is
 process-wide, so DDP runs under it too (``--allocator default`` leaves glibc alone).
 
-    python benchmarks/vs_ddp.py [--quick] [--hooks] [--allocator tuned|default]
+    python benchmarks/vs_ddp.py [--quick] [--hooks] [--what-if] [--allocator tuned|default]
+
+``--quick`` (at most 3 repetitions of 1 warm-up + 3 timed steps, cut to a 70 s budget) takes
+~60-80 s on this machine, under load too. ``--what-if`` adds ``fdp after what-if``, a
+prototype of changes suggested outside ``fdp.reduce`` (see ``_what_if``).
 
 The last line printed is ``fdp/ddp step time: X``: the worse (larger) of the two models'
 ratios of fdp's step time, with the schedule fdp's trainer picks for gloo, to DDP's.
