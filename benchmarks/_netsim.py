@@ -321,6 +321,7 @@ def merge_reps(reps: list[dict]) -> dict:
     if all("comm_wait_ms" in r for r in ok):
         out["comm_wait_ms"] = statistics.median(r["comm_wait_ms"] for r in ok)
     out["reps"] = len(ok)
+    out["load_reps"] = [r["load"] for r in ok if "load" in r]
     return out
 
 
