@@ -404,7 +404,6 @@ def _compose(overrides: list[str]):
 
 
 def _ddp_hook(ddp, variant: str):
-    import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as D
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as P
@@ -429,7 +428,6 @@ def _ddp_hook(ddp, variant: str):
         ddp.register_comm_hook(state, powersgd_waiting)
     else:
         raise ValueError(f"torch has no DDP comm hook for {variant!r}")
-    del dist
 
 
 def ddp_worker(args) -> None:

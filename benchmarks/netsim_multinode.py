@@ -47,6 +47,7 @@ import _netsim as N  # noqa: E402
 RATES = ["1gbit", "100mbit"]
 FDP_VARIANTS = ["noop", "allreduce", "fp16", "powersgd1", "powersgd4", "topk"]
 UNCOMPRESSED = {"allreduce", "fp16"}
+NAME = ["netsim_multinode"]  # stem of the result files (--name)
 GOAL_VARIANTS = {"noop", "allreduce", "powersgd4"}  # repeated --goal-reps times at 1 Gbit/s  # ~100 MB / 50 MB a step: few steps at 100 Mbit
 LABELS = {"noop": "noop", "allreduce": "allreduce", "fp16": "fp16", "powersgd1": "PowerSGD r1",
           "powersgd4": "PowerSGD r4", "topk": "top-k 1%"}
@@ -72,6 +73,7 @@ def parse_args():
     p.add_argument("--force", action="store_true", help="rebuild netsim even if nsim-* namespaces exist")
     p.add_argument("--write", action="store_true", help="with --quick: write into benchmarks/results")
     p.add_argument("--out", help="results directory (default benchmarks/results)")
+    p.add_argument("--name", default="netsim_multinode", help="stem of the result files (default netsim_multinode)")
     a = p.parse_args()
     q = a.quick
     a.rates = (a.rates or ",".join(RATES)).split(",")
@@ -184,7 +186,7 @@ def goals(results: dict, rate: str = "1gbit") -> list[str]:
 
 def write_report(results: dict, meta: dict, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "netsim_multinode.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    (out_dir / f"{NAME[0]}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     lines = [
         f"# fdp vs DDP on two simulated nodes (netsim), {meta['date']}",
         "",
@@ -251,8 +253,8 @@ def write_report(results: dict, meta: dict, out_dir: Path) -> None:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in meta["notes"]]
     lines += ["", f"Load average (1 min) at start {meta['load_start']:.2f}; now {os.getloadavg()[0]:.2f}. "
               f"Elapsed {meta.get('elapsed_s', 0):.0f} s. Per-run details (every step's time and loss, "
-              "compute/comm-wait split, load) are in `netsim_multinode.json`.", ""]
-    (out_dir / "netsim_multinode.md").write_text("\n".join(lines))
+              f"compute/comm-wait split, load) are in `{NAME[0]}.json`.", ""]
+    (out_dir / f"{NAME[0]}.md").write_text("\n".join(lines))
 
 
 def plot(results: dict, out_dir: Path) -> None:
@@ -297,7 +299,7 @@ def plot(results: dict, out_dir: Path) -> None:
             ax.legend(fontsize=7)
     fig.suptitle("fdp vs DDP, 2 simulated nodes (netsim), step time per hook")
     fig.tight_layout()
-    fig.savefig(out_dir / "netsim_multinode.png", dpi=110)
+    fig.savefig(out_dir / f"{NAME[0]}.png", dpi=110)
     plt.close(fig)
 
     # Loss curves at the first rate that has them, per model.
@@ -318,13 +320,14 @@ def plot(results: dict, out_dir: Path) -> None:
         ax.set_title(f"{model} @ {rate}: same data and initial weights")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out_dir / "netsim_multinode_loss.png", dpi=110)
+    fig.savefig(out_dir / f"{NAME[0]}_loss.png", dpi=110)
     plt.close(fig)
 
 
 # ----------------------------------------------------------------------------- driver
 def main() -> None:
     args = parse_args()
+    NAME[0] = args.name
     N.install_signal_handlers()
     import torch
 
@@ -410,7 +413,7 @@ def main() -> None:
             plot(results, out_dir)
         print(f"netsim_multinode: results in {out_dir}", flush=True)
     print("\n".join(["", *goals(results)]), flush=True)
-    print((out_dir / "netsim_multinode.md").read_text(), flush=True)
+    print((out_dir / f"{NAME[0]}.md").read_text(), flush=True)
 
 
 if __name__ == "__main__":
