@@ -38,11 +38,10 @@ jobs on the machine falls on all of them alike. Reported per variant:
 ``fdp.launch.tune_allocator()`` runs in each rank first, as fdp's trainer does; it is
 process-wide, so DDP runs under it too (``--allocator default`` leaves glibc alone).
 
-    python benchmarks/vs_ddp.py [--quick] [--hooks] [--what-if] [--allocator tuned|default]
+    python benchmarks/vs_ddp.py [--quick] [--hooks] [--allocator tuned|default]
 
 ``--quick`` (at most 3 repetitions of 1 warm-up + 3 timed steps, cut to a 70 s budget) takes
-~60-80 s on this machine, under load too. ``--what-if`` adds ``fdp after what-if``, a
-prototype of changes suggested outside ``fdp.reduce`` (see ``_what_if``).
+~60-80 s on this machine, under load too.
 
 The last line printed is ``fdp/ddp step time: X``: the worse (larger) of the two models'
 ratios of fdp's step time, with the schedule fdp's trainer picks for gloo, to DDP's.
@@ -83,7 +82,6 @@ MODELS = {
     "transformer": {"kind": "charlm", "vocab": 256, "seq": 64, "d_model": 512, "n_layer": 5, "n_head": 8, "batch": 4},
 }
 CORE = ["ddp", "fdp after", "fdp overlap", "ddp noop", "fdp noop"]
-WHAT_IF = ["fdp after what-if"]
 HOOKED = ["ddp fp16", "fdp fp16", "ddp powersgd", "fdp powersgd"]
 HOOK_MODULES = ["fdp.hooks.compress", "fdp.hooks.powersgd", "fdp.hooks.registry"]
 
@@ -188,7 +186,7 @@ def _fdp_hook(name: str):
     raise ValueError(name)
 
 
-def _build_fdp(spec: dict, batch, schedule: str, hook_name: str, what_if: bool = False):
+def _build_fdp(spec: dict, batch, schedule: str, hook_name: str):
     from fdp import train
     from fdp.comm import Comm
     from fdp.functional import functionalize
@@ -202,70 +200,23 @@ def _build_fdp(spec: dict, batch, schedule: str, hook_name: str, what_if: bool =
         planner_loss(loss_fn, buffers), params, batch, bucket_cap_mb=BUCKET_CAP_MB, first_bucket_cap_mb=FIRST_BUCKET_CAP_MB
     )
     hook, optimizer = _fdp_hook(hook_name), sgd(LR, momentum=MOMENTUM)
-    patches = {}
-    if what_if:
-        hook, optimizer, patches = _what_if(hook, optimizer)
-    train_step = make_train_step(loss_fn, optimizer, plan, hook, Comm(), schedule=schedule)
+    # donate=True: the state is consumed by each step, as in fdp's trainer.
+    train_step = make_train_step(loss_fn, optimizer, plan, hook, Comm(), schedule=schedule, donate=True)
     holder = [init_train_state(params, buffers, optimizer, plan, hook)]
     del params, buffers
 
     def step() -> float:
-        saved = {name: getattr(train, name) for name in patches}
-        for name, value in patches.items():
-            setattr(train, name, value)
-        try:
-            holder[0], metrics = train_step(holder[0], batch)
-        finally:
-            for name, value in saved.items():
-                setattr(train, name, value)
+        holder[0], metrics = train_step(holder[0], batch)
         return metrics["comm_wait_s"]
 
     step.buckets = len(plan)
     return step
 
 
-def _what_if(hook, optimizer):
-    """Prototypes of changes suggested outside this benchmark's files, to measure their gain.
-
-    * SGD fused with ``apply_updates``: the momentum buffer in one out-of-place op
-      (``g + m * buf``) and the new params in one more (``p - lr * buf``), instead of
-      ``mul``, ``add_``, ``mul`` and ``apply_updates``' ``add`` (two fewer passes over the
-      model and no ``updates`` tensors). The update returns the new params, and
-      ``fdp.train.apply_updates`` is patched to take them as they are.
-    * allreduce that divides the bucket in place and reduces it in place: the reducer owns
-      the bucket buffers and refills them every step, so they can be donated to the chain
-      (no new bucket-sized tensor per step). The row runs it under ``after``; it also gives
-      the same params under ``overlap`` now that hook chains run outside the transform.
-    * no non-finite check (``fdp.train._all_finite``: one more read of every gradient).
-    """
-    from fdp.hooks.base import stateless
-    from fdp.optim import GradientTransformation, SGDState
-
-    def fused_update(grads, state, params):
-        keys = list(state.momentum)
-        d = [grads[k] for k in keys]
-        if state.count == 0:
-            buf = [t.clone() for t in d]
-        else:
-            buf = torch._foreach_add(d, [state.momentum[k] for k in keys], alpha=MOMENTUM)
-        new_params = torch._foreach_add([params[k] for k in keys], buf, alpha=-LR)
-        return dict(zip(keys, new_params)), SGDState(state.count + 1, LR, dict(zip(keys, buf)))
-
-    def donated_allreduce(grads, comm):
-        summed = yield comm.allreduce(grads.buffer.div_(comm.world_size))
-        return grads._replace(buffer=summed)
-
-    fused = GradientTransformation(optimizer.init, fused_update)
-    patches = {"apply_updates": lambda params, new_params: new_params, "_all_finite": lambda flats: True}
-    return stateless(donated_allreduce), fused, patches
-
-
 def _build(variant: str, spec: dict, batch):
     side, _, what = variant.partition(" ")
     if side == "ddp":
         return _build_ddp(spec, batch, what or None)
-    if what == "after what-if":
-        return _build_fdp(spec, batch, "after", "allreduce", what_if=True)
     if what in ("after", "overlap"):
         return _build_fdp(spec, batch, what, "allreduce")
     return _build_fdp(spec, batch, _fdp_default_schedule(), what)
@@ -472,7 +423,7 @@ def _missing_hook_modules() -> list[str]:
 
 def _pairs(rows: dict) -> dict[str, str]:
     """fdp variant -> the DDP variant it is compared with."""
-    out = {v: "ddp" for v in ("fdp after", "fdp overlap", "fdp after what-if") if v in rows}
+    out = {v: "ddp" for v in ("fdp after", "fdp overlap") if v in rows}
     out.update({f"fdp {h}": f"ddp {h}" for h in ("fp16", "powersgd") if f"fdp {h}" in rows and f"ddp {h}" in rows})
     return out
 
@@ -517,9 +468,6 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer, shorter blocks (under 2 minutes); prints only")
     parser.add_argument("--hooks", action="store_true", help="add fp16 and PowerSGD rows (fdp hooks vs DDP's torch hooks)")
     parser.add_argument("--models", default="mlp,transformer")
-    parser.add_argument(
-        "--what-if", action="store_true", help="add a row prototyping suggested changes outside fdp.reduce (see _what_if)"
-    )
     parser.add_argument("--allocator", choices=("tuned", "default"), default="tuned")
     parser.add_argument("--reps", type=int)
     parser.add_argument("--warmup", type=int)
@@ -544,7 +492,7 @@ def main() -> None:
         if missing:
             sys.exit(f"--hooks needs the fdp hook library, missing: {', '.join(missing)}")
         args.warmup = max(args.warmup, POWERSGD_START + 1)  # PowerSGD compresses in every timed step
-    variants = CORE + (WHAT_IF if args.what_if else []) + (HOOKED if args.hooks else [])
+    variants = CORE + (HOOKED if args.hooks else [])
     default = _fdp_default_schedule()
 
     load_before = os.getloadavg()
@@ -580,9 +528,6 @@ def main() -> None:
         f"fdp's default schedule on gloo: `{default}`. No-communication rows (`noop`) are the lower bound. "
         + ("DDP's PowerSGD hook is wrapped to wait() inside the hook (gloo races otherwise), which "
            "serialises its buckets. " if args.hooks else "")
-        + ("`fdp after what-if` prototypes changes suggested outside fdp.reduce (fused SGD + apply_updates, "
-           "allreduce dividing and reducing the reducer's own bucket in place, no non-finite check); see "
-           "`_what_if` in benchmarks/vs_ddp.py. " if args.what_if else "")
         + f"Timed part {elapsed:.0f} s.",
         "",
     ]

@@ -20,11 +20,13 @@ from fdp.optim import (
     GradientTransformation,
     adam,
     adamw,
+    apply_gradients,
     apply_updates,
     chain,
     clip_by_global_norm,
     constant_schedule,
     sgd,
+    supports_inplace,
     warmup_cosine_schedule,
 )
 from fdp.plan import Bucket, BucketPlan, ParamSlot, gradient_ready_order, plan_buckets
@@ -34,7 +36,7 @@ from fdp.train import TrainState, cross_entropy_loss, init_train_state, make_tra
 __all__ = [
     "Bucket", "BucketPlan", "Comm", "FunctionalModel", "GradBucket", "GradReducer", "GradientTransformation",
     "Hook", "ParamSlot", "Pending", "Reduction", "TrainState", "WorldLayout", "adam", "adamw", "allocate",
-    "apply_updates", "chain", "clip_by_global_norm", "constant_schedule", "cross_entropy_loss", "functionalize",
+    "apply_gradients", "apply_updates", "chain", "clip_by_global_norm", "constant_schedule", "cross_entropy_loss", "functionalize",
     "gradient_ready_order", "hooks", "init_distributed", "init_hook_states", "init_train_state", "make_train_step",
-    "pack", "plan_buckets", "planner_loss", "sgd", "spawn", "unpack", "warmup_cosine_schedule",
+    "pack", "plan_buckets", "planner_loss", "sgd", "spawn", "supports_inplace", "unpack", "warmup_cosine_schedule",
 ]

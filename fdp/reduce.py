@@ -49,13 +49,23 @@ class Reduced(NamedTuple):
 
 
 class Reduction:
-    """The hook chains of one step's buckets, started in plan order and finished together."""
+    """The hook chains of one step's buckets, started in plan order and finished together.
 
-    def __init__(self, hook: Hook, comm: Comm, states: tuple, plan: BucketPlan, timeline: Timeline | None = None):
+    ``on_reduced(index, grads)``, if given, sees each bucket's reduced gradient as soon as
+    its chain is done, while later buckets are still in flight; it runs inside
+    ``finish()``, never from inside backward (where the parameters are still in use).
+    """
+
+    def __init__(
+        self, hook: Hook, comm: Comm, states: tuple, plan: BucketPlan, timeline: Timeline | None = None,
+        on_reduced: Callable[[int, GradBucket], None] | None = None,
+    ):
         self._hook, self._comm, self._states, self._plan = hook, comm, states, plan
         self._timeline = timeline
+        self._on_reduced = on_reduced
         self._running: dict[int, Any] = {}  # bucket index -> (generator, pending)
         self._done: dict[int, tuple[GradBucket, Any]] = {}
+        self._unreported: list[int] = []  # finished buckets not yet passed to on_reduced
         self._stage: dict[int, int] = {}  # bucket index -> collectives issued so far
         self.started = 0
 
@@ -65,7 +75,8 @@ class Reduction:
         self.started += 1
         if self._timeline:
             self._timeline.bucket_begin(index)
-        grads = GradBucket(index, flat, self._plan.buckets[index])
+        # The bucket buffer is scratch the reducer refills every step: the chain may work in it.
+        grads = GradBucket(index, flat, self._plan.buckets[index], owned=True)
         run = self._hook.apply(self._states[index], grads, self._comm)
         if not inspect.isgenerator(run):
             self._finished(index, run)
@@ -75,8 +86,15 @@ class Reduction:
     def _finished(self, index: int, result) -> None:
         self._done[index] = result
         self._running.pop(index, None)
+        self._unreported.append(index)
         if self._timeline:
             self._timeline.bucket_end(index)
+
+    def _report(self) -> None:
+        if self._on_reduced is not None:
+            for index in self._unreported:
+                self._on_reduced(index, self._done[index][0])
+        self._unreported.clear()
 
     def _advance(self, index: int, run, value) -> None:
         try:
@@ -96,6 +114,7 @@ class Reduction:
         seconds spent blocked on collectives.
         """
         waited = 0.0
+        self._report()
         while self._running:
             for index in sorted(self._running):
                 run, pending = self._running[index]
@@ -105,6 +124,7 @@ class Reduction:
                 if self._timeline:
                     self._timeline.collective_end(index, self._stage[index])
                 self._advance(index, run, value)
+                self._report()
         if len(self._done) != len(self._plan.buckets):
             raise RuntimeError(f"{len(self._plan.buckets) - len(self._done)} buckets were never started")
         results = [self._done[i] for i in range(len(self._done))]
@@ -173,14 +193,17 @@ class GradReducer:
         self._scale = 1.0
         self._accumulate = False
 
-    def __call__(self, params, buffers, micro_batches: list, hook_states: tuple) -> Reduced:
+    def __call__(
+        self, params, buffers, micro_batches: list, hook_states: tuple,
+        on_reduced: Callable[[int, GradBucket], None] | None = None,
+    ) -> Reduced:
         """Gradients of the mean loss over ``micro_batches``, reduced over ranks.
 
         ``buffers`` flow through the micro-batches in order (the last ``aux`` carries
-        the newest).
+        the newest). ``on_reduced`` is passed on to the ``Reduction``.
         """
         self.comm.take_counters()
-        reduction = Reduction(self.hook, self.comm, hook_states, self.plan, self.timeline)
+        reduction = Reduction(self.hook, self.comm, hook_states, self.plan, self.timeline, on_reduced)
         scale = 1.0 / len(micro_batches)
         losses, auxes = [], []
         for i, batch in enumerate(micro_batches):

@@ -10,8 +10,9 @@ import torch.nn.functional as F
 from fdp.comm import Comm
 from fdp.data import split_micro_batches
 from fdp.functional import Buffers, FunctionalModel, Params
-from fdp.hooks import Hook, allreduce
-from fdp.optim import GradientTransformation, apply_updates, current_lr
+from fdp.hooks import GradBucket, Hook, allreduce
+from fdp.buckets import slot_views
+from fdp.optim import GradientTransformation, apply_gradients, current_lr, supports_inplace
 from fdp.plan import BucketPlan
 from fdp.reduce import GradReducer, init_hook_states
 from fdp.trace import Timeline
@@ -27,6 +28,40 @@ def _all_finite(flats) -> bool:
 
 def _first_nonfinite(grads: dict) -> str | None:
     return next((name for name, g in grads.items() if not torch.isfinite(g).all()), None)
+
+
+def _nonfinite_error(step: int, grads: dict) -> FloatingPointError:
+    return FloatingPointError(
+        f"non-finite gradient at step {step} in parameter {_first_nonfinite(grads)!r} "
+        "(set trainer.nonfinite=skip to skip such steps)"
+    )
+
+
+class _StepEachBucket:
+    """The optimizer step for a donated state, bucket by bucket, as the reductions finish.
+
+    Each bucket's params are updated in place while later buckets are still in flight,
+    which hides the optimizer (a pass or two over memory) behind communication. Only for
+    elementwise optimizers, and only where a non-finite gradient may abort the step
+    (``nonfinite="raise"``): buckets updated before a non-finite one stay updated.
+    """
+
+    def __init__(self, optimizer: GradientTransformation, plan: BucketPlan, state: "TrainState", timeline):
+        self.optimizer, self.plan, self.state, self.timeline = optimizer, plan, state, timeline
+        self.new_opt_state = None
+        self.nonfinite: dict | None = None  # the first non-finite bucket's gradients
+
+    def __call__(self, index: int, reduced: GradBucket) -> None:
+        if self.nonfinite is not None:
+            return
+        start = self.timeline.now_us() if self.timeline else 0.0
+        grads = slot_views(self.plan.buckets[index], reduced.buffer)
+        if not _all_finite([reduced.buffer]):
+            self.nonfinite = grads
+            return
+        self.new_opt_state = self.optimizer.update_inplace(grads, self.state.opt_state, self.state.params)
+        if self.timeline:
+            self.timeline.complete("optimizer", start, self.timeline.now_us(), bucket=index)
 
 
 class TrainState(NamedTuple):
@@ -94,6 +129,7 @@ def make_train_step(
     schedule: str = "after",
     nonfinite: str = "raise",
     timeline: Timeline | None = None,
+    donate: bool = False,
 ) -> Callable[[TrainState, tuple], tuple[TrainState, dict]]:
     """Build ``train_step(state, batch) -> (new_state, metrics)``.
 
@@ -101,6 +137,16 @@ def make_train_step(
     ``accum_steps`` micro-batches, accumulates their gradients in the bucket buffers,
     reduces them once through ``hook`` over ``plan``, and applies ``optimizer``. It never
     modifies ``state``; the same state and batch always give the same result.
+
+    ``donate=True`` is for loops that drop each state once they have the next (as
+    ``fdp.trainer`` does): the step may then update the params and optimizer state in
+    place (see ``fdp.optim.apply_gradients``), so the old state must not be used again.
+    The results are those of ``donate=False`` up to float rounding (torch's fused
+    optimizer kernels round a few operations differently). With an elementwise optimizer
+    (``sgd``, ``adam``, ``adamw``) and ``nonfinite="raise"``, each bucket's params are
+    updated as soon as its reduction is done, while later buckets are still in flight. A
+    step that skips leaves ``state`` intact; one that raises leaves a donated state
+    partly updated (resume from a checkpoint).
 
     >>> from fdp import functionalize, plan_buckets, sgd
     >>> model, params, buffers = functionalize(torch.nn.Linear(4, 3))
@@ -121,28 +167,38 @@ def make_train_step(
         if timeline:
             timeline.step = state.step + 1
         micro_batches = split_micro_batches(batch, accum_steps)
+        each_bucket = (
+            _StepEachBucket(optimizer, plan, state, timeline)
+            if donate and nonfinite == "raise" and optimizer.elementwise and supports_inplace(optimizer, state.params)
+            else None
+        )
         with torch.random.fork_rng(devices=[]):
             torch.set_rng_state(state.rng)
-            reduced = reducer(state.params, state.buffers, micro_batches, state.hook_state)
+            reduced = reducer(state.params, state.buffers, micro_batches, state.hook_state, each_bucket)
             rng = torch.get_rng_state()
         grads, stats = reduced.grads, reduced.stats
         loss = torch.stack([l.detach() for l in reduced.losses]).mean()
-        # Reduced gradients are identical on every rank, so this decision is too.
-        finite = _all_finite(reduced.flats)
+        # Reduced gradients are identical on every rank, so every decision below is too.
+        if each_bucket is not None:
+            if each_bucket.nonfinite is not None:
+                raise _nonfinite_error(state.step + 1, each_bucket.nonfinite)
+            opt_state = each_bucket.new_opt_state
+            if opt_state is None:  # a plan without buckets: nothing to update, the count still moves
+                opt_state = optimizer.update_inplace({}, state.opt_state, state.params)
+            finite, params = True, state.params
+        else:
+            finite = _all_finite(reduced.flats)
+            if finite:
+                optimizer_start = timeline.now_us() if timeline else 0.0
+                params, opt_state = apply_gradients(optimizer, grads, state.opt_state, state.params, donate=donate)
+                if timeline:
+                    timeline.complete("optimizer", optimizer_start, timeline.now_us())
         if finite:
-            optimizer_start = timeline.now_us() if timeline else 0.0
-            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-            params = apply_updates(state.params, updates)
-            if timeline:
-                timeline.complete("optimizer", optimizer_start, timeline.now_us())
             new_state = TrainState(state.step + 1, params, reduced.auxes[-1][0], opt_state, reduced.hook_states, rng)
         elif nonfinite == "skip":
             new_state = state._replace(step=state.step + 1, rng=rng)
         else:
-            raise FloatingPointError(
-                f"non-finite gradient at step {state.step + 1} in parameter {_first_nonfinite(grads)!r} "
-                "(set trainer.nonfinite=skip to skip such steps)"
-            )
+            raise _nonfinite_error(state.step + 1, grads)
         elapsed = time.perf_counter() - t0
         metrics = {
             "loss": loss,

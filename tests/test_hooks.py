@@ -106,7 +106,11 @@ HOOK_CASES = {
 
 
 def _purity_problems(hook, bucket, comm, seed, steps=4) -> list[str]:
-    """Run ``hook`` twice on the same (input, state) each step; report any impurity."""
+    """Run ``hook`` twice on the same (input, state) each step; report any impurity.
+
+    A third run hands the chain a copy of the input as an owned buffer, which it may
+    overwrite: the output must not change.
+    """
     problems = []
     state = hook.init(bucket)
     gen = torch.Generator().manual_seed(seed)
@@ -125,6 +129,10 @@ def _purity_problems(hook, bucket, comm, seed, steps=4) -> list[str]:
             problems.append(f"step {step}: same input and state gave different new states")
         if out1.buffer.dtype != bucket.torch_dtype or out1.buffer.shape != (bucket.numel,):
             problems.append(f"step {step}: output {out1.buffer.dtype} {tuple(out1.buffer.shape)}")
+        # Handed over as scratch (as the runtime does), the chain may work in place: same result.
+        owned, _ = run_hook(hook, state, grads._replace(buffer=grads.buffer.clone(), owned=True), comm)
+        if not _same(owned.buffer, out1.buffer):
+            problems.append(f"step {step}: an owned buffer gave a different output")
         state = state1
     return problems
 

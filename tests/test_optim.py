@@ -35,8 +35,11 @@ def _fdp_grads(module, params, step, dtype=torch.float32):
     return dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
 
 
-def _run_pair(make_torch, fdp_opt, steps=STEPS, clip=None, scheduler=None, dtype=torch.float32):
-    """Train the same MLP with torch.optim and with fdp.optim; return both final params and logs."""
+def _run_pair(make_torch, fdp_opt, steps=STEPS, clip=None, scheduler=None, dtype=torch.float32, donate=False):
+    """Train the same MLP with torch.optim and with fdp.optim; return both final params and logs.
+
+    ``donate=True`` steps fdp through ``apply_gradients(..., donate=True)`` (in place).
+    """
     model = _mlp(dtype)
     init = {k: p.detach().clone() for k, p in model.named_parameters()}
     opt = make_torch(model.parameters())
@@ -57,8 +60,12 @@ def _run_pair(make_torch, fdp_opt, steps=STEPS, clip=None, scheduler=None, dtype
     state = fdp_opt.init(params)
     fdp_lrs = []
     for step in range(steps):
-        updates, state = fdp_opt.update(_fdp_grads(model, params, step, dtype), state, params)
-        params = fo.apply_updates(params, updates)
+        grads = _fdp_grads(model, params, step, dtype)
+        if donate:
+            params, state = fo.apply_gradients(fdp_opt, grads, state, params, donate=True)
+        else:
+            updates, state = fdp_opt.update(grads, state, params)
+            params = fo.apply_updates(params, updates)
         fdp_lrs.append(fo.current_lr(state))
     return init, dict(model.named_parameters()), params, {"norms": torch_norms, "torch_lrs": torch_lrs, "fdp_lrs": fdp_lrs}
 
@@ -91,10 +98,11 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donated"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_matches_torch_optim(name):
+def test_matches_torch_optim(name, donate):
     make_torch, make_fdp = CASES[name]
-    init, torch_params, fdp_params, _ = _run_pair(make_torch, make_fdp())
+    init, torch_params, fdp_params, _ = _run_pair(make_torch, make_fdp(), donate=donate)
     assert _max_diff(torch_params, fdp_params) <= TOL
     assert _max_diff(torch_params, init) > 1e-3  # the run really trained
 
@@ -102,11 +110,12 @@ def test_matches_torch_optim(name):
 CLIP = 1.0  # grad norms of this run range over ~0.7..1.6: some steps clip, some do not
 
 
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donated"])
 @pytest.mark.parametrize("name", ["sgd_momentum", "adamw"])
-def test_clip_by_global_norm_chained_matches_clip_grad_norm_(name):
+def test_clip_by_global_norm_chained_matches_clip_grad_norm_(name, donate):
     make_torch, make_fdp = CASES[name]
     fdp_opt = fo.chain(fo.clip_by_global_norm(CLIP), make_fdp())
-    init, torch_params, fdp_params, log = _run_pair(make_torch, fdp_opt, clip=CLIP)
+    init, torch_params, fdp_params, log = _run_pair(make_torch, fdp_opt, clip=CLIP, donate=donate)
     assert any(n > CLIP for n in log["norms"]) and any(n < CLIP for n in log["norms"])  # both regimes hit
     assert _max_diff(torch_params, fdp_params) <= TOL
     assert _max_diff(torch_params, init) > 1e-3
@@ -198,6 +207,32 @@ def test_update_is_pure(name, warm_steps):
     assert _bit_equal((grads, state, params), before)
     assert _bit_equal(first, second)
     assert not _bit_equal(first[1], state)  # the state did advance
+
+
+@pytest.mark.parametrize("name", list(PURE))
+def test_donated_step_works_in_place(name):
+    opt, model = PURE[name](), _mlp()
+    params = {k: p.detach().clone() for k, p in model.named_parameters()}
+    state = opt.init(params)
+    for step in range(3):
+        grads = _fdp_grads(model, params, step)
+        tensors_in = {id(t) for t in pytree.tree_leaves((params, state)) if isinstance(t, torch.Tensor)}
+        expected = opt.update(grads, state, params)
+        expected = fo.apply_updates(params, expected[0]), expected[1]
+        params, state = fo.apply_gradients(opt, grads, state, params, donate=True)
+        tensors_out = {id(t) for t in pytree.tree_leaves((params, state)) if isinstance(t, torch.Tensor)}
+        assert tensors_out == tensors_in  # the same tensors, updated: no new params or state
+        assert _max_diff(params, expected[0]) <= 1e-6
+        assert state.__class__ is expected[1].__class__ and fo.current_lr(state) == fo.current_lr(expected[1])
+
+
+def test_donate_falls_back_where_fused_kernels_do_not_apply():
+    opt = fo.sgd(0.1, momentum=0.9)
+    params = {"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([1.0], dtype=torch.float64)}  # mixed dtypes
+    grads = {"a": torch.tensor([1.0, 1.0]), "b": torch.tensor([2.0], dtype=torch.float64)}
+    new, _ = fo.apply_gradients(opt, grads, opt.init(params), params, donate=True)
+    assert new["a"] is not params["a"] and torch.equal(params["a"], torch.tensor([1.0, 2.0]))  # pure path
+    assert torch.allclose(new["a"], torch.tensor([0.9, 1.9])) and torch.allclose(new["b"], torch.tensor([0.8], dtype=torch.float64))
 
 
 def test_state_does_not_alias_grads():

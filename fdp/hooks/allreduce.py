@@ -13,9 +13,14 @@ def allreduce() -> Hook:
     """
 
     def apply(grads: GradBucket, comm: Comm):
-        # Dividing first keeps the sum in range for low-precision buckets; the division
-        # also makes the new tensor that the in-place collective may overwrite.
-        summed = yield comm.allreduce(grads.buffer / comm.world_size)
-        return grads._replace(buffer=summed)
+        world = comm.world_size
+        if world == 1:  # the same path (and the same collective) as many ranks, without the no-op division
+            summed = yield comm.allreduce(grads.buffer)
+            return grads._replace(buffer=summed)
+        # Dividing first keeps the sum in range for low-precision buckets. The collective
+        # writes into its input, so a buffer the chain does not own is divided into a copy.
+        buffer = grads.buffer.div_(world) if grads.owned else grads.buffer / world
+        summed = yield comm.allreduce(buffer)
+        return grads._replace(buffer=summed, owned=True)
 
     return stateless(apply)

@@ -5,8 +5,9 @@ A hook is a pair of functions:
 * ``init(bucket) -> state``: the state for one bucket of the plan (a NamedTuple, ``()``
   when there is none). Each bucket has its own state, so buckets reduce independently.
 * ``apply(state, grads, comm) -> (grads, state)``: transform one bucket's flat gradient.
-  ``grads`` is a ``GradBucket``; ``apply`` never modifies its input tensors and returns
-  new ones. A stage that needs a collective asks ``comm`` for it and ``yield``-s the
+  ``grads`` is a ``GradBucket``; ``apply`` modifies its buffer only when the bucket says
+  it ``owns`` it (the runtime's own scratch buffers), and otherwise returns new tensors.
+  A stage that needs a collective asks ``comm`` for it and ``yield``-s the
   ``Pending`` it gets back where it needs the result::
 
       def apply(state, grads, comm):
@@ -39,11 +40,18 @@ class GradBucket(NamedTuple):
     ``buffer`` is flat and laid out as ``spec`` says; it holds this rank's gradient, not
     yet divided by the world size (as in DDP's comm hooks). A compressing stage may
     replace it by a tensor of another dtype; ``spec`` always describes the original.
+
+    ``owned`` says the chain may overwrite ``buffer``: the runtime hands its scratch
+    bucket buffers over that way (refilled every step), and a stage that makes a new
+    buffer passes it on owned. Stages then work in place (an allreduce divides the
+    buffer it is given instead of a copy); with ``owned=False`` (the default, for
+    buffers a caller still needs) the input is never touched.
     """
 
     index: int
     buffer: torch.Tensor
     spec: Bucket
+    owned: bool = False
 
 
 class Hook(NamedTuple):

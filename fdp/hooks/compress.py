@@ -30,16 +30,18 @@ __all__ = ["fp16_compress", "fp16_decompress", "bf16_compress", "bf16_decompress
 
 def _cast_to(dtype: torch.dtype) -> Hook:
     def apply(grads: GradBucket, comm: Comm) -> GradBucket:
-        # ``to`` returns a new tensor whenever the dtype changes; when it does not, the
-        # buffer is passed on as is, which is safe because no stage writes to its input.
-        return grads._replace(buffer=grads.buffer.to(dtype))
+        # ``to`` returns a new tensor (which the chain then owns) whenever the dtype
+        # changes; when it does not, the buffer is passed on as it came.
+        buffer = grads.buffer.to(dtype)
+        return grads._replace(buffer=buffer, owned=grads.owned or buffer is not grads.buffer)
 
     return stateless(apply)
 
 
 def _cast_back() -> Hook:
     def apply(grads: GradBucket, comm: Comm) -> GradBucket:
-        return grads._replace(buffer=grads.buffer.to(grads.spec.torch_dtype))
+        buffer = grads.buffer.to(grads.spec.torch_dtype)
+        return grads._replace(buffer=buffer, owned=grads.owned or buffer is not grads.buffer)
 
     return stateless(apply)
 

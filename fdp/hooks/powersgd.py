@@ -70,6 +70,7 @@ import numpy as np
 import torch
 
 from fdp.comm import Comm
+from fdp.hooks.allreduce import allreduce
 from fdp.hooks.base import GradBucket, Hook
 from fdp.plan import Bucket
 
@@ -80,6 +81,7 @@ DEFAULT_START_ITER = 10
 
 _SEED_BOUND = 1_000_000_000  # each Q seed is randint(_SEED_BOUND), as in PyTorch
 _MT_WORDS = 624  # Mersenne Twister state words
+_ALLREDUCE = allreduce()
 
 
 class PowerSGDState(NamedTuple):
@@ -245,8 +247,7 @@ def _flat_cat(tensors: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
 
 def _average(grads: GradBucket, comm: Comm):
     # Before compression starts: DDP's allreduce_hook (divide, then sum).
-    summed = yield comm.allreduce(grads.buffer / comm.world_size)
-    return grads._replace(buffer=summed)
+    return (yield from _ALLREDUCE.apply((), grads, comm))[0]
 
 
 # ----------------------------------------------------------------------------- hooks
