@@ -218,7 +218,7 @@ def main() -> None:
          f"warms it up on a toy function first.")
     emit()
     n_params = big["layers"] * (big["width"] ** 2 + big["width"])
-    emit(f"## pack + unpack per step, float32, default caps (25 MiB, first 1 MiB)")
+    emit("## pack + unpack per step, float32, default caps (25 MiB, first 1 MiB)")
     emit()
     emit("| tree | implementation | median ms/step | best ms/step | peak extra RSS per step (MiB) | buffers held (MiB) | speed-up vs naive (median / best) |")
     emit("|---|---|---:|---:|---:|---:|---:|")

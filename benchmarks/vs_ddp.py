@@ -8,8 +8,11 @@ Both sides: 2 ranks started by ``fdp.launch.spawn`` (PyTorch's elastic launcher)
 one torch thread per rank, SGD(lr 0.01, momentum 0.9), bucket caps 25 MiB (first 1 MiB),
 a mean allreduce. A step is everything: forward, backward, reduction, optimizer.
 
-* ``ddp``: ``DistributedDataParallel`` (defaults) + ``torch.optim.SGD``.
-* ``fdp after`` / ``fdp overlap``: ``fdp.train.make_train_step`` with each schedule.
+* ``ddp``: ``DistributedDataParallel`` (defaults) + ``torch.optim.SGD(fused=True)``, the
+  same fused kernel fdp steps with (torch's CPU default, a loop over tensors, is slower).
+* ``fdp after`` / ``fdp overlap``: ``fdp.train.make_train_step`` with each schedule and
+  ``donate=True``, as fdp's trainer runs it (params and SGD state updated in place, each
+  bucket's as soon as its reduction is done).
 * no-communication lower bounds: ``fdp noop`` (``fdp.hooks.noop``) and ``ddp noop``
   (``noop_hook``).
 * ``--hooks``: ``fdp fp16`` vs ``ddp fp16`` (``fp16_compress_hook``) and ``fdp powersgd``
@@ -44,7 +47,7 @@ process-wide, so DDP runs under it too (``--allocator default`` leaves glibc alo
 ~60-80 s on this machine, under load too.
 
 The last line printed is ``fdp/ddp step time: X``: the worse (larger) of the two models'
-ratios of fdp's step time, with the schedule fdp's trainer picks for gloo, to DDP's.
+ratios of fdp's step time, with the schedule fdp's trainer picks for 2 ranks, to DDP's.
 The full run writes ``benchmarks/results/vs_ddp.md`` and ``vs_ddp.json``.
 """
 from __future__ import annotations
@@ -158,7 +161,7 @@ def _build_ddp(spec: dict, batch, hook: str | None):
     elif hook == "powersgd":
         state = P.PowerSGDState(None, matrix_approximation_rank=POWERSGD_RANK, start_powerSGD_iter=POWERSGD_START)
         ddp.register_comm_hook(state, _ddp_powersgd_waiting)
-    opt = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=MOMENTUM)
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=MOMENTUM, fused=True)  # the kernel fdp uses
     x, y = batch
 
     def step() -> float:
@@ -187,7 +190,6 @@ def _fdp_hook(name: str):
 
 
 def _build_fdp(spec: dict, batch, schedule: str, hook_name: str):
-    from fdp import train
     from fdp.comm import Comm
     from fdp.functional import functionalize
     from fdp.optim import sgd
@@ -223,15 +225,12 @@ def _build(variant: str, spec: dict, batch):
 
 
 def _fdp_default_schedule() -> str:
-    """The schedule fdp's trainer picks on gloo (``trainer.schedule=auto``)."""
-    try:
-        from omegaconf import OmegaConf
+    """The schedule fdp's trainer picks for these 2 ranks (``trainer.schedule=auto``)."""
+    from omegaconf import OmegaConf
 
-        from fdp.trainer import schedule_for
+    from fdp.trainer import schedule_for
 
-        return schedule_for(OmegaConf.create({"trainer": {"schedule": "auto"}}), "gloo")
-    except Exception:  # noqa: BLE001 - the trainer is optional here
-        return "after"
+    return schedule_for(OmegaConf.create({"trainer": {"schedule": "auto"}}), world_size=2)
 
 
 # ----------------------------------------------------------------------------- worker
@@ -513,7 +512,7 @@ def main() -> None:
         f"allocator: {args.allocator}.",
         f"Load average before {load_before[0]:.2f} / after {load_after[0]:.2f} (1 min); CPU taken by other "
         f"processes during the run, in cores of {os.cpu_count()}: {others}.",
-        f"SGD lr {LR} momentum {MOMENTUM}; buckets {BUCKET_CAP_MB:g} MiB (first {FIRST_BUCKET_CAP_MB:g} MiB); "
+        f"SGD lr {LR} momentum {MOMENTUM}, torch's fused kernel on both sides; buckets {BUCKET_CAP_MB:g} MiB (first {FIRST_BUCKET_CAP_MB:g} MiB); "
         f"mean allreduce. Repetitions of {len(variants)} alternating variants: "
         + ", ".join(f"{m} {len(r['rows']['ddp']['block_medians_ms'])}" for m, r in results.items())
         + (f" (at most {args.reps}; a {args.budget_s:g} s budget drops the rest)" if args.budget_s else "")
@@ -525,7 +524,7 @@ def main() -> None:
          if args.fresh_rss else
          "Peak RSS: the larger rank, over timed steps after warm-up, within the shared timing process (what "
          "earlier blocks left in the heap shifts it by 100-200 MiB; the full run measures fresh launches)."),
-        f"fdp's default schedule on gloo: `{default}`. No-communication rows (`noop`) are the lower bound. "
+        f"fdp's default schedule for 2 ranks (trainer.schedule=auto): `{default}`. No-communication rows (`noop`) are the lower bound. "
         + ("DDP's PowerSGD hook is wrapped to wait() inside the hook (gloo races otherwise), which "
            "serialises its buckets. " if args.hooks else "")
         + f"Timed part {elapsed:.0f} s.",

@@ -103,7 +103,7 @@ class TrainerConfig:
     bucket_cap_mb: float = 25.0
     first_bucket_cap_mb: float = 1.0
     allow_unused: bool = False
-    schedule: str = "auto"  # auto | after | overlap: when bucket reductions start (auto: overlap on NCCL or across nodes)
+    schedule: str = "auto"  # auto | after | overlap: when bucket reductions start (auto: overlap on more than one process)
     nonfinite: str = "raise"  # raise | skip
     trace: bool = False  # write a Chrome trace per rank to <run dir>/trace/ (for short diagnostic runs)
     progress: bool = True

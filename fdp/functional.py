@@ -43,17 +43,30 @@ class FunctionalModel(NamedTuple):
         return outputs, new_buffers
 
 
-def functionalize(module: nn.Module) -> tuple[FunctionalModel, Params, Buffers]:
+def functionalize(module: nn.Module, keep_module_weights: bool = True) -> tuple[FunctionalModel, Params, Buffers]:
     """Split ``module`` into a ``FunctionalModel``, its trainable params and its buffers.
 
     The returned tensors are detached copies: training them never touches ``module``.
+    ``apply`` always runs on the params it is given, so a caller that owns ``module``
+    and uses it only through the ``FunctionalModel`` can pass
+    ``keep_module_weights=False``: the module's own trainable tensors are then emptied
+    (its ``Parameter`` objects stay, so weight ties still resolve), which saves a copy of
+    the model's weights.
 
     >>> model, params, buffers = functionalize(nn.Linear(2, 3))
     >>> sorted(params)
     ['bias', 'weight']
+    >>> model, params, _ = functionalize(nn.Linear(2, 3), keep_module_weights=False)
+    >>> model.module.weight.numel(), params["weight"].shape
+    (0, torch.Size([3, 2]))
     """
     params, frozen = {}, {}
     for name, p in module.named_parameters():  # remove_duplicate=True: tied weights once
         (params if p.requires_grad else frozen)[name] = p.detach().clone()
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+    if not keep_module_weights:
+        with torch.no_grad():
+            for p in module.parameters():
+                if p.requires_grad:
+                    p.data = p.new_empty(0)
     return FunctionalModel(module, frozen), params, buffers

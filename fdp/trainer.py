@@ -13,7 +13,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -141,7 +141,8 @@ def setup(cfg: DictConfig, comm: Comm) -> Run:
     check_data(cfg, data)
     torch.manual_seed(cfg.seed)
     module = build_module(cfg.model, data)
-    model, params, buffers = functionalize(module)
+    num_params = count_parameters(module)
+    model, params, buffers = functionalize(module, keep_module_weights=False)  # the state holds the weights
     loss_fn = cross_entropy_loss(model)
     example = shard(global_batch(data, 0, cfg.data.global_batch_size, cfg.seed), comm.rank, comm.world_size)
     example = tuple(t[: max(1, t.shape[0] // cfg.trainer.accum_steps)] for t in example)
@@ -159,26 +160,27 @@ def setup(cfg: DictConfig, comm: Comm) -> Run:
     hook = build_hook(OmegaConf.to_container(cfg.hooks))
     optimizer = build_optimizer(cfg.optim, cfg.trainer.max_steps)
     state = init_train_state(params, buffers, optimizer, plan, hook, seed=cfg.seed + comm.rank)
-    return Run(model, data, plan, hook, optimizer, state, count_parameters(module))
+    return Run(model, data, plan, hook, optimizer, state, num_params)
 
 
-def schedule_for(cfg: DictConfig, backend: str, multi_node: bool = False) -> str:
-    """``trainer.schedule=auto``: overlap wherever waiting on communication leaves hardware idle.
+def schedule_for(cfg: DictConfig, world_size: int) -> str:
+    """``trainer.schedule=auto``: ``overlap`` on any world of more than one process.
 
-    That is NCCL (the GPU computes while the network moves data) and gloo across nodes
-    (the link is slower than the CPU). Gloo between processes of one host moves data
-    with the same CPU cores that compute, so nothing is idle to overlap into; there
-    ``after`` runs as fast (``benchmarks/results/vs_ddp.md``) with fewer moving parts.
-    At 1 Gbit/s between two nodes, ``overlap`` was 6% faster (``bucket_size.md``).
+    Starting each bucket's reduction inside backward hides communication wherever
+    waiting on it leaves hardware idle: the GPU under NCCL, the CPU behind a network
+    link (at 1 Gbit/s between two nodes, 6% faster than ``after``, ``bucket_size.md``).
+    Even gloo on one 2-core host, where moving data takes the same cores as computing,
+    measured it 2-5% faster than ``after`` (``vs_ddp.md``). A world of one has nothing
+    to overlap, so it reduces ``after`` backward and skips the hooks.
 
     >>> from omegaconf import OmegaConf
     >>> cfg = OmegaConf.create({"trainer": {"schedule": "auto"}})
-    >>> schedule_for(cfg, "gloo"), schedule_for(cfg, "gloo", multi_node=True), schedule_for(cfg, "nccl")
-    ('after', 'overlap', 'overlap')
+    >>> schedule_for(cfg, 1), schedule_for(cfg, 2)
+    ('after', 'overlap')
     """
     if cfg.trainer.schedule != "auto":
         return cfg.trainer.schedule
-    return "overlap" if backend == "nccl" or multi_node else "after"
+    return "overlap" if world_size > 1 else "after"
 
 
 def _save(run_dir: Path, state: TrainState, comm: Comm, cfg: DictConfig, plan: BucketPlan) -> None:
@@ -296,7 +298,6 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm) -> dict:
             f"{cfg.model.name}: {run.num_params:,} parameters in {len(run.plan)} buckets "
             f"({run.plan.nbytes / 2**20:.2f} MiB, plan {run.plan.fingerprint()[:12]}, see plan.txt), world {world}"
         )
-    backend = "nccl" if torch.distributed.is_initialized() and dist.get_backend() == "nccl" else "gloo"
     timeline = Timeline(rank) if tc.trace else None
     train_step = make_train_step(
         cross_entropy_loss(run.model),
@@ -305,7 +306,7 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm) -> dict:
         run.hook,
         comm,
         accum_steps=tc.accum_steps,
-        schedule=schedule_for(cfg, backend, multi_node=world > int(os.environ.get("LOCAL_WORLD_SIZE", world))),
+        schedule=schedule_for(cfg, world),
         nonfinite=tc.nonfinite,
         timeline=timeline,
         donate=True,  # the loop below never looks at a state again once it has the next

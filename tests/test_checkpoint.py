@@ -1,5 +1,4 @@
 """Atomic checkpoints, clear errors for bad files, and exact resume."""
-import os
 import subprocess
 import sys
 from pathlib import Path

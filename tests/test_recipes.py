@@ -9,7 +9,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from fdp.config import SCHEMAS, register_configs, validate
+from fdp.config import SCHEMAS, register_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"

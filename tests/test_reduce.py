@@ -3,7 +3,6 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from fdp.comm import Comm
