@@ -196,7 +196,7 @@ def _build_fdp(spec: dict, batch, schedule: str, hook_name: str):
     from fdp.plan import plan_buckets
     from fdp.train import cross_entropy_loss, init_train_state, make_train_step, planner_loss
 
-    model, params, buffers = functionalize(_module(spec))
+    model, params, buffers = functionalize(_module(spec), keep_module_weights=False)  # as the trainer does
     loss_fn = cross_entropy_loss(model)
     plan = plan_buckets(
         planner_loss(loss_fn, buffers), params, batch, bucket_cap_mb=BUCKET_CAP_MB, first_bucket_cap_mb=FIRST_BUCKET_CAP_MB
