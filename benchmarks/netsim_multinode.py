@@ -237,9 +237,10 @@ def write_report(results: dict, meta: dict, out_dir: Path) -> None:
         "",
         "How to read these: a step is compute + the part of the communication not hidden behind it + the hook's own "
         "compute. Even with free communication a hook cannot beat the no-comm step, so DDP allreduce / fdp no-comm "
-        "(printed above) bounds any hook's speed-up over DDP allreduce. fdp reduces after the backward pass on gloo "
-        "(`trainer.schedule=auto` → `after`); DDP launches buckets during backward, which hides part of the transfer "
-        "on a slow link (see `bucket_size.md` for fdp's `overlap` schedule). PowerSGD's own compute (matrix products, "
+        "(printed above) bounds any hook's speed-up over DDP allreduce. fdp runs `trainer.schedule=auto`: since "
+        "2026-11-22 that is `overlap` for more than one process (each bucket's reduction starts inside backward, as "
+        "DDP's do, and its params are updated as soon as it is reduced); tables taken before then ran `after` (reduce "
+        "once backward is done), which on a slow link hides nothing. PowerSGD's own compute (matrix products, "
         "error feedback and reconstruction over the whole gradient, memory-bound on this CPU) is the gap between the "
         "no-comm row and the PowerSGD rows, whose communication wait is only tens of ms. The runs share 2 cores "
         "with other jobs: compare rows of similar load, and the per-repetition ratios.",
