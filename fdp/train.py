@@ -7,14 +7,14 @@ from typing import Any, Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from fdp.buckets import slot_views
 from fdp.comm import Comm
 from fdp.data import split_micro_batches
 from fdp.functional import Buffers, FunctionalModel, Params
 from fdp.hooks import GradBucket, Hook, allreduce
-from fdp.buckets import slot_views
 from fdp.optim import GradientTransformation, apply_gradients, current_lr, supports_inplace
 from fdp.plan import BucketPlan
-from fdp.reduce import GradReducer, init_hook_states
+from fdp.reduce import GradReducer, Reduced, init_hook_states
 from fdp.trace import Timeline
 
 
@@ -41,12 +41,12 @@ class _StepEachBucket:
     """The optimizer step for a donated state, bucket by bucket, as the reductions finish.
 
     Each bucket's params are updated in place while later buckets are still in flight,
-    which hides the optimizer (a pass or two over memory) behind communication. Only for
+    so the optimizer (a pass or two over memory) runs while the network is busy. Only for
     elementwise optimizers, and only where a non-finite gradient may abort the step
     (``nonfinite="raise"``): buckets updated before a non-finite one stay updated.
     """
 
-    def __init__(self, optimizer: GradientTransformation, plan: BucketPlan, state: "TrainState", timeline):
+    def __init__(self, optimizer: GradientTransformation, plan: BucketPlan, state: "TrainState", timeline: Timeline | None):
         self.optimizer, self.plan, self.state, self.timeline = optimizer, plan, state, timeline
         self.new_opt_state = None
         self.nonfinite: dict | None = None  # the first non-finite bucket's gradients
@@ -62,6 +62,28 @@ class _StepEachBucket:
         self.new_opt_state = self.optimizer.update_inplace(grads, self.state.opt_state, self.state.params)
         if self.timeline:
             self.timeline.complete("optimizer", start, self.timeline.now_us(), bucket=index)
+
+    def result(self, state: "TrainState") -> tuple:
+        """``(params, opt_state)`` once every bucket is through; raises on a non-finite bucket."""
+        if self.nonfinite is not None:
+            raise _nonfinite_error(state.step + 1, self.nonfinite)
+        opt_state = self.new_opt_state
+        if opt_state is None:  # a plan without buckets: nothing to update, the count still moves
+            opt_state = self.optimizer.update_inplace({}, state.opt_state, state.params)
+        return state.params, opt_state
+
+
+def _step_whole(
+    optimizer: GradientTransformation, reduced: Reduced, state: "TrainState", donate: bool, timeline: Timeline | None
+) -> tuple | None:
+    """``(params, opt_state)`` from all reduced gradients at once; ``None`` if any is non-finite."""
+    if not _all_finite(reduced.flats):
+        return None
+    start = timeline.now_us() if timeline else 0.0
+    stepped = apply_gradients(optimizer, reduced.grads, state.opt_state, state.params, donate=donate)
+    if timeline:
+        timeline.complete("optimizer", start, timeline.now_us())
+    return stepped
 
 
 class TrainState(NamedTuple):
@@ -176,29 +198,18 @@ def make_train_step(
             torch.set_rng_state(state.rng)
             reduced = reducer(state.params, state.buffers, micro_batches, state.hook_state, each_bucket)
             rng = torch.get_rng_state()
-        grads, stats = reduced.grads, reduced.stats
+        stats = reduced.stats
         loss = torch.stack([l.detach() for l in reduced.losses]).mean()
         # Reduced gradients are identical on every rank, so every decision below is too.
-        if each_bucket is not None:
-            if each_bucket.nonfinite is not None:
-                raise _nonfinite_error(state.step + 1, each_bucket.nonfinite)
-            opt_state = each_bucket.new_opt_state
-            if opt_state is None:  # a plan without buckets: nothing to update, the count still moves
-                opt_state = optimizer.update_inplace({}, state.opt_state, state.params)
-            finite, params = True, state.params
-        else:
-            finite = _all_finite(reduced.flats)
-            if finite:
-                optimizer_start = timeline.now_us() if timeline else 0.0
-                params, opt_state = apply_gradients(optimizer, grads, state.opt_state, state.params, donate=donate)
-                if timeline:
-                    timeline.complete("optimizer", optimizer_start, timeline.now_us())
-        if finite:
+        stepped = each_bucket.result(state) if each_bucket else _step_whole(optimizer, reduced, state, donate, timeline)
+        if stepped is not None:
+            params, opt_state = stepped
             new_state = TrainState(state.step + 1, params, reduced.auxes[-1][0], opt_state, reduced.hook_states, rng)
         elif nonfinite == "skip":
             new_state = state._replace(step=state.step + 1, rng=rng)
         else:
-            raise _nonfinite_error(state.step + 1, grads)
+            raise _nonfinite_error(state.step + 1, reduced.grads)
+        finite = stepped is not None
         elapsed = time.perf_counter() - t0
         metrics = {
             "loss": loss,
