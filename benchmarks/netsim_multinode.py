@@ -193,7 +193,7 @@ def write_report(results: dict, meta: dict, out_dir: Path) -> None:
         f"torch {meta['torch']}, Python {meta['python']}, {meta['cpus']} CPU cores shared with other jobs. "
         "netsim veth back-end: 2 network namespaces, one rank each, tbf at RATE per node and direction, "
         "MTU 1500, no added delay; gloo over `nsim0`; 1 torch thread per rank (both nodes share the host's cores).",
-        f"Models: {meta['models']}. Adam lr 1e-3 on both sides. fdp buckets 25 MiB (first 1 MiB), DDP defaults "
+        f"Models: {meta['models']}. Adam lr 1e-3 on both sides (torch's fused kernel; DDP's side with fused=True since 2026-11-22). fdp buckets 25 MiB (first 1 MiB), DDP defaults "
         "(the same caps). PowerSGD: compression from step 3 (`hooks.start_iter=2`, `start_powerSGD_iter=2`), "
         "error feedback and warm start on. DDP's PowerSGD hook waits inside the hook (gloo races otherwise), "
         "which serialises its buckets. Top-k: ratio 0.01 (values + int32 positions, two allgathers); torch has no "
