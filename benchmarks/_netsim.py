@@ -22,6 +22,7 @@ the DDP worker sets the same number of threads.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -32,7 +33,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
+from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -131,6 +134,34 @@ def install_signal_handlers() -> None:
         signal.signal(sig, handler)
     # Ctrl-C raises KeyboardInterrupt even where SIGINT was inherited as ignored (a background job).
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@contextlib.contextmanager
+def keeping_partial_results(name: str, meta: dict, started: float, save: Callable[[], None]):
+    """Whatever ends a benchmark run, save what it measured and exit with a clear status.
+
+    Ctrl-C (130), SIGTERM/SIGHUP (143), a netsim failure (its message) and any other error
+    (1, with a traceback) each add a note to ``meta`` first; ``save()`` runs at the end in
+    every case, after ``meta["elapsed_s"]`` is set.
+    """
+    try:
+        yield
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted", file=sys.stderr, flush=True)
+        meta["notes"].append("run interrupted (Ctrl-C); results are partial")
+        raise SystemExit(130)
+    except _Stop as stop:
+        meta["notes"].append(f"run {stop}; results are partial")
+        raise SystemExit(143)
+    except NetsimError as error:
+        raise SystemExit(f"{name}: {error}")
+    except Exception:
+        traceback.print_exc()
+        meta["notes"].append("run aborted by an error; results are partial")
+        raise SystemExit(1)
+    finally:
+        meta["elapsed_s"] = time.perf_counter() - started
+        save()
 
 
 class Netsim:

@@ -33,7 +33,6 @@ import os
 import platform
 import sys
 import time
-import traceback
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -211,7 +210,13 @@ def main() -> None:
     print(f"bucket_size: {total} runs; logs in {work}; results -> {out_dir}", flush=True)
     results: dict = {}
     t0, done = time.perf_counter(), 0
-    try:
+    def save() -> None:
+        if results:
+            write_report(results, meta, out_dir)
+            plot(results, meta, out_dir)
+        print(f"bucket_size: results in {out_dir}", flush=True)
+
+    with N.keeping_partial_results("bucket_size", meta, t0, save):
         with ExitStack() as stack:
             net = None
             for network in args.networks:
@@ -246,24 +251,6 @@ def main() -> None:
                         meta["elapsed_s"] = time.perf_counter() - t0
                         write_report(results, meta, out_dir)
                         plot(results, meta, out_dir)
-    except KeyboardInterrupt:
-        meta["notes"].append("run interrupted (Ctrl-C); results are partial")
-        raise SystemExit(130)
-    except N._Stop as stop:
-        meta["notes"].append(f"run {stop}; results are partial")
-        raise SystemExit(143)
-    except N.NetsimError as error:
-        raise SystemExit(f"bucket_size: {error}")
-    except Exception:
-        traceback.print_exc()
-        meta["notes"].append("run aborted by an error; results are partial")
-        raise SystemExit(1)
-    finally:
-        meta["elapsed_s"] = time.perf_counter() - t0
-        if results:
-            write_report(results, meta, out_dir)
-            plot(results, meta, out_dir)
-        print(f"bucket_size: results in {out_dir}", flush=True)
     print((out_dir / "bucket_size.md").read_text(), flush=True)
 
 

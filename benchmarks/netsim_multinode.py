@@ -36,7 +36,6 @@ import os
 import platform
 import sys
 import time
-import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -47,7 +46,6 @@ import _netsim as N  # noqa: E402
 RATES = ["1gbit", "100mbit"]
 FDP_VARIANTS = ["noop", "allreduce", "fp16", "powersgd1", "powersgd4", "topk"]
 UNCOMPRESSED = {"allreduce", "fp16"}
-NAME = ["netsim_multinode"]  # stem of the result files (--name)
 GOAL_VARIANTS = {"noop", "allreduce", "powersgd4"}  # repeated --goal-reps times at 1 Gbit/s  # ~100 MB / 50 MB a step: few steps at 100 Mbit
 LABELS = {"noop": "noop", "allreduce": "allreduce", "fp16": "fp16", "powersgd1": "PowerSGD r1",
           "powersgd4": "PowerSGD r4", "topk": "top-k 1%"}
@@ -186,7 +184,8 @@ def goals(results: dict, rate: str = "1gbit") -> list[str]:
 
 def write_report(results: dict, meta: dict, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{NAME[0]}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    name = meta["name"]
+    (out_dir / f"{name}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     lines = [
         f"# fdp vs DDP on two simulated nodes (netsim), {meta['date']}",
         "",
@@ -254,11 +253,11 @@ def write_report(results: dict, meta: dict, out_dir: Path) -> None:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in meta["notes"]]
     lines += ["", f"Load average (1 min) at start {meta['load_start']:.2f}; now {os.getloadavg()[0]:.2f}. "
               f"Elapsed {meta.get('elapsed_s', 0):.0f} s. Per-run details (every step's time and loss, "
-              f"compute/comm-wait split, load) are in `{NAME[0]}.json`.", ""]
-    (out_dir / f"{NAME[0]}.md").write_text("\n".join(lines))
+              f"compute/comm-wait split, load) are in `{name}.json`.", ""]
+    (out_dir / f"{name}.md").write_text("\n".join(lines))
 
 
-def plot(results: dict, out_dir: Path) -> None:
+def plot(results: dict, meta: dict, out_dir: Path) -> None:
     try:
         import matplotlib
 
@@ -300,7 +299,7 @@ def plot(results: dict, out_dir: Path) -> None:
             ax.legend(fontsize=7)
     fig.suptitle("fdp vs DDP, 2 simulated nodes (netsim), step time per hook")
     fig.tight_layout()
-    fig.savefig(out_dir / f"{NAME[0]}.png", dpi=110)
+    fig.savefig(out_dir / f"{meta['name']}.png", dpi=110)
     plt.close(fig)
 
     # Loss curves at the first rate that has them, per model.
@@ -321,14 +320,13 @@ def plot(results: dict, out_dir: Path) -> None:
         ax.set_title(f"{model} @ {rate}: same data and initial weights")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out_dir / f"{NAME[0]}_loss.png", dpi=110)
+    fig.savefig(out_dir / f"{meta['name']}_loss.png", dpi=110)
     plt.close(fig)
 
 
 # ----------------------------------------------------------------------------- driver
 def main() -> None:
     args = parse_args()
-    NAME[0] = args.name
     N.install_signal_handlers()
     import torch
 
@@ -347,6 +345,7 @@ def main() -> None:
         "load_start": os.getloadavg()[0],
         "work_dir": str(work),
         "notes": [],
+        "name": args.name,  # stem of the result files
     }
     results: dict = {}
     plan = []
@@ -362,7 +361,14 @@ def main() -> None:
     total = sum(reps for _, _, runs in plan for _, _, reps in runs)
     print(f"netsim_multinode: {total} runs; logs and run directories in {work}; results -> {out_dir}", flush=True)
     t_start, done = time.perf_counter(), 0
-    try:
+
+    def save() -> None:
+        if results:
+            write_report(results, meta, out_dir)
+            plot(results, meta, out_dir)
+        print(f"netsim_multinode: results in {out_dir}", flush=True)
+
+    with N.keeping_partial_results("netsim_multinode", meta, t_start, save):
         with N.Netsim(nodes=2, force=args.force) as net:
             for rate, model, runs in plan:
                 print(net.up(rate), flush=True)
@@ -393,28 +399,9 @@ def main() -> None:
                         results.setdefault(rate, {}).setdefault(model, {}).setdefault(side, {}).setdefault(v, []).append(r)
                         meta["elapsed_s"] = time.perf_counter() - t_start
                         write_report(results, meta, out_dir)
-                plot(results, out_dir)
-    except KeyboardInterrupt:
-        print("netsim_multinode: interrupted", file=sys.stderr, flush=True)
-        meta["notes"].append("run interrupted (Ctrl-C); results are partial")
-        raise SystemExit(130)
-    except N._Stop as stop:
-        meta["notes"].append(f"run {stop}; results are partial")
-        raise SystemExit(143)
-    except N.NetsimError as error:
-        raise SystemExit(f"netsim_multinode: {error}")
-    except Exception:
-        traceback.print_exc()
-        meta["notes"].append("run aborted by an error; results are partial")
-        raise SystemExit(1)
-    finally:
-        meta["elapsed_s"] = time.perf_counter() - t_start
-        if results:
-            write_report(results, meta, out_dir)
-            plot(results, out_dir)
-        print(f"netsim_multinode: results in {out_dir}", flush=True)
+                plot(results, meta, out_dir)
     print("\n".join(["", *goals(results)]), flush=True)
-    print((out_dir / f"{NAME[0]}.md").read_text(), flush=True)
+    print((out_dir / f"{args.name}.md").read_text(), flush=True)
 
 
 if __name__ == "__main__":
