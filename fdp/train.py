@@ -183,17 +183,19 @@ def make_train_step(
     if nonfinite not in NONFINITE:
         raise ValueError(f"trainer.nonfinite={nonfinite!r}: expected one of {NONFINITE}")
     reducer = GradReducer(loss_fn, plan, hook or allreduce(), comm or Comm(), schedule, timeline)
+    steps_each_bucket: bool | None = None  # decided on the first step: params keep their device and dtype
 
     def train_step(state: TrainState, batch: tuple) -> tuple[TrainState, dict]:
+        nonlocal steps_each_bucket
         t0 = time.perf_counter()
         if timeline:
             timeline.step = state.step + 1
         micro_batches = split_micro_batches(batch, accum_steps)
-        each_bucket = (
-            _StepEachBucket(optimizer, plan, state, timeline)
-            if donate and nonfinite == "raise" and optimizer.elementwise and supports_inplace(optimizer, state.params)
-            else None
-        )
+        if steps_each_bucket is None:
+            steps_each_bucket = (
+                donate and nonfinite == "raise" and optimizer.elementwise and supports_inplace(optimizer, state.params)
+            )
+        each_bucket = _StepEachBucket(optimizer, plan, state, timeline) if steps_each_bucket else None
         with torch.random.fork_rng(devices=[]):
             torch.set_rng_state(state.rng)
             reduced = reducer(state.params, state.buffers, micro_batches, state.hook_state, each_bucket)

@@ -1,7 +1,6 @@
 """Shared fixtures. ``run_ranks`` is the one way tests start several processes."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.distributed as dist

@@ -21,29 +21,25 @@ from __future__ import annotations
 
 import torch
 
-from fdp.comm import Comm
 from fdp.hooks.allreduce import allreduce
 from fdp.hooks.base import GradBucket, Hook, chain, stateless
 
 __all__ = ["fp16_compress", "fp16_decompress", "bf16_compress", "bf16_decompress", "fp16", "bf16"]
 
 
-def _cast_to(dtype: torch.dtype) -> Hook:
-    def apply(grads: GradBucket, comm: Comm) -> GradBucket:
-        # ``to`` returns a new tensor (which the chain then owns) whenever the dtype
-        # changes; when it does not, the buffer is passed on as it came.
-        buffer = grads.buffer.to(dtype)
-        return grads._replace(buffer=buffer, owned=grads.owned or buffer is not grads.buffer)
+def _cast(grads: GradBucket, dtype: torch.dtype) -> GradBucket:
+    # ``to`` returns a new tensor (which the chain then owns) whenever the dtype changes;
+    # when it does not, the buffer is passed on as it came.
+    buffer = grads.buffer.to(dtype)
+    return grads._replace(buffer=buffer, owned=grads.owned or buffer is not grads.buffer)
 
-    return stateless(apply)
+
+def _cast_to(dtype: torch.dtype) -> Hook:
+    return stateless(lambda grads, comm: _cast(grads, dtype))
 
 
 def _cast_back() -> Hook:
-    def apply(grads: GradBucket, comm: Comm) -> GradBucket:
-        buffer = grads.buffer.to(grads.spec.torch_dtype)
-        return grads._replace(buffer=buffer, owned=grads.owned or buffer is not grads.buffer)
-
-    return stateless(apply)
+    return stateless(lambda grads, comm: _cast(grads, grads.spec.torch_dtype))
 
 
 def fp16_compress() -> Hook:
