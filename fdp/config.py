@@ -59,7 +59,7 @@ class StdlibTextConfig:
 class OptimBase:
     lr: float = 1e-3
     weight_decay: float = 0.0
-    schedule: str = "constant"  # constant | warmup_cosine
+    lr_schedule: str = "constant"  # constant | warmup_cosine
     warmup_steps: int = 0
     end_lr: float = 0.0  # warmup_cosine: the rate at trainer.max_steps
     clip_norm: Optional[float] = None
@@ -292,7 +292,7 @@ def validate(cfg: Any, run_dir: Any = None) -> None:
         _require(m.d_model % m.n_head == 0, "model.n_head", m.n_head, f"a divisor of model.d_model={m.d_model}")
         _require(0.0 <= m.dropout < 1.0, "model.dropout", m.dropout, "a probability in [0, 1)")
     _require(o.lr > 0, "optim.lr", o.lr, "a learning rate > 0")
-    _require(o.schedule in ("constant", "warmup_cosine"), "optim.schedule", o.schedule, "constant or warmup_cosine")
+    _require(o.lr_schedule in ("constant", "warmup_cosine"), "optim.lr_schedule", o.lr_schedule, "constant or warmup_cosine")
     _require(0 <= o.warmup_steps <= t.max_steps, "optim.warmup_steps", o.warmup_steps,
              f"between 0 and trainer.max_steps={t.max_steps} (the schedule must not end before warm-up)")
     _require(o.clip_norm is None or o.clip_norm > 0, "optim.clip_norm", o.clip_norm, "null (off) or > 0")

@@ -60,7 +60,7 @@ log = logging.getLogger("fdp")
 # -- building the pieces from config ------------------------------------------------------
 def build_optimizer(cfg: DictConfig, max_steps: int) -> GradientTransformation:
     """The optimizer an ``optim`` config describes, with its schedule and clipping."""
-    if cfg.schedule == "warmup_cosine":
+    if cfg.lr_schedule == "warmup_cosine":
         lr = warmup_cosine_schedule(cfg.lr, cfg.warmup_steps, max_steps, cfg.end_lr)
     else:
         lr = constant_schedule(cfg.lr)
