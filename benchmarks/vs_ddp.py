@@ -226,11 +226,9 @@ def _build(variant: str, spec: dict, batch):
 
 def _fdp_default_schedule() -> str:
     """The schedule fdp's trainer picks for these 2 ranks (``trainer.schedule=auto``)."""
-    from omegaconf import OmegaConf
+    from fdp.reduce import resolve_schedule
 
-    from fdp.trainer import schedule_for
-
-    return schedule_for(OmegaConf.create({"trainer": {"schedule": "auto"}}), world_size=2)
+    return resolve_schedule("auto", world_size=2)
 
 
 # ----------------------------------------------------------------------------- worker

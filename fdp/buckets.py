@@ -22,6 +22,7 @@ from typing import Mapping, Sequence
 
 import torch
 
+from fdp._torch import foreach, storage_alias
 from fdp.plan import Bucket, BucketPlan
 
 __all__ = ["allocate", "pack", "unpack", "slot_views"]
@@ -66,7 +67,7 @@ def pack(plan: BucketPlan, grads: Mapping[str, torch.Tensor], buffers: Sequence[
                 _raise_shape_mismatch(names, shapes, values)
             # One fused copy for the whole bucket: per-tensor copy_ calls cost ~1 us of
             # Python each, which is most of the time for trees of many small tensors.
-            torch._foreach_copy_(aliases, values)
+            foreach.copy_(aliases, values)
             found += len(names)
     if found != len(grads):
         known = set(plan.names)
@@ -83,11 +84,11 @@ def _pack_partial(bucket: Bucket, aliases: list[torch.Tensor], grads: Mapping[st
     if [v.shape for v in values] != wanted:
         _raise_shape_mismatch([names[i] for i in present], wanted, values)
     if present:
-        torch._foreach_copy_([aliases[i] for i in present], values)
+        foreach.copy_([aliases[i] for i in present], values)
     taken = set(present)
     missing = [a for i, a in enumerate(aliases) if i not in taken]
     if missing:
-        torch._foreach_zero_(missing)
+        foreach.zero_(missing)
     return len(present)
 
 
@@ -172,11 +173,7 @@ def _aliases(bucket: Bucket, flat: torch.Tensor) -> list[torch.Tensor]:
                 _ALIASES[key] = (ref, ptr, bucket, aliases)
                 return aliases
     _, _, shapes, strides, offsets = bucket._layout
-    storage, base = flat.untyped_storage(), flat.storage_offset()
-    aliases = [
-        torch.empty(0, dtype=flat.dtype, device=flat.device).set_(storage, base + o, s, st)
-        for s, st, o in zip(shapes, strides, offsets)
-    ]
+    aliases = [storage_alias(flat, o, s, st) for s, st, o in zip(shapes, strides, offsets)]
     _ALIASES[key] = (weakref.ref(flat, functools.partial(_forget, key)), flat.data_ptr(), bucket, aliases)
     return aliases
 

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
+from fdp._torch import tree_flatten, tree_unflatten
 from fdp.train import TrainState
 
 LAST = "last.pt"
@@ -89,17 +89,17 @@ def check_readable(path: str | os.PathLike) -> None:
 
 
 def _leaves(tree: Any) -> list:
-    return pytree.tree_flatten(tree)[0]
+    return tree_flatten(tree)[0]
 
 
 def _rebuild(template: Any, leaves: list, what: str, path: Path) -> Any:
-    spec = pytree.tree_flatten(template)[1]
+    spec = tree_flatten(template)[1]
     if spec.num_leaves != len(leaves):
         raise CheckpointError(
             f"checkpoint {path}: {what} has {len(leaves)} entries, this run expects {spec.num_leaves} "
             "(different optimizer, hooks or bucket plan?)"
         )
-    return pytree.tree_unflatten(leaves, spec)
+    return tree_unflatten(leaves, spec)
 
 
 def state_payload(state: TrainState, per_rank: list[dict], extra: dict | None = None) -> dict:

@@ -17,17 +17,15 @@ import torch.distributed as dist
 class Pending:
     """A collective in flight; ``wait()`` blocks until it is done and returns its result."""
 
-    __slots__ = ("_work", "_result", "_finish")
+    __slots__ = ("_work", "_result")
 
-    def __init__(self, result: torch.Tensor, work=None, finish=None):
-        self._work, self._result, self._finish = work, result, finish
+    def __init__(self, result: torch.Tensor, work=None):
+        self._work, self._result = work, result
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             self._work.wait()
             self._work = None
-            if self._finish is not None:
-                self._result = self._finish(self._result)
         return self._result
 
 

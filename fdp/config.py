@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
@@ -161,6 +161,7 @@ class BatchedPowerSGDConfig:
     start_iter: int = 10
     error_feedback: bool = True
     warm_start: bool = True
+    orthogonalization_epsilon: float = 0.0
     seed: int = 0
 
 
@@ -169,6 +170,7 @@ class TopKConfig:
     name: str = "topk"
     ratio: float = 0.01
     error_feedback: bool = True
+    k: Optional[int] = None  # entries sent per bucket; None: ceil(ratio * numel)
 
 
 @dataclass
@@ -244,12 +246,31 @@ def _require(ok: bool, setting: str, value: Any, expected: str) -> None:
         raise ConfigError(f"{setting}={value!r}: expected {expected}")
 
 
+def _checked(key: str, check: Callable[[Any], Any], value: Any) -> None:
+    """Run the check of the module that uses a setting; its message names the config key.
+
+    Modules name a setting as their Python argument (``schedule='x': expected ...``); the
+    registries already give the group's path (``hooks.rank=0: expected ...``).
+    """
+    try:
+        check(value)
+    except ValueError as error:
+        message, group, arg = str(error), *key.rpartition(".")[::2]
+        if group and message.startswith(arg):
+            message = f"{group}.{message}"
+        raise ConfigError(message) from None
+
+
 def validate(cfg: Any, run_dir: Any = None) -> None:
     """Refuse a config before anything is built or written; each error names one setting."""
     from pathlib import Path
 
     from fdp.hooks.registry import build_hook
     from fdp.launch import BACKENDS, LAUNCHERS
+    from fdp.optim import build_optimizer
+    from fdp.plan.values import _check_cap
+    from fdp.reduce import resolve_schedule
+    from fdp.train import check_nonfinite
 
     t, w, d, o, m = cfg.trainer, cfg.world, cfg.data, cfg.optim, cfg.model
     for key in ("max_steps", "accum_steps", "log_every", "keep_checkpoints"):
@@ -258,10 +279,13 @@ def validate(cfg: Any, run_dir: Any = None) -> None:
         _require(t[key] >= 0, f"trainer.{key}", t[key], "an integer >= 0")
     # The run always evaluates at its end: zero batches would average over nothing.
     _require(t.eval_batches >= 1, "trainer.eval_batches", t.eval_batches, "an integer >= 1")
+    # Settings that a module checks where it uses them: the module's rule, under the config's key.
     for key in ("bucket_cap_mb", "first_bucket_cap_mb"):
-        _require(t[key] > 0, f"trainer.{key}", t[key], "a size in MiB > 0")
-    _require(t.schedule in ("auto", "after", "overlap"), "trainer.schedule", t.schedule, "auto, after or overlap")
-    _require(t.nonfinite in ("raise", "skip"), "trainer.nonfinite", t.nonfinite, "raise or skip")
+        _checked(f"trainer.{key}", lambda value, key=key: _check_cap(key, value), t[key])
+    _checked("trainer.schedule", lambda value: resolve_schedule(value, world_size=1), t.schedule)
+    _checked("trainer.nonfinite", check_nonfinite, t.nonfinite)
+    _checked("optim", lambda spec: build_optimizer(spec, t.max_steps), _container(o))
+    _checked("hooks", build_hook, _container(cfg.hooks))
     _require(w.launcher in LAUNCHERS, "world.launcher", w.launcher, f"one of {LAUNCHERS}")
     _require(w.backend in BACKENDS, "world.backend", w.backend, f"one of {BACKENDS}")
     _require(w.nproc_per_node >= 1, "world.nproc_per_node", w.nproc_per_node, "an integer >= 1")
@@ -291,15 +315,6 @@ def validate(cfg: Any, run_dir: Any = None) -> None:
     if text_model:
         _require(m.d_model % m.n_head == 0, "model.n_head", m.n_head, f"a divisor of model.d_model={m.d_model}")
         _require(0.0 <= m.dropout < 1.0, "model.dropout", m.dropout, "a probability in [0, 1)")
-    _require(o.lr > 0, "optim.lr", o.lr, "a learning rate > 0")
-    _require(o.lr_schedule in ("constant", "warmup_cosine"), "optim.lr_schedule", o.lr_schedule, "constant or warmup_cosine")
-    _require(0 <= o.warmup_steps <= t.max_steps, "optim.warmup_steps", o.warmup_steps,
-             f"between 0 and trainer.max_steps={t.max_steps} (the schedule must not end before warm-up)")
-    _require(o.clip_norm is None or o.clip_norm > 0, "optim.clip_norm", o.clip_norm, "null (off) or > 0")
-    try:
-        build_hook(_container(cfg.hooks))
-    except ValueError as error:  # the registry names the setting: "hooks.rank=0: expected ..."
-        raise ConfigError(str(error)) from None
     if run_dir is not None:
         run_dir = Path(run_dir)
         last = run_dir / "checkpoints" / "last.pt"

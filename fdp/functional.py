@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from fdp._torch import release_storage
+
 Params = dict[str, torch.Tensor]
 Buffers = dict[str, torch.Tensor]
 
@@ -65,8 +67,7 @@ def functionalize(module: nn.Module, keep_module_weights: bool = True) -> tuple[
         (params if p.requires_grad else frozen)[name] = p.detach().clone()
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
     if not keep_module_weights:
-        with torch.no_grad():
-            for p in module.parameters():
-                if p.requires_grad:
-                    p.data = p.new_empty(0)
+        for p in module.parameters():
+            if p.requires_grad:
+                release_storage(p)
     return FunctionalModel(module, frozen), params, buffers

@@ -24,6 +24,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
+from fdp._torch import default_store
 from fdp.comm import Comm
 from fdp.plan import BucketPlan
 
@@ -45,13 +46,6 @@ class WorldLayout(NamedTuple):
     @property
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
-
-
-def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port that was free on ``host`` a moment ago."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class WorkerFailedError(RuntimeError):
@@ -252,10 +246,7 @@ class Heartbeat:
 
     def __init__(self, rank: int, world_size: int, interval_s: float = 0.5):
         self.rank, self.world_size, self.interval_s = rank, world_size, interval_s
-        try:
-            self._store = dist.distributed_c10d._get_default_store()
-        except (AttributeError, RuntimeError, ValueError):
-            self._store = None
+        self._store = default_store()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="fdp-heartbeat", daemon=True)
 

@@ -5,9 +5,13 @@ forward, backward and the optimizer; each bucket's reduction is an async span fr
 moment its hook chain starts to the moment its result is in, with one slice per
 collective inside, so overlap of communication with backward shows as bucket spans
 that begin inside the backward span.
+
+The train step always talks to a timeline; with tracing off it gets a ``NullTimeline``,
+whose methods do nothing, so the step has no tracing branches.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -32,8 +36,21 @@ class Timeline:
         self.forward_end_us = 0.0
         self._t0 = time.perf_counter()
 
+    def start_step(self, step: int) -> None:
+        """Label the events that follow with ``step``."""
+        self.step = step
+
     def now_us(self) -> float:
         return (time.perf_counter() - self._t0) * 1e6
+
+    def mark_forward_end(self) -> None:
+        """Note that the forward is done (the backward starts next)."""
+        self.forward_end_us = self.now_us()
+
+    def forward_backward(self, start_us: float, micro_batch: int) -> None:
+        """The forward and backward spans of one micro-batch that started at ``start_us``."""
+        self.complete("forward", start_us, self.forward_end_us, micro_batch=micro_batch)
+        self.complete("backward", self.forward_end_us, self.now_us(), micro_batch=micro_batch)
 
     def complete(self, name: str, start_us: float, end_us: float, cat: str = "step", **args) -> None:
         """A finished span on the main track."""
@@ -76,3 +93,40 @@ class Timeline:
         tmp.write_text(json.dumps({"traceEvents": meta + self.events, "displayTimeUnit": "ms"}))
         os.replace(tmp, path)
         return path
+
+
+class NullTimeline(Timeline):
+    """A timeline that records nothing: what the step talks to when tracing is off.
+
+    >>> timeline = NullTimeline()
+    >>> with timeline.span("optimizer"):
+    ...     timeline.bucket_begin(0)
+    >>> timeline.events
+    []
+    """
+
+    _NOTHING = contextlib.nullcontext()
+
+    def __init__(self, rank: int = 0):
+        super().__init__(rank)
+
+    def now_us(self) -> float:
+        return 0.0
+
+    def mark_forward_end(self) -> None:
+        pass
+
+    def forward_backward(self, start_us: float, micro_batch: int) -> None:
+        pass
+
+    def complete(self, name: str, start_us: float, end_us: float, cat: str = "step", **args) -> None:
+        pass
+
+    def span(self, name: str, cat: str = "step", **args):
+        return self._NOTHING
+
+    def _async(self, phase: str, name: str, bucket: int, cat: str, args: dict) -> None:
+        pass
+
+    def save(self, path: str | os.PathLike) -> None:
+        return None

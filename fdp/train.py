@@ -11,79 +11,33 @@ from fdp.buckets import slot_views
 from fdp.comm import Comm
 from fdp.data import split_micro_batches
 from fdp.functional import Buffers, FunctionalModel, Params
-from fdp.hooks import GradBucket, Hook, allreduce
+from fdp.hooks import Hook, allreduce
 from fdp.optim import GradientTransformation, apply_gradients, current_lr, supports_inplace
 from fdp.plan import BucketPlan
-from fdp.reduce import GradReducer, Reduced, init_hook_states
-from fdp.trace import Timeline
+from fdp.reduce import GradReducer, init_hook_states
+from fdp.trace import NullTimeline, Timeline
 
 
 NONFINITE = ("raise", "skip")
 
 
-def _all_finite(flats) -> bool:
-    # One reduction per bucket: a NaN or inf anywhere makes the sum non-finite.
-    return bool(torch.isfinite(torch.stack([flat.sum(dtype=torch.float32) for flat in flats])).all())
+def check_nonfinite(nonfinite: str) -> str:
+    """What a step does on a non-finite gradient: ``raise`` (name it) or ``skip`` (on every rank alike)."""
+    if nonfinite not in NONFINITE:
+        raise ValueError(f"nonfinite={nonfinite!r}: expected raise or skip")
+    return nonfinite
 
 
-def _first_nonfinite(grads: dict) -> str | None:
-    return next((name for name, g in grads.items() if not torch.isfinite(g).all()), None)
+def _finite(flat: torch.Tensor) -> torch.Tensor:
+    # One reduction per bucket, kept on the device: a NaN or inf anywhere makes the sum non-finite.
+    return torch.isfinite(flat.sum(dtype=torch.float32))
 
 
-def _nonfinite_error(step: int, grads: dict) -> FloatingPointError:
+def _nonfinite_error(step: int, plan: BucketPlan, grads: dict) -> FloatingPointError:
+    first = next((name for name in plan.names if not torch.isfinite(grads[name]).all()), None)
     return FloatingPointError(
-        f"non-finite gradient at step {step} in parameter {_first_nonfinite(grads)!r} "
-        "(set trainer.nonfinite=skip to skip such steps)"
+        f"non-finite gradient at step {step} in parameter {first!r} (set trainer.nonfinite=skip to skip such steps)"
     )
-
-
-class _StepEachBucket:
-    """The optimizer step for a donated state, bucket by bucket, as the reductions finish.
-
-    Each bucket's params are updated in place while later buckets are still in flight,
-    so the optimizer (a pass or two over memory) runs while the network is busy. Only for
-    elementwise optimizers, and only where a non-finite gradient may abort the step
-    (``nonfinite="raise"``): buckets updated before a non-finite one stay updated.
-    """
-
-    def __init__(self, optimizer: GradientTransformation, plan: BucketPlan, state: "TrainState", timeline: Timeline | None):
-        self.optimizer, self.plan, self.state, self.timeline = optimizer, plan, state, timeline
-        self.new_opt_state = None
-        self.nonfinite: dict | None = None  # the first non-finite bucket's gradients
-
-    def __call__(self, index: int, reduced: GradBucket) -> None:
-        if self.nonfinite is not None:
-            return
-        start = self.timeline.now_us() if self.timeline else 0.0
-        grads = slot_views(self.plan.buckets[index], reduced.buffer)
-        if not _all_finite([reduced.buffer]):
-            self.nonfinite = grads
-            return
-        self.new_opt_state = self.optimizer.update_inplace(grads, self.state.opt_state, self.state.params)
-        if self.timeline:
-            self.timeline.complete("optimizer", start, self.timeline.now_us(), bucket=index)
-
-    def result(self, state: "TrainState") -> tuple:
-        """``(params, opt_state)`` once every bucket is through; raises on a non-finite bucket."""
-        if self.nonfinite is not None:
-            raise _nonfinite_error(state.step + 1, self.nonfinite)
-        opt_state = self.new_opt_state
-        if opt_state is None:  # a plan without buckets: nothing to update, the count still moves
-            opt_state = self.optimizer.update_inplace({}, state.opt_state, state.params)
-        return state.params, opt_state
-
-
-def _step_whole(
-    optimizer: GradientTransformation, reduced: Reduced, state: "TrainState", donate: bool, timeline: Timeline | None
-) -> tuple | None:
-    """``(params, opt_state)`` from all reduced gradients at once; ``None`` if any is non-finite."""
-    if not _all_finite(reduced.flats):
-        return None
-    start = timeline.now_us() if timeline else 0.0
-    stepped = apply_gradients(optimizer, reduced.grads, state.opt_state, state.params, donate=donate)
-    if timeline:
-        timeline.complete("optimizer", start, timeline.now_us())
-    return stepped
 
 
 class TrainState(NamedTuple):
@@ -160,6 +114,9 @@ def make_train_step(
     reduces them once through ``hook`` over ``plan``, and applies ``optimizer``. It never
     modifies ``state``; the same state and batch always give the same result.
 
+    ``schedule`` says when the reduction starts: ``after`` backward, ``overlap`` with it
+    (each bucket as soon as it is full), or ``auto`` (overlap on more than one process).
+
     ``donate=True`` is for loops that drop each state once they have the next (as
     ``fdp.trainer`` does): the step may then update the params and optimizer state in
     place (see ``fdp.optim.apply_gradients``), so the old state must not be used again.
@@ -180,43 +137,55 @@ def make_train_step(
     >>> state.step
     1
     """
-    if nonfinite not in NONFINITE:
-        raise ValueError(f"trainer.nonfinite={nonfinite!r}: expected one of {NONFINITE}")
-    reducer = GradReducer(loss_fn, plan, hook or allreduce(), comm or Comm(), schedule, timeline)
-    steps_each_bucket: bool | None = None  # decided on the first step: params keep their device and dtype
+    check_nonfinite(nonfinite)
+    comm = comm or Comm()
+    timeline = timeline or NullTimeline()
+    reducer = GradReducer(loss_fn, plan, hook or allreduce(), comm, schedule, timeline)
+    per_bucket: bool | None = None  # decided on the first step: params keep their device and dtype
 
     def train_step(state: TrainState, batch: tuple) -> tuple[TrainState, dict]:
-        nonlocal steps_each_bucket
+        nonlocal per_bucket
         t0 = time.perf_counter()
-        if timeline:
-            timeline.step = state.step + 1
-        micro_batches = split_micro_batches(batch, accum_steps)
-        if steps_each_bucket is None:
-            steps_each_bucket = (
-                donate and nonfinite == "raise" and optimizer.elementwise and supports_inplace(optimizer, state.params)
-            )
-        each_bucket = _StepEachBucket(optimizer, plan, state, timeline) if steps_each_bucket else None
+        step = state.step + 1
+        timeline.start_step(step)
+        if per_bucket is None:
+            per_bucket = donate and nonfinite == "raise" and optimizer.elementwise and supports_inplace(optimizer, state.params)
         with torch.random.fork_rng(devices=[]):
             torch.set_rng_state(state.rng)
-            reduced = reducer(state.params, state.buffers, micro_batches, state.hook_state, each_bucket)
+            computed = reducer.backward(state.params, state.buffers, split_micro_batches(batch, accum_steps), state.hook_state)
             rng = torch.get_rng_state()
-        stats = reduced.stats
-        loss = torch.stack([l.detach() for l in reduced.losses]).mean()
-        # Reduced gradients are identical on every rank, so every decision below is too.
-        stepped = each_bucket.result(state) if each_bucket else _step_whole(optimizer, reduced, state, donate, timeline)
-        if stepped is not None:
-            params, opt_state = stepped
-            new_state = TrainState(state.step + 1, params, reduced.auxes[-1][0], opt_state, reduced.hook_states, rng)
+
+        # Buckets come back as their chains finish; with per-bucket updates each one's
+        # params are stepped while later buckets are still on the wire.
+        reduced, finite, opt_state = [{}] * len(plan.buckets), [], state.opt_state
+        for index, bucket in computed.reduction.finished():
+            reduced[index] = slot_views(plan.buckets[index], bucket.buffer)
+            finite.append(_finite(bucket.buffer))
+            if per_bucket:
+                with timeline.span("optimizer", bucket=index):
+                    opt_state = optimizer.update_inplace(reduced[index], state.opt_state, state.params)
+        grads = {name: grad for bucket_grads in reduced for name, grad in bucket_grads.items()}  # in plan order
+
+        # The step's one host synchronisation. Reduced gradients are identical on every
+        # rank, so every rank takes the same branch.
+        skipped = not bool(torch.stack(finite).all())
+        if not skipped:
+            params = state.params
+            if not per_bucket:
+                with timeline.span("optimizer"):
+                    params, opt_state = apply_gradients(optimizer, grads, state.opt_state, state.params, donate=donate)
+            new_state = TrainState(step, params, computed.buffers, opt_state, computed.reduction.hook_states, rng)
         elif nonfinite == "skip":
-            new_state = state._replace(step=state.step + 1, rng=rng)
+            new_state = state._replace(step=step, rng=rng)
         else:
-            raise _nonfinite_error(state.step + 1, reduced.grads)
-        finite = stepped is not None
+            raise _nonfinite_error(step, plan, grads)
+
+        stats = computed.reduction.stats()
         elapsed = time.perf_counter() - t0
         metrics = {
-            "loss": loss,
+            "loss": torch.stack([loss.detach() for loss in computed.losses]).mean(),
             "lr": current_lr(new_state.opt_state),
-            "skipped": 0 if finite else 1,
+            "skipped": int(skipped),
             "step_s": elapsed,
             "comm_wait_s": stats.wait_s,
             "compute_s": elapsed - stats.wait_s,
@@ -225,5 +194,4 @@ def make_train_step(
         }
         return new_state, metrics
 
-    train_step.reducer = reducer
     return train_step

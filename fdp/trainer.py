@@ -40,39 +40,15 @@ from fdp.launch import (
 )
 from fdp.metrics import MetricsLog, StepTimes, progress, summary_line
 from fdp.models import build_model, count_parameters
-from fdp.optim import (
-    GradientTransformation,
-    adam,
-    adamw,
-    chain,
-    clip_by_global_norm,
-    constant_schedule,
-    sgd,
-    warmup_cosine_schedule,
-)
+from fdp.optim import GradientTransformation, build_optimizer
 from fdp.plan import BucketPlan, plan_buckets
-from fdp.trace import Timeline
+from fdp.trace import NullTimeline, Timeline
 from fdp.train import TrainState, cross_entropy_loss, init_train_state, make_train_step, planner_loss
 
 log = logging.getLogger("fdp")
 
 
 # -- building the pieces from config ------------------------------------------------------
-def build_optimizer(cfg: DictConfig, max_steps: int) -> GradientTransformation:
-    """The optimizer an ``optim`` config describes, with its schedule and clipping."""
-    if cfg.lr_schedule == "warmup_cosine":
-        lr = warmup_cosine_schedule(cfg.lr, cfg.warmup_steps, max_steps, cfg.end_lr)
-    else:
-        lr = constant_schedule(cfg.lr)
-    if cfg.name == "sgd":
-        opt = sgd(lr, momentum=cfg.momentum, dampening=cfg.dampening, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay)
-    elif cfg.name == "adam":
-        opt = adam(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)
-    else:
-        opt = adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)
-    return chain(clip_by_global_norm(cfg.clip_norm), opt) if cfg.clip_norm else opt
-
-
 def build_data(cfg: DictConfig) -> Dataset:
     settings = {k: v for k, v in OmegaConf.to_container(cfg).items() if k not in ("name", "global_batch_size")}
     try:
@@ -158,29 +134,9 @@ def setup(cfg: DictConfig, comm: Comm) -> Run:
     check_same_plan(plan, comm)
     params, buffers = broadcast_from_rank0(params, comm), broadcast_from_rank0(buffers, comm)
     hook = build_hook(OmegaConf.to_container(cfg.hooks))
-    optimizer = build_optimizer(cfg.optim, cfg.trainer.max_steps)
+    optimizer = build_optimizer(OmegaConf.to_container(cfg.optim), cfg.trainer.max_steps)
     state = init_train_state(params, buffers, optimizer, plan, hook, seed=cfg.seed + comm.rank)
     return Run(model, data, plan, hook, optimizer, state, num_params)
-
-
-def schedule_for(cfg: DictConfig, world_size: int) -> str:
-    """``trainer.schedule=auto``: ``overlap`` on any world of more than one process.
-
-    Starting each bucket's reduction inside backward hides communication wherever
-    waiting on it leaves hardware idle: the GPU under NCCL, the CPU behind a network
-    link (at 1 Gbit/s between two nodes, 6% faster than ``after``, ``bucket_size.md``).
-    Even gloo on one 2-core host, where moving data takes the same cores as computing,
-    measured it 2-5% faster than ``after`` (``vs_ddp.md``). A world of one has nothing
-    to overlap, so it reduces ``after`` backward and skips the hooks.
-
-    >>> from omegaconf import OmegaConf
-    >>> cfg = OmegaConf.create({"trainer": {"schedule": "auto"}})
-    >>> schedule_for(cfg, 1), schedule_for(cfg, 2)
-    ('after', 'overlap')
-    """
-    if cfg.trainer.schedule != "auto":
-        return cfg.trainer.schedule
-    return "overlap" if world_size > 1 else "after"
 
 
 def _save(run_dir: Path, state: TrainState, comm: Comm, cfg: DictConfig, plan: BucketPlan) -> None:
@@ -298,7 +254,7 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm) -> dict:
             f"{cfg.model.name}: {run.num_params:,} parameters in {len(run.plan)} buckets "
             f"({run.plan.nbytes / 2**20:.2f} MiB, plan {run.plan.fingerprint()[:12]}, see plan.txt), world {world}"
         )
-    timeline = Timeline(rank) if tc.trace else None
+    timeline = Timeline(rank) if tc.trace else NullTimeline()
     train_step = make_train_step(
         cross_entropy_loss(run.model),
         run.optimizer,
@@ -306,7 +262,7 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm) -> dict:
         run.hook,
         comm,
         accum_steps=tc.accum_steps,
-        schedule=schedule_for(cfg, world),
+        schedule=tc.schedule,
         nonfinite=tc.nonfinite,
         timeline=timeline,
         donate=True,  # the loop below never looks at a state again once it has the next
@@ -359,8 +315,7 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm) -> dict:
             raise
         raise lost from error
     finally:
-        if timeline is not None:
-            timeline.save(run_dir / "trace" / f"rank{rank}.json")
+        timeline.save(run_dir / "trace" / f"rank{rank}.json")
         if heartbeat is not None:
             heartbeat.stop()
         tracker.close()

@@ -58,8 +58,8 @@ def _reduce(hook, plan, flats, states, comm):
     reduction = Reduction(hook, comm, states, plan)
     for flat in flats:
         reduction.start(flat)
-    out, states, _ = reduction.finish()
-    return out, states
+    reduced = dict(reduction.finished())
+    return tuple(reduced[i].buffer for i in range(len(plan.buckets))), reduction.hook_states
 
 
 def _clone(tree):

@@ -173,10 +173,10 @@ def test_packing_unused_go_last_hand_computed():
 @pytest.mark.parametrize("kw,name", [({"bucket_cap_mb": 0}, "bucket_cap_mb"), ({"first_bucket_cap_mb": -1.0}, "first_bucket_cap_mb"),
                                      ({"bucket_cap_mb": float("nan")}, "bucket_cap_mb")])
 def test_caps_must_be_positive(kw, name):
-    with pytest.raises(ValueError, match=rf"{name}.*expected > 0"):
+    with pytest.raises(ValueError, match=rf"{name}.*expected a size in MiB > 0"):
         pack_into_buckets(spec_list(2, 4), **kw)
     params = {"w": torch.randn(2)}
-    with pytest.raises(ValueError, match=rf"{name}.*expected > 0"):
+    with pytest.raises(ValueError, match=rf"{name}.*expected a size in MiB > 0"):
         plan_buckets(lambda p, x: p["w"].sum(), params, None, **kw)
 
 
@@ -519,6 +519,8 @@ def test_docstring_examples_run():
     import doctest
 
     import fdp.plan
+    from fdp.plan import packing, tracing, values
 
-    result = doctest.testmod(fdp.plan, optionflags=doctest.ELLIPSIS)
-    assert result.attempted > 20 and result.failed == 0
+    results = [doctest.testmod(module, optionflags=doctest.ELLIPSIS) for module in (fdp.plan, values, packing, tracing)]
+    attempted, failed = sum(r.attempted for r in results), sum(r.failed for r in results)
+    assert attempted > 20 and failed == 0

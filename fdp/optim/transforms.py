@@ -1,46 +1,17 @@
-"""Functional optimizers in the style of optax, with ``torch.optim`` numerics.
-
-Params, grads and updates are flat dicts ``{name: tensor}``. A ``GradientTransformation``
-is a pair of pure functions: ``init(params) -> state`` and
-``update(grads, state, params) -> (updates, new_state)``. Updates are *added* to the
-params (``apply_updates``), so a descent step is negative. Nothing is modified in place:
-the same inputs always give the same outputs, and the caller's tensors stay intact.
-
-States are NamedTuples of ints, floats, ``None`` and (dicts of) tensors, so they flatten
-with ``torch.utils._pytree`` and their leaves load with ``torch.load(weights_only=True)``.
-Each optimizer state carries ``count`` (updates done so far; schedules are evaluated on
-it) and ``lr`` (the learning rate of the last update, see ``current_lr``).
-
-Tensor math goes through ``torch._foreach_*`` ops over the dict values (in the key order
-of the state that ``init`` made): one dispatch per op instead of one per tensor, and the
-fused multi-tensor kernels on CUDA. Inputs are only read; in-place ops touch only tensors
-allocated inside the same call.
-
-A caller that will never look at its params and optimizer state again (a training loop)
-can *donate* them: ``apply_gradients(opt, grads, state, params, donate=True)`` lets
-``sgd``, ``adam`` and ``adamw`` (alone or last in a ``chain``) update them in place with
-torch's fused optimizer kernels, the ones ``torch.optim`` uses with ``fused=True``: one
-pass over memory instead of several, and no new params or state each step (on a 25M
-model on CPU, Adam 14 ms instead of 76 ms, SGD with momentum 16 ms instead of 37 ms).
-"""
+"""Optimizers and their combinators: ``GradientTransformation`` pairs over flat dicts of tensors."""
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, NamedTuple
 
 import torch
+
+from fdp._torch import HAS_FUSED_OPTIMIZERS, foreach, fused_adam_, fused_adamw_, fused_sgd_
+from fdp.optim.schedules import Schedule, _as_schedule, _check
 
 Params = dict[str, torch.Tensor]
 Grads = dict[str, torch.Tensor]
 Updates = dict[str, torch.Tensor]
 State = Any
-Schedule = Callable[[int], float]
-
-__all__ = [
-    "GradientTransformation", "Schedule", "SGDState", "AdamState", "ClipState",
-    "constant_schedule", "warmup_cosine_schedule", "sgd", "adam", "adamw",
-    "clip_by_global_norm", "chain", "apply_updates", "apply_gradients", "supports_inplace", "current_lr",
-]
 
 
 class GradientTransformation(NamedTuple):
@@ -86,49 +57,6 @@ class ClipState(NamedTuple):
     """Empty: clipping keeps no state, but a chained state still has one member per transform."""
 
 
-# ---------------------------------------------------------------------------- schedules
-
-
-def constant_schedule(value: float) -> Schedule:
-    """The schedule that is ``value`` at every step.
-
-    >>> constant_schedule(0.1)(1000)
-    0.1
-    """
-    _check(value >= 0, "value", ">= 0", value)
-    return lambda count: value
-
-
-def warmup_cosine_schedule(
-    peak_value: float, warmup_steps: int, decay_steps: int, end_value: float = 0.0, init_value: float = 0.0
-) -> Schedule:
-    """Linear warm-up from ``init_value`` to ``peak_value``, then cosine decay to ``end_value``.
-
-    ``lr(t) = init + (peak - init) * t / warmup_steps`` for ``t < warmup_steps``, then
-    ``end + (peak - end) * (1 + cos(pi * (t - warmup_steps) / (decay_steps - warmup_steps))) / 2``
-    until ``t = decay_steps`` (counted from step 0, warm-up included), and ``end_value`` after.
-    With the default ``init_value=0`` the first update (``t = 0``) has learning rate 0.
-
-    >>> lr = warmup_cosine_schedule(1.0, warmup_steps=10, decay_steps=110, end_value=0.1)
-    >>> lr(0), lr(5), lr(10), round(lr(60), 6), lr(110), lr(500)
-    (0.0, 0.5, 1.0, 0.55, 0.1, 0.1)
-    """
-    for name, value in (("peak_value", peak_value), ("end_value", end_value), ("init_value", init_value),
-                        ("warmup_steps", warmup_steps)):
-        _check(value >= 0, name, ">= 0", value)
-    _check(decay_steps >= warmup_steps, "decay_steps", f">= warmup_steps ({warmup_steps})", decay_steps)
-
-    def schedule(count: int) -> float:
-        if count < warmup_steps:
-            return init_value + (peak_value - init_value) * count / warmup_steps
-        if count >= decay_steps:
-            return end_value
-        progress = (count - warmup_steps) / (decay_steps - warmup_steps)
-        return end_value + (peak_value - end_value) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return schedule
-
-
 # --------------------------------------------------------------------------- optimizers
 
 
@@ -163,25 +91,25 @@ def sgd(
     def update(grads: Grads, state: SGDState, params: Params | None = None) -> tuple[Updates, SGDState]:
         keys, d = _aligned(grads, state.momentum)
         if weight_decay:
-            d = torch._foreach_add(d, _params_for(keys, params, "weight_decay"), alpha=weight_decay)
+            d = foreach.add(d, _params_for(keys, params, "weight_decay"), alpha=weight_decay)
         buffers = None
         if momentum:
             if state.count == 0:
                 # Cloned so the state never aliases the caller's grads.
                 buf = [t.clone() for t in d]
             else:
-                buf = torch._foreach_mul([state.momentum[k] for k in keys], momentum)
-                torch._foreach_add_(buf, d, alpha=1.0 - dampening)
-            d = torch._foreach_add(d, buf, alpha=momentum) if nesterov else buf
+                buf = foreach.mul([state.momentum[k] for k in keys], momentum)
+                foreach.add_(buf, d, alpha=1.0 - dampening)
+            d = foreach.add(d, buf, alpha=momentum) if nesterov else buf
             buffers = dict(zip(keys, buf))
         lr_now = schedule(state.count)
-        updates = dict(zip(keys, torch._foreach_mul(d, -lr_now)))
+        updates = dict(zip(keys, foreach.mul(d, -lr_now)))
         return updates, SGDState(count=state.count + 1, lr=lr_now, momentum=buffers)
 
     def update_inplace(grads: Grads, state: SGDState, params: Params) -> SGDState:
         keys, g = _subset(grads, params)
         lr_now = schedule(state.count)
-        torch._fused_sgd_(
+        fused_sgd_(
             [params[k] for k in keys], g, [state.momentum[k] for k in keys] if momentum else [],
             weight_decay=weight_decay, momentum=momentum, lr=lr_now, dampening=dampening, nesterov=nesterov,
             maximize=False, is_first_step=state.count == 0,
@@ -235,20 +163,20 @@ def _adam(lr: float | Schedule, b1: float, b2: float, eps: float, weight_decay: 
         keys, g = _aligned(grads, state.mu)
         p = _params_for(keys, params, "weight_decay") if weight_decay else None
         if weight_decay and not decoupled:
-            g = torch._foreach_add(g, p, alpha=weight_decay)
+            g = foreach.add(g, p, alpha=weight_decay)
         # Same op sequence as torch.optim's, so the float32 results agree to the last bits.
         # In-place ops only ever touch tensors allocated here: fewer allocations, still pure.
-        mu = torch._foreach_lerp([state.mu[k] for k in keys], g, 1.0 - b1)
-        nu = torch._foreach_mul([state.nu[k] for k in keys], b2)
-        torch._foreach_addcmul_(nu, g, g, value=1.0 - b2)
+        mu = foreach.lerp([state.mu[k] for k in keys], g, 1.0 - b1)
+        nu = foreach.mul([state.nu[k] for k in keys], b2)
+        foreach.addcmul_(nu, g, g, value=1.0 - b2)
         lr_now, count = schedule(state.count), state.count + 1
-        denom = torch._foreach_sqrt(nu)
-        torch._foreach_div_(denom, (1.0 - b2**count) ** 0.5)
-        torch._foreach_add_(denom, eps)
-        updates = torch._foreach_mul(mu, -lr_now / (1.0 - b1**count))
-        torch._foreach_div_(updates, denom)
+        denom = foreach.sqrt(nu)
+        foreach.div_(denom, (1.0 - b2**count) ** 0.5)
+        foreach.add_(denom, eps)
+        updates = foreach.mul(mu, -lr_now / (1.0 - b1**count))
+        foreach.div_(updates, denom)
         if weight_decay and decoupled:
-            torch._foreach_add_(updates, p, alpha=-lr_now * weight_decay)
+            foreach.add_(updates, p, alpha=-lr_now * weight_decay)
         new_state = AdamState(count=count, lr=lr_now, mu=dict(zip(keys, mu)), nu=dict(zip(keys, nu)))
         return dict(zip(keys, updates)), new_state
 
@@ -260,7 +188,7 @@ def _adam(lr: float | Schedule, b1: float, b2: float, eps: float, weight_decay: 
         if not keys:
             return new_state
         steps = [torch.tensor(float(count), device=g[0].device)] * len(keys)
-        fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
+        fused = fused_adamw_ if decoupled else fused_adam_
         fused(
             [params[k] for k in keys], g, [state.mu[k] for k in keys], [state.nu[k] for k in keys], [], steps,
             lr=lr_now, beta1=b1, beta2=b2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
@@ -294,14 +222,14 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         if not g:
             return {}, state
         device = g[0].device
-        norms = torch._foreach_norm(g, 2)
+        norms = foreach.norm(g, 2)
         total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), 2)
         scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         # Grouped by device because a foreach op takes one scale tensor for all its inputs.
         out: dict[str, torch.Tensor] = {}
         for dev in dict.fromkeys(t.device for t in g):
             idx = [i for i, t in enumerate(g) if t.device == dev]
-            scaled = torch._foreach_mul([g[i] for i in idx], scale.to(dev))
+            scaled = foreach.mul([g[i] for i in idx], scale.to(dev))
             out.update(zip((keys[i] for i in idx), scaled))
         return {k: out[k] for k in keys}, state
 
@@ -382,7 +310,7 @@ def supports_inplace(optimizer: GradientTransformation, params: Params, grads: G
     >>> supports_inplace(sgd(0.1), {"w": torch.zeros(2)}), supports_inplace(sgd(0.1), {"w": torch.zeros(2, dtype=torch.int64)})
     (True, False)
     """
-    if optimizer.update_inplace is None:
+    if optimizer.update_inplace is None or not HAS_FUSED_OPTIMIZERS:
         return False
     tensors = [*params.values(), *(grads or {}).values()]
     if not tensors:
@@ -402,7 +330,7 @@ def apply_updates(params: Params, updates: Updates) -> Params:
     if params.keys() != updates.keys():
         raise ValueError(f"params and updates have different keys: {sorted(params.keys() ^ updates.keys())}")
     keys = list(params)
-    return dict(zip(keys, torch._foreach_add(list(params.values()), [updates[k] for k in keys])))
+    return dict(zip(keys, foreach.add(list(params.values()), [updates[k] for k in keys])))
 
 
 def current_lr(opt_state: State) -> float | None:
@@ -411,6 +339,7 @@ def current_lr(opt_state: State) -> float | None:
     Searches a (possibly nested, chained) state and returns the first optimizer's ``lr``;
     ``None`` if no member has one.
 
+    >>> from fdp.optim import warmup_cosine_schedule
     >>> opt = chain(clip_by_global_norm(1.0), adamw(warmup_cosine_schedule(1.0, 4, 8)))
     >>> params = {"w": torch.zeros(2)}
     >>> state = opt.init(params)
@@ -430,19 +359,6 @@ def current_lr(opt_state: State) -> float | None:
 
 
 # ------------------------------------------------------------------------------ helpers
-
-
-def _check(ok: bool, name: str, expected: str, value: Any) -> None:
-    if not ok:
-        raise ValueError(f"{name} must be {expected}, got {value!r}")
-
-
-def _as_schedule(lr: float | Schedule) -> Schedule:
-    if callable(lr):
-        # A plain float, so the state's ``lr`` stays loadable with weights_only=True.
-        return lambda count: float(lr(count))
-    _check(lr >= 0, "lr", ">= 0", lr)
-    return constant_schedule(float(lr))
 
 
 def _aligned(grads: Grads, state_dict: dict | None) -> tuple[list[str], list[torch.Tensor]]:

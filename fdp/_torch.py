@@ -1,0 +1,140 @@
+"""Every private PyTorch API fdp uses, in one place, each with a public fallback.
+
+fdp leans on a few of torch's underscore APIs for speed (the ``_foreach_*`` multi-tensor
+ops, the fused optimizer kernels) or for things torch has no public way to say (leaving
+the ``torch.func`` transform from inside a tensor hook). They are looked up here once, at
+import; where a torch build lacks one, the fallback is a public path with the same
+numbers (a Python loop instead of a ``_foreach`` op) or, where none exists, a flag the
+caller checks (``HAS_FUSED_OPTIMIZERS``, ``HAS_DISABLE_FUNCTORCH``). The rest of ``fdp/``
+imports from this module and never spells a private torch name itself.
+
+>>> list(foreach.add([torch.ones(2)], [torch.ones(2)], alpha=2.0))
+[tensor([3., 3.])]
+>>> tree_flatten({"a": torch.zeros(1), "b": (1, 2)})[0]
+[tensor([0.]), 1, 2]
+"""
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "foreach", "fused_sgd_", "fused_adam_", "fused_adamw_", "HAS_FUSED_OPTIMIZERS",
+    "disable_functorch", "HAS_DISABLE_FUNCTORCH", "default_store",
+    "tree_flatten", "tree_unflatten", "tree_map", "storage_alias", "release_storage",
+]
+
+
+# -- multi-tensor ops ---------------------------------------------------------------------
+def _looped(op: Callable) -> Callable:
+    """``op`` applied pairwise over lists; a non-list argument is shared by every element."""
+
+    def run(first, *rest, **kwargs):
+        n = len(first)
+        columns = [r if isinstance(r, (list, tuple)) else [r] * n for r in rest]
+        return [op(x, *args, **kwargs) for x, *args in zip(first, *columns)]
+
+    return run
+
+
+def _multi_tensor(name: str, fallback: Callable) -> Callable:
+    # One dispatch for the whole list instead of one per tensor (and torch's fused
+    # multi-tensor kernels on CUDA); the loop gives the same numbers, slower.
+    return getattr(torch, f"_foreach_{name}", None) or _looped(fallback)
+
+
+foreach = SimpleNamespace(
+    add=_multi_tensor("add", torch.add),
+    add_=_multi_tensor("add_", torch.Tensor.add_),
+    mul=_multi_tensor("mul", torch.mul),
+    mul_=_multi_tensor("mul_", torch.Tensor.mul_),
+    div_=_multi_tensor("div_", torch.Tensor.div_),
+    lerp=_multi_tensor("lerp", torch.lerp),
+    addcmul_=_multi_tensor("addcmul_", torch.Tensor.addcmul_),
+    sqrt=_multi_tensor("sqrt", torch.sqrt),
+    norm=_multi_tensor("norm", lambda t, ord=2: torch.linalg.vector_norm(t, ord)),
+    copy_=_multi_tensor("copy_", torch.Tensor.copy_),
+    zero_=_multi_tensor("zero_", torch.Tensor.zero_),
+)
+
+
+# -- fused optimizer kernels (what torch.optim runs with fused=True) ------------------------
+fused_sgd_ = getattr(torch, "_fused_sgd_", None)
+fused_adam_ = getattr(torch, "_fused_adam_", None)
+fused_adamw_ = getattr(torch, "_fused_adamw_", None)
+HAS_FUSED_OPTIMIZERS = None not in (fused_sgd_, fused_adam_, fused_adamw_)
+
+
+# -- torch.func -----------------------------------------------------------------------------
+_DisableFuncTorch = getattr(getattr(torch, "_C", None), "_DisableFuncTorch", None)
+HAS_DISABLE_FUNCTORCH = _DisableFuncTorch is not None
+
+
+def disable_functorch() -> contextlib.AbstractContextManager:
+    """A context in which code running inside a ``torch.func`` transform sees plain tensors.
+
+    A tensor hook that starts a bucket's reduction during backward needs it: tensors the
+    hook chain creates (and keeps in its state) must not be the transform's wrappers.
+    Where torch lacks it, the overlapped schedule is unavailable (``HAS_DISABLE_FUNCTORCH``).
+    """
+    if _DisableFuncTorch is None:
+        raise RuntimeError("this torch build cannot leave a torch.func transform from a hook; use the 'after' schedule")
+    return _DisableFuncTorch()
+
+
+# -- torch.distributed ----------------------------------------------------------------------
+def default_store() -> Any | None:
+    """The default process group's key-value store, or ``None`` where torch hides it."""
+    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if getter is None:
+        return None
+    try:
+        return getter()
+    except (RuntimeError, ValueError):
+        return None
+
+
+# -- pytrees --------------------------------------------------------------------------------
+# The private module is the one whose tree specs the checkpoints were written with; the
+# public one (torch >= 2.6 on some builds) serves where it is missing.
+try:
+    from torch.utils import _pytree as _pytree_impl
+except ImportError:  # pragma: no cover - a torch without the private module
+    from torch.utils import pytree as _pytree_impl  # type: ignore[no-redef]
+
+tree_flatten = _pytree_impl.tree_flatten
+tree_unflatten = _pytree_impl.tree_unflatten
+tree_map = _pytree_impl.tree_map
+
+
+# -- storage ---------------------------------------------------------------------------------
+def storage_alias(flat: torch.Tensor, offset: int, shape: tuple, strides: tuple) -> torch.Tensor:
+    """A tensor on ``flat``'s storage that is not a view of ``flat``.
+
+    A view keeps its base's Python object alive; an alias made with ``Tensor.set_`` only
+    shares the storage, so a cache of aliases does not pin the buffers it was made from.
+
+    >>> flat = torch.arange(6.0)
+    >>> alias = storage_alias(flat, 2, (2, 2), (2, 1))
+    >>> alias.tolist(), alias._base is None
+    ([[2.0, 3.0], [4.0, 5.0]], True)
+    """
+    return torch.empty(0, dtype=flat.dtype, device=flat.device).set_(
+        flat.untyped_storage(), flat.storage_offset() + offset, shape, strides
+    )
+
+
+def release_storage(parameter: torch.nn.Parameter) -> None:
+    """Drop a parameter's data, keeping the ``Parameter`` object (so weight ties still resolve).
+
+    >>> p = torch.nn.Parameter(torch.ones(3))
+    >>> release_storage(p)
+    >>> p.shape
+    torch.Size([0])
+    """
+    with torch.no_grad():
+        parameter.set_(parameter.new_empty(0))

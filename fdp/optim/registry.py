@@ -1,0 +1,63 @@
+"""Optimizers from config: ``build_optimizer({"name": "adamw", "lr": 3e-4, ...}, max_steps)``.
+
+One registry for the ``optim`` config group. A spec names an optimizer of ``OPTIMIZERS``
+and gives its settings (the factory's own keyword arguments) plus the settings every
+optimizer shares: ``lr``, ``lr_schedule`` (``constant`` or ``warmup_cosine`` with
+``warmup_steps`` and ``end_lr``) and ``clip_norm`` (clip by global norm first; ``None``
+for off). Errors are ``ValueError`` naming the setting by its path (``optim.lr``).
+
+>>> opt = build_optimizer({"name": "sgd", "lr": 0.1, "momentum": 0.9}, max_steps=100)
+>>> opt.elementwise
+True
+>>> build_optimizer({"name": "lion"}, max_steps=100)
+Traceback (most recent call last):
+ValueError: optim.name='lion': unknown optimizer; known optimizers: sgd, adam, adamw
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Mapping
+
+from fdp.optim.schedules import constant_schedule, warmup_cosine_schedule
+from fdp.optim.transforms import GradientTransformation, adam, adamw, chain, clip_by_global_norm, sgd
+
+OPTIMIZERS: dict[str, Callable[..., GradientTransformation]] = {"sgd": sgd, "adam": adam, "adamw": adamw}
+LR_SCHEDULES = ("constant", "warmup_cosine")
+SHARED_SETTINGS = {"lr": 1e-3, "lr_schedule": "constant", "warmup_steps": 0, "end_lr": 0.0, "clip_norm": None}
+
+
+def build_optimizer(spec: Mapping[str, Any], max_steps: int, path: str = "optim") -> GradientTransformation:
+    """The optimizer ``spec`` describes, with its learning-rate schedule and clipping.
+
+    ``max_steps`` is the run's length, over which ``warmup_cosine`` decays.
+    """
+    settings = {**SHARED_SETTINGS, **{str(k): v for k, v in spec.items()}}
+    name = settings.pop("name", None)
+    if name not in OPTIMIZERS:
+        raise ValueError(f"{path}.name={name!r}: unknown optimizer; known optimizers: {', '.join(OPTIMIZERS)}")
+    lr, lr_schedule, warmup_steps, end_lr, clip_norm = (settings.pop(k) for k in SHARED_SETTINGS)
+    _require(lr > 0, f"{path}.lr", lr, "a learning rate > 0")
+    _require(lr_schedule in LR_SCHEDULES, f"{path}.lr_schedule", lr_schedule, " or ".join(LR_SCHEDULES))
+    _require(0 <= warmup_steps <= max_steps, f"{path}.warmup_steps", warmup_steps,
+             f"between 0 and trainer.max_steps={max_steps} (the schedule must not end before warm-up)")
+    _require(clip_norm is None or clip_norm > 0, f"{path}.clip_norm", clip_norm, "null (off) or > 0")
+    factory = OPTIMIZERS[name]
+    accepted = [p for p in inspect.signature(factory).parameters if p != "lr"]
+    for key in settings:
+        if key not in accepted:
+            raise ValueError(f"{path}.{key}: not a setting of optimizer {name!r}; accepted settings: "
+                             f"{', '.join([*SHARED_SETTINGS, *accepted])}")
+    if lr_schedule == "warmup_cosine":
+        schedule = warmup_cosine_schedule(lr, warmup_steps, max_steps, end_lr)
+    else:
+        schedule = constant_schedule(lr)
+    try:
+        optimizer = factory(schedule, **settings)
+    except ValueError as error:  # "momentum must be >= 0, got -1"
+        raise ValueError(f"{path}.{error}") from None
+    return chain(clip_by_global_norm(clip_norm), optimizer) if clip_norm else optimizer
+
+
+def _require(ok: bool, setting: str, value: Any, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"{setting}={value!r}: expected {expected}")

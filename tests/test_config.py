@@ -1,0 +1,60 @@
+"""Config schemas against the code they configure: every setting a factory takes, with its default."""
+import dataclasses
+import inspect
+
+import pytest
+
+from fdp.config import SCHEMAS, ConfigError, compose, validate
+from fdp.hooks import HOOKS
+from fdp.optim import OPTIMIZERS, build_optimizer
+from fdp.optim.registry import SHARED_SETTINGS
+
+
+def _fields(schema) -> dict:
+    return {f.name: f.default for f in dataclasses.fields(schema) if f.name != "name"}
+
+
+def _signature(factory, leave_out=()) -> dict:
+    return {k: p.default for k, p in inspect.signature(factory).parameters.items() if k not in leave_out}
+
+
+@pytest.mark.parametrize("name", sorted(set(SCHEMAS["hooks"]) - {"chain"}))
+def test_hook_schema_has_every_setting_of_its_factory_with_the_same_default(name):
+    assert _fields(SCHEMAS["hooks"][name]) == _signature(HOOKS[name])
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS["optim"]))
+def test_optim_schema_is_the_shared_settings_plus_the_factory_s_own(name):
+    fields = _fields(SCHEMAS["optim"][name])
+    shared = {k: fields.pop(k) for k in SHARED_SETTINGS}
+    assert set(shared) == set(SHARED_SETTINGS)
+    own = _signature(OPTIMIZERS[name], leave_out=("lr",))
+    assert set(fields) == set(own)
+    # The factory's defaults hold unless the schema deliberately picks another (sgd's momentum).
+    differing = {k for k in own if fields[k] != own[k]}
+    assert differing <= {"momentum"}, differing
+
+
+def test_every_registered_optimizer_has_a_schema_and_back():
+    assert set(SCHEMAS["optim"]) == set(OPTIMIZERS)
+    assert set(SCHEMAS["hooks"]) - {"chain"} <= set(HOOKS)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["optim.name=lion"], r"^optim\.name='lion': unknown optimizer; known optimizers: sgd, adam, adamw$"),
+    (["optim.momentum=-1"], r"^optim\.momentum must be >= 0, got -1\.0$"),
+    (["trainer.nonfinite=maybe"], r"^trainer\.nonfinite='maybe': expected raise or skip$"),
+])
+def test_a_setting_is_refused_by_the_module_that_uses_it_under_its_config_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(compose(*overrides))
+
+
+def test_the_optimizer_registry_builds_what_the_config_names():
+    opt = build_optimizer({"name": "adam", "lr": 0.5, "clip_norm": 1.0}, max_steps=10)
+    import torch
+
+    params = {"w": torch.zeros(2)}
+    updates, _ = opt.update({"w": torch.tensor([30.0, 40.0])}, opt.init(params), params)
+    # Clipped to norm 1, then Adam's first step is -lr * sign(grad).
+    assert torch.allclose(updates["w"], torch.tensor([-0.5, -0.5]))
