@@ -51,6 +51,7 @@ from fdp.optim import (
     warmup_cosine_schedule,
 )
 from fdp.plan import BucketPlan, plan_buckets
+from fdp.slurm import job_world
 from fdp.trace import Timeline
 from fdp.train import TrainState, cross_entropy_loss, init_train_state, make_train_step, planner_loss
 
@@ -105,6 +106,9 @@ def layout_of(cfg: DictConfig) -> WorldLayout:
     if world.launcher == "torchrun":
         nproc = int(os.environ.get("LOCAL_WORLD_SIZE", nproc))
         nnodes = int(os.environ.get("WORLD_SIZE", nproc)) // max(1, nproc)
+    elif world.launcher == "slurm":
+        job = job_world(os.environ)
+        nproc, nnodes = job.local_world_size, job.world_size // job.local_world_size
     return WorldLayout(world.launcher, nnodes, nproc, world.backend, world.timeout_s, world.max_restarts)
 
 
@@ -311,7 +315,7 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm) -> dict:
         timeline=timeline,
         donate=True,  # the loop below never looks at a state again once it has the next
     )
-    metrics_log = MetricsLog(run_dir, resume=state.step > 0) if rank == 0 else None
+    metrics_log = MetricsLog(run_dir, resume=state.step > 0, tensorboard=tc.tensorboard) if rank == 0 else None
     times, skipped, last_eval, record = StepTimes(), 0, {}, {}
     gbs = cfg.data.global_batch_size
     t_start = time.perf_counter()
