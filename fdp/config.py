@@ -106,13 +106,14 @@ class TrainerConfig:
     schedule: str = "auto"  # auto | after | overlap: when bucket reductions start (auto: overlap on more than one process)
     nonfinite: str = "raise"  # raise | skip
     trace: bool = False  # write a Chrome trace per rank to <run dir>/trace/ (for short diagnostic runs)
+    tensorboard: bool = False  # also write the logged metrics as TensorBoard scalars to <run dir>/tb/ (rank 0)
     progress: bool = True
 
 
 @dataclass
 class WorldConfig:
     name: str = "single"
-    launcher: str = "none"  # none | elastic | torchrun
+    launcher: str = "none"  # none | elastic | torchrun | slurm
     nnodes: int = 1
     nproc_per_node: int = 1
     backend: str = "auto"  # auto | gloo | nccl
@@ -266,7 +267,8 @@ def validate(cfg: Any, run_dir: Any = None) -> None:
     from pathlib import Path
 
     from fdp.hooks.registry import build_hook
-    from fdp.launch import BACKENDS, LAUNCHERS
+    from fdp.launch import BACKENDS, ENV_LAUNCHERS, LAUNCHERS
+    from fdp.metrics import check_tensorboard
     from fdp.optim import build_optimizer
     from fdp.plan.values import _check_cap
     from fdp.reduce import resolve_schedule
@@ -286,6 +288,8 @@ def validate(cfg: Any, run_dir: Any = None) -> None:
     _checked("trainer.nonfinite", check_nonfinite, t.nonfinite)
     _checked("optim", lambda spec: build_optimizer(spec, t.max_steps), _container(o))
     _checked("hooks", build_hook, _container(cfg.hooks))
+    if t.tensorboard:
+        check_tensorboard()
     _require(w.launcher in LAUNCHERS, "world.launcher", w.launcher, f"one of {LAUNCHERS}")
     _require(w.backend in BACKENDS, "world.backend", w.backend, f"one of {BACKENDS}")
     _require(w.nproc_per_node >= 1, "world.nproc_per_node", w.nproc_per_node, "an integer >= 1")
@@ -297,7 +301,7 @@ def validate(cfg: Any, run_dir: Any = None) -> None:
     if d.name == "stdlib_text":
         _require(d.block_size >= 1, "data.block_size", d.block_size, "an integer >= 1")
         _require(d.max_chars >= 1, "data.max_chars", d.max_chars, "an integer >= 1")
-    if w.launcher != "torchrun":
+    if w.launcher not in ENV_LAUNCHERS:  # there the world size is known only to the launched processes
         world = w.nnodes * w.nproc_per_node
         _require(d.global_batch_size % world == 0, "data.global_batch_size", d.global_batch_size,
                  f"a multiple of the world size {world}")

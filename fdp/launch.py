@@ -4,8 +4,14 @@
 * local worlds (``local2``, ``local4``): the recipe starts N workers on this machine
   with PyTorch's elastic launcher, so one command trains on N processes and there is
   one config and one output directory.
-* ``torchrun``: each process was started by ``torchrun`` (or SLURM via Hydra) and reads
-  its rank, world size and rendezvous from the environment.
+* ``torchrun``: each process was started by ``torchrun`` and reads its rank, world size
+  and rendezvous from the environment.
+* ``slurm``: each process is a task of a SLURM job (``srun``, or Hydra's submitit
+  launcher) and reads its place in the job from the job's environment (``fdp.slurm``).
+
+``spawn`` starts the workers of a local world; with ``start_method="fork"`` they are
+forked from the calling process, so the function they run may be one defined in a
+notebook cell or in ``python -c``.
 """
 from __future__ import annotations
 
@@ -26,22 +32,28 @@ import torch.distributed as dist
 
 from fdp._torch import default_store
 from fdp.comm import Comm
+from fdp.config import ConfigError
 from fdp.plan import BucketPlan
+from fdp.slurm import job_world
 
 LOOPBACK = "127.0.0.1"
-LAUNCHERS = ("none", "elastic", "torchrun")
+LAUNCHERS = ("none", "elastic", "torchrun", "slurm")
+# Launchers that start one process per rank themselves: the world size is known only there.
+ENV_LAUNCHERS = ("torchrun", "slurm")
+START_METHODS = ("spawn", "fork", "forkserver")
 BACKENDS = ("auto", "gloo", "nccl")
 
 
 class WorldLayout(NamedTuple):
     """How many processes run, where, and how they find each other."""
 
-    launcher: str = "none"  # none | elastic | torchrun
+    launcher: str = "none"  # none | elastic | torchrun | slurm
     nnodes: int = 1
     nproc_per_node: int = 1
     backend: str = "auto"  # auto | gloo | nccl
     timeout_s: float = 300.0
     max_restarts: int = 0
+    start_method: str = "spawn"  # spawn | fork (notebooks, python -c) | forkserver: how spawn starts workers
 
     @property
     def world_size(self) -> int:
@@ -115,13 +127,24 @@ def spawn(entry: Callable[..., Any], args: tuple, layout: WorldLayout) -> dict[i
     naming the rank; the launcher has stopped the other workers); with ``max_restarts > 0``
     the group is restarted that many times first.
 
+    ``layout.start_method`` says how the workers start. ``"spawn"`` (the default) starts
+    fresh interpreters and pickles ``entry`` and ``args`` into them, so ``entry`` must be
+    importable. ``"fork"`` copies this process instead, so ``entry`` may be defined in a
+    notebook cell or in ``python -c``; CUDA must not have been initialised here before
+    (a forked child cannot use its parent's CUDA context), which is refused with one line.
+
     Example (``my_worker`` must be importable, it is pickled into the workers)::
 
         results = spawn(my_worker, (cfg,), WorldLayout("elastic", nproc_per_node=2))
+
+    and from a notebook, with a function defined in a cell::
+
+        results = spawn(train_cell_fn, (steps,), WorldLayout("elastic", nproc_per_node=2, start_method="fork"))
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    check_start_method(layout.start_method)
     store, port = _loopback_store(layout.timeout_s)
     quiet = _WorkerFailureFilter()
     for name in _QUIETED:
@@ -137,7 +160,7 @@ def spawn(entry: Callable[..., Any], args: tuple, layout: WorldLayout) -> dict[i
         max_restarts=layout.max_restarts,
         local_addr=LOOPBACK,
         monitor_interval=0.1,
-        start_method="spawn",
+        start_method=layout.start_method,
     )
     try:
         return elastic_launch(config, entry)(*args)
@@ -151,6 +174,21 @@ def spawn(entry: Callable[..., Any], args: tuple, layout: WorldLayout) -> dict[i
         for name in _QUIETED:
             logging.getLogger(name).removeFilter(quiet)
         del store
+
+
+def check_start_method(method: str) -> None:
+    """Refuse a start method ``spawn`` cannot use here, in one line.
+
+    >>> check_start_method("fork")  # fine while CUDA is untouched in this process
+    """
+    if method not in START_METHODS:
+        raise ConfigError(f"start_method={method!r}: expected one of {START_METHODS}")
+    # CUDA's context does not survive fork: a child touching it fails or hangs.
+    if method == "fork" and torch.cuda.is_initialized():
+        raise ConfigError(
+            "start_method='fork': CUDA is already initialised in this process and forked workers cannot use it; "
+            "start the workers before any CUDA call (restart the kernel), or use start_method='spawn' from a script"
+        )
 
 
 _QUIETED = ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")
@@ -177,14 +215,18 @@ def init_distributed(layout: WorldLayout) -> Comm:
     """Join this process to the world ``layout`` describes; return its ``Comm``.
 
     Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``,
-    which both the elastic launcher and ``torchrun`` set. Every collective of the group
-    times out after ``layout.timeout_s`` seconds instead of hanging.
+    which both the elastic launcher and ``torchrun`` set; under ``slurm`` they are first
+    set from the job's environment (``fdp.slurm.job_world``). Every collective of the
+    group times out after ``layout.timeout_s`` seconds instead of hanging.
     """
     if layout.launcher == "none":
         return Comm()
     backend = resolve_backend(layout.backend)
+    job = job_world(os.environ) if layout.launcher == "slurm" else None
+    if job is not None:
+        os.environ.update(job.environ())
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if layout.launcher == "elastic":
+    if layout.launcher == "elastic" or (job is not None and job.local):
         # A local world talks over loopback only; gloo (and NCCL's bootstrap) would
         # otherwise listen on the address the hostname resolves to, often the LAN's.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
@@ -206,6 +248,19 @@ def init_distributed(layout: WorldLayout) -> Comm:
     if layout.launcher == "elastic" and expected != layout.world_size:
         raise RuntimeError(f"world has {expected} processes, layout expects {layout.world_size}")
     return Comm()
+
+
+def launch_rank(launcher: str) -> int:
+    """This process's rank before it joins the group (0 unless a launcher started one process per rank).
+
+    >>> launch_rank("none")
+    0
+    """
+    if launcher == "slurm":
+        return job_world(os.environ).rank
+    if launcher == "torchrun":
+        return int(os.environ.get("RANK", 0))
+    return 0
 
 
 def _attempt_store(timeout: datetime.timedelta):

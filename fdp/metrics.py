@@ -1,4 +1,4 @@
-"""What a run reports: ``metrics.jsonl`` lines, a progress bar and a closing summary."""
+"""What a run reports: ``metrics.jsonl`` lines (and TensorBoard scalars), a progress bar and a closing summary."""
 from __future__ import annotations
 
 import json
@@ -9,6 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from fdp.config import ConfigError
+
+TENSORBOARD_DIR = "tb"
 
 
 def _plain(value: Any) -> Any:
@@ -22,22 +26,74 @@ def _plain(value: Any) -> Any:
 class MetricsLog:
     """Appends one JSON object per logged step to ``<run dir>/metrics.jsonl``.
 
+    With ``tensorboard=True`` each step's numbers also go to ``<run dir>/tb/`` as
+    TensorBoard scalars (``TensorBoardLog``).
+
     >>> log = MetricsLog("/tmp/fdp-example-run")
     >>> log.write({"step": 1, "loss": torch.tensor(2.5)})
     >>> log.close()
     """
 
-    def __init__(self, run_dir: str | Path, resume: bool = False):
+    def __init__(self, run_dir: str | Path, resume: bool = False, tensorboard: bool = False):
         path = Path(run_dir) / "metrics.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._file = open(path, "a" if resume else "w", buffering=1)
+        self._tensorboard = TensorBoardLog(run_dir) if tensorboard else None
 
     def write(self, record: dict) -> None:
-        self._file.write(json.dumps({k: _plain(v) for k, v in record.items()}) + "\n")
+        plain = {k: _plain(v) for k, v in record.items()}
+        self._file.write(json.dumps(plain) + "\n")
+        if self._tensorboard is not None:
+            self._tensorboard.write(plain)
 
     def close(self) -> None:
         self._file.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+
+
+def check_tensorboard() -> None:
+    """Refuse ``trainer.tensorboard=true`` in one line when the ``tensorboard`` package is missing."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401  (needs the tensorboard package)
+    except ImportError:
+        raise ConfigError(
+            "trainer.tensorboard=true: expected the tensorboard package to be installed "
+            "(pip install tensorboard, or pip install -e '.[tensorboard]')"
+        ) from None
+
+
+class TensorBoardLog:
+    """Writes each logged step's numbers as TensorBoard scalars to ``<run dir>/tb/``.
+
+    A record's ``step`` is the scalars' step; its other numeric values are the scalars
+    (``loss``, ``lr``, ``samples_per_s``, ``test_acc``...), under their own names. The
+    run's closing summary is not a step and is left out. View with
+    ``tensorboard --logdir <run dir>/tb``.
+
+    >>> tb = TensorBoardLog("/tmp/fdp-example-run")
+    >>> tb.write({"step": 1, "loss": 2.5, "compression": None})
+    >>> tb.close()
+    """
+
+    def __init__(self, run_dir: str | Path):
+        check_tensorboard()
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.path = Path(run_dir) / TENSORBOARD_DIR
+        self._writer = SummaryWriter(log_dir=str(self.path))
+
+    def write(self, record: dict) -> None:
+        step = record.get("step")
+        if record.get("summary") or step is None:
+            return
+        for name, value in record.items():
+            if name != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._writer.add_scalar(name, value, global_step=step)
+
+    def close(self) -> None:
+        self._writer.close()
 
 
 def read_metrics(run_dir: str | Path) -> tuple[list[dict], dict | None]:

@@ -42,6 +42,7 @@ from fdp.metrics import MetricsLog, StepTimes, progress, summary_line
 from fdp.models import build_model, count_parameters
 from fdp.optim import GradientTransformation, build_optimizer
 from fdp.plan import BucketPlan, plan_buckets
+from fdp.slurm import job_world
 from fdp.trace import NullTimeline, Timeline
 from fdp.train import TrainState, cross_entropy_loss, init_train_state, make_train_step, planner_loss
 
@@ -81,6 +82,9 @@ def layout_of(cfg: DictConfig) -> WorldLayout:
     if world.launcher == "torchrun":
         nproc = int(os.environ.get("LOCAL_WORLD_SIZE", nproc))
         nnodes = int(os.environ.get("WORLD_SIZE", nproc)) // max(1, nproc)
+    elif world.launcher == "slurm":
+        job = job_world(os.environ)
+        nproc, nnodes = job.local_world_size, job.world_size // job.local_world_size
     return WorldLayout(world.launcher, nnodes, nproc, world.backend, world.timeout_s, world.max_restarts)
 
 
@@ -267,7 +271,7 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm) -> dict:
         timeline=timeline,
         donate=True,  # the loop below never looks at a state again once it has the next
     )
-    metrics_log = MetricsLog(run_dir, resume=state.step > 0) if rank == 0 else None
+    metrics_log = MetricsLog(run_dir, resume=state.step > 0, tensorboard=tc.tensorboard) if rank == 0 else None
     times, skipped, last_eval, record = StepTimes(), 0, {}, {}
     gbs = cfg.data.global_batch_size
     t_start = time.perf_counter()

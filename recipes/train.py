@@ -7,7 +7,6 @@
 
 Every setting is in conf/ and fdp/config.py; the logic lives in fdp/trainer.py.
 """
-import os
 import sys
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fdp.checkpoint import CheckpointError
 from fdp.config import ConfigError, register_configs, validate
-from fdp.launch import RankLostError, WorkerFailedError
+from fdp.launch import RankLostError, WorkerFailedError, launch_rank
 from fdp.trainer import main as train
 
 register_configs()
@@ -49,7 +48,7 @@ def main(cfg: DictConfig) -> None:
     run_dir = HydraConfig.get().runtime.output_dir
     try:
         validate(cfg, run_dir)  # before anything is written to run_dir
-        if int(os.environ.get("RANK", 0)) == 0:  # under torchrun every rank runs this script
+        if launch_rank(cfg.world.launcher) == 0:  # under torchrun and SLURM every rank runs this script
             save_hydra_files(cfg, run_dir)
         train(cfg, run_dir)
     except (ConfigError, CheckpointError) as e:

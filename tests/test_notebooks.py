@@ -14,7 +14,7 @@ from nbclient import NotebookClient
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 # name -> figures (image/png outputs) it must draw
-FIGURES = {"quickstart": 1, "buckets": 1, "compression": 2}
+FIGURES = {"quickstart": 1, "buckets": 1, "compression": 2, "fork": 1}
 
 
 def _read(name: str) -> nbformat.NotebookNode:

@@ -1,0 +1,103 @@
+"""spawn with start_method="fork": functions that cannot be pickled (``python -c``, notebook
+cells) train data-parallel, and failures read as they do under spawn."""
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from fdp.config import ConfigError
+from fdp.launch import WorldLayout, spawn
+
+# Everything below runs in `python -c`: `train` and `fail` live in __main__, which a spawned
+# worker could not import.
+SCRIPT = textwrap.dedent("""
+    import json, os, signal, time
+    import torch, torch.distributed as dist
+    import fdp
+    from fdp.data import global_batch, load_digits, shard
+    from fdp.hooks import allreduce
+    from fdp.launch import WorkerFailedError
+
+    data = load_digits(seed=0)
+    torch.matmul(torch.randn(256, 256), torch.randn(256, 256))  # the parent's thread pool is up before the fork
+
+    def train(layout, steps):
+        comm = fdp.init_distributed(layout)
+        torch.manual_seed(0)
+        model, params, buffers = fdp.functionalize(torch.nn.Sequential(
+            torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 10)))
+        loss_fn = fdp.cross_entropy_loss(model)
+        first = shard(global_batch(data, 0, 32, seed=0), comm.rank, comm.world_size)
+        plan = fdp.plan_buckets(fdp.planner_loss(loss_fn, buffers), params, first, bucket_cap_mb=0.002, first_bucket_cap_mb=0.002)
+        optimizer = fdp.sgd(0.1, momentum=0.9)
+        state = fdp.init_train_state(params, buffers, optimizer, plan, allreduce())
+        step_fn = fdp.make_train_step(loss_fn, optimizer, plan, allreduce(), comm)
+        for step in range(steps):
+            state, _ = step_fn(state, shard(global_batch(data, step, 32, seed=0), comm.rank, comm.world_size))
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return {k: v.tolist() for k, v in state.params.items()}, len(plan)
+
+    def fail(how):
+        if int(os.environ["RANK"]) == 1:
+            if how == "raise":
+                raise ValueError("a cell's own error")
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(30)
+
+    fork = fdp.WorldLayout("elastic", nproc_per_node=2, backend="gloo", timeout_s=60, start_method="fork")
+    results = fdp.spawn(train, (fork, 5), fork)
+    out = {"ranks": [results[0], results[1]], "one": train(fdp.WorldLayout(), 5)}
+    for how in ("raise", "kill"):
+        t0 = time.perf_counter()
+        try:
+            fdp.spawn(fail, (how,), fork)
+        except WorkerFailedError as error:
+            out[how] = [str(error), error.rank, error.signal, time.perf_counter() - t0]
+    print(json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def forked():
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+def test_a_function_from_python_c_trains_on_two_forked_ranks_as_one_process_on_the_union_batch(forked):
+    out, _ = forked
+    (rank0, buckets), (rank1, _) = out["ranks"]
+    one, _ = out["one"]
+    assert buckets > 1  # several buckets, so the reduction really ran bucket by bucket
+    for name in one:
+        a, b, ref = torch.tensor(rank0[name]), torch.tensor(rank1[name]), torch.tensor(one[name])
+        assert torch.equal(a, b), name
+        torch.testing.assert_close(a, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_a_forked_rank_that_raises_or_dies_is_one_line_naming_it(forked):
+    out, stderr = forked
+    message, rank, signal_name, seconds = out["raise"]
+    assert (message, rank, signal_name) == ("a cell's own error (rank 1)", 1, None)
+    message, rank, signal_name, seconds = out["kill"]
+    assert rank == 1 and signal_name == "SIGKILL" and message.startswith("rank 1 (pid ") and message.endswith("was killed by SIGKILL")
+    assert seconds < 25  # the surviving rank was stopped, not waited for (it sleeps 30 s)
+    assert "Traceback" not in stderr  # the launcher's own logging of the failures was quieted
+
+
+def test_fork_after_cuda_was_initialised_is_refused_before_anything_starts(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    started = []
+    with pytest.raises(ConfigError) as caught:
+        spawn(started.append, (1,), WorldLayout("elastic", nproc_per_node=2, start_method="fork"))
+    assert str(caught.value).startswith("start_method='fork': CUDA is already initialised in this process")
+    assert "\n" not in str(caught.value) and not started
+
+
+def test_an_unknown_start_method_is_refused():
+    with pytest.raises(ConfigError, match=r"^start_method='thread': expected one of \('spawn', 'fork', 'forkserver'\)$"):
+        spawn(print, (), WorldLayout("elastic", nproc_per_node=2, start_method="thread"))
