@@ -2,6 +2,7 @@
 through Hydra's submitit_local launcher and through SLURM's variables, against world=local2."""
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -10,8 +11,15 @@ import pytest
 import torch
 
 from fdp.config import ConfigError
-from fdp.launch import free_port, launch_rank
+from fdp.launch import LOOPBACK, launch_rank
 from fdp.slurm import JobWorld, expand_nodelist, job_world, port_for_job, slurm_world
+
+
+def _free_port() -> int:
+    """A TCP port that was free on the loopback address a moment ago."""
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -138,7 +146,7 @@ def test_slurm_jobs_through_submitit_local_and_srun_variables_equal_local2(tmp_p
       (this machine has no SLURM), sharing one run directory as the tasks of a job do.
     """
     local2, sweep, srun = tmp_path / "local2", tmp_path / "sweep", tmp_path / "srun"
-    port = str(free_port())
+    port = str(_free_port())
     procs = [
         _recipe("world=local2", f"hydra.run.dir={local2}"),
         _recipe("-m", "hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2", "world=slurm",
