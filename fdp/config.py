@@ -115,7 +115,9 @@ class WorldConfig:
     launcher: str = "none"  # none | elastic | torchrun
     nnodes: int = 1
     nproc_per_node: int = 1
-    backend: str = "auto"  # auto | gloo | nccl
+    backend: str = "auto"  # auto | gloo | nccl (auto: NCCL when every rank has a GPU of its own)
+    accelerator: str = "auto"  # auto | cpu | gpu (auto: the GPUs when there are any)
+    devices: Any = "auto"  # auto | N | -1 | "0,2" | [0,2]: see fdp.devices
     timeout_s: float = 300.0
     max_restarts: int = 0
 

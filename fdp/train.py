@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from fdp.buckets import slot_views
 from fdp.comm import Comm
 from fdp.data import split_micro_batches
+from fdp.devices import device_of, rng_scope, seeded_cuda_rng
 from fdp.functional import Buffers, FunctionalModel, Params
 from fdp.hooks import GradBucket, Hook, allreduce
 from fdp.optim import GradientTransformation, apply_gradients, current_lr, supports_inplace
@@ -90,7 +91,8 @@ class TrainState(NamedTuple):
     """Everything that changes during training, in one value.
 
     ``hook_state`` holds one state per bucket for the reduction's hook chain; ``rng`` is
-    the CPU generator state that dropout and other random ops draw from.
+    the CPU generator state that dropout and other random ops draw from, ``cuda_rng``
+    that of the params' GPU (empty when they are not on one).
     """
 
     step: int
@@ -99,6 +101,7 @@ class TrainState(NamedTuple):
     opt_state: Any
     hook_state: Any
     rng: torch.Tensor
+    cuda_rng: torch.Tensor = torch.empty(0, dtype=torch.uint8)
 
 
 def init_train_state(
@@ -118,7 +121,8 @@ def init_train_state(
     """
     hook_state = init_hook_states(hook or allreduce(), plan) if plan is not None else ()
     rng = torch.Generator().manual_seed(seed).get_state()
-    return TrainState(0, params, buffers, optimizer.init(params), hook_state, rng)
+    cuda_rng = seeded_cuda_rng(seed, device_of(params))
+    return TrainState(0, params, buffers, optimizer.init(params), hook_state, rng, cuda_rng)
 
 
 def cross_entropy_loss(model: FunctionalModel) -> Callable:
@@ -196,19 +200,20 @@ def make_train_step(
                 donate and nonfinite == "raise" and optimizer.elementwise and supports_inplace(optimizer, state.params)
             )
         each_bucket = _StepEachBucket(optimizer, plan, state, timeline) if steps_each_bucket else None
-        with torch.random.fork_rng(devices=[]):
-            torch.set_rng_state(state.rng)
+        with rng_scope(state.rng, state.cuda_rng, device_of(state.params)) as rng_states:
             reduced = reducer(state.params, state.buffers, micro_batches, state.hook_state, each_bucket)
-            rng = torch.get_rng_state()
+            rng, cuda_rng = rng_states()
         stats = reduced.stats
         loss = torch.stack([l.detach() for l in reduced.losses]).mean()
         # Reduced gradients are identical on every rank, so every decision below is too.
         stepped = each_bucket.result(state) if each_bucket else _step_whole(optimizer, reduced, state, donate, timeline)
         if stepped is not None:
             params, opt_state = stepped
-            new_state = TrainState(state.step + 1, params, reduced.auxes[-1][0], opt_state, reduced.hook_states, rng)
+            new_state = TrainState(
+                state.step + 1, params, reduced.auxes[-1][0], opt_state, reduced.hook_states, rng, cuda_rng
+            )
         elif nonfinite == "skip":
-            new_state = state._replace(step=state.step + 1, rng=rng)
+            new_state = state._replace(step=state.step + 1, rng=rng, cuda_rng=cuda_rng)
         else:
             raise _nonfinite_error(state.step + 1, reduced.grads)
         finite = stepped is not None
