@@ -231,18 +231,14 @@ def resolve_backend(backend: str, devices: Sequence[torch.device]) -> str:
     gpus = {d.index for d in devices if d.type == "cuda"}
     own_gpu = bool(devices) and all(d.type == "cuda" for d in devices) and len(gpus) == len(devices)
     if backend == "nccl" and not own_gpu:
-        return _refuse_nccl(devices, gpus)
+        ranks, have = len(devices), len(gpus)
+        raise ConfigError(
+            f"world.backend=nccl: expected a GPU of its own for each of the {ranks} rank{'s' if ranks != 1 else ''} "
+            f"on this node, they have {have} GPU{'s' if have != 1 else ''} (use world.backend=gloo or auto)"
+        )
     if backend == "auto":
         return "nccl" if own_gpu else "gloo"
     return backend
-
-
-def _refuse_nccl(devices: Sequence[torch.device], gpus: set) -> str:
-    ranks, have = len(devices), len(gpus)
-    raise ConfigError(
-        f"world.backend=nccl: expected a GPU of its own for each of the {ranks} rank{'s' if ranks != 1 else ''} "
-        f"on this node, they have {have} GPU{'s' if have != 1 else ''} (use world.backend=gloo or auto)"
-    )
 
 
 # -- this machine ---------------------------------------------------------------------------
