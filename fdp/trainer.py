@@ -6,6 +6,7 @@ the workers with the elastic launcher; each worker (or the single process) then 
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -134,7 +135,7 @@ def resolve_world(cfg: DictConfig) -> DictConfig:
     placement = placement_of(cfg, probe=None if under_torchrun else probe_gpus)
     for index, reason in placement.unusable:
         print(f"fdp: GPU {index} is busy or unusable and is left out: {reason}", file=sys.stderr, flush=True)
-    resolved = OmegaConf.create(OmegaConf.to_container(cfg))
+    resolved = copy.deepcopy(cfg)  # keeps the schema: the values below are type-checked
     resolved.world.accelerator = placement.accelerator
     resolved.world.backend = placement.backend
     if not under_torchrun:
