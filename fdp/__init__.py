@@ -9,11 +9,13 @@ The pieces, one module each:
 * ``comm`` / ``reduce``: collectives as values, and the reduction that hands buckets back as they finish.
 * ``_torch``: the one place fdp touches private torch APIs, each with a public fallback.
 * ``train``: ``TrainState`` and the pure ``train_step(state, batch) -> (state, metrics)``.
+* ``devices``: which device each rank computes on (``world.accelerator``, ``world.devices``).
 * ``launch`` / ``trainer`` / ``checkpoint``: worlds of processes, the run loop, atomic checkpoints.
 """
 from fdp import hooks
 from fdp.buckets import allocate, pack, unpack
 from fdp.comm import Comm, Pending
+from fdp.devices import Placement, batch_to_device, place, resolve_backend, to_device
 from fdp.functional import FunctionalModel, functionalize
 from fdp.hooks import GradBucket, Hook
 from fdp.launch import WorldLayout, init_distributed, spawn
@@ -37,8 +39,9 @@ from fdp.train import TrainState, cross_entropy_loss, init_train_state, make_tra
 
 __all__ = [
     "Bucket", "BucketPlan", "Comm", "FunctionalModel", "GradBucket", "GradReducer", "GradientTransformation",
-    "Hook", "ParamSlot", "Pending", "Reduction", "TrainState", "WorldLayout", "adam", "adamw", "allocate",
-    "apply_gradients", "apply_updates", "build_optimizer", "chain", "clip_by_global_norm", "constant_schedule", "cross_entropy_loss", "functionalize",
-    "gradient_ready_order", "hooks", "init_distributed", "init_hook_states", "init_train_state", "make_train_step",
-    "pack", "plan_buckets", "planner_loss", "resolve_schedule", "sgd", "spawn", "supports_inplace", "unpack", "warmup_cosine_schedule",
+    "Hook", "ParamSlot", "Pending", "Placement", "Reduction", "TrainState", "WorldLayout", "adam", "adamw", "allocate",
+    "apply_gradients", "apply_updates", "batch_to_device", "build_optimizer", "chain", "clip_by_global_norm", "constant_schedule",
+    "cross_entropy_loss", "functionalize", "gradient_ready_order", "hooks", "init_distributed", "init_hook_states",
+    "init_train_state", "make_train_step", "pack", "place", "plan_buckets", "planner_loss", "resolve_backend",
+    "resolve_schedule", "sgd", "spawn", "supports_inplace", "to_device", "unpack", "warmup_cosine_schedule",
 ]

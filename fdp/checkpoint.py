@@ -6,6 +6,9 @@ A checkpoint is a plain dict of tensors, numbers, strings, lists and dicts, so
 NamedTuples) is stored as flat lists of leaves and rebuilt against the live state's
 structure, which also checks that the run being resumed is the same kind of run.
 
+Tensors are saved on the CPU and restored onto the devices of the live state, so a run
+on GPUs resumes on the CPU and the reverse, and on another number of GPUs.
+
 Files are written to a temporary name in the same directory, flushed to disk and then
 renamed, so a crash mid-write leaves the previous checkpoint intact.
 """
@@ -88,26 +91,37 @@ def check_readable(path: str | os.PathLike) -> None:
         load(path)  # the plain reader names the defect better (mmap refuses non-zip files first)
 
 
+def _on_host(value: Any) -> Any:
+    return value.detach().cpu() if isinstance(value, torch.Tensor) else value
+
+
+def _like(value: Any, template: Any) -> Any:
+    """``value`` on the device of ``template`` (when both are tensors)."""
+    if isinstance(value, torch.Tensor) and isinstance(template, torch.Tensor):
+        return value.to(template.device)
+    return value
+
+
 def _leaves(tree: Any) -> list:
-    return tree_flatten(tree)[0]
+    return [_on_host(leaf) for leaf in tree_flatten(tree)[0]]
 
 
 def _rebuild(template: Any, leaves: list, what: str, path: Path) -> Any:
-    spec = tree_flatten(template)[1]
+    template_leaves, spec = tree_flatten(template)
     if spec.num_leaves != len(leaves):
         raise CheckpointError(
             f"checkpoint {path}: {what} has {len(leaves)} entries, this run expects {spec.num_leaves} "
             "(different optimizer, hooks or bucket plan?)"
         )
-    return tree_unflatten(leaves, spec)
+    return tree_unflatten([_like(v, t) for v, t in zip(leaves, template_leaves)], spec)
 
 
 def state_payload(state: TrainState, per_rank: list[dict], extra: dict | None = None) -> dict:
-    """The dict saved for ``state``; ``per_rank`` holds each rank's ``rank_payload``."""
+    """The dict saved for ``state``, every tensor on the CPU; ``per_rank`` holds each rank's ``rank_payload``."""
     return {
         "step": state.step,
-        "params": dict(state.params),
-        "buffers": dict(state.buffers),
+        "params": {name: _on_host(t) for name, t in state.params.items()},
+        "buffers": {name: _on_host(t) for name, t in state.buffers.items()},
         "opt_state": _leaves(state.opt_state),
         "ranks": per_rank,
         **(extra or {}),
@@ -115,12 +129,16 @@ def state_payload(state: TrainState, per_rank: list[dict], extra: dict | None = 
 
 
 def rank_payload(state: TrainState) -> dict:
-    """What differs between ranks and must be saved for each: hook state (error feedback) and RNG."""
-    return {"hook_state": _leaves(state.hook_state), "rng": state.rng}
+    """What differs between ranks and must be saved for each: hook state (error feedback) and RNGs."""
+    return {"hook_state": _leaves(state.hook_state), "rng": state.rng, "cuda_rng": state.cuda_rng}
 
 
 def restore(payload: dict, template: TrainState, rank: int, path: str | os.PathLike = "checkpoint") -> TrainState:
-    """Rebuild the ``TrainState`` of ``rank`` from ``payload``, shaped like ``template``."""
+    """Rebuild the ``TrainState`` of ``rank`` from ``payload``, shaped like ``template`` and on its devices.
+
+    The CUDA generator state carries over only from a GPU run to a GPU run; otherwise
+    the template's (seeded) one is kept.
+    """
     path = Path(path)
     ranks = payload["ranks"]
     if rank >= len(ranks):
@@ -129,13 +147,16 @@ def restore(payload: dict, template: TrainState, rank: int, path: str | os.PathL
     if missing:
         raise CheckpointError(f"checkpoint {path}: parameters differ from this model's: {missing[:5]}")
     mine = ranks[rank]
+    saved_cuda_rng = mine.get("cuda_rng")
+    both_on_gpu = saved_cuda_rng is not None and saved_cuda_rng.numel() and template.cuda_rng.numel()
     return TrainState(
         step=int(payload["step"]),
-        params={name: payload["params"][name] for name in template.params},
-        buffers={name: payload["buffers"][name] for name in template.buffers},
+        params={name: _like(payload["params"][name], t) for name, t in template.params.items()},
+        buffers={name: _like(payload["buffers"][name], t) for name, t in template.buffers.items()},
         opt_state=_rebuild(template.opt_state, payload["opt_state"], "optimizer state", path),
         hook_state=_rebuild(template.hook_state, mine["hook_state"], "hook state", path),
         rng=mine["rng"],
+        cuda_rng=saved_cuda_rng if both_on_gpu else template.cuda_rng,
     )
 
 

@@ -116,7 +116,9 @@ class WorldConfig:
     launcher: str = "none"  # none | elastic | torchrun | slurm
     nnodes: int = 1
     nproc_per_node: int = 1
-    backend: str = "auto"  # auto | gloo | nccl
+    backend: str = "auto"  # auto | gloo | nccl (auto: NCCL when every rank has a GPU of its own)
+    accelerator: str = "auto"  # auto | cpu | gpu (auto: the GPUs when there are any)
+    devices: Any = "auto"  # auto | N | -1 | "0,2" | [0,2]: see fdp.devices
     timeout_s: float = 300.0
     max_restarts: int = 0
 
@@ -267,7 +269,8 @@ def validate(cfg: Any, run_dir: Any = None) -> None:
     from pathlib import Path
 
     from fdp.hooks.registry import build_hook
-    from fdp.launch import BACKENDS, ENV_LAUNCHERS, LAUNCHERS
+    from fdp.devices import BACKENDS
+    from fdp.launch import ENV_LAUNCHERS, LAUNCHERS
     from fdp.metrics import check_tensorboard
     from fdp.optim import build_optimizer
     from fdp.plan.values import _check_cap

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from fdp._torch import default_store
 from fdp.comm import Comm
 from fdp.config import ConfigError
+from fdp.devices import device_of_rank, host_plan, resolve_backend, use_device
 from fdp.plan import BucketPlan
 from fdp.slurm import job_world
 
@@ -41,7 +42,6 @@ LAUNCHERS = ("none", "elastic", "torchrun", "slurm")
 # Launchers that start one process per rank themselves: the world size is known only there.
 ENV_LAUNCHERS = ("torchrun", "slurm")
 START_METHODS = ("spawn", "fork", "forkserver")
-BACKENDS = ("auto", "gloo", "nccl")
 
 
 class WorldLayout(NamedTuple):
@@ -53,11 +53,21 @@ class WorldLayout(NamedTuple):
     backend: str = "auto"  # auto | gloo | nccl
     timeout_s: float = 300.0
     max_restarts: int = 0
+    accelerator: str = "cpu"  # cpu | gpu (resolved: see fdp.devices.place)
+    device_ids: tuple[int, ...] = ()  # gpu: local rank r computes on cuda:device_ids[r]
     start_method: str = "spawn"  # spawn | fork (notebooks, python -c) | forkserver: how spawn starts workers
 
     @property
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
+
+    def device(self, local_rank: int) -> torch.device:
+        """The device local rank ``local_rank`` computes on.
+
+        >>> WorldLayout("elastic", nproc_per_node=2, accelerator="gpu", device_ids=(0, 0)).device(1)
+        device(type='cuda', index=0)
+        """
+        return device_of_rank(self.accelerator, self.device_ids, local_rank)
 
 
 class WorkerFailedError(RuntimeError):
@@ -203,37 +213,29 @@ class _WorkerFailureFilter(logging.Filter):
         return not ((record.exc_info and message.startswith("failed (exitcode")) or message.startswith("Terminating process"))
 
 
-def resolve_backend(backend: str) -> str:
-    if backend not in BACKENDS:
-        raise ValueError(f"world.backend={backend!r}: expected one of {BACKENDS}")
-    if backend == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    return backend
-
-
 def init_distributed(layout: WorldLayout) -> Comm:
     """Join this process to the world ``layout`` describes; return its ``Comm``.
 
     Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``,
     which both the elastic launcher and ``torchrun`` set; under ``slurm`` they are first
     set from the job's environment (``fdp.slurm.job_world``). Every collective of the
-    group times out after ``layout.timeout_s`` seconds instead of hanging.
+    group times out after ``layout.timeout_s`` seconds instead of hanging. On a GPU layout
+    the rank's GPU becomes its current device first (NCCL and CUDA tensors made without a
+    device go there).
     """
-    if layout.launcher == "none":
-        return Comm()
-    backend = resolve_backend(layout.backend)
     job = job_world(os.environ) if layout.launcher == "slurm" else None
     if job is not None:
         os.environ.update(job.environ())
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    use_device(layout.device(int(os.environ.get("LOCAL_RANK", 0))))
+    if layout.launcher == "none":
+        return Comm()
+    backend = resolve_backend(layout.backend, [layout.device(r) for r in range(layout.nproc_per_node)])
     if layout.launcher == "elastic" or (job is not None and job.local):
         # A local world talks over loopback only; gloo (and NCCL's bootstrap) would
         # otherwise listen on the address the hostname resolves to, often the LAN's.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
         os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback_interface())
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-    else:
+    if layout.accelerator == "cpu":
         # Ranks on one machine share its cores; more threads each only contend.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))))
     if not dist.is_initialized():
@@ -340,13 +342,6 @@ class Heartbeat:
         return [r for r, (a, b) in enumerate(zip(before, after)) if a == b and r != self.rank]
 
 
-def device_for(backend: str) -> torch.device:
-    """The device this rank computes on."""
-    if backend == "nccl":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
-
-
 def tune_allocator() -> None:
     """Keep freed tensor memory in glibc's heap instead of returning it to the OS.
 
@@ -371,11 +366,14 @@ def tune_allocator() -> None:
 
 
 def check_same_plan(plan: BucketPlan, comm: Comm) -> None:
-    """Stop every rank with a named difference if any rank planned other buckets."""
+    """Stop every rank with a named difference if any rank planned other buckets.
+
+    Ranks compare layouts on the host: each rank's buckets are on its own GPU.
+    """
     if comm.world_size == 1:
         return
     plans = [None] * comm.world_size
-    dist.all_gather_object(plans, plan.to_dict())
+    dist.all_gather_object(plans, host_plan(plan).to_dict())
     reference = BucketPlan.from_dict(plans[0])
     for rank, other in enumerate(plans[1:], start=1):
         difference = reference.first_difference(BucketPlan.from_dict(other))

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from fdp.buckets import slot_views
 from fdp.comm import Comm
 from fdp.data import split_micro_batches
+from fdp.devices import device_of, rng_scope, seeded_cuda_rng
 from fdp.functional import Buffers, FunctionalModel, Params
 from fdp.hooks import Hook, allreduce
 from fdp.optim import GradientTransformation, apply_gradients, current_lr, supports_inplace
@@ -44,7 +45,8 @@ class TrainState(NamedTuple):
     """Everything that changes during training, in one value.
 
     ``hook_state`` holds one state per bucket for the reduction's hook chain; ``rng`` is
-    the CPU generator state that dropout and other random ops draw from.
+    the CPU generator state that dropout and other random ops draw from, ``cuda_rng``
+    that of the params' GPU (empty when they are not on one).
     """
 
     step: int
@@ -53,6 +55,7 @@ class TrainState(NamedTuple):
     opt_state: Any
     hook_state: Any
     rng: torch.Tensor
+    cuda_rng: torch.Tensor = torch.empty(0, dtype=torch.uint8)
 
 
 def init_train_state(
@@ -72,7 +75,8 @@ def init_train_state(
     """
     hook_state = init_hook_states(hook or allreduce(), plan) if plan is not None else ()
     rng = torch.Generator().manual_seed(seed).get_state()
-    return TrainState(0, params, buffers, optimizer.init(params), hook_state, rng)
+    cuda_rng = seeded_cuda_rng(seed, device_of(params))
+    return TrainState(0, params, buffers, optimizer.init(params), hook_state, rng, cuda_rng)
 
 
 def cross_entropy_loss(model: FunctionalModel) -> Callable:
@@ -150,10 +154,9 @@ def make_train_step(
         timeline.start_step(step)
         if per_bucket is None:
             per_bucket = donate and nonfinite == "raise" and optimizer.elementwise and supports_inplace(optimizer, state.params)
-        with torch.random.fork_rng(devices=[]):
-            torch.set_rng_state(state.rng)
+        with rng_scope(state.rng, state.cuda_rng, device_of(state.params)) as rng_states:
             computed = reducer.backward(state.params, state.buffers, split_micro_batches(batch, accum_steps), state.hook_state)
-            rng = torch.get_rng_state()
+            rng, cuda_rng = rng_states()
 
         # Buckets come back as their chains finish; with per-bucket updates each one's
         # params are stepped while later buckets are still on the wire.
@@ -174,9 +177,9 @@ def make_train_step(
             if not per_bucket:
                 with timeline.span("optimizer"):
                     params, opt_state = apply_gradients(optimizer, grads, state.opt_state, state.params, donate=donate)
-            new_state = TrainState(step, params, computed.buffers, opt_state, computed.reduction.hook_states, rng)
+            new_state = TrainState(step, params, computed.buffers, opt_state, computed.reduction.hook_states, rng, cuda_rng)
         elif nonfinite == "skip":
-            new_state = state._replace(step=step, rng=rng)
+            new_state = state._replace(step=step, rng=rng, cuda_rng=cuda_rng)
         else:
             raise _nonfinite_error(step, plan, grads)
 

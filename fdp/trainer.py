@@ -6,6 +6,7 @@ the workers with the elastic launcher; each worker (or the single process) then 
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -24,10 +25,12 @@ from fdp import checkpoint
 from fdp.comm import Comm
 from fdp.config import ConfigError, validate
 from fdp.data import Dataset, eval_batches, global_batch, load_dataset, shard
+from fdp.devices import Placement, batch_to_device, device_of, host_plan, place, probe_gpus, to_device, visible_gpus
 from fdp.functional import FunctionalModel, functionalize
 from fdp.hooks import Hook
 from fdp.hooks.registry import build_hook
 from fdp.launch import (
+    ENV_LAUNCHERS,
     Heartbeat,
     RankLostError,
     WorkerFailedError,
@@ -76,30 +79,72 @@ def build_module(cfg: DictConfig, data: Dataset) -> torch.nn.Module:
     return build_model("charlm", vocab_size=data.num_classes, block_size=data.block_size, **settings)
 
 
+def placement_of(cfg: DictConfig, probe=None) -> Placement:
+    """Where this node's ranks compute (``world.accelerator``, ``world.devices``, ``world.backend``)."""
+    world = cfg.world
+    local = None
+    if world.launcher == "torchrun":
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world.nproc_per_node))
+    elif world.launcher == "slurm":
+        local = job_world(os.environ).local_world_size
+    return place(
+        world.accelerator, world.devices, world.launcher, world.nproc_per_node, world.backend,
+        visible=visible_gpus(), probe=probe, local_world_size=local,
+    )
+
+
 def layout_of(cfg: DictConfig) -> WorldLayout:
     world = cfg.world
-    nnodes, nproc = world.nnodes, world.nproc_per_node
+    placement = placement_of(cfg)
+    nnodes, nproc = world.nnodes, placement.nproc_per_node
     if world.launcher == "torchrun":
-        nproc = int(os.environ.get("LOCAL_WORLD_SIZE", nproc))
         nnodes = int(os.environ.get("WORLD_SIZE", nproc)) // max(1, nproc)
     elif world.launcher == "slurm":
         job = job_world(os.environ)
         nproc, nnodes = job.local_world_size, job.world_size // job.local_world_size
-    return WorldLayout(world.launcher, nnodes, nproc, world.backend, world.timeout_s, world.max_restarts)
+    return WorldLayout(
+        placement.launcher, nnodes, nproc, placement.backend, world.timeout_s, world.max_restarts,
+        placement.accelerator, placement.device_ids,
+    )
+
+
+def resolve_world(cfg: DictConfig) -> DictConfig:
+    """``cfg`` with ``world`` naming the devices, processes and backend this machine gives it.
+
+    Resolved once, before any worker starts, so every worker reads the same answer (and
+    the GPUs are probed once); the workers' own ``layout_of`` then only re-checks it.
+    Busy or unusable GPUs that ``world.devices=auto`` passed over are reported on stderr.
+    """
+    under_torchrun = cfg.world.launcher in ENV_LAUNCHERS
+    # Under torchrun or SLURM each process is a rank; it checks its own GPU when it takes it.
+    placement = placement_of(cfg, probe=None if under_torchrun else probe_gpus)
+    for index, reason in placement.unusable:
+        print(f"fdp: GPU {index} is busy or unusable and is left out: {reason}", file=sys.stderr, flush=True)
+    resolved = copy.deepcopy(cfg)  # keeps the schema: the values below are type-checked
+    resolved.world.accelerator = placement.accelerator
+    resolved.world.backend = placement.backend
+    if not under_torchrun:
+        resolved.world.launcher = placement.launcher
+        resolved.world.nproc_per_node = placement.nproc_per_node
+    resolved.world.devices = list(placement.device_ids) if placement.accelerator == "gpu" else "auto"
+    return resolved
 
 
 # -- evaluation -------------------------------------------------------------------------------
 @torch.no_grad()
 def evaluate(model: FunctionalModel, params, buffers, data: Dataset, max_batches: int, batch_size: int = 256) -> dict:
-    """Mean loss and accuracy over (up to ``max_batches`` batches of) the test split."""
-    total_loss, correct, count = 0.0, 0, 0
-    for x, y in eval_batches(data, batch_size, max_batches):
+    """Mean loss and accuracy over (up to ``max_batches`` batches of) the test split, on the params' device."""
+    device = device_of(params)
+    total_loss, correct, count = torch.zeros((), device=device, dtype=torch.float64), torch.zeros((), device=device, dtype=torch.int64), 0
+    for batch in eval_batches(data, batch_size, max_batches):
+        x, y = batch_to_device(batch, device)
         logits, _ = model.apply(params, buffers, x, training=False)
         logits, y = logits.reshape(-1, logits.shape[-1]), y.reshape(-1)
-        total_loss += F.cross_entropy(logits, y, reduction="sum").item()
-        correct += (logits.argmax(-1) == y).sum().item()
+        # Summed on the device: one host sync at the end, not two per batch.
+        total_loss += F.cross_entropy(logits, y, reduction="sum")
+        correct += (logits.argmax(-1) == y).sum()
         count += y.numel()
-    return {"test_loss": total_loss / count, "test_acc": correct / count}
+    return {"test_loss": total_loss.item() / count, "test_acc": correct.item() / count}
 
 
 # -- the run --------------------------------------------------------------------------------
@@ -115,17 +160,23 @@ class Run(NamedTuple):
     num_params: int
 
 
-def setup(cfg: DictConfig, comm: Comm) -> Run:
-    """Build model, data, plan, hooks, optimizer and the first train state on this rank."""
+def setup(cfg: DictConfig, comm: Comm, device: torch.device = torch.device("cpu")) -> Run:
+    """Build model, data, plan, hooks, optimizer and the first train state on this rank, on ``device``.
+
+    The weights are made on the CPU from the seed (the same on any device) and moved;
+    the plan then records the device from the params, and hook and optimizer state are
+    made where the buckets and params are.
+    """
     data = build_data(cfg.data)
     check_data(cfg, data)
     torch.manual_seed(cfg.seed)
     module = build_module(cfg.model, data)
     num_params = count_parameters(module)
     model, params, buffers = functionalize(module, keep_module_weights=False)  # the state holds the weights
+    params, buffers = to_device(params, device), to_device(buffers, device)
     loss_fn = cross_entropy_loss(model)
     example = shard(global_batch(data, 0, cfg.data.global_batch_size, cfg.seed), comm.rank, comm.world_size)
-    example = tuple(t[: max(1, t.shape[0] // cfg.trainer.accum_steps)] for t in example)
+    example = batch_to_device(tuple(t[: max(1, t.shape[0] // cfg.trainer.accum_steps)] for t in example), device)
     plan = plan_buckets(
         planner_loss(loss_fn, buffers),
         params,
@@ -151,7 +202,7 @@ def _save(run_dir: Path, state: TrainState, comm: Comm, cfg: DictConfig, plan: B
         dist.gather_object(mine, per_rank, dst=0)
     if comm.rank == 0:
         payload = checkpoint.state_payload(
-            state, per_rank, {"config": OmegaConf.to_yaml(cfg), "plan_fingerprint": plan.fingerprint()}
+            state, per_rank, {"config": OmegaConf.to_yaml(cfg), "plan_fingerprint": host_plan(plan).fingerprint()}
         )
         checkpoint.save(run_dir / "checkpoints", payload, keep=cfg.trainer.keep_checkpoints)
 
@@ -161,7 +212,7 @@ def _resume(run_dir: Path, run: Run, comm: Comm) -> TrainState:
     payload = [checkpoint.load(path) if comm.rank == 0 else None]
     if comm.world_size > 1:
         dist.broadcast_object_list(payload, src=0)
-    if payload[0].get("plan_fingerprint") != run.plan.fingerprint():
+    if payload[0].get("plan_fingerprint") != host_plan(run.plan).fingerprint():
         raise checkpoint.CheckpointError(f"checkpoint {path} was written with another bucket plan (model or bucket caps changed)")
     return checkpoint.restore(payload[0], run.state, comm.rank, path)
 
@@ -233,21 +284,22 @@ def train_worker(cfg: DictConfig, run_dir: str) -> dict:
     """Train on this rank until ``trainer.max_steps``; return the summary (rank 0's is the one printed)."""
     cfg = OmegaConf.create(cfg) if not isinstance(cfg, DictConfig) else cfg
     tune_allocator()
-    comm = init_distributed(layout_of(cfg))
+    layout = layout_of(cfg)
+    comm = init_distributed(layout)
     try:
-        return _train(cfg, Path(run_dir), comm)
+        return _train(cfg, Path(run_dir), comm, layout.device(int(os.environ.get("LOCAL_RANK", 0))))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _train(cfg: DictConfig, run_dir: Path, comm: Comm) -> dict:
+def _train(cfg: DictConfig, run_dir: Path, comm: Comm, device: torch.device) -> dict:
     rank, world = comm.rank, comm.world_size
     _setup_logging(run_dir, rank)
     tc = cfg.trainer
     if cfg.data.global_batch_size % world:
         raise ConfigError(f"data.global_batch_size={cfg.data.global_batch_size}: expected a multiple of the world size {world}")
-    run = setup(cfg, comm)
+    run = setup(cfg, comm, device)
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
     has_checkpoint = (run_dir / "checkpoints" / checkpoint.LAST).exists()
     state = _resume(run_dir, run, comm) if tc.resume or (restarted and has_checkpoint) else run.state
@@ -256,7 +308,8 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm) -> dict:
         (run_dir / "plan.json").write_text(json.dumps(run.plan.to_dict(), indent=1))
         log.info(
             f"{cfg.model.name}: {run.num_params:,} parameters in {len(run.plan)} buckets "
-            f"({run.plan.nbytes / 2**20:.2f} MiB, plan {run.plan.fingerprint()[:12]}, see plan.txt), world {world}"
+            f"({run.plan.nbytes / 2**20:.2f} MiB, plan {run.plan.fingerprint()[:12]}, see plan.txt), world {world} on {device}"
+            + (f" over {dist.get_backend()}" if dist.is_initialized() else "")
         )
     timeline = Timeline(rank) if tc.trace else NullTimeline()
     train_step = make_train_step(
@@ -282,7 +335,7 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm) -> dict:
     try:
         while state.step < last_step:
             tracker.update(state.step + 1)
-            batch = shard(global_batch(run.data, state.step, gbs, cfg.seed), rank, world)
+            batch = batch_to_device(shard(global_batch(run.data, state.step, gbs, cfg.seed), rank, world), device)
             state, m = train_step(state, batch)
             times.add(m)
             skipped += m["skipped"]
@@ -328,6 +381,7 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm) -> dict:
     summary = {
         "model": cfg.model.name,
         "world": world,
+        "device": device.type,
         "steps": state.step,
         "loss": record.get("loss"),
         **last_eval,
@@ -349,6 +403,7 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm) -> dict:
 
 def run(cfg: DictConfig, run_dir: str | Path) -> dict:
     """Validate ``cfg`` and train it in ``run_dir`` on the world it names; return rank 0's summary."""
+    cfg = resolve_world(cfg)
     validate(cfg, run_dir)
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     layout = layout_of(cfg)

@@ -5,9 +5,33 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import fdp.trainer
 from fdp.launch import WorldLayout, init_distributed, spawn
 
 torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.gpu`` tests need CUDA: skipped where there is none."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _cpu_unless_marked_gpu(request, monkeypatch):
+    """Tests not marked ``gpu`` run on the CPU on any machine.
+
+    They compare against CPU references to the bit, and ``world.accelerator=auto`` would
+    take a GPU where there is one: the trainer sees no GPU, and neither do the processes
+    a test starts (workers, recipes).
+    """
+    if request.node.get_closest_marker("gpu") is None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+        monkeypatch.setattr(fdp.trainer, "visible_gpus", lambda: 0)
 
 # Short enough that a broken collective fails the test well inside CI's budget.
 COLLECTIVE_TIMEOUT_S = 60.0
@@ -24,14 +48,15 @@ def _rank_entry(fn, args, layout):
 
 @pytest.fixture
 def run_ranks():
-    """``run_ranks(fn, *args, world_size=2)`` runs ``fn(rank, world_size, *args)`` on gloo ranks.
+    """``run_ranks(fn, *args, world_size=2)`` runs ``fn(rank, world_size, *args)`` on gloo ranks (CPU unless told).
 
     ``fn`` must be a module-level function (it is pickled into spawned workers). Returns
     the results as a list indexed by rank; a rank that raises fails the call.
     """
 
-    def run(fn, *args, world_size: int = 2, timeout_s: float = COLLECTIVE_TIMEOUT_S):
-        layout = WorldLayout("elastic", nproc_per_node=world_size, backend="gloo", timeout_s=timeout_s)
+    def run(fn, *args, world_size: int = 2, timeout_s: float = COLLECTIVE_TIMEOUT_S, backend: str = "gloo", **devices):
+        # ``devices``: ``accelerator`` and ``device_ids`` of the WorldLayout (GPU tests).
+        layout = WorldLayout("elastic", nproc_per_node=world_size, backend=backend, timeout_s=timeout_s, **devices)
         results = spawn(_rank_entry, (fn, args, layout), layout)
         return [results[rank] for rank in range(world_size)]
 

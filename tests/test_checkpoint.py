@@ -85,3 +85,43 @@ def test_resume_is_bit_identical_with_adam_and_a_schedule(tmp_path):
         assert torch.equal(a["params"][name], b["params"][name]), name
     for x, y in zip(a["opt_state"], b["opt_state"]):
         assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+
+
+def _tensors(tree):
+    from torch.utils import _pytree as pytree
+
+    return [leaf for leaf in pytree.tree_flatten(tree)[0] if isinstance(leaf, torch.Tensor)]
+
+
+def _powersgd_state():
+    import fdp
+    from fdp.hooks import powersgd
+
+    model, params, buffers = fdp.functionalize(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4)))
+    loss_fn = fdp.cross_entropy_loss(model)
+    batch = (torch.randn(16, 8), torch.randint(0, 4, (16,)))
+    plan = fdp.plan_buckets(fdp.planner_loss(loss_fn, buffers), params, batch)
+    hook, optimizer = powersgd(rank=2, start_iter=0), fdp.adam(1e-2)
+    state = fdp.init_train_state(params, buffers, optimizer, plan, hook, seed=3)
+    state, _ = fdp.make_train_step(loss_fn, optimizer, plan, hook)(state, batch)
+    return state
+
+
+def test_checkpoint_tensors_are_on_the_cpu_and_restore_follows_the_template_device():
+    state = _powersgd_state()
+    payload = checkpoint.state_payload(state, [checkpoint.rank_payload(state)])
+    saved = _tensors(payload)
+    assert len(saved) == len(_tensors(state))  # every tensor of the state, the generator states included
+    assert {t.device.type for t in saved} == {"cpu"}
+    # Onto a template on another device (meta, as a GPU would be): every tensor lands there.
+    from torch.utils import _pytree as pytree
+
+    on_meta = pytree.tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, state)
+    restored = checkpoint.restore(payload, on_meta._replace(rng=state.rng, cuda_rng=state.cuda_rng), 0)
+    for field in ("params", "buffers", "opt_state", "hook_state"):
+        got, want = _tensors(getattr(restored, field)), _tensors(getattr(state, field))
+        assert got and all(t.device.type == "meta" for t in got), field
+        assert [t.shape for t in got] == [t.shape for t in want], field
+    # Onto a CPU template: the very values.
+    back = checkpoint.restore(payload, state, 0)
+    assert all(torch.equal(a, b) for a, b in zip(_tensors(back), _tensors(state)))
