@@ -4,6 +4,8 @@ Every batch is a pure function of its arguments: ``global_batch(data, step, size
 builds the whole batch of optimizer step ``step`` from local generators, so a run resumed
 at step k sees exactly the batches of an uninterrupted one, whatever the world size.
 Ranks then take their contiguous ``shard`` and may split it into micro-batches.
+A user's own data (``MapData``: map-style torch Datasets) is read through a ``DataLoader``
+whose ``StepSampler`` follows the same order, so the same holds for it.
 
 >>> data = load_dataset("digits")
 >>> x, y = global_batch(data, step=0, global_batch_size=8, seed=0)
