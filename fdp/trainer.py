@@ -132,7 +132,7 @@ def check_fit(cfg: DictConfig, loss_fn, params, buffers, batch: tuple) -> None:
             f"{label('model', cfg.model)} does not fit {label('data', cfg.data)} with {label('loss', cfg.loss)}: "
             f"{reason} (first batch: {_describe(batch)})"
         ) from None
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
         got = f"shape {tuple(loss.shape)} {loss.dtype}" if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise ConfigError(f"{label('loss', cfg.loss)}: returned {got}; expected a floating-point scalar")
 

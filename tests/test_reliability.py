@@ -478,6 +478,8 @@ BAD_INPUTS = [
                                  r"shape \(64, 3\) and targets of shape \(64,\) differ; expected the same shape"),
     ([*MINE, "loss=custom", "loss._target_=torch.nn.functional.l1_loss", "+loss.smoothing=0.1"], "run",
      r"^loss\._target_='torch\.nn\.functional\.l1_loss': got an unexpected keyword argument 'smoothing'$"),
+    ([*MINE, "loss=custom", "loss._target_=torch.nn.functional.cross_entropy", "+loss.reduction=none"], "run",
+     r"^loss\._target_='torch\.nn\.functional\.cross_entropy': returned shape \(64,\) torch\.float32; expected a floating-point scalar$"),
     (TRIPLES, "run", r"^data\._target_='torch\.utils\.data\.random_split': train item 0 is a 3-tuple; expected a pair \(input, target\)$"),
     (["data=custom", "data._target_=torch.zeros", "+data._args_=[3]"], "run",
      r"^data\._target_='torch\.zeros': returned a Tensor; expected \(train, test\): two map-style torch Datasets \(test may be None\)$"),
