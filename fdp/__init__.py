@@ -10,6 +10,7 @@ The pieces, one module each:
 * ``_torch``: the one place fdp touches private torch APIs, each with a public fallback.
 * ``train``: ``TrainState`` and the pure ``train_step(state, batch) -> (state, metrics)``.
 * ``devices``: which device each rank computes on (``world.accelerator``, ``world.devices``).
+* ``targets`` / ``losses``: models, data and losses named in config by ``_target_``.
 * ``launch`` / ``trainer`` / ``checkpoint``: worlds of processes, the run loop, atomic checkpoints.
 """
 from fdp import hooks
@@ -18,7 +19,9 @@ from fdp.comm import Comm, Pending
 from fdp.devices import Placement, batch_to_device, place, resolve_backend, to_device
 from fdp.functional import FunctionalModel, functionalize
 from fdp.hooks import GradBucket, Hook
+from fdp.data import MapData, StepSampler
 from fdp.launch import WorldLayout, init_distributed, spawn
+from fdp.losses import build_loss, make_loss_fn
 from fdp.optim import (
     GradientTransformation,
     adam,
@@ -39,9 +42,10 @@ from fdp.train import TrainState, cross_entropy_loss, init_train_state, make_tra
 
 __all__ = [
     "Bucket", "BucketPlan", "Comm", "FunctionalModel", "GradBucket", "GradReducer", "GradientTransformation",
-    "Hook", "ParamSlot", "Pending", "Placement", "Reduction", "TrainState", "WorldLayout", "adam", "adamw", "allocate",
-    "apply_gradients", "apply_updates", "batch_to_device", "build_optimizer", "chain", "clip_by_global_norm", "constant_schedule",
-    "cross_entropy_loss", "functionalize", "gradient_ready_order", "hooks", "init_distributed", "init_hook_states",
-    "init_train_state", "make_train_step", "pack", "place", "plan_buckets", "planner_loss", "resolve_backend",
-    "resolve_schedule", "sgd", "spawn", "supports_inplace", "to_device", "unpack", "warmup_cosine_schedule",
+    "Hook", "MapData", "ParamSlot", "Pending", "Placement", "Reduction", "StepSampler", "TrainState", "WorldLayout",
+    "adam", "adamw", "allocate", "apply_gradients", "apply_updates", "batch_to_device", "build_loss", "build_optimizer",
+    "chain", "clip_by_global_norm", "constant_schedule", "cross_entropy_loss", "functionalize", "gradient_ready_order",
+    "hooks", "init_distributed", "init_hook_states", "init_train_state", "make_loss_fn", "make_train_step", "pack",
+    "place", "plan_buckets", "planner_loss", "resolve_backend", "resolve_schedule", "sgd", "spawn", "supports_inplace",
+    "to_device", "unpack", "warmup_cosine_schedule",
 ]

@@ -15,9 +15,14 @@ from omegaconf import MISSING, DictConfig
 
 
 # -- model -----------------------------------------------------------------------------
+# Every model is built by Hydra's instantiate from its ``_target_``; the trainer adds the
+# arguments the data decides (in_features, num_classes, vocab_size, ...) where the target
+# takes them (fdp.targets.build). ``custom`` is a user's own class or function: its
+# arguments are added on the command line (``+model.width=256``).
 @dataclass
 class MLPConfig:
     name: str = "mlp"
+    _target_: str = "fdp.models.MLP"
     hidden: int = 256
     depth: int = 2
 
@@ -25,22 +30,33 @@ class MLPConfig:
 @dataclass
 class ConvNetConfig:
     name: str = "convnet"
+    _target_: str = "fdp.models.ConvNet"
     width: int = 32
 
 
 @dataclass
 class CharLMConfig:
     name: str = "charlm"
+    _target_: str = "fdp.models.CharTransformer"
     d_model: int = 128
     n_layer: int = 4
     n_head: int = 4
     dropout: float = 0.0
 
 
+@dataclass
+class CustomModelConfig:
+    name: str = "custom"
+    _target_: str = MISSING
+
+
 # -- data ------------------------------------------------------------------------------
+# A built-in target returns an in-memory fdp.data.Dataset; a custom one returns
+# (train, test), map-style torch Datasets of (input, target) items read through a DataLoader.
 @dataclass
 class DigitsConfig:
     name: str = "digits"
+    _target_: str = "fdp.data.load_digits"
     global_batch_size: int = 64
     test_fraction: float = 0.2
 
@@ -48,10 +64,42 @@ class DigitsConfig:
 @dataclass
 class StdlibTextConfig:
     name: str = "stdlib_text"
+    _target_: str = "fdp.data.load_stdlib_text"
     global_batch_size: int = 32
     block_size: int = 64
     max_chars: int = 1_000_000
     test_fraction: float = 0.1
+
+
+@dataclass
+class CustomDataConfig:
+    name: str = "custom"
+    _target_: str = MISSING
+    global_batch_size: int = 64
+    num_workers: int = 0  # DataLoader worker processes per rank (0: load in the training process)
+
+
+# Settings of fdp, not arguments of a data target.
+DATA_SETTINGS = ("name", "global_batch_size", "num_workers")
+
+
+# -- loss ------------------------------------------------------------------------------
+@dataclass
+class CrossEntropyConfig:
+    name: str = "cross_entropy"
+    _target_: str = "fdp.losses.cross_entropy"
+
+
+@dataclass
+class MSEConfig:
+    name: str = "mse"
+    _target_: str = "fdp.losses.mse"
+
+
+@dataclass
+class CustomLossConfig:
+    name: str = "custom"
+    _target_: str = MISSING  # a function (outputs, targets) -> scalar
 
 
 # -- optimizer -------------------------------------------------------------------------
@@ -187,6 +235,7 @@ class ChainConfig:
 class Config:
     model: Any = MISSING
     data: Any = MISSING
+    loss: Any = MISSING
     optim: Any = MISSING
     hooks: Any = MISSING
     world: WorldConfig = field(default_factory=WorldConfig)
@@ -195,8 +244,9 @@ class Config:
 
 
 SCHEMAS = {
-    "model": {"mlp": MLPConfig, "convnet": ConvNetConfig, "charlm": CharLMConfig},
-    "data": {"digits": DigitsConfig, "stdlib_text": StdlibTextConfig},
+    "model": {"mlp": MLPConfig, "convnet": ConvNetConfig, "charlm": CharLMConfig, "custom": CustomModelConfig},
+    "data": {"digits": DigitsConfig, "stdlib_text": StdlibTextConfig, "custom": CustomDataConfig},
+    "loss": {"cross_entropy": CrossEntropyConfig, "mse": MSEConfig, "custom": CustomLossConfig},
     "optim": {"sgd": SGDConfig, "adam": AdamConfig, "adamw": AdamWConfig},
     "hooks": {
         "allreduce": AllreduceConfig,
@@ -278,6 +328,9 @@ def validate(cfg: Any, run_dir: Any = None) -> None:
     from fdp.train import check_nonfinite
 
     t, w, d, o, m = cfg.trainer, cfg.world, cfg.data, cfg.optim, cfg.model
+    for group in ("model", "data", "loss"):
+        if cfg.get(group) is not None:
+            _check_target(group, cfg[group])
     for key in ("max_steps", "accum_steps", "log_every", "keep_checkpoints"):
         _require(t[key] >= 1, f"trainer.{key}", t[key], "an integer >= 1")
     for key in ("eval_every", "checkpoint_every", "stop_at"):
@@ -300,7 +353,10 @@ def validate(cfg: Any, run_dir: Any = None) -> None:
     _require(w.timeout_s > 0, "world.timeout_s", w.timeout_s, "seconds > 0")
     _require(w.max_restarts >= 0, "world.max_restarts", w.max_restarts, "an integer >= 0")
     _require(d.global_batch_size >= 1, "data.global_batch_size", d.global_batch_size, "an integer >= 1")
-    _require(0.0 < d.test_fraction < 1.0, "data.test_fraction", d.test_fraction, "a fraction in (0, 1)")
+    if "test_fraction" in d:
+        _require(0.0 < d.test_fraction < 1.0, "data.test_fraction", d.test_fraction, "a fraction in (0, 1)")
+    if "num_workers" in d:
+        _require(d.num_workers >= 0, "data.num_workers", d.num_workers, "an integer >= 0")
     if d.name == "stdlib_text":
         _require(d.block_size >= 1, "data.block_size", d.block_size, "an integer >= 1")
         _require(d.max_chars >= 1, "data.max_chars", d.max_chars, "an integer >= 1")
@@ -312,8 +368,9 @@ def validate(cfg: Any, run_dir: Any = None) -> None:
         _require(per_rank % t.accum_steps == 0, "trainer.accum_steps", t.accum_steps,
                  f"a divisor of the per-rank batch {per_rank}")
     text_model, text_data = m.name == "charlm", d.name == "stdlib_text"
-    _require(text_model == text_data, "data", d.name,
-             "stdlib_text for model=charlm" if text_model else f"digits for model={m.name}")
+    if "custom" not in (m.name, d.name):  # a custom side is checked on the first batch instead
+        _require(text_model == text_data, "data", d.name,
+                 "stdlib_text for model=charlm" if text_model else f"digits for model={m.name}")
     sizes = {"mlp": ("hidden",), "convnet": ("width",), "charlm": ("d_model", "n_layer", "n_head")}.get(m.name, ())
     for key in sizes:
         _require(m[key] >= 1, f"model.{key}", m[key], "an integer >= 1")
@@ -334,6 +391,29 @@ def validate(cfg: Any, run_dir: Any = None) -> None:
             taken = (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()
             _require(not taken, "hydra.run.dir", str(run_dir),
                      "a directory without a previous run (or set trainer.resume=true to continue it)")
+
+
+_KINDS = {
+    "model": ("model", "models", "my_pkg.models.Net"),
+    "data": ("dataset", "datasets", "my_pkg.data.make"),
+    "loss": ("loss", "losses", "my_pkg.losses.loss"),
+}
+
+
+def _check_target(group: str, node: Any) -> None:
+    """``<group>.name`` is a registered option and ``<group>._target_`` imports."""
+    from omegaconf import OmegaConf
+
+    from fdp.targets import locate
+
+    one, many, example = _KINDS[group]
+    known = SCHEMAS[group]
+    if node.get("name") not in known:
+        raise ConfigError(f"{group}.name={node.get('name')!r}: unknown {one}; known {many}: {', '.join(sorted(known))}")
+    if OmegaConf.is_config(node) and OmegaConf.is_missing(node, "_target_"):
+        raise ConfigError(f"{group}._target_: missing; {group}={node.name} needs the dotted path to a class or function "
+                          f"(e.g. {group}._target_={example})")
+    locate(f"{group}._target_", node.get("_target_"))
 
 
 def _container(node: Any) -> Any:

@@ -4,6 +4,8 @@ Every batch is a pure function of its arguments: ``global_batch(data, step, size
 builds the whole batch of optimizer step ``step`` from local generators, so a run resumed
 at step k sees exactly the batches of an uninterrupted one, whatever the world size.
 Ranks then take their contiguous ``shard`` and may split it into micro-batches.
+A user's own data (``MapData``: map-style torch Datasets) is read through a ``DataLoader``
+whose ``StepSampler`` follows the same order, so the same holds for it.
 
 >>> data = load_dataset("digits")
 >>> x, y = global_batch(data, step=0, global_batch_size=8, seed=0)
@@ -12,13 +14,17 @@ Ranks then take their contiguous ``shard`` and may split it into micro-batches.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import sysconfig
-from typing import Callable, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 import torch
 from torch import Tensor
+from torch.utils.data import DataLoader, IterableDataset, Sampler
+from torch.utils.data import Dataset as TorchDataset
+from torch.utils.data import default_collate
 
 __all__ = [
     "Dataset",
@@ -30,6 +36,14 @@ __all__ = [
     "split_micro_batches",
     "eval_batches",
     "load_dataset",
+    "MapData",
+    "StepSampler",
+    "as_map_data",
+    "collate",
+    "train_batches",
+    "num_train_samples",
+    "has_test_split",
+    "model_arguments",
     "DATASETS",
     "STDLIB_TEXT_MODULES",
 ]
@@ -243,11 +257,19 @@ def global_batch(data: Dataset, step: int, global_batch_size: int, seed: int) ->
     return data.train_x[idx], data.train_y[idx]
 
 
-def _epoch_indices(n: int, start: int, count: int, seed: int) -> Tensor:
+def _epoch_indices(n: int, start: int, count: int, seed: int, cache: dict[int, Tensor] | None = None) -> Tensor:
     # Positions start..start+count-1 of the concatenation perm(epoch 0), perm(epoch 1), ...;
-    # only the (at most two, since count <= n) epochs touched are generated.
+    # only the (at most two, since count <= n) epochs touched are generated. ``cache``
+    # keeps them across calls of one reader; epochs before ``first`` are dropped from it.
     first, last = start // n, (start + count - 1) // n
-    perms = torch.cat([torch.randperm(n, generator=_generator(seed, _EPOCH, e)) for e in range(first, last + 1)])
+    if cache is None:
+        cache = {}
+    for old in [e for e in cache if e < first]:
+        del cache[old]
+    for e in range(first, last + 1):
+        if e not in cache:
+            cache[e] = torch.randperm(n, generator=_generator(seed, _EPOCH, e))
+    perms = cache[first] if first == last else torch.cat([cache[e] for e in range(first, last + 1)])
     offset = start - first * n
     return perms[offset : offset + count]
 
@@ -330,20 +352,240 @@ def _batch_size(batch: tuple[Tensor, ...]) -> int:
     return sizes.pop()
 
 
-def eval_batches(data: Dataset, batch_size: int, max_batches: int | None = None) -> Iterator[tuple[Tensor, Tensor]]:
+# -- a user's own data: map-style torch Datasets through a DataLoader ----------------------
+class MapData(NamedTuple):
+    """Train and test splits as map-style ``torch.utils.data.Dataset``s of ``(input, target)`` items.
+
+    Inputs and targets are tensors, numbers or NumPy arrays; ``test`` may be ``None``.
+    Items are read by index through a ``DataLoader`` (``train_batches``), so a split need
+    not fit in memory. A split may carry ``num_classes`` (or torchvision's ``classes``),
+    ``vocab_size`` or ``block_size`` attributes for the model's constructor
+    (``model_arguments``).
+
+    >>> from torch.utils.data import TensorDataset
+    >>> data = as_map_data("toy", (TensorDataset(torch.randn(10, 3), torch.arange(10) % 2), None))
+    >>> len(data.train), has_test_split(data)
+    (10, False)
+    """
+
+    name: str
+    train: TorchDataset
+    test: TorchDataset | None
+
+
+def _check_split(split: Any, which: str) -> None:
+    if isinstance(split, IterableDataset) or not hasattr(split, "__getitem__"):
+        raise ValueError(f"the {which} split is a {type(split).__name__}; expected a map-style torch Dataset (items by index)")
+    try:
+        n = len(split)
+    except TypeError:
+        raise ValueError(f"the {which} split ({type(split).__name__}) has no len(); expected a map-style Dataset with __len__") from None
+    if n == 0:
+        raise ValueError(f"the {which} split is empty")
+    item = split[0]
+    if not isinstance(item, (tuple, list)) or len(item) != 2:
+        kind = f"a {len(item)}-tuple" if isinstance(item, (tuple, list)) else f"a {type(item).__name__}"
+        raise ValueError(f"{which} item 0 is {kind}; expected a pair (input, target)")
+    for part, value in zip(("input", "target"), item):
+        if not isinstance(value, (Tensor, int, float, bool, np.ndarray, np.number)):
+            raise ValueError(f"{which} item 0: its {part} is a {type(value).__name__}; expected a tensor, a number or an array")
+
+
+def as_map_data(name: str, splits: Any) -> MapData:
+    """``MapData`` from what a data target returned, ``(train, test)``; errors say what is wrong.
+
+    >>> as_map_data("toy", [(torch.zeros(2), 0, 1)] * 3)
+    Traceback (most recent call last):
+        ...
+    ValueError: returned a list of 3 items; expected (train, test): two map-style torch Datasets (test may be None)
+    """
+    if not isinstance(splits, (tuple, list)) or len(splits) != 2:
+        kind = f"a {type(splits).__name__} of {len(splits)} items" if isinstance(splits, (tuple, list)) else f"a {type(splits).__name__}"
+        raise ValueError(f"returned {kind}; expected (train, test): two map-style torch Datasets (test may be None)")
+    train, test = splits
+    _check_split(train, "train")
+    if test is not None:
+        _check_split(test, "test")
+    return MapData(name, train, test)
+
+
+def _as_default_float(batch: Tensor, value: Any) -> Tensor:
+    # Python floats collate to float64; models are in the default dtype (float32).
+    return batch.to(torch.get_default_dtype()) if isinstance(value, float) else batch
+
+
+def collate(items: list) -> tuple[Tensor, Tensor]:
+    """``(inputs, targets)`` of a list of ``(input, target)`` items, stacked along a new first dim.
+
+    Python ints become int64 and Python floats the default float dtype.
+
+    >>> collate([(torch.zeros(3), 1), (torch.ones(3), 0)])
+    (tensor([[0., 0., 0.],
+            [1., 1., 1.]]), tensor([1, 0]))
+    >>> collate([(1.5, 2.0)])[1].dtype
+    torch.float32
+    """
+    inputs, targets = default_collate(items)
+    return _as_default_float(inputs, items[0][0]), _as_default_float(targets, items[0][1])
+
+
+class StepSampler(Sampler):
+    """Rank ``rank``'s sample indices for each optimizer step ``start_step .. stop_step - 1``.
+
+    Step ``s``'s global batch is positions ``s * G .. (s + 1) * G - 1`` of the stream of
+    one permutation per epoch seeded by ``(seed, epoch)`` (the order ``global_batch``
+    takes for in-memory data); rank ``r`` of ``W`` gets the ``r``-th contiguous ``G / W``
+    of it. The ranks together read the same global batches in the same order for any
+    world size, and a run resumed at step ``k`` starts at the exact sample an
+    uninterrupted one reads there.
+
+    >>> list(StepSampler(8, 4, seed=0, stop_step=2))  # one process: steps 0 and 1
+    [[4, 7, 5, 2], [1, 0, 6, 3]]
+    >>> [list(StepSampler(8, 4, seed=0, rank=r, world_size=2, stop_step=2)) for r in range(2)]
+    [[[4, 7], [1, 0]], [[5, 2], [6, 3]]]
+    >>> list(StepSampler(8, 4, seed=0, start_step=1, stop_step=2))  # resumed at step 1
+    [[1, 0, 6, 3]]
+    """
+
+    def __init__(
+        self, n: int, global_batch_size: int, seed: int, rank: int = 0, world_size: int = 1,
+        start_step: int = 0, stop_step: int | None = None,
+    ):
+        if not 0 < global_batch_size <= n:
+            raise ValueError(f"data.global_batch_size={global_batch_size}: expected between 1 and the {n} training samples")
+        if global_batch_size % world_size:
+            raise ValueError(f"data.global_batch_size={global_batch_size} is not divisible by the world size {world_size}")
+        self.n, self.size, self.seed = n, global_batch_size, seed
+        self.rank, self.world_size = rank, world_size
+        self.start = start_step
+        # Without an end the sampler never stops: one epoch has no meaning in steps.
+        self.stop = stop_step
+
+    def __len__(self) -> int:
+        if self.stop is None:
+            raise TypeError("StepSampler without stop_step is unbounded")
+        return max(0, self.stop - self.start)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        per_rank = self.size // self.world_size
+        cache: dict[int, Tensor] = {}
+        step = self.start
+        while self.stop is None or step < self.stop:
+            first = step * self.size + self.rank * per_rank
+            yield _epoch_indices(self.n, first, per_rank, self.seed, cache).tolist()
+            step += 1
+
+
+def train_batches(
+    data: Dataset | MapData, global_batch_size: int, seed: int, rank: int, world_size: int,
+    start_step: int, stop_step: int, num_workers: int = 0, pin_memory: bool = False,
+) -> Iterator[tuple[Tensor, Tensor]]:
+    """This rank's batch of each step ``start_step .. stop_step - 1``.
+
+    In-memory data is cut by ``global_batch`` and ``shard``; ``MapData`` is read through
+    a ``DataLoader`` over a ``StepSampler`` (same order rule) with ``num_workers`` worker
+    processes and, for a GPU, ``pin_memory``.
+
+    >>> from torch.utils.data import TensorDataset
+    >>> digits = load_digits()
+    >>> as_items = as_map_data("digits", (TensorDataset(digits.train_x, digits.train_y), None))
+    >>> a = next(train_batches(digits, 8, 0, rank=1, world_size=2, start_step=3, stop_step=4))
+    >>> b = next(train_batches(as_items, 8, 0, rank=1, world_size=2, start_step=3, stop_step=4))
+    >>> all(torch.equal(u, v) for u, v in zip(a, b))
+    True
+    """
+    if isinstance(data, Dataset):
+        return (shard(global_batch(data, step, global_batch_size, seed), rank, world_size) for step in range(start_step, stop_step))
+    sampler = StepSampler(len(data.train), global_batch_size, seed, rank, world_size, start_step, stop_step)
+    # The generator only seeds the workers (random transforms inside a dataset); the order is the sampler's.
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + rank)
+    loader = DataLoader(
+        data.train, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate,
+        generator=generator,
+    )
+    return iter(loader)
+
+
+def num_train_samples(data: Dataset | MapData) -> int:
+    """Samples in the training split (characters for a text stream).
+
+    >>> num_train_samples(load_digits())
+    1438
+    """
+    return len(data.train) if isinstance(data, MapData) else data.train_x.shape[0]
+
+
+def has_test_split(data: Dataset | MapData) -> bool:
+    """Whether ``data`` has a test split to evaluate on.
+
+    >>> has_test_split(load_digits())
+    True
+    """
+    if isinstance(data, MapData):
+        return data.test is not None
+    return data.test_x is not None and data.test_y is not None
+
+
+def model_arguments(data: Dataset | MapData) -> dict[str, Any]:
+    """What the data tells a model's constructor (``None`` where it cannot tell).
+
+    ``in_features`` (elements of one input), ``in_channels`` (its first dim, 1 for a
+    vector), ``num_classes`` and ``vocab_size`` (from the dataset, or a split's
+    ``num_classes`` / ``classes`` / ``vocab_size`` attributes), ``block_size`` and
+    ``out_features`` (the classes for integer targets, the elements of one target for
+    real-valued ones).
+
+    >>> args = model_arguments(load_digits())
+    >>> args["in_features"], args["in_channels"], args["num_classes"], args["out_features"]
+    (64, 1, 10, 10)
+    """
+    if isinstance(data, Dataset):
+        if data.is_text:
+            return {"vocab_size": data.num_classes, "block_size": data.block_size, "num_classes": data.num_classes,
+                    "out_features": data.num_classes, "in_features": None, "in_channels": None}
+        x = data.train_x[0]
+        return {"in_features": x.numel(), "in_channels": x.shape[0] if x.dim() >= 2 else 1,
+                "num_classes": data.num_classes, "out_features": data.num_classes, "vocab_size": None, "block_size": None}
+    inputs, targets = collate([data.train[0]])
+    x, y = inputs[0], targets[0]
+    classes = getattr(data.train, "num_classes", None)
+    if classes is None and hasattr(data.train, "classes"):
+        classes = len(data.train.classes)
+    real = y.is_floating_point()
+    return {
+        "in_features": x.numel(),
+        "in_channels": x.shape[0] if x.dim() >= 2 else 1,
+        "num_classes": classes,
+        "out_features": y.numel() if real else classes,
+        "vocab_size": getattr(data.train, "vocab_size", None),
+        "block_size": getattr(data.train, "block_size", None),
+    }
+
+
+def eval_batches(
+    data: Dataset | MapData, batch_size: int, max_batches: int | None = None, num_workers: int = 0
+) -> Iterator[tuple[Tensor, Tensor]]:
     """Deterministic in-order batches of the test split (the last one may be smaller).
 
     Text: consecutive non-overlapping windows ``x = t[jT:(j+1)T]``, ``y = t[jT+1:(j+1)T+1]``.
-    ``max_batches`` stops early (``None``: the whole split).
+    ``max_batches`` stops early (``None``: the whole split). A ``MapData`` test split is
+    read through a ``DataLoader`` with ``num_workers`` workers.
 
     >>> data = load_digits()
     >>> sum(len(y) for _, y in eval_batches(data, batch_size=100))
     359
     """
-    if data.test_x is None or data.test_y is None:
+    if not has_test_split(data):
         raise ValueError(f"dataset {data.name!r} has no test split")
     if batch_size <= 0:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
+    if isinstance(data, MapData):
+        loader = DataLoader(data.test, batch_size=batch_size, num_workers=num_workers, collate_fn=collate)
+        return itertools.islice(loader, max_batches)
+    return _in_memory_eval_batches(data, batch_size, max_batches)
+
+
+def _in_memory_eval_batches(data: Dataset, batch_size: int, max_batches: int | None) -> Iterator[tuple[Tensor, Tensor]]:
     if data.is_text:
         T = data.block_size
         n_windows = (data.test_x.shape[0] - 1) // T

@@ -18,13 +18,21 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from fdp import checkpoint
 from fdp.comm import Comm
-from fdp.config import ConfigError, validate
-from fdp.data import Dataset, eval_batches, global_batch, load_dataset, shard
+from fdp.config import DATA_SETTINGS, ConfigError, validate
+from fdp.data import (
+    Dataset,
+    MapData,
+    as_map_data,
+    eval_batches,
+    has_test_split,
+    model_arguments,
+    num_train_samples,
+    train_batches,
+)
 from fdp.devices import Placement, batch_to_device, device_of, host_plan, place, probe_gpus, to_device, visible_gpus
 from fdp.functional import FunctionalModel, functionalize
 from fdp.hooks import Hook
@@ -42,41 +50,71 @@ from fdp.launch import (
     tune_allocator,
 )
 from fdp.metrics import MetricsLog, StepTimes, progress, summary_line
-from fdp.models import build_model, count_parameters
+from fdp.losses import Criterion, batch_metrics, build_loss, cross_entropy, make_loss_fn
+from fdp.models import count_parameters
 from fdp.optim import GradientTransformation, build_optimizer
 from fdp.plan import BucketPlan, plan_buckets
 from fdp.slurm import job_world
+from fdp.targets import build, label
 from fdp.trace import NullTimeline, Timeline
-from fdp.train import TrainState, cross_entropy_loss, init_train_state, make_train_step, planner_loss
+from fdp.train import TrainState, init_train_state, make_train_step, planner_loss
 
 log = logging.getLogger("fdp")
 
 
 # -- building the pieces from config ------------------------------------------------------
-def build_data(cfg: DictConfig) -> Dataset:
-    settings = {k: v for k, v in OmegaConf.to_container(cfg).items() if k not in ("name", "global_batch_size")}
+def build_data(cfg: DictConfig) -> Dataset | MapData:
+    """The data ``data._target_`` returns: an in-memory ``Dataset`` (built-ins) or ``(train, test)`` torch Datasets."""
+    node = OmegaConf.to_container(cfg, resolve=True)
+    # e.g. max_chars too small for two splits of block_size + 1: "data=stdlib_text: max_chars=..."
+    returned = build("data", node, skip=DATA_SETTINGS)
+    if isinstance(returned, Dataset):
+        return returned
     try:
-        return load_dataset(cfg.name, seed=0, **settings)
-    except ValueError as error:  # e.g. max_chars too small for two splits of block_size + 1
-        raise ConfigError(f"data={cfg.name}: {error}") from None
+        return as_map_data(str(cfg.get("_target_")), returned)
+    except ValueError as error:
+        raise ConfigError(f"{label('data', node)}: {error}") from None
 
 
-def check_data(cfg: DictConfig, data: Dataset) -> None:
+def check_data(cfg: DictConfig, data: Dataset | MapData) -> None:
     """The settings ``validate`` cannot check without the data: every rank refuses them alike."""
     gbs = cfg.data.global_batch_size
-    if not data.is_text and gbs > data.train_x.shape[0]:
+    n = num_train_samples(data)
+    if not (isinstance(data, Dataset) and data.is_text) and gbs > n:
+        raise ConfigError(f"data.global_batch_size={gbs}: expected at most the {n} training samples of {_name(cfg.data)}")
+
+
+def build_module(cfg: DictConfig, data: Dataset | MapData) -> torch.nn.Module:
+    """The model ``model._target_`` names, given what the data decides where its signature asks for it."""
+    module = build("model", OmegaConf.to_container(cfg, resolve=True), offered=model_arguments(data))
+    if not isinstance(module, torch.nn.Module):
+        raise ConfigError(f"{label('model', cfg)}: returned a {type(module).__name__}; expected a torch.nn.Module")
+    return module
+
+
+def _name(node: DictConfig) -> str:
+    """A built-in's name, or the dotted path of a custom target (for logs and summaries)."""
+    return str(node.get("_target_")) if node.name == "custom" else node.name
+
+
+def _describe(batch: tuple) -> str:
+    return ", ".join(f"{part} {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for part, t in zip(("inputs", "targets"), batch))
+
+
+def check_fit(cfg: DictConfig, loss_fn, params, buffers, batch: tuple) -> None:
+    """Run the model and the loss on the first batch: a model/data/loss that do not fit is refused before step 1."""
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            loss, _ = loss_fn(params, buffers, batch)
+    except (RuntimeError, ValueError, TypeError, IndexError) as error:
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise ConfigError(
-            f"data.global_batch_size={gbs}: expected at most the {data.train_x.shape[0]} training samples of {data.name}"
-        )
-
-
-def build_module(cfg: DictConfig, data: Dataset) -> torch.nn.Module:
-    settings = {k: v for k, v in OmegaConf.to_container(cfg).items() if k != "name"}
-    if cfg.name == "mlp":
-        return build_model("mlp", in_features=data.train_x[0].numel(), out_features=data.num_classes, **settings)
-    if cfg.name == "convnet":
-        return build_model("convnet", in_channels=1, num_classes=data.num_classes, **settings)
-    return build_model("charlm", vocab_size=data.num_classes, block_size=data.block_size, **settings)
+            f"{label('model', cfg.model)} does not fit {label('data', cfg.data)} with {label('loss', cfg.loss)}: "
+            f"{reason} (first batch: {_describe(batch)})"
+        ) from None
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
+        got = f"shape {tuple(loss.shape)} {loss.dtype}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ConfigError(f"{label('loss', cfg.loss)}: returned {got}; expected a floating-point scalar")
 
 
 def placement_of(cfg: DictConfig, probe=None) -> Placement:
@@ -132,19 +170,26 @@ def resolve_world(cfg: DictConfig) -> DictConfig:
 
 # -- evaluation -------------------------------------------------------------------------------
 @torch.no_grad()
-def evaluate(model: FunctionalModel, params, buffers, data: Dataset, max_batches: int, batch_size: int = 256) -> dict:
-    """Mean loss and accuracy over (up to ``max_batches`` batches of) the test split, on the params' device."""
+def evaluate(
+    model: FunctionalModel, params, buffers, data: Dataset | MapData, max_batches: int, batch_size: int = 256,
+    criterion: Criterion = cross_entropy, num_workers: int = 0,
+) -> dict:
+    """Mean loss over (up to ``max_batches`` batches of) the test split, and accuracy where it applies.
+
+    Accuracy applies to class scores ``(..., classes)`` for integer targets ``(...)``. Runs on
+    the params' device.
+    """
     device = device_of(params)
-    total_loss, correct, count = torch.zeros((), device=device, dtype=torch.float64), torch.zeros((), device=device, dtype=torch.int64), 0
-    for batch in eval_batches(data, batch_size, max_batches):
+    total_loss, count, correct, scored = 0.0, 0, 0, 0
+    for batch in eval_batches(data, batch_size, max_batches, num_workers=num_workers):
         x, y = batch_to_device(batch, device)
-        logits, _ = model.apply(params, buffers, x, training=False)
-        logits, y = logits.reshape(-1, logits.shape[-1]), y.reshape(-1)
-        # Summed on the device: one host sync at the end, not two per batch.
-        total_loss += F.cross_entropy(logits, y, reduction="sum")
-        correct += (logits.argmax(-1) == y).sum()
-        count += y.numel()
-    return {"test_loss": total_loss.item() / count, "test_acc": correct.item() / count}
+        outputs, _ = model.apply(params, buffers, x, training=False)
+        loss, weight, hits, n = batch_metrics(criterion, outputs, y)
+        total_loss, count, correct, scored = total_loss + loss, count + weight, correct + hits, scored + n
+    metrics = {"test_loss": total_loss / count}
+    if scored:
+        metrics["test_acc"] = correct / scored
+    return metrics
 
 
 # -- the run --------------------------------------------------------------------------------
@@ -152,12 +197,13 @@ class Run(NamedTuple):
     """Everything a worker builds before step 1."""
 
     model: FunctionalModel
-    data: Dataset
+    data: Dataset | MapData
     plan: BucketPlan
     hook: Hook
     optimizer: GradientTransformation
     state: TrainState
     num_params: int
+    criterion: Criterion = cross_entropy
 
 
 def setup(cfg: DictConfig, comm: Comm, device: torch.device = torch.device("cpu")) -> Run:
@@ -174,9 +220,11 @@ def setup(cfg: DictConfig, comm: Comm, device: torch.device = torch.device("cpu"
     num_params = count_parameters(module)
     model, params, buffers = functionalize(module, keep_module_weights=False)  # the state holds the weights
     params, buffers = to_device(params, device), to_device(buffers, device)
-    loss_fn = cross_entropy_loss(model)
-    example = shard(global_batch(data, 0, cfg.data.global_batch_size, cfg.seed), comm.rank, comm.world_size)
+    criterion = build_loss(OmegaConf.to_container(cfg.loss, resolve=True))
+    loss_fn = make_loss_fn(model, criterion)
+    example = next(train_batches(data, cfg.data.global_batch_size, cfg.seed, comm.rank, comm.world_size, 0, 1))
     example = batch_to_device(tuple(t[: max(1, t.shape[0] // cfg.trainer.accum_steps)] for t in example), device)
+    check_fit(cfg, loss_fn, params, buffers, example)
     plan = plan_buckets(
         planner_loss(loss_fn, buffers),
         params,
@@ -191,7 +239,7 @@ def setup(cfg: DictConfig, comm: Comm, device: torch.device = torch.device("cpu"
     hook = build_hook(OmegaConf.to_container(cfg.hooks))
     optimizer = build_optimizer(OmegaConf.to_container(cfg.optim), cfg.trainer.max_steps)
     state = init_train_state(params, buffers, optimizer, plan, hook, seed=cfg.seed + comm.rank)
-    return Run(model, data, plan, hook, optimizer, state, num_params)
+    return Run(model, data, plan, hook, optimizer, state, num_params, criterion)
 
 
 def _save(run_dir: Path, state: TrainState, comm: Comm, cfg: DictConfig, plan: BucketPlan) -> None:
@@ -307,13 +355,13 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm, device: torch.device) -> 
         (run_dir / "plan.txt").write_text(f"{run.plan}\nfingerprint: {run.plan.fingerprint()}\n")
         (run_dir / "plan.json").write_text(json.dumps(run.plan.to_dict(), indent=1))
         log.info(
-            f"{cfg.model.name}: {run.num_params:,} parameters in {len(run.plan)} buckets "
+            f"{_name(cfg.model)}: {run.num_params:,} parameters in {len(run.plan)} buckets "
             f"({run.plan.nbytes / 2**20:.2f} MiB, plan {run.plan.fingerprint()[:12]}, see plan.txt), world {world} on {device}"
             + (f" over {dist.get_backend()}" if dist.is_initialized() else "")
         )
     timeline = Timeline(rank) if tc.trace else NullTimeline()
     train_step = make_train_step(
-        cross_entropy_loss(run.model),
+        make_loss_fn(run.model, run.criterion),
         run.optimizer,
         run.plan,
         run.hook,
@@ -332,10 +380,13 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm, device: torch.device) -> 
     bar = progress(last_step, state.step, enabled=tc.progress and rank == 0)
     tracker = Progress(run_dir, rank)
     heartbeat = Heartbeat(rank, world).start() if world > 1 else None
+    num_workers = cfg.data.get("num_workers", 0)
+    on_gpu = any(p.is_cuda for p in state.params.values())
+    batches = train_batches(run.data, gbs, cfg.seed, rank, world, state.step, last_step, num_workers, pin_memory=on_gpu)
     try:
         while state.step < last_step:
             tracker.update(state.step + 1)
-            batch = batch_to_device(shard(global_batch(run.data, state.step, gbs, cfg.seed), rank, world), device)
+            batch = batch_to_device(next(batches), device)
             state, m = train_step(state, batch)
             times.add(m)
             skipped += m["skipped"]
@@ -358,8 +409,9 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm, device: torch.device) -> 
                     "compression": run.plan.nbytes / m["bytes_sent"] if m["bytes_sent"] else None,
                     "skipped_steps": skipped,
                 }
-                if (tc.eval_every and step % tc.eval_every == 0 or done) and run.data.test_x is not None and rank == 0:
-                    last_eval = evaluate(run.model, state.params, state.buffers, run.data, tc.eval_batches)
+                if (tc.eval_every and step % tc.eval_every == 0 or done) and has_test_split(run.data) and rank == 0:
+                    last_eval = evaluate(run.model, state.params, state.buffers, run.data, tc.eval_batches,
+                                         criterion=run.criterion, num_workers=num_workers)
                     record.update(last_eval)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", samples_s=f"{record['samples_per_s']:.0f}")
                 if metrics_log:
@@ -379,7 +431,7 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm, device: torch.device) -> 
     bar.close()
     wall = time.perf_counter() - t_start
     summary = {
-        "model": cfg.model.name,
+        "model": _name(cfg.model),
         "world": world,
         "device": device.type,
         "steps": state.step,

@@ -4,6 +4,8 @@
     python recipes/train.py model=charlm data=stdlib_text optim=adamw trainer.max_steps=300
     python recipes/train.py world=local2 hooks=powersgd hooks.rank=4
     python recipes/train.py -m hooks=allreduce,powersgd       # a sweep, one run directory each
+    PYTHONPATH=. python recipes/train.py model=custom model._target_=my_pkg.models.Net +model.width=256 \
+        data=custom data._target_=my_pkg.data.make      # your own model and data (README)
 
 Every setting is in conf/ and fdp/config.py; the logic lives in fdp/trainer.py.
 """

@@ -7,10 +7,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from torch.utils.data import IterableDataset, TensorDataset
+
 from fdp.data import (
     STDLIB_TEXT_MODULES,
     Dataset,
+    StepSampler,
     _digits_split,
+    as_map_data,
+    collate,
+    model_arguments,
+    train_batches,
     eval_batches,
     global_batch,
     load_dataset,
@@ -313,3 +320,103 @@ def test_load_dataset(digits):
     assert data.name == "stdlib_text" and data.block_size == 8
     with pytest.raises(ValueError, match="known datasets: digits, stdlib_text"):
         load_dataset("mnist")
+
+
+# --- a user's map-style datasets ---------------------------------------------------------------
+
+
+class _Items(torch.utils.data.Dataset):
+    """Items as a user might write them: a tensor input and a Python number target."""
+
+    def __init__(self, n, real=False):
+        self.n, self.real = n, real
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.full((3,), float(i)), (i / 2 if self.real else i)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_step_sampler_ranks_read_the_global_batch_of_one_process_in_order(world_size):
+    n, size, steps = 37, 12, 9  # batches cross epoch boundaries
+    one = list(StepSampler(n, size, seed=3, stop_step=steps))
+    ranks = [list(StepSampler(n, size, seed=3, rank=r, world_size=world_size, stop_step=steps)) for r in range(world_size)]
+    for step in range(steps):
+        assert sum((ranks[r][step] for r in range(world_size)), []) == one[step]
+    # Each epoch is a permutation of all samples, and the order is the in-memory path's.
+    stream = sum(one, [])
+    assert sorted(stream[:n]) == list(range(n)) and sorted(stream[n : 2 * n]) == list(range(n))
+    toy = _toy(n)
+    assert [global_batch(toy, s, size, seed=3)[1].tolist() for s in range(steps)] == one
+
+
+def test_step_sampler_resumes_at_the_exact_sample():
+    uninterrupted = list(StepSampler(50, 16, seed=1, rank=1, world_size=2, stop_step=10))
+    assert list(StepSampler(50, 16, seed=1, rank=1, world_size=2, start_step=7, stop_step=10)) == uninterrupted[7:]
+    assert len(StepSampler(50, 16, seed=1, start_step=7, stop_step=10)) == 3
+    with pytest.raises(ValueError, match="global_batch_size=51: expected between 1 and the 50 training samples"):
+        StepSampler(50, 51, seed=0)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_loader_batches_equal_the_in_memory_path(digits, num_workers):
+    """Digits as a map-style Dataset through a DataLoader: the batches of global_batch + shard, on every rank."""
+    items = as_map_data("digits", (TensorDataset(digits.train_x, digits.train_y), None))
+    for rank in range(2):
+        fast = list(train_batches(digits, 32, 5, rank, 2, start_step=40, stop_step=47))
+        loaded = list(train_batches(items, 32, 5, rank, 2, start_step=40, stop_step=47, num_workers=num_workers))
+        assert len(loaded) == 7 and all(_equal(a, b) for a, b in zip(fast, loaded))
+
+
+def test_collate_gives_default_dtypes_for_python_numbers():
+    x, y = collate([_Items(4)[i] for i in range(4)])
+    assert x.shape == (4, 3) and x.dtype == torch.float32 and y.dtype == torch.int64 and y.tolist() == [0, 1, 2, 3]
+    assert collate([_Items(4, real=True)[3]])[1].dtype == torch.float32
+
+
+class _Stream(IterableDataset):
+    def __iter__(self):
+        yield torch.zeros(2), 0
+
+
+class _Unsized(torch.utils.data.Dataset):
+    def __getitem__(self, i):
+        return torch.zeros(2), 0
+
+
+class _Triples(_Items):
+    def __getitem__(self, i):
+        return torch.zeros(2), 0, 1
+
+
+class _Strings(_Items):
+    def __getitem__(self, i):
+        return "a picture", 0
+
+
+@pytest.mark.parametrize("splits,message", [
+    (_Items(3), r"^returned a _Items; expected \(train, test\): two map-style torch Datasets \(test may be None\)$"),
+    ((_Items(3),), r"^returned a tuple of 1 items; expected \(train, test\)"),
+    ((_Stream(), None), r"^the train split is a _Stream; expected a map-style torch Dataset \(items by index\)$"),
+    ((_Unsized(), None), r"^the train split \(_Unsized\) has no len\(\); expected a map-style Dataset with __len__$"),
+    ((_Items(0), None), r"^the train split is empty$"),
+    ((_Triples(3), None), r"^train item 0 is a 3-tuple; expected a pair \(input, target\)$"),
+    ((_Items(3), _Strings(3)), r"^test item 0: its input is a str; expected a tensor, a number or an array$"),
+])
+def test_map_data_refuses_what_is_not_a_pair_of_map_style_datasets(splits, message):
+    with pytest.raises(ValueError, match=message):
+        as_map_data("mine", splits)
+
+
+def test_model_arguments_come_from_the_items_and_the_dataset():
+    data = as_map_data("mine", (_Items(5), None))
+    args = model_arguments(data)
+    assert (args["in_features"], args["in_channels"], args["num_classes"], args["out_features"]) == (3, 1, None, None)
+    train = TensorDataset(torch.zeros(5, 2, 4, 4), torch.zeros(5, dtype=torch.int64))
+    train.classes = ["cat", "dog"]  # torchvision's convention
+    args = model_arguments(as_map_data("mine", (train, None)))
+    assert (args["in_features"], args["in_channels"], args["num_classes"], args["out_features"]) == (32, 2, 2, 2)
+    args = model_arguments(as_map_data("mine", (TensorDataset(torch.zeros(5, 3), torch.zeros(5, 2)), None)))
+    assert args["out_features"] == 2 and args["num_classes"] is None

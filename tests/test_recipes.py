@@ -1,6 +1,8 @@
 """The shell entry points, run as a user runs them, and every config in conf/."""
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -16,8 +18,8 @@ CONF = ROOT / "conf"
 register_configs()
 
 
-def recipe(name, *overrides, timeout=300):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def recipe(name, *overrides, timeout=300, env=None):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(
         [sys.executable, str(ROOT / "recipes" / name), *overrides],
         capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env,
@@ -25,7 +27,7 @@ def recipe(name, *overrides, timeout=300):
 
 
 def group_options():
-    for group in ("model", "data", "optim", "hooks", "world", "trainer"):
+    for group in ("model", "data", "loss", "optim", "hooks", "world", "trainer"):
         for path in sorted((CONF / group).glob("*.yaml")):
             yield group, path.stem
 
@@ -58,3 +60,18 @@ def test_plan_recipe_prints_a_table_and_fingerprint(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "bucket" in proc.stdout and "fingerprint: " in proc.stdout
     assert len(json.loads(out.read_text())["buckets"]) > 1
+
+
+def test_the_example_project_trains_with_the_command_in_its_readme(tmp_path):
+    """examples/README.md's command, as written, with a shorter run appended (later overrides win)."""
+    text = (ROOT / "examples" / "README.md").read_text()
+    command = shlex.split(re.search(r"```bash\n(.*?)\n```", text, re.S).group(1))
+    assert command[0] == "PYTHONPATH=examples" and command[1:3] == ["python", "recipes/train.py"]
+    pythonpath = os.pathsep.join(p for p in (str(ROOT / "examples"), os.environ.get("PYTHONPATH")) if p)
+    proc = recipe("train.py", *command[3:], "trainer.max_steps=60", "trainer.eval_every=30", "trainer.progress=false",
+                  f"hydra.run.dir={tmp_path}", env={"PYTHONPATH": pythonpath})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = [l for l in proc.stdout.splitlines() if l.startswith("fdp: ")]
+    assert len(summary) == 1 and "model=my_project.models.Net" in summary[0]
+    records = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["summary"] and records[-1]["steps"] == 60 and records[-1]["test_acc"] > 0.6  # chance: 1/3

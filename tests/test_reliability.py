@@ -406,6 +406,13 @@ def previous_run(tmp_path_factory):
 
 
 M = ["model.hidden=16"]
+EXAMPLES = ROOT / "examples"  # examples/my_project: a user's own model and data
+MINE = ["data=custom", "data._target_=my_project.data.make"]
+NET = ["model=custom", "model._target_=my_project.models.Net"]
+# TensorDataset items are 3-tuples here: random_split hands back (train, test) of them.
+TRIPLES = ["data=custom", "data._target_=torch.utils.data.random_split", "+data.lengths=[8,2]", "data.global_batch_size=4",
+           "+data.dataset={_target_:torch.utils.data.TensorDataset,_args_:[{_target_:torch.zeros,_args_:[10,3]},"
+           "{_target_:torch.zeros,_args_:[10]},{_target_:torch.zeros,_args_:[10]}]}"]
 CHARLM = ["model=charlm", "data=stdlib_text", "model.d_model=16", "model.n_layer=1", "model.n_head=2", "data.block_size=8"]
 # (overrides, where it is refused, what the first line of the error must say). Where:
 # "compose" = Hydra refuses the override; "validate" = fdp.config.validate before anything
@@ -451,11 +458,38 @@ BAD_INPUTS = [
     (["optim.lr_schedule=linear"], "validate", r"^optim\.lr_schedule='linear': expected constant or warmup_cosine$"),
     (["optim.clip_norm=0"], "validate", r"^optim\.clip_norm=0\.0: expected null \(off\) or > 0$"),
     (["data.test_fraction=1.0"], "validate", r"^data\.test_fraction=1\.0: expected a fraction in \(0, 1\)$"),
+    # Registries of models, datasets and losses, and targets of one's own.
+    (["model.name=resnet"], "validate", r"^model\.name='resnet': unknown model; known models: charlm, convnet, custom, mlp$"),
+    (["data.name=mnist"], "validate", r"^data\.name='mnist': unknown dataset; known datasets: custom, digits, stdlib_text$"),
+    (["loss.name=hinge"], "validate", r"^loss\.name='hinge': unknown loss; known losses: cross_entropy, custom, mse$"),
+    (["model=custom"], "validate", r"^model\._target_: missing; model=custom needs the dotted path to a class or function "
+                                   r"\(e\.g\. model\._target_=my_pkg\.models\.Net\)$"),
+    (["model=custom", "model._target_=no_such_pkg.models.Net"], "validate",
+     r"^model\._target_='no_such_pkg\.models\.Net': cannot import it \(No module named 'no_such_pkg'; is its directory on PYTHONPATH\?\)$"),
+    (["data=custom", "data._target_=my_project.data.mkae"], "validate",
+     r"^data\._target_='my_project\.data\.mkae': module my_project\.data has no attribute 'mkae'$"),
+    ([*MINE, "data.num_workers=-1"], "validate", r"^data\.num_workers=-1: expected an integer >= 0$"),
+    ([*MINE, "+model.widht=3"], "run", r"^model=mlp: (MLP\.)?__init__\(\) got an unexpected keyword argument 'widht' "
+                                       r"\(called with hidden=16, depth=2, widht=3, in_features=8, out_features=3\)$"),
+    ([*NET, *MINE, "+model.in_features=5"], "run",
+     r"^model\._target_='my_project\.models\.Net' does not fit data\._target_='my_project\.data\.make' with loss=cross_entropy: "
+     r"mat1 and mat2 shapes cannot be multiplied \(64x8 and 5x64\) \(first batch: inputs \(64, 8\) float32, targets \(64,\) int64\)$"),
+    ([*MINE, "loss=mse"], "run", r"^model=mlp does not fit data\._target_='my_project\.data\.make' with loss=mse: mse: outputs of "
+                                 r"shape \(64, 3\) and targets of shape \(64,\) differ; expected the same shape"),
+    ([*MINE, "loss=custom", "loss._target_=torch.nn.functional.l1_loss", "+loss.smoothing=0.1"], "run",
+     r"^loss\._target_='torch\.nn\.functional\.l1_loss': got an unexpected keyword argument 'smoothing'$"),
+    ([*MINE, "loss=custom", "loss._target_=torch.nn.functional.cross_entropy", "+loss.reduction=none"], "run",
+     r"^loss\._target_='torch\.nn\.functional\.cross_entropy': returned shape \(64,\) torch\.float32; expected a floating-point scalar$"),
+    (TRIPLES, "run", r"^data\._target_='torch\.utils\.data\.random_split': train item 0 is a 3-tuple; expected a pair \(input, target\)$"),
+    (["data=custom", "data._target_=torch.zeros", "+data._args_=[3]"], "run",
+     r"^data\._target_='torch\.zeros': returned a Tensor; expected \(train, test\): two map-style torch Datasets \(test may be None\)$"),
+    ([*MINE, "+data.n_train=10"], "run", r"^data\.global_batch_size=64: expected at most the 10 training samples of my_project\.data\.make$"),
     ([], "validate", r"^hydra\.run\.dir='.*': expected a directory without a previous run \(or set trainer\.resume=true"),
 ]
 
 
-def test_bad_inputs_are_refused_with_one_line_naming_the_setting(previous_run, tmp_path):
+def test_bad_inputs_are_refused_with_one_line_naming_the_setting(previous_run, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLES))
     previous, corrupt = previous_run
     before = {d: _snapshot(d) for d in (previous, corrupt)}
     dirs = {"missing": tmp_path / "missing", "corrupt": corrupt}
@@ -501,14 +535,20 @@ RECIPE_CASES = [
     (["trainer.resume=true", "model.hidden=32"], 2, r"error: checkpoint .*/last\.pt was written with another bucket plan .*"),
     (["trainer.resume=true", "hydra.run.dir={corrupt}"], 2, r"error: checkpoint .*/last\.pt is unreadable \(truncated or corrupted\?\): .*"),
     (["trainer.max_stpes=5"], 1, None),  # Hydra's own message: its first line names the key
+    (["model.name=resnet"], 2, r"error: model\.name='resnet': unknown model; known models: charlm, convnet, custom, mlp"),
+    (["data.name=mnist"], 2, r"error: data\.name='mnist': unknown dataset; known datasets: custom, digits, stdlib_text"),
+    # A model that does not fit the data, refused by the workers before step 1.
+    (["world=local2", *MINE, "+model.in_features=5", "hydra.run.dir={fresh2}"], 2,
+     r"error: model=mlp does not fit data\._target_='my_project\.data\.make' with loss=cross_entropy: .*\(rank [01]\)"),
 ]
 
 
 def test_bad_inputs_through_the_recipe_exit_non_zero_with_one_line(previous_run, tmp_path):
     previous, corrupt = previous_run
-    dirs = {"corrupt": corrupt, "fresh": tmp_path / "fresh"}
+    dirs = {"corrupt": corrupt, "fresh": tmp_path / "fresh", "fresh2": tmp_path / "fresh2"}
     before = {d: _snapshot(d) for d in (previous, corrupt)}
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    pythonpath = os.pathsep.join(p for p in (str(EXAMPLES), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath}
     procs = []
     for overrides, status, expected in RECIPE_CASES:  # concurrently: each is mostly start-up
         run_dir = next((dirs[o[len("hydra.run.dir={"):-1]] for o in overrides if o.startswith("hydra.run.dir=")), previous)

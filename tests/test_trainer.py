@@ -1,5 +1,6 @@
 """The run loop through Hydra configs: world-size invariance and what a run writes."""
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ from fdp.config import register_configs
 from fdp.trainer import run
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 register_configs()
 
 SMALL = {
@@ -17,7 +19,17 @@ SMALL = {
     "convnet": ["model=convnet", "model.width=8"],
     "charlm": ["model=charlm", "data=stdlib_text", "model.d_model=32", "model.n_layer=2", "model.n_head=2",
                "data.block_size=16", "data.max_chars=20000", "optim=adamw", "optim.warmup_steps=5"],
+    # examples/my_project: a user's own model and map-style datasets, read through a DataLoader.
+    "custom": ["model=custom", "model._target_=my_project.models.Net", "+model.width=16", "+model.depth=2",
+               "data=custom", "data._target_=my_project.data.make", "+data.n_train=300", "+data.n_test=64"],
 }
+
+
+@pytest.fixture
+def examples_on_path(monkeypatch):
+    """examples/ importable here and in the workers, as ``PYTHONPATH=examples`` does from the shell."""
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(EXAMPLES), os.environ.get("PYTHONPATH")) if p))
 
 
 def make_cfg(*overrides):
@@ -34,8 +46,8 @@ def max_diff(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-@pytest.mark.parametrize("model", ["mlp", "charlm", "convnet"])
-def test_two_ranks_train_like_one_process_on_the_union_batch(tmp_path, model):
+@pytest.mark.parametrize("model", ["mlp", "charlm", "convnet", "custom"])
+def test_two_ranks_train_like_one_process_on_the_union_batch(tmp_path, model, examples_on_path):
     """world=local2 ends with the params of world=single on the same global batches (20 steps).
 
     BatchNorm normalises over each rank's own shard, so for the conv net the one-process
@@ -64,3 +76,30 @@ def test_run_writes_metrics_summary_and_rank_logs(tmp_path):
     for rank in (0, 1):  # one timeline per rank
         trace = json.loads((tmp_path / "trace" / f"rank{rank}.json").read_text())
         assert sum(e["name"] == "optimizer" for e in trace["traceEvents"]) == 6
+
+
+def test_custom_data_stopped_and_resumed_equals_an_uninterrupted_run(tmp_path, examples_on_path):
+    """A run stopped at step 7 and resumed (with DataLoader worker processes this time) ends on the same bits."""
+    steps = [*SMALL["custom"], "trainer.max_steps=15", "data.global_batch_size=32"]
+    whole = run(make_cfg(*steps), tmp_path / "whole")
+    run(make_cfg(*steps, "trainer.stop_at=7"), tmp_path / "parts")
+    resumed = run(make_cfg(*steps, "trainer.resume=true", "data.num_workers=2"), tmp_path / "parts")
+    a, b = final_params(tmp_path / "whole"), final_params(tmp_path / "parts")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert resumed["steps"] == whole["steps"] == 15 and resumed["model"] == "my_project.models.Net"
+    assert 0.0 <= whole["test_acc"] <= 1.0 and whole["test_loss"] == resumed["test_loss"]
+
+
+def test_loss_setting_picks_the_training_loss(tmp_path, examples_on_path):
+    steps = [*SMALL["custom"], "trainer.max_steps=6"]
+    run(make_cfg(*steps), tmp_path / "default")
+    run(make_cfg(*steps, "loss=custom", "loss._target_=torch.nn.functional.cross_entropy"), tmp_path / "torch")
+    run(make_cfg(*steps, "+loss.label_smoothing=0.3"), tmp_path / "smoothed")
+    default, torch_ce, smoothed = (final_params(tmp_path / d) for d in ("default", "torch", "smoothed"))
+    assert all(torch.equal(default[k], torch_ce[k]) for k in default)  # the same function, reached by its path
+    assert max_diff(default, smoothed) > 1e-4
+    # Regression: real-valued targets, mean squared error, no accuracy.
+    summary = run(make_cfg(*steps, "loss=mse", "+data.target=radius", "optim.lr=0.01", "trainer.log_every=1"), tmp_path / "mse")
+    assert "test_acc" not in summary and summary["test_loss"] > 0
+    losses = [json.loads(l)["loss"] for l in (tmp_path / "mse" / "metrics.jsonl").read_text().splitlines()[:-1]]
+    assert losses[-1] < losses[0]
