@@ -43,6 +43,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.netsim import Cluster, NetsimError, node_command, node_env  # noqa: E402,F401
+
 PYTHON = sys.executable
 WARMUP_STEPS = 2  # fdp's StepTimes skips the first 2 steps; the DDP worker does the same
 

@@ -67,7 +67,7 @@ def parse_args():
     p.add_argument("--reps", type=int, help="repetitions of every run, the caps' order reversed each time "
                    "(default 2; --quick 1); the table merges the timed steps of all")
     p.add_argument("--timeout", type=float, default=900)
-    p.add_argument("--force", action="store_true", help="rebuild netsim even if nsim-* namespaces exist")
+    p.add_argument("--force", action="store_true", help="rebuild the simulated cluster even if its fdpsim-* namespaces exist")
     p.add_argument("--write", action="store_true", help="with --quick: write into benchmarks/results")
     p.add_argument("--out", help="results directory (default benchmarks/results)")
     a = p.parse_args()

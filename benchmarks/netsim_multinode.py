@@ -69,7 +69,7 @@ def parse_args():
                         "sides), interleaved with the others (default 3; --quick 1)")
     p.add_argument("--no-ddp", action="store_true")
     p.add_argument("--timeout", type=float, default=1200, help="seconds per run")
-    p.add_argument("--force", action="store_true", help="rebuild netsim even if nsim-* namespaces exist")
+    p.add_argument("--force", action="store_true", help="rebuild the simulated cluster even if its fdpsim-* namespaces exist")
     p.add_argument("--write", action="store_true", help="with --quick: write into benchmarks/results")
     p.add_argument("--out", help="results directory (default benchmarks/results)")
     p.add_argument("--name", default="netsim_multinode", help="stem of the result files (default netsim_multinode)")

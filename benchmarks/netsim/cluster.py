@@ -7,8 +7,8 @@ own namespace. Two back-ends:
 
 * ``veth``: ``nsim0`` is a veth whose peer ``p<k>`` is a port of bridge ``br0`` in the
   switch. A ``tbf`` on ``nsim0`` limits what the node sends, a ``tbf`` on ``p<k>`` what it
-  receives: a full-duplex NIC of the chosen rate. Delay is a ``netem`` under the uplink
-  ``tbf``, on kernels that have ``sch_netem``.
+  receives: a full-duplex NIC of the chosen rate. A delay is a ``netem`` at the root of
+  ``nsim0`` with the uplink ``tbf`` as its child, on kernels that have ``sch_netem``.
 * ``tun``: for a delay on kernels without ``netem``. ``nsim0`` is a TUN device, and
   ``relay.py`` (a process in the switch namespace) moves packets between the nodes after
   the delay and at the downlink rate; the uplink is again a ``tbf`` on ``nsim0``.
@@ -150,8 +150,8 @@ def node_env(k: int, world: int, port: int) -> dict[str, str]:
 
 
 def tbf_burst(rate_bps: int) -> int:
-    """Bytes a tbf may send at once: 1 ms at the rate, and at least 128 KiB so that a 64 KiB
-    segment always fits (a smaller bucket starves TSO and caps the rate well below the setting).
+    """Bytes a tbf may send at once: 1 ms at the rate, and at least 128 KiB, so that a 64 KiB
+    GSO segment always fits in the bucket and is not cut into MTU-sized packets.
 
     >>> tbf_burst(10**9), tbf_burst(10**10)
     (131072, 1250000)
@@ -172,8 +172,8 @@ def namespaces(prefix: str = DEFAULT_PREFIX) -> list[str]:
     """The namespaces of the cluster called ``prefix`` that exist now."""
     out = _run(["ip", "netns", "list"]).stdout
     names = Names(prefix)
-    return sorted((ln.split()[0] for ln in out.splitlines() if ln.strip() and names.owns(ln.split()[0])),
-                  key=lambda s: (len(s), s))
+    found = [ln.split()[0] for ln in out.splitlines() if ln.strip() and names.owns(ln.split()[0])]
+    return sorted(found, key=lambda ns: (len(ns), ns))  # node2 before node10
 
 
 def _nodes(prefix: str) -> list[str]:
@@ -223,10 +223,13 @@ def _start_relay(names: Names, nodes: int, delay_s: float, rate_bps: int) -> int
     ready, _, _ = select.select([proc.stdout], [], [], 15.0)
     line = proc.stdout.readline().strip() if ready else ""
     if line != "ready":
-        if proc.poll() is None:
+        try:  # a relay that failed is exiting with its traceback: let it finish
+            proc.wait(5.0)
+        except subprocess.TimeoutExpired:
             proc.kill()
-        rest = proc.stdout.read().strip().splitlines() if proc.poll() is not None else []
-        raise NetsimError(f"the tun relay did not start: {(rest or [line or 'no answer in 15 s'])[-1]}")
+            proc.wait()
+        said = [line, *proc.stdout.read().strip().splitlines()] if line else []
+        raise NetsimError(f"the tun relay did not start: {said[-1] if said else 'no answer in 15 s'}")
     proc.stdout.close()
     return proc.pid
 
@@ -419,7 +422,7 @@ class Cluster:
         if existing and not self.force:
             raise NetsimError(
                 f"namespaces {', '.join(existing)} already exist (another run, or one that was killed); "
-                f"remove them with `python -m benchmarks.netsim down --prefix {self.prefix}` or rebuild with force")
+                f"remove them with `python -m benchmarks.netsim down --prefix {self.prefix}`, or rebuild them (--force)")
         for sig in _TEARDOWN_SIGNALS:
             if signal.getsignal(sig) in (signal.SIG_DFL, None):
                 self._old_handlers[sig] = signal.signal(sig, _raise_exit)
