@@ -1,11 +1,11 @@
 """Shared pieces of the netsim benchmarks (``netsim_multinode.py``, ``bucket_size.py``).
 
-* ``Netsim``: brings a simulated cluster up with ``/work/shared/netsim/netsim.sh`` (network
-  namespaces ``nsim-node<K>`` with shaped veth links) and takes it down again on exit,
-  on an exception, on Ctrl-C and on SIGTERM/SIGHUP; afterwards ``ip netns list`` must show
-  no ``nsim-*`` namespace, or the benchmark says so.
-* ``run_ranks``: one process per simulated node (``run_in_node.sh K cmd``), each in its own
-  session so that a Ctrl-C or a timeout stops exactly the processes started here.
+* ``Cluster`` (from ``benchmarks/netsim``): the simulated cluster, network namespaces
+  ``fdpsim-node<K>`` with shaped veth links, taken down again on exit, on an exception, on
+  Ctrl-C and on SIGTERM/SIGHUP.
+* ``run_ranks``: one process per simulated node (``ip netns exec fdpsim-node<K> cmd`` with
+  torchrun's environment), each in its own session so that a Ctrl-C or a timeout stops
+  exactly the processes started here. Every rank imports fdp from this checkout.
 * ``fdp_run``: the user path, ``python recipes/train.py world=torchrun ...`` on every node;
   reads back ``metrics.jsonl`` (one line per step: ``trainer.log_every=1``).
 * ``ddp_run``: the same model, data, optimizer and world under
@@ -31,7 +31,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -39,7 +38,12 @@ from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
-NETSIM_DIR = Path(os.environ.get("NETSIM_DIR", "/work/shared/netsim"))
+RUNS = REPO / "benchmarks" / "runs"  # logs and run directories (git ignores it)
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.netsim import Cluster, NetsimError, node_command, node_env  # noqa: E402,F401
+
 PYTHON = sys.executable
 WARMUP_STEPS = 2  # fdp's StepTimes skips the first 2 steps; the DDP worker does the same
 
@@ -108,20 +112,7 @@ class LoadMeter:
                 "wall_s": round(self.wall, 1)}
 
 
-# ----------------------------------------------------------------------------- netsim
-class NetsimError(RuntimeError):
-    pass
-
-
-def netns_list() -> list[str]:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
-    return [line.split()[0] for line in out.splitlines() if line.strip()]
-
-
-def nsim_namespaces() -> list[str]:
-    return [ns for ns in netns_list() if ns.startswith("nsim-")]
-
-
+# ----------------------------------------------------------------------------- stopping
 class _Stop(BaseException):
     """Raised by the SIGTERM/SIGHUP handler, so ``finally`` blocks run."""
 
@@ -164,65 +155,6 @@ def keeping_partial_results(name: str, meta: dict, started: float, save: Callabl
         save()
 
 
-class Netsim:
-    """``with Netsim(nodes=2) as net: net.up("1gbit") ...``; always ``down`` at exit.
-
-    Refuses to start when ``nsim-*`` namespaces already exist (someone else's cluster, or
-    one left behind: ``/work/shared/netsim/netsim.sh down`` removes it) unless ``force``.
-    """
-
-    def __init__(self, nodes: int = 2, force: bool = False):
-        self.nodes, self.force, self.rate = nodes, force, None
-        self.script = NETSIM_DIR / "netsim.sh"
-
-    def __enter__(self) -> "Netsim":
-        if os.geteuid() != 0:
-            raise NetsimError("netsim needs root (network namespaces and tc)")
-        if not self.script.exists():
-            raise NetsimError(f"{self.script} not found (set NETSIM_DIR)")
-        existing = nsim_namespaces()
-        if existing and not self.force:
-            raise NetsimError(
-                f"netsim namespaces already exist ({', '.join(existing)}): another run may be using them. "
-                f"Take them down with `{self.script} down` (or pass --force to rebuild them)"
-            )
-        return self
-
-    def _sh(self, *args: str) -> str:
-        proc = subprocess.run([str(self.script), *args], capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise NetsimError(f"netsim.sh {' '.join(args)} failed: {proc.stderr.strip() or proc.stdout.strip()}")
-        return proc.stdout.strip()
-
-    def up(self, rate: str) -> str:
-        """(Re)build the cluster at ``rate`` per node and direction; no delay (veth back-end)."""
-        msg = self._sh("up", str(self.nodes), rate, "0")
-        self.rate = rate
-        return msg
-
-    def down(self) -> None:
-        self._sh("down")
-        self.rate = None
-
-    def __exit__(self, *exc) -> bool:
-        # Signals must not interrupt the teardown itself.
-        old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-        try:
-            try:
-                self.down()
-            except NetsimError as error:
-                print(f"netsim: teardown failed: {error}", file=sys.stderr, flush=True)
-            left = nsim_namespaces()
-            if left:
-                print(f"netsim: WARNING namespaces left behind: {', '.join(left)}", file=sys.stderr, flush=True)
-            else:
-                print("netsim: down; `ip netns list` shows no nsim-* namespace", flush=True)
-        finally:
-            for s, h in old.items():
-                signal.signal(s, h)
-        return False
-
-
 # ----------------------------------------------------------------------------- launching ranks
 _PORT = [29700 + (os.getpid() % 200) * 10]
 
@@ -252,8 +184,9 @@ def _kill_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
 def run_ranks(argv: list[str], logs: list[Path], timeout_s: float, netsim: bool, extra_env: dict | None = None) -> list[int]:
     """Run ``argv`` once per rank (``len(logs)`` ranks); return the exit codes.
 
-    ``netsim``: rank K runs in node K through ``run_in_node.sh`` with torchrun's env;
-    otherwise ``argv`` runs once on this host (a ``world=local2`` recipe spawns its ranks).
+    ``netsim``: rank K runs in node K with torchrun's env; otherwise ``argv`` runs once on
+    this host (a ``world=local2`` recipe spawns its ranks). Either way fdp is imported from
+    this checkout, whatever else is installed.
     """
     world = len(logs) if netsim else 1
     port = next_port()
@@ -261,11 +194,13 @@ def run_ranks(argv: list[str], logs: list[Path], timeout_s: float, netsim: bool,
     files = []
     try:
         for k, log in enumerate(logs[:world]):
-            env = dict(os.environ, PYTHONUNBUFFERED="1", TORCH_CPP_LOG_LEVEL="ERROR", **(extra_env or {}))
+            path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+            env = dict(os.environ, PYTHONUNBUFFERED="1", TORCH_CPP_LOG_LEVEL="ERROR", PYTHONPATH=path,
+                       **(extra_env or {}))
             if netsim:
-                env.update(RANK=str(k), WORLD_SIZE=str(world), LOCAL_RANK="0", LOCAL_WORLD_SIZE=str(world),
-                           MASTER_ADDR="10.77.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="nsim0")
-                cmd = [str(NETSIM_DIR / "run_in_node.sh"), str(k), *argv]
+                env.update(node_env(k, world, port))
+                env["LOCAL_WORLD_SIZE"] = str(world)  # all nodes share this host's cores: see the module doc
+                cmd = node_command(k, argv)
             else:
                 cmd = list(argv)
             f = open(log, "w")
@@ -375,7 +310,7 @@ def fdp_run(model: str, variant: str, steps: int, run_dir: Path, netsim: bool, t
     overrides = [
         "world=torchrun" if netsim else f"world=local{world}",
         *MODELS[model], *COMMON, *hook_overrides(variant), f"trainer.max_steps={steps}",
-        *(extra or []), f"hydra.run.dir={run_dir}",
+        *(extra or []), f"hydra.run.dir={shown(run_dir)}",  # the ranks run in REPO
     ]
     argv = [PYTHON, str(REPO / "recipes" / "train.py"), *overrides]
     logs = [run_dir.parent / f"{run_dir.name}.rank{k}.log" for k in range(world)]
@@ -534,9 +469,18 @@ def ddp_worker(args) -> None:
 
 
 def work_dir(name: str) -> Path:
-    root = Path(os.environ.get("TMPDIR", tempfile.gettempdir())) / name / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    """``benchmarks/runs/<name>/<date-time>``: logs and run directories of one invocation."""
+    root = RUNS / name / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     root.mkdir(parents=True, exist_ok=True)
     return root
+
+
+def shown(path: Path) -> str:
+    """``path`` relative to the repository when it is inside it: what tables and logs record."""
+    try:
+        return str(Path(path).resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
 
 
 def main() -> None:

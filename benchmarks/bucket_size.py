@@ -4,7 +4,7 @@ The 25.27M-parameter MLP of ``netsim_multinode.py`` (25 x 1024 hidden on digits,
 per rank, Adam), mean allreduce, trained by the user's path ``recipes/train.py`` on two ranks:
 
 * ``loopback``: ``world=local2`` (the recipe starts both ranks on this host, gloo on ``lo``);
-* ``1gbit``: two simulated nodes (``/work/shared/netsim``, veth, 1 Gbit/s per node and
+* ``1gbit``: two simulated nodes (``benchmarks/netsim``, veth, 1 Gbit/s per node and
   direction), ``world=torchrun`` in each; the network is taken down at the end, on an
   error, on Ctrl-C and on SIGTERM/SIGHUP.
 
@@ -21,8 +21,8 @@ below that all give about one bucket per weight.
     python benchmarks/bucket_size.py --quick    # 4 caps, schedule after, few steps
     python benchmarks/bucket_size.py --networks loopback   # no root needed
 
-Writes ``benchmarks/results/bucket_size.{md,json,png}`` after every run (``--quick``: a
-scratch directory unless ``--write``).
+Writes ``benchmarks/results/bucket_size.{md,json,png}`` after every run (``--quick``: beside
+its logs in ``benchmarks/runs/bucket_size/<date-time>/`` unless ``--write``).
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def parse_args():
     p.add_argument("--reps", type=int, help="repetitions of every run, the caps' order reversed each time "
                    "(default 2; --quick 1); the table merges the timed steps of all")
     p.add_argument("--timeout", type=float, default=900)
-    p.add_argument("--force", action="store_true", help="rebuild netsim even if nsim-* namespaces exist")
+    p.add_argument("--force", action="store_true", help="rebuild the simulated cluster even if its fdpsim-* namespaces exist")
     p.add_argument("--write", action="store_true", help="with --quick: write into benchmarks/results")
     p.add_argument("--out", help="results directory (default benchmarks/results)")
     a = p.parse_args()
@@ -196,14 +196,14 @@ def main() -> None:
     N.install_signal_handlers()
     import torch
 
-    work = N.work_dir("fdp-bucket-size")
+    work = N.work_dir("bucket_size")
     out_dir = Path(args.out) if args.out else (work if args.quick and not args.write else N.RESULTS)
     meta = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
         "command": "python " + " ".join([f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]]),
         "steps": args.steps, "reps": args.reps, "schedules": args.schedules, "caps": args.caps,
-        "load_start": os.getloadavg()[0], "work_dir": str(work), "notes": [],
+        "load_start": os.getloadavg()[0], "work_dir": N.shown(work), "notes": [],
     }
     order = interleave(args.caps)
     total = len(args.networks) * len(order) * len(args.schedules) * args.reps
@@ -223,7 +223,7 @@ def main() -> None:
                 netsim = network != "loopback"
                 if netsim:
                     if net is None:
-                        net = stack.enter_context(N.Netsim(nodes=2, force=args.force))
+                        net = stack.enter_context(N.Cluster(nodes=2, force=args.force))
                     print(net.up(network), flush=True)
                 sequence = [(rep, cap) for rep in range(args.reps) for cap in (order if rep % 2 == 0 else order[::-1])]
                 for i, (rep, cap) in enumerate(sequence):

@@ -1,6 +1,6 @@
 """Benchmark: fdp vs DDP on two simulated nodes with shaped links (netsim), per comm hook.
 
-Two network namespaces (``/work/shared/netsim``: veth links, tbf at RATE per node and
+Two network namespaces (``benchmarks/netsim``: veth links, tbf at RATE per node and
 direction, no added delay), one rank per node, gloo over ``nsim0``. For each rate
 (1 Gbit/s and 100 Mbit/s), each model and each hook:
 
@@ -24,8 +24,9 @@ loss at the last step (mean over ranks, the batch of that step, as fdp logs it).
     python benchmarks/netsim_multinode.py --quick    # MLP, 3 hooks, few steps (~5 min)
 
 Writes ``benchmarks/results/netsim_multinode.{md,json}`` and ``netsim_multinode*.png``
-after every run (``--quick`` writes to a scratch directory unless ``--write``). The network
-is taken down at the end, on an error, on Ctrl-C and on SIGTERM/SIGHUP.
+after every run; ``--quick`` writes them beside its logs, in
+``benchmarks/runs/netsim_multinode/<date-time>/``, unless ``--write``. The network is taken
+down at the end, on an error, on Ctrl-C and on SIGTERM/SIGHUP.
 """
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ def parse_args():
                         "sides), interleaved with the others (default 3; --quick 1)")
     p.add_argument("--no-ddp", action="store_true")
     p.add_argument("--timeout", type=float, default=1200, help="seconds per run")
-    p.add_argument("--force", action="store_true", help="rebuild netsim even if nsim-* namespaces exist")
+    p.add_argument("--force", action="store_true", help="rebuild the simulated cluster even if its fdpsim-* namespaces exist")
     p.add_argument("--write", action="store_true", help="with --quick: write into benchmarks/results")
     p.add_argument("--out", help="results directory (default benchmarks/results)")
     p.add_argument("--name", default="netsim_multinode", help="stem of the result files (default netsim_multinode)")
@@ -331,7 +332,7 @@ def main() -> None:
     import torch
 
     quick_scratch = args.quick and not args.write and not args.out
-    work = N.work_dir("fdp-netsim-multinode")
+    work = N.work_dir(args.name)
     out_dir = Path(args.out) if args.out else (work if quick_scratch else N.RESULTS)
     meta = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -343,7 +344,7 @@ def main() -> None:
         "steps": args.steps,
         "steps_uncompressed": args.steps_uncompressed,
         "load_start": os.getloadavg()[0],
-        "work_dir": str(work),
+        "work_dir": N.shown(work),
         "notes": [],
         "name": args.name,  # stem of the result files
     }
@@ -369,7 +370,7 @@ def main() -> None:
         print(f"netsim_multinode: results in {out_dir}", flush=True)
 
     with N.keeping_partial_results("netsim_multinode", meta, t_start, save):
-        with N.Netsim(nodes=2, force=args.force) as net:
+        with N.Cluster(nodes=2, force=args.force) as net:
             for rate, model, runs in plan:
                 print(net.up(rate), flush=True)
                 for rep in range(max(reps for _, _, reps in runs)):
