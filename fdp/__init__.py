@@ -8,14 +8,17 @@ The pieces, one module each:
 * ``hooks``: gradient-reduction stages (allreduce, fp16, PowerSGD, top-k) composed with ``hooks.chain``.
 * ``comm`` / ``reduce``: collectives as values, and the runtime that keeps buckets in flight.
 * ``train``: ``TrainState`` and the pure ``train_step(state, batch) -> (state, metrics)``.
-* ``launch`` / ``trainer`` / ``checkpoint``: worlds of processes, the run loop, atomic checkpoints.
+* ``launch`` / ``replicas``: worlds of processes; one consistent state on every rank (``setup_state``, ``sync_buffers``).
+* ``checks``: what a Python caller hands the train step, checked with errors naming the argument.
+* ``trainer`` / ``checkpoint``: the run loop; atomic checkpoints of every rank (``save_checkpoint``, ``load_checkpoint``).
 """
 from fdp import hooks
 from fdp.buckets import allocate, pack, unpack
+from fdp.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from fdp.comm import Comm, Pending
 from fdp.functional import FunctionalModel, functionalize
 from fdp.hooks import GradBucket, Hook
-from fdp.launch import WorldLayout, init_distributed, spawn
+from fdp.launch import WorldLayout, broadcast_from_rank0, check_same_plan, init_distributed, spawn
 from fdp.optim import (
     GradientTransformation,
     adam,
@@ -31,9 +34,12 @@ from fdp.optim import (
 )
 from fdp.plan import Bucket, BucketPlan, ParamSlot, gradient_ready_order, plan_buckets
 from fdp.reduce import GradReducer, Reduction, init_hook_states
+from fdp.replicas import BUFFER_SYNC, setup_state, sync_buffers
 from fdp.train import TrainState, cross_entropy_loss, init_train_state, make_train_step, planner_loss
 
 __all__ = [
+    "BUFFER_SYNC", "CheckpointError", "broadcast_from_rank0", "check_same_plan", "load_checkpoint", "save_checkpoint",
+    "setup_state", "sync_buffers",
     "Bucket", "BucketPlan", "Comm", "FunctionalModel", "GradBucket", "GradReducer", "GradientTransformation",
     "Hook", "ParamSlot", "Pending", "Reduction", "TrainState", "WorldLayout", "adam", "adamw", "allocate",
     "apply_gradients", "apply_updates", "chain", "clip_by_global_norm", "constant_schedule", "cross_entropy_loss", "functionalize",

@@ -105,6 +105,7 @@ class TrainerConfig:
     allow_unused: bool = False
     schedule: str = "auto"  # auto | after | overlap: when bucket reductions start (auto: overlap on more than one process)
     nonfinite: str = "raise"  # raise | skip
+    sync_buffers: str = "broadcast"  # broadcast | average | local: buffers (BatchNorm statistics) across ranks
     trace: bool = False  # write a Chrome trace per rank to <run dir>/trace/ (for short diagnostic runs)
     progress: bool = True
 
@@ -172,6 +173,12 @@ class TopKConfig:
 
 
 @dataclass
+class Int8Config:
+    name: str = "int8"
+    error_feedback: bool = True
+
+
+@dataclass
 class ChainConfig:
     name: str = "chain"
     stages: List[Any] = field(default_factory=list)
@@ -201,6 +208,7 @@ SCHEMAS = {
         "powersgd": PowerSGDConfig,
         "batched_powersgd": BatchedPowerSGDConfig,
         "topk": TopKConfig,
+        "int8": Int8Config,
         "chain": ChainConfig,
     },
     "world": {"world": WorldConfig},
@@ -262,6 +270,8 @@ def validate(cfg: Any, run_dir: Any = None) -> None:
         _require(t[key] > 0, f"trainer.{key}", t[key], "a size in MiB > 0")
     _require(t.schedule in ("auto", "after", "overlap"), "trainer.schedule", t.schedule, "auto, after or overlap")
     _require(t.nonfinite in ("raise", "skip"), "trainer.nonfinite", t.nonfinite, "raise or skip")
+    _require(t.sync_buffers in ("broadcast", "average", "local"), "trainer.sync_buffers", t.sync_buffers,
+             "broadcast, average or local")
     _require(w.launcher in LAUNCHERS, "world.launcher", w.launcher, f"one of {LAUNCHERS}")
     _require(w.backend in BACKENDS, "world.backend", w.backend, f"one of {BACKENDS}")
     _require(w.nproc_per_node >= 1, "world.nproc_per_node", w.nproc_per_node, "an integer >= 1")

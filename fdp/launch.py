@@ -184,9 +184,15 @@ def init_distributed(layout: WorldLayout) -> Comm:
 
     Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``,
     which both the elastic launcher and ``torchrun`` set. Every collective of the group
-    times out after ``layout.timeout_s`` seconds instead of hanging.
+    times out after ``layout.timeout_s`` seconds instead of hanging. ``launcher="none"``
+    (a world of one, no process group) is refused in a process a launcher started as one
+    of several (``WORLD_SIZE > 1``).
+
+    >>> init_distributed(WorldLayout()).world_size
+    1
     """
     if layout.launcher == "none":
+        _refuse_world_of_one()
         return Comm()
     backend = resolve_backend(layout.backend)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -212,6 +218,19 @@ def init_distributed(layout: WorldLayout) -> Comm:
     if layout.launcher == "elastic" and expected != layout.world_size:
         raise RuntimeError(f"world has {expected} processes, layout expects {layout.world_size}")
     return Comm()
+
+
+def _refuse_world_of_one() -> None:
+    # Under a launcher every process would otherwise train alone: no error, no bytes sent,
+    # ranks drifting apart.
+    launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if launched > 1:
+        raise RuntimeError(
+            f"init_distributed: layout.launcher='none' makes a world of one, but this process was started "
+            f"as rank {os.environ.get('RANK', '?')} of WORLD_SIZE={launched}: use "
+            "WorldLayout('elastic', nproc_per_node=N) in workers started by fdp.spawn, or "
+            "WorldLayout('torchrun') under torchrun"
+        )
 
 
 def _attempt_store(timeout: datetime.timedelta):

@@ -32,8 +32,6 @@ from fdp.launch import (
     RankLostError,
     WorkerFailedError,
     WorldLayout,
-    broadcast_from_rank0,
-    check_same_plan,
     init_distributed,
     spawn,
     tune_allocator,
@@ -51,8 +49,9 @@ from fdp.optim import (
     warmup_cosine_schedule,
 )
 from fdp.plan import BucketPlan, plan_buckets
+from fdp.replicas import setup_state
 from fdp.trace import Timeline
-from fdp.train import TrainState, cross_entropy_loss, init_train_state, make_train_step, planner_loss
+from fdp.train import TrainState, cross_entropy_loss, make_train_step, planner_loss
 
 log = logging.getLogger("fdp")
 
@@ -102,6 +101,9 @@ def build_module(cfg: DictConfig, data: Dataset) -> torch.nn.Module:
 def layout_of(cfg: DictConfig) -> WorldLayout:
     world = cfg.world
     nnodes, nproc = world.nnodes, world.nproc_per_node
+    launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world.launcher == "none" and launched > 1:
+        raise ConfigError(f"world={world.name}: this process was started as one of WORLD_SIZE={launched}; expected world=torchrun")
     if world.launcher == "torchrun":
         nproc = int(os.environ.get("LOCAL_WORLD_SIZE", nproc))
         nnodes = int(os.environ.get("WORLD_SIZE", nproc)) // max(1, nproc)
@@ -154,12 +156,9 @@ def setup(cfg: DictConfig, comm: Comm) -> Run:
         first_bucket_cap_mb=cfg.trainer.first_bucket_cap_mb,
         allow_unused=cfg.trainer.allow_unused,
     )
-    # Shapes are checked before any broadcast: a broadcast of mismatched shapes would hang.
-    check_same_plan(plan, comm)
-    params, buffers = broadcast_from_rank0(params, comm), broadcast_from_rank0(buffers, comm)
     hook = build_hook(OmegaConf.to_container(cfg.hooks))
     optimizer = build_optimizer(cfg.optim, cfg.trainer.max_steps)
-    state = init_train_state(params, buffers, optimizer, plan, hook, seed=cfg.seed + comm.rank)
+    state = setup_state(params, buffers, optimizer, plan, hook, comm, seed=cfg.seed)
     return Run(model, data, plan, hook, optimizer, state, num_params)
 
 
@@ -184,26 +183,12 @@ def schedule_for(cfg: DictConfig, world_size: int) -> str:
 
 
 def _save(run_dir: Path, state: TrainState, comm: Comm, cfg: DictConfig, plan: BucketPlan) -> None:
-    mine = checkpoint.rank_payload(state)
-    per_rank = [mine]
-    if comm.world_size > 1:
-        per_rank = [None] * comm.world_size if comm.rank == 0 else None
-        dist.gather_object(mine, per_rank, dst=0)
-    if comm.rank == 0:
-        payload = checkpoint.state_payload(
-            state, per_rank, {"config": OmegaConf.to_yaml(cfg), "plan_fingerprint": plan.fingerprint()}
-        )
-        checkpoint.save(run_dir / "checkpoints", payload, keep=cfg.trainer.keep_checkpoints)
+    extra = {"config": OmegaConf.to_yaml(cfg)}
+    checkpoint.save_checkpoint(run_dir / "checkpoints", state, plan, comm, keep=cfg.trainer.keep_checkpoints, extra=extra)
 
 
 def _resume(run_dir: Path, run: Run, comm: Comm) -> TrainState:
-    path = run_dir / "checkpoints" / checkpoint.LAST
-    payload = [checkpoint.load(path) if comm.rank == 0 else None]
-    if comm.world_size > 1:
-        dist.broadcast_object_list(payload, src=0)
-    if payload[0].get("plan_fingerprint") != run.plan.fingerprint():
-        raise checkpoint.CheckpointError(f"checkpoint {path} was written with another bucket plan (model or bucket caps changed)")
-    return checkpoint.restore(payload[0], run.state, comm.rank, path)
+    return checkpoint.load_checkpoint(run_dir / "checkpoints" / checkpoint.LAST, run.state, run.plan, comm)
 
 
 class Progress:
@@ -310,6 +295,7 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm) -> dict:
         nonfinite=tc.nonfinite,
         timeline=timeline,
         donate=True,  # the loop below never looks at a state again once it has the next
+        sync_buffers=tc.sync_buffers,
     )
     metrics_log = MetricsLog(run_dir, resume=state.step > 0) if rank == 0 else None
     times, skipped, last_eval, record = StepTimes(), 0, {}, {}

@@ -71,7 +71,7 @@ import torch
 
 from fdp.comm import Comm
 from fdp.hooks.allreduce import allreduce
-from fdp.hooks.base import GradBucket, Hook
+from fdp.hooks.base import GradBucket, Hook, expect_floating
 from fdp.plan import Bucket
 
 __all__ = ["PowerSGDState", "powersgd", "batched_powersgd", "DEFAULT_START_ITER"]
@@ -317,6 +317,7 @@ def powersgd(
         return PowerSGDState(0, error, q, _rng_init(seed, bucket.index), 0)
 
     def apply(state: PowerSGDState, grads: GradBucket, comm: Comm):
+        expect_floating(grads, "powersgd")
         if state.iteration < start_iter:
             grads = yield from _average(grads, comm)
             return grads, state._replace(iteration=state.iteration + 1)
@@ -418,6 +419,7 @@ def batched_powersgd(
         return PowerSGDState(0, error, q, _rng_init(seed, bucket.index), 0)
 
     def apply(state: PowerSGDState, grads: GradBucket, comm: Comm):
+        expect_floating(grads, "batched_powersgd")
         if state.iteration < start_iter:
             grads = yield from _average(grads, comm)
             return grads, state._replace(iteration=state.iteration + 1)

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 
 from fdp.comm import Comm
-from fdp.hooks.base import GradBucket, Hook
+from fdp.hooks.base import GradBucket, Hook, expect_floating
 from fdp.plan import Bucket
 
 __all__ = ["TopKState", "topk"]
@@ -57,6 +57,7 @@ def topk(ratio: float = 0.01, error_feedback: bool = True, k: int | None = None)
         return TopKState(torch.zeros(bucket.numel, dtype=bucket.torch_dtype, device=bucket.device))
 
     def apply(state: TopKState, grads: GradBucket, comm: Comm):
+        expect_floating(grads, "topk")
         world = comm.world_size
         buf = grads.buffer
         x = buf + state.error.to(buf.dtype) if error_feedback else buf
