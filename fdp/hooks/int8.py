@@ -50,7 +50,7 @@ def int8_compress(error_feedback: bool = True) -> Hook:
     >>> hook = int8_compress(error_feedback=False)
     """
     if not isinstance(error_feedback, bool):
-        raise ValueError(f"error_feedback={error_feedback!r}: expected True or False")
+        raise ValueError(f"error_feedback={error_feedback!r}: expected true or false")
 
     def init(bucket: Bucket) -> Int8State:
         if not error_feedback:

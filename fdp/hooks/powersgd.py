@@ -103,20 +103,20 @@ def _check_int(name: str, value, low: int, high: int | None = None) -> int:
         ok = value < high
     if not ok:
         bound = f">= {low}" if high is None else f"in [{low}, {high})"
-        raise ValueError(f"hooks.{name}={value!r}: expected an integer {bound}")
+        raise ValueError(f"{name}={value!r}: expected an integer {bound}")
     return int(value)
 
 
 def _check_float(name: str, value, low: float) -> float:
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value >= low
     if not ok:
-        raise ValueError(f"hooks.{name}={value!r}: expected a finite number >= {low}")
+        raise ValueError(f"{name}={value!r}: expected a finite number >= {low}")
     return float(value)
 
 
 def _check_bool(name: str, value) -> bool:
     if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"hooks.{name}={value!r}: expected true or false")
+        raise ValueError(f"{name}={value!r}: expected true or false")
     return bool(value)
 
 
