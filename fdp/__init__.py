@@ -11,16 +11,19 @@ The pieces, one module each:
 * ``train``: ``TrainState`` and the pure ``train_step(state, batch) -> (state, metrics)``.
 * ``devices``: which device each rank computes on (``world.accelerator``, ``world.devices``).
 * ``targets`` / ``losses``: models, data and losses named in config by ``_target_``.
-* ``launch`` / ``trainer`` / ``checkpoint``: worlds of processes, the run loop, atomic checkpoints.
+* ``launch`` / ``replicas``: worlds of processes; one consistent state on every rank (``setup_state``, ``sync_buffers``).
+* ``checks``: what a Python caller hands the train step, checked with errors naming the argument.
+* ``trainer`` / ``checkpoint``: the run loop; atomic checkpoints of every rank (``save_checkpoint``, ``load_checkpoint``).
 """
 from fdp import hooks
 from fdp.buckets import allocate, pack, unpack
+from fdp.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from fdp.comm import Comm, Pending
 from fdp.devices import Placement, batch_to_device, place, resolve_backend, to_device
 from fdp.functional import FunctionalModel, functionalize
 from fdp.hooks import GradBucket, Hook
 from fdp.data import MapData, StepSampler
-from fdp.launch import WorldLayout, init_distributed, spawn
+from fdp.launch import WorldLayout, broadcast_from_rank0, check_same_plan, init_distributed, spawn
 from fdp.losses import build_loss, make_loss_fn
 from fdp.optim import (
     GradientTransformation,
@@ -38,9 +41,12 @@ from fdp.optim import (
 )
 from fdp.plan import Bucket, BucketPlan, ParamSlot, gradient_ready_order, plan_buckets
 from fdp.reduce import GradReducer, Reduction, init_hook_states, resolve_schedule
+from fdp.replicas import BUFFER_SYNC, setup_state, sync_buffers
 from fdp.train import TrainState, cross_entropy_loss, init_train_state, make_train_step, planner_loss
 
 __all__ = [
+    "BUFFER_SYNC", "CheckpointError", "broadcast_from_rank0", "check_same_plan", "load_checkpoint", "save_checkpoint",
+    "setup_state", "sync_buffers",
     "Bucket", "BucketPlan", "Comm", "FunctionalModel", "GradBucket", "GradReducer", "GradientTransformation",
     "Hook", "MapData", "ParamSlot", "Pending", "Placement", "Reduction", "StepSampler", "TrainState", "WorldLayout",
     "adam", "adamw", "allocate", "apply_gradients", "apply_updates", "batch_to_device", "build_loss", "build_optimizer",

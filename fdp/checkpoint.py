@@ -11,6 +11,12 @@ on GPUs resumes on the CPU and the reverse, and on another number of GPUs.
 
 Files are written to a temporary name in the same directory, flushed to disk and then
 renamed, so a crash mid-write leaves the previous checkpoint intact.
+
+``save_checkpoint`` and ``load_checkpoint`` are the whole of it for a ``TrainState`` on
+any number of ranks (the trainer uses them too): every rank's share is gathered to rank
+0, which writes; on loading rank 0 reads and every rank takes its own share. What
+differs between ranks is stored per rank: the hook state (error feedback), the RNG, and
+buffers where a rank's differ from rank 0's (``sync_buffers="local"``).
 """
 from __future__ import annotations
 
@@ -21,8 +27,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from fdp._torch import tree_flatten, tree_unflatten
+from fdp.comm import Comm
+from fdp.devices import host_plan
+from fdp.plan import BucketPlan
 from fdp.train import TrainState
 
 LAST = "last.pt"
@@ -129,8 +139,22 @@ def state_payload(state: TrainState, per_rank: list[dict], extra: dict | None = 
 
 
 def rank_payload(state: TrainState) -> dict:
-    """What differs between ranks and must be saved for each: hook state (error feedback) and RNGs."""
-    return {"hook_state": _leaves(state.hook_state), "rng": state.rng, "cuda_rng": state.cuda_rng}
+    """What may differ between ranks and is saved for each: hook state (error feedback), RNGs, buffers.
+
+    ``save_checkpoint`` keeps only the buffers that differ from rank 0's.
+    """
+    return {
+        "hook_state": _leaves(state.hook_state), "rng": state.rng, "cuda_rng": state.cuda_rng,
+        "buffers": {name: _on_host(b) for name, b in state.buffers.items()},
+    }
+
+
+def _differing_buffers(per_rank: list[dict], reference: dict) -> list[dict]:
+    # Buffers equal to rank 0's (all of them unless sync_buffers="local") are stored once.
+    return [
+        {**mine, "buffers": {n: b for n, b in mine.get("buffers", {}).items() if not torch.equal(b, _on_host(reference[n]))}}
+        for mine in per_rank
+    ]
 
 
 def restore(payload: dict, template: TrainState, rank: int, path: str | os.PathLike = "checkpoint") -> TrainState:
@@ -149,10 +173,11 @@ def restore(payload: dict, template: TrainState, rank: int, path: str | os.PathL
     mine = ranks[rank]
     saved_cuda_rng = mine.get("cuda_rng")
     both_on_gpu = saved_cuda_rng is not None and saved_cuda_rng.numel() and template.cuda_rng.numel()
+    own_buffers = mine.get("buffers", {})
     return TrainState(
         step=int(payload["step"]),
         params={name: _like(payload["params"][name], t) for name, t in template.params.items()},
-        buffers={name: _like(payload["buffers"][name], t) for name, t in template.buffers.items()},
+        buffers={name: _like(own_buffers.get(name, payload["buffers"][name]), t) for name, t in template.buffers.items()},
         opt_state=_rebuild(template.opt_state, payload["opt_state"], "optimizer state", path),
         hook_state=_rebuild(template.hook_state, mine["hook_state"], "hook state", path),
         rng=mine["rng"],
@@ -177,3 +202,68 @@ def save(directory: str | os.PathLike, payload: dict, keep: int = 2) -> Path:
     for stale in directory.glob(".step_*.tmp"):
         stale.unlink(missing_ok=True)
     return path
+
+
+def save_checkpoint(
+    directory: str | os.PathLike,
+    state: TrainState,
+    plan: BucketPlan,
+    comm: Comm | None = None,
+    keep: int = 2,
+    extra: dict | None = None,
+) -> Path | None:
+    """Save ``state`` of every rank as ``step_<N>.pt`` and ``last.pt`` in ``directory``; call on every rank.
+
+    Rank 0 writes (atomically; the newest ``keep`` step files are kept) and returns the
+    path; other ranks return ``None``. The file records ``plan``'s fingerprint, which
+    ``load_checkpoint`` checks, and any ``extra`` entries (plain values: the file loads
+    with ``weights_only=True``).
+
+    >>> import tempfile
+    >>> from fdp import functionalize, plan_buckets, planner_loss, cross_entropy_loss, sgd, init_train_state
+    >>> model, params, buffers = functionalize(torch.nn.Linear(4, 3))
+    >>> batch = (torch.randn(8, 4), torch.randint(0, 3, (8,)))
+    >>> plan = plan_buckets(planner_loss(cross_entropy_loss(model), buffers), params, batch)
+    >>> state = init_train_state(params, buffers, sgd(0.1), plan)
+    >>> directory = tempfile.mkdtemp()
+    >>> save_checkpoint(directory, state, plan).name
+    'step_00000000.pt'
+    >>> load_checkpoint(directory, state, plan).step
+    0
+    """
+    comm = comm or Comm()
+    mine = rank_payload(state)
+    per_rank = [mine]
+    if comm.world_size > 1:
+        per_rank = [None] * comm.world_size if comm.rank == 0 else None
+        dist.gather_object(mine, per_rank, dst=0, group=comm.group)
+    if comm.rank != 0:
+        return None
+    payload = state_payload(
+        state, _differing_buffers(per_rank, state.buffers), {**(extra or {}), "plan_fingerprint": host_plan(plan).fingerprint()}
+    )
+    return save(directory, payload, keep=keep)
+
+
+def load_checkpoint(
+    path: str | os.PathLike, like: TrainState, plan: BucketPlan, comm: Comm | None = None
+) -> TrainState:
+    """This rank's ``TrainState`` from a checkpoint ``save_checkpoint`` wrote; call on every rank.
+
+    ``path`` is a checkpoint file or a directory (its ``last.pt``). ``like`` is a state
+    of the same run (from ``init_train_state`` or ``fdp.setup_state``): it gives the
+    structure of the optimizer and hook states. Rank 0 reads the file with
+    ``weights_only=True`` and sends it to the others; a file written with another
+    bucket plan than ``plan`` (another model, dtype or bucket caps) is refused with a
+    ``CheckpointError`` on every rank.
+    """
+    comm = comm or Comm()
+    path = Path(path)
+    if path.is_dir():
+        path = path / LAST
+    payload = [load(path) if comm.rank == 0 else None]
+    if comm.world_size > 1:
+        dist.broadcast_object_list(payload, src=0, group=comm.group)
+    if payload[0].get("plan_fingerprint") != host_plan(plan).fingerprint():
+        raise CheckpointError(f"checkpoint {path} was written with another bucket plan (model or bucket caps changed)")
+    return restore(payload[0], like, comm.rank, path)

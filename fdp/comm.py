@@ -22,6 +22,14 @@ class Pending:
     def __init__(self, result: torch.Tensor, work=None):
         self._work, self._result = work, result
 
+    def __getattr__(self, name: str):
+        # Only for names a Pending lacks: most often a hook that used a collective's
+        # result without yielding it first.
+        raise AttributeError(
+            f"'Pending' object has no attribute {name!r}: a collective's result exists only once it is done; "
+            "in a hook stage write `result = yield comm.allreduce(x)` (yield it), elsewhere call .wait()"
+        )
+
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             self._work.wait()

@@ -153,6 +153,7 @@ class TrainerConfig:
     allow_unused: bool = False
     schedule: str = "auto"  # auto | after | overlap: when bucket reductions start (auto: overlap on more than one process)
     nonfinite: str = "raise"  # raise | skip
+    sync_buffers: str = "broadcast"  # broadcast | average | local: buffers (BatchNorm statistics) across ranks
     trace: bool = False  # write a Chrome trace per rank to <run dir>/trace/ (for short diagnostic runs)
     tensorboard: bool = False  # also write the logged metrics as TensorBoard scalars to <run dir>/tb/ (rank 0)
     progress: bool = True
@@ -225,6 +226,12 @@ class TopKConfig:
 
 
 @dataclass
+class Int8Config:
+    name: str = "int8"
+    error_feedback: bool = True
+
+
+@dataclass
 class ChainConfig:
     name: str = "chain"
     stages: List[Any] = field(default_factory=list)
@@ -256,6 +263,7 @@ SCHEMAS = {
         "powersgd": PowerSGDConfig,
         "batched_powersgd": BatchedPowerSGDConfig,
         "topk": TopKConfig,
+        "int8": Int8Config,
         "chain": ChainConfig,
     },
     "world": {"world": WorldConfig},
@@ -325,6 +333,7 @@ def validate(cfg: Any, run_dir: Any = None) -> None:
     from fdp.optim import build_optimizer
     from fdp.plan.values import _check_cap
     from fdp.reduce import resolve_schedule
+    from fdp.replicas import check_sync_buffers
     from fdp.train import check_nonfinite
 
     t, w, d, o, m = cfg.trainer, cfg.world, cfg.data, cfg.optim, cfg.model
@@ -342,6 +351,7 @@ def validate(cfg: Any, run_dir: Any = None) -> None:
         _checked(f"trainer.{key}", lambda value, key=key: _check_cap(key, value), t[key])
     _checked("trainer.schedule", lambda value: resolve_schedule(value, world_size=1), t.schedule)
     _checked("trainer.nonfinite", check_nonfinite, t.nonfinite)
+    _checked("trainer.sync_buffers", check_sync_buffers, t.sync_buffers)
     _checked("optim", lambda spec: build_optimizer(spec, t.max_steps), _container(o))
     _checked("hooks", build_hook, _container(cfg.hooks))
     if t.tensorboard:

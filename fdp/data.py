@@ -335,11 +335,11 @@ def split_micro_batches(batch: tuple[Tensor, ...], accum_steps: int) -> list[tup
     [(tensor([0, 1]),), (tensor([2, 3]),), (tensor([4, 5]),)]
     """
     if accum_steps <= 0:
-        raise ValueError(f"trainer.accum_steps must be positive, got {accum_steps}")
+        raise ValueError(f"accum_steps={accum_steps!r}: expected an integer >= 1")
     size = _batch_size(batch)
     if size % accum_steps:
         raise ValueError(
-            f"the per-rank batch of {size} samples is not divisible by trainer.accum_steps={accum_steps}"
+            f"accum_steps={accum_steps}: expected a divisor of the per-rank batch of {size} samples"
         )
     micro = size // accum_steps
     return [tuple(t[i * micro : (i + 1) * micro] for t in batch) for i in range(accum_steps)]

@@ -221,13 +221,18 @@ def init_distributed(layout: WorldLayout) -> Comm:
     set from the job's environment (``fdp.slurm.job_world``). Every collective of the
     group times out after ``layout.timeout_s`` seconds instead of hanging. On a GPU layout
     the rank's GPU becomes its current device first (NCCL and CUDA tensors made without a
-    device go there).
+    device go there). ``launcher="none"`` (a world of one, no process group) is refused in a process a launcher
+    started as one of several (``WORLD_SIZE > 1``).
+
+    >>> init_distributed(WorldLayout()).world_size
+    1
     """
     job = job_world(os.environ) if layout.launcher == "slurm" else None
     if job is not None:
         os.environ.update(job.environ())
     use_device(layout.device(int(os.environ.get("LOCAL_RANK", 0))))
     if layout.launcher == "none":
+        _refuse_world_of_one()
         return Comm()
     backend = resolve_backend(layout.backend, [layout.device(r) for r in range(layout.nproc_per_node)])
     if layout.launcher == "elastic" or (job is not None and job.local):
@@ -263,6 +268,19 @@ def launch_rank(launcher: str) -> int:
     if launcher == "torchrun":
         return int(os.environ.get("RANK", 0))
     return 0
+
+
+def _refuse_world_of_one() -> None:
+    # Under a launcher every process would otherwise train alone: no error, no bytes sent,
+    # ranks drifting apart.
+    launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if launched > 1:
+        raise RuntimeError(
+            f"init_distributed: layout.launcher='none' makes a world of one, but this process was started "
+            f"as rank {os.environ.get('RANK', '?')} of WORLD_SIZE={launched}: use "
+            "WorldLayout('elastic', nproc_per_node=N) in workers started by fdp.spawn, or "
+            "WorldLayout('torchrun') under torchrun"
+        )
 
 
 def _attempt_store(timeout: datetime.timedelta):

@@ -7,12 +7,13 @@ from typing import Any, Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from fdp import checks, replicas
 from fdp.buckets import slot_views
 from fdp.comm import Comm
 from fdp.data import split_micro_batches
 from fdp.devices import device_of, rng_scope, seeded_cuda_rng
 from fdp.functional import Buffers, FunctionalModel, Params
-from fdp.hooks import Hook, allreduce
+from fdp.hooks import Hook, allreduce, checked
 from fdp.optim import GradientTransformation, apply_gradients, current_lr, supports_inplace
 from fdp.plan import BucketPlan
 from fdp.reduce import GradReducer, init_hook_states
@@ -66,7 +67,8 @@ def init_train_state(
     hook: Hook | None = None,
     seed: int = 0,
 ) -> TrainState:
-    """The state before step 1.
+    """The state before step 1 (pass ``plan``, and ``hook`` unless it is ``allreduce()``, for a
+    state that ``make_train_step`` can step; ``fdp.setup_state`` does this across ranks).
 
     >>> from fdp import functionalize, sgd
     >>> model, params, buffers = functionalize(torch.nn.Linear(2, 2))
@@ -110,6 +112,7 @@ def make_train_step(
     nonfinite: str = "raise",
     timeline: Timeline | None = None,
     donate: bool = False,
+    sync_buffers: str = "broadcast",
 ) -> Callable[[TrainState, tuple], tuple[TrainState, dict]]:
     """Build ``train_step(state, batch) -> (new_state, metrics)``.
 
@@ -131,6 +134,11 @@ def make_train_step(
     step that skips leaves ``state`` intact; one that raises leaves a donated state
     partly updated (resume from a checkpoint).
 
+    ``sync_buffers`` says how the state's buffers (BatchNorm running statistics) agree
+    across ranks before each forward: ``"broadcast"`` rank 0's (DDP's default),
+    ``"average"`` or ``"local"`` (see ``fdp.replicas``). The arguments are checked here
+    and the first step's state against ``plan`` and ``hook`` (``fdp.checks``).
+
     >>> from fdp import functionalize, plan_buckets, sgd
     >>> model, params, buffers = functionalize(torch.nn.Linear(4, 3))
     >>> loss_fn = cross_entropy_loss(model)
@@ -141,10 +149,12 @@ def make_train_step(
     >>> state.step
     1
     """
+    checks.check_step_arguments(loss_fn, optimizer, plan, hook, comm, accum_steps)
     check_nonfinite(nonfinite)
+    replicas.check_sync_buffers(sync_buffers)
     comm = comm or Comm()
     timeline = timeline or NullTimeline()
-    reducer = GradReducer(loss_fn, plan, hook or allreduce(), comm, schedule, timeline)
+    reducer = GradReducer(loss_fn, plan, checked(hook or allreduce()), comm, schedule, timeline)
     per_bucket: bool | None = None  # decided on the first step: params keep their device and dtype
 
     def train_step(state: TrainState, batch: tuple) -> tuple[TrainState, dict]:
@@ -153,7 +163,10 @@ def make_train_step(
         step = state.step + 1
         timeline.start_step(step)
         if per_bucket is None:
+            checks.check_state_against_plan(state, plan)
+            checks.check_hook_states(state.hook_state, reducer.hook, plan)
             per_bucket = donate and nonfinite == "raise" and optimizer.elementwise and supports_inplace(optimizer, state.params)
+        state = state._replace(buffers=replicas.sync_buffers(state.buffers, comm, sync_buffers))
         with rng_scope(state.rng, state.cuda_rng, device_of(state.params)) as rng_states:
             computed = reducer.backward(state.params, state.buffers, split_micro_batches(batch, accum_steps), state.hook_state)
             rng, cuda_rng = rng_states()

@@ -33,7 +33,7 @@ from fdp.data import (
     num_train_samples,
     train_batches,
 )
-from fdp.devices import Placement, batch_to_device, device_of, host_plan, place, probe_gpus, to_device, visible_gpus
+from fdp.devices import Placement, batch_to_device, device_of, place, probe_gpus, to_device, visible_gpus
 from fdp.functional import FunctionalModel, functionalize
 from fdp.hooks import Hook
 from fdp.hooks.registry import build_hook
@@ -43,8 +43,6 @@ from fdp.launch import (
     RankLostError,
     WorkerFailedError,
     WorldLayout,
-    broadcast_from_rank0,
-    check_same_plan,
     init_distributed,
     spawn,
     tune_allocator,
@@ -54,10 +52,11 @@ from fdp.losses import Criterion, batch_metrics, build_loss, cross_entropy, make
 from fdp.models import count_parameters
 from fdp.optim import GradientTransformation, build_optimizer
 from fdp.plan import BucketPlan, plan_buckets
+from fdp.replicas import setup_state
 from fdp.slurm import job_world
 from fdp.targets import build, label
 from fdp.trace import NullTimeline, Timeline
-from fdp.train import TrainState, init_train_state, make_train_step, planner_loss
+from fdp.train import TrainState, make_train_step, planner_loss
 
 log = logging.getLogger("fdp")
 
@@ -135,6 +134,9 @@ def layout_of(cfg: DictConfig) -> WorldLayout:
     world = cfg.world
     placement = placement_of(cfg)
     nnodes, nproc = world.nnodes, placement.nproc_per_node
+    launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world.launcher == "none" and launched > 1:
+        raise ConfigError(f"world={world.name}: this process was started as one of WORLD_SIZE={launched}; expected world=torchrun")
     if world.launcher == "torchrun":
         nnodes = int(os.environ.get("WORLD_SIZE", nproc)) // max(1, nproc)
     elif world.launcher == "slurm":
@@ -233,36 +235,19 @@ def setup(cfg: DictConfig, comm: Comm, device: torch.device = torch.device("cpu"
         first_bucket_cap_mb=cfg.trainer.first_bucket_cap_mb,
         allow_unused=cfg.trainer.allow_unused,
     )
-    # Shapes are checked before any broadcast: a broadcast of mismatched shapes would hang.
-    check_same_plan(plan, comm)
-    params, buffers = broadcast_from_rank0(params, comm), broadcast_from_rank0(buffers, comm)
     hook = build_hook(OmegaConf.to_container(cfg.hooks))
     optimizer = build_optimizer(OmegaConf.to_container(cfg.optim), cfg.trainer.max_steps)
-    state = init_train_state(params, buffers, optimizer, plan, hook, seed=cfg.seed + comm.rank)
+    state = setup_state(params, buffers, optimizer, plan, hook, comm, seed=cfg.seed)
     return Run(model, data, plan, hook, optimizer, state, num_params, criterion)
 
 
 def _save(run_dir: Path, state: TrainState, comm: Comm, cfg: DictConfig, plan: BucketPlan) -> None:
-    mine = checkpoint.rank_payload(state)
-    per_rank = [mine]
-    if comm.world_size > 1:
-        per_rank = [None] * comm.world_size if comm.rank == 0 else None
-        dist.gather_object(mine, per_rank, dst=0)
-    if comm.rank == 0:
-        payload = checkpoint.state_payload(
-            state, per_rank, {"config": OmegaConf.to_yaml(cfg), "plan_fingerprint": host_plan(plan).fingerprint()}
-        )
-        checkpoint.save(run_dir / "checkpoints", payload, keep=cfg.trainer.keep_checkpoints)
+    extra = {"config": OmegaConf.to_yaml(cfg)}
+    checkpoint.save_checkpoint(run_dir / "checkpoints", state, plan, comm, keep=cfg.trainer.keep_checkpoints, extra=extra)
 
 
 def _resume(run_dir: Path, run: Run, comm: Comm) -> TrainState:
-    path = run_dir / "checkpoints" / checkpoint.LAST
-    payload = [checkpoint.load(path) if comm.rank == 0 else None]
-    if comm.world_size > 1:
-        dist.broadcast_object_list(payload, src=0)
-    if payload[0].get("plan_fingerprint") != host_plan(run.plan).fingerprint():
-        raise checkpoint.CheckpointError(f"checkpoint {path} was written with another bucket plan (model or bucket caps changed)")
-    return checkpoint.restore(payload[0], run.state, comm.rank, path)
+    return checkpoint.load_checkpoint(run_dir / "checkpoints" / checkpoint.LAST, run.state, run.plan, comm)
 
 
 class Progress:
@@ -371,6 +356,7 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm, device: torch.device) -> 
         nonfinite=tc.nonfinite,
         timeline=timeline,
         donate=True,  # the loop below never looks at a state again once it has the next
+        sync_buffers=tc.sync_buffers,
     )
     metrics_log = MetricsLog(run_dir, resume=state.step > 0, tensorboard=tc.tensorboard) if rank == 0 else None
     times, skipped, last_eval, record = StepTimes(), 0, {}, {}

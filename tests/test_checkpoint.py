@@ -125,3 +125,81 @@ def test_checkpoint_tensors_are_on_the_cpu_and_restore_follows_the_template_devi
     # Onto a CPU template: the very values.
     back = checkpoint.restore(payload, state, 0)
     assert all(torch.equal(a, b) for a, b in zip(_tensors(back), _tensors(state)))
+
+
+# ----------------------------------------------------------------------------- the Python API, on two ranks
+
+
+def _bn_dropout_module():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(8, 3)
+    )
+
+
+def _rank_batch(rank, step):
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(8, 6, generator=gen) * (1 + rank) + rank, torch.randint(0, 3, (8,), generator=gen)
+
+
+def _same_tree(a, b) -> bool:
+    from torch.utils import _pytree as pytree
+
+    la, sa = pytree.tree_flatten(a)
+    lb, sb = pytree.tree_flatten(b)
+    return sa == sb and all(
+        torch.equal(x, y) if isinstance(x, torch.Tensor) else type(x) is type(y) and x == y for x, y in zip(la, lb)
+    )
+
+
+def _save_and_resume(rank, world, directory):
+    """Train 2 steps, save, train 2 more; load the checkpoint into a fresh state and train the same 2."""
+    import fdp
+    from fdp.comm import Comm
+    from fdp.hooks import int8
+
+    comm = Comm()
+    model, params, buffers = fdp.functionalize(_bn_dropout_module())
+    loss_fn = fdp.cross_entropy_loss(model)
+    plan = fdp.plan_buckets(fdp.planner_loss(loss_fn, buffers), params, _rank_batch(rank, 0), bucket_cap_mb=0.0002,
+                            first_bucket_cap_mb=0.0002)
+    hook, optimizer = int8(), fdp.adamw(1e-2)
+    fresh = fdp.setup_state(params, buffers, optimizer, plan, hook, comm, seed=0)
+    step = fdp.make_train_step(loss_fn, optimizer, plan, hook, comm, sync_buffers="local")
+    state = fresh
+    for i in range(2):
+        state, _ = step(state, _rank_batch(rank, i))
+    written = fdp.save_checkpoint(directory, state, plan, comm)
+    saved = state
+    for i in range(2, 4):
+        state, _ = step(state, _rank_batch(rank, i))
+    resumed = fdp.load_checkpoint(directory, fresh, plan, comm)
+    restored = _same_tree(tuple(resumed), tuple(saved))
+    for i in range(2, 4):
+        resumed, _ = step(resumed, _rank_batch(rank, i))
+    other = fdp.plan_buckets(fdp.planner_loss(loss_fn, buffers), params, _rank_batch(rank, 0))
+    try:
+        fdp.load_checkpoint(directory, fresh, other, comm)
+        refused = None
+    except fdp.CheckpointError as error:
+        refused = str(error)
+    return {"written": str(written) if written else None, "restored": restored, "resumed": _same_tree(tuple(resumed), tuple(state)),
+            "refused": refused, "error": saved.hook_state[0][0].error}
+
+
+def test_save_and_load_checkpoint_keep_every_ranks_share_and_resume_bit_identically(run_ranks, tmp_path):
+    """Per-rank int8 error feedback, dropout RNG and local BatchNorm statistics survive a
+    save and load on 2 ranks: the restored state is the saved one, and training on from it
+    equals training straight on, on both ranks."""
+    results = run_ranks(_save_and_resume, str(tmp_path))
+    assert results[0]["written"] == str(tmp_path / "step_00000002.pt") and results[1]["written"] is None
+    for rank, result in enumerate(results):
+        assert result["restored"], f"rank {rank}: the loaded state differs from the saved one"
+        assert result["resumed"], f"rank {rank}: training on from the checkpoint differs"
+        assert result["refused"] == f"checkpoint {tmp_path / 'last.pt'} was written with another bucket plan (model or bucket caps changed)"
+    assert not torch.equal(results[0]["error"], results[1]["error"])  # per-rank state, really
+    payload = torch.load(tmp_path / "last.pt", weights_only=True)
+    assert payload["step"] == 2 and len(payload["ranks"]) == 2
+    assert payload["ranks"][0]["buffers"] == {}  # rank 0's are the shared entry
+    assert {"1.running_mean", "1.running_var"} <= set(payload["ranks"][1]["buffers"])  # rank 1's own statistics
+    assert "num_batches_tracked" not in " ".join(payload["ranks"][1]["buffers"])  # equal on both: stored once

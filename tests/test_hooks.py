@@ -21,6 +21,8 @@ from fdp.comm import Comm
 from fdp.hooks import (
     HOOKS,
     GradBucket,
+    Hook,
+    Int8State,
     PowerSGDState,
     TopKState,
     allreduce,
@@ -31,9 +33,14 @@ from fdp.hooks import (
     fp16,
     fp16_compress,
     fp16_decompress,
+    int8,
+    int8_compress,
+    int8_decompress,
+    int8_sum,
     noop,
     powersgd,
     run_hook,
+    stateless,
     topk,
 )
 from fdp.plan import pack_into_buckets
@@ -102,6 +109,8 @@ HOOK_CASES = {
     ),
     "batched_powersgd": lambda: batched_powersgd(rank=2, start_iter=1),
     "fp16_powersgd": lambda: chain(fp16_compress(), powersgd(rank=1, start_iter=1), fp16_decompress()),
+    "int8": lambda: int8(),
+    "int8_no_error_feedback": lambda: int8(error_feedback=False),
 }
 
 
@@ -339,7 +348,39 @@ def _on_two_ranks(rank, world):
         sent.append(comm.take_counters())
     out["many_buckets"] = {"buckets": len(plan), "nbytes": plan.nbytes, "digests": digests, "sent": sent,
                            "finite": finite, "iterations": [s.iteration for s in states]}
+
+    # int8 through the runtime, several buckets in flight: outputs, final errors and bytes of every step.
+    plan = _plan(INT8_SHAPES, cap_mb=0.0003)
+    hook = int8()
+    states = tuple(hook.init(b) for b in plan.buckets)
+    outputs, sent = [], []
+    comm.take_counters()
+    for flats in _int8_gradients(plan)[rank]:
+        flats, states = _reduce(hook, plan, flats, states, comm)
+        outputs.append(flats)
+        sent.append(comm.take_counters())
+    out["int8"] = {"outputs": outputs, "errors": [s[0].error for s in states], "sent": sent}
     return out
+
+
+INT8_SHAPES = [("w1", (16, 12)), ("b1", (16,)), ("w2", (7, 5)), ("zero", (100,)), ("w3", (40,))]
+INT8_STEPS = 4
+
+
+def _int8_gradients(plan, world=2):
+    """Per rank, per step, per bucket: gradients of very different sizes (and one all-zero bucket)."""
+    streams = []
+    for rank in range(world):
+        gen = torch.Generator().manual_seed(50 + rank)
+        steps = []
+        for step in range(INT8_STEPS):
+            flats = []
+            for b in plan.buckets:
+                g = torch.randn(b.numel, generator=gen) * 10.0 ** (b.index - rank)
+                flats.append(torch.zeros(b.numel) if b.names == ("zero",) else g)
+            steps.append(tuple(flats))
+        streams.append(steps)
+    return streams
 
 
 MANY_BUCKET_SHAPES = [
@@ -538,8 +579,9 @@ def test_powersgd_zero_gradient_stays_zero_instead_of_nan():
 @pytest.mark.parametrize(
     "make",
     [lambda: powersgd(rank=2, start_iter=1, warm_start=False), lambda: batched_powersgd(start_iter=1),
-     lambda: chain(fp16_compress(), powersgd(rank=2, start_iter=1), fp16_decompress()), lambda: topk(ratio=0.1)],
-    ids=["powersgd_cold", "batched_powersgd", "fp16_powersgd", "topk"],
+     lambda: chain(fp16_compress(), powersgd(rank=2, start_iter=1), fp16_decompress()), lambda: topk(ratio=0.1),
+     lambda: int8()],
+    ids=["powersgd_cold", "batched_powersgd", "fp16_powersgd", "topk", "int8"],
 )
 def test_state_saved_and_loaded_resumes_bit_identically(tmp_path, make):
     """The state flattens to leaves a weights_only checkpoint holds, with the structure ``init`` gives,
@@ -697,3 +739,149 @@ def test_registry_yaml_chain_builds_and_runs_like_the_hand_built_chain(text):
         assert all(o.dtype == torch.float32 for o in out_a)
     assert _same(states_a, states_b)
     assert states_a[0][1].iteration == 3
+
+
+# ----------------------------------------------------------------------------- int8 and side data
+
+
+def _int8_reference(streams):
+    """The int8 chain on every rank at once, in plain torch: one scale per bucket and step from the
+    largest |gradient + error| over all ranks, rounding to -127..127, an exact integer sum, error kept."""
+    world, steps, buckets = len(streams), len(streams[0]), len(streams[0][0])
+    errors = [[torch.zeros_like(g) for g in streams[r][0]] for r in range(world)]
+    outputs = []
+    for step in range(steps):
+        reduced = []
+        for b in range(buckets):
+            xs = [streams[r][step][b] + errors[r][b] for r in range(world)]
+            top = torch.stack([x.abs().max() for x in xs]).max()
+            scale = top / 127 if top > 0 else torch.tensor(1.0)
+            levels = [torch.round(x / scale).clamp(-127, 127) for x in xs]
+            for r in range(world):
+                errors[r][b] = xs[r] - levels[r] * scale
+            total = torch.stack([q.to(torch.int32) for q in levels]).sum(0, dtype=torch.int32)
+            reduced.append(total.to(torch.float32) * (scale / world))
+        outputs.append(reduced)
+    return outputs, errors
+
+
+def test_int8_on_two_ranks_equals_a_plain_torch_reference(run_ranks):
+    """Outputs (every step, every bucket) and each rank's error equal the reference to the bit; a
+    bucket costs 4 bytes for the shared scale plus one byte per element."""
+    results = _job(run_ranks, _on_two_ranks)
+    plan = _plan(INT8_SHAPES, cap_mb=0.0003)
+    assert len(plan) > 2
+    streams = _int8_gradients(plan)
+    want, errors = _int8_reference(streams)
+    exact = [[(streams[0][t][b] + streams[1][t][b]) / 2 for b in range(len(plan))] for t in range(INT8_STEPS)]
+    for rank, result in enumerate(results):
+        got = result["int8"]
+        for t in range(INT8_STEPS):
+            assert all(_same(a, b) for a, b in zip(got["outputs"][t], want[t])), f"rank {rank} step {t}"
+        assert all(_same(a, b) for a, b in zip(got["errors"], errors[rank]))
+        assert all(sent == (sum(4 + b.numel for b in plan.buckets), 2 * len(plan)) for sent in got["sent"])
+    # Not vacuous: at step 1 (no error yet) rounding moved the mean, by at most half a step of the scale.
+    first = results[0]["int8"]["outputs"][0]
+    for b, (got, mean) in enumerate(zip(first, exact[0])):
+        half_step = max(streams[0][0][b].abs().max(), streams[1][0][b].abs().max()).item() / 127 / 2
+        assert (got - mean).abs().max().item() <= half_step * (1 + 1e-5)
+    assert max((got - mean).abs().max().item() for got, mean in zip(first, exact[0])) > 0
+    zero = [i for i, b in enumerate(plan.buckets) if b.names == ("zero",)][0]
+    assert all(torch.count_nonzero(results[0]["int8"]["outputs"][t][zero]) == 0 for t in range(INT8_STEPS))
+
+
+def test_int8_scale_travels_in_side_data_and_error_in_the_state():
+    bucket = _plan([("w", (8, 4))]).buckets[0]
+    g = torch.linspace(-1.0, 3.0, bucket.numel)
+    grads = GradBucket(0, g, bucket, side={"other": "kept"})
+    compressed, state = run_hook(int8_compress(), int8_compress().init(bucket), grads, Comm())
+    assert compressed.buffer.dtype == torch.int8 and compressed.buffer.abs().max() == 127
+    assert set(compressed.side) == {"other", "int8_scale"} and dict(grads.side) == {"other": "kept"}
+    scale = compressed.side["int8_scale"]
+    assert scale == g.abs().max() / 127
+    assert isinstance(state, Int8State) and torch.equal(state.error, g - compressed.buffer.float() * scale)
+    summed, _ = run_hook(int8_sum(), (), compressed, Comm())
+    out, _ = run_hook(int8_decompress(), (), summed, Comm())
+    assert dict(out.side) == {"other": "kept"} and out.buffer.dtype == torch.float32
+    torch.testing.assert_close(out.buffer + state.error, g, rtol=0, atol=1e-6)  # nothing is lost: it waits in the error
+    with pytest.raises(TypeError, match=r"int8_decompress.*int8_compress\(\) earlier"):
+        run_hook(int8_decompress(), (), GradBucket(0, g, bucket), Comm())
+    with pytest.raises(TypeError, match="int8_sum got bucket 0 as torch.float32"):
+        run_hook(int8_sum(), (), GradBucket(0, g, bucket), Comm())
+
+
+# ----------------------------------------------------------------------------- stages that misbehave
+
+
+def _run_one(hook, g=None):
+    bucket = _plan([("w", (4, 3))]).buckets[0]
+    return run_hook(hook, hook.init(bucket), GradBucket(0, torch.ones(12) if g is None else g, bucket), Comm())
+
+
+@pytest.mark.parametrize("stage", ["allreduce", "powersgd", "batched_powersgd", "topk"])
+def test_an_integer_bucket_reaching_a_builtin_collective_stage_names_it(stage):
+    hook = chain(int8_compress(), build_hook({"name": stage}), int8_decompress())
+    with pytest.raises(TypeError, match=rf"hook {stage} got bucket 0 as torch.int8.*floating-point"):
+        _run_one(hook)
+
+
+def _returns_the_bucket_alone(state, grads, comm):
+    return grads
+
+
+def _forgets_to_yield(grads, comm):
+    return grads._replace(buffer=comm.allreduce(grads.buffer))
+
+
+def _uses_a_pending(grads, comm):
+    return grads._replace(buffer=comm.allreduce(grads.buffer).div_(2))
+
+
+def _yields_a_tensor(grads, comm):
+    summed = yield grads.buffer
+    return grads._replace(buffer=summed)
+
+
+@pytest.mark.parametrize(
+    "stage,needles",
+    [
+        (Hook(lambda b: (), _returns_the_bucket_alone), ["chain[1] (_returns_the_bucket_alone)", "GradBucket alone",
+                                                          "(grads, state)"]),
+        (stateless(_forgets_to_yield), ["chain[1] (_forgets_to_yield)", "Pending", "yield it"]),
+        (stateless(_uses_a_pending), ["'Pending' object has no attribute 'div_'", "yield"]),
+        (stateless(_yields_a_tensor), ["chain[1] (_yields_a_tensor) yielded a Tensor", "Pending"]),
+        (stateless(lambda grads, comm: (grads, ())), ["returns the GradBucket alone"]),
+    ],
+    ids=["returns_bucket_alone", "forgets_yield", "uses_pending", "yields_tensor", "stateless_returns_pair"],
+)
+def test_a_misbehaving_stage_is_named_in_one_line(stage, needles):
+    with pytest.raises((TypeError, AttributeError)) as error:
+        _run_one(chain(allreduce(), stage))
+    message = str(error.value)
+    assert "\n" not in message
+    for needle in needles:
+        assert needle in message
+
+
+def test_a_bare_hook_that_returns_the_bucket_alone_is_named_by_the_train_step():
+    from fdp import cross_entropy_loss, functionalize, init_train_state, make_train_step, plan_buckets, planner_loss, sgd
+
+    model, params, buffers = functionalize(nn.Linear(4, 3))
+    loss_fn = cross_entropy_loss(model)
+    batch = (torch.randn(8, 4), torch.randint(0, 3, (8,)))
+    plan = plan_buckets(planner_loss(loss_fn, buffers), params, batch)
+    hook = Hook(lambda bucket: (), _returns_the_bucket_alone)
+    step = make_train_step(loss_fn, sgd(0.1), plan, hook)
+    with pytest.raises(TypeError, match=r"hook _returns_the_bucket_alone returned the GradBucket alone"):
+        step(init_train_state(params, buffers, sgd(0.1), plan, hook), batch)
+
+
+def test_optimizer_and_hook_chains_refuse_each_others_members():
+    import fdp
+
+    with pytest.raises(TypeError, match=r"fdp.hooks.chain: argument 1 is an optimizer.*fdp.chain \(fdp.optim.chain\)"):
+        chain(allreduce(), fdp.sgd(0.1))
+    with pytest.raises(TypeError, match=r"fdp.chain: argument 0 is a reduction hook.*fdp.hooks.chain"):
+        fdp.chain(fp16_compress(), fdp.sgd(0.1))
+    with pytest.raises(TypeError, match=r"argument 0 is the function 'allreduce'.*allreduce\(\)"):
+        chain(allreduce)

@@ -1,5 +1,6 @@
-"""spawn with start_method="fork": functions that cannot be pickled (``python -c``, notebook
-cells) train data-parallel, and failures read as they do under spawn."""
+"""Starting and joining worlds: spawn with start_method="fork" (functions that cannot be pickled,
+from ``python -c`` or notebook cells, train data-parallel and fail as under spawn), and a launched
+process that is never silently a world of one."""
 import json
 import subprocess
 import sys
@@ -8,8 +9,9 @@ import textwrap
 import pytest
 import torch
 
-from fdp.config import ConfigError
-from fdp.launch import WorldLayout, spawn
+from fdp.config import ConfigError, compose
+from fdp.launch import WorldLayout, init_distributed, spawn
+from fdp.trainer import layout_of
 
 # Everything below runs in `python -c`: `train` and `fail` live in __main__, which a spawned
 # worker could not import.
@@ -101,3 +103,30 @@ def test_fork_after_cuda_was_initialised_is_refused_before_anything_starts(monke
 def test_an_unknown_start_method_is_refused():
     with pytest.raises(ConfigError, match=r"^start_method='thread': expected one of \('spawn', 'fork', 'forkserver'\)$"):
         spawn(print, (), WorldLayout("elastic", nproc_per_node=2, start_method="thread"))
+
+
+# -- joining: never silently a world of one ------------------------------------------------
+
+
+def test_launcher_none_under_a_launch_of_several_processes_is_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(RuntimeError) as error:
+        init_distributed(WorldLayout(nproc_per_node=2))
+    message = str(error.value)
+    assert "\n" not in message
+    assert "layout.launcher='none' makes a world of one" in message
+    assert "rank 1 of WORLD_SIZE=2" in message and "WorldLayout('elastic'" in message
+
+
+def test_launcher_none_alone_or_under_a_launch_of_one_is_a_world_of_one(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert init_distributed(WorldLayout()).world_size == 1
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert init_distributed(WorldLayout()).world_size == 1
+
+
+def test_the_trainer_names_its_config_key_instead(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match=r"^world=single: this process was started as one of WORLD_SIZE=4; expected world=torchrun$"):
+        layout_of(compose("world=single"))

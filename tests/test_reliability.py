@@ -440,6 +440,8 @@ BAD_INPUTS = [
     (["hooks=powersgd", "hooks.rank=four"], "compose", r"hooks\.rank=four"),
     (["trainer.max_stpes=5"], "compose", r"trainer\.max_stpes"),
     (["trainer.nonfinite=maybe"], "validate", r"^trainer\.nonfinite='maybe': expected raise or skip$"),
+    (["trainer.sync_buffers=mean"], "validate", r"^trainer\.sync_buffers='mean': expected broadcast, average or local$"),
+    (["hooks=int8", "hooks.error_feedback=maybe"], "compose", r"hooks\.error_feedback=maybe"),
     (["trainer.accum_steps=3"], "validate", r"^trainer\.accum_steps=3: expected a divisor of the per-rank batch 64$"),
     (["model=charlm"], "validate", r"^data='digits': expected stdlib_text for model=charlm$"),
     ([*CHARLM, "model.n_head=3"], "validate", r"^model\.n_head=3: expected a divisor of model\.d_model=16$"),

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from fdp.comm import Comm
-from fdp.hooks.base import GradBucket, Hook, stateless
+from fdp.hooks.base import GradBucket, Hook, expect_floating, stateless
 
 
 def allreduce() -> Hook:
@@ -13,6 +13,7 @@ def allreduce() -> Hook:
     """
 
     def apply(grads: GradBucket, comm: Comm):
+        expect_floating(grads, "allreduce")
         world = comm.world_size
         if world == 1:  # the same path (and the same collective) as many ranks, without the no-op division
             summed = yield comm.allreduce(grads.buffer)

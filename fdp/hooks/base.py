@@ -20,16 +20,29 @@ A hook is a pair of functions:
 
 ``chain(*hooks)`` runs hooks one after another on the same bucket and keeps a tuple of
 their states, so ``chain(fp16_compress(), allreduce(), fp16_decompress())`` is a hook too.
+
+A stage hands per-bucket data to a later stage of the same chain in ``GradBucket.side``
+(a quantisation scale from a compressing stage to its decompressing one): part of the
+bucket value, so nothing is kept in a closure. What must outlive the step (an error
+residual) belongs in the stage's state, which is checkpointed.
+
+Every stage's result is checked as it comes back: a stage that returns the bucket alone,
+yields something that is not a collective, or puts a ``Pending`` (a collective it forgot
+to ``yield``) where the gradient belongs fails with a ``TypeError`` naming it.
 """
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, Callable, Generator, NamedTuple, Union
 
 import torch
 
 from fdp.comm import Comm, Pending
 from fdp.plan import Bucket
+
+_NO_SIDE: Mapping[str, Any] = MappingProxyType({})
 
 HookRun = Union[tuple["GradBucket", Any], Generator[Pending, torch.Tensor, tuple["GradBucket", Any]]]
 
@@ -46,12 +59,25 @@ class GradBucket(NamedTuple):
     buffer passes it on owned. Stages then work in place (an allreduce divides the
     buffer it is given instead of a copy); with ``owned=False`` (the default, for
     buffers a caller still needs) the input is never touched.
+
+    ``side`` carries data from one stage to later stages of the same chain, for this
+    bucket and this step (``int8_compress`` leaves its scale there for
+    ``int8_decompress``). A stage adds to it by returning
+    ``grads._replace(side={**grads.side, "key": value})``, never by changing the
+    mapping it was given.
+
+    >>> from fdp.plan import ParamSlot
+    >>> spec = Bucket(0, "float32", "cpu", (ParamSlot("w", (2,), 0, 2),), 2)
+    >>> grads = GradBucket(0, torch.ones(2), spec)
+    >>> dict(grads._replace(side={**grads.side, "scale": 0.5}).side)
+    {'scale': 0.5}
     """
 
     index: int
     buffer: torch.Tensor
     spec: Bucket
     owned: bool = False
+    side: Mapping[str, Any] = _NO_SIDE
 
 
 class Hook(NamedTuple):
@@ -68,6 +94,99 @@ def run_stage(result: HookRun):
     return result
 
 
+def stage_name(hook: Hook) -> str:
+    """The name a hook goes by in error messages: the factory that made it (``powersgd``).
+
+    >>> from fdp.hooks import powersgd
+    >>> stage_name(powersgd())
+    'powersgd'
+    """
+    name = getattr(hook.apply, "__qualname__", None) or type(hook.apply).__name__
+    return name.split(".<locals>")[0]
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return f"a tuple of {len(value)} ({', '.join(type(v).__name__ for v in value)})"
+    return f"a {type(value).__name__}"
+
+
+def _check_result(result: Any, where: str) -> tuple[GradBucket, Any]:
+    if isinstance(result, GradBucket):
+        raise TypeError(
+            f"{where} returned the GradBucket alone: a Hook's apply returns (grads, state) "
+            "(wrap a stage without state in fdp.hooks.stateless)"
+        )
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], GradBucket)):
+        raise TypeError(f"{where} returned {_describe(result)}: expected a (GradBucket, state) pair")
+    _check_buffer(result[0].buffer, where)
+    return result
+
+
+def _check_buffer(buffer: Any, where: str) -> None:
+    if isinstance(buffer, Pending):
+        raise TypeError(
+            f"{where} put a Pending collective in the bucket instead of its result: "
+            "yield it to wait for the result (summed = yield comm.allreduce(x))"
+        )
+    if not isinstance(buffer, torch.Tensor):
+        raise TypeError(f"{where} returned a bucket whose buffer is {_describe(buffer)}: expected a flat tensor")
+
+
+def _run_checked(hook: Hook, state: Any, grads: GradBucket, comm: Comm, where: str):
+    """``hook.apply`` driven as ``run_stage`` does, with what it yields and returns checked."""
+    run = hook.apply(state, grads, comm)
+    if inspect.isgenerator(run):
+        value = None
+        while True:
+            try:
+                pending = run.send(value)
+            except StopIteration as done:
+                run = done.value
+                break
+            if not isinstance(pending, Pending):
+                raise TypeError(
+                    f"{where} yielded {_describe(pending)}: a stage yields only the Pending a Comm "
+                    "collective returns (summed = yield comm.allreduce(x))"
+                )
+            value = yield pending
+    return _check_result(run, where)
+
+
+def checked(hook: Hook) -> Hook:
+    """``hook`` with its results checked (the train step runs every hook through this).
+
+    >>> from fdp.hooks import allreduce
+    >>> hook = checked(allreduce())
+    """
+    where = f"hook {stage_name(hook)}"
+
+    def apply(state: Any, grads: GradBucket, comm: Comm):
+        return (yield from _run_checked(hook, state, grads, comm, where))
+
+    apply.__qualname__ = stage_name(hook)
+    return Hook(hook.init, apply)
+
+
+def check_hooks(hooks: tuple, where: str) -> None:
+    """Refuse anything but ``Hook`` values, naming the position (optimizers have their own ``fdp.chain``)."""
+    for i, hook in enumerate(hooks):
+        if isinstance(hook, Hook):
+            continue
+        if hasattr(hook, "update") and hasattr(hook, "init"):
+            raise TypeError(
+                f"{where} argument {i} is an optimizer (GradientTransformation), not a hook: "
+                "optimizers compose with fdp.chain (fdp.optim.chain), reduction hooks with fdp.hooks.chain"
+            )
+        if callable(hook) and not isinstance(hook, tuple):
+            raise TypeError(
+                f"{where} argument {i} is the function {getattr(hook, '__name__', hook)!r}, not a hook: "
+                "call the factory (allreduce(), not allreduce), or wrap a function "
+                "apply(grads, comm) in fdp.hooks.stateless"
+            )
+        raise TypeError(f"{where} argument {i} is {_describe(hook)}: expected a Hook (init, apply)")
+
+
 def chain(*hooks: Hook) -> Hook:
     """Compose hooks left to right; the state is the tuple of their states.
 
@@ -76,31 +195,59 @@ def chain(*hooks: Hook) -> Hook:
     """
     if not hooks:
         raise ValueError("chain() needs at least one hook")
+    check_hooks(hooks, "fdp.hooks.chain:")
+    wheres = tuple(f"hook chain[{i}] ({stage_name(hook)})" for i, hook in enumerate(hooks))
 
     def init(bucket: Bucket) -> tuple:
         return tuple(hook.init(bucket) for hook in hooks)
 
     def apply(states: tuple, grads: GradBucket, comm: Comm):
+        if not isinstance(states, tuple) or len(states) != len(hooks):
+            raise TypeError(
+                f"hook chain of {len(hooks)} stages got the state {_describe(states)} for bucket {grads.index}: "
+                "expected one state per stage, as chain(...).init(bucket) makes"
+            )
         new_states = []
-        for hook, state in zip(hooks, states):
-            grads, state = yield from run_stage(hook.apply(state, grads, comm))
+        for hook, state, where in zip(hooks, states, wheres):
+            grads, state = yield from _run_checked(hook, state, grads, comm, where)
             new_states.append(state)
         return grads, tuple(new_states)
 
+    apply.__qualname__ = "chain"
     return Hook(init, apply)
 
 
 def stateless(apply: Callable[[GradBucket, Comm], Any]) -> Hook:
-    """A hook with no state from a function ``apply(grads, comm)`` (which may yield)."""
+    """A hook with no state from a function ``apply(grads, comm)`` (which may yield).
+
+    ``apply`` returns the new ``GradBucket`` alone.
+    """
+    where = f"stateless stage {getattr(apply, '__qualname__', apply)!r}"
 
     def init(bucket: Bucket) -> tuple:
         return ()
 
     def apply_with_state(state: tuple, grads: GradBucket, comm: Comm):
         out = yield from run_stage(apply(grads, comm))
+        if not isinstance(out, GradBucket):
+            if isinstance(out, tuple) and out and isinstance(out[0], GradBucket):
+                raise TypeError(f"{where} returned {_describe(out)}: a stateless stage returns the GradBucket alone")
+            _check_buffer(out, where)  # a forgotten yield names itself
+            raise TypeError(f"{where} returned {_describe(out)}: expected a GradBucket")
         return out, state
 
+    apply_with_state.__qualname__ = getattr(apply, "__qualname__", "stateless")
     return Hook(init, apply_with_state)
+
+
+def expect_floating(grads: GradBucket, stage: str) -> None:
+    """Refuse a bucket that is not floating point where ``stage`` averages it."""
+    if not grads.buffer.is_floating_point():
+        raise TypeError(
+            f"hook {stage} got bucket {grads.index} as {grads.buffer.dtype}: it averages floating-point "
+            "buckets only (an integer sum over ranks overflows or truncates); put the stage that "
+            "decompresses before it, or sum integers in a wider type (see fdp.hooks.int8_sum)"
+        )
 
 
 def run_hook(hook: Hook, state: Any, grads: GradBucket, comm: Comm) -> tuple[GradBucket, Any]:

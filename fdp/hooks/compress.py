@@ -34,32 +34,40 @@ def _cast(grads: GradBucket, dtype: torch.dtype) -> GradBucket:
     return grads._replace(buffer=buffer, owned=grads.owned or buffer is not grads.buffer)
 
 
-def _cast_to(dtype: torch.dtype) -> Hook:
-    return stateless(lambda grads, comm: _cast(grads, dtype))
+def _cast_to(dtype: torch.dtype, name: str) -> Hook:
+    def cast(grads: GradBucket, comm) -> GradBucket:
+        return _cast(grads, dtype)
+
+    cast.__qualname__ = name  # errors name the stage as the user wrote it
+    return stateless(cast)
 
 
-def _cast_back() -> Hook:
-    return stateless(lambda grads, comm: _cast(grads, grads.spec.torch_dtype))
+def _cast_back(name: str) -> Hook:
+    def cast_back(grads: GradBucket, comm) -> GradBucket:
+        return _cast(grads, grads.spec.torch_dtype)
+
+    cast_back.__qualname__ = name
+    return stateless(cast_back)
 
 
 def fp16_compress() -> Hook:
     """Cast the bucket to ``float16`` (no division: the next stage averages)."""
-    return _cast_to(torch.float16)
+    return _cast_to(torch.float16, "fp16_compress")
 
 
 def bf16_compress() -> Hook:
     """Cast the bucket to ``bfloat16`` (no division: the next stage averages)."""
-    return _cast_to(torch.bfloat16)
+    return _cast_to(torch.bfloat16, "bf16_compress")
 
 
 def fp16_decompress() -> Hook:
     """Cast the bucket back to its own dtype (``grads.spec.torch_dtype``)."""
-    return _cast_back()
+    return _cast_back("fp16_decompress")
 
 
 def bf16_decompress() -> Hook:
     """Cast the bucket back to its own dtype (``grads.spec.torch_dtype``)."""
-    return _cast_back()
+    return _cast_back("bf16_decompress")
 
 
 def fp16() -> Hook:

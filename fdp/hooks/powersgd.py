@@ -71,7 +71,7 @@ import torch
 
 from fdp.comm import Comm
 from fdp.hooks.allreduce import allreduce
-from fdp.hooks.base import GradBucket, Hook
+from fdp.hooks.base import GradBucket, Hook, expect_floating
 from fdp.plan import Bucket
 
 __all__ = ["PowerSGDState", "powersgd", "batched_powersgd", "DEFAULT_START_ITER"]
@@ -103,20 +103,20 @@ def _check_int(name: str, value, low: int, high: int | None = None) -> int:
         ok = value < high
     if not ok:
         bound = f">= {low}" if high is None else f"in [{low}, {high})"
-        raise ValueError(f"hooks.{name}={value!r}: expected an integer {bound}")
+        raise ValueError(f"{name}={value!r}: expected an integer {bound}")
     return int(value)
 
 
 def _check_float(name: str, value, low: float) -> float:
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value >= low
     if not ok:
-        raise ValueError(f"hooks.{name}={value!r}: expected a finite number >= {low}")
+        raise ValueError(f"{name}={value!r}: expected a finite number >= {low}")
     return float(value)
 
 
 def _check_bool(name: str, value) -> bool:
     if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"hooks.{name}={value!r}: expected true or false")
+        raise ValueError(f"{name}={value!r}: expected true or false")
     return bool(value)
 
 
@@ -317,6 +317,7 @@ def powersgd(
         return PowerSGDState(0, error, q, _rng_init(seed, bucket.index), 0)
 
     def apply(state: PowerSGDState, grads: GradBucket, comm: Comm):
+        expect_floating(grads, "powersgd")
         if state.iteration < start_iter:
             grads = yield from _average(grads, comm)
             return grads, state._replace(iteration=state.iteration + 1)
@@ -418,6 +419,7 @@ def batched_powersgd(
         return PowerSGDState(0, error, q, _rng_init(seed, bucket.index), 0)
 
     def apply(state: PowerSGDState, grads: GradBucket, comm: Comm):
+        expect_floating(grads, "batched_powersgd")
         if state.iteration < start_iter:
             grads = yield from _average(grads, comm)
             return grads, state._replace(iteration=state.iteration + 1)

@@ -4,7 +4,8 @@ A spec is a mapping with a ``name`` and that hook's settings, or a chain of spec
 either as ``{"chain": [spec, ...]}`` or as ``{"name": "chain", "stages": [spec, ...]}``
 (the form of ``fdp.config.ChainConfig``). A bare string is a hook with default settings.
 Errors are ``ValueError`` naming the setting by its path (``hooks.rank``,
-``hooks.chain[1].name``) and listing what is accepted.
+``hooks.chain[1].name``) and listing what is accepted; the hook factories themselves,
+called from Python, name their arguments (``rank=0: expected an integer >= 1``).
 
 >>> hook = build_hook({"chain": [{"name": "fp16_compress"}, {"name": "powersgd", "rank": 4}, {"name": "fp16_decompress"}]})
 """
@@ -17,6 +18,7 @@ from typing import Any, Callable
 from fdp.hooks.allreduce import allreduce
 from fdp.hooks.base import Hook, chain
 from fdp.hooks.compress import bf16, bf16_compress, bf16_decompress, fp16, fp16_compress, fp16_decompress
+from fdp.hooks.int8 import int8
 from fdp.hooks.noop import noop
 from fdp.hooks.powersgd import batched_powersgd, powersgd
 from fdp.hooks.topk import topk
@@ -34,6 +36,7 @@ HOOKS: dict[str, Callable[..., Hook]] = {
     "powersgd": powersgd,
     "batched_powersgd": batched_powersgd,
     "topk": topk,
+    "int8": int8,
     "noop": noop,
 }
 
@@ -70,9 +73,9 @@ def build_hook(spec: Any, path: str = "hooks") -> Hook:
         return factory(**settings)
     except ValueError as error:
         message = str(error)
-        # The factories name their settings "hooks.<setting>"; give the full path instead.
-        if path != "hooks" and message.startswith("hooks."):
-            raise ValueError(path + message[len("hooks") :]) from None
+        # The factories name their Python arguments ("rank=0: ..."); name the config key instead.
+        if message.split("=", 1)[0] in accepted:
+            raise ValueError(f"{path}.{message}") from None
         raise
 
 

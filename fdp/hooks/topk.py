@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 
 from fdp.comm import Comm
-from fdp.hooks.base import GradBucket, Hook
+from fdp.hooks.base import GradBucket, Hook, expect_floating
 from fdp.plan import Bucket
 
 __all__ = ["TopKState", "topk"]
@@ -40,11 +40,11 @@ def topk(ratio: float = 0.01, error_feedback: bool = True, k: int | None = None)
     to the next step's gradient; without it they are dropped.
     """
     if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real) or not (0 < ratio <= 1):
-        raise ValueError(f"hooks.ratio={ratio!r}: expected a fraction with 0 < ratio <= 1")
+        raise ValueError(f"ratio={ratio!r}: expected a fraction with 0 < ratio <= 1")
     if not isinstance(error_feedback, bool):
-        raise ValueError(f"hooks.error_feedback={error_feedback!r}: expected true or false")
+        raise ValueError(f"error_feedback={error_feedback!r}: expected true or false")
     if k is not None and (isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1):
-        raise ValueError(f"hooks.k={k!r}: expected an integer >= 1 (or null to use hooks.ratio)")
+        raise ValueError(f"k={k!r}: expected an integer >= 1 (or unset, to use ratio)")
     ratio = float(ratio)
 
     def count(numel: int) -> int:
@@ -57,6 +57,7 @@ def topk(ratio: float = 0.01, error_feedback: bool = True, k: int | None = None)
         return TopKState(torch.zeros(bucket.numel, dtype=bucket.torch_dtype, device=bucket.device))
 
     def apply(state: TopKState, grads: GradBucket, comm: Comm):
+        expect_floating(grads, "topk")
         world = comm.world_size
         buf = grads.buffer
         x = buf + state.error.to(buf.dtype) if error_feedback else buf

@@ -245,6 +245,13 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     >>> updates["w"]
     tensor([-0.3000, -0.4000])
     """
+    for i, t in enumerate(transforms):
+        if not isinstance(t, GradientTransformation):
+            what = "a reduction hook (fdp.hooks.Hook)" if hasattr(t, "apply") else f"a {type(t).__name__}"
+            raise TypeError(
+                f"fdp.chain: argument {i} is {what}, not an optimizer (GradientTransformation): "
+                "fdp.chain (fdp.optim.chain) composes optimizers, fdp.hooks.chain composes reduction hooks"
+            )
 
     def init(params: Params) -> tuple:
         return tuple(t.init(params) for t in transforms)
