@@ -156,5 +156,5 @@ def test_sync_buffers_on_a_world_of_one_returns_the_buffers_as_they_are():
     buffers = {"running_mean": torch.ones(3)}
     for how in fdp.BUFFER_SYNC:
         assert fdp.sync_buffers(buffers, Comm(), how) is buffers
-    with pytest.raises(ValueError, match=r"^sync_buffers='rank0': expected one of"):
+    with pytest.raises(ValueError, match=r"^sync_buffers='rank0': expected broadcast, average or local$"):
         fdp.sync_buffers(buffers, Comm(), "rank0")
