@@ -9,11 +9,12 @@ from hypothesis import strategies as st
 
 from torch.utils.data import IterableDataset, TensorDataset
 
+from fdp.data.builtin import _digits_split
 from fdp.data import (
     STDLIB_TEXT_MODULES,
     Dataset,
     StepSampler,
-    _digits_split,
+
     as_map_data,
     collate,
     model_arguments,

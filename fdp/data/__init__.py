@@ -1,0 +1,53 @@
+"""Deterministic offline data, with batches defined by the GLOBAL batch size.
+
+Every batch is a pure function of its arguments: ``global_batch(data, step, size, seed)``
+builds the whole batch of optimizer step ``step`` from local generators, so a run resumed
+at step k sees exactly the batches of an uninterrupted one, whatever the world size.
+Ranks then take their contiguous ``shard`` and may split it into micro-batches.
+A user's own data (``MapData``: map-style torch Datasets) is read through a ``DataLoader``
+whose ``StepSampler`` follows the same order, so the same holds for it.
+
+>>> data = load_dataset("digits")
+>>> x, y = global_batch(data, step=0, global_batch_size=8, seed=0)
+>>> [t.shape for t in shard((x, y), rank=1, world_size=2)]
+[torch.Size([4, 64]), torch.Size([4])]
+"""
+from fdp.data.batches import global_batch, shard, shard_dataset, split_micro_batches
+from fdp.data.builtin import (
+    DATASETS,
+    STDLIB_TEXT_MODULES,
+    Dataset,
+    load_dataset,
+    load_digits,
+    load_stdlib_text,
+)
+from fdp.data.loaders import (
+    eval_batches,
+    has_test_split,
+    model_arguments,
+    num_train_samples,
+    train_batches,
+)
+from fdp.data.mapped import MapData, StepSampler, as_map_data, collate
+
+__all__ = [
+    "Dataset",
+    "load_digits",
+    "load_stdlib_text",
+    "global_batch",
+    "shard",
+    "shard_dataset",
+    "split_micro_batches",
+    "eval_batches",
+    "load_dataset",
+    "MapData",
+    "StepSampler",
+    "as_map_data",
+    "collate",
+    "train_batches",
+    "num_train_samples",
+    "has_test_split",
+    "model_arguments",
+    "DATASETS",
+    "STDLIB_TEXT_MODULES",
+]

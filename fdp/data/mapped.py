@@ -1,0 +1,137 @@
+"""A user's own data: map-style torch Datasets read in the global batch order through a DataLoader."""
+from __future__ import annotations
+
+from typing import Any, Iterator, NamedTuple
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import Dataset as TorchDataset
+from torch.utils.data import IterableDataset, Sampler, default_collate
+
+from fdp.data.batches import _epoch_indices
+
+
+# -- a user's own data: map-style torch Datasets through a DataLoader ----------------------
+class MapData(NamedTuple):
+    """Train and test splits as map-style ``torch.utils.data.Dataset``s of ``(input, target)`` items.
+
+    Inputs and targets are tensors, numbers or NumPy arrays; ``test`` may be ``None``.
+    Items are read by index through a ``DataLoader`` (``train_batches``), so a split need
+    not fit in memory. A split may carry ``num_classes`` (or torchvision's ``classes``),
+    ``vocab_size`` or ``block_size`` attributes for the model's constructor
+    (``model_arguments``).
+
+    >>> from torch.utils.data import TensorDataset
+    >>> from fdp.data import has_test_split
+    >>> data = as_map_data("toy", (TensorDataset(torch.randn(10, 3), torch.arange(10) % 2), None))
+    >>> len(data.train), has_test_split(data)
+    (10, False)
+    """
+
+    name: str
+    train: TorchDataset
+    test: TorchDataset | None
+
+
+def _check_split(split: Any, which: str) -> None:
+    if isinstance(split, IterableDataset) or not hasattr(split, "__getitem__"):
+        raise ValueError(f"the {which} split is a {type(split).__name__}; expected a map-style torch Dataset (items by index)")
+    try:
+        n = len(split)
+    except TypeError:
+        raise ValueError(f"the {which} split ({type(split).__name__}) has no len(); expected a map-style Dataset with __len__") from None
+    if n == 0:
+        raise ValueError(f"the {which} split is empty")
+    item = split[0]
+    if not isinstance(item, (tuple, list)) or len(item) != 2:
+        kind = f"a {len(item)}-tuple" if isinstance(item, (tuple, list)) else f"a {type(item).__name__}"
+        raise ValueError(f"{which} item 0 is {kind}; expected a pair (input, target)")
+    for part, value in zip(("input", "target"), item):
+        if not isinstance(value, (Tensor, int, float, bool, np.ndarray, np.number)):
+            raise ValueError(f"{which} item 0: its {part} is a {type(value).__name__}; expected a tensor, a number or an array")
+
+
+def as_map_data(name: str, splits: Any) -> MapData:
+    """``MapData`` from what a data target returned, ``(train, test)``; errors say what is wrong.
+
+    >>> as_map_data("toy", [(torch.zeros(2), 0, 1)] * 3)
+    Traceback (most recent call last):
+        ...
+    ValueError: returned a list of 3 items; expected (train, test): two map-style torch Datasets (test may be None)
+    """
+    if not isinstance(splits, (tuple, list)) or len(splits) != 2:
+        kind = f"a {type(splits).__name__} of {len(splits)} items" if isinstance(splits, (tuple, list)) else f"a {type(splits).__name__}"
+        raise ValueError(f"returned {kind}; expected (train, test): two map-style torch Datasets (test may be None)")
+    train, test = splits
+    _check_split(train, "train")
+    if test is not None:
+        _check_split(test, "test")
+    return MapData(name, train, test)
+
+
+def _as_default_float(batch: Tensor, value: Any) -> Tensor:
+    # Python floats collate to float64; models are in the default dtype (float32).
+    return batch.to(torch.get_default_dtype()) if isinstance(value, float) else batch
+
+
+def collate(items: list) -> tuple[Tensor, Tensor]:
+    """``(inputs, targets)`` of a list of ``(input, target)`` items, stacked along a new first dim.
+
+    Python ints become int64 and Python floats the default float dtype.
+
+    >>> collate([(torch.zeros(3), 1), (torch.ones(3), 0)])
+    (tensor([[0., 0., 0.],
+            [1., 1., 1.]]), tensor([1, 0]))
+    >>> collate([(1.5, 2.0)])[1].dtype
+    torch.float32
+    """
+    inputs, targets = default_collate(items)
+    return _as_default_float(inputs, items[0][0]), _as_default_float(targets, items[0][1])
+
+
+class StepSampler(Sampler):
+    """Rank ``rank``'s sample indices for each optimizer step ``start_step .. stop_step - 1``.
+
+    Step ``s``'s global batch is positions ``s * G .. (s + 1) * G - 1`` of the stream of
+    one permutation per epoch seeded by ``(seed, epoch)`` (the order ``global_batch``
+    takes for in-memory data); rank ``r`` of ``W`` gets the ``r``-th contiguous ``G / W``
+    of it. The ranks together read the same global batches in the same order for any
+    world size, and a run resumed at step ``k`` starts at the exact sample an
+    uninterrupted one reads there.
+
+    >>> list(StepSampler(8, 4, seed=0, stop_step=2))  # one process: steps 0 and 1
+    [[4, 7, 5, 2], [1, 0, 6, 3]]
+    >>> [list(StepSampler(8, 4, seed=0, rank=r, world_size=2, stop_step=2)) for r in range(2)]
+    [[[4, 7], [1, 0]], [[5, 2], [6, 3]]]
+    >>> list(StepSampler(8, 4, seed=0, start_step=1, stop_step=2))  # resumed at step 1
+    [[1, 0, 6, 3]]
+    """
+
+    def __init__(
+        self, n: int, global_batch_size: int, seed: int, rank: int = 0, world_size: int = 1,
+        start_step: int = 0, stop_step: int | None = None,
+    ):
+        if not 0 < global_batch_size <= n:
+            raise ValueError(f"data.global_batch_size={global_batch_size}: expected between 1 and the {n} training samples")
+        if global_batch_size % world_size:
+            raise ValueError(f"data.global_batch_size={global_batch_size} is not divisible by the world size {world_size}")
+        self.n, self.size, self.seed = n, global_batch_size, seed
+        self.rank, self.world_size = rank, world_size
+        self.start = start_step
+        # Without an end the sampler never stops: one epoch has no meaning in steps.
+        self.stop = stop_step
+
+    def __len__(self) -> int:
+        if self.stop is None:
+            raise TypeError("StepSampler without stop_step is unbounded")
+        return max(0, self.stop - self.start)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        per_rank = self.size // self.world_size
+        cache: dict[int, Tensor] = {}
+        step = self.start
+        while self.stop is None or step < self.stop:
+            first = step * self.size + self.rank * per_rank
+            yield _epoch_indices(self.n, first, per_rank, self.seed, cache).tolist()
+            step += 1
