@@ -54,7 +54,8 @@ def _fsync_dir(directory: Path) -> None:
 def atomic_save(payload: dict, path: str | os.PathLike) -> Path:
     """Write ``payload`` to ``path`` so that readers see the old file or the new one, never half.
 
-    >>> atomic_save({"step": 3}, "/tmp/fdp-example.pt").name
+    >>> import tempfile
+    >>> atomic_save({"step": 3}, Path(tempfile.mkdtemp()) / "fdp-example.pt").name
     'fdp-example.pt'
     """
     path = Path(path)

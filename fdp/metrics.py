@@ -29,7 +29,8 @@ class MetricsLog:
     With ``tensorboard=True`` each step's numbers also go to ``<run dir>/tb/`` as
     TensorBoard scalars (``TensorBoardLog``).
 
-    >>> log = MetricsLog("/tmp/fdp-example-run")
+    >>> import tempfile
+    >>> log = MetricsLog(tempfile.mkdtemp())
     >>> log.write({"step": 1, "loss": torch.tensor(2.5)})
     >>> log.close()
     """
@@ -72,7 +73,8 @@ class TensorBoardLog:
     run's closing summary is not a step and is left out. View with
     ``tensorboard --logdir <run dir>/tb``.
 
-    >>> tb = TensorBoardLog("/tmp/fdp-example-run")
+    >>> import tempfile
+    >>> tb = TensorBoardLog(tempfile.mkdtemp())
     >>> tb.write({"step": 1, "loss": 2.5, "compression": None})
     >>> tb.close()
     """
