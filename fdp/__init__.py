@@ -8,6 +8,8 @@ The pieces, one module each:
 * ``hooks``: gradient-reduction stages (allreduce, fp16, PowerSGD, top-k) composed with ``hooks.chain``.
 * ``comm`` / ``reduce``: collectives as values, and the reduction that hands buckets back as they finish.
 * ``_torch``: the one place fdp touches private torch APIs, each with a public fallback.
+* ``precision``: autocast, bf16 weights and the dynamic loss scale (``LossScale``) of mixed precision.
+* ``compiled``: the gradient computation under ``torch.compile``.
 * ``train``: ``TrainState`` and the pure ``train_step(state, batch) -> (state, metrics)``.
 * ``launch`` / ``trainer`` / ``checkpoint``: worlds of processes, the run loop, atomic checkpoints.
 """
@@ -32,12 +34,13 @@ from fdp.optim import (
     warmup_cosine_schedule,
 )
 from fdp.plan import Bucket, BucketPlan, ParamSlot, gradient_ready_order, plan_buckets
+from fdp.precision import LossScale, Precision
 from fdp.reduce import GradReducer, Reduction, init_hook_states, resolve_schedule
 from fdp.train import TrainState, cross_entropy_loss, init_train_state, make_train_step, planner_loss
 
 __all__ = [
     "Bucket", "BucketPlan", "Comm", "FunctionalModel", "GradBucket", "GradReducer", "GradientTransformation",
-    "Hook", "ParamSlot", "Pending", "Reduction", "TrainState", "WorldLayout", "adam", "adamw", "allocate",
+    "Hook", "LossScale", "ParamSlot", "Precision", "Pending", "Reduction", "TrainState", "WorldLayout", "adam", "adamw", "allocate",
     "apply_gradients", "apply_updates", "build_optimizer", "chain", "clip_by_global_norm", "constant_schedule", "cross_entropy_loss", "functionalize",
     "gradient_ready_order", "hooks", "init_distributed", "init_hook_states", "init_train_state", "make_train_step",
     "pack", "plan_buckets", "planner_loss", "resolve_schedule", "sgd", "spawn", "supports_inplace", "unpack", "warmup_cosine_schedule",

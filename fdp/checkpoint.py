@@ -109,6 +109,7 @@ def state_payload(state: TrainState, per_rank: list[dict], extra: dict | None = 
         "params": dict(state.params),
         "buffers": dict(state.buffers),
         "opt_state": _leaves(state.opt_state),
+        "loss_scale": _leaves(state.loss_scale),  # decided after the reduction: the same on every rank
         "ranks": per_rank,
         **(extra or {}),
     }
@@ -136,6 +137,7 @@ def restore(payload: dict, template: TrainState, rank: int, path: str | os.PathL
         opt_state=_rebuild(template.opt_state, payload["opt_state"], "optimizer state", path),
         hook_state=_rebuild(template.hook_state, mine["hook_state"], "hook state", path),
         rng=mine["rng"],
+        loss_scale=_rebuild(template.loss_scale, payload.get("loss_scale", []), "loss scale", path),
     )
 
 

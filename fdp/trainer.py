@@ -42,6 +42,7 @@ from fdp.metrics import MetricsLog, StepTimes, progress, summary_line
 from fdp.models import build_model, count_parameters
 from fdp.optim import GradientTransformation, build_optimizer
 from fdp.plan import BucketPlan, plan_buckets
+from fdp.precision import Precision, check_precision, set_matmul_precision
 from fdp.trace import NullTimeline, Timeline
 from fdp.train import TrainState, cross_entropy_loss, init_train_state, make_train_step, planner_loss
 
@@ -86,12 +87,16 @@ def layout_of(cfg: DictConfig) -> WorldLayout:
 
 # -- evaluation -------------------------------------------------------------------------------
 @torch.no_grad()
-def evaluate(model: FunctionalModel, params, buffers, data: Dataset, max_batches: int, batch_size: int = 256) -> dict:
-    """Mean loss and accuracy over (up to ``max_batches`` batches of) the test split."""
+def evaluate(
+    model: FunctionalModel, params, buffers, data: Dataset, max_batches: int, batch_size: int = 256,
+    precision: Precision = Precision(),
+) -> dict:
+    """Mean loss and accuracy over (up to ``max_batches`` batches of) the test split, in ``precision``."""
     total_loss, correct, count = 0.0, 0, 0
     for x, y in eval_batches(data, batch_size, max_batches):
-        logits, _ = model.apply(params, buffers, x, training=False)
-        logits, y = logits.reshape(-1, logits.shape[-1]), y.reshape(-1)
+        with precision.autocast(x.device.type):
+            logits, _ = model.apply(params, buffers, precision.cast(x), training=False)
+        logits, y = logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1)
         total_loss += F.cross_entropy(logits, y, reduction="sum").item()
         correct += (logits.argmax(-1) == y).sum().item()
         count += y.numel()
@@ -109,6 +114,7 @@ class Run(NamedTuple):
     optimizer: GradientTransformation
     state: TrainState
     num_params: int
+    precision: Precision
 
 
 def setup(cfg: DictConfig, comm: Comm) -> Run:
@@ -119,9 +125,11 @@ def setup(cfg: DictConfig, comm: Comm) -> Run:
     module = build_module(cfg.model, data)
     num_params = count_parameters(module)
     model, params, buffers = functionalize(module, keep_module_weights=False)  # the state holds the weights
+    precision = check_precision(cfg.trainer.precision)
+    params, buffers = precision.cast(params), precision.cast(buffers)  # bf16-true: the plan's buckets follow
     loss_fn = cross_entropy_loss(model)
     example = shard(global_batch(data, 0, cfg.data.global_batch_size, cfg.seed), comm.rank, comm.world_size)
-    example = tuple(t[: max(1, t.shape[0] // cfg.trainer.accum_steps)] for t in example)
+    example = precision.cast(tuple(t[: max(1, t.shape[0] // cfg.trainer.accum_steps)] for t in example))
     plan = plan_buckets(
         planner_loss(loss_fn, buffers),
         params,
@@ -135,8 +143,8 @@ def setup(cfg: DictConfig, comm: Comm) -> Run:
     params, buffers = broadcast_from_rank0(params, comm), broadcast_from_rank0(buffers, comm)
     hook = build_hook(OmegaConf.to_container(cfg.hooks))
     optimizer = build_optimizer(OmegaConf.to_container(cfg.optim), cfg.trainer.max_steps)
-    state = init_train_state(params, buffers, optimizer, plan, hook, seed=cfg.seed + comm.rank)
-    return Run(model, data, plan, hook, optimizer, state, num_params)
+    state = init_train_state(params, buffers, optimizer, plan, hook, seed=cfg.seed + comm.rank, precision=precision)
+    return Run(model, data, plan, hook, optimizer, state, num_params, precision)
 
 
 def _save(run_dir: Path, state: TrainState, comm: Comm, cfg: DictConfig, plan: BucketPlan) -> None:
@@ -241,6 +249,7 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm) -> dict:
     rank, world = comm.rank, comm.world_size
     _setup_logging(run_dir, rank)
     tc = cfg.trainer
+    set_matmul_precision(tc.matmul_precision)  # process-wide: set once, before anything runs
     if cfg.data.global_batch_size % world:
         raise ConfigError(f"data.global_batch_size={cfg.data.global_batch_size}: expected a multiple of the world size {world}")
     run = setup(cfg, comm)
@@ -266,6 +275,8 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm) -> dict:
         nonfinite=tc.nonfinite,
         timeline=timeline,
         donate=True,  # the loop below never looks at a state again once it has the next
+        precision=run.precision,
+        compile=tc.compile,
     )
     metrics_log = MetricsLog(run_dir, resume=state.step > 0) if rank == 0 else None
     times, skipped, last_eval, record = StepTimes(), 0, {}, {}
@@ -301,8 +312,10 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm) -> dict:
                     "compression": run.plan.nbytes / m["bytes_sent"] if m["bytes_sent"] else None,
                     "skipped_steps": skipped,
                 }
+                if "loss_scale" in m:
+                    record["loss_scale"] = m["loss_scale"].item()
                 if (tc.eval_every and step % tc.eval_every == 0 or done) and run.data.test_x is not None and rank == 0:
-                    last_eval = evaluate(run.model, state.params, state.buffers, run.data, tc.eval_batches)
+                    last_eval = evaluate(run.model, state.params, state.buffers, run.data, tc.eval_batches, precision=run.precision)
                     record.update(last_eval)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", samples_s=f"{record['samples_per_s']:.0f}")
                 if metrics_log:
