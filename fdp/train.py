@@ -76,7 +76,8 @@ def init_train_state(
     """
     hook_state = init_hook_states(hook or allreduce(), plan) if plan is not None else ()
     rng = torch.Generator().manual_seed(seed).get_state()
-    loss_scale = precision.init_loss_scale() if precision is not None else None
+    device = next(iter(params.values())).device if params else "cpu"
+    loss_scale = precision.init_loss_scale(device) if precision is not None else None
     return TrainState(0, params, buffers, optimizer.init(params), hook_state, rng, loss_scale)
 
 
