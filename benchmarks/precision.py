@@ -91,6 +91,62 @@ def fdp_step(module, precision: Precision, compile: bool, example):
     return step
 
 
+def count_casts() -> list[str]:
+    """Dtype casts (``aten._to_copy``) in one forward + backward: eager autocast against autocast under ``grad_and_value``.
+
+    Counted below autograd with a dispatch mode, on the CPU; a model whose every weight is
+    used once (the char transformer) and one that applies the same Linear four times.
+    """
+    from collections import Counter
+
+    from torch.func import grad_and_value
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Casts(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.down, self.up, self.ops = Counter(), Counter(), 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            self.ops += 1
+            if func is torch.ops.aten._to_copy.default and kwargs.get("dtype") is not None:
+                side = self.down if kwargs["dtype"] == torch.bfloat16 else self.up
+                side[tuple(args[0].shape)] += 1
+            return func(*args, **kwargs)
+
+    class Reused(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            for _ in range(4):
+                x = self.linear(x)
+            return x
+
+    torch.manual_seed(0)
+    cases = [
+        ("char transformer (small)", CharTransformer(101, 128, 256, 4, 4), torch.randint(0, 101, (2, 128)), torch.randint(0, 101, (2, 128))),
+        ("one Linear applied 4 times", Reused(), torch.randn(8, 16), torch.randint(0, 16, (8,))),
+    ]
+    bf16 = Precision("bf16-mixed")
+    lines = ["| model | path | casts to bf16 | casts to fp32 | ops below autograd |", "|---|---|---:|---:|---:|"]
+    for name, module, x, y in cases:
+        with Casts() as eager:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = module(x)
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+            loss.backward()
+        model, params, buffers = fdp.functionalize(module)
+        grad_fn = grad_and_value(bf16.wrap(fdp.cross_entropy_loss(model)), has_aux=True)
+        with Casts() as func:
+            grad_fn(params, buffers, (x, y))
+        for path, c in (("eager autocast", eager), ("grad_and_value + autocast", func)):
+            lines.append(f"| {name} | {path} | {sum(c.down.values())} | {sum(c.up.values())} | {c.ops} |")
+    return lines
+
+
 def _init_world(device):
     if dist.is_initialized():
         return
@@ -107,7 +163,11 @@ def main():
     parser.add_argument("--precisions", default=None, help="comma-separated; 32-true+tf32 is float32 with TF32 matmuls")
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--casts", action="store_true", help="only count autocast's casts, eager against grad_and_value")
     args = parser.parse_args()
+    if args.casts:
+        print("\n".join(count_casts()))
+        return
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     size = args.size or ("25m" if device.type == "cuda" else "small")
     steps = args.steps or (5 if args.quick else 25 if device.type == "cuda" else 12)
@@ -172,6 +232,8 @@ def main():
         vs_ddp = r["ms"] / ddp_ms[r["precision"]] if r["precision"] in ddp_ms else float("nan")
         vs_fp32 = r["ms"] / fp32 if fp32 else float("nan")
         lines.append(f"| {r['precision']} | {r['variant']} | {r['ms']:.2f} | {vs_ddp:.2f} | {vs_fp32:.2f} | {r['loss']:.4f} | {r['setup_s']:.1f} |")
+    if device.type == "cpu":
+        lines += ["", "Autocast's casts in one forward + backward (`--casts`):", "", *count_casts()]
     text = "\n".join(lines) + "\n"
     print(text)
     if not args.quick:
