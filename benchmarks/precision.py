@@ -195,12 +195,12 @@ def main():
             else:
                 step = fdp_step(module, precision, kind == "fdp_compiled", batches[0])
             runs.append({"precision": name, "variant": label, "step": step, "times": [], "warmup_s": 0.0})
-    for i, batch in enumerate(batches):
+    for i, tokens in enumerate(batches):
         for r in runs:
             torch.set_float32_matmul_precision("high" if r["precision"].endswith("+tf32") else "highest")
             _sync(device)
             t0 = time.perf_counter()
-            r["loss"] = float(r["step"](batch))
+            r["loss"] = float(r["step"](tokens))
             _sync(device)
             if i >= warmup:
                 r["times"].append(time.perf_counter() - t0)
