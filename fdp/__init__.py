@@ -8,6 +8,8 @@ The pieces, one module each:
 * ``hooks``: gradient-reduction stages (allreduce, fp16, PowerSGD, top-k) composed with ``hooks.chain``.
 * ``comm`` / ``reduce``: collectives as values, and the reduction that hands buckets back as they finish.
 * ``_torch``: the one place fdp touches private torch APIs, each with a public fallback.
+* ``precision``: autocast, bf16 weights and the dynamic loss scale (``LossScale``) of mixed precision.
+* ``compiled``: the gradient computation under ``torch.compile``.
 * ``train``: ``TrainState`` and the pure ``train_step(state, batch) -> (state, metrics)``.
 * ``devices``: which device each rank computes on (``world.accelerator``, ``world.devices``).
 * ``targets`` / ``losses``: models, data and losses named in config by ``_target_``.
@@ -40,6 +42,7 @@ from fdp.optim import (
     warmup_cosine_schedule,
 )
 from fdp.plan import Bucket, BucketPlan, ParamSlot, gradient_ready_order, plan_buckets
+from fdp.precision import LossScale, Precision
 from fdp.reduce import GradReducer, Reduction, init_hook_states, resolve_schedule
 from fdp.replicas import BUFFER_SYNC, setup_state, sync_buffers
 from fdp.train import TrainState, cross_entropy_loss, init_train_state, make_train_step, planner_loss
@@ -48,7 +51,7 @@ __all__ = [
     "BUFFER_SYNC", "CheckpointError", "broadcast_from_rank0", "check_same_plan", "load_checkpoint", "save_checkpoint",
     "setup_state", "sync_buffers",
     "Bucket", "BucketPlan", "Comm", "FunctionalModel", "GradBucket", "GradReducer", "GradientTransformation",
-    "Hook", "MapData", "ParamSlot", "Pending", "Placement", "Reduction", "StepSampler", "TrainState", "WorldLayout",
+    "Hook", "LossScale", "MapData", "ParamSlot", "Pending", "Placement", "Precision", "Reduction", "StepSampler", "TrainState", "WorldLayout",
     "adam", "adamw", "allocate", "apply_gradients", "apply_updates", "batch_to_device", "build_loss", "build_optimizer",
     "chain", "clip_by_global_norm", "constant_schedule", "cross_entropy_loss", "functionalize", "gradient_ready_order",
     "hooks", "init_distributed", "init_hook_states", "init_train_state", "make_loss_fn", "make_train_step", "pack",

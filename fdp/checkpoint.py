@@ -134,6 +134,7 @@ def state_payload(state: TrainState, per_rank: list[dict], extra: dict | None = 
         "params": {name: _on_host(t) for name, t in state.params.items()},
         "buffers": {name: _on_host(t) for name, t in state.buffers.items()},
         "opt_state": _leaves(state.opt_state),
+        "loss_scale": _leaves(state.loss_scale),  # decided after the reduction: the same on every rank
         "ranks": per_rank,
         **(extra or {}),
     }
@@ -183,6 +184,7 @@ def restore(payload: dict, template: TrainState, rank: int, path: str | os.PathL
         hook_state=_rebuild(template.hook_state, mine["hook_state"], "hook state", path),
         rng=mine["rng"],
         cuda_rng=saved_cuda_rng if both_on_gpu else template.cuda_rng,
+        loss_scale=_rebuild(template.loss_scale, payload.get("loss_scale", []), "loss scale", path),
     )
 
 

@@ -154,6 +154,9 @@ class TrainerConfig:
     schedule: str = "auto"  # auto | after | overlap: when bucket reductions start (auto: overlap on more than one process)
     nonfinite: str = "raise"  # raise | skip
     sync_buffers: str = "broadcast"  # broadcast | average | local: buffers (BatchNorm statistics) across ranks
+    precision: str = "32-true"  # 32-true | bf16-mixed | 16-mixed | bf16-true (Lightning's names)
+    matmul_precision: str = "highest"  # highest | high | medium: torch.set_float32_matmul_precision
+    compile: bool = False  # torch.compile the gradient computation
     trace: bool = False  # write a Chrome trace per rank to <run dir>/trace/ (for short diagnostic runs)
     tensorboard: bool = False  # also write the logged metrics as TensorBoard scalars to <run dir>/tb/ (rank 0)
     progress: bool = True
@@ -330,8 +333,10 @@ def validate(cfg: Any, run_dir: Any = None) -> None:
     from fdp.devices import BACKENDS
     from fdp.launch import ENV_LAUNCHERS, LAUNCHERS
     from fdp.metrics import check_tensorboard
+    from fdp.compiled import check_compile
     from fdp.optim import build_optimizer
     from fdp.plan.values import _check_cap
+    from fdp.precision import check_matmul_precision, check_precision
     from fdp.reduce import resolve_schedule
     from fdp.replicas import check_sync_buffers
     from fdp.train import check_nonfinite
@@ -352,6 +357,9 @@ def validate(cfg: Any, run_dir: Any = None) -> None:
     _checked("trainer.schedule", lambda value: resolve_schedule(value, world_size=1), t.schedule)
     _checked("trainer.nonfinite", check_nonfinite, t.nonfinite)
     _checked("trainer.sync_buffers", check_sync_buffers, t.sync_buffers)
+    _checked("trainer.precision", check_precision, t.precision)
+    _checked("trainer.matmul_precision", check_matmul_precision, t.matmul_precision)
+    _checked("trainer.compile", check_compile, t.compile)
     _checked("optim", lambda spec: build_optimizer(spec, t.max_steps), _container(o))
     _checked("hooks", build_hook, _container(cfg.hooks))
     if t.tensorboard:

@@ -23,6 +23,7 @@ from torch.func import grad_and_value
 from fdp import buckets as bucket_buffers
 from fdp._torch import HAS_DISABLE_FUNCTORCH, disable_functorch, foreach
 from fdp.comm import Comm
+from fdp.compiled import compile_grad, compiled_schedule
 from fdp.hooks.base import GradBucket, Hook
 from fdp.plan import BucketPlan
 from fdp.trace import NullTimeline, Timeline
@@ -190,15 +191,19 @@ class GradReducer:
 
     def __init__(
         self, loss_fn: LossFn, plan: BucketPlan, hook: Hook, comm: Comm, schedule: str = "after",
-        timeline: Timeline = NullTimeline(),
+        timeline: Timeline = NullTimeline(), compile: bool = False,
     ):
         schedule = resolve_schedule(schedule, comm.world_size)
+        if compile:
+            schedule = compiled_schedule(schedule)
         self.plan, self.hook, self.comm, self.schedule, self.timeline = plan, hook, comm, schedule, timeline
         self.loss_fn = self._marking_forward_end(loss_fn)
         self.flats = bucket_buffers.allocate(plan)
         self._table = _slot_table(plan, self.flats)
         self._plain_grad = grad_and_value(self.loss_fn, has_aux=True)
         self._hooked_grad = grad_and_value(self._traced_loss, argnums=0, has_aux=True)
+        if compile:
+            self._plain_grad = compile_grad(self._plain_grad)
         self._reduction: Reduction | None = None
         self._remaining: list[int] = []
         self._scale = 1.0

@@ -76,6 +76,7 @@ def setup_state(
     hook=None,
     comm: Comm | None = None,
     seed: int = 0,
+    precision=None,
 ):
     """``init_train_state`` made consistent across the ranks of ``comm``; call it on every rank.
 
@@ -98,7 +99,7 @@ def setup_state(
     check_same_plan(plan, comm)
     _check_same_seed_and_buffers(seed, buffers, comm)
     params, buffers = broadcast_from_rank0(params, comm), broadcast_from_rank0(buffers, comm)
-    return init_train_state(params, buffers, optimizer, plan, hook, seed=rank_seed(seed, comm.rank))
+    return init_train_state(params, buffers, optimizer, plan, hook, seed=rank_seed(seed, comm.rank), precision=precision)
 
 
 def _groups(buffers: Buffers) -> dict[tuple, list[str]]:

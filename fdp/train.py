@@ -16,6 +16,7 @@ from fdp.functional import Buffers, FunctionalModel, Params
 from fdp.hooks import Hook, allreduce, checked
 from fdp.optim import GradientTransformation, apply_gradients, current_lr, supports_inplace
 from fdp.plan import BucketPlan
+from fdp.precision import LossScale, Precision, scaled_micro_batches, unscale, unscaled_loss, update_loss_scale
 from fdp.reduce import GradReducer, init_hook_states
 from fdp.trace import NullTimeline, Timeline
 
@@ -47,7 +48,8 @@ class TrainState(NamedTuple):
 
     ``hook_state`` holds one state per bucket for the reduction's hook chain; ``rng`` is
     the CPU generator state that dropout and other random ops draw from, ``cuda_rng``
-    that of the params' GPU (empty when they are not on one).
+    that of the params' GPU (empty when they are not on one); ``loss_scale`` the dynamic
+    ``LossScale`` of ``16-mixed`` precision (``None`` otherwise).
     """
 
     step: int
@@ -57,6 +59,7 @@ class TrainState(NamedTuple):
     hook_state: Any
     rng: torch.Tensor
     cuda_rng: torch.Tensor = torch.empty(0, dtype=torch.uint8)
+    loss_scale: LossScale | None = None
 
 
 def init_train_state(
@@ -66,6 +69,7 @@ def init_train_state(
     plan: BucketPlan | None = None,
     hook: Hook | None = None,
     seed: int = 0,
+    precision: Precision | None = None,
 ) -> TrainState:
     """The state before step 1 (pass ``plan``, and ``hook`` unless it is ``allreduce()``, for a
     state that ``make_train_step`` can step; ``fdp.setup_state`` does this across ranks).
@@ -78,7 +82,8 @@ def init_train_state(
     hook_state = init_hook_states(hook or allreduce(), plan) if plan is not None else ()
     rng = torch.Generator().manual_seed(seed).get_state()
     cuda_rng = seeded_cuda_rng(seed, device_of(params))
-    return TrainState(0, params, buffers, optimizer.init(params), hook_state, rng, cuda_rng)
+    loss_scale = precision.init_loss_scale(device_of(params)) if precision is not None else None
+    return TrainState(0, params, buffers, optimizer.init(params), hook_state, rng, cuda_rng, loss_scale)
 
 
 def cross_entropy_loss(model: FunctionalModel) -> Callable:
@@ -113,6 +118,8 @@ def make_train_step(
     timeline: Timeline | None = None,
     donate: bool = False,
     sync_buffers: str = "broadcast",
+    precision: Precision | None = None,
+    compile: bool = False,
 ) -> Callable[[TrainState, tuple], tuple[TrainState, dict]]:
     """Build ``train_step(state, batch) -> (new_state, metrics)``.
 
@@ -139,6 +146,12 @@ def make_train_step(
     ``"average"`` or ``"local"`` (see ``fdp.replicas``). The arguments are checked here
     and the first step's state against ``plan`` and ``hook`` (``fdp.checks``).
 
+    ``precision`` (``fdp.precision``) wraps ``loss_fn`` in autocast; under loss scaling
+    (``16-mixed``, with ``init_train_state(..., precision=...)``) a step whose reduced
+    gradients overflow is skipped on every rank alike and counted, whatever
+    ``nonfinite`` says, and the state's ``LossScale`` moves on. ``compile=True`` compiles
+    the gradient computation with ``torch.compile`` (see ``fdp.compiled``).
+
     >>> from fdp import functionalize, plan_buckets, sgd
     >>> model, params, buffers = functionalize(torch.nn.Linear(4, 3))
     >>> loss_fn = cross_entropy_loss(model)
@@ -154,7 +167,8 @@ def make_train_step(
     replicas.check_sync_buffers(sync_buffers)
     comm = comm or Comm()
     timeline = timeline or NullTimeline()
-    reducer = GradReducer(loss_fn, plan, checked(hook or allreduce()), comm, schedule, timeline)
+    precision = precision or Precision()
+    reducer = GradReducer(precision.wrap(loss_fn), plan, checked(hook or allreduce()), comm, schedule, timeline, compile=compile)
     per_bucket: bool | None = None  # decided on the first step: params keep their device and dtype
 
     def train_step(state: TrainState, batch: tuple) -> tuple[TrainState, dict]:
@@ -165,18 +179,22 @@ def make_train_step(
         if per_bucket is None:
             checks.check_state_against_plan(state, plan)
             checks.check_hook_states(state.hook_state, reducer.hook, plan)
-            per_bucket = donate and nonfinite == "raise" and optimizer.elementwise and supports_inplace(optimizer, state.params)
+            # A loss-scaled step may still be skipped once every bucket is in: no early updates.
+            per_bucket = (donate and nonfinite == "raise" and state.loss_scale is None and optimizer.elementwise
+                          and supports_inplace(optimizer, state.params))
         state = state._replace(buffers=replicas.sync_buffers(state.buffers, comm, sync_buffers))
         with rng_scope(state.rng, state.cuda_rng, device_of(state.params)) as rng_states:
-            computed = reducer.backward(state.params, state.buffers, split_micro_batches(batch, accum_steps), state.hook_state)
+            micro_batches = scaled_micro_batches(split_micro_batches(batch, accum_steps), state.loss_scale)
+            computed = reducer.backward(state.params, state.buffers, micro_batches, state.hook_state)
             rng, cuda_rng = rng_states()
 
         # Buckets come back as their chains finish; with per-bucket updates each one's
         # params are stepped while later buckets are still on the wire.
         reduced, finite, opt_state = [{}] * len(plan.buckets), [], state.opt_state
         for index, bucket in computed.reduction.finished():
-            reduced[index] = slot_views(plan.buckets[index], bucket.buffer)
-            finite.append(_finite(bucket.buffer))
+            buffer = unscale(bucket.buffer, state.loss_scale, bucket.owned)
+            reduced[index] = slot_views(plan.buckets[index], buffer)
+            finite.append(_finite(buffer))
             if per_bucket:
                 with timeline.span("optimizer", bucket=index):
                     opt_state = optimizer.update_inplace(reduced[index], state.opt_state, state.params)
@@ -185,21 +203,24 @@ def make_train_step(
         # The step's one host synchronisation. Reduced gradients are identical on every
         # rank, so every rank takes the same branch.
         skipped = not bool(torch.stack(finite).all())
+        loss_scale = None
+        if state.loss_scale is not None:
+            loss_scale = update_loss_scale(state.loss_scale, not skipped, precision.growth_interval)
         if not skipped:
             params = state.params
             if not per_bucket:
                 with timeline.span("optimizer"):
                     params, opt_state = apply_gradients(optimizer, grads, state.opt_state, state.params, donate=donate)
-            new_state = TrainState(step, params, computed.buffers, opt_state, computed.reduction.hook_states, rng, cuda_rng)
-        elif nonfinite == "skip":
-            new_state = state._replace(step=step, rng=rng, cuda_rng=cuda_rng)
+            new_state = TrainState(step, params, computed.buffers, opt_state, computed.reduction.hook_states, rng, cuda_rng, loss_scale)
+        elif nonfinite == "skip" or loss_scale is not None:
+            new_state = state._replace(step=step, rng=rng, cuda_rng=cuda_rng, loss_scale=loss_scale)
         else:
             raise _nonfinite_error(step, plan, grads)
 
         stats = computed.reduction.stats()
         elapsed = time.perf_counter() - t0
         metrics = {
-            "loss": torch.stack([loss.detach() for loss in computed.losses]).mean(),
+            "loss": unscaled_loss(torch.stack([loss.detach() for loss in computed.losses]).mean(), state.loss_scale),
             "lr": current_lr(new_state.opt_state),
             "skipped": int(skipped),
             "step_s": elapsed,
@@ -208,6 +229,8 @@ def make_train_step(
             "bytes_sent": stats.bytes_sent,
             "collectives": stats.collectives,
         }
+        if loss_scale is not None:
+            metrics["loss_scale"] = loss_scale.scale
         return new_state, metrics
 
     return train_step

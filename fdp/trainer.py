@@ -55,6 +55,7 @@ from fdp.plan import BucketPlan, plan_buckets
 from fdp.replicas import setup_state
 from fdp.slurm import job_world
 from fdp.targets import build, label
+from fdp.precision import Precision, check_precision, set_matmul_precision
 from fdp.trace import NullTimeline, Timeline
 from fdp.train import TrainState, make_train_step, planner_loss
 
@@ -174,18 +175,21 @@ def resolve_world(cfg: DictConfig) -> DictConfig:
 @torch.no_grad()
 def evaluate(
     model: FunctionalModel, params, buffers, data: Dataset | MapData, max_batches: int, batch_size: int = 256,
-    criterion: Criterion = cross_entropy, num_workers: int = 0,
+    criterion: Criterion = cross_entropy, num_workers: int = 0, precision: Precision = Precision(),
 ) -> dict:
     """Mean loss over (up to ``max_batches`` batches of) the test split, and accuracy where it applies.
 
     Accuracy applies to class scores ``(..., classes)`` for integer targets ``(...)``. Runs on
-    the params' device.
+    the params' device, in ``precision`` (scored in float32).
     """
     device = device_of(params)
     total_loss, count, correct, scored = 0.0, 0, 0, 0
     for batch in eval_batches(data, batch_size, max_batches, num_workers=num_workers):
         x, y = batch_to_device(batch, device)
-        outputs, _ = model.apply(params, buffers, x, training=False)
+        with precision.autocast(device.type):
+            outputs, _ = model.apply(params, buffers, precision.cast(x), training=False)
+        if isinstance(outputs, torch.Tensor) and outputs.is_floating_point():
+            outputs = outputs.float()
         loss, weight, hits, n = batch_metrics(criterion, outputs, y)
         total_loss, count, correct, scored = total_loss + loss, count + weight, correct + hits, scored + n
     metrics = {"test_loss": total_loss / count}
@@ -206,6 +210,7 @@ class Run(NamedTuple):
     state: TrainState
     num_params: int
     criterion: Criterion = cross_entropy
+    precision: Precision = Precision()
 
 
 def setup(cfg: DictConfig, comm: Comm, device: torch.device = torch.device("cpu")) -> Run:
@@ -221,11 +226,13 @@ def setup(cfg: DictConfig, comm: Comm, device: torch.device = torch.device("cpu"
     module = build_module(cfg.model, data)
     num_params = count_parameters(module)
     model, params, buffers = functionalize(module, keep_module_weights=False)  # the state holds the weights
+    precision = check_precision(cfg.trainer.precision)
     params, buffers = to_device(params, device), to_device(buffers, device)
+    params, buffers = precision.cast(params), precision.cast(buffers)  # bf16-true: the plan's buckets follow
     criterion = build_loss(OmegaConf.to_container(cfg.loss, resolve=True))
     loss_fn = make_loss_fn(model, criterion)
     example = next(train_batches(data, cfg.data.global_batch_size, cfg.seed, comm.rank, comm.world_size, 0, 1))
-    example = batch_to_device(tuple(t[: max(1, t.shape[0] // cfg.trainer.accum_steps)] for t in example), device)
+    example = batch_to_device(precision.cast(tuple(t[: max(1, t.shape[0] // cfg.trainer.accum_steps)] for t in example)), device)
     check_fit(cfg, loss_fn, params, buffers, example)
     plan = plan_buckets(
         planner_loss(loss_fn, buffers),
@@ -237,8 +244,8 @@ def setup(cfg: DictConfig, comm: Comm, device: torch.device = torch.device("cpu"
     )
     hook = build_hook(OmegaConf.to_container(cfg.hooks))
     optimizer = build_optimizer(OmegaConf.to_container(cfg.optim), cfg.trainer.max_steps)
-    state = setup_state(params, buffers, optimizer, plan, hook, comm, seed=cfg.seed)
-    return Run(model, data, plan, hook, optimizer, state, num_params, criterion)
+    state = setup_state(params, buffers, optimizer, plan, hook, comm, seed=cfg.seed, precision=precision)
+    return Run(model, data, plan, hook, optimizer, state, num_params, criterion, precision)
 
 
 def _save(run_dir: Path, state: TrainState, comm: Comm, cfg: DictConfig, plan: BucketPlan) -> None:
@@ -330,6 +337,7 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm, device: torch.device) -> 
     rank, world = comm.rank, comm.world_size
     _setup_logging(run_dir, rank)
     tc = cfg.trainer
+    set_matmul_precision(tc.matmul_precision)  # process-wide: set once, before anything runs
     if cfg.data.global_batch_size % world:
         raise ConfigError(f"data.global_batch_size={cfg.data.global_batch_size}: expected a multiple of the world size {world}")
     run = setup(cfg, comm, device)
@@ -357,6 +365,8 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm, device: torch.device) -> 
         timeline=timeline,
         donate=True,  # the loop below never looks at a state again once it has the next
         sync_buffers=tc.sync_buffers,
+        precision=run.precision,
+        compile=tc.compile,
     )
     metrics_log = MetricsLog(run_dir, resume=state.step > 0, tensorboard=tc.tensorboard) if rank == 0 else None
     times, skipped, last_eval, record = StepTimes(), 0, {}, {}
@@ -395,9 +405,11 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm, device: torch.device) -> 
                     "compression": run.plan.nbytes / m["bytes_sent"] if m["bytes_sent"] else None,
                     "skipped_steps": skipped,
                 }
+                if "loss_scale" in m:
+                    record["loss_scale"] = m["loss_scale"].item()
                 if (tc.eval_every and step % tc.eval_every == 0 or done) and has_test_split(run.data) and rank == 0:
                     last_eval = evaluate(run.model, state.params, state.buffers, run.data, tc.eval_batches,
-                                         criterion=run.criterion, num_workers=num_workers)
+                                         criterion=run.criterion, num_workers=num_workers, precision=run.precision)
                     record.update(last_eval)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", samples_s=f"{record['samples_per_s']:.0f}")
                 if metrics_log:

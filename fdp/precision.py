@@ -1,0 +1,251 @@
+"""Numeric precision of a run, and dynamic loss scaling as a value in the train state.
+
+``trainer.precision`` takes Lightning's names:
+
+* ``32-true``: float32 throughout (the default).
+* ``bf16-mixed``: the forward (and so its backward) runs under ``torch.autocast`` to
+  bfloat16 inside the ``torch.func`` transform; params stay float32 masters, so their
+  gradients, the bucket buffers and the optimizer state are float32 (a hook such as
+  ``bf16`` may still compress on the wire).
+* ``16-mixed``: the same with float16, whose narrow range needs a loss scale: the loss
+  is multiplied by ``LossScale.scale`` before differentiation, each bucket is unscaled
+  once its reduction is done, and the step's one finiteness check (taken after the
+  reduction, so every rank sees the same gradients) skips the update on overflow.
+* ``bf16-true``: params, floating buffers and floating inputs in bfloat16, and with them
+  gradients, buckets and optimizer state.
+
+The scale follows ``torch.amp.GradScaler``'s defaults: 2**16 to start, halved on a step
+with a non-finite gradient, doubled after 2000 finite steps in a row.
+
+>>> p = Precision("16-mixed")
+>>> p.autocast_dtype, p.loss_scaling
+(torch.float16, True)
+>>> scale = init_loss_scale()
+>>> update_loss_scale(scale, finite=False, growth_interval=2000).scale.item()
+32768.0
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from fdp._torch import tree_map
+
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
+MATMUL_PRECISIONS = ("highest", "high", "medium")
+
+INIT_SCALE = 2.0**16
+GROWTH_FACTOR = 2.0
+BACKOFF_FACTOR = 0.5
+GROWTH_INTERVAL = 2000
+
+
+class LossScale(NamedTuple):
+    """The dynamic loss scale: ``scale`` (float32, 0-d) and ``growth_tracker`` (int32, 0-d),
+    the finite steps since the scale last changed. Both stay on the device: updating them
+    needs no host synchronisation beyond the step's own finiteness check."""
+
+    scale: torch.Tensor
+    growth_tracker: torch.Tensor
+
+
+def init_loss_scale(init_scale: float = INIT_SCALE, device: torch.device | str = "cpu") -> LossScale:
+    """The scale before step 1.
+
+    >>> init_loss_scale(8.0)
+    LossScale(scale=tensor(8.), growth_tracker=tensor(0, dtype=torch.int32))
+    """
+    return LossScale(
+        torch.tensor(float(init_scale), dtype=torch.float32, device=device),
+        torch.zeros((), dtype=torch.int32, device=device),
+    )
+
+
+def update_loss_scale(loss_scale: LossScale, finite: bool, growth_interval: int = GROWTH_INTERVAL) -> LossScale:
+    """The scale for the next step, after a step whose reduced gradients were ``finite`` or not.
+
+    The same rule as ``torch.amp.GradScaler.update``: back off on overflow; otherwise
+    count, and grow once ``growth_interval`` finite steps have passed (unless growing
+    would overflow float32).
+
+    >>> s = init_loss_scale(4.0)
+    >>> s = update_loss_scale(s, True, growth_interval=2)
+    >>> s.scale.item(), s.growth_tracker.item()
+    (4.0, 1)
+    >>> s = update_loss_scale(s, True, growth_interval=2)
+    >>> s.scale.item(), s.growth_tracker.item()
+    (8.0, 0)
+    """
+    scale, tracker = loss_scale
+    if not finite:
+        return LossScale(scale * BACKOFF_FACTOR, torch.zeros_like(tracker))
+    counted = tracker + 1
+    grown = scale * GROWTH_FACTOR
+    grow = (counted >= growth_interval) & torch.isfinite(grown)
+    return LossScale(torch.where(grow, grown, scale), torch.where(counted >= growth_interval, 0, counted).to(tracker.dtype))
+
+
+def inverse_scale(loss_scale: LossScale) -> torch.Tensor:
+    # GradScaler's reciprocal: taken in double, then rounded once to float32.
+    return loss_scale.scale.double().reciprocal().float()
+
+
+class Precision(NamedTuple):
+    """One of ``PRECISIONS`` and the loss-scale settings of ``16-mixed``.
+
+    ``wrap(loss_fn)`` is the loss the step differentiates; ``cast(tree)`` puts params,
+    buffers or a batch in the run's storage dtype.
+
+    >>> Precision("bf16-true").cast({"w": torch.ones(2), "i": torch.ones(2, dtype=torch.long)})["w"].dtype
+    torch.bfloat16
+    """
+
+    name: str = "32-true"
+    init_scale: float = INIT_SCALE
+    growth_interval: int = GROWTH_INTERVAL
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(self.name)
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.name == "bf16-true" else torch.float32
+
+    @property
+    def loss_scaling(self) -> bool:
+        return self.name == "16-mixed"
+
+    def cast(self, tree: Any) -> Any:
+        """Floating tensors of ``tree`` in the storage dtype (``bf16-true``); else ``tree`` itself."""
+        if self.param_dtype == torch.float32:
+            return tree
+        return tree_map(lambda t: t.to(self.param_dtype) if _floating(t) else t, tree)
+
+    def init_loss_scale(self, device: torch.device | str = "cpu") -> LossScale | None:
+        """The ``TrainState.loss_scale`` to start from: a ``LossScale`` for ``16-mixed``, else ``None``."""
+        return init_loss_scale(self.init_scale, device) if self.loss_scaling else None
+
+    def autocast(self, device_type: str) -> contextlib.AbstractContextManager:
+        """``torch.autocast`` for the mixed precisions; a no-op context otherwise."""
+        dtype = self.autocast_dtype
+        return torch.autocast(device_type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+    def wrap(self, loss_fn: Callable) -> Callable:
+        """The loss the step differentiates, in this precision.
+
+        Mixed: ``loss_fn`` runs under autocast and its loss comes back float32. With loss
+        scaling the batch argument is ``(batch, scale)`` and the loss is multiplied by
+        ``scale`` (the step passes ``TrainState.loss_scale.scale``: as data, so a compiled
+        step does not recompile when it changes). ``bf16-true``: floating inputs are cast.
+
+        >>> from fdp import functionalize, cross_entropy_loss
+        >>> model, params, buffers = functionalize(torch.nn.Linear(3, 2))
+        >>> loss_fn = Precision("16-mixed").wrap(cross_entropy_loss(model))
+        >>> batch = (torch.randn(4, 3), torch.tensor([0, 1, 0, 1]))
+        >>> plain, _ = cross_entropy_loss(model)(params, buffers, batch)
+        >>> scaled, _ = loss_fn(params, buffers, (batch, torch.tensor(1024.0)))
+        >>> bool(torch.allclose(scaled / 1024, plain, atol=1e-2))
+        True
+        """
+        if self.name == "32-true":
+            return loss_fn
+        if self.name == "bf16-true":
+            return lambda params, buffers, batch: loss_fn(params, buffers, self.cast(batch))
+        scaling = self.loss_scaling
+
+        def mixed(params, buffers, batch):
+            if scaling:
+                batch, scale = batch
+            with self.autocast(_device_type(params)):
+                loss, aux = loss_fn(params, buffers, batch)
+            loss = loss.float()
+            return (loss * scale if scaling else loss), aux
+
+        return mixed
+
+
+def _floating(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point()
+
+
+def _device_type(params: dict) -> str:
+    first = next(iter(params.values()), None)
+    return first.device.type if first is not None else "cpu"
+
+
+def scaled_micro_batches(micro_batches: list, loss_scale: LossScale | None) -> list:
+    """Each micro-batch paired with the scale, as ``Precision.wrap`` takes it under loss scaling."""
+    if loss_scale is None:
+        return micro_batches
+    return [(batch, loss_scale.scale) for batch in micro_batches]
+
+
+def unscale(buffer: torch.Tensor, loss_scale: LossScale | None, owned: bool) -> torch.Tensor:
+    """A reduced bucket divided by the loss scale (in place where the step owns the buffer).
+
+    >>> unscale(torch.tensor([4.0, float("inf")]), init_loss_scale(4.0), owned=False).tolist()
+    [1.0, inf]
+    """
+    if loss_scale is None:
+        return buffer
+    inv = inverse_scale(loss_scale)
+    return buffer.mul_(inv) if owned else buffer * inv
+
+
+def unscaled_loss(loss: torch.Tensor, loss_scale: LossScale | None) -> torch.Tensor:
+    """The loss as the model computed it, for logging (the scale is a power of two: exact)."""
+    return loss if loss_scale is None else loss / loss_scale.scale
+
+
+# -- settings --------------------------------------------------------------------------------
+def check_precision(precision: str, device: str = "cpu") -> Precision:
+    """The ``Precision`` for ``precision``; ``ValueError`` naming it if unknown or unsupported on ``device``.
+
+    >>> check_precision("bf16-mixed").autocast_dtype
+    torch.bfloat16
+    >>> check_precision("fp8")
+    Traceback (most recent call last):
+    ...
+    ValueError: precision='fp8': expected 32-true, bf16-mixed, 16-mixed or bf16-true
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}: expected {', '.join(PRECISIONS[:-1])} or {PRECISIONS[-1]}")
+    value = Precision(precision)
+    dtype = value.autocast_dtype
+    if dtype is not None and not autocast_supported(device, dtype):
+        name = str(dtype).removeprefix("torch.")
+        raise ValueError(
+            f"precision={precision!r}: this torch cannot autocast to {name} on {device}; expected 32-true or bf16-mixed"
+        )
+    return value
+
+
+def autocast_supported(device: str, dtype: torch.dtype) -> bool:
+    """Whether ``torch.autocast(device, dtype)`` really casts (torch warns and disables it where not)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with torch.autocast(device, dtype=dtype):
+                return torch.is_autocast_enabled(device)
+    except (RuntimeError, UserWarning, TypeError):
+        return False
+
+
+def check_matmul_precision(matmul_precision: str) -> str:
+    """One of ``highest`` (float32 matmuls), ``high`` (TF32 or bf16x3), ``medium`` (bf16).
+
+    >>> check_matmul_precision("high")
+    'high'
+    """
+    if matmul_precision not in MATMUL_PRECISIONS:
+        raise ValueError(f"matmul_precision={matmul_precision!r}: expected highest, high or medium")
+    return matmul_precision
+
+
+def set_matmul_precision(matmul_precision: str) -> None:
+    """Set ``torch.set_float32_matmul_precision`` for this process (a process-wide setting)."""
+    torch.set_float32_matmul_precision(check_matmul_precision(matmul_precision))
