@@ -16,7 +16,7 @@ from fdp.trainer import layout_of
 # Everything below runs in `python -c`: `train` and `fail` live in __main__, which a spawned
 # worker could not import.
 SCRIPT = textwrap.dedent("""
-    import json, os, signal, time
+    import json, os, signal, sys, time
     import torch, torch.distributed as dist
     import fdp
     from fdp.data import global_batch, load_digits, shard
@@ -59,15 +59,18 @@ SCRIPT = textwrap.dedent("""
             fdp.spawn(fail, (how,), fork)
         except WorkerFailedError as error:
             out[how] = [str(error), error.rank, error.signal, time.perf_counter() - t0]
-    print(json.dumps(out))
+    # A file, not stdout: a forked rank still exiting may write to the shared stdout mid-line.
+    with open(sys.argv[1], "w") as f:
+        json.dump(out, f)
 """)
 
 
 @pytest.fixture(scope="module")
-def forked():
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=240)
+def forked(tmp_path_factory):
+    result = tmp_path_factory.mktemp("forked") / "out.json"
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(result)], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+    return json.loads(result.read_text()), proc.stderr
 
 
 def test_a_function_from_python_c_trains_on_two_forked_ranks_as_one_process_on_the_union_batch(forked):
