@@ -37,7 +37,7 @@ def _fdp(module, optimizer, precision, batch, **kwargs):
     loss_fn = cross_entropy_loss(model)
     plan = plan_buckets(planner_loss(loss_fn, buffers), params, precision.cast(batch), bucket_cap_mb=0.02, first_bucket_cap_mb=0.005)
     step = make_train_step(loss_fn, optimizer, plan, precision=precision, **kwargs)
-    return step, init_train_state(params, buffers, optimizer, plan, precision=precision)
+    return step, init_train_state(params, buffers, optimizer, plan, kwargs.get("hook"), precision=precision)
 
 
 def _max_diff(params, module):
