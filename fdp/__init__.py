@@ -9,6 +9,7 @@ The pieces, one module each:
 * ``comm`` / ``reduce``: collectives as values, and the reduction that hands buckets back as they finish.
 * ``_torch``: the one place fdp touches private torch APIs, each with a public fallback.
 * ``train``: ``TrainState`` and the pure ``train_step(state, batch) -> (state, metrics)``.
+* ``outer``: local SGD and DiLoCo, an outer loop that syncs every few steps across slow links.
 * ``launch`` / ``trainer`` / ``checkpoint``: worlds of processes, the run loop, atomic checkpoints.
 """
 from fdp import hooks
@@ -31,14 +32,15 @@ from fdp.optim import (
     supports_inplace,
     warmup_cosine_schedule,
 )
+from fdp.outer import OuterSpec, OuterState, check_outer, init_outer_state, make_outer_step
 from fdp.plan import Bucket, BucketPlan, ParamSlot, gradient_ready_order, plan_buckets
 from fdp.reduce import GradReducer, Reduction, init_hook_states, resolve_schedule
 from fdp.train import TrainState, cross_entropy_loss, init_train_state, make_train_step, planner_loss
 
 __all__ = [
     "Bucket", "BucketPlan", "Comm", "FunctionalModel", "GradBucket", "GradReducer", "GradientTransformation",
-    "Hook", "ParamSlot", "Pending", "Reduction", "TrainState", "WorldLayout", "adam", "adamw", "allocate",
+    "Hook", "OuterSpec", "OuterState", "ParamSlot", "Pending", "Reduction", "TrainState", "WorldLayout", "adam", "adamw", "allocate",
     "apply_gradients", "apply_updates", "build_optimizer", "chain", "clip_by_global_norm", "constant_schedule", "cross_entropy_loss", "functionalize",
-    "gradient_ready_order", "hooks", "init_distributed", "init_hook_states", "init_train_state", "make_train_step",
+    "check_outer", "gradient_ready_order", "hooks", "init_outer_state", "make_outer_step", "init_distributed", "init_hook_states", "init_train_state", "make_train_step",
     "pack", "plan_buckets", "planner_loss", "resolve_schedule", "sgd", "spawn", "supports_inplace", "unpack", "warmup_cosine_schedule",
 ]

@@ -115,8 +115,16 @@ def state_payload(state: TrainState, per_rank: list[dict], extra: dict | None = 
 
 
 def rank_payload(state: TrainState) -> dict:
-    """What differs between ranks and must be saved for each: hook state (error feedback) and RNG."""
-    return {"hook_state": _leaves(state.hook_state), "rng": state.rng}
+    """What differs between ranks and must be saved for each: hook state (error feedback) and RNG.
+
+    Under an outer loop (``fdp.outer``) ranks step apart between syncs, so each rank's
+    params, buffers and optimizer state are saved too, with its outer state.
+    """
+    mine = {"hook_state": _leaves(state.hook_state), "rng": state.rng}
+    if state.outer:
+        mine.update(params=dict(state.params), buffers=dict(state.buffers), opt_state=_leaves(state.opt_state),
+                    outer=_leaves(state.outer))
+    return mine
 
 
 def restore(payload: dict, template: TrainState, rank: int, path: str | os.PathLike = "checkpoint") -> TrainState:
@@ -129,13 +137,15 @@ def restore(payload: dict, template: TrainState, rank: int, path: str | os.PathL
     if missing:
         raise CheckpointError(f"checkpoint {path}: parameters differ from this model's: {missing[:5]}")
     mine = ranks[rank]
+    shared = {key: mine.get(key, payload[key]) for key in ("params", "buffers", "opt_state")}
     return TrainState(
         step=int(payload["step"]),
-        params={name: payload["params"][name] for name in template.params},
-        buffers={name: payload["buffers"][name] for name in template.buffers},
-        opt_state=_rebuild(template.opt_state, payload["opt_state"], "optimizer state", path),
+        params={name: shared["params"][name] for name in template.params},
+        buffers={name: shared["buffers"][name] for name in template.buffers},
+        opt_state=_rebuild(template.opt_state, shared["opt_state"], "optimizer state", path),
         hook_state=_rebuild(template.hook_state, mine["hook_state"], "hook state", path),
         rng=mine["rng"],
+        outer=_rebuild(template.outer, mine.get("outer", []), "outer state (outer loop)", path),
     )
 
 

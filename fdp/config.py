@@ -118,6 +118,8 @@ class WorldConfig:
     backend: str = "auto"  # auto | gloo | nccl
     timeout_s: float = 300.0
     max_restarts: int = 0
+    hierarchical: bool = False  # reduce inside each node, run the hook chain across nodes only, share inside the node
+    node_size: int = 0  # processes per node for hierarchical (0: the processes of one launch)
 
 
 # -- hooks -----------------------------------------------------------------------------
@@ -179,6 +181,29 @@ class ChainConfig:
     stages: List[Any] = field(default_factory=list)
 
 
+# -- outer loop (fdp.outer) -------------------------------------------------------------
+@dataclass
+class OuterNoneConfig:
+    name: str = "none"
+
+
+@dataclass
+class LocalSGDConfig:
+    name: str = "local_sgd"
+    sync_every: int = 16  # steps between parameter averages
+    start_step: int = 0  # per-step gradient sync up to this step (post-local SGD)
+
+
+@dataclass
+class DiLoCoConfig:
+    name: str = "diloco"
+    sync_every: int = 16
+    start_step: int = 0
+    lr: float = 0.7  # the outer optimizer: SGD on the averaged pseudo-gradient
+    momentum: float = 0.9
+    nesterov: bool = True
+
+
 # -- the whole run ---------------------------------------------------------------------
 @dataclass
 class Config:
@@ -186,6 +211,7 @@ class Config:
     data: Any = MISSING
     optim: Any = MISSING
     hooks: Any = MISSING
+    outer: Any = MISSING
     world: WorldConfig = field(default_factory=WorldConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     seed: int = 0
@@ -206,6 +232,7 @@ SCHEMAS = {
         "chain": ChainConfig,
     },
     "world": {"world": WorldConfig},
+    "outer": {"none": OuterNoneConfig, "local_sgd": LocalSGDConfig, "diloco": DiLoCoConfig},
 }
 
 
@@ -267,7 +294,9 @@ def validate(cfg: Any, run_dir: Any = None) -> None:
 
     from fdp.hooks.registry import build_hook
     from fdp.launch import BACKENDS, LAUNCHERS
+    from fdp.hooks.hierarchical import check_node_size
     from fdp.optim import build_optimizer
+    from fdp.outer import check_outer
     from fdp.plan.values import _check_cap
     from fdp.reduce import resolve_schedule
     from fdp.train import check_nonfinite
@@ -286,6 +315,7 @@ def validate(cfg: Any, run_dir: Any = None) -> None:
     _checked("trainer.nonfinite", check_nonfinite, t.nonfinite)
     _checked("optim", lambda spec: build_optimizer(spec, t.max_steps), _container(o))
     _checked("hooks", build_hook, _container(cfg.hooks))
+    _checked("outer", check_outer, _container(cfg.outer))
     _require(w.launcher in LAUNCHERS, "world.launcher", w.launcher, f"one of {LAUNCHERS}")
     _require(w.backend in BACKENDS, "world.backend", w.backend, f"one of {BACKENDS}")
     _require(w.nproc_per_node >= 1, "world.nproc_per_node", w.nproc_per_node, "an integer >= 1")
@@ -304,6 +334,8 @@ def validate(cfg: Any, run_dir: Any = None) -> None:
         per_rank = d.global_batch_size // world
         _require(per_rank % t.accum_steps == 0, "trainer.accum_steps", t.accum_steps,
                  f"a divisor of the per-rank batch {per_rank}")
+        if w.hierarchical:  # under torchrun the world is known only at run time: the worker checks it
+            _checked("world.node_size", lambda size: check_node_size(world, size), w.node_size or w.nproc_per_node)
     text_model, text_data = m.name == "charlm", d.name == "stdlib_text"
     _require(text_model == text_data, "data", d.name,
              "stdlib_text for model=charlm" if text_model else f"digits for model={m.name}")

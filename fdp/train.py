@@ -44,7 +44,8 @@ class TrainState(NamedTuple):
     """Everything that changes during training, in one value.
 
     ``hook_state`` holds one state per bucket for the reduction's hook chain; ``rng`` is
-    the CPU generator state that dropout and other random ops draw from.
+    the CPU generator state that dropout and other random ops draw from; ``outer`` the
+    outer loop's state when training syncs only every few steps (``fdp.outer``).
     """
 
     step: int
@@ -53,6 +54,7 @@ class TrainState(NamedTuple):
     opt_state: Any
     hook_state: Any
     rng: torch.Tensor
+    outer: Any = ()
 
 
 def init_train_state(

@@ -40,7 +40,9 @@ from fdp.launch import (
 )
 from fdp.metrics import MetricsLog, StepTimes, progress, summary_line
 from fdp.models import build_model, count_parameters
+from fdp.hooks.hierarchical import check_node_size, hierarchical, node_comms
 from fdp.optim import GradientTransformation, build_optimizer
+from fdp.outer import check_outer, init_outer_state, make_outer_step
 from fdp.plan import BucketPlan, plan_buckets
 from fdp.trace import NullTimeline, Timeline
 from fdp.train import TrainState, cross_entropy_loss, init_train_state, make_train_step, planner_loss
@@ -134,9 +136,22 @@ def setup(cfg: DictConfig, comm: Comm) -> Run:
     check_same_plan(plan, comm)
     params, buffers = broadcast_from_rank0(params, comm), broadcast_from_rank0(buffers, comm)
     hook = build_hook(OmegaConf.to_container(cfg.hooks))
+    if cfg.world.hierarchical:
+        hook = _hierarchical(hook, cfg, comm)
     optimizer = build_optimizer(OmegaConf.to_container(cfg.optim), cfg.trainer.max_steps)
     state = init_train_state(params, buffers, optimizer, plan, hook, seed=cfg.seed + comm.rank)
+    state = state._replace(outer=init_outer_state(check_outer(OmegaConf.to_container(cfg.outer)), params, plan, hook))
     return Run(model, data, plan, hook, optimizer, state, num_params)
+
+
+def _hierarchical(hook: Hook, cfg: DictConfig, comm: Comm) -> Hook:
+    """``hook`` run across nodes only (``world.hierarchical``); a node is one launch's processes."""
+    node_size = cfg.world.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world.nproc_per_node))
+    try:
+        nodes = check_node_size(comm.world_size, node_size)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    return hierarchical(hook, node_comms(node_size), nodes)
 
 
 def _save(run_dir: Path, state: TrainState, comm: Comm, cfg: DictConfig, plan: BucketPlan) -> None:
@@ -255,18 +270,13 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm) -> dict:
             f"({run.plan.nbytes / 2**20:.2f} MiB, plan {run.plan.fingerprint()[:12]}, see plan.txt), world {world}"
         )
     timeline = Timeline(rank) if tc.trace else NullTimeline()
-    train_step = make_train_step(
-        cross_entropy_loss(run.model),
-        run.optimizer,
-        run.plan,
-        run.hook,
-        comm,
-        accum_steps=tc.accum_steps,
-        schedule=tc.schedule,
-        nonfinite=tc.nonfinite,
-        timeline=timeline,
-        donate=True,  # the loop below never looks at a state again once it has the next
-    )
+    outer = check_outer(OmegaConf.to_container(cfg.outer))
+    options = dict(accum_steps=tc.accum_steps, schedule=tc.schedule, nonfinite=tc.nonfinite, timeline=timeline,
+                   donate=True)  # the loop below never looks at a state again once it has the next
+    if outer.name == "none":
+        train_step = make_train_step(cross_entropy_loss(run.model), run.optimizer, run.plan, run.hook, comm, **options)
+    else:
+        train_step = make_outer_step(cross_entropy_loss(run.model), run.optimizer, run.plan, outer, run.hook, comm, **options)
     metrics_log = MetricsLog(run_dir, resume=state.step > 0) if rank == 0 else None
     times, skipped, last_eval, record = StepTimes(), 0, {}, {}
     gbs = cfg.data.global_batch_size
@@ -332,6 +342,8 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm) -> dict:
         "compute_ms": 1e3 * times.median("compute_s"),
         "comm_wait_ms": 1e3 * times.median("comm_wait_s"),
         "bytes_per_step": int(times.median("bytes_sent")) if times.rows else 0,
+        # Under an outer loop most steps send nothing: the mean is what a sync every H steps costs.
+        "mean_bytes_per_step": int(sum(r["bytes_sent"] for r in times.rows) / len(times.rows)) if times.rows else 0,
         "compression": run.plan.nbytes / times.median("bytes_sent") if times.rows and times.median("bytes_sent") else None,
         "samples_per_s": gbs / times.median("step_s"),
         "skipped_steps": skipped,

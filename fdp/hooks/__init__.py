@@ -2,6 +2,7 @@
 from fdp.hooks.allreduce import allreduce
 from fdp.hooks.base import GradBucket, Hook, chain, run_hook, run_stage, stateless
 from fdp.hooks.compress import bf16, bf16_compress, bf16_decompress, fp16, fp16_compress, fp16_decompress
+from fdp.hooks.hierarchical import NodeComms, hierarchical, node_comms
 from fdp.hooks.noop import noop
 from fdp.hooks.powersgd import PowerSGDState, batched_powersgd, powersgd
 from fdp.hooks.registry import HOOKS, build_hook
@@ -10,6 +11,6 @@ from fdp.hooks.topk import TopKState, topk
 __all__ = [
     "GradBucket", "Hook", "allreduce", "chain", "run_hook", "run_stage", "stateless",
     "fp16", "bf16", "fp16_compress", "fp16_decompress", "bf16_compress", "bf16_decompress",
-    "noop", "powersgd", "batched_powersgd", "PowerSGDState", "topk", "TopKState",
+    "hierarchical", "node_comms", "NodeComms", "noop", "powersgd", "batched_powersgd", "PowerSGDState", "topk", "TopKState",
     "HOOKS", "build_hook",
 ]
