@@ -1,4 +1,4 @@
-"""The outer loop (local SGD, DiLoCo) against plain torch, resumed mid-period, and hierarchical reduction."""
+"""The outer loop (local SGD, DiLoCo) against plain torch, and resumed in the middle of a period."""
 from pathlib import Path
 
 import pytest
@@ -8,10 +8,9 @@ import torch.nn.functional as F
 
 from fdp import Comm, adam, functionalize, init_train_state, plan_buckets, sgd
 from fdp.config import ConfigError, compose, validate
-from fdp.hooks import allreduce, build_hook, hierarchical, node_comms
+from fdp.hooks import allreduce
 from fdp.outer import OuterSpec, check_outer, init_outer_state, make_outer_step
 from fdp.plan import pack_into_buckets
-from fdp.reduce import Reduction, init_hook_states
 from fdp.train import cross_entropy_loss, planner_loss
 from fdp.trainer import run
 
@@ -171,50 +170,6 @@ def test_resume_in_the_middle_of_a_period_is_bit_exact(tmp_path):
                 assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), (rank, key)
 
 
-# -- hierarchical reduction ----------------------------------------------------------------
-def _buckets():
-    return pack_into_buckets(
-        [("a", (32, 16), "float32", "cpu"), ("b", (16,), "float32", "cpu"), ("c", (64, 32), "float32", "cpu")],
-        bucket_cap_mb=0.001, first_bucket_cap_mb=0.001,
-    )
-
-
-def _reduce(hook, comm, plan, grads):
-    reduction = Reduction(hook, comm, init_hook_states(hook, plan), plan)
-    for flat in grads:
-        reduction.start(flat.clone())
-    out = [None] * len(plan.buckets)
-    for index, bucket in reduction.finished():
-        out[index] = bucket.buffer.clone()
-    return out, reduction.stats().bytes_sent
-
-
-def _hierarchical_2x2(rank, world):
-    plan = _buckets()
-    g = torch.Generator().manual_seed(rank)
-    grads = [torch.randn(b.numel, generator=g) for b in plan.buckets]
-    comms = node_comms(2)
-    flat, flat_bytes = _reduce(allreduce(), Comm(), plan, grads)
-    two_level, two_level_bytes = _reduce(hierarchical(allreduce(), comms, 2), Comm(), plan, grads)
-    # A chain whose buckets take different numbers of rounds (PowerSGD skips the small bucket).
-    compressed, _ = _reduce(hierarchical(build_hook({"name": "powersgd", "rank": 1, "start_iter": 0}), comms, 2),
-                            Comm(), plan, grads)
-    return len(plan.buckets), flat, flat_bytes, two_level, two_level_bytes, compressed
-
-
-def test_hierarchical_on_two_nodes_of_two_equals_flat_allreduce(run_ranks):
-    results = run_ranks(_hierarchical_2x2, world_size=4)
-    for rank, (buckets, flat, flat_bytes, two_level, two_level_bytes, compressed) in enumerate(results):
-        assert buckets == 3
-        for a, b in zip(flat, two_level):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-        # Only the node leaders (ranks 0 and 2) send across nodes, and each sends no more than a flat rank.
-        assert (two_level_bytes > 0) == (rank % 2 == 0) and two_level_bytes <= flat_bytes
-        for a, b in zip(compressed, results[0][5]):
-            assert torch.equal(a, b)  # every rank of every node holds the leaders' result
-    assert any(not torch.allclose(a, b) for a, b in zip(results[0][5], results[0][1]))  # PowerSGD did compress
-
-
 # -- refusals --------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "overrides, message",
@@ -222,11 +177,9 @@ def test_hierarchical_on_two_nodes_of_two_equals_flat_allreduce(run_ranks):
         (["outer=local_sgd", "outer.sync_every=0"], "outer.sync_every=0: expected an integer >= 1"),
         (["outer=diloco", "outer.start_step=-1"], "outer.start_step=-1: expected an integer >= 0"),
         (["outer=diloco", "outer.momentum=1.5"], "outer.momentum=1.5: expected a value in [0, 1)"),
-        (["world=local2", "world.hierarchical=true"], "world.hierarchical=true: expected more than one node"),
-        (["world=local4", "world.hierarchical=true", "world.node_size=3"], "world.node_size=3: expected a divisor"),
     ],
 )
-def test_bad_outer_and_hierarchical_settings_are_refused_in_one_line(overrides, message):
+def test_bad_outer_settings_are_refused_in_one_line(overrides, message):
     with pytest.raises(ConfigError) as error:
         validate(compose(*overrides))
     assert str(error.value).startswith(message) and "\n" not in str(error.value)
@@ -234,4 +187,4 @@ def test_bad_outer_and_hierarchical_settings_are_refused_in_one_line(overrides, 
 
 def test_an_outer_step_needs_an_outer_schedule():
     with pytest.raises(ValueError, match="outer=none"):
-        make_outer_step(lambda *a: None, sgd(0.1), _buckets(), OuterSpec())
+        make_outer_step(lambda *a: None, sgd(0.1), pack_into_buckets([("w", (2,), "float32", "cpu")]), OuterSpec())
