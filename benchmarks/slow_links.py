@@ -59,6 +59,7 @@ def parse_args():
     p.add_argument("--variants", help="comma list of: " + ", ".join(OUTER))
     p.add_argument("--hierarchical", action="store_true", help="also 2 x 2 processes: hierarchical vs flat allreduce")
     p.add_argument("--write", action="store_true", help="write to benchmarks/results even with --quick")
+    p.add_argument("--name", default="slow_links", help="result file name in benchmarks/results")
     p.add_argument("--timeout", type=float, default=3600.0)
     p.add_argument("--force", action="store_true", help="rebuild netsim namespaces that already exist")
     return p.parse_args()
@@ -176,7 +177,7 @@ def main() -> None:
         raise SystemExit(f"--variants: unknown {unknown}; expected some of {list(OUTER)}")
     rates = ["1gbit"] if args.quick else args.rates.split(",")
     steps = min(args.steps, 30) if args.quick else args.steps
-    out = (N.RESULTS if (args.write or not args.quick) else N.work_dir("slow_links-results")) / "slow_links"
+    out = (N.RESULTS if (args.write or not args.quick) else N.work_dir("slow_links-results")) / args.name
     work = N.work_dir("slow_links")
     meta = {"model": args.model, "command": " ".join(["python benchmarks/slow_links.py", *sys.argv[1:]]),
             "ddp_steps": steps, "factor": args.factor, "notes": []}

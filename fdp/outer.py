@@ -216,11 +216,11 @@ def make_outer_step(
 def _make_sync(plan: BucketPlan, hook: Hook, comm: Comm, outer_opt: GradientTransformation, donate: bool):
     flats = allocate(plan)  # scratch for the pseudo-gradient, refilled at every sync
     views = [slot_views(bucket, flat) for bucket, flat in zip(plan.buckets, flats)]
+    names = [name for bucket_views in views for name in bucket_views]
+    targets = [view for bucket_views in views for view in bucket_views.values()]
 
     def sync(state: TrainState) -> tuple[TrainState, float, int, int]:
         outer: OuterState = state.outer
-        names = [name for bucket_views in views for name in bucket_views]
-        targets = [view for bucket_views in views for view in bucket_views.values()]
         foreach.copy_(targets, [outer.anchor[name] for name in names])
         foreach.add_(targets, [state.params[name] for name in names], alpha=-1.0)
         reduction = Reduction(hook, comm, outer.hook_state, plan)
