@@ -126,6 +126,20 @@ def hierarchical_rows(rate: str, work: Path, timeout_s: float) -> list[dict]:
     return rows
 
 
+def caveats(results: dict) -> list[str]:
+    """What makes a table say less than it seems to: a plateaued target, a host busy with other work."""
+    notes = []
+    for r in results["rows"]:
+        if r["variant"] == "DDP allreduce" and r["steps_to_target"] and r["steps_to_target"] <= r["steps"] // 2:
+            notes.append(f"{r['rate']}: DDP was within 2% of its step-{r['steps']} loss already at step {r['steps_to_target']}: "
+                         "the loss has flattened, so the target rewards step time more than progress per step")
+    load = results["meta"].get("load") or {}
+    if load.get("others_cores", 0) > 0.5:
+        notes.append(f"other processes took {load['others_cores']} of the host's cores during the run (this benchmark "
+                     f"{load.get('own_cores')}): steps were CPU-bound, and the link's share of a step is understated")
+    return notes
+
+
 def write(results: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=1))
@@ -145,7 +159,7 @@ def write(results: dict, out: Path) -> None:
         for r in results["hierarchical"]:
             lines.append(f"| {r['rate']} | {r['variant']} | {r['median_ms']:.0f} | {r['link_bytes_per_step'] / 1e6:.1f} MB | "
                          f"{r['bytes_sent_rank0'] / 1e6:.1f} MB |")
-    lines += ["", *[f"- {note}" for note in results["meta"]["notes"]]]
+    lines += ["", *[f"- {note}" for note in [*results["meta"]["notes"], *caveats(results)]]]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
@@ -160,7 +174,7 @@ def write(results: dict, out: Path) -> None:
                 wall = [sum(r["step_ms_all"][: i + 1]) / 1e3 for i in range(len(r["step_ms_all"]))]
                 ax.plot(wall, smoothed(r["losses"]), label=r["variant"], lw=2.5 if r["variant"].startswith("DDP") else 1.2)
             ax.axhline(results["rows"][0]["target"] * (1 + TOLERANCE), color="grey", ls=":", lw=1)
-            ax.set(title=f"{results['meta']['model']} at {rate}", xlabel="wall time in steps (s)", ylabel=f"loss (mean of {WINDOW})")
+            ax.set(title=f"{results['meta']['model']} at {rate}", xlabel="seconds in steps (sum of step times)", ylabel=f"loss (mean of {WINDOW})")
             ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(out.with_suffix(".png"), dpi=110)
