@@ -16,6 +16,7 @@ The pieces, one module each:
 * ``launch`` / ``replicas``: worlds of processes; one consistent state on every rank (``setup_state``, ``sync_buffers``).
 * ``checks``: what a Python caller hands the train step, checked with errors naming the argument.
 * ``trainer`` / ``checkpoint``: the run loop; atomic checkpoints of every rank (``save_checkpoint``, ``load_checkpoint``).
+* ``outer``: local SGD and DiLoCo, an outer loop that syncs every few steps across slow links.
 """
 from fdp import hooks
 from fdp.buckets import allocate, pack, unpack
@@ -41,6 +42,7 @@ from fdp.optim import (
     supports_inplace,
     warmup_cosine_schedule,
 )
+from fdp.outer import OuterSpec, OuterState, check_outer, init_outer_state, make_outer_step
 from fdp.plan import Bucket, BucketPlan, ParamSlot, gradient_ready_order, plan_buckets
 from fdp.precision import LossScale, Precision
 from fdp.reduce import GradReducer, Reduction, init_hook_states, resolve_schedule
@@ -51,10 +53,11 @@ __all__ = [
     "BUFFER_SYNC", "CheckpointError", "broadcast_from_rank0", "check_same_plan", "load_checkpoint", "save_checkpoint",
     "setup_state", "sync_buffers",
     "Bucket", "BucketPlan", "Comm", "FunctionalModel", "GradBucket", "GradReducer", "GradientTransformation",
-    "Hook", "LossScale", "MapData", "ParamSlot", "Pending", "Placement", "Precision", "Reduction", "StepSampler", "TrainState", "WorldLayout",
-    "adam", "adamw", "allocate", "apply_gradients", "apply_updates", "batch_to_device", "build_loss", "build_optimizer",
-    "chain", "clip_by_global_norm", "constant_schedule", "cross_entropy_loss", "functionalize", "gradient_ready_order",
-    "hooks", "init_distributed", "init_hook_states", "init_train_state", "make_loss_fn", "make_train_step", "pack",
-    "place", "plan_buckets", "planner_loss", "resolve_backend", "resolve_schedule", "sgd", "spawn", "supports_inplace",
-    "to_device", "unpack", "warmup_cosine_schedule",
+    "Hook", "LossScale", "MapData", "OuterSpec", "OuterState", "ParamSlot", "Pending", "Placement", "Precision",
+    "Reduction", "StepSampler", "TrainState", "WorldLayout", "adam", "adamw", "allocate", "apply_gradients",
+    "apply_updates", "batch_to_device", "build_loss", "build_optimizer", "chain", "check_outer", "clip_by_global_norm",
+    "constant_schedule", "cross_entropy_loss", "functionalize", "gradient_ready_order", "hooks", "init_distributed",
+    "init_hook_states", "init_outer_state", "init_train_state", "make_loss_fn", "make_outer_step", "make_train_step",
+    "pack", "place", "plan_buckets", "planner_loss", "resolve_backend", "resolve_schedule", "sgd", "spawn",
+    "supports_inplace", "to_device", "unpack", "warmup_cosine_schedule",
 ]

@@ -143,12 +143,18 @@ def state_payload(state: TrainState, per_rank: list[dict], extra: dict | None = 
 def rank_payload(state: TrainState) -> dict:
     """What may differ between ranks and is saved for each: hook state (error feedback), RNGs, buffers.
 
-    ``save_checkpoint`` keeps only the buffers that differ from rank 0's.
+    ``save_checkpoint`` keeps only the buffers that differ from rank 0's. Under an outer
+    loop (``fdp.outer``) ranks step apart between syncs, so each rank's params and
+    optimizer state are saved too, with its outer state.
     """
-    return {
+    mine = {
         "hook_state": _leaves(state.hook_state), "rng": state.rng, "cuda_rng": state.cuda_rng,
         "buffers": {name: _on_host(b) for name, b in state.buffers.items()},
     }
+    if state.outer:
+        mine.update(params={name: _on_host(p) for name, p in state.params.items()}, opt_state=_leaves(state.opt_state),
+                    outer=_leaves(state.outer))
+    return mine
 
 
 def _differing_buffers(per_rank: list[dict], reference: dict) -> list[dict]:
@@ -176,15 +182,17 @@ def restore(payload: dict, template: TrainState, rank: int, path: str | os.PathL
     saved_cuda_rng = mine.get("cuda_rng")
     both_on_gpu = saved_cuda_rng is not None and saved_cuda_rng.numel() and template.cuda_rng.numel()
     own_buffers = mine.get("buffers", {})
+    shared = {key: mine.get(key, payload[key]) for key in ("params", "opt_state")}
     return TrainState(
         step=int(payload["step"]),
-        params={name: _like(payload["params"][name], t) for name, t in template.params.items()},
+        params={name: _like(shared["params"][name], t) for name, t in template.params.items()},
         buffers={name: _like(own_buffers.get(name, payload["buffers"][name]), t) for name, t in template.buffers.items()},
-        opt_state=_rebuild(template.opt_state, payload["opt_state"], "optimizer state", path),
+        opt_state=_rebuild(template.opt_state, shared["opt_state"], "optimizer state", path),
         hook_state=_rebuild(template.hook_state, mine["hook_state"], "hook state", path),
         rng=mine["rng"],
         cuda_rng=saved_cuda_rng if both_on_gpu else template.cuda_rng,
         loss_scale=_rebuild(template.loss_scale, payload.get("loss_scale", []), "loss scale", path),
+        outer=_rebuild(template.outer, mine.get("outer", []), "outer state (outer loop)", path),
     )
 
 

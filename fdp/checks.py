@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from fdp._torch import tree_flatten
 from fdp.comm import Comm
@@ -29,12 +30,15 @@ def _is(kind: type, value: Any) -> bool:
 
 
 def check_world(comm: Comm | None) -> None:
-    """Refuse a world of one in a process a launcher started as one of several.
+    """Refuse a world of one in a process a launcher started as one of several but that never joined them.
+
+    Once the process group exists, a world-of-one ``comm`` is deliberate (a local step
+    between the syncs of an outer loop).
 
     >>> check_world(Comm())  # not launched: a world of one is what was asked for
     """
     launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if launched > 1 and (comm or Comm()).world_size == 1:
+    if launched > 1 and not dist.is_initialized() and (comm or Comm()).world_size == 1:
         raise RuntimeError(
             f"comm is a world of one, but this process was started as one of WORLD_SIZE={launched}: "
             "join the others first (comm = fdp.init_distributed(WorldLayout('elastic' or 'torchrun', ...))) "

@@ -82,6 +82,15 @@ class Comm:
         work = _all_gather_flat(out, tensor.contiguous().view(-1), group=self.group, async_op=True)
         return Pending(out.view(world, *tensor.shape), work)
 
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Pending:
+        """Every rank's ``tensor`` becomes rank ``src``'s (``src`` counted in this group), in place."""
+        if self.world_size == 1:
+            return Pending(tensor)
+        if self.rank == src:
+            self._count(tensor)
+        source = dist.get_global_rank(self.group, src) if self.group is not None else src
+        return Pending(tensor, dist.broadcast(tensor, source, group=self.group, async_op=True))
+
     def take_counters(self) -> tuple[int, int]:
         """Return ``(bytes_sent, collectives)`` since the last call and reset them."""
         counters = (self.bytes_sent, self.collectives)

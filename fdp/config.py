@@ -173,6 +173,8 @@ class WorldConfig:
     devices: Any = "auto"  # auto | N | -1 | "0,2" | [0,2]: see fdp.devices
     timeout_s: float = 300.0
     max_restarts: int = 0
+    hierarchical: bool = False  # reduce inside each node, run the hook chain across nodes only, share inside the node
+    node_size: int = 0  # processes per node for hierarchical (0: the processes of one launch)
 
 
 # -- hooks -----------------------------------------------------------------------------
@@ -240,6 +242,29 @@ class ChainConfig:
     stages: List[Any] = field(default_factory=list)
 
 
+# -- outer loop (fdp.outer) -------------------------------------------------------------
+@dataclass
+class OuterNoneConfig:
+    name: str = "none"
+
+
+@dataclass
+class LocalSGDConfig:
+    name: str = "local_sgd"
+    sync_every: int = 16  # steps between parameter averages
+    start_step: int = 0  # per-step gradient sync up to this step (post-local SGD)
+
+
+@dataclass
+class DiLoCoConfig:
+    name: str = "diloco"
+    sync_every: int = 16
+    start_step: int = 0
+    lr: float = 0.7  # the outer optimizer: SGD on the averaged pseudo-gradient
+    momentum: float = 0.9
+    nesterov: bool = True
+
+
 # -- the whole run ---------------------------------------------------------------------
 @dataclass
 class Config:
@@ -248,6 +273,7 @@ class Config:
     loss: Any = MISSING
     optim: Any = MISSING
     hooks: Any = MISSING
+    outer: Any = MISSING
     world: WorldConfig = field(default_factory=WorldConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     seed: int = 0
@@ -270,6 +296,7 @@ SCHEMAS = {
         "chain": ChainConfig,
     },
     "world": {"world": WorldConfig},
+    "outer": {"none": OuterNoneConfig, "local_sgd": LocalSGDConfig, "diloco": DiLoCoConfig},
 }
 
 
@@ -334,7 +361,9 @@ def validate(cfg: Any, run_dir: Any = None) -> None:
     from fdp.launch import ENV_LAUNCHERS, LAUNCHERS
     from fdp.metrics import check_tensorboard
     from fdp.compiled import check_compile
+    from fdp.hooks.hierarchical import check_node_size
     from fdp.optim import build_optimizer
+    from fdp.outer import check_outer
     from fdp.plan.values import _check_cap
     from fdp.precision import check_matmul_precision, check_precision
     from fdp.reduce import resolve_schedule
@@ -364,6 +393,7 @@ def validate(cfg: Any, run_dir: Any = None) -> None:
     _checked("hooks", build_hook, _container(cfg.hooks))
     if t.tensorboard:
         check_tensorboard()
+    _checked("outer", check_outer, _container(cfg.outer))
     _require(w.launcher in LAUNCHERS, "world.launcher", w.launcher, f"one of {LAUNCHERS}")
     _require(w.backend in BACKENDS, "world.backend", w.backend, f"one of {BACKENDS}")
     _require(w.nproc_per_node >= 1, "world.nproc_per_node", w.nproc_per_node, "an integer >= 1")
@@ -385,6 +415,8 @@ def validate(cfg: Any, run_dir: Any = None) -> None:
         per_rank = d.global_batch_size // world
         _require(per_rank % t.accum_steps == 0, "trainer.accum_steps", t.accum_steps,
                  f"a divisor of the per-rank batch {per_rank}")
+        if w.hierarchical:  # under torchrun the world is known only at run time: the worker checks it
+            _checked("world.node_size", lambda size: check_node_size(world, size), w.node_size or w.nproc_per_node)
     text_model, text_data = m.name == "charlm", d.name == "stdlib_text"
     if "custom" not in (m.name, d.name):  # a custom side is checked on the first batch instead
         _require(text_model == text_data, "data", d.name,

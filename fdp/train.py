@@ -49,7 +49,8 @@ class TrainState(NamedTuple):
     ``hook_state`` holds one state per bucket for the reduction's hook chain; ``rng`` is
     the CPU generator state that dropout and other random ops draw from, ``cuda_rng``
     that of the params' GPU (empty when they are not on one); ``loss_scale`` the dynamic
-    ``LossScale`` of ``16-mixed`` precision (``None`` otherwise).
+    ``LossScale`` of ``16-mixed`` precision (``None`` otherwise); ``outer`` the
+    outer loop's state when training syncs only every few steps (``fdp.outer``).
     """
 
     step: int
@@ -60,6 +61,7 @@ class TrainState(NamedTuple):
     rng: torch.Tensor
     cuda_rng: torch.Tensor = torch.empty(0, dtype=torch.uint8)
     loss_scale: LossScale | None = None
+    outer: Any = ()
 
 
 def init_train_state(

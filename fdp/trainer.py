@@ -50,7 +50,9 @@ from fdp.launch import (
 from fdp.metrics import MetricsLog, StepTimes, progress, summary_line
 from fdp.losses import Criterion, batch_metrics, build_loss, cross_entropy, make_loss_fn
 from fdp.models import count_parameters
+from fdp.hooks.hierarchical import check_node_size, hierarchical, node_comms
 from fdp.optim import GradientTransformation, build_optimizer
+from fdp.outer import check_outer, init_outer_state, make_outer_step
 from fdp.plan import BucketPlan, plan_buckets
 from fdp.replicas import setup_state
 from fdp.slurm import job_world
@@ -243,9 +245,22 @@ def setup(cfg: DictConfig, comm: Comm, device: torch.device = torch.device("cpu"
         allow_unused=cfg.trainer.allow_unused,
     )
     hook = build_hook(OmegaConf.to_container(cfg.hooks))
+    if cfg.world.hierarchical:
+        hook = _hierarchical(hook, cfg, comm)
     optimizer = build_optimizer(OmegaConf.to_container(cfg.optim), cfg.trainer.max_steps)
     state = setup_state(params, buffers, optimizer, plan, hook, comm, seed=cfg.seed, precision=precision)
+    state = state._replace(outer=init_outer_state(check_outer(OmegaConf.to_container(cfg.outer)), state.params, plan, hook))
     return Run(model, data, plan, hook, optimizer, state, num_params, criterion, precision)
+
+
+def _hierarchical(hook: Hook, cfg: DictConfig, comm: Comm) -> Hook:
+    """``hook`` run across nodes only (``world.hierarchical``); a node is one launch's processes."""
+    node_size = cfg.world.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world.nproc_per_node))
+    try:
+        nodes = check_node_size(comm.world_size, node_size)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    return hierarchical(hook, node_comms(node_size), nodes)
 
 
 def _save(run_dir: Path, state: TrainState, comm: Comm, cfg: DictConfig, plan: BucketPlan) -> None:
@@ -353,21 +368,17 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm, device: torch.device) -> 
             + (f" over {dist.get_backend()}" if dist.is_initialized() else "")
         )
     timeline = Timeline(rank) if tc.trace else NullTimeline()
-    train_step = make_train_step(
-        make_loss_fn(run.model, run.criterion),
-        run.optimizer,
-        run.plan,
-        run.hook,
-        comm,
-        accum_steps=tc.accum_steps,
-        schedule=tc.schedule,
-        nonfinite=tc.nonfinite,
-        timeline=timeline,
+    outer = check_outer(OmegaConf.to_container(cfg.outer))
+    options = dict(
+        accum_steps=tc.accum_steps, schedule=tc.schedule, nonfinite=tc.nonfinite, timeline=timeline,
         donate=True,  # the loop below never looks at a state again once it has the next
-        sync_buffers=tc.sync_buffers,
-        precision=run.precision,
-        compile=tc.compile,
+        sync_buffers=tc.sync_buffers, precision=run.precision, compile=tc.compile,
     )
+    loss_fn = make_loss_fn(run.model, run.criterion)
+    if outer.name == "none":
+        train_step = make_train_step(loss_fn, run.optimizer, run.plan, run.hook, comm, **options)
+    else:
+        train_step = make_outer_step(loss_fn, run.optimizer, run.plan, outer, run.hook, comm, **options)
     metrics_log = MetricsLog(run_dir, resume=state.step > 0, tensorboard=tc.tensorboard) if rank == 0 else None
     times, skipped, last_eval, record = StepTimes(), 0, {}, {}
     gbs = cfg.data.global_batch_size
@@ -440,6 +451,8 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm, device: torch.device) -> 
         "compute_ms": 1e3 * times.median("compute_s"),
         "comm_wait_ms": 1e3 * times.median("comm_wait_s"),
         "bytes_per_step": int(times.median("bytes_sent")) if times.rows else 0,
+        # Under an outer loop most steps send nothing: the mean is what a sync every H steps costs.
+        "mean_bytes_per_step": int(sum(r["bytes_sent"] for r in times.rows) / len(times.rows)) if times.rows else 0,
         "compression": run.plan.nbytes / times.median("bytes_sent") if times.rows and times.median("bytes_sent") else None,
         "samples_per_s": gbs / times.median("step_s"),
         "skipped_steps": skipped,

@@ -1,0 +1,190 @@
+"""The outer loop (local SGD, DiLoCo) against plain torch, and resumed in the middle of a period."""
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from fdp import Comm, adam, functionalize, init_train_state, plan_buckets, sgd
+from fdp.config import ConfigError, compose, validate
+from fdp.hooks import allreduce
+from fdp.outer import OuterSpec, check_outer, init_outer_state, make_outer_step
+from fdp.plan import pack_into_buckets
+from fdp.train import cross_entropy_loss, planner_loss
+from fdp.trainer import run
+
+STEPS = 8
+
+
+def _module():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def _batches(rank):
+    g = torch.Generator().manual_seed(100 + rank)
+    return [(torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(STEPS)]
+
+
+def _fdp(spec, optimizer, rank, donate, hook=None):
+    """Train with the outer step; return the final params and each step's (synced, bytes_sent)."""
+    model, params, buffers = functionalize(_module())
+    loss_fn = cross_entropy_loss(model)
+    batches = _batches(rank)
+    # Small caps: several buckets, so the pseudo-gradient crosses the plan as gradients do.
+    plan = plan_buckets(planner_loss(loss_fn, buffers), params, batches[0], bucket_cap_mb=0.0002, first_bucket_cap_mb=0.0001)
+    assert len(plan.buckets) > 1
+    hook = hook or allreduce()
+    state = init_train_state(params, buffers, optimizer, plan, hook)
+    state = state._replace(outer=init_outer_state(spec, params, plan, hook))
+    step = make_outer_step(loss_fn, optimizer, plan, spec, hook, Comm(), donate=donate)
+    trace = []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        trace.append((metrics["synced"], metrics["bytes_sent"]))
+    return {name: p.clone() for name, p in state.params.items()}, trace, state
+
+
+def _mean_(tensor, world):
+    dist.all_reduce(tensor)
+    return tensor.div_(world)
+
+
+def _torch_parameter_averaging(rank, world, momentum):
+    module = _module()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=momentum)
+    for x, y in _batches(rank):
+        opt.zero_grad()
+        F.cross_entropy(module(x), y).backward()
+        opt.step()
+        with torch.no_grad():
+            for p in module.parameters():
+                _mean_(p, world)
+    return dict(module.named_parameters())
+
+
+def _torch_gradient_averaging(rank, world):
+    module = _module()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    for x, y in _batches(rank):
+        opt.zero_grad()
+        F.cross_entropy(module(x), y).backward()
+        for p in module.parameters():
+            _mean_(p.grad, world)
+        opt.step()
+    return dict(module.named_parameters())
+
+
+def _local_sgd_every_step(rank, world):
+    spec = check_outer({"name": "local_sgd", "sync_every": 1})
+    with_momentum, _, _ = _fdp(spec, sgd(0.1, momentum=0.9), rank, donate=False)
+    plain, trace, _ = _fdp(spec, sgd(0.1), rank, donate=True)
+    return (
+        _diff(with_momentum, _torch_parameter_averaging(rank, world, 0.9)),
+        _diff(plain, _torch_parameter_averaging(rank, world, 0.0)),
+        _diff(plain, _torch_gradient_averaging(rank, world)),
+        trace,
+    )
+
+
+def _diff(ours, reference):
+    assert ours.keys() == reference.keys()
+    return max((ours[k] - reference[k].detach()).abs().max().item() for k in ours)
+
+
+def test_local_sgd_every_step_equals_per_step_parameter_and_gradient_averaging(run_ranks):
+    for momentum_diff, params_diff, grads_diff, trace in run_ranks(_local_sgd_every_step):
+        assert momentum_diff < 1e-6 and params_diff < 1e-6 and grads_diff < 1e-6
+        assert all(synced == 1 and sent > 0 for synced, sent in trace)
+
+
+def _torch_diloco(rank, world, sync_every, start_step):
+    """DiLoCo written out in torch: Adam inside, Nesterov SGD on the averaged pseudo-gradient outside."""
+    module = _module()
+    inner = torch.optim.Adam(module.parameters(), lr=0.01)
+    anchor = [torch.nn.Parameter(p.detach().clone()) for p in module.parameters()]
+    outer = torch.optim.SGD(anchor, lr=0.7, momentum=0.9, nesterov=True)
+    for step, (x, y) in enumerate(_batches(rank), start=1):
+        inner.zero_grad()
+        F.cross_entropy(module(x), y).backward()
+        if step <= start_step:
+            for p in module.parameters():
+                _mean_(p.grad, world)
+        inner.step()
+        with torch.no_grad():
+            if step == start_step:
+                for a, p in zip(anchor, module.parameters()):
+                    a.copy_(p)
+            if step > start_step and (step - start_step) % sync_every == 0:
+                for a, p in zip(anchor, module.parameters()):
+                    a.grad = _mean_(a - p, world)
+                outer.step()
+                for a, p in zip(anchor, module.parameters()):
+                    p.copy_(a)
+    return dict(module.named_parameters())
+
+
+def _diloco(rank, world):
+    spec = check_outer({"name": "diloco", "sync_every": 3, "start_step": 2, "lr": 0.7, "momentum": 0.9, "nesterov": True})
+    params, trace, state = _fdp(spec, adam(0.01), rank, donate=True)
+    return _diff(params, _torch_diloco(rank, world, 3, 2)), trace, state.outer.syncs
+
+
+def test_diloco_matches_a_plain_torch_reference_and_sends_only_at_syncs(run_ranks):
+    for diff, trace, syncs in run_ranks(_diloco):
+        assert diff < 1e-5
+        # Steps 1-2 reduce gradients; then steps 5 and 8 sync; the others send nothing.
+        assert [step for step, (synced, sent) in enumerate(trace, 1) if sent > 0] == [1, 2, 5, 8]
+        assert [synced for synced, _ in trace] == [1, 1, 0, 0, 1, 0, 0, 1]
+        assert syncs == 2
+
+
+# -- resume in the middle of a period ----------------------------------------------------
+RUN = ["model.hidden=16", "data.global_batch_size=16", "trainer.progress=false", "trainer.eval_every=0",
+       "world=local2", "world.backend=gloo", "world.timeout_s=60", "trainer.max_steps=10",
+       "outer=diloco", "outer.sync_every=4", "hooks=powersgd", "hooks.start_iter=1", "hooks.min_compression_rate=1"]
+
+
+def _checkpoint(run_dir):
+    return torch.load(Path(run_dir) / "checkpoints" / "last.pt", weights_only=True)
+
+
+def test_resume_in_the_middle_of_a_period_is_bit_exact(tmp_path):
+    """Stopped after step 6 (syncs at 4 and 8) and resumed: each rank ends as in one uninterrupted run."""
+    run(compose(*RUN), tmp_path / "whole")
+    run(compose(*RUN, "trainer.stop_at=6"), tmp_path / "parts")
+    halfway = _checkpoint(tmp_path / "parts")
+    assert halfway["step"] == 6
+    # Mid-period the ranks have stepped apart, and each rank's own params were saved.
+    assert any(not torch.equal(halfway["ranks"][0]["params"][k], halfway["ranks"][1]["params"][k]) for k in halfway["params"])
+    run(compose(*RUN, "trainer.resume=true"), tmp_path / "parts")
+    whole, parts = _checkpoint(tmp_path / "whole"), _checkpoint(tmp_path / "parts")
+    assert parts["step"] == whole["step"] == 10
+    for rank in (0, 1):
+        for key in ("params", "buffers"):
+            for name, value in whole["ranks"][rank][key].items():
+                assert torch.equal(parts["ranks"][rank][key][name], value), (rank, key, name)
+        for key in ("outer", "opt_state", "hook_state"):
+            for a, b in zip(whole["ranks"][rank][key], parts["ranks"][rank][key], strict=True):
+                assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), (rank, key)
+
+
+# -- refusals --------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["outer=local_sgd", "outer.sync_every=0"], "outer.sync_every=0: expected an integer >= 1"),
+        (["outer=diloco", "outer.start_step=-1"], "outer.start_step=-1: expected an integer >= 0"),
+        (["outer=diloco", "outer.momentum=1.5"], "outer.momentum=1.5: expected a value in [0, 1)"),
+    ],
+)
+def test_bad_outer_settings_are_refused_in_one_line(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        validate(compose(*overrides))
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+def test_an_outer_step_needs_an_outer_schedule():
+    with pytest.raises(ValueError, match="outer=none"):
+        make_outer_step(lambda *a: None, sgd(0.1), pack_into_buckets([("w", (2,), "float32", "cpu")]), OuterSpec())
