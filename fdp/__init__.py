@@ -9,9 +9,10 @@ The pieces, one module each:
 * ``comm`` / ``reduce``: collectives as values, and the reduction that hands buckets back as they finish.
 * ``_torch``: the one place fdp touches private torch APIs, each with a public fallback.
 * ``train``: ``TrainState`` and the pure ``train_step(state, batch) -> (state, metrics)``.
+* ``zero``: ZeRO stages 1 and 2, optimizer state (and gradients) sharded over the ranks by bucket slices.
 * ``launch`` / ``trainer`` / ``checkpoint``: worlds of processes, the run loop, atomic checkpoints.
 """
-from fdp import hooks
+from fdp import hooks, zero
 from fdp.buckets import allocate, pack, unpack
 from fdp.comm import Comm, Pending
 from fdp.functional import FunctionalModel, functionalize
@@ -41,4 +42,5 @@ __all__ = [
     "apply_gradients", "apply_updates", "build_optimizer", "chain", "clip_by_global_norm", "constant_schedule", "cross_entropy_loss", "functionalize",
     "gradient_ready_order", "hooks", "init_distributed", "init_hook_states", "init_train_state", "make_train_step",
     "pack", "plan_buckets", "planner_loss", "resolve_schedule", "sgd", "spawn", "supports_inplace", "unpack", "warmup_cosine_schedule",
+    "zero",
 ]

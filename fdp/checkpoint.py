@@ -123,12 +123,11 @@ def restore(payload: dict, template: TrainState, rank: int, path: str | os.PathL
     """Rebuild the ``TrainState`` of ``rank`` from ``payload``, shaped like ``template``."""
     path = Path(path)
     ranks = payload["ranks"]
-    if rank >= len(ranks):
-        raise CheckpointError(f"checkpoint {path} was written by {len(ranks)} ranks; rank {rank} has no state in it")
     missing = sorted(set(template.params) ^ set(payload["params"]))
     if missing:
         raise CheckpointError(f"checkpoint {path}: parameters differ from this model's: {missing[:5]}")
-    mine = ranks[rank]
+    # A world larger than the one that saved: the new ranks start their hook state and RNG fresh.
+    mine = ranks[rank] if rank < len(ranks) else {"hook_state": _leaves(template.hook_state), "rng": template.rng}
     return TrainState(
         step=int(payload["step"]),
         params={name: payload["params"][name] for name in template.params},

@@ -74,6 +74,41 @@ class Comm:
         work = _all_gather_flat(out, tensor.contiguous().view(-1), group=self.group, async_op=True)
         return Pending(out.view(world, *tensor.shape), work)
 
+    def reduce_scatter(self, tensor: torch.Tensor) -> Pending:
+        """Sum the flat ``tensor`` over ranks; this rank gets its ``1/world_size`` slice, a new tensor.
+
+        ``tensor``'s length must be a multiple of the world size. gloo has no reduce-scatter
+        of its own: torch's gloo backend runs it as an all-reduce of the whole tensor.
+
+        >>> Comm().reduce_scatter(torch.arange(4.0)).wait()
+        tensor([0., 1., 2., 3.])
+        """
+        world = self.world_size
+        if tensor.numel() % world:
+            raise ValueError(f"reduce_scatter: {tensor.numel()} elements do not split over {world} ranks")
+        if world == 1:
+            return Pending(tensor)
+        self._count(tensor)
+        out = tensor.new_empty(tensor.numel() // world)
+        return Pending(out, _reduce_scatter_flat(out, tensor.contiguous().view(-1), group=self.group, async_op=True))
+
+    def all_gather_into(self, out: torch.Tensor, piece: torch.Tensor) -> Pending:
+        """Fill the flat ``out`` with every rank's ``piece``, in rank order; ``out`` has ``world_size`` pieces.
+
+        >>> out = torch.zeros(2)
+        >>> Comm().all_gather_into(out, torch.tensor([1.0, 2.0])).wait()
+        tensor([1., 2.])
+        """
+        world = self.world_size
+        if out.numel() != world * piece.numel():
+            raise ValueError(f"all_gather_into: {out.numel()} elements are not {world} pieces of {piece.numel()}")
+        if world == 1:
+            with torch.no_grad():
+                out.copy_(piece.view(-1))
+            return Pending(out)
+        self._count(piece)
+        return Pending(out, _all_gather_flat(out, piece.contiguous().view(-1), group=self.group, async_op=True))
+
     def take_counters(self) -> tuple[int, int]:
         """Return ``(bytes_sent, collectives)`` since the last call and reset them."""
         counters = (self.bytes_sent, self.collectives)
@@ -83,3 +118,4 @@ class Comm:
 
 # torch renamed the flat all-gather (all_gather_into_tensor -> all_gather_single) in 2.13.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

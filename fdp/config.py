@@ -105,6 +105,7 @@ class TrainerConfig:
     allow_unused: bool = False
     schedule: str = "auto"  # auto | after | overlap: when bucket reductions start (auto: overlap on more than one process)
     nonfinite: str = "raise"  # raise | skip
+    zero_stage: int = 0  # 0 | 1 (shard optimizer state over ranks) | 2 (and reduced gradients)
     trace: bool = False  # write a Chrome trace per rank to <run dir>/trace/ (for short diagnostic runs)
     progress: bool = True
 
@@ -271,6 +272,7 @@ def validate(cfg: Any, run_dir: Any = None) -> None:
     from fdp.plan.values import _check_cap
     from fdp.reduce import resolve_schedule
     from fdp.train import check_nonfinite
+    from fdp.zero import check_hooks_for_stage, check_zero_stage
 
     t, w, d, o, m = cfg.trainer, cfg.world, cfg.data, cfg.optim, cfg.model
     for key in ("max_steps", "accum_steps", "log_every", "keep_checkpoints"):
@@ -284,6 +286,8 @@ def validate(cfg: Any, run_dir: Any = None) -> None:
         _checked(f"trainer.{key}", lambda value, key=key: _check_cap(key, value), t[key])
     _checked("trainer.schedule", lambda value: resolve_schedule(value, world_size=1), t.schedule)
     _checked("trainer.nonfinite", check_nonfinite, t.nonfinite)
+    _checked("trainer.zero_stage", check_zero_stage, t.zero_stage)
+    _checked("trainer.zero_stage", lambda stage: check_hooks_for_stage(stage, _container(cfg.hooks)), t.zero_stage)
     _checked("optim", lambda spec: build_optimizer(spec, t.max_steps), _container(o))
     _checked("hooks", build_hook, _container(cfg.hooks))
     _require(w.launcher in LAUNCHERS, "world.launcher", w.launcher, f"one of {LAUNCHERS}")

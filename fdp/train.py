@@ -16,6 +16,7 @@ from fdp.optim import GradientTransformation, apply_gradients, current_lr, suppo
 from fdp.plan import BucketPlan
 from fdp.reduce import GradReducer, init_hook_states
 from fdp.trace import NullTimeline, Timeline
+from fdp.zero import ShardedUpdate, check_zero_stage, state_nbytes
 
 
 NONFINITE = ("raise", "skip")
@@ -106,6 +107,7 @@ def make_train_step(
     nonfinite: str = "raise",
     timeline: Timeline | None = None,
     donate: bool = False,
+    zero_stage: int = 0,
 ) -> Callable[[TrainState, tuple], tuple[TrainState, dict]]:
     """Build ``train_step(state, batch) -> (new_state, metrics)``.
 
@@ -127,6 +129,10 @@ def make_train_step(
     step that skips leaves ``state`` intact; one that raises leaves a donated state
     partly updated (resume from a checkpoint).
 
+    ``zero_stage`` 1 or 2 shards the optimizer state (and, at 2, the reduced gradients)
+    over the ranks, ZeRO-style (see ``fdp.zero``); the state must then come from
+    ``fdp.zero.init_state`` or ``fdp.zero.shard_state``.
+
     >>> from fdp import functionalize, plan_buckets, sgd
     >>> model, params, buffers = functionalize(torch.nn.Linear(4, 3))
     >>> loss_fn = cross_entropy_loss(model)
@@ -138,9 +144,13 @@ def make_train_step(
     1
     """
     check_nonfinite(nonfinite)
+    check_zero_stage(zero_stage)
     comm = comm or Comm()
     timeline = timeline or NullTimeline()
-    reducer = GradReducer(loss_fn, plan, hook or allreduce(), comm, schedule, timeline)
+    sharded = ShardedUpdate(optimizer, plan, comm, zero_stage, timeline) if zero_stage else None
+    reducer = GradReducer(loss_fn, plan, hook or allreduce(), sharded.reduction_comm() if sharded else comm, schedule, timeline)
+    if sharded is not None:
+        sharded.hold_grad_buffers(reducer.flats)
     per_bucket: bool | None = None  # decided on the first step: params keep their device and dtype
 
     def train_step(state: TrainState, batch: tuple) -> tuple[TrainState, dict]:
@@ -150,6 +160,7 @@ def make_train_step(
         timeline.start_step(step)
         if per_bucket is None:
             per_bucket = donate and nonfinite == "raise" and optimizer.elementwise and supports_inplace(optimizer, state.params)
+        shards = sharded.begin(state, in_place=donate) if sharded is not None else None
         with torch.random.fork_rng(devices=[]):
             torch.set_rng_state(state.rng)
             computed = reducer.backward(state.params, state.buffers, split_micro_batches(batch, accum_steps), state.hook_state)
@@ -159,6 +170,9 @@ def make_train_step(
         # params are stepped while later buckets are still on the wire.
         reduced, finite, opt_state = [{}] * len(plan.buckets), [], state.opt_state
         for index, bucket in computed.reduction.finished():
+            if shards is not None:  # ZeRO: this rank steps (and all-gathers) its slice of the bucket
+                shards.reduced(index, bucket.buffer, per_bucket)
+                continue
             reduced[index] = slot_views(plan.buckets[index], bucket.buffer)
             finite.append(_finite(bucket.buffer))
             if per_bucket:
@@ -168,17 +182,19 @@ def make_train_step(
 
         # The step's one host synchronisation. Reduced gradients are identical on every
         # rank, so every rank takes the same branch.
-        skipped = not bool(torch.stack(finite).all())
+        skipped = shards.skipped() if shards is not None else not bool(torch.stack(finite).all())
         if not skipped:
             params = state.params
-            if not per_bucket:
+            if shards is not None:
+                params, opt_state = shards.finish()
+            elif not per_bucket:
                 with timeline.span("optimizer"):
                     params, opt_state = apply_gradients(optimizer, grads, state.opt_state, state.params, donate=donate)
             new_state = TrainState(step, params, computed.buffers, opt_state, computed.reduction.hook_states, rng)
         elif nonfinite == "skip":
             new_state = state._replace(step=step, rng=rng)
         else:
-            raise _nonfinite_error(step, plan, grads)
+            raise shards.nonfinite_error(step) if shards is not None else _nonfinite_error(step, plan, grads)
 
         stats = computed.reduction.stats()
         elapsed = time.perf_counter() - t0
@@ -191,6 +207,8 @@ def make_train_step(
             "compute_s": elapsed - stats.wait_s,
             "bytes_sent": stats.bytes_sent,
             "collectives": stats.collectives,
+            # What this rank holds between steps: params, optimizer state, gradient buffers.
+            "state_mib": state_nbytes(new_state, sharded.grad_buffers() if sharded else reducer.flats) / 2**20,
         }
         return new_state, metrics
 

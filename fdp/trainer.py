@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from fdp import checkpoint
+from fdp import checkpoint, zero
 from fdp.comm import Comm
 from fdp.config import ConfigError, validate
 from fdp.data import Dataset, eval_batches, global_batch, load_dataset, shard
@@ -135,11 +135,17 @@ def setup(cfg: DictConfig, comm: Comm) -> Run:
     params, buffers = broadcast_from_rank0(params, comm), broadcast_from_rank0(buffers, comm)
     hook = build_hook(OmegaConf.to_container(cfg.hooks))
     optimizer = build_optimizer(OmegaConf.to_container(cfg.optim), cfg.trainer.max_steps)
-    state = init_train_state(params, buffers, optimizer, plan, hook, seed=cfg.seed + comm.rank)
+    seed = cfg.seed + comm.rank
+    if cfg.trainer.zero_stage:  # the optimizer state is built for this rank's slices only
+        state = zero.init_state(params, buffers, optimizer, plan, comm, hook, seed=seed)
+    else:
+        state = init_train_state(params, buffers, optimizer, plan, hook, seed=seed)
     return Run(model, data, plan, hook, optimizer, state, num_params)
 
 
 def _save(run_dir: Path, state: TrainState, comm: Comm, cfg: DictConfig, plan: BucketPlan) -> None:
+    if cfg.trainer.zero_stage:  # saved whole, so that any world size and stage can resume it
+        state = zero.gather_state(state, plan, comm)
     mine = checkpoint.rank_payload(state)
     per_rank = [mine]
     if comm.world_size > 1:
@@ -159,7 +165,10 @@ def _resume(run_dir: Path, run: Run, comm: Comm) -> TrainState:
         dist.broadcast_object_list(payload, src=0)
     if payload[0].get("plan_fingerprint") != run.plan.fingerprint():
         raise checkpoint.CheckpointError(f"checkpoint {path} was written with another bucket plan (model or bucket caps changed)")
-    return checkpoint.restore(payload[0], run.state, comm.rank, path)
+    sharded = zero.is_sharded(run.state.opt_state, run.plan)
+    template = zero.unsharded_template(run.state, run.optimizer) if sharded else run.state
+    state = checkpoint.restore(payload[0], template, comm.rank, path)
+    return zero.shard_state(state, run.plan, comm) if sharded else state
 
 
 class Progress:
@@ -266,6 +275,7 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm) -> dict:
         nonfinite=tc.nonfinite,
         timeline=timeline,
         donate=True,  # the loop below never looks at a state again once it has the next
+        zero_stage=tc.zero_stage,
     )
     metrics_log = MetricsLog(run_dir, resume=state.step > 0) if rank == 0 else None
     times, skipped, last_eval, record = StepTimes(), 0, {}, {}
@@ -300,6 +310,7 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm) -> dict:
                     "bytes_sent": m["bytes_sent"],
                     "compression": run.plan.nbytes / m["bytes_sent"] if m["bytes_sent"] else None,
                     "skipped_steps": skipped,
+                    "state_mib": m["state_mib"],
                 }
                 if (tc.eval_every and step % tc.eval_every == 0 or done) and run.data.test_x is not None and rank == 0:
                     last_eval = evaluate(run.model, state.params, state.buffers, run.data, tc.eval_batches)
@@ -335,6 +346,7 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm) -> dict:
         "compression": run.plan.nbytes / times.median("bytes_sent") if times.rows and times.median("bytes_sent") else None,
         "samples_per_s": gbs / times.median("step_s"),
         "skipped_steps": skipped,
+        "state_mib": record.get("state_mib"),
         "run_dir": str(run_dir),
     }
     if metrics_log:
