@@ -400,7 +400,8 @@ class _ShardedStep:
         if owner.stage == 2:
             if buffer.numel() != stop - start:
                 raise ValueError(_REFUSED)
-            grad = buffer
+            # The slice may be a view of the bucket buffer (gloo), which is released below.
+            grad = buffer.clone() if self._shares(buffer, index) else buffer
             self.finite.append((index, torch.isfinite(grad.sum(dtype=torch.float32))))
         else:
             # Stage 1: the whole reduced bucket is here, equal on every rank; so is its verdict.
@@ -416,6 +417,10 @@ class _ShardedStep:
             self._gather(index)
         else:
             self.grads[key] = grad
+
+    def _shares(self, tensor: torch.Tensor, index: int) -> bool:
+        buffers = self.owner.grad_buffers()
+        return bool(buffers) and tensor.untyped_storage().data_ptr() == buffers[index].untyped_storage().data_ptr()
 
     def _gather(self, index: int) -> None:
         start, stop = self.ranges[index]
