@@ -197,6 +197,8 @@ def make_train_step(
             raise shards.nonfinite_error(step) if shards is not None else _nonfinite_error(step, plan, grads)
 
         stats = computed.reduction.stats()
+        if shards is not None:
+            stats = stats._replace(wait_s=stats.wait_s + shards.wait_s)
         elapsed = time.perf_counter() - t0
         metrics = {
             "loss": torch.stack([loss.detach() for loss in computed.losses]).mean(),

@@ -36,6 +36,7 @@ can resume them (``shard_state``).
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -388,6 +389,7 @@ class _ShardedStep:
         self.gathers: list[Pending] = []
         self.opt_state = state.opt_state
         self.finite: list[tuple[int, torch.Tensor]] = []
+        self.wait_s = 0.0  # blocked on this step's all-gathers and norm all-reduce
 
     def _param_slices(self, indices) -> dict[str, torch.Tensor]:
         return {shard_key(i): self.flats[i][slice(*self.ranges[i])] for i in indices}
@@ -452,12 +454,17 @@ class _ShardedStep:
                     with torch.no_grad():
                         slices[key].copy_(new_slices[key])
                 self._gather(index)
+        t0 = time.perf_counter()
         for pending in self.gathers:
             pending.wait()
+        self.wait_s += time.perf_counter() - t0
         return self.params, self.opt_state
 
     def _sum_across(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.owner.comm.allreduce(tensor.clone()).wait()
+        t0 = time.perf_counter()
+        total = self.owner.comm.allreduce(tensor.clone()).wait()
+        self.wait_s += time.perf_counter() - t0
+        return total
 
     def nonfinite_error(self, step: int) -> FloatingPointError:
         where = [index for index, ok in self.finite if not bool(ok)]
