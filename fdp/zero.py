@@ -399,14 +399,14 @@ class _ShardedStep:
         owner = self.owner
         bucket = owner.plan.buckets[index]
         start, stop = self.ranges[index]
-        if owner.stage == 2:
-            if buffer.numel() != stop - start:
-                raise ValueError(_REFUSED)
+        if owner.stage == 2 and buffer.numel() == stop - start:
             # The slice may be a view of the bucket buffer (gloo), which is released below.
             grad = buffer.clone() if self._shares(buffer, index) else buffer
             self.finite.append((index, torch.isfinite(grad.sum(dtype=torch.float32))))
+        elif buffer.numel() != bucket.numel:
+            raise ValueError(_REFUSED)
         else:
-            # Stage 1: the whole reduced bucket is here, equal on every rank; so is its verdict.
+            # The whole bucket (stage 1, or a chain that sends nothing): this rank's slice of it.
             self.finite.append((index, torch.isfinite(buffer.sum(dtype=torch.float32))))
             grad = buffer[start : min(stop, bucket.numel)]
             if grad.numel() != stop - start:  # this slice runs into the padding

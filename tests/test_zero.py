@@ -11,7 +11,7 @@ from fdp import zero
 from fdp.comm import Comm
 from fdp.config import ConfigError, register_configs, validate
 from fdp.functional import functionalize
-from fdp.hooks import topk
+from fdp.hooks import noop, topk
 from fdp.models import MLP
 from fdp.optim import across_shards, adam, chain, clip_by_global_norm
 from fdp.plan import pack_into_buckets, plan_buckets
@@ -143,6 +143,8 @@ def test_refusals_are_one_line():
     step = make_train_step(loss_fn, adam(1e-2), plan, hook=topk(0.5), zero_stage=2)
     with pytest.raises(ValueError, match=r"zero_stage=2: the hook chain needs the whole reduced bucket"):
         step(zero.init_state(params, buffers, adam(1e-2), plan, Comm(), hook=topk(0.5)), batch)
+    step = make_train_step(loss_fn, adam(1e-2), plan, hook=noop(), zero_stage=2)  # a chain that sends nothing: accepted
+    assert step(zero.init_state(params, buffers, adam(1e-2), plan, Comm()), batch)[0].step == 1
     step = make_train_step(loss_fn, adam(1e-2), plan, zero_stage=1)
     with pytest.raises(ValueError, match="optimizer state is not sharded"):
         step(init_train_state(params, buffers, adam(1e-2), plan), batch)
