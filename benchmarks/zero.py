@@ -23,8 +23,11 @@ gloo has no reduce-scatter of its own: torch runs ``reduce_scatter_single`` on g
 all-reduce of a copy of the whole bucket (measured on the MLP at 2 ranks: +190 MiB peak RSS
 per rank over stage 0, the copies of the buckets in flight). ``Comm.reduce_scatter``
 all-reduces the bucket in place on gloo instead and keeps this rank's slice: the same
-traffic as stage 0, without the copies. Stages 1 and 2 then all-gather the updated params
-on top (``sent`` counts the all-reduced buckets plus the gathered slices).
+traffic as stage 0, without the copies. gloo's all-gather likewise stages its whole output
+in a temporary (+100 MiB for 100 MiB gathered), so on gloo ``Comm.all_gather_into``
+broadcasts each rank's slice in place instead. Stages 1 and 2 all-gather the updated
+params on top of the reduction (``sent`` counts the all-reduced buckets plus this rank's
+gathered slices).
 
     python benchmarks/zero.py [--quick] [--worlds 2 4] [--models mlp transformer]
 

@@ -426,9 +426,8 @@ class _ShardedStep:
 
     def _gather(self, index: int) -> None:
         start, stop = self.ranges[index]
-        # gloo reads the input while it writes the output: gather from a copy of the slice.
-        piece = self.flats[index][start:stop].clone()
-        self.gathers.append(self.owner.comm.all_gather_into(self.flats[index], piece))
+        # The updated slice already sits in its place in the flat buffer: gathered in place.
+        self.gathers.append(self.owner.comm.all_gather_into(self.flats[index], self.flats[index][start:stop]))
 
     def skipped(self) -> bool:
         """Whether any gradient is non-finite, the same verdict on every rank (the step's host sync)."""
