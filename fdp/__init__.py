@@ -17,8 +17,9 @@ The pieces, one module each:
 * ``checks``: what a Python caller hands the train step, checked with errors naming the argument.
 * ``trainer`` / ``checkpoint``: the run loop; atomic checkpoints of every rank (``save_checkpoint``, ``load_checkpoint``).
 * ``outer``: local SGD and DiLoCo, an outer loop that syncs every few steps across slow links.
+* ``zero``: ZeRO stages 1 and 2, optimizer state (and gradients) sharded over the ranks by bucket slices.
 """
-from fdp import hooks
+from fdp import hooks, zero
 from fdp.buckets import allocate, pack, unpack
 from fdp.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from fdp.comm import Comm, Pending
@@ -60,4 +61,5 @@ __all__ = [
     "init_hook_states", "init_outer_state", "init_train_state", "make_loss_fn", "make_outer_step", "make_train_step",
     "pack", "place", "plan_buckets", "planner_loss", "resolve_backend", "resolve_schedule", "sgd", "spawn",
     "supports_inplace", "to_device", "unpack", "warmup_cosine_schedule",
+    "zero",
 ]

@@ -173,12 +173,11 @@ def restore(payload: dict, template: TrainState, rank: int, path: str | os.PathL
     """
     path = Path(path)
     ranks = payload["ranks"]
-    if rank >= len(ranks):
-        raise CheckpointError(f"checkpoint {path} was written by {len(ranks)} ranks; rank {rank} has no state in it")
     missing = sorted(set(template.params) ^ set(payload["params"]))
     if missing:
         raise CheckpointError(f"checkpoint {path}: parameters differ from this model's: {missing[:5]}")
-    mine = ranks[rank]
+    # A world larger than the one that saved: the new ranks start their hook state and RNG fresh.
+    mine = ranks[rank] if rank < len(ranks) else {"hook_state": _leaves(template.hook_state), "rng": template.rng}
     saved_cuda_rng = mine.get("cuda_rng")
     both_on_gpu = saved_cuda_rng is not None and saved_cuda_rng.numel() and template.cuda_rng.numel()
     own_buffers = mine.get("buffers", {})

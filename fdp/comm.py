@@ -91,6 +91,65 @@ class Comm:
         source = dist.get_global_rank(self.group, src) if self.group is not None else src
         return Pending(tensor, dist.broadcast(tensor, source, group=self.group, async_op=True))
 
+    def reduce_scatter(self, tensor: torch.Tensor) -> Pending:
+        """Sum the flat ``tensor`` over ranks; this rank gets its ``1/world_size`` slice, a new tensor.
+
+        ``tensor``'s length must be a multiple of the world size, and the caller must own it.
+        gloo has no reduce-scatter of its own: torch runs one there as an all-reduce of a
+        copy of the input (the whole tensor's traffic, and one more tensor of memory per
+        collective in flight: +100 MiB per rank on a 25M-parameter model). On gloo this
+        all-reduces ``tensor`` in place instead, the same bytes without the copy, and
+        returns a view of this rank's slice; elsewhere (NCCL) it is the native collective.
+
+        >>> Comm().reduce_scatter(torch.arange(4.0)).wait()
+        tensor([0., 1., 2., 3.])
+        """
+        world = self.world_size
+        if tensor.numel() % world:
+            raise ValueError(f"reduce_scatter: {tensor.numel()} elements do not split over {world} ranks")
+        if world == 1:
+            return Pending(tensor)
+        self._count(tensor)
+        size = tensor.numel() // world
+        if dist.get_backend(self.group) == "gloo":
+            flat = tensor.view(-1)
+            mine = flat[self.rank * size : (self.rank + 1) * size]
+            return Pending(mine, dist.all_reduce(flat, group=self.group, async_op=True))
+        out = tensor.new_empty(size)
+        return Pending(out, _reduce_scatter_flat(out, tensor.contiguous().view(-1), group=self.group, async_op=True))
+
+    def all_gather_into(self, out: torch.Tensor, piece: torch.Tensor) -> Pending:
+        """Fill the flat ``out`` with every rank's ``piece``, in rank order; ``out`` has ``world_size`` pieces.
+
+        ``piece`` may be this rank's own slice of ``out`` (nothing is copied then). gloo's
+        all-gather stages the whole output in a temporary (measured: +100 MiB of peak
+        memory for a 100 MiB output); on gloo each rank broadcasts its slice of ``out``
+        in place instead: the same bytes, no temporary, and no slower (420 vs 830 ms for
+        100 MiB over 2 loopback ranks). Elsewhere (NCCL) it is the native collective.
+
+        >>> out = torch.zeros(2)
+        >>> Comm().all_gather_into(out, torch.tensor([1.0, 2.0])).wait()
+        tensor([1., 2.])
+        """
+        world = self.world_size
+        if out.numel() != world * piece.numel():
+            raise ValueError(f"all_gather_into: {out.numel()} elements are not {world} pieces of {piece.numel()}")
+        if world == 1:
+            with torch.no_grad():
+                out.copy_(piece.view(-1))
+            return Pending(out)
+        self._count(piece)
+        if dist.get_backend(self.group) == "gloo":
+            chunks = out.view(-1).chunk(world)
+            mine = chunks[self.rank]
+            if mine.data_ptr() != piece.data_ptr():
+                with torch.no_grad():
+                    mine.copy_(piece.view(-1))
+            ranks = dist.get_process_group_ranks(self.group) if self.group is not None else range(world)
+            works = [dist.broadcast(chunk, src=src, group=self.group, async_op=True) for chunk, src in zip(chunks, ranks)]
+            return Pending(out, _AllOf(works))
+        return Pending(out, _all_gather_flat(out, piece.contiguous().view(-1), group=self.group, async_op=True))
+
     def take_counters(self) -> tuple[int, int]:
         """Return ``(bytes_sent, collectives)`` since the last call and reset them."""
         counters = (self.bytes_sent, self.collectives)
@@ -98,5 +157,19 @@ class Comm:
         return counters
 
 
+class _AllOf:
+    """Several collectives awaited as one."""
+
+    __slots__ = ("_works",)
+
+    def __init__(self, works: list):
+        self._works = works
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+
+
 # torch renamed the flat all-gather (all_gather_into_tensor -> all_gather_single) in 2.13.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -157,6 +157,7 @@ class TrainerConfig:
     precision: str = "32-true"  # 32-true | bf16-mixed | 16-mixed | bf16-true (Lightning's names)
     matmul_precision: str = "highest"  # highest | high | medium: torch.set_float32_matmul_precision
     compile: bool = False  # torch.compile the gradient computation
+    zero_stage: int = 0  # 0 | 1 (shard optimizer state over ranks) | 2 (and reduced gradients)
     trace: bool = False  # write a Chrome trace per rank to <run dir>/trace/ (for short diagnostic runs)
     tensorboard: bool = False  # also write the logged metrics as TensorBoard scalars to <run dir>/tb/ (rank 0)
     progress: bool = True
@@ -369,6 +370,7 @@ def validate(cfg: Any, run_dir: Any = None) -> None:
     from fdp.reduce import resolve_schedule
     from fdp.replicas import check_sync_buffers
     from fdp.train import check_nonfinite
+    from fdp.zero import check_hooks_for_stage, check_zero_stage
 
     t, w, d, o, m = cfg.trainer, cfg.world, cfg.data, cfg.optim, cfg.model
     for group in ("model", "data", "loss"):
@@ -389,6 +391,12 @@ def validate(cfg: Any, run_dir: Any = None) -> None:
     _checked("trainer.precision", check_precision, t.precision)
     _checked("trainer.matmul_precision", check_matmul_precision, t.matmul_precision)
     _checked("trainer.compile", check_compile, t.compile)
+    _checked("trainer.zero_stage", check_zero_stage, t.zero_stage)
+    _checked("trainer.zero_stage", lambda stage: check_hooks_for_stage(stage, _container(cfg.hooks)), t.zero_stage)
+    if t.zero_stage:  # combinations whose state does not shard (yet): refused, not silently unsharded
+        _require(t.precision != "16-mixed", "trainer.zero_stage", t.zero_stage, "0 with trainer.precision=16-mixed (the loss scale is not sharded)")
+        _require(cfg.outer.name == "none", "trainer.zero_stage", t.zero_stage, f"0 with outer={cfg.outer.name} (an outer loop keeps whole optimizer states)")
+        _require(not w.hierarchical, "trainer.zero_stage", t.zero_stage, "0 with world.hierarchical=true")
     _checked("optim", lambda spec: build_optimizer(spec, t.max_steps), _container(o))
     _checked("hooks", build_hook, _container(cfg.hooks))
     if t.tensorboard:

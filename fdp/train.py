@@ -19,6 +19,7 @@ from fdp.plan import BucketPlan
 from fdp.precision import LossScale, Precision, scaled_micro_batches, unscale, unscaled_loss, update_loss_scale
 from fdp.reduce import GradReducer, init_hook_states
 from fdp.trace import NullTimeline, Timeline
+from fdp.zero import ShardedUpdate, check_zero_stage, state_nbytes
 
 
 NONFINITE = ("raise", "skip")
@@ -122,6 +123,7 @@ def make_train_step(
     sync_buffers: str = "broadcast",
     precision: Precision | None = None,
     compile: bool = False,
+    zero_stage: int = 0,
 ) -> Callable[[TrainState, tuple], tuple[TrainState, dict]]:
     """Build ``train_step(state, batch) -> (new_state, metrics)``.
 
@@ -153,6 +155,9 @@ def make_train_step(
     gradients overflow is skipped on every rank alike and counted, whatever
     ``nonfinite`` says, and the state's ``LossScale`` moves on. ``compile=True`` compiles
     the gradient computation with ``torch.compile`` (see ``fdp.compiled``).
+    ``zero_stage`` 1 or 2 shards the optimizer state (and, at 2, the reduced gradients)
+    over the ranks, ZeRO-style (see ``fdp.zero``); the state must then come from
+    ``fdp.zero.init_state`` or ``fdp.zero.shard_state``.
 
     >>> from fdp import functionalize, plan_buckets, sgd
     >>> model, params, buffers = functionalize(torch.nn.Linear(4, 3))
@@ -167,14 +172,22 @@ def make_train_step(
     checks.check_step_arguments(loss_fn, optimizer, plan, hook, comm, accum_steps)
     check_nonfinite(nonfinite)
     replicas.check_sync_buffers(sync_buffers)
+    check_zero_stage(zero_stage)
     comm = comm or Comm()
     timeline = timeline or NullTimeline()
     precision = precision or Precision()
-    reducer = GradReducer(precision.wrap(loss_fn), plan, checked(hook or allreduce()), comm, schedule, timeline, compile=compile)
+    sharded = ShardedUpdate(optimizer, plan, comm, zero_stage, timeline) if zero_stage else None
+    reducer = GradReducer(
+        precision.wrap(loss_fn), plan, checked(hook or allreduce()), sharded.reduction_comm() if sharded else comm,
+        schedule, timeline, compile=compile,
+    )
+    if sharded is not None:
+        sharded.hold_grad_buffers(reducer.flats)
     per_bucket: bool | None = None  # decided on the first step: params keep their device and dtype
+    state_mib: float | None = None
 
     def train_step(state: TrainState, batch: tuple) -> tuple[TrainState, dict]:
-        nonlocal per_bucket
+        nonlocal per_bucket, state_mib
         t0 = time.perf_counter()
         step = state.step + 1
         timeline.start_step(step)
@@ -185,6 +198,7 @@ def make_train_step(
             per_bucket = (donate and nonfinite == "raise" and state.loss_scale is None and optimizer.elementwise
                           and supports_inplace(optimizer, state.params))
         state = state._replace(buffers=replicas.sync_buffers(state.buffers, comm, sync_buffers))
+        shards = sharded.begin(state, in_place=donate) if sharded is not None else None
         with rng_scope(state.rng, state.cuda_rng, device_of(state.params)) as rng_states:
             micro_batches = scaled_micro_batches(split_micro_batches(batch, accum_steps), state.loss_scale)
             computed = reducer.backward(state.params, state.buffers, micro_batches, state.hook_state)
@@ -195,6 +209,9 @@ def make_train_step(
         reduced, finite, opt_state = [{}] * len(plan.buckets), [], state.opt_state
         for index, bucket in computed.reduction.finished():
             buffer = unscale(bucket.buffer, state.loss_scale, bucket.owned)
+            if shards is not None:  # ZeRO: this rank steps (and all-gathers) its slice of the bucket
+                shards.reduced(index, buffer, per_bucket)
+                continue
             reduced[index] = slot_views(plan.buckets[index], buffer)
             finite.append(_finite(buffer))
             if per_bucket:
@@ -204,22 +221,28 @@ def make_train_step(
 
         # The step's one host synchronisation. Reduced gradients are identical on every
         # rank, so every rank takes the same branch.
-        skipped = not bool(torch.stack(finite).all())
+        skipped = shards.skipped() if shards is not None else not bool(torch.stack(finite).all())
         loss_scale = None
         if state.loss_scale is not None:
             loss_scale = update_loss_scale(state.loss_scale, not skipped, precision.growth_interval)
         if not skipped:
             params = state.params
-            if not per_bucket:
+            if shards is not None:
+                params, opt_state = shards.finish()
+            elif not per_bucket:
                 with timeline.span("optimizer"):
                     params, opt_state = apply_gradients(optimizer, grads, state.opt_state, state.params, donate=donate)
             new_state = TrainState(step, params, computed.buffers, opt_state, computed.reduction.hook_states, rng, cuda_rng, loss_scale)
         elif nonfinite == "skip" or loss_scale is not None:
             new_state = state._replace(step=step, rng=rng, cuda_rng=cuda_rng, loss_scale=loss_scale)
         else:
-            raise _nonfinite_error(step, plan, grads)
+            raise shards.nonfinite_error(step) if shards is not None else _nonfinite_error(step, plan, grads)
 
+        if state_mib is None:  # what this rank holds between steps (params, optimizer state, gradient buffers): fixed
+            state_mib = state_nbytes(new_state, sharded.grad_buffers() if sharded else reducer.flats) / 2**20
         stats = computed.reduction.stats()
+        if shards is not None:
+            stats = stats._replace(wait_s=stats.wait_s + shards.wait_s)
         elapsed = time.perf_counter() - t0
         metrics = {
             "loss": unscaled_loss(torch.stack([loss.detach() for loss in computed.losses]).mean(), state.loss_scale),
@@ -230,6 +253,7 @@ def make_train_step(
             "compute_s": elapsed - stats.wait_s,
             "bytes_sent": stats.bytes_sent,
             "collectives": stats.collectives,
+            "state_mib": state_mib,
         }
         if loss_scale is not None:
             metrics["loss_scale"] = loss_scale.scale

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from fdp import checkpoint
+from fdp import checkpoint, zero
 from fdp.comm import Comm
 from fdp.config import DATA_SETTINGS, ConfigError, validate
 from fdp.data import (
@@ -43,6 +43,8 @@ from fdp.launch import (
     RankLostError,
     WorkerFailedError,
     WorldLayout,
+    broadcast_from_rank0,
+    check_same_plan,
     init_distributed,
     spawn,
     tune_allocator,
@@ -54,7 +56,7 @@ from fdp.hooks.hierarchical import check_node_size, hierarchical, node_comms
 from fdp.optim import GradientTransformation, build_optimizer
 from fdp.outer import check_outer, init_outer_state, make_outer_step
 from fdp.plan import BucketPlan, plan_buckets
-from fdp.replicas import setup_state
+from fdp.replicas import rank_seed, setup_state
 from fdp.slurm import job_world
 from fdp.targets import build, label
 from fdp.precision import Precision, check_precision, set_matmul_precision
@@ -248,7 +250,12 @@ def setup(cfg: DictConfig, comm: Comm, device: torch.device = torch.device("cpu"
     if cfg.world.hierarchical:
         hook = _hierarchical(hook, cfg, comm)
     optimizer = build_optimizer(OmegaConf.to_container(cfg.optim), cfg.trainer.max_steps)
-    state = setup_state(params, buffers, optimizer, plan, hook, comm, seed=cfg.seed, precision=precision)
+    if cfg.trainer.zero_stage:  # the optimizer state is built for this rank's slices only
+        check_same_plan(plan, comm)
+        params, buffers = broadcast_from_rank0(params, comm), broadcast_from_rank0(buffers, comm)
+        state = zero.init_state(params, buffers, optimizer, plan, comm, hook, seed=rank_seed(cfg.seed, comm.rank))
+    else:
+        state = setup_state(params, buffers, optimizer, plan, hook, comm, seed=cfg.seed, precision=precision)
     state = state._replace(outer=init_outer_state(check_outer(OmegaConf.to_container(cfg.outer)), state.params, plan, hook))
     return Run(model, data, plan, hook, optimizer, state, num_params, criterion, precision)
 
@@ -264,12 +271,17 @@ def _hierarchical(hook: Hook, cfg: DictConfig, comm: Comm) -> Hook:
 
 
 def _save(run_dir: Path, state: TrainState, comm: Comm, cfg: DictConfig, plan: BucketPlan) -> None:
+    if cfg.trainer.zero_stage:  # saved whole, so that any world size and stage can resume it
+        state = zero.gather_state(state, plan, comm)
     extra = {"config": OmegaConf.to_yaml(cfg)}
     checkpoint.save_checkpoint(run_dir / "checkpoints", state, plan, comm, keep=cfg.trainer.keep_checkpoints, extra=extra)
 
 
 def _resume(run_dir: Path, run: Run, comm: Comm) -> TrainState:
-    return checkpoint.load_checkpoint(run_dir / "checkpoints" / checkpoint.LAST, run.state, run.plan, comm)
+    sharded = zero.is_sharded(run.state.opt_state, run.plan)
+    template = zero.unsharded_template(run.state, run.optimizer) if sharded else run.state
+    state = checkpoint.load_checkpoint(run_dir / "checkpoints" / checkpoint.LAST, template, run.plan, comm)
+    return zero.shard_state(state, run.plan, comm) if sharded else state
 
 
 class Progress:
@@ -373,6 +385,7 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm, device: torch.device) -> 
         accum_steps=tc.accum_steps, schedule=tc.schedule, nonfinite=tc.nonfinite, timeline=timeline,
         donate=True,  # the loop below never looks at a state again once it has the next
         sync_buffers=tc.sync_buffers, precision=run.precision, compile=tc.compile,
+        zero_stage=tc.zero_stage,
     )
     loss_fn = make_loss_fn(run.model, run.criterion)
     if outer.name == "none":
@@ -415,6 +428,7 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm, device: torch.device) -> 
                     "bytes_sent": m["bytes_sent"],
                     "compression": run.plan.nbytes / m["bytes_sent"] if m["bytes_sent"] else None,
                     "skipped_steps": skipped,
+                    "state_mib": m["state_mib"],
                 }
                 if "loss_scale" in m:
                     record["loss_scale"] = m["loss_scale"].item()
@@ -456,6 +470,7 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm, device: torch.device) -> 
         "compression": run.plan.nbytes / times.median("bytes_sent") if times.rows and times.median("bytes_sent") else None,
         "samples_per_s": gbs / times.median("step_s"),
         "skipped_steps": skipped,
+        "state_mib": record.get("state_mib"),
         "run_dir": str(run_dir),
     }
     if metrics_log:

@@ -32,6 +32,7 @@ from fdp.optim.transforms import (
     SGDState,
     adam,
     adamw,
+    across_shards,
     apply_gradients,
     apply_updates,
     chain,
@@ -44,6 +45,6 @@ from fdp.optim.transforms import (
 __all__ = [
     "GradientTransformation", "Schedule", "SGDState", "AdamState", "ClipState",
     "constant_schedule", "warmup_cosine_schedule", "sgd", "adam", "adamw",
-    "clip_by_global_norm", "chain", "apply_updates", "apply_gradients", "supports_inplace", "current_lr",
+    "clip_by_global_norm", "across_shards", "chain", "apply_updates", "apply_gradients", "supports_inplace", "current_lr",
     "OPTIMIZERS", "build_optimizer",
 ]

@@ -1,7 +1,9 @@
 """Optimizers and their combinators: ``GradientTransformation`` pairs over flat dicts of tensors."""
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+import contextlib
+import contextvars
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
@@ -201,6 +203,34 @@ def _adam(lr: float | Schedule, b1: float, b2: float, eps: float, weight_decay: 
 # ---------------------------------------------------------------------- combinators etc.
 
 
+# Set while a transform sees only this rank's shard of the gradients (ZeRO): how to sum a
+# statistic over the ranks that hold the other shards.
+_SUM_ACROSS_SHARDS: contextvars.ContextVar[Callable[[torch.Tensor], torch.Tensor] | None] = contextvars.ContextVar(
+    "fdp_sum_across_shards", default=None
+)
+
+
+@contextlib.contextmanager
+def across_shards(sum_across: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+    """Within it, the gradients a transform gets are one shard of them all.
+
+    Transforms that look at all gradients at once (``clip_by_global_norm``) complete what
+    they compute over the shard with ``sum_across(tensor)``, which must return the sum of
+    ``tensor`` over the ranks holding the other shards (an all-reduce).
+
+    >>> clip = clip_by_global_norm(1.0)
+    >>> with across_shards(lambda t: t * 2):  # as if a second rank held a shard just like this one
+    ...     updates, _ = clip.update({"a": torch.tensor([3.0, 4.0])}, clip.init({}), None)
+    >>> updates["a"]  # global norm sqrt(50)
+    tensor([0.4243, 0.5657])
+    """
+    token = _SUM_ACROSS_SHARDS.set(sum_across)
+    try:
+        yield
+    finally:
+        _SUM_ACROSS_SHARDS.reset(token)
+
+
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     """Scale all updates by ``min(1, max_norm / (global_norm + 1e-6))``, as ``clip_grad_norm_``.
 
@@ -224,6 +254,9 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         device = g[0].device
         norms = foreach.norm(g, 2)
         total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), 2)
+        sum_across = _SUM_ACROSS_SHARDS.get()
+        if sum_across is not None:  # a shard of the gradients: the norm is over all shards
+            total = sum_across(total.square()).sqrt()
         scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         # Grouped by device because a foreach op takes one scale tensor for all its inputs.
         out: dict[str, torch.Tensor] = {}
