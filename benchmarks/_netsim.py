@@ -405,7 +405,7 @@ def ddp_worker(args) -> None:
 
     from fdp.data import global_batch, shard
     from fdp.launch import tune_allocator
-    from fdp.trainer import build_data, build_module
+    from fdp.build import build_data, build_module
 
     tune_allocator()  # as fdp's trainer does in every rank
     cfg = _compose(args.overrides)

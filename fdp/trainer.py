@@ -14,111 +14,51 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from fdp import checkpoint, zero
+from fdp.build import Run, display_name, setup
 from fdp.comm import Comm
-from fdp.config import DATA_SETTINGS, ConfigError, validate
+from fdp.config import ConfigError, validate
 from fdp.data import (
     Dataset,
     MapData,
-    as_map_data,
     eval_batches,
     has_test_split,
-    model_arguments,
-    num_train_samples,
     train_batches,
 )
-from fdp.devices import Placement, batch_to_device, device_of, place, probe_gpus, to_device, visible_gpus
-from fdp.functional import FunctionalModel, functionalize
-from fdp.hooks import Hook
-from fdp.hooks.registry import build_hook
+from fdp.devices import (
+    Placement,
+    batch_to_device,
+    device_of,
+    place,
+    probe_gpus,
+    visible_gpus,
+)
+from fdp.functional import FunctionalModel
 from fdp.launch import (
     ENV_LAUNCHERS,
     Heartbeat,
     RankLostError,
     WorkerFailedError,
     WorldLayout,
-    broadcast_from_rank0,
-    check_same_plan,
     init_distributed,
     spawn,
     tune_allocator,
 )
+from fdp.losses import Criterion, batch_metrics, cross_entropy, make_loss_fn
 from fdp.metrics import MetricsLog, StepTimes, progress, summary_line
-from fdp.losses import Criterion, batch_metrics, build_loss, cross_entropy, make_loss_fn
-from fdp.models import count_parameters
-from fdp.hooks.hierarchical import check_node_size, hierarchical, node_comms
-from fdp.optim import GradientTransformation, build_optimizer
-from fdp.outer import check_outer, init_outer_state, make_outer_step
-from fdp.plan import BucketPlan, plan_buckets
-from fdp.replicas import rank_seed, setup_state
+from fdp.outer import check_outer, make_outer_step
+from fdp.plan import BucketPlan
+from fdp.precision import Precision, set_matmul_precision
 from fdp.slurm import job_world
-from fdp.targets import build, label
-from fdp.precision import Precision, check_precision, set_matmul_precision
 from fdp.trace import NullTimeline, Timeline
-from fdp.train import TrainState, make_train_step, planner_loss
+from fdp.train import TrainState, make_train_step
 
 log = logging.getLogger("fdp")
-
-
-# -- building the pieces from config ------------------------------------------------------
-def build_data(cfg: DictConfig) -> Dataset | MapData:
-    """The data ``data._target_`` returns: an in-memory ``Dataset`` (built-ins) or ``(train, test)`` torch Datasets."""
-    node = OmegaConf.to_container(cfg, resolve=True)
-    # e.g. max_chars too small for two splits of block_size + 1: "data=stdlib_text: max_chars=..."
-    returned = build("data", node, skip=DATA_SETTINGS)
-    if isinstance(returned, Dataset):
-        return returned
-    try:
-        return as_map_data(str(cfg.get("_target_")), returned)
-    except ValueError as error:
-        raise ConfigError(f"{label('data', node)}: {error}") from None
-
-
-def check_data(cfg: DictConfig, data: Dataset | MapData) -> None:
-    """The settings ``validate`` cannot check without the data: every rank refuses them alike."""
-    gbs = cfg.data.global_batch_size
-    n = num_train_samples(data)
-    if not (isinstance(data, Dataset) and data.is_text) and gbs > n:
-        raise ConfigError(f"data.global_batch_size={gbs}: expected at most the {n} training samples of {_name(cfg.data)}")
-
-
-def build_module(cfg: DictConfig, data: Dataset | MapData) -> torch.nn.Module:
-    """The model ``model._target_`` names, given what the data decides where its signature asks for it."""
-    module = build("model", OmegaConf.to_container(cfg, resolve=True), offered=model_arguments(data))
-    if not isinstance(module, torch.nn.Module):
-        raise ConfigError(f"{label('model', cfg)}: returned a {type(module).__name__}; expected a torch.nn.Module")
-    return module
-
-
-def _name(node: DictConfig) -> str:
-    """A built-in's name, or the dotted path of a custom target (for logs and summaries)."""
-    return str(node.get("_target_")) if node.name == "custom" else node.name
-
-
-def _describe(batch: tuple) -> str:
-    return ", ".join(f"{part} {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for part, t in zip(("inputs", "targets"), batch))
-
-
-def check_fit(cfg: DictConfig, loss_fn, params, buffers, batch: tuple) -> None:
-    """Run the model and the loss on the first batch: a model/data/loss that do not fit is refused before step 1."""
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            loss, _ = loss_fn(params, buffers, batch)
-    except (RuntimeError, ValueError, TypeError, IndexError) as error:
-        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise ConfigError(
-            f"{label('model', cfg.model)} does not fit {label('data', cfg.data)} with {label('loss', cfg.loss)}: "
-            f"{reason} (first batch: {_describe(batch)})"
-        ) from None
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
-        got = f"shape {tuple(loss.shape)} {loss.dtype}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise ConfigError(f"{label('loss', cfg.loss)}: returned {got}; expected a floating-point scalar")
 
 
 def placement_of(cfg: DictConfig, probe=None) -> Placement:
@@ -203,73 +143,6 @@ def evaluate(
 
 
 # -- the run --------------------------------------------------------------------------------
-class Run(NamedTuple):
-    """Everything a worker builds before step 1."""
-
-    model: FunctionalModel
-    data: Dataset | MapData
-    plan: BucketPlan
-    hook: Hook
-    optimizer: GradientTransformation
-    state: TrainState
-    num_params: int
-    criterion: Criterion = cross_entropy
-    precision: Precision = Precision()
-
-
-def setup(cfg: DictConfig, comm: Comm, device: torch.device = torch.device("cpu")) -> Run:
-    """Build model, data, plan, hooks, optimizer and the first train state on this rank, on ``device``.
-
-    The weights are made on the CPU from the seed (the same on any device) and moved;
-    the plan then records the device from the params, and hook and optimizer state are
-    made where the buckets and params are.
-    """
-    data = build_data(cfg.data)
-    check_data(cfg, data)
-    torch.manual_seed(cfg.seed)
-    module = build_module(cfg.model, data)
-    num_params = count_parameters(module)
-    model, params, buffers = functionalize(module, keep_module_weights=False)  # the state holds the weights
-    precision = check_precision(cfg.trainer.precision)
-    params, buffers = to_device(params, device), to_device(buffers, device)
-    params, buffers = precision.cast(params), precision.cast(buffers)  # bf16-true: the plan's buckets follow
-    criterion = build_loss(OmegaConf.to_container(cfg.loss, resolve=True))
-    loss_fn = make_loss_fn(model, criterion)
-    example = next(train_batches(data, cfg.data.global_batch_size, cfg.seed, comm.rank, comm.world_size, 0, 1))
-    example = batch_to_device(precision.cast(tuple(t[: max(1, t.shape[0] // cfg.trainer.accum_steps)] for t in example)), device)
-    check_fit(cfg, loss_fn, params, buffers, example)
-    plan = plan_buckets(
-        planner_loss(loss_fn, buffers),
-        params,
-        example,
-        bucket_cap_mb=cfg.trainer.bucket_cap_mb,
-        first_bucket_cap_mb=cfg.trainer.first_bucket_cap_mb,
-        allow_unused=cfg.trainer.allow_unused,
-    )
-    hook = build_hook(OmegaConf.to_container(cfg.hooks))
-    if cfg.world.hierarchical:
-        hook = _hierarchical(hook, cfg, comm)
-    optimizer = build_optimizer(OmegaConf.to_container(cfg.optim), cfg.trainer.max_steps)
-    if cfg.trainer.zero_stage:  # the optimizer state is built for this rank's slices only
-        check_same_plan(plan, comm)
-        params, buffers = broadcast_from_rank0(params, comm), broadcast_from_rank0(buffers, comm)
-        state = zero.init_state(params, buffers, optimizer, plan, comm, hook, seed=rank_seed(cfg.seed, comm.rank))
-    else:
-        state = setup_state(params, buffers, optimizer, plan, hook, comm, seed=cfg.seed, precision=precision)
-    state = state._replace(outer=init_outer_state(check_outer(OmegaConf.to_container(cfg.outer)), state.params, plan, hook))
-    return Run(model, data, plan, hook, optimizer, state, num_params, criterion, precision)
-
-
-def _hierarchical(hook: Hook, cfg: DictConfig, comm: Comm) -> Hook:
-    """``hook`` run across nodes only (``world.hierarchical``); a node is one launch's processes."""
-    node_size = cfg.world.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world.nproc_per_node))
-    try:
-        nodes = check_node_size(comm.world_size, node_size)
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
-    return hierarchical(hook, node_comms(node_size), nodes)
-
-
 def _save(run_dir: Path, state: TrainState, comm: Comm, cfg: DictConfig, plan: BucketPlan) -> None:
     if cfg.trainer.zero_stage:  # saved whole, so that any world size and stage can resume it
         state = zero.gather_state(state, plan, comm)
@@ -375,7 +248,7 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm, device: torch.device) -> 
         (run_dir / "plan.txt").write_text(f"{run.plan}\nfingerprint: {run.plan.fingerprint()}\n")
         (run_dir / "plan.json").write_text(json.dumps(run.plan.to_dict(), indent=1))
         log.info(
-            f"{_name(cfg.model)}: {run.num_params:,} parameters in {len(run.plan)} buckets "
+            f"{display_name(cfg.model)}: {run.num_params:,} parameters in {len(run.plan)} buckets "
             f"({run.plan.nbytes / 2**20:.2f} MiB, plan {run.plan.fingerprint()[:12]}, see plan.txt), world {world} on {device}"
             + (f" over {dist.get_backend()}" if dist.is_initialized() else "")
         )
@@ -454,7 +327,7 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm, device: torch.device) -> 
     bar.close()
     wall = time.perf_counter() - t_start
     summary = {
-        "model": _name(cfg.model),
+        "model": display_name(cfg.model),
         "world": world,
         "device": device.type,
         "steps": state.step,

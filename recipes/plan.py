@@ -11,7 +11,7 @@ import hydra
 from omegaconf import DictConfig
 
 from fdp.config import register_configs
-from fdp.trainer import setup
+from fdp.build import setup
 from fdp.comm import Comm
 
 register_configs()
