@@ -42,7 +42,7 @@ from typing import Any, Callable
 
 import torch
 
-from fdp._torch import storage_alias
+from fdp._torch import storage_alias, tree_map
 from fdp.buckets import slot_views
 from fdp.comm import Comm, Pending
 from fdp.functional import Buffers, Params
@@ -241,7 +241,7 @@ def gather_state(state, plan: BucketPlan, comm: Comm):
     tensors, keyed in the params' order, so the result saves and restores like a stage-0
     state whatever the world size.
     """
-    world, order = comm.world_size, list(state.params)
+    order = list(state.params)
 
     def whole(sharded: dict) -> dict:
         named: dict[str, torch.Tensor] = {}
@@ -256,9 +256,15 @@ def gather_state(state, plan: BucketPlan, comm: Comm):
 
 
 def unsharded_template(state, optimizer: GradientTransformation):
-    """``state`` with an optimizer state of stage 0's structure (on the meta device): a template to restore into."""
+    """``state`` with an optimizer state of stage 0's structure: a template to restore into.
+
+    Its tensors are empty placeholders on the params' device (restoring takes only the
+    structure and the device from a template), so the whole state is never allocated.
+    """
     meta = {name: torch.empty_like(p, device="meta") for name, p in state.params.items()}
-    return state._replace(opt_state=optimizer.init(meta))
+    device = next(iter(state.params.values())).device
+    placeholder = lambda t: torch.empty(0, dtype=t.dtype, device=device) if isinstance(t, torch.Tensor) and t.is_meta else t
+    return state._replace(opt_state=tree_map(placeholder, optimizer.init(meta)))
 
 
 def _check_names(params: Params, plan: BucketPlan) -> None:
