@@ -122,7 +122,8 @@ def _own_cpu_s() -> float:
 # ----------------------------------------------------------------------------- variants
 
 
-def _module(spec: dict):
+def module_for(spec: dict):
+    """The model a spec names, seeded: the same weights on every rank and every side."""
     from fdp.models import MLP, CharTransformer
 
     torch.manual_seed(0)
@@ -131,7 +132,8 @@ def _module(spec: dict):
     return CharTransformer(spec["vocab"], spec["seq"], spec["d_model"], spec["n_layer"], spec["n_head"])
 
 
-def _batch(spec: dict, rank: int):
+def batch_for(spec: dict, rank: int):
+    """Rank ``rank``'s fixed random batch for a spec (inputs, targets)."""
     g = torch.Generator().manual_seed(1000 + rank)
     if spec["kind"] == "mlp":
         return torch.randn(spec["batch"], spec["width"], generator=g), torch.randint(0, spec["classes"], (spec["batch"],), generator=g)
@@ -153,7 +155,7 @@ def _build_ddp(spec: dict, batch, hook: str | None):
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as P
     from torch.nn.parallel import DistributedDataParallel
 
-    ddp = DistributedDataParallel(_module(spec), bucket_cap_mb=BUCKET_CAP_MB)
+    ddp = DistributedDataParallel(module_for(spec), bucket_cap_mb=BUCKET_CAP_MB)
     if hook == "noop":
         ddp.register_comm_hook(None, debugging_hooks.noop_hook)
     elif hook == "fp16":
@@ -196,7 +198,7 @@ def _build_fdp(spec: dict, batch, schedule: str, hook_name: str):
     from fdp.plan import plan_buckets
     from fdp.train import cross_entropy_loss, init_train_state, make_train_step, planner_loss
 
-    model, params, buffers = functionalize(_module(spec), keep_module_weights=False)  # as the trainer does
+    model, params, buffers = functionalize(module_for(spec), keep_module_weights=False)  # as the trainer does
     loss_fn = cross_entropy_loss(model)
     plan = plan_buckets(
         planner_loss(loss_fn, buffers), params, batch, bucket_cap_mb=BUCKET_CAP_MB, first_bucket_cap_mb=FIRST_BUCKET_CAP_MB
@@ -266,8 +268,8 @@ def _measure_model(
     model_name: str, rank: int, variants: list[str], reps: int, warmup: int, steps: int, budget_s: float | None = None
 ) -> dict:
     spec = MODELS[model_name]
-    batch = _batch(spec, rank)
-    n_params = sum(p.numel() for p in _module(spec).parameters())
+    batch = batch_for(spec, rank)
+    n_params = sum(p.numel() for p in module_for(spec).parameters())
     keys = ("ms", "wait_ms", "cpu_ms", "peak_mib", "build_peak_mib", "base_mib")
     out = {v: {**{k: [] for k in keys}, "buckets": None} for v in variants}
     blocks = []
@@ -326,7 +328,7 @@ def rss_worker(model_name: str, variant: str, warmup: int, steps: int, allocator
     comm = init_distributed(WorldLayout("elastic", nproc_per_node=2, backend="gloo"))
     torch.set_num_threads(1)
     spec = MODELS[model_name]
-    batch = _batch(spec, comm.rank)
+    batch = batch_for(spec, comm.rank)
     base = _status_mib("VmRSS")
     step = _build(variant, spec, batch)
     for _ in range(warmup):

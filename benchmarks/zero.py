@@ -36,7 +36,6 @@ Writes ``benchmarks/results/zero.md`` and ``zero.json`` (``--quick`` prints only
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
 import json
 import os
@@ -54,6 +53,8 @@ if str(REPO) not in sys.path:  # run as a script: make ``fdp`` and this module i
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from benchmarks.vs_ddp import batch_for, module_for  # noqa: E402  (the same models and batches)
+
 RESULTS = REPO / "benchmarks" / "results"
 LR = 1e-3
 BUCKET_CAP_MB, FIRST_BUCKET_CAP_MB = 25.0, 1.0
@@ -66,23 +67,6 @@ STAGES = (0, 1, 2)
 
 def _status_mib(field: str) -> float:
     return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) / 1024
-
-
-def _module(spec: dict):
-    from fdp.models import MLP, CharTransformer
-
-    torch.manual_seed(0)
-    if spec["kind"] == "mlp":
-        return MLP(spec["width"], spec["width"], spec["depth"], spec["classes"])
-    return CharTransformer(spec["vocab"], spec["seq"], spec["d_model"], spec["n_layer"], spec["n_head"])
-
-
-def _batch(spec: dict, rank: int):
-    g = torch.Generator().manual_seed(1000 + rank)
-    if spec["kind"] == "mlp":
-        return torch.randn(spec["batch"], spec["width"], generator=g), torch.randint(0, spec["classes"], (spec["batch"],), generator=g)
-    tokens = torch.randint(0, spec["vocab"], (spec["batch"], spec["seq"] + 1), generator=g)
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
 def worker(model_name: str, stage: int, world: int, warmup: int, steps: int) -> dict:
@@ -100,9 +84,9 @@ def worker(model_name: str, stage: int, world: int, warmup: int, steps: int) -> 
     comm = init_distributed(WorldLayout("elastic", nproc_per_node=world, backend="gloo"))
     torch.set_num_threads(1)
     spec = MODELS[model_name]
-    batch = _batch(spec, comm.rank)
+    batch = batch_for(spec, comm.rank)
     base = _status_mib("VmRSS")
-    model, params, buffers = functionalize(_module(spec), keep_module_weights=False)
+    model, params, buffers = functionalize(module_for(spec), keep_module_weights=False)
     n_params = sum(p.numel() for p in params.values())
     loss_fn = cross_entropy_loss(model)
     plan = plan_buckets(planner_loss(loss_fn, buffers), params, batch, bucket_cap_mb=BUCKET_CAP_MB,
