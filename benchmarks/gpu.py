@@ -46,7 +46,6 @@ if str(REPO) not in sys.path:  # run as a script: make ``fdp`` and this module i
     sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -126,9 +125,12 @@ def _build_fdp(spec: dict, batch, device: torch.device, world: int):
     return step
 
 
-def worker(models: list[str], variants: list[str], reps: int, warmup: int, steps: int) -> dict:
+def worker(layout, models: list[str], variants: list[str], reps: int, warmup: int, steps: int) -> dict:
     """One rank: every model and variant in rotating blocks; step intervals from CUDA events."""
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    from fdp.launch import init_distributed
+
+    comm = init_distributed(layout)  # NCCL process group (DDP needs one even for a world of 1); the rank's GPU current
+    rank, world = comm.rank, comm.world_size
     device = torch.device("cuda", torch.cuda.current_device())
     out = {}
     for m in models:
@@ -177,7 +179,7 @@ def _run_world(world: int, models: list[str], variants: list[str], args) -> dict
         import importlib
 
         worker_fn = importlib.import_module("benchmarks.gpu").worker
-    return spawn(worker_fn, (models, variants, args.reps, args.warmup, args.steps), layout)[0]
+    return spawn(worker_fn, (layout, models, variants, args.reps, args.warmup, args.steps), layout)[0]
 
 
 def _rows(world: int, results: dict) -> list[dict]:

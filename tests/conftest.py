@@ -12,7 +12,14 @@ torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
-    """``@pytest.mark.gpu`` tests need CUDA: skipped where there is none."""
+    """``@pytest.mark.gpu`` tests need CUDA: skipped where there is none.
+
+    The mark belongs on a whole module (``pytestmark``): the other modules hide the GPUs.
+    """
+    loose = [item.nodeid for item in items if item.get_closest_marker("gpu") is not None
+             and item.getparent(pytest.Module).get_closest_marker("gpu") is None]
+    if loose:
+        raise pytest.UsageError(f"gpu mark on single tests {loose}: expected it on the module (pytestmark = pytest.mark.gpu)")
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -21,17 +28,30 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(autouse=True)
-def _cpu_unless_marked_gpu(request, monkeypatch):
-    """Tests not marked ``gpu`` run on the CPU on any machine.
+# This process's view of CUDA is fixed once, before any test hides the GPUs from the
+# processes it starts: torch (and dynamo's device cache) would otherwise count the GPUs
+# under whatever CUDA_VISIBLE_DEVICES the first caller happened to run with.
+if torch.cuda.is_available():
+    torch.cuda.init()
+    torch.cuda.device_count()  # cached from here on, whatever CUDA_VISIBLE_DEVICES says later
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _cpu_unless_marked_gpu(request):
+    """Test modules not marked ``gpu`` (``pytestmark``) run on the CPU on any machine.
 
     They compare against CPU references to the bit, and ``world.accelerator=auto`` would
     take a GPU where there is one: the trainer sees no GPU, and neither do the processes
-    a test starts (workers, recipes).
+    a test starts (workers, recipes). Module-scoped, so a module's own fixtures that start
+    runs are covered too.
     """
-    if request.node.get_closest_marker("gpu") is None:
-        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-        monkeypatch.setattr(fdp.trainer, "visible_gpus", lambda: 0)
+    if request.node.get_closest_marker("gpu") is not None:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CUDA_VISIBLE_DEVICES", "")
+        patch.setattr(fdp.trainer, "visible_gpus", lambda: 0)
+        yield
 
 # Short enough that a broken collective fails the test well inside CI's budget.
 COLLECTIVE_TIMEOUT_S = 60.0

@@ -23,7 +23,7 @@ from benchmarks.netsim.cluster import NetsimError  # noqa: E402
 
 
 def cli(*args: str, path: str | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     if path is not None:
         env["PATH"] = path
     return subprocess.run([sys.executable, "-m", "benchmarks.netsim", *args], cwd=REPO, env=env,

@@ -236,7 +236,7 @@ def test_fingerprint_is_stable_across_processes():
         "from fdp.plan import pack_into_buckets\n"
         f"print(pack_into_buckets({_FIXED_ORDER!r}, bucket_cap_mb=0.004, first_bucket_cap_mb=0.001).fingerprint())"
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONHASHSEED": "12345"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), "PYTHONHASHSEED": "12345"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=240)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == plan.fingerprint()

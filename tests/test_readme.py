@@ -15,16 +15,20 @@ def _python_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", section, re.S)
 
 
+def _env() -> dict:
+    """This checkout first on the path, the caller's own entries (site dirs) kept."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
 def _run(code: str, cwd: Path, timeout: int) -> subprocess.CompletedProcess:
     (cwd / "example.py").write_text(code)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "example.py"], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "example.py"], cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def test_the_one_process_example_runs():
     (code,) = [block for block in _python_blocks() if "fdp.spawn(" not in block]
     done = subprocess.run([sys.executable, "-c", code + "\nassert state.step == 1 and metrics['loss'] > 0\n"],
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+                          env=_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
 
 

@@ -189,7 +189,8 @@ def _adam(lr: float | Schedule, b1: float, b2: float, eps: float, weight_decay: 
         new_state = AdamState(count=count, lr=lr_now, mu=state.mu, nu=state.nu)
         if not keys:
             return new_state
-        steps = [torch.tensor(float(count), device=g[0].device)] * len(keys)
+        # Filled on the device: a tensor made from a Python number is a host copy, which waits for the GPU.
+        steps = [torch.full((), float(count), device=g[0].device)] * len(keys)
         fused = fused_adamw_ if decoupled else fused_adam_
         fused(
             [params[k] for k in keys], g, [state.mu[k] for k in keys], [state.nu[k] for k in keys], [], steps,
