@@ -58,6 +58,11 @@ WARMUP_STEPS = 2  # fdp's StepTimes skips the first 2 steps; the DDP worker does
 # MLP off chance level within tens of steps (see the report).
 MODELS = {
     "mlp": ["model=mlp", "data=digits", "model.hidden=1024", "model.depth=25", "data.global_batch_size=64"],
+    # A window char LM (benchmarks/models.py): 19.85M params, 32 tokens per rank; its step is mostly the link's.
+    "charmlp": [
+        "model=custom", "model._target_=benchmarks.models.CharMLP", "+model.hidden=3000", "+model.depth=3",
+        "+model.context=16", "data=stdlib_text", "data.block_size=32", "data.global_batch_size=2", "data.test_fraction=0.002",
+    ],
     "transformer": [
         "model=charlm", "data=stdlib_text", "model.d_model=512", "model.n_layer=5", "model.n_head=8",
         "data.global_batch_size=8", "data.block_size=64", "data.test_fraction=0.002",

@@ -1,18 +1,29 @@
 """Benchmark: time to a loss across a slow link, per-step reduction against outer loops.
 
-Two simulated nodes (``/work/shared/netsim``, one rank per node, tbf at RATE per node and
-direction). DDP with torch's ``allreduce_hook`` trains for N steps; its loss there (mean of
-its last 5 logged losses) is the target. Every other variant trains until it has had the
-chance to reach the target (``--factor`` x N steps), and its time to the target is the sum
-of its step times up to the first step where the mean of its last 5 losses is within 2%
-of the target; DDP's own time is taken by the same rule. Variants: fdp ``allreduce`` and PowerSGD rank 4 every step; ``local_sgd`` and
-``diloco`` with H in {4, 16}; DiLoCo H=16 with the pseudo-gradient in bf16 or PowerSGD.
+Two simulated nodes (``benchmarks/netsim``, one rank per node, tbf at RATE per node and
+direction). DDP with torch's ``allreduce_hook`` trains for N steps; its loss there (the
+mean of its last ``--window`` logged losses) is the target. Every variant sees the same
+batches in the same order, so their per-step losses share the batches' noise and a window
+mean compares like with like. The outer-loop variants train ``--factor`` x N steps (they
+may need more steps than DDP), the per-step ones N; a variant's time to the target is the
+sum of its step times up to the first step where its window mean is within 2% of the
+target. DDP's own time is taken by the same rule. Variants: fdp ``allreduce`` and
+PowerSGD rank 4 every step; ``local_sgd`` and ``diloco`` with H in {4, 16}; DiLoCo H=16
+with the pseudo-gradient in bf16 or PowerSGD.
 
-``--hierarchical`` adds two nodes of two processes each (``world.node_size=2``) on the MLP:
-flat allreduce against ``world.hierarchical=true``: step time and the bytes that leave
-node 0 on its link (``nsim0`` tx counter; start-up traffic included, divided by the steps).
+The default model is ``charmlp`` (``benchmarks/models.py``: a 19.85M-parameter window
+language model on the stdlib text, 32 tokens per rank per step), chosen so that the link
+sets the step (its compute is ~50 ms per rank, an fp32 allreduce ~0.7 s at 1 Gbit/s) and
+the loss keeps falling over the whole run.
 
-    python benchmarks/slow_links.py --quick                   # transformer, 1 Gbit/s, few steps
+``--hierarchical`` adds two nodes of two processes each (``LOCAL_WORLD_SIZE=2``) on the
+25M MLP: flat against ``world.hierarchical=true``, with ``allreduce`` and with ``bf16``
+(hierarchical: compressed on the slow link only): step time and the bytes that leave
+node 0 on its link (``nsim0`` tx counter; start-up traffic included, divided by the steps),
+beside what a ring moves in theory (``HIERARCHICAL``: for two nodes 1.5 S flat against
+1.0 S hierarchical, so 0.67x is the floor for an uncompressed reduction there).
+
+    python benchmarks/slow_links.py --quick                   # 1 Gbit/s, 4 variants, 96 steps
     python benchmarks/slow_links.py --rates 1gbit,100mbit --hierarchical
 
 Writes ``benchmarks/results/slow_links.{md,json,png}`` (``--quick`` to a scratch directory
@@ -33,14 +44,19 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import _netsim as N  # noqa: E402
+from benchmarks.netsim.cluster import IFNAME  # noqa: E402
 
-WINDOW, TOLERANCE = 5, 0.02
+TOLERANCE = 0.02
 # name -> (hook variant, extra overrides); all fdp, through the recipe.
 OUTER = {
     "fdp allreduce": ("allreduce", []),
     "fdp PowerSGD r4": ("powersgd4", []),
     "local SGD H=4": ("allreduce", ["outer=local_sgd", "outer.sync_every=4"]),
     "local SGD H=16": ("allreduce", ["outer=local_sgd", "outer.sync_every=16"]),
+    "local SGD H=4 bf16": ("bf16", ["outer=local_sgd", "outer.sync_every=4"]),
+    "local SGD H=4 PowerSGD r4": ("powersgd4", ["outer=local_sgd", "outer.sync_every=4"]),
+    "local SGD H=16 bf16": ("bf16", ["outer=local_sgd", "outer.sync_every=16"]),
+    "local SGD H=16 PowerSGD r4": ("powersgd4", ["outer=local_sgd", "outer.sync_every=16"]),
     "DiLoCo H=4": ("allreduce", ["outer=diloco", "outer.sync_every=4"]),
     "DiLoCo H=16": ("allreduce", ["outer=diloco", "outer.sync_every=16"]),
     "DiLoCo H=16 bf16": ("bf16", ["outer=diloco", "outer.sync_every=16"]),
@@ -53,9 +69,10 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help=f"1 Gbit/s, {', '.join(QUICK)}")
     p.add_argument("--rates", default="1gbit")
-    p.add_argument("--model", default="transformer", choices=sorted(N.MODELS))
-    p.add_argument("--steps", type=int, default=60, help="DDP steps (the target is DDP's loss there)")
-    p.add_argument("--factor", type=float, default=2.0, help="steps of the other variants, as a multiple of --steps")
+    p.add_argument("--model", default="charmlp", choices=sorted(N.MODELS))
+    p.add_argument("--steps", type=int, default=320, help="DDP steps (the target is DDP's loss there)")
+    p.add_argument("--factor", type=float, default=2.0, help="steps of the outer-loop variants, as a multiple of --steps")
+    p.add_argument("--window", type=int, default=32, help="losses averaged for the target and for reaching it")
     p.add_argument("--variants", help="comma list of: " + ", ".join(OUTER))
     p.add_argument("--hierarchical", action="store_true", help="also 2 x 2 processes: hierarchical vs flat allreduce")
     p.add_argument("--write", action="store_true", help="write to benchmarks/results even with --quick")
@@ -65,39 +82,40 @@ def parse_args():
     return p.parse_args()
 
 
-def smoothed(losses: list[float]) -> list[float]:
-    return [statistics.mean(losses[max(0, i + 1 - WINDOW): i + 1]) for i in range(len(losses))]
+def smoothed(losses: list[float], window: int) -> list[float]:
+    return [statistics.mean(losses[max(0, i + 1 - window): i + 1]) for i in range(len(losses))]
 
 
-def time_to(target: float, losses: list[float], step_ms: list[float]) -> tuple[int | None, float | None]:
-    """First step whose smoothed loss is within ``TOLERANCE`` of ``target``, and the seconds spent until then."""
+def time_to(target: float, losses: list[float], step_ms: list[float], window: int) -> tuple[int | None, float | None]:
+    """First step whose window mean loss is within ``TOLERANCE`` of ``target``, and the seconds spent until then."""
     elapsed = 0.0
-    for step, (loss, ms) in enumerate(zip(smoothed(losses), step_ms), start=1):
+    for step, (loss, ms) in enumerate(zip(smoothed(losses, window), step_ms), start=1):
         elapsed += ms / 1e3
-        if step >= WINDOW and loss <= target * (1 + TOLERANCE):
+        if step >= window and loss <= target * (1 + TOLERANCE):
             return step, elapsed
     return None, None
 
 
-def node_tx_bytes(node: int) -> int:
-    out = subprocess.run(["ip", "netns", "exec", f"nsim-node{node}", "cat", "/sys/class/net/nsim0/statistics/tx_bytes"],
+def node_tx_bytes(net, node: int) -> int:
+    """Bytes node ``node`` has sent on its link so far (the kernel's counter inside its namespace)."""
+    out = subprocess.run(net.command(node, ["cat", f"/sys/class/net/{IFNAME}/statistics/tx_bytes"]),
                          capture_output=True, text=True, check=True).stdout
     return int(out)
 
 
-def run_2x2(overrides: list[str], run_dir: Path, timeout_s: float) -> dict:
+def run_2x2(net, overrides: list[str], run_dir: Path, timeout_s: float) -> dict:
     """``recipes/train.py world=torchrun`` as two processes in each of the two nodes."""
     port, procs, logs = N.next_port(), [], []
+    path = os.pathsep.join([str(N.REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
     try:
         for rank in range(4):
             node, local = divmod(rank, 2)
-            env = dict(os.environ, PYTHONUNBUFFERED="1", TORCH_CPP_LOG_LEVEL="ERROR", RANK=str(rank), WORLD_SIZE="4",
-                       LOCAL_RANK=str(local), LOCAL_WORLD_SIZE="2", MASTER_ADDR="10.77.0.1", MASTER_PORT=str(port),
-                       GLOO_SOCKET_IFNAME="nsim0")
+            env = dict(os.environ, PYTHONUNBUFFERED="1", TORCH_CPP_LOG_LEVEL="ERROR", PYTHONPATH=path,
+                       **net.env(node, port))
+            env.update(RANK=str(rank), WORLD_SIZE="4", LOCAL_RANK=str(local), LOCAL_WORLD_SIZE="2", GROUP_RANK=str(node))
             log = run_dir.parent / f"{run_dir.name}.rank{rank}.log"
             logs.append(log)
-            cmd = [str(N.NETSIM_DIR / "run_in_node.sh"), str(node), N.PYTHON, str(N.REPO / "recipes" / "train.py"),
-                   *overrides, f"hydra.run.dir={run_dir}"]
+            cmd = net.command(node, [N.PYTHON, str(N.REPO / "recipes" / "train.py"), *overrides, f"hydra.run.dir={run_dir}"])
             procs.append(subprocess.Popen(cmd, cwd=N.REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, start_new_session=True))
         deadline = time.monotonic() + timeout_s
@@ -111,15 +129,27 @@ def run_2x2(overrides: list[str], run_dir: Path, timeout_s: float) -> dict:
     return N.summarise_steps([r for r in rows if "step" in r and not r.get("summary")])
 
 
-def hierarchical_rows(rate: str, work: Path, timeout_s: float) -> list[dict]:
+# A ring allreduce of S bytes over P processes moves 2(P-1)/P x S through each link of the ring; a flat
+# ring over 2 nodes x 2 processes crosses the node boundary in each direction once (1.5 S), the
+# hierarchical reduction rings only the 2 node leaders (1.0 S): 0.67x is the best it can do there, and
+# compression on the slow link alone (hooks=bf16, world.hierarchical=true) halves what is left.
+HIERARCHICAL = (
+    ("flat allreduce", ["hooks=allreduce"], 1.5),
+    ("hierarchical allreduce", ["hooks=allreduce", "world.hierarchical=true"], 1.0),
+    ("flat bf16", ["hooks=bf16"], 0.75),
+    ("hierarchical, bf16 on the slow link", ["hooks=bf16", "world.hierarchical=true"], 0.5),
+)
+
+
+def hierarchical_rows(net, rate: str, work: Path, timeout_s: float) -> list[dict]:
     steps = 10
-    base = ["world=torchrun", *N.MODELS["mlp"], *N.COMMON, f"trainer.max_steps={steps}", "hooks=allreduce"]
+    base = ["world=torchrun", *N.MODELS["mlp"], *N.COMMON, f"trainer.max_steps={steps}"]
     rows = []
-    for name, extra in (("flat allreduce", []), ("hierarchical allreduce", ["world.hierarchical=true"])):
-        before = node_tx_bytes(0)
-        summary = run_2x2([*base, *extra], work / f"2x2-{rate}-{name.split()[0]}", timeout_s)
-        sent = node_tx_bytes(0) - before
-        rows.append({"rate": rate, "variant": name, "median_ms": summary["median_ms"],
+    for name, extra, ring_model in HIERARCHICAL:
+        before = node_tx_bytes(net, 0)
+        summary = run_2x2(net, [*base, *extra], work / f"2x2-{rate}-{len(rows)}", timeout_s)
+        sent = node_tx_bytes(net, 0) - before
+        rows.append({"rate": rate, "variant": name, "median_ms": summary["median_ms"], "ring_model": ring_model,
                      "link_bytes_per_step": sent / steps, "bytes_sent_rank0": summary["bytes_per_step"]})
         print(f"  2x2 {name}: {summary['median_ms']:.0f} ms/step, {sent / steps / 1e6:.1f} MB/step leave node 0",
               flush=True)
@@ -154,10 +184,13 @@ def write(results: dict, out: Path) -> None:
         lines.append(f"| {r['rate']} | {r['variant']} | {r['steps']} | {r['median_ms']:.0f} | {r['target']:.4f} | "
                      f"{reached} | {seconds} | {speedup} |")
     if results["hierarchical"]:
-        lines += ["", "| rate | 2 nodes x 2 processes | median step ms | bytes leaving node 0 per step | fdp bytes_sent (rank 0) |",
-                  "|---|---|---|---|---|"]
+        flat = next(r for r in results["hierarchical"] if r["variant"] == "flat allreduce")
+        lines += ["", "| rate | 2 nodes x 2 processes | median step ms | bytes leaving node 0 per step | vs flat allreduce | "
+                      "ring model (x gradient bytes S) | fdp bytes_sent (rank 0) |",
+                  "|---|---|---|---|---|---|---|"]
         for r in results["hierarchical"]:
             lines.append(f"| {r['rate']} | {r['variant']} | {r['median_ms']:.0f} | {r['link_bytes_per_step'] / 1e6:.1f} MB | "
+                         f"{r['link_bytes_per_step'] / flat['link_bytes_per_step']:.2f}x | {r['ring_model']:.2f} S | "
                          f"{r['bytes_sent_rank0'] / 1e6:.1f} MB |")
     lines += ["", *[f"- {note}" for note in [*results["meta"]["notes"], *caveats(results)]]]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
@@ -172,9 +205,9 @@ def write(results: dict, out: Path) -> None:
         for ax, rate in zip(axes[0], rates):
             for r in (r for r in results["rows"] if r["rate"] == rate):
                 wall = [sum(r["step_ms_all"][: i + 1]) / 1e3 for i in range(len(r["step_ms_all"]))]
-                ax.plot(wall, smoothed(r["losses"]), label=r["variant"], lw=2.5 if r["variant"].startswith("DDP") else 1.2)
+                ax.plot(wall, smoothed(r["losses"], results["meta"]["window"]), label=r["variant"], lw=2.5 if r["variant"].startswith("DDP") else 1.2)
             ax.axhline(results["rows"][0]["target"] * (1 + TOLERANCE), color="grey", ls=":", lw=1)
-            ax.set(title=f"{results['meta']['model']} at {rate}", xlabel="seconds in steps (sum of step times)", ylabel=f"loss (mean of {WINDOW})")
+            ax.set(title=f"{results['meta']['model']} at {rate}", xlabel="seconds in steps (sum of step times)", ylabel=f"training loss (mean of {results['meta']['window']} steps)")
             ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(out.with_suffix(".png"), dpi=110)
@@ -190,21 +223,21 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"--variants: unknown {unknown}; expected some of {list(OUTER)}")
     rates = ["1gbit"] if args.quick else args.rates.split(",")
-    steps = min(args.steps, 30) if args.quick else args.steps
+    steps = min(args.steps, 96) if args.quick else args.steps
     out = (N.RESULTS if (args.write or not args.quick) else N.work_dir("slow_links-results")) / args.name
     work = N.work_dir("slow_links")
     meta = {"model": args.model, "command": " ".join(["python benchmarks/slow_links.py", *sys.argv[1:]]),
-            "ddp_steps": steps, "factor": args.factor, "notes": []}
+            "ddp_steps": steps, "factor": args.factor, "window": args.window, "notes": []}
     results = {"meta": meta, "rows": [], "hierarchical": []}
     started = time.perf_counter()
     with N.keeping_partial_results("slow_links", meta, started, lambda: write(results, out)), N.LoadMeter() as load, \
-            N.Netsim(nodes=2, force=args.force) as net:
+            N.Cluster(nodes=2, force=args.force) as net:
         for rate in rates:
             print(net.up(rate), flush=True)
             ddp = N.ddp_run(args.model, "allreduce", steps, work / f"ddp-{rate}", args.timeout)
-            target = statistics.mean(ddp["losses"][-WINDOW:])
+            target = statistics.mean(ddp["losses"][-args.window:])
             # DDP itself is held to the same rule: its first step within 2% of its own final loss.
-            ddp_steps, ddp_s = time_to(target, ddp["losses"], ddp["step_ms_all"])
+            ddp_steps, ddp_s = time_to(target, ddp["losses"], ddp["step_ms_all"], args.window)
             results["rows"].append({"rate": rate, "variant": "DDP allreduce", "steps": steps, "median_ms": ddp["median_ms"],
                                     "target": target, "steps_to_target": ddp_steps, "s_to_target": ddp_s, "speedup": 1.0,
                                     "losses": ddp["losses"], "step_ms_all": ddp["step_ms_all"]})
@@ -212,10 +245,10 @@ def main() -> None:
                   f"within 2% at step {ddp_steps} ({ddp_s:.1f} s)", flush=True)
             for name in names:
                 hook, extra = OUTER[name]
-                run_steps = int(steps * args.factor)
+                run_steps = int(steps * args.factor) if "H=" in name else steps  # per-step sync: DDP's own math
                 r = N.fdp_run(args.model, hook, run_steps, work / f"{rate}-{name.replace(' ', '_').replace('=', '')}", True, args.timeout,
                               extra=extra)
-                reached, seconds = time_to(target, r["losses"], r["step_ms_all"])
+                reached, seconds = time_to(target, r["losses"], r["step_ms_all"], args.window)
                 results["rows"].append({"rate": rate, "variant": name, "steps": run_steps, "median_ms": r["median_ms"],
                                         "target": target, "steps_to_target": reached, "s_to_target": seconds,
                                         "speedup": ddp_s / seconds if seconds else None,
@@ -224,7 +257,7 @@ def main() -> None:
                       + (f"at step {reached} ({seconds:.1f} s, {ddp_s / seconds:.2f}x DDP)" if seconds else "not reached"),
                       flush=True)
             if args.hierarchical:
-                results["hierarchical"] += hierarchical_rows(rate, work, args.timeout)
+                results["hierarchical"] += hierarchical_rows(net, rate, work, args.timeout)
     meta["load"] = load.as_dict()
     write(results, out)
     print(f"wrote {out.with_suffix('.md')}")
