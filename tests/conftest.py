@@ -53,6 +53,7 @@ def _cpu_unless_marked_gpu(request):
         patch.setattr(fdp.trainer, "visible_gpus", lambda: 0)
         yield
 
+
 # Short enough that a broken collective fails the test well inside CI's budget.
 COLLECTIVE_TIMEOUT_S = 60.0
 
