@@ -62,7 +62,7 @@ OUTER = {
     "DiLoCo H=16 bf16": ("bf16", ["outer=diloco", "outer.sync_every=16"]),
     "DiLoCo H=16 PowerSGD r4": ("powersgd4", ["outer=diloco", "outer.sync_every=16"]),
 }
-QUICK = ["fdp allreduce", "DiLoCo H=4", "DiLoCo H=16", "local SGD H=16"]
+QUICK = ["fdp allreduce", "local SGD H=16", "local SGD H=4 bf16", "DiLoCo H=16"]
 
 
 def parse_args():
