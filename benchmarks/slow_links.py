@@ -61,6 +61,9 @@ OUTER = {
     "DiLoCo H=16": ("allreduce", ["outer=diloco", "outer.sync_every=16"]),
     "DiLoCo H=16 bf16": ("bf16", ["outer=diloco", "outer.sync_every=16"]),
     "DiLoCo H=16 PowerSGD r4": ("powersgd4", ["outer=diloco", "outer.sync_every=16"]),
+    # Outer settings for a short period: a smaller momentum than the paper's (made for H in the hundreds).
+    "DiLoCo H=16 lr=1 m=0.5": ("allreduce", ["outer=diloco", "outer.sync_every=16", "outer.lr=1.0", "outer.momentum=0.5"]),
+    "DiLoCo H=16 lr=1 m=0.5 bf16": ("bf16", ["outer=diloco", "outer.sync_every=16", "outer.lr=1.0", "outer.momentum=0.5"]),
 }
 QUICK = ["fdp allreduce", "local SGD H=16", "local SGD H=4 bf16", "DiLoCo H=16"]
 
