@@ -142,6 +142,8 @@ def spawn(entry: Callable[..., Any], args: tuple, layout: WorldLayout) -> dict[i
     importable. ``"fork"`` copies this process instead, so ``entry`` may be defined in a
     notebook cell or in ``python -c``; CUDA must not have been initialised here before
     (a forked child cannot use its parent's CUDA context), which is refused with one line.
+    Forked workers run torch's CPU ops on one thread (``init_distributed``): OpenMP's pool
+    does not survive fork.
 
     Example (``my_worker`` must be importable, it is pickled into the workers)::
 
@@ -240,7 +242,11 @@ def init_distributed(layout: WorldLayout) -> Comm:
         # otherwise listen on the address the hostname resolves to, often the LAN's.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
         os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback_interface())
-    if layout.accelerator == "cpu":
+    if layout.start_method == "fork":
+        # OpenMP's thread pool does not survive fork: a forked worker whose parent has run
+        # a parallel op hangs in its own first one if it uses more than one thread.
+        torch.set_num_threads(1)
+    elif layout.accelerator == "cpu":
         # Ranks on one machine share its cores; more threads each only contend.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))))
     if not dist.is_initialized():
