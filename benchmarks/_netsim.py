@@ -186,12 +186,13 @@ def _kill_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
         proc.wait()
 
 
-def run_ranks(argv: list[str], logs: list[Path], timeout_s: float, netsim: bool, extra_env: dict | None = None) -> list[int]:
+def run_ranks(argv: list[str], logs: list[Path], timeout_s: float, netsim: bool, extra_env: dict | None = None,
+              per_node: int = 1) -> list[int]:
     """Run ``argv`` once per rank (``len(logs)`` ranks); return the exit codes.
 
-    ``netsim``: rank K runs in node K with torchrun's env; otherwise ``argv`` runs once on
-    this host (a ``world=local2`` recipe spawns its ranks). Either way fdp is imported from
-    this checkout, whatever else is installed.
+    ``netsim``: rank K runs in node K // ``per_node`` with torchrun's env; otherwise ``argv``
+    runs once on this host (a ``world=local2`` recipe spawns its ranks). Either way fdp is
+    imported from this checkout, whatever else is installed.
     """
     world = len(logs) if netsim else 1
     port = next_port()
@@ -203,9 +204,11 @@ def run_ranks(argv: list[str], logs: list[Path], timeout_s: float, netsim: bool,
             env = dict(os.environ, PYTHONUNBUFFERED="1", TORCH_CPP_LOG_LEVEL="ERROR", PYTHONPATH=path,
                        **(extra_env or {}))
             if netsim:
-                env.update(node_env(k, world, port))
+                node, local = divmod(k, per_node)
+                env.update(node_env(node, world, port))
+                env.update(RANK=str(k), LOCAL_RANK=str(local), GROUP_RANK=str(node))
                 env["LOCAL_WORLD_SIZE"] = str(world)  # all nodes share this host's cores: see the module doc
-                cmd = node_command(k, argv)
+                cmd = node_command(node, argv)
             else:
                 cmd = list(argv)
             f = open(log, "w")
@@ -309,8 +312,8 @@ def parse_fdp_log(log: Path) -> dict:
 
 # ----------------------------------------------------------------------------- fdp through the recipe
 def fdp_run(model: str, variant: str, steps: int, run_dir: Path, netsim: bool, timeout_s: float,
-            extra: list[str] | None = None, world: int = 2) -> dict:
-    """``recipes/train.py`` on ``world`` ranks; per-step metrics from ``metrics.jsonl``."""
+            extra: list[str] | None = None, world: int = 2, per_node: int = 1) -> dict:
+    """``recipes/train.py`` on ``world`` ranks (``per_node`` in each simulated node); per-step metrics from ``metrics.jsonl``."""
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     overrides = [
         "world=torchrun" if netsim else f"world=local{world}",
@@ -319,7 +322,7 @@ def fdp_run(model: str, variant: str, steps: int, run_dir: Path, netsim: bool, t
     ]
     argv = [PYTHON, str(REPO / "recipes" / "train.py"), *overrides]
     logs = [run_dir.parent / f"{run_dir.name}.rank{k}.log" for k in range(world)]
-    codes = run_ranks(argv, logs, timeout_s, netsim)
+    codes = run_ranks(argv, logs, timeout_s, netsim, per_node=per_node)
     metrics = run_dir / "metrics.jsonl"
     if any(codes) or not metrics.exists():
         raise RuntimeError(f"fdp {model} {variant} failed (exit codes {codes}); log {logs[0]}:\n{tail(logs[0])}")

@@ -16,7 +16,7 @@ language model on the stdlib text, 32 tokens per rank per step), chosen so that 
 sets the step (its compute is ~50 ms per rank, an fp32 allreduce ~0.7 s at 1 Gbit/s) and
 the loss keeps falling over the whole run.
 
-``--hierarchical`` adds two nodes of two processes each (``LOCAL_WORLD_SIZE=2``) on the
+``--hierarchical`` adds two nodes of two processes each (``world.node_size=2``) on the
 25M MLP: flat against ``world.hierarchical=true``, with ``allreduce`` and with ``bf16``
 (hierarchical: compressed on the slow link only): step time and the bytes that leave
 node 0 on its link (``nsim0`` tx counter; start-up traffic included, divided by the steps),
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -106,51 +105,25 @@ def node_tx_bytes(net, node: int) -> int:
     return int(out)
 
 
-def run_2x2(net, overrides: list[str], run_dir: Path, timeout_s: float) -> dict:
-    """``recipes/train.py world=torchrun`` as two processes in each of the two nodes."""
-    port, procs, logs = N.next_port(), [], []
-    path = os.pathsep.join([str(N.REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
-    try:
-        for rank in range(4):
-            node, local = divmod(rank, 2)
-            env = dict(os.environ, PYTHONUNBUFFERED="1", TORCH_CPP_LOG_LEVEL="ERROR", PYTHONPATH=path,
-                       **net.env(node, port))
-            env.update(RANK=str(rank), WORLD_SIZE="4", LOCAL_RANK=str(local), LOCAL_WORLD_SIZE="2", GROUP_RANK=str(node))
-            log = run_dir.parent / f"{run_dir.name}.rank{rank}.log"
-            logs.append(log)
-            cmd = net.command(node, [N.PYTHON, str(N.REPO / "recipes" / "train.py"), *overrides, f"hydra.run.dir={run_dir}"])
-            procs.append(subprocess.Popen(cmd, cwd=N.REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, start_new_session=True))
-        deadline = time.monotonic() + timeout_s
-        codes = [p.wait(max(1.0, deadline - time.monotonic())) for p in procs]
-    finally:
-        for p in procs:
-            N._kill_group(p)
-    if any(codes):
-        raise RuntimeError(f"2x2 run failed (exit codes {codes}); log {logs[0]}:\n{N.tail(logs[0])}")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return N.summarise_steps([r for r in rows if "step" in r and not r.get("summary")])
-
-
 # A ring allreduce of S bytes over P processes moves 2(P-1)/P x S through each link of the ring; a flat
 # ring over 2 nodes x 2 processes crosses the node boundary in each direction once (1.5 S), the
 # hierarchical reduction rings only the 2 node leaders (1.0 S): 0.67x is the best it can do there, and
 # compression on the slow link alone (hooks=bf16, world.hierarchical=true) halves what is left.
 HIERARCHICAL = (
-    ("flat allreduce", ["hooks=allreduce"], 1.5),
-    ("hierarchical allreduce", ["hooks=allreduce", "world.hierarchical=true"], 1.0),
-    ("flat bf16", ["hooks=bf16"], 0.75),
-    ("hierarchical, bf16 on the slow link", ["hooks=bf16", "world.hierarchical=true"], 0.5),
+    ("flat allreduce", "allreduce", [], 1.5),
+    ("hierarchical allreduce", "allreduce", ["world.hierarchical=true", "world.node_size=2"], 1.0),
+    ("flat bf16", "bf16", [], 0.75),
+    ("hierarchical, bf16 on the slow link", "bf16", ["world.hierarchical=true", "world.node_size=2"], 0.5),
 )
 
 
 def hierarchical_rows(net, rate: str, work: Path, timeout_s: float) -> list[dict]:
     steps = 10
-    base = ["world=torchrun", *N.MODELS["mlp"], *N.COMMON, f"trainer.max_steps={steps}"]
     rows = []
-    for name, extra, ring_model in HIERARCHICAL:
+    for name, hook, extra, ring_model in HIERARCHICAL:
         before = node_tx_bytes(net, 0)
-        summary = run_2x2(net, [*base, *extra], work / f"2x2-{rate}-{len(rows)}", timeout_s)
+        summary = N.fdp_run("mlp", hook, steps, work / f"2x2-{rate}-{len(rows)}", True, timeout_s, extra=extra, world=4,
+                            per_node=2)
         sent = node_tx_bytes(net, 0) - before
         rows.append({"rate": rate, "variant": name, "median_ms": summary["median_ms"], "ring_model": ring_model,
                      "link_bytes_per_step": sent / steps, "bytes_sent_rank0": summary["bytes_per_step"]})
@@ -248,7 +221,8 @@ def main() -> None:
                   f"within 2% at step {ddp_steps} ({ddp_s:.1f} s)", flush=True)
             for name in names:
                 hook, extra = OUTER[name]
-                run_steps = int(steps * args.factor) if "H=" in name else steps  # per-step sync: DDP's own math
+                outer_loop = any(o.startswith("outer=") for o in extra)
+                run_steps = int(steps * args.factor) if outer_loop else steps  # per-step sync: DDP's own math
                 r = N.fdp_run(args.model, hook, run_steps, work / f"{rate}-{name.replace(' ', '_').replace('=', '')}", True, args.timeout,
                               extra=extra)
                 reached, seconds = time_to(target, r["losses"], r["step_ms_all"], args.window)
