@@ -9,7 +9,8 @@ may need more steps than DDP), the per-step ones N; a variant's time to the targ
 sum of its step times up to the first step where its window mean is within 2% of the
 target. DDP's own time is taken by the same rule. Variants: fdp ``allreduce`` and
 PowerSGD rank 4 every step; ``local_sgd`` and ``diloco`` with H in {4, 16}; DiLoCo H=16
-with the pseudo-gradient in bf16 or PowerSGD.
+with the pseudo-gradient in bf16 or PowerSGD; syncs overlapped with the next D steps
+(``outer.overlap=D``).
 
 The default model is ``charmlp`` (``benchmarks/models.py``: a 19.85M-parameter window
 language model on the stdlib text, 32 tokens per rank per step), chosen so that the link
@@ -63,6 +64,16 @@ OUTER = {
     # Outer settings for a short period: a smaller momentum than the paper's (made for H in the hundreds).
     "DiLoCo H=16 lr=1 m=0.5": ("allreduce", ["outer=diloco", "outer.sync_every=16", "outer.lr=1.0", "outer.momentum=0.5"]),
     "DiLoCo H=16 lr=1 m=0.5 bf16": ("bf16", ["outer=diloco", "outer.sync_every=16", "outer.lr=1.0", "outer.momentum=0.5"]),
+    # The sync's communication behind the next D inner steps (outer.overlap=D), applied D steps late.
+    "local SGD H=4 bf16 overlap 3": ("bf16", ["outer=local_sgd", "outer.sync_every=4", "outer.overlap=3"]),
+    "local SGD H=8 bf16 overlap 4": ("bf16", ["outer=local_sgd", "outer.sync_every=8", "outer.overlap=4"]),
+    "local SGD H=16 overlap 8": ("allreduce", ["outer=local_sgd", "outer.sync_every=16", "outer.overlap=8"]),
+    "local SGD H=16 bf16 overlap 1": ("bf16", ["outer=local_sgd", "outer.sync_every=16", "outer.overlap=1"]),
+    "local SGD H=16 bf16 overlap 2": ("bf16", ["outer=local_sgd", "outer.sync_every=16", "outer.overlap=2"]),
+    "local SGD H=16 bf16 overlap 4": ("bf16", ["outer=local_sgd", "outer.sync_every=16", "outer.overlap=4"]),
+    "local SGD H=16 bf16 overlap 8": ("bf16", ["outer=local_sgd", "outer.sync_every=16", "outer.overlap=8"]),
+    "DiLoCo H=16 lr=1 m=0.5 bf16 overlap 8": ("bf16", ["outer=diloco", "outer.sync_every=16", "outer.lr=1.0",
+                                                       "outer.momentum=0.5", "outer.overlap=8"]),
 }
 QUICK = ["fdp allreduce", "local SGD H=16", "local SGD H=4 bf16", "DiLoCo H=16"]
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 __all__ = [
     "foreach", "fused_sgd_", "fused_adam_", "fused_adamw_", "HAS_FUSED_OPTIMIZERS",
-    "disable_functorch", "HAS_DISABLE_FUNCTORCH", "default_store",
+    "disable_functorch", "HAS_DISABLE_FUNCTORCH", "default_store", "group_timeout",
     "tree_flatten", "tree_unflatten", "tree_map", "storage_alias", "release_storage",
 ]
 
@@ -96,6 +96,21 @@ def default_store() -> Any | None:
         return getter()
     except (RuntimeError, ValueError):
         return None
+
+
+def group_timeout(group: Any = None) -> Any | None:
+    """The collective timeout (a ``timedelta``) of ``group`` (default: the default group), or ``None``.
+
+    torch has no public getter; a group made with ``new_group`` and no timeout of its own
+    gets torch's default (30 minutes on gloo), not its parent's, so fdp passes this on.
+    """
+    group = group if group is not None else dist.distributed_c10d._get_default_group()
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+    return None
 
 
 # -- pytrees --------------------------------------------------------------------------------

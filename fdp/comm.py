@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from fdp._torch import group_timeout
+
 
 class Pending:
     """A collective in flight; ``wait()`` blocks until it is done and returns its result."""
@@ -29,6 +31,10 @@ class Pending:
             f"'Pending' object has no attribute {name!r}: a collective's result exists only once it is done; "
             "in a hook stage write `result = yield comm.allreduce(x)` (yield it), elsewhere call .wait()"
         )
+
+    def done(self) -> bool:
+        """Whether ``wait()`` would return at once."""
+        return self._work is None or self._work.is_completed()
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
@@ -150,11 +156,32 @@ class Comm:
             return Pending(out, _AllOf(works))
         return Pending(out, _all_gather_flat(out, piece.contiguous().view(-1), group=self.group, async_op=True))
 
+    def on_own_group(self) -> "Comm":
+        """A ``Comm`` over the same ranks on a process group of its own (every rank must call it).
+
+        Collectives on different groups neither wait for each other nor need a common
+        order: a reduction left in flight across steps goes on its own group, so the
+        collectives the steps issue meanwhile cannot cross it.
+        """
+        if self.world_size == 1:
+            return Comm()
+        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else list(range(self.world_size))
+        return Comm(new_group(ranks))
+
     def take_counters(self) -> tuple[int, int]:
         """Return ``(bytes_sent, collectives)`` since the last call and reset them."""
         counters = (self.bytes_sent, self.collectives)
         self.bytes_sent = self.collectives = 0
         return counters
+
+
+def new_group(ranks: list[int]) -> dist.ProcessGroup:
+    """``dist.new_group(ranks)`` with the default group's timeout (every rank must call it, in one order).
+
+    torch gives a new group its own default timeout (30 minutes on gloo), not the one
+    the world was started with; fdp's groups time out as the world does.
+    """
+    return dist.new_group(ranks, timeout=group_timeout())
 
 
 class _AllOf:
@@ -164,6 +191,9 @@ class _AllOf:
 
     def __init__(self, works: list):
         self._works = works
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
 
     def wait(self) -> None:
         for work in self._works:

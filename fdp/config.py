@@ -254,6 +254,7 @@ class LocalSGDConfig:
     name: str = "local_sgd"
     sync_every: int = 16  # steps between parameter averages
     start_step: int = 0  # per-step gradient sync up to this step (post-local SGD)
+    overlap: int = 0  # inner steps a sync's communication runs behind (applied that many steps late)
 
 
 @dataclass
@@ -264,6 +265,7 @@ class DiLoCoConfig:
     lr: float = 0.7  # the outer optimizer: SGD on the averaged pseudo-gradient
     momentum: float = 0.9
     nesterov: bool = True
+    overlap: int = 0
 
 
 # -- the whole run ---------------------------------------------------------------------

@@ -87,6 +87,7 @@ class Reduction:
         self._ready: list[tuple[int, GradBucket]] = []  # finished, not yet handed back
         self._new_states: list[Any] = [None] * len(plan.buckets)
         self._stage: dict[int, int] = {}  # bucket index -> collectives issued so far
+        self._round: list[int] = []  # chains still to resume in this round, in plan order
         self._wait_s = 0.0
         self.started = 0
         comm.take_counters()  # this reduction's traffic starts from zero
@@ -106,18 +107,32 @@ class Reduction:
 
     def finished(self) -> Iterator[tuple[int, GradBucket]]:
         """Yield ``(index, reduced bucket)`` as each chain completes, until every bucket has."""
-        if self.started != len(self._plan.buckets):
-            raise RuntimeError(f"{len(self._plan.buckets) - self.started} buckets were never started")
+        self._check_all_started()
         yield from self._handed_back()
         while self._running:
-            for index in sorted(self._running):
-                run, pending = self._running[index]
-                t0 = time.perf_counter()
-                value = pending.wait()
-                self._wait_s += time.perf_counter() - t0
-                self._timeline.collective_end(index, self._stage[index])
-                self._advance(index, run, value)
-                yield from self._handed_back()
+            index = self._next_to_resume()
+            run, pending = self._running[index]
+            t0 = time.perf_counter()
+            value = pending.wait()
+            self._wait_s += time.perf_counter() - t0
+            self._resume(index, run, value)
+            yield from self._handed_back()
+
+    def poll(self) -> None:
+        """Resume the chains whose collectives are done, without blocking, as ``finished()`` would.
+
+        For a reduction left in flight while other work runs: chains go on (and issue
+        their next collectives) in exactly the order ``finished()`` resumes them, stopping
+        at the first collective still on the wire, so every rank issues the same sequence
+        however far each one's polls got. Finished buckets wait for ``finished()``.
+        """
+        self._check_all_started()
+        while self._running:
+            index = self._next_to_resume()
+            run, pending = self._running[index]
+            if not pending.done():
+                return
+            self._resume(index, run, pending.wait())
 
     @property
     def hook_states(self) -> tuple:
@@ -128,6 +143,22 @@ class Reduction:
         """Seconds blocked on collectives, and what this rank sent, since the reduction began."""
         sent, count = self._comm.take_counters()
         return ReduceStats(self._wait_s, sent, count)
+
+    def _check_all_started(self) -> None:
+        if self.started != len(self._plan.buckets):
+            raise RuntimeError(f"{len(self._plan.buckets) - self.started} buckets were never started")
+
+    def _next_to_resume(self) -> int:
+        # Rounds: every running chain in plan order, then again; a chain resumed in one
+        # round waits for the next, however soon its next collective is done.
+        if not self._round:
+            self._round = sorted(self._running)
+        return self._round[0]
+
+    def _resume(self, index: int, run, value) -> None:
+        self._round.pop(0)
+        self._timeline.collective_end(index, self._stage[index])
+        self._advance(index, run, value)
 
     def _handed_back(self) -> Iterator[tuple[int, GradBucket]]:
         while self._ready:

@@ -22,16 +22,16 @@ def _module():
     return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
 
 
-def _batches(rank):
+def _batches(rank, steps=STEPS):
     g = torch.Generator().manual_seed(100 + rank)
-    return [(torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(STEPS)]
+    return [(torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(steps)]
 
 
-def _fdp(spec, optimizer, rank, donate, hook=None):
+def _fdp(spec, optimizer, rank, donate, hook=None, steps=STEPS):
     """Train with the outer step; return the final params and each step's (synced, bytes_sent)."""
     model, params, buffers = functionalize(_module())
     loss_fn = cross_entropy_loss(model)
-    batches = _batches(rank)
+    batches = _batches(rank, steps)
     # Small caps: several buckets, so the pseudo-gradient crosses the plan as gradients do.
     plan = plan_buckets(planner_loss(loss_fn, buffers), params, batches[0], bucket_cap_mb=0.0002, first_bucket_cap_mb=0.0001)
     assert len(plan.buckets) > 1
@@ -140,6 +140,69 @@ def test_diloco_matches_a_plain_torch_reference_and_sends_only_at_syncs(run_rank
         assert syncs == 2
 
 
+# -- overlap: a sync applied some steps after it was sent ------------------------------------
+def _torch_delayed_outer(rank, world, inner, outer_kwargs, sync_every, start_step, overlap, steps):
+    """The delayed outer update written out in torch.
+
+    The pseudo-gradient sent after step s is averaged and steps the anchor after step
+    s + overlap; each rank then adds (new anchor - old anchor) + its own pseudo-gradient
+    to its params, which keeps its steps since s on top of the new anchor.
+    """
+    module = _module()
+    params = list(module.parameters())
+    inner = inner(params)
+    anchor = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    outer = torch.optim.SGD(anchor, **outer_kwargs)
+    sent_at, mine, averaged = None, None, None
+    for step, (x, y) in enumerate(_batches(rank, steps), start=1):
+        inner.zero_grad()
+        F.cross_entropy(module(x), y).backward()
+        if step <= start_step:
+            for p in params:
+                _mean_(p.grad, world)
+        inner.step()
+        with torch.no_grad():
+            if step == start_step:
+                for a, p in zip(anchor, params):
+                    a.copy_(p)
+            if sent_at is not None and step == sent_at + overlap:
+                before = [a.detach().clone() for a in anchor]
+                for a, g in zip(anchor, averaged):
+                    a.grad = g
+                outer.step()
+                for p, a, b, d in zip(params, anchor, before, mine):
+                    p.add_((a - b) + d)
+                sent_at = None
+            if step > start_step and (step - start_step) % sync_every == 0:
+                mine = [(a - p).detach() for a, p in zip(anchor, params)]
+                averaged = [_mean_(d.clone(), world) for d in mine]
+                sent_at = step
+    return dict(module.named_parameters())
+
+
+def _overlapped(rank, world):
+    steps = 12
+    diloco = check_outer({"name": "diloco", "sync_every": 3, "start_step": 1, "lr": 0.7, "momentum": 0.9,
+                          "nesterov": True, "overlap": 2})
+    diloco_params, trace, state = _fdp(diloco, adam(0.01), rank, donate=True, steps=steps)
+    diloco_reference = _torch_delayed_outer(rank, world, lambda p: torch.optim.Adam(p, lr=0.01),
+                                            dict(lr=0.7, momentum=0.9, nesterov=True), 3, 1, 2, steps)
+    local = check_outer({"name": "local_sgd", "sync_every": 4, "overlap": 3})
+    local_params, _, _ = _fdp(local, sgd(0.1, momentum=0.9), rank, donate=False, steps=steps)
+    local_reference = _torch_delayed_outer(rank, world, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+                                           dict(lr=1.0), 4, 0, 3, steps)
+    return _diff(diloco_params, diloco_reference), _diff(local_params, local_reference), trace, state.outer.syncs
+
+
+def test_an_overlapped_sync_matches_a_plain_torch_delayed_update(run_ranks):
+    for diloco_diff, local_diff, trace, syncs in run_ranks(_overlapped):
+        assert diloco_diff < 1e-5 and local_diff < 1e-5
+        # Step 1 reduces gradients; syncs are sent after steps 4, 7 and 10 and applied two steps later.
+        assert [step for step, (synced, sent) in enumerate(trace, 1) if sent > 0] == [1, 4, 7, 10]
+        assert [step for step, (synced, sent) in enumerate(trace, 1) if synced] == [1, 6, 9, 12]
+        assert syncs == 3
+
+
 # -- resume in the middle of a period ----------------------------------------------------
 RUN = ["model.hidden=16", "data.global_batch_size=16", "trainer.progress=false", "trainer.eval_every=0",
        "world=local2", "world.backend=gloo", "world.timeout_s=60", "trainer.max_steps=10",
@@ -150,15 +213,21 @@ def _checkpoint(run_dir):
     return torch.load(Path(run_dir) / "checkpoints" / "last.pt", weights_only=True)
 
 
-def test_resume_in_the_middle_of_a_period_is_bit_exact(tmp_path):
-    """Stopped after step 6 (syncs at 4 and 8) and resumed: each rank ends as in one uninterrupted run."""
-    run(compose(*RUN), tmp_path / "whole")
-    run(compose(*RUN, "trainer.stop_at=6"), tmp_path / "parts")
+@pytest.mark.parametrize("overlap", [0, 3])
+def test_resume_in_the_middle_of_a_period_is_bit_exact(tmp_path, overlap):
+    """Stopped after step 6 (syncs at 4 and 8) and resumed: each rank ends as in one uninterrupted run.
+
+    With ``overlap=3`` the sync sent after step 4 is still in flight at the stop (applied
+    after step 7): the resumed run sends it again from the checkpoint.
+    """
+    runs = [*RUN, f"outer.overlap={overlap}"]
+    run(compose(*runs), tmp_path / "whole")
+    run(compose(*runs, "trainer.stop_at=6"), tmp_path / "parts")
     halfway = _checkpoint(tmp_path / "parts")
     assert halfway["step"] == 6
     # Mid-period the ranks have stepped apart, and each rank's own params were saved.
     assert any(not torch.equal(halfway["ranks"][0]["params"][k], halfway["ranks"][1]["params"][k]) for k in halfway["params"])
-    run(compose(*RUN, "trainer.resume=true"), tmp_path / "parts")
+    run(compose(*runs, "trainer.resume=true"), tmp_path / "parts")
     whole, parts = _checkpoint(tmp_path / "whole"), _checkpoint(tmp_path / "parts")
     assert parts["step"] == whole["step"] == 10
     for rank in (0, 1):
@@ -177,6 +246,7 @@ def test_resume_in_the_middle_of_a_period_is_bit_exact(tmp_path):
         (["outer=local_sgd", "outer.sync_every=0"], "outer.sync_every=0: expected an integer >= 1"),
         (["outer=diloco", "outer.start_step=-1"], "outer.start_step=-1: expected an integer >= 0"),
         (["outer=diloco", "outer.momentum=1.5"], "outer.momentum=1.5: expected a value in [0, 1)"),
+        (["outer=local_sgd", "outer.sync_every=4", "outer.overlap=4"], "outer.overlap=4: expected an integer in [0, outer.sync_every=4)"),
     ],
 )
 def test_bad_outer_settings_are_refused_in_one_line(overrides, message):

@@ -8,11 +8,12 @@ from torch import nn
 from fdp.comm import Comm
 from fdp.data import global_batch, load_digits, shard
 from fdp.functional import functionalize
-from fdp.hooks import allreduce
+from fdp.hooks import Hook, allreduce
 from fdp.models import ConvNet, MLP
 from fdp.optim import sgd
-from fdp.plan import plan_buckets
+from fdp.plan import pack_into_buckets, plan_buckets
 from fdp.launch import check_same_plan
+from fdp.reduce import Reduction
 from fdp.train import cross_entropy_loss, init_train_state, make_train_step, planner_loss
 
 STEPS = 20
@@ -109,3 +110,64 @@ def test_collective_timeout_is_an_error_not_a_hang(run_ranks):
     message, waited = result
     assert message != "no error"
     assert waited < 8
+
+
+def _silent_peer_on_a_group_of_its_own(rank, world):
+    comm = Comm().on_own_group()  # torch would give a new group 30 minutes, not the world's 2 s
+    if rank == 1:
+        time.sleep(8)
+        return None
+    start = time.perf_counter()
+    try:
+        comm.allreduce(torch.ones(4)).wait()
+    except RuntimeError as e:
+        return str(e), time.perf_counter() - start
+    return "no error", time.perf_counter() - start
+
+
+def test_a_group_of_its_own_times_out_as_the_world_does(run_ranks):
+    message, waited = run_ranks(_silent_peer_on_a_group_of_its_own, timeout_s=2.0)[0]
+    assert message != "no error"
+    assert waited < 8
+
+
+def _three_rounds():
+    """A chain of three allreduces per bucket, recording the order its collectives are issued in."""
+    issued = []
+
+    def apply(state, grads, comm):
+        buffer = grads.buffer
+        for stage in range(3):
+            issued.append((grads.index, stage))
+            buffer = (yield comm.allreduce(buffer)) + 1
+        return grads._replace(buffer=buffer), state
+
+    return Hook(lambda bucket: (), apply), issued
+
+
+def _polled_while_peer_waits(rank, world):
+    # 1 KB per tensor, 1 KB caps: four buckets, each chain three collectives long.
+    plan = pack_into_buckets([(f"w{i}", (256,), "float32", "cpu") for i in range(4)], bucket_cap_mb=0.001, first_bucket_cap_mb=0.001)
+    hook, issued = _three_rounds()
+    reduction = Reduction(hook, Comm(), ((),) * len(plan.buckets), plan)
+    for index in range(len(plan.buckets)):
+        reduction.start(torch.full((256,), float(rank + index)))
+    if rank == 0:  # polls whatever has landed, many times, while the peer resumes in its own time
+        deadline = time.perf_counter() + 0.3
+        while time.perf_counter() < deadline:
+            reduction.poll()
+            time.sleep(0.001)
+    else:
+        time.sleep(0.05)
+    results = {index: bucket.buffer[0].item() for index, bucket in reduction.finished()}
+    return len(plan.buckets), issued, results
+
+
+def test_a_polled_reduction_issues_collectives_in_the_order_finished_does(run_ranks):
+    (buckets, polled, results0), (_, waited, results1) = run_ranks(_polled_while_peer_waits)
+    # Round by round, in plan order: every bucket's first collective, then every second one, ...
+    assert polled == waited == [(index, stage) for stage in range(3) for index in range(buckets)]
+    # Bucket i starts at i on rank 0 and i + 1 on rank 1: 2i + 2 after the first round,
+    # then x -> 2x + 1 twice: 8i + 11.
+    expected = {index: 8 * index + 11 for index in range(buckets)}
+    assert results0 == results1 == expected

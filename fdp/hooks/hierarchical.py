@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from fdp.comm import Comm, Pending
+from fdp.comm import Comm, Pending, new_group
 from fdp.hooks.base import GradBucket, Hook, run_stage
 
 __all__ = ["NodeComms", "check_node_size", "hierarchical", "node_comms"]
@@ -55,10 +55,10 @@ def node_comms(node_size: int) -> NodeComms:
     check_node_size(world, node_size)
     node = None
     for first in range(0, world, node_size):  # new_group is collective: every rank makes every group
-        group = dist.new_group(list(range(first, first + node_size)))
+        group = new_group(list(range(first, first + node_size)))
         if first <= rank < first + node_size:
             node = group
-    leaders = dist.new_group(list(range(0, world, node_size)))
+    leaders = new_group(list(range(0, world, node_size)))
     return NodeComms(Comm(node), Comm(leaders) if rank % node_size == 0 else None)
 
 
