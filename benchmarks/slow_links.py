@@ -56,6 +56,7 @@ OUTER = {
     "local SGD H=4 bf16": ("bf16", ["outer=local_sgd", "outer.sync_every=4"]),
     "local SGD H=4 PowerSGD r4": ("powersgd4", ["outer=local_sgd", "outer.sync_every=4"]),
     "local SGD H=16 bf16": ("bf16", ["outer=local_sgd", "outer.sync_every=16"]),
+    "local SGD H=16 int8": ("int8", ["outer=local_sgd", "outer.sync_every=16"]),
     "local SGD H=16 PowerSGD r4": ("powersgd4", ["outer=local_sgd", "outer.sync_every=16"]),
     "DiLoCo H=4": ("allreduce", ["outer=diloco", "outer.sync_every=4"]),
     "DiLoCo H=16": ("allreduce", ["outer=diloco", "outer.sync_every=16"]),
@@ -70,6 +71,8 @@ OUTER = {
     "local SGD H=16 overlap 8": ("allreduce", ["outer=local_sgd", "outer.sync_every=16", "outer.overlap=8"]),
     "local SGD H=16 bf16 overlap 1": ("bf16", ["outer=local_sgd", "outer.sync_every=16", "outer.overlap=1"]),
     "local SGD H=16 bf16 overlap 2": ("bf16", ["outer=local_sgd", "outer.sync_every=16", "outer.overlap=2"]),
+    "local SGD H=8 int8 overlap 1": ("int8", ["outer=local_sgd", "outer.sync_every=8", "outer.overlap=1"]),
+    "local SGD H=16 int8 overlap 1": ("int8", ["outer=local_sgd", "outer.sync_every=16", "outer.overlap=1"]),
     "local SGD H=16 bf16 overlap 4": ("bf16", ["outer=local_sgd", "outer.sync_every=16", "outer.overlap=4"]),
     "local SGD H=16 bf16 overlap 8": ("bf16", ["outer=local_sgd", "outer.sync_every=16", "outer.overlap=8"]),
     "DiLoCo H=16 lr=1 m=0.5 bf16 overlap 8": ("bf16", ["outer=diloco", "outer.sync_every=16", "outer.lr=1.0",
@@ -150,6 +153,13 @@ def caveats(results: dict) -> list[str]:
         if r["variant"] == "DDP allreduce" and r["steps_to_target"] and r["steps_to_target"] <= r["steps"] // 2:
             notes.append(f"{r['rate']}: DDP was within 2% of its step-{r['steps']} loss already at step {r['steps_to_target']}: "
                          "the loss has flattened, so the target rewards step time more than progress per step")
+    by_name = {(r["rate"], r["variant"]): r for r in results["rows"]}
+    for r in results["rows"]:
+        base = by_name.get((r["rate"], r["variant"].split(" overlap ")[0]))
+        if " overlap " in r["variant"] and base:
+            notes.append(f"{r['rate']} {r['variant']}: median step {r['median_ms']:.0f} ms, {base['median_ms']:.0f} ms without "
+                         "overlap in this run: a sync in flight takes the CPU of the steps that hide it (the simulated nodes "
+                         "share this host's cores)")
     load = results["meta"].get("load") or {}
     if load.get("others_cores", 0) > 0.5:
         notes.append(f"other processes took {load['others_cores']} of the host's cores during the run (this benchmark "

@@ -1,10 +1,13 @@
 """The outer loop (local SGD, DiLoCo) against plain torch, and resumed in the middle of a period."""
+import os
+import signal
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 
 from fdp import Comm, adam, functionalize, init_train_state, plan_buckets, sgd
 from fdp.config import ConfigError, compose, validate
@@ -12,7 +15,8 @@ from fdp.hooks import allreduce
 from fdp.outer import OuterSpec, check_outer, init_outer_state, make_outer_step
 from fdp.plan import pack_into_buckets
 from fdp.train import cross_entropy_loss, planner_loss
-from fdp.trainer import run
+from fdp.launch import spawn
+from fdp.trainer import layout_of, run, train_worker
 
 STEPS = 8
 
@@ -213,22 +217,21 @@ def _checkpoint(run_dir):
     return torch.load(Path(run_dir) / "checkpoints" / "last.pt", weights_only=True)
 
 
-@pytest.mark.parametrize("overlap", [0, 3])
-def test_resume_in_the_middle_of_a_period_is_bit_exact(tmp_path, overlap):
-    """Stopped after step 6 (syncs at 4 and 8) and resumed: each rank ends as in one uninterrupted run.
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """``uninterrupted(overlap)``: the last checkpoint of the run of RUN without a stop, made once per overlap."""
+    made = {}
 
-    With ``overlap=3`` the sync sent after step 4 is still in flight at the stop (applied
-    after step 7): the resumed run sends it again from the checkpoint.
-    """
-    runs = [*RUN, f"outer.overlap={overlap}"]
-    run(compose(*runs), tmp_path / "whole")
-    run(compose(*runs, "trainer.stop_at=6"), tmp_path / "parts")
-    halfway = _checkpoint(tmp_path / "parts")
-    assert halfway["step"] == 6
-    # Mid-period the ranks have stepped apart, and each rank's own params were saved.
-    assert any(not torch.equal(halfway["ranks"][0]["params"][k], halfway["ranks"][1]["params"][k]) for k in halfway["params"])
-    run(compose(*runs, "trainer.resume=true"), tmp_path / "parts")
-    whole, parts = _checkpoint(tmp_path / "whole"), _checkpoint(tmp_path / "parts")
+    def last_checkpoint(overlap):
+        if overlap not in made:
+            made[overlap] = tmp_path_factory.mktemp(f"whole-overlap{overlap}")
+            run(compose(*RUN, f"outer.overlap={overlap}"), made[overlap])
+        return _checkpoint(made[overlap])
+
+    return last_checkpoint
+
+
+def _assert_each_rank_as_uninterrupted(whole, parts):
     assert parts["step"] == whole["step"] == 10
     for rank in (0, 1):
         for key in ("params", "buffers"):
@@ -237,6 +240,48 @@ def test_resume_in_the_middle_of_a_period_is_bit_exact(tmp_path, overlap):
         for key in ("outer", "opt_state", "hook_state"):
             for a, b in zip(whole["ranks"][rank][key], parts["ranks"][rank][key], strict=True):
                 assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), (rank, key)
+
+
+@pytest.mark.parametrize("overlap", [0, 3])
+def test_resume_in_the_middle_of_a_period_is_bit_exact(tmp_path, uninterrupted, overlap):
+    """Stopped after step 6 (syncs at 4 and 8) and resumed: each rank ends as in one uninterrupted run.
+
+    With ``overlap=3`` the sync sent after step 4 is still in flight at the stop (applied
+    after step 7): the resumed run sends it again from the checkpoint.
+    """
+    runs = [*RUN, f"outer.overlap={overlap}"]
+    run(compose(*runs, "trainer.stop_at=6"), tmp_path)
+    halfway = _checkpoint(tmp_path)
+    assert halfway["step"] == 6
+    # Mid-period the ranks have stepped apart, and each rank's own params were saved.
+    assert any(not torch.equal(halfway["ranks"][0]["params"][k], halfway["ranks"][1]["params"][k]) for k in halfway["params"])
+    run(compose(*runs, "trainer.resume=true"), tmp_path)
+    _assert_each_rank_as_uninterrupted(uninterrupted(overlap), _checkpoint(tmp_path))
+
+
+def _killed_when_saving(cfg, run_dir, step):
+    """``train_worker``, except that in the first world rank 0 is SIGKILLed as it starts saving checkpoint ``step``."""
+    if os.environ.get("RANK") == "0" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        real_save = torch.save
+
+        def save(obj, *args, **kwargs):
+            if isinstance(obj, dict) and obj.get("step") == step:
+                Path(run_dir, "killed").write_text(str(step))
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real_save(obj, *args, **kwargs)
+
+        torch.save = save
+    return train_worker(cfg, run_dir)
+
+
+def test_a_restarted_world_keeps_the_schedule_with_a_sync_in_flight(tmp_path, uninterrupted):
+    """Rank 0 dies at checkpoint 8; the restarted world resumes from checkpoint 6, where the
+    sync sent after step 4 is in flight (``overlap=3``), and ends as the uninterrupted run."""
+    cfg = compose(*RUN, "outer.overlap=3", "trainer.checkpoint_every=2", "world.max_restarts=1")
+    validate(cfg, tmp_path)
+    results = spawn(_killed_when_saving, (OmegaConf.to_container(cfg, resolve=True), str(tmp_path), 8), layout_of(cfg))
+    assert (tmp_path / "killed").read_text() == "8" and results[0]["steps"] == 10
+    _assert_each_rank_as_uninterrupted(uninterrupted(3), _checkpoint(tmp_path))
 
 
 # -- refusals --------------------------------------------------------------------------------
