@@ -157,7 +157,9 @@ class Comm:
         return Pending(out, _all_gather_flat(out, piece.contiguous().view(-1), group=self.group, async_op=True))
 
     def on_own_group(self) -> "Comm":
-        """A ``Comm`` over the same ranks on a process group of its own (every rank must call it).
+        """A ``Comm`` over the same ranks on a process group of its own.
+
+        Every rank must call it, at the same point: torch makes groups collectively.
 
         Collectives on different groups neither wait for each other nor need a common
         order: a reduction left in flight across steps goes on its own group, so the
