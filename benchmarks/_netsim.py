@@ -85,9 +85,24 @@ DDP_HOOKS = {"allreduce", "fp16", "noop", "powersgd1", "powersgd2", "powersgd4",
 
 
 # ----------------------------------------------------------------------------- host load
+def _cpu_fields() -> list[float]:
+    # /proc/stat's first line: user nice system idle iowait irq softirq steal ..., in clock ticks, all cores.
+    return [int(v) / os.sysconf("SC_CLK_TCK") for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+
+
 def busy_seconds() -> float:
-    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds this host's cores ran work (user, system, interrupts), all cores together.
+
+    Steal (time the hypervisor ran something else while a core of this VM wanted to run)
+    is not work done here: it is ``steal_seconds``.
+    """
+    user, nice, system, _idle, _iowait, irq, softirq, _steal = _cpu_fields()
+    return user + nice + system + irq + softirq
+
+
+def steal_seconds() -> float:
+    """CPU seconds the hypervisor took from this VM's cores (0 on bare metal)."""
+    return _cpu_fields()[7]
 
 
 def children_cpu_s() -> float:

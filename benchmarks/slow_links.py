@@ -158,8 +158,8 @@ def caveats(results: dict) -> list[str]:
         base = by_name.get((r["rate"], r["variant"].split(" overlap ")[0]))
         if " overlap " in r["variant"] and base:
             notes.append(f"{r['rate']} {r['variant']}: median step {r['median_ms']:.0f} ms, {base['median_ms']:.0f} ms without "
-                         "overlap in this run: a sync in flight takes the CPU of the steps that hide it (the simulated nodes "
-                         "share this host's cores)")
+                         "overlap in this run: a sync in flight takes CPU from the steps that hide it (the simulated nodes "
+                         "share this host's cores; see sync_cpu.md)")
     load = results["meta"].get("load") or {}
     if load.get("others_cores", 0) > 0.5:
         notes.append(f"other processes took {load['others_cores']} of the host's cores during the run (this benchmark "
