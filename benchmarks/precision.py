@@ -223,7 +223,9 @@ def main():
         "",
         f"torch {torch.__version__}; {hw}; char transformer `{size}` ({params / 1e6:.1f}M parameters), batch {batch}x{block},"
         f" AdamW; medians of {steps} steps after {warmup} warm-up steps (the compiled rows compile in the warm-up: see"
-        f" 'warm-up s'); variants step round-robin. Load average {load[0]:.1f} / {load[1]:.1f} (1 / 5 min).",
+        f" 'warm-up s'); variants step round-robin, each step timed alone (the device synchronised before and after"
+        f" it, so a host that queues ahead gains nothing here; `gpu.py` times steps back to back). Load average"
+        f" {load[0]:.1f} / {load[1]:.1f} (1 / 5 min).",
         "",
         "| precision | variant | ms/step | vs DDP same precision | vs torch eager 32-true | loss after the last step | warm-up s |",
         "|---|---|---:|---:|---:|---:|---:|",

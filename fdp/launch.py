@@ -191,7 +191,13 @@ def spawn(entry: Callable[..., Any], args: tuple, layout: WorldLayout) -> dict[i
 def check_start_method(method: str) -> None:
     """Refuse a start method ``spawn`` cannot use here, in one line.
 
-    >>> check_start_method("fork")  # fine while CUDA is untouched in this process
+    ``fork`` is refused once this process has initialised CUDA.
+
+    >>> check_start_method("spawn")
+    >>> check_start_method("threads")
+    Traceback (most recent call last):
+    ...
+    fdp.config.ConfigError: start_method='threads': expected one of ('spawn', 'fork', 'forkserver')
     """
     if method not in START_METHODS:
         raise ConfigError(f"start_method={method!r}: expected one of {START_METHODS}")

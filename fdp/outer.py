@@ -257,6 +257,12 @@ def make_outer_step(
             "synced": landed,
         }
 
+    def settle() -> None:  # make_train_step's: read the last step's finiteness verdict
+        for inner in (synced, local):
+            if inner is not None:
+                inner.settle()
+
+    step.settle = settle
     return step
 
 

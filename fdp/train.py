@@ -37,11 +37,55 @@ def _finite(flat: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(flat.sum(dtype=torch.float32))
 
 
-def _nonfinite_error(step: int, plan: BucketPlan, grads: dict) -> FloatingPointError:
-    first = next((name for name in plan.names if not torch.isfinite(grads[name]).all()), None)
-    return FloatingPointError(
-        f"non-finite gradient at step {step} in parameter {first!r} (set trainer.nonfinite=skip to skip such steps)"
-    )
+class _Verdict(NamedTuple):
+    step: int
+    flags: torch.Tensor  # one per bucket, on the host (pinned when copied from a GPU)
+    copied: Any  # the CUDA event behind the copy; None when the flags were on the host already
+
+
+class _FiniteChecks:
+    """``nonfinite="raise"``: each step's verdict on its reduced gradients, read without stalling the device.
+
+    Reading a flag from a GPU at once waits for everything the host has queued, the
+    whole step: the GPU then idles while the host prepares the next one. The flags are
+    copied to pinned host memory behind an event instead and read once the event is
+    done, at the latest when the next step has queued its work. So at most one step's
+    verdict is unread when a step returns; on the CPU none is (the flags are ready at
+    once, and the error names the first bad parameter). ``settle`` reads the last one.
+    """
+
+    def __init__(self, plan: BucketPlan):
+        self._plan = plan
+        self._unread: _Verdict | None = None
+
+    def record(self, step: int, flags: torch.Tensor, grads: dict) -> None:
+        """Take step ``step``'s flags; raise for it, or for the step before, if one is non-finite."""
+        self.settle()
+        if flags.device.type == "cpu":
+            if not bool(flags.all()):
+                first = next(name for name in self._plan.names if not torch.isfinite(grads[name]).all())
+                raise _nonfinite_error(step, f"parameter {first!r}")
+            return
+        host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+        host.copy_(flags, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        self._unread = _Verdict(step, host, copied)
+
+    def settle(self) -> None:
+        """Wait for the unread verdict, if any; raise if that step's gradients were non-finite."""
+        verdict, self._unread = self._unread, None
+        if verdict is None:
+            return
+        verdict.copied.synchronize()
+        if not bool(verdict.flags.all()):
+            bucket = self._plan.buckets[int((~verdict.flags).nonzero()[0])]
+            names = ", ".join(bucket.names[:3]) + (", ..." if len(bucket.names) > 3 else "")
+            raise _nonfinite_error(verdict.step, f"bucket {bucket.index} ({names})")
+
+
+def _nonfinite_error(step: int, where: str) -> FloatingPointError:
+    return FloatingPointError(f"non-finite gradient at step {step} in {where} (set trainer.nonfinite=skip to skip such steps)")
 
 
 class TrainState(NamedTuple):
@@ -145,6 +189,12 @@ def make_train_step(
     step that skips leaves ``state`` intact; one that raises leaves a donated state
     partly updated (resume from a checkpoint).
 
+    ``nonfinite="raise"`` does not stop the host to read a GPU's verdict: a non-finite
+    gradient at step s raises from the call for step s + 1 (naming step s), or from
+    ``train_step.settle()``, which reads the last step's verdict; call it before keeping
+    a state for good (``fdp.trainer`` does before each checkpoint and at the end). On
+    the CPU the step itself raises, naming the first non-finite parameter.
+
     ``sync_buffers`` says how the state's buffers (BatchNorm running statistics) agree
     across ranks before each forward: ``"broadcast"`` rank 0's (DDP's default),
     ``"average"`` or ``"local"`` (see ``fdp.replicas``). The arguments are checked here
@@ -184,10 +234,11 @@ def make_train_step(
     if sharded is not None:
         sharded.hold_grad_buffers(reducer.flats)
     per_bucket: bool | None = None  # decided on the first step: params keep their device and dtype
+    deferred: _FiniteChecks | None = None  # with nonfinite="raise" and nothing to skip
     state_mib: float | None = None
 
     def train_step(state: TrainState, batch: tuple) -> tuple[TrainState, dict]:
-        nonlocal per_bucket, state_mib
+        nonlocal per_bucket, state_mib, deferred
         t0 = time.perf_counter()
         step = state.step + 1
         timeline.start_step(step)
@@ -197,6 +248,8 @@ def make_train_step(
             # A loss-scaled step may still be skipped once every bucket is in: no early updates.
             per_bucket = (donate and nonfinite == "raise" and state.loss_scale is None and optimizer.elementwise
                           and supports_inplace(optimizer, state.params))
+            if nonfinite == "raise" and state.loss_scale is None and sharded is None:
+                deferred = _FiniteChecks(plan)
         state = state._replace(buffers=replicas.sync_buffers(state.buffers, comm, sync_buffers))
         shards = sharded.begin(state, in_place=donate) if sharded is not None else None
         with rng_scope(state.rng, state.cuda_rng, device_of(state.params)) as rng_states:
@@ -219,9 +272,16 @@ def make_train_step(
                     opt_state = optimizer.update_inplace(reduced[index], state.opt_state, state.params)
         grads = {name: grad for bucket_grads in reduced for name, grad in bucket_grads.items()}  # in plan order
 
-        # The step's one host synchronisation. Reduced gradients are identical on every
-        # rank, so every rank takes the same branch.
-        skipped = shards.skipped() if shards is not None else not bool(torch.stack(finite).all())
+        # Reduced gradients are identical on every rank, so every rank takes the same
+        # branch. Skipping needs the verdict now (the step's one host synchronisation);
+        # raising can wait for it, so the host goes on queueing work for the device.
+        if shards is not None:
+            skipped = shards.skipped()
+        elif deferred is not None:
+            deferred.record(step, torch.stack(finite), grads)
+            skipped = False
+        else:
+            skipped = not bool(torch.stack(finite).all())
         loss_scale = None
         if state.loss_scale is not None:
             loss_scale = update_loss_scale(state.loss_scale, not skipped, precision.growth_interval)
@@ -235,8 +295,8 @@ def make_train_step(
             new_state = TrainState(step, params, computed.buffers, opt_state, computed.reduction.hook_states, rng, cuda_rng, loss_scale)
         elif nonfinite == "skip" or loss_scale is not None:
             new_state = state._replace(step=step, rng=rng, cuda_rng=cuda_rng, loss_scale=loss_scale)
-        else:
-            raise shards.nonfinite_error(step) if shards is not None else _nonfinite_error(step, plan, grads)
+        else:  # only under ZeRO: elsewhere "raise" leaves the verdict to _FiniteChecks
+            raise shards.nonfinite_error(step)
 
         if state_mib is None:  # what this rank holds between steps (params, optimizer state, gradient buffers): fixed
             state_mib = state_nbytes(new_state, sharded.grad_buffers() if sharded else reducer.flats) / 2**20
@@ -259,4 +319,5 @@ def make_train_step(
             metrics["loss_scale"] = loss_scale.scale
         return new_state, metrics
 
+    train_step.settle = lambda: deferred.settle() if deferred is not None else None
     return train_step

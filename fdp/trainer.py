@@ -313,6 +313,7 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm, device: torch.device) -> 
                 if metrics_log:
                     metrics_log.write(record)
             if tc.checkpoint_every and step % tc.checkpoint_every == 0 or done:
+                train_step.settle()  # no checkpoint of a step whose gradients were not finite
                 _save(run_dir, state, comm, cfg, run.plan)
     except RuntimeError as error:
         lost = _lost_rank_error(error, heartbeat, rank, tracker.step) if world > 1 else None

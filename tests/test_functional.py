@@ -1,3 +1,5 @@
+import copy
+
 import torch
 from torch import nn
 from torch.func import grad_and_value
@@ -59,3 +61,29 @@ def test_grads_form_a_tree_like_params_and_match_eager_backward():
     for name, g in grads.items():
         torch.testing.assert_close(g, eager[name].grad, rtol=1e-6, atol=1e-7)
     assert module.frozen.weight.grad is None
+
+
+def test_apply_puts_every_submodule_in_the_mode_asked_for():
+    module = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Dropout(0.5), nn.Linear(4, 2)))
+    module[1][0].eval()  # a submodule out of step with its parents
+    model, params, buffers = functionalize(module)
+    x = torch.ones(16, 4)
+    model.apply(params, buffers, x)
+    assert all(m.training for m in module.modules())
+    model.apply(params, buffers, x, training=False)
+    assert not any(m.training for m in module.modules())
+    model.apply(params, buffers, x)
+    assert all(m.training for m in module.modules())
+
+
+def test_tied_weights_follow_the_one_tensor_given_for_them():
+    torch.manual_seed(0)
+    reference = _Tied().eval()
+    model, params, buffers = functionalize(copy.deepcopy(reference), keep_module_weights=False)
+    assert model.ties == (("head.weight", "emb.weight"),)
+    moved = {**params, "emb.weight": params["emb.weight"] * 2}
+    with torch.no_grad():
+        reference.emb.weight.mul_(2)  # the head is the same tensor
+    tokens = torch.randint(0, 7, (8,))
+    out, _ = model.apply(moved, buffers, tokens, training=False)
+    torch.testing.assert_close(out, reference(tokens), rtol=0, atol=0)
