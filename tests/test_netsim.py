@@ -18,12 +18,13 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from _paths import pythonpath_first  # noqa: E402
 from benchmarks.netsim import cluster, relay  # noqa: E402
 from benchmarks.netsim.cluster import NetsimError  # noqa: E402
 
 
 def cli(*args: str, path: str | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ, PYTHONPATH=pythonpath_first(REPO))
     if path is not None:
         env["PATH"] = path
     return subprocess.run([sys.executable, "-m", "benchmarks.netsim", *args], cwd=REPO, env=env,

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from _paths import pythonpath_first
 from fdp.functional import functionalize
 from fdp.plan import Bucket, BucketPlan, ParamSlot, gradient_ready_order, pack_into_buckets, plan_buckets
 
@@ -236,7 +237,7 @@ def test_fingerprint_is_stable_across_processes():
         "from fdp.plan import pack_into_buckets\n"
         f"print(pack_into_buckets({_FIXED_ORDER!r}, bucket_cap_mb=0.004, first_bucket_cap_mb=0.001).fingerprint())"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), "PYTHONHASHSEED": "12345"}
+    env = {**os.environ, "PYTHONPATH": pythonpath_first(REPO), "PYTHONHASHSEED": "12345"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=240)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == plan.fingerprint()

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from _paths import pythonpath_first
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -17,7 +19,7 @@ def _python_blocks() -> list[str]:
 
 def _env() -> dict:
     """This checkout first on the path, the caller's own entries (site dirs) kept."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    return {**os.environ, "PYTHONPATH": pythonpath_first(ROOT)}
 
 
 def _run(code: str, cwd: Path, timeout: int) -> subprocess.CompletedProcess:

@@ -11,6 +11,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from _paths import pythonpath_first
 from fdp.config import SCHEMAS, register_configs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,9 +68,8 @@ def test_the_example_project_trains_with_the_command_in_its_readme(tmp_path):
     text = (ROOT / "examples" / "README.md").read_text()
     command = shlex.split(re.search(r"```bash\n(.*?)\n```", text, re.S).group(1))
     assert command[0] == "PYTHONPATH=examples" and command[1:3] == ["python", "recipes/train.py"]
-    pythonpath = os.pathsep.join(p for p in (str(ROOT / "examples"), os.environ.get("PYTHONPATH")) if p)
     proc = recipe("train.py", *command[3:], "trainer.max_steps=60", "trainer.eval_every=30", "trainer.progress=false",
-                  f"hydra.run.dir={tmp_path}", env={"PYTHONPATH": pythonpath})
+                  f"hydra.run.dir={tmp_path}", env={"PYTHONPATH": pythonpath_first(ROOT / "examples")})
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = [l for l in proc.stdout.splitlines() if l.startswith("fdp: ")]
     assert len(summary) == 1 and "model=my_project.models.Net" in summary[0]

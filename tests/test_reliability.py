@@ -28,6 +28,7 @@ import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from _paths import pythonpath_first
 from fdp import checkpoint
 from fdp.comm import Comm
 from fdp.config import ConfigError, register_configs, validate
@@ -549,8 +550,7 @@ def test_bad_inputs_through_the_recipe_exit_non_zero_with_one_line(previous_run,
     previous, corrupt = previous_run
     dirs = {"corrupt": corrupt, "fresh": tmp_path / "fresh", "fresh2": tmp_path / "fresh2"}
     before = {d: _snapshot(d) for d in (previous, corrupt)}
-    pythonpath = os.pathsep.join(p for p in (str(EXAMPLES), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath_first(EXAMPLES)}
     procs = []
     for overrides, status, expected in RECIPE_CASES:  # concurrently: each is mostly start-up
         run_dir = next((dirs[o[len("hydra.run.dir={"):-1]] for o in overrides if o.startswith("hydra.run.dir=")), previous)

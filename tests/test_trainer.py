@@ -7,6 +7,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+from _paths import pythonpath_first
 from fdp.config import register_configs
 from fdp.trainer import run
 
@@ -29,7 +30,7 @@ SMALL = {
 def examples_on_path(monkeypatch):
     """examples/ importable here and in the workers, as ``PYTHONPATH=examples`` does from the shell."""
     monkeypatch.syspath_prepend(str(EXAMPLES))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(EXAMPLES), os.environ.get("PYTHONPATH")) if p))
+    monkeypatch.setenv("PYTHONPATH", pythonpath_first(EXAMPLES))
 
 
 def make_cfg(*overrides):
