@@ -38,9 +38,9 @@ def _finite(flat: torch.Tensor) -> torch.Tensor:
 
 
 class _Verdict(NamedTuple):
-    step: int
-    flags: torch.Tensor  # one per bucket, on the host (pinned when copied from a GPU)
-    copied: Any  # the CUDA event behind the copy; None when the flags were on the host already
+    ok: torch.Tensor  # on the host (pinned when copied from a GPU): all True when every gradient was finite
+    copied: Any  # the CUDA event behind the copy
+    explain: Callable[[bool], FloatingPointError]  # the error; its argument says whether it comes a step late
 
 
 class _FiniteChecks:
@@ -51,41 +51,48 @@ class _FiniteChecks:
     copied to pinned host memory behind an event instead and read once the event is
     done, at the latest when the next step has queued its work. So at most one step's
     verdict is unread when a step returns; on the CPU none is (the flags are ready at
-    once, and the error names the first bad parameter). ``settle`` reads the last one.
+    once). ``settle`` reads the last one.
     """
 
-    def __init__(self, plan: BucketPlan):
-        self._plan = plan
+    def __init__(self):
         self._unread: _Verdict | None = None
 
-    def record(self, step: int, flags: torch.Tensor, grads: dict) -> None:
-        """Take step ``step``'s flags; raise for it, or for the step before, if one is non-finite."""
+    def record(self, ok: torch.Tensor, explain: Callable[[bool], FloatingPointError]) -> None:
+        """Take a step's flags (``explain(late)`` makes its error); raise for it, or for the step before."""
         self.settle()
-        if flags.device.type == "cpu":
-            if not bool(flags.all()):
-                first = next(name for name in self._plan.names if not torch.isfinite(grads[name]).all())
-                raise _nonfinite_error(step, f"parameter {first!r}")
+        if ok.device.type == "cpu":
+            if not bool(ok.all()):
+                raise explain(False)
             return
-        host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
-        host.copy_(flags, non_blocking=True)
+        host = torch.empty(ok.shape, dtype=ok.dtype, pin_memory=True)
+        host.copy_(ok, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
-        self._unread = _Verdict(step, host, copied)
+        self._unread = _Verdict(host, copied, explain)
 
     def settle(self) -> None:
         """Wait for the unread verdict, if any; raise if that step's gradients were non-finite."""
         verdict, self._unread = self._unread, None
-        if verdict is None:
-            return
-        verdict.copied.synchronize()
-        if not bool(verdict.flags.all()):
-            bucket = self._plan.buckets[int((~verdict.flags).nonzero()[0])]
-            names = ", ".join(bucket.names[:3]) + (", ..." if len(bucket.names) > 3 else "")
-            raise _nonfinite_error(verdict.step, f"bucket {bucket.index} ({names})")
+        if verdict is not None:
+            verdict.copied.synchronize()
+            if not bool(verdict.ok.all()):
+                raise verdict.explain(True)
 
 
-def _nonfinite_error(step: int, where: str) -> FloatingPointError:
-    return FloatingPointError(f"non-finite gradient at step {step} in {where} (set trainer.nonfinite=skip to skip such steps)")
+def _explain_nonfinite(step: int, plan: BucketPlan, flags: torch.Tensor, grads: dict, shards) -> Callable[[bool], FloatingPointError]:
+    """The error for step ``step``'s non-finite gradient, made only when there is one."""
+
+    def explain(late: bool) -> FloatingPointError:
+        if shards is not None:  # ZeRO: this rank knows its own slices
+            where = shards.nonfinite_where()
+        elif late:  # read a step later, when the bucket buffers hold the next step's gradients
+            bucket = plan.buckets[int((~flags).nonzero()[0])]
+            where = f"bucket {bucket.index} ({', '.join(bucket.names[:3])}{', ...' if len(bucket.names) > 3 else ''})"
+        else:
+            where = f"parameter {next(name for name in plan.names if not torch.isfinite(grads[name]).all())!r}"
+        return FloatingPointError(f"non-finite gradient at step {step} in {where} (set trainer.nonfinite=skip to skip such steps)")
+
+    return explain
 
 
 class TrainState(NamedTuple):
@@ -248,8 +255,8 @@ def make_train_step(
             # A loss-scaled step may still be skipped once every bucket is in: no early updates.
             per_bucket = (donate and nonfinite == "raise" and state.loss_scale is None and optimizer.elementwise
                           and supports_inplace(optimizer, state.params))
-            if nonfinite == "raise" and state.loss_scale is None and sharded is None:
-                deferred = _FiniteChecks(plan)
+            if nonfinite == "raise" and state.loss_scale is None:
+                deferred = _FiniteChecks()
         state = state._replace(buffers=replicas.sync_buffers(state.buffers, comm, sync_buffers))
         shards = sharded.begin(state, in_place=donate) if sharded is not None else None
         with rng_scope(state.rng, state.cuda_rng, device_of(state.params)) as rng_states:
@@ -275,13 +282,12 @@ def make_train_step(
         # Reduced gradients are identical on every rank, so every rank takes the same
         # branch. Skipping needs the verdict now (the step's one host synchronisation);
         # raising can wait for it, so the host goes on queueing work for the device.
-        if shards is not None:
-            skipped = shards.skipped()
-        elif deferred is not None:
-            deferred.record(step, torch.stack(finite), grads)
-            skipped = False
+        ok = shards.verdict() if shards is not None else torch.stack(finite)
+        skipped = False
+        if deferred is not None:
+            deferred.record(ok, _explain_nonfinite(step, plan, ok, grads, shards))
         else:
-            skipped = not bool(torch.stack(finite).all())
+            skipped = not bool(ok.all())
         loss_scale = None
         if state.loss_scale is not None:
             loss_scale = update_loss_scale(state.loss_scale, not skipped, precision.growth_interval)
@@ -293,10 +299,8 @@ def make_train_step(
                 with timeline.span("optimizer"):
                     params, opt_state = apply_gradients(optimizer, grads, state.opt_state, state.params, donate=donate)
             new_state = TrainState(step, params, computed.buffers, opt_state, computed.reduction.hook_states, rng, cuda_rng, loss_scale)
-        elif nonfinite == "skip" or loss_scale is not None:
+        else:  # nonfinite="skip", or loss scaling: "raise" leaves the verdict to _FiniteChecks
             new_state = state._replace(step=step, rng=rng, cuda_rng=cuda_rng, loss_scale=loss_scale)
-        else:  # only under ZeRO: elsewhere "raise" leaves the verdict to _FiniteChecks
-            raise shards.nonfinite_error(step)
 
         if state_mib is None:  # what this rank holds between steps (params, optimizer state, gradient buffers): fixed
             state_mib = state_nbytes(new_state, sharded.grad_buffers() if sharded else reducer.flats) / 2**20

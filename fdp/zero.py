@@ -435,13 +435,13 @@ class _ShardedStep:
         # The updated slice already sits in its place in the flat buffer: gathered in place.
         self.gathers.append(self.owner.comm.all_gather_into(self.flats[index], self.flats[index][start:stop]))
 
-    def skipped(self) -> bool:
-        """Whether any gradient is non-finite, the same verdict on every rank (the step's host sync)."""
+    def verdict(self) -> torch.Tensor:
+        """True on the device when every gradient is finite, the same on every rank (no host sync)."""
         ok = torch.stack([flag for _, flag in self.finite]).all()
         if self.owner.stage == 2 and self.world > 1:  # each rank saw only its slices
             bad = self.owner.comm.allreduce((~ok).to(torch.float32).reshape(1)).wait()
-            return bool(bad.item() > 0)
-        return not bool(ok)
+            ok = bad[0] == 0
+        return ok
 
     def finish(self) -> tuple[dict, Any]:
         """Step the slices not stepped yet, wait for every all-gather; ``(params, opt_state)``."""
@@ -471,9 +471,7 @@ class _ShardedStep:
         self.wait_s += time.perf_counter() - t0
         return total
 
-    def nonfinite_error(self, step: int) -> FloatingPointError:
+    def nonfinite_where(self) -> str:
+        """Where this rank saw a non-finite gradient: one of its buckets, or another rank's slice."""
         where = [index for index, ok in self.finite if not bool(ok)]
-        bucket = f"bucket {where[0]}" if where else "a bucket of another rank's slice"
-        return FloatingPointError(
-            f"non-finite gradient at step {step} in {bucket} (set trainer.nonfinite=skip to skip such steps)"
-        )
+        return f"bucket {where[0]}" if where else "a bucket of another rank's slice"

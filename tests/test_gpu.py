@@ -144,7 +144,7 @@ def test_a_two_gpu_checkpoint_resumes_on_one(tmp_path):
     _assert_close(_params(tmp_path / "moved"), _params(tmp_path / "straight"), atol=1e-4, rtol=1e-3)
 
 
-def _small_charlm_step(nonfinite: str = "raise"):
+def _small_charlm_step(nonfinite: str = "raise", zero_stage: int = 0):
     """A 2-layer char transformer on GPU 0 in several buckets: ``(train_step, state, batch)`` after 3 steps."""
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
@@ -157,16 +157,20 @@ def _small_charlm_step(nonfinite: str = "raise"):
     plan = fdp.plan_buckets(fdp.planner_loss(loss_fn, buffers), params, batch, bucket_cap_mb=0.1, first_bucket_cap_mb=0.1)
     assert len(plan) > 1
     optimizer = fdp.adamw(1e-3)
-    state = fdp.init_train_state(params, buffers, optimizer, plan)
-    train_step = fdp.make_train_step(loss_fn, optimizer, plan, donate=True, nonfinite=nonfinite)
+    if zero_stage:
+        state = fdp.zero.init_state(params, buffers, optimizer, plan, fdp.Comm())
+    else:
+        state = fdp.init_train_state(params, buffers, optimizer, plan)
+    train_step = fdp.make_train_step(loss_fn, optimizer, plan, donate=True, nonfinite=nonfinite, zero_stage=zero_stage)
     for _ in range(3):  # first steps decide and allocate once
         state, _ = train_step(state, batch)
     torch.cuda.synchronize()
     return train_step, state, batch
 
 
-def test_a_train_step_returns_while_the_gpu_still_works_on_it():
-    train_step, state, batch = _small_charlm_step()
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_a_train_step_returns_while_the_gpu_still_works_on_it(zero_stage):
+    train_step, state, batch = _small_charlm_step(zero_stage=zero_stage)
     # ~0.4 s of matmuls ahead of the step on the same stream: a step that waited for its
     # own work (to read its finiteness verdict) would return after all of it.
     a = torch.randn(8192, 8192, device="cuda")

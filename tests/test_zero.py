@@ -92,6 +92,42 @@ def test_stages_one_and_two_equal_stage_zero(run_ranks, world_size):
         assert out[("adam_per_bucket", 2)][1] == pytest.approx((1 + 2 / world_size) / 4, rel=0.1)
 
 
+def _nonfinite_at_step_3(rank, world, stage, nonfinite):
+    """Rank 1's batch of step 3 holds an inf: ``(steps taken, metrics["skipped"] per step, error or None, step 3 kept the params)``."""
+    torch.manual_seed(0)
+    model, params, buffers = functionalize(MLP(*MODEL))
+    loss_fn = cross_entropy_loss(model)
+    batches = _batches(rank, world, 1)[:5]
+    plan = plan_buckets(planner_loss(loss_fn, buffers), params, batches[0], bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB)
+    if rank == 1:
+        x, y = batches[2]
+        batches[2] = (x.clone().fill_(float("inf")), y)
+    comm = Comm()
+    step = make_train_step(loss_fn, adam(1e-2), plan, comm=comm, donate=True, nonfinite=nonfinite, zero_stage=stage)
+    state, skipped, kept = zero.init_state(params, buffers, adam(1e-2), plan, comm), [], None
+    try:
+        for batch in batches:
+            before = {n: p.clone() for n, p in state.params.items()}
+            state, metrics = step(state, batch)
+            skipped.append(metrics["skipped"])
+            if state.step == 3:
+                kept = all(torch.equal(state.params[n], p) for n, p in before.items())
+    except FloatingPointError as error:
+        return state.step, skipped, str(error), kept
+    return state.step, skipped, None, kept
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_nonfinite_gradient_raises_or_skips_on_every_rank_alike(run_ranks, stage):
+    raised = run_ranks(_nonfinite_at_step_3, stage, "raise")
+    for steps, skipped, error, _ in raised:
+        assert steps == 2 and skipped == [0, 0], (steps, skipped)
+        assert error is not None and error.startswith("non-finite gradient at step 3 in "), error
+        assert error.endswith("(set trainer.nonfinite=skip to skip such steps)")
+    went_on = run_ranks(_nonfinite_at_step_3, stage, "skip")
+    assert went_on == [(5, [0, 0, 1, 0, 0], None, True)] * 2
+
+
 def test_clipping_sees_the_global_norm_across_slices():
     """Clipping two shards, each completing its norm with the other's, equals clipping the whole."""
     g = torch.Generator().manual_seed(0)
