@@ -37,12 +37,18 @@ def _batches(rank, world, accum):
     return out
 
 
-def _train(rank, world, stage, optimizer, accum, donate, schedule):
+def _model_and_plan(rank, world, accum):
+    """The MLP of ``MODEL``, this rank's batches and the bucket plan: ``(loss_fn, params, buffers, batches, plan)``."""
     torch.manual_seed(0)
     model, params, buffers = functionalize(MLP(*MODEL))
     loss_fn = cross_entropy_loss(model)
     batches = _batches(rank, world, accum)
     plan = plan_buckets(planner_loss(loss_fn, buffers), params, batches[0], bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB)
+    return loss_fn, params, buffers, batches, plan
+
+
+def _train(rank, world, stage, optimizer, accum, donate, schedule):
+    loss_fn, params, buffers, batches, plan = _model_and_plan(rank, world, accum)
     comm = Comm()
     step = make_train_step(loss_fn, optimizer, plan, comm=comm, accum_steps=accum, schedule=schedule,
                            donate=donate, zero_stage=stage)
@@ -94,11 +100,8 @@ def test_stages_one_and_two_equal_stage_zero(run_ranks, world_size):
 
 def _nonfinite_at_step_3(rank, world, stage, nonfinite):
     """Rank 1's batch of step 3 holds an inf: ``(steps taken, metrics["skipped"] per step, error or None, step 3 kept the params)``."""
-    torch.manual_seed(0)
-    model, params, buffers = functionalize(MLP(*MODEL))
-    loss_fn = cross_entropy_loss(model)
-    batches = _batches(rank, world, 1)[:5]
-    plan = plan_buckets(planner_loss(loss_fn, buffers), params, batches[0], bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB)
+    loss_fn, params, buffers, batches, plan = _model_and_plan(rank, world, 1)
+    batches = batches[:5]
     if rank == 1:
         x, y = batches[2]
         batches[2] = (x.clone().fill_(float("inf")), y)
