@@ -106,7 +106,7 @@ def _build_fdp(spec: dict, batch, device: torch.device, world: int):
     from fdp.hooks import allreduce
     from fdp.optim import adamw
     from fdp.plan import plan_buckets
-    from fdp.train import cross_entropy_loss, init_train_state, make_train_step, planner_loss
+    from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
 
     model, params, buffers = functionalize(_module(spec, device), keep_module_weights=False)
     params, buffers = to_device(params, device), to_device(buffers, device)

@@ -196,7 +196,7 @@ def _build_fdp(spec: dict, batch, schedule: str, hook_name: str):
     from fdp.functional import functionalize
     from fdp.optim import sgd
     from fdp.plan import plan_buckets
-    from fdp.train import cross_entropy_loss, init_train_state, make_train_step, planner_loss
+    from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
 
     model, params, buffers = functionalize(module_for(spec), keep_module_weights=False)  # as the trainer does
     loss_fn = cross_entropy_loss(model)

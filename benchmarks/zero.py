@@ -78,7 +78,7 @@ def worker(model_name: str, stage: int, world: int, warmup: int, steps: int) -> 
     from fdp.optim import adam
     from fdp.plan import plan_buckets
     from fdp.reduce import resolve_schedule
-    from fdp.train import cross_entropy_loss, init_train_state, make_train_step, planner_loss
+    from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
 
     tune_allocator()
     comm = init_distributed(WorldLayout("elastic", nproc_per_node=world, backend="gloo"))

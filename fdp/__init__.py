@@ -1,34 +1,48 @@
 """fdp: pure-functional data-parallel training on PyTorch.
 
-The pieces, one module each:
+The modules, one concept each, from the ground up (a module imports only modules above
+it in this list; ``tests/test_imports.py`` holds every import to that):
 
-* ``functional``: any ``nn.Module`` as ``apply(params, buffers, *inputs)``.
-* ``optim``: optax-style optimizers, ``(init, update)`` pairs composed with ``chain``, and their registry.
-* ``plan`` / ``buckets``: the static gradient-bucket plan (values, packing, tracing) and its flat buffers.
-* ``hooks``: gradient-reduction stages (allreduce, fp16, PowerSGD, top-k) composed with ``hooks.chain``.
-* ``comm`` / ``reduce``: collectives as values, and the reduction that hands buckets back as they finish.
+* ``errors``: ``ConfigError`` and the one wording of every refusal (imports nothing of fdp).
 * ``_torch``: the one place fdp touches private torch APIs, each with a public fallback.
+* ``plan`` / ``buckets``: the static gradient-bucket plan (values, packing, tracing) and its flat buffers.
+* ``comm``: collectives as values (``Comm``, ``Pending``).
+* ``trace``: the Chrome-trace ``Timeline`` of a step.
 * ``precision``: autocast, bf16 weights and the dynamic loss scale (``LossScale``) of mixed precision.
-* ``compiled``: the gradient computation under ``torch.compile``.
-* ``train``: ``TrainState`` and the pure ``train_step(state, batch) -> (state, metrics)``.
-* ``devices``: which device each rank computes on (``world.accelerator``, ``world.devices``).
-* ``targets`` / ``losses``: models, data and losses named in config by ``_target_``.
-* ``launch`` / ``replicas``: worlds of processes; one consistent state on every rank (``setup_state``, ``sync_buffers``).
+* ``optim``: optax-style optimizers, ``(init, update)`` pairs composed with ``chain``, and their registry.
+* ``functional``: any ``nn.Module`` as ``apply(params, buffers, *inputs)``.
+* ``models`` / ``data``: the built-in models; datasets, batches and their split over ranks and micro-batches.
+* ``hooks``: gradient-reduction stages (allreduce, fp16, PowerSGD, top-k, int8) composed with ``hooks.chain``.
+* ``slurm`` / ``devices`` / ``launch``: a rank's place in a job; which device it computes on; starting
+  and joining a world of processes on torch's launchers.
+* ``targets`` / ``losses``: models, data and losses named in config by ``_target_``; loss functions.
+* ``compiled`` / ``reduce``: the gradient computation (under ``torch.compile`` when asked) and the
+  reduction that hands buckets back as their hook chains finish.
 * ``checks``: what a Python caller hands the train step, checked with errors naming the argument.
-* ``trainer`` / ``checkpoint``: the run loop; atomic checkpoints of every rank (``save_checkpoint``, ``load_checkpoint``).
+* ``state``: ``TrainState``, the whole training state as one value.
+* ``verdicts``: each step's finiteness verdict, read without stalling the device.
+* ``update``: reduced buckets to new params: the one interface of every ZeRO stage, and stage 0.
+* ``zero``: ZeRO stages 1 and 2 on that interface (layout, state conversion, the sharded update).
+* ``replicas``: one consistent state on every rank (``setup_state``, ``sync_buffers``).
+* ``step``: the pure ``train_step(state, batch) -> (state, metrics)``.
 * ``outer``: local SGD and DiLoCo, an outer loop that syncs every few steps across slow links.
-* ``zero``: ZeRO stages 1 and 2, optimizer state (and gradients) sharded over the ranks by bucket slices.
+* ``checkpoint``: atomic checkpoints of every rank (``save_checkpoint``, ``load_checkpoint``).
+* ``metrics`` / ``evaluate`` / ``rundir``: what a run writes, its test metrics, its directory's files.
+* ``config`` / ``validate``: typed config schemas; a config refused before anything runs.
+* ``world`` / ``build`` / ``report`` / ``trainer``: a config's world on this machine, a run's pieces,
+  what it reports, and the run loop.
 """
 from fdp import hooks, zero
 from fdp.buckets import allocate, pack, unpack
 from fdp.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from fdp.comm import Comm, Pending
-from fdp.devices import Placement, batch_to_device, place, resolve_backend, to_device
-from fdp.functional import FunctionalModel, functionalize
-from fdp.hooks import GradBucket, Hook
 from fdp.data import MapData, StepSampler
+from fdp.devices import Placement, batch_to_device, place, resolve_backend, to_device
+from fdp.errors import ConfigError
+from fdp.functional import FunctionalModel, functionalize
+from fdp.hooks import GradBucket, Hook, init_hook_states
 from fdp.launch import WorldLayout, broadcast_from_rank0, check_same_plan, init_distributed, spawn
-from fdp.losses import build_loss, make_loss_fn
+from fdp.losses import build_loss, cross_entropy_loss, make_loss_fn, planner_loss
 from fdp.optim import (
     GradientTransformation,
     adam,
@@ -46,20 +60,21 @@ from fdp.optim import (
 from fdp.outer import OuterSpec, OuterState, check_outer, init_outer_state, make_outer_step
 from fdp.plan import Bucket, BucketPlan, ParamSlot, gradient_ready_order, plan_buckets
 from fdp.precision import LossScale, Precision
-from fdp.reduce import GradReducer, Reduction, init_hook_states, resolve_schedule
+from fdp.reduce import GradReducer, Reduction, resolve_schedule
 from fdp.replicas import BUFFER_SYNC, setup_state, sync_buffers
-from fdp.train import TrainState, cross_entropy_loss, init_train_state, make_train_step, planner_loss
+from fdp.state import TrainState, init_train_state, state_nbytes
+from fdp.step import StepOptions, TrainStep, make_train_step
 
 __all__ = [
-    "BUFFER_SYNC", "CheckpointError", "broadcast_from_rank0", "check_same_plan", "load_checkpoint", "save_checkpoint",
-    "setup_state", "sync_buffers",
+    "BUFFER_SYNC", "CheckpointError", "ConfigError", "broadcast_from_rank0", "check_same_plan", "load_checkpoint",
+    "save_checkpoint", "setup_state", "sync_buffers",
     "Bucket", "BucketPlan", "Comm", "FunctionalModel", "GradBucket", "GradReducer", "GradientTransformation",
     "Hook", "LossScale", "MapData", "OuterSpec", "OuterState", "ParamSlot", "Pending", "Placement", "Precision",
-    "Reduction", "StepSampler", "TrainState", "WorldLayout", "adam", "adamw", "allocate", "apply_gradients",
-    "apply_updates", "batch_to_device", "build_loss", "build_optimizer", "chain", "check_outer", "clip_by_global_norm",
-    "constant_schedule", "cross_entropy_loss", "functionalize", "gradient_ready_order", "hooks", "init_distributed",
-    "init_hook_states", "init_outer_state", "init_train_state", "make_loss_fn", "make_outer_step", "make_train_step",
-    "pack", "place", "plan_buckets", "planner_loss", "resolve_backend", "resolve_schedule", "sgd", "spawn",
-    "supports_inplace", "to_device", "unpack", "warmup_cosine_schedule",
+    "Reduction", "StepOptions", "StepSampler", "TrainState", "TrainStep", "WorldLayout", "adam", "adamw", "allocate",
+    "apply_gradients", "apply_updates", "batch_to_device", "build_loss", "build_optimizer", "chain", "check_outer",
+    "clip_by_global_norm", "constant_schedule", "cross_entropy_loss", "functionalize", "gradient_ready_order", "hooks",
+    "init_distributed", "init_hook_states", "init_outer_state", "init_train_state", "make_loss_fn", "make_outer_step",
+    "make_train_step", "pack", "place", "plan_buckets", "planner_loss", "resolve_backend", "resolve_schedule", "sgd",
+    "spawn", "state_nbytes", "supports_inplace", "to_device", "unpack", "warmup_cosine_schedule",
     "zero",
 ]

@@ -25,7 +25,7 @@ import torch.distributed as dist
 __all__ = [
     "foreach", "fused_sgd_", "fused_adam_", "fused_adamw_", "HAS_FUSED_OPTIMIZERS",
     "disable_functorch", "HAS_DISABLE_FUNCTORCH", "default_store", "group_timeout",
-    "tree_flatten", "tree_unflatten", "tree_map", "storage_alias", "release_storage",
+    "tree_flatten", "tree_unflatten", "tree_map", "tree_paths", "TorchDispatchMode", "storage_id", "storage_alias", "release_storage",
 ]
 
 
@@ -126,7 +126,36 @@ tree_unflatten = _pytree_impl.tree_unflatten
 tree_map = _pytree_impl.tree_map
 
 
+def tree_paths(tree: Any) -> list[str]:
+    """Each leaf's path in ``tree`` as text (``[1].mu['fc.weight']``), in ``tree_flatten``'s order.
+
+    >>> tree_paths(({"b": 1, "a": 2}, 3))
+    ["[0]['b']", "[0]['a']", '[1]']
+    """
+    return [_pytree_impl.keystr(path) for path, _ in _pytree_impl.tree_flatten_with_path(tree)[0]]
+
+
+# -- dispatch modes ------------------------------------------------------------------------
+# A mode sees every op below autograd (inside a torch.func transform too, on plain tensors):
+# ZeRO stage 3 learns from one forward which op reads which bucket's params.
+try:
+    from torch.utils._python_dispatch import TorchDispatchMode
+except ImportError:  # pragma: no cover - a torch without Python dispatch modes
+    TorchDispatchMode = None  # type: ignore[assignment,misc]
+
+
 # -- storage ---------------------------------------------------------------------------------
+def storage_id(tensor: torch.Tensor) -> int:
+    """An id of the storage ``tensor`` views, the same for every view and after the storage is resized.
+
+    >>> flat = torch.zeros(4)
+    >>> storage_id(flat[1:]) == storage_id(flat)
+    True
+    """
+    return tensor.untyped_storage()._cdata
+
+
+
 def storage_alias(flat: torch.Tensor, offset: int, shape: tuple, strides: tuple) -> torch.Tensor:
     """A tensor on ``flat``'s storage that is not a view of ``flat``.
 

@@ -25,18 +25,48 @@ import torch
 from fdp._torch import foreach, storage_alias
 from fdp.plan import Bucket, BucketPlan
 
-__all__ = ["allocate", "pack", "unpack", "slot_views"]
+__all__ = ["allocate", "pack", "unpack", "slot_views", "release", "regrow"]
 
 
-def allocate(plan: BucketPlan) -> tuple[torch.Tensor, ...]:
-    """Zero-filled flat buffers, one per bucket, with the bucket's dtype and device.
+def allocate(plan: BucketPlan, zeroed: bool = True) -> tuple[torch.Tensor, ...]:
+    """Zero-filled flat buffers, one per bucket, with the bucket's dtype and device (``zeroed=False``: uninitialised).
 
     >>> from fdp.plan import pack_into_buckets
     >>> plan = pack_into_buckets([("w", (2, 3), "float16", "cpu")])
     >>> [(f.shape, f.dtype) for f in allocate(plan)]
     [(torch.Size([6]), torch.float16)]
     """
-    return tuple(torch.zeros(b.numel, dtype=b.torch_dtype, device=b.device) for b in plan.buckets)
+    make = torch.zeros if zeroed else torch.empty
+    return tuple(make(b.numel, dtype=b.torch_dtype, device=b.device) for b in plan.buckets)
+
+
+def release(buffer: torch.Tensor) -> None:
+    """Free ``buffer``'s memory, keeping the tensor and every view of it (``regrow`` gives it back).
+
+    A released buffer must not be read: its views point at no memory.
+
+    >>> flat = torch.ones(4)
+    >>> release(flat)
+    >>> flat.untyped_storage().nbytes()
+    0
+    """
+    buffer.untyped_storage().resize_(0)
+
+
+def regrow(buffer: torch.Tensor, zero: bool = False) -> None:
+    """Give a released buffer its memory back (its values are undefined until written, unless ``zero``).
+
+    >>> flat = torch.ones(4)
+    >>> release(flat); regrow(flat, zero=True)
+    >>> flat.tolist()
+    [0.0, 0.0, 0.0, 0.0]
+    """
+    storage = buffer.untyped_storage()
+    needed = (buffer.storage_offset() + buffer.numel()) * buffer.element_size()
+    if storage.nbytes() < needed:
+        storage.resize_(needed)
+        if zero:
+            buffer.zero_()
 
 
 def pack(plan: BucketPlan, grads: Mapping[str, torch.Tensor], buffers: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:

@@ -1,6 +1,6 @@
 """From a config to the pieces of a run on this rank: data, model, loss, plan, hooks, optimizer, first state.
 
-``setup(cfg, comm, device)`` is what each worker calls before step 1 (``fdp.trainer``
+``build_run(cfg, comm, device)`` is what each worker calls before step 1 (``fdp.trainer``
 then loops). Every piece is built from its config group: ``_target_`` nodes through
 ``fdp.targets``, hooks and optimizers through their registries.
 """
@@ -14,7 +14,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from fdp import zero
 from fdp.comm import Comm
-from fdp.config import DATA_SETTINGS, ConfigError
+from fdp.config import DATA_SETTINGS
+from fdp.errors import ConfigError
 from fdp.data import (
     Dataset,
     MapData,
@@ -32,7 +33,7 @@ from fdp.launch import (
     broadcast_from_rank0,
     check_same_plan,
 )
-from fdp.losses import Criterion, build_loss, cross_entropy, make_loss_fn
+from fdp.losses import Criterion, build_loss, cross_entropy, make_loss_fn, planner_loss
 from fdp.models import count_parameters
 from fdp.optim import GradientTransformation, build_optimizer
 from fdp.outer import check_outer, init_outer_state
@@ -40,7 +41,7 @@ from fdp.plan import BucketPlan, plan_buckets
 from fdp.precision import Precision, check_precision
 from fdp.replicas import rank_seed, setup_state
 from fdp.targets import build, label
-from fdp.train import TrainState, planner_loss
+from fdp.state import TrainState
 
 
 # -- building the pieces from config ------------------------------------------------------
@@ -98,7 +99,7 @@ def check_fit(cfg: DictConfig, loss_fn, params, buffers, batch: tuple) -> None:
         raise ConfigError(f"{label('loss', cfg.loss)}: returned {got}; expected a floating-point scalar")
 
 
-class Run(NamedTuple):
+class RunParts(NamedTuple):
     """Everything a worker builds before step 1."""
 
     model: FunctionalModel
@@ -112,7 +113,7 @@ class Run(NamedTuple):
     precision: Precision = Precision()
 
 
-def setup(cfg: DictConfig, comm: Comm, device: torch.device = torch.device("cpu")) -> Run:
+def build_run(cfg: DictConfig, comm: Comm, device: torch.device = torch.device("cpu")) -> RunParts:
     """Build model, data, plan, hooks, optimizer and the first train state on this rank, on ``device``.
 
     The weights are made on the CPU from the seed (the same on any device) and moved;
@@ -125,7 +126,7 @@ def setup(cfg: DictConfig, comm: Comm, device: torch.device = torch.device("cpu"
     module = build_module(cfg.model, data)
     num_params = count_parameters(module)
     model, params, buffers = functionalize(module, keep_module_weights=False)  # the state holds the weights
-    precision = check_precision(cfg.trainer.precision)
+    precision = check_precision(cfg.trainer.precision, device.type)
     params, buffers = to_device(params, device), to_device(buffers, device)
     params, buffers = precision.cast(params), precision.cast(buffers)  # bf16-true: the plan's buckets follow
     criterion = build_loss(OmegaConf.to_container(cfg.loss, resolve=True))
@@ -148,11 +149,12 @@ def setup(cfg: DictConfig, comm: Comm, device: torch.device = torch.device("cpu"
     if cfg.trainer.zero_stage:  # the optimizer state is built for this rank's slices only
         check_same_plan(plan, comm)
         params, buffers = broadcast_from_rank0(params, comm), broadcast_from_rank0(buffers, comm)
-        state = zero.init_state(params, buffers, optimizer, plan, comm, hook, seed=rank_seed(cfg.seed, comm.rank))
+        state = zero.init_state(params, buffers, optimizer, plan, comm, hook, seed=rank_seed(cfg.seed, comm.rank),
+                                stage=cfg.trainer.zero_stage)
     else:
         state = setup_state(params, buffers, optimizer, plan, hook, comm, seed=cfg.seed, precision=precision)
     state = state._replace(outer=init_outer_state(check_outer(OmegaConf.to_container(cfg.outer)), state.params, plan, hook))
-    return Run(model, data, plan, hook, optimizer, state, num_params, criterion, precision)
+    return RunParts(model, data, plan, hook, optimizer, state, num_params, criterion, precision)
 
 
 def _hierarchical(hook: Hook, cfg: DictConfig, comm: Comm) -> Hook:

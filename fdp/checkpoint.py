@@ -4,7 +4,10 @@ A checkpoint is a plain dict of tensors, numbers, strings, lists and dicts, so
 ``torch.load(path, weights_only=True)`` reads it without unpickling any code. Its
 ``params`` entry maps parameter names to tensors. Structured state (optimizer and hook
 NamedTuples) is stored as flat lists of leaves and rebuilt against the live state's
-structure, which also checks that the run being resumed is the same kind of run.
+structure, which also checks that the run being resumed is the same kind of run. The
+optimizer state's leaves are stored with their paths (``[1].mu['fc.weight']``) and
+matched by path, so a state whose parameters come in another order (a ZeRO stage 3 run
+keeps them in plan order) restores into any other.
 
 Tensors are saved on the CPU and restored onto the devices of the live state, so a run
 on GPUs resumes on the CPU and the reverse, and on another number of GPUs.
@@ -29,11 +32,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fdp._torch import tree_flatten, tree_unflatten
+from fdp._torch import tree_flatten, tree_paths, tree_unflatten
 from fdp.comm import Comm
-from fdp.devices import host_plan
 from fdp.plan import BucketPlan
-from fdp.train import TrainState
+from fdp.state import TrainState
 
 LAST = "last.pt"
 _STEP_FILE = re.compile(r"step_(\d+)\.pt$")
@@ -117,13 +119,22 @@ def _leaves(tree: Any) -> list:
     return [_on_host(leaf) for leaf in tree_flatten(tree)[0]]
 
 
-def _rebuild(template: Any, leaves: list, what: str, path: Path) -> Any:
+def _rebuild(template: Any, leaves: list, what: str, path: Path, paths: list[str] | None = None) -> Any:
     template_leaves, spec = tree_flatten(template)
     if spec.num_leaves != len(leaves):
         raise CheckpointError(
             f"checkpoint {path}: {what} has {len(leaves)} entries, this run expects {spec.num_leaves} "
             "(different optimizer, hooks or bucket plan?)"
         )
+    if paths is not None:  # matched by path, whatever order the saving run kept its parameters in
+        by_path = dict(zip(paths, leaves))
+        wanted = tree_paths(template)
+        missing = [p for p in wanted if p not in by_path]
+        if missing:
+            raise CheckpointError(
+                f"checkpoint {path}: {what} has no entry {missing[0]} (different optimizer or model?)"
+            )
+        leaves = [by_path[p] for p in wanted]
     return tree_unflatten([_like(v, t) for v, t in zip(leaves, template_leaves)], spec)
 
 
@@ -134,6 +145,7 @@ def state_payload(state: TrainState, per_rank: list[dict], extra: dict | None = 
         "params": {name: _on_host(t) for name, t in state.params.items()},
         "buffers": {name: _on_host(t) for name, t in state.buffers.items()},
         "opt_state": _leaves(state.opt_state),
+        "opt_state_paths": tree_paths(state.opt_state),
         "loss_scale": _leaves(state.loss_scale),  # decided after the reduction: the same on every rank
         "ranks": per_rank,
         **(extra or {}),
@@ -153,7 +165,7 @@ def rank_payload(state: TrainState) -> dict:
     }
     if state.outer:
         mine.update(params={name: _on_host(p) for name, p in state.params.items()}, opt_state=_leaves(state.opt_state),
-                    outer=_leaves(state.outer))
+                    opt_state_paths=tree_paths(state.opt_state), outer=_leaves(state.outer))
     return mine
 
 
@@ -181,12 +193,15 @@ def restore(payload: dict, template: TrainState, rank: int, path: str | os.PathL
     saved_cuda_rng = mine.get("cuda_rng")
     both_on_gpu = saved_cuda_rng is not None and saved_cuda_rng.numel() and template.cuda_rng.numel()
     own_buffers = mine.get("buffers", {})
-    shared = {key: mine.get(key, payload[key]) for key in ("params", "opt_state")}
+    # Under an outer loop each rank saved its own params and optimizer state (with their paths).
+    source = mine if "opt_state" in mine else payload
+    shared = {"params": mine.get("params", payload["params"]), "opt_state": source["opt_state"],
+              "opt_state_paths": source.get("opt_state_paths")}
     return TrainState(
         step=int(payload["step"]),
         params={name: _like(shared["params"][name], t) for name, t in template.params.items()},
         buffers={name: _like(own_buffers.get(name, payload["buffers"][name]), t) for name, t in template.buffers.items()},
-        opt_state=_rebuild(template.opt_state, shared["opt_state"], "optimizer state", path),
+        opt_state=_rebuild(template.opt_state, shared["opt_state"], "optimizer state", path, shared["opt_state_paths"]),
         hook_state=_rebuild(template.hook_state, mine["hook_state"], "hook state", path),
         rng=mine["rng"],
         cuda_rng=saved_cuda_rng if both_on_gpu else template.cuda_rng,
@@ -250,7 +265,7 @@ def save_checkpoint(
     if comm.rank != 0:
         return None
     payload = state_payload(
-        state, _differing_buffers(per_rank, state.buffers), {**(extra or {}), "plan_fingerprint": host_plan(plan).fingerprint()}
+        state, _differing_buffers(per_rank, state.buffers), {**(extra or {}), "plan_fingerprint": plan.on_cpu().fingerprint()}
     )
     return save(directory, payload, keep=keep)
 
@@ -274,6 +289,6 @@ def load_checkpoint(
     payload = [load(path) if comm.rank == 0 else None]
     if comm.world_size > 1:
         dist.broadcast_object_list(payload, src=0, group=comm.group)
-    if payload[0].get("plan_fingerprint") != host_plan(plan).fingerprint():
+    if payload[0].get("plan_fingerprint") != plan.on_cpu().fingerprint():
         raise CheckpointError(f"checkpoint {path} was written with another bucket plan (model or bucket caps changed)")
     return restore(payload[0], like, comm.rank, path)

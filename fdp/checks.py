@@ -9,20 +9,19 @@ world, of the process environment).
 """
 from __future__ import annotations
 
-import numbers
-import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from fdp._torch import tree_flatten
 from fdp.comm import Comm
+from fdp.errors import check_int
 from fdp.hooks.base import Hook, stage_name
+from fdp.launch import refuse_world_of_one
 from fdp.optim import GradientTransformation
 from fdp.plan import BucketPlan
 
-__all__ = ["check_step_arguments", "check_state_against_plan", "check_hook_states", "check_world"]
+__all__ = ["check_step_arguments", "check_accum_steps", "check_state_against_plan", "check_hook_states", "check_world"]
 
 
 def _is(kind: type, value: Any) -> bool:
@@ -37,13 +36,22 @@ def check_world(comm: Comm | None) -> None:
 
     >>> check_world(Comm())  # not launched: a world of one is what was asked for
     """
-    launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if launched > 1 and not dist.is_initialized() and (comm or Comm()).world_size == 1:
-        raise RuntimeError(
-            f"comm is a world of one, but this process was started as one of WORLD_SIZE={launched}: "
-            "join the others first (comm = fdp.init_distributed(WorldLayout('elastic' or 'torchrun', ...))) "
-            "and pass that comm"
+    if (comm or Comm()).world_size == 1:
+        refuse_world_of_one(
+            "comm", "join the others first (comm = fdp.init_distributed(WorldLayout('elastic' or 'torchrun', ...))) "
+            "and pass that comm", RuntimeError,
         )
+
+
+def check_accum_steps(accum_steps: Any) -> int:
+    """``accum_steps``: micro-batches per step, an integer >= 1.
+
+    >>> check_accum_steps(0)
+    Traceback (most recent call last):
+    ...
+    ValueError: accum_steps=0: expected an integer >= 1
+    """
+    return check_int("accum_steps", accum_steps, low=1)
 
 
 def check_step_arguments(
@@ -52,11 +60,10 @@ def check_step_arguments(
     plan: Any,
     hook: Any,
     comm: Any,
-    accum_steps: Any,
 ) -> None:
     """The arguments of ``make_train_step``, before anything is built.
 
-    >>> check_step_arguments(print, None, None, None, None, 1)
+    >>> check_step_arguments(print, None, None, None, None)
     Traceback (most recent call last):
     ...
     TypeError: optimizer=None: expected an optimizer (GradientTransformation), e.g. fdp.sgd(0.1)
@@ -82,8 +89,6 @@ def check_step_arguments(
     if comm is not None and not _is(Comm, comm):
         raise TypeError(f"comm={comm!r}: expected the Comm that fdp.init_distributed returns (or None)")
     check_world(comm)
-    if _is(bool, accum_steps) or not _is(numbers.Integral, accum_steps) or accum_steps < 1:
-        raise ValueError(f"accum_steps={accum_steps!r}: expected an integer >= 1")
 
 
 _REMAKE = "make the state with init_train_state(params, buffers, optimizer, plan, hook) (or fdp.setup_state)"

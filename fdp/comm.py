@@ -88,6 +88,23 @@ class Comm:
         work = _all_gather_flat(out, tensor.contiguous().view(-1), group=self.group, async_op=True)
         return Pending(out.view(world, *tensor.shape), work)
 
+    def gather(self, tensor: torch.Tensor, dst: int = 0) -> Pending:
+        """Every rank's ``tensor``, stacked on rank ``dst`` (shape ``(world_size, *tensor.shape)``); ``None`` elsewhere.
+
+        >>> Comm().gather(torch.ones(2)).wait()
+        tensor([[1., 1.]])
+        """
+        world = self.world_size
+        if world == 1:
+            return Pending(tensor.unsqueeze(0).clone())
+        self._count(tensor)
+        mine = self.rank == dst
+        out = tensor.new_empty((world, *tensor.shape)) if mine else None
+        target = dist.get_global_rank(self.group, dst) if self.group is not None else dst
+        work = dist.gather(tensor.contiguous(), list(out.unbind(0)) if mine else None, dst=target, group=self.group,
+                           async_op=True)
+        return Pending(out, work)
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Pending:
         """Every rank's ``tensor`` becomes rank ``src``'s (``src`` counted in this group), in place."""
         if self.world_size == 1:
@@ -123,6 +140,26 @@ class Comm:
             return Pending(mine, dist.all_reduce(flat, group=self.group, async_op=True))
         out = tensor.new_empty(size)
         return Pending(out, _reduce_scatter_flat(out, tensor.contiguous().view(-1), group=self.group, async_op=True))
+
+    def all_to_all(self, tensor: torch.Tensor) -> Pending:
+        """Chunk ``j`` of the flat ``tensor`` goes to rank ``j``; row ``r`` of the result came from rank ``r``.
+
+        The result has shape ``(world_size, numel / world_size)``: every rank's copy of
+        this rank's chunk, so that summing over the first dimension reduces chunk by
+        chunk (a reduce-scatter in any dtype).
+
+        >>> Comm().all_to_all(torch.arange(4)).wait()
+        tensor([[0, 1, 2, 3]])
+        """
+        world = self.world_size
+        if tensor.numel() % world:
+            raise ValueError(f"all_to_all: {tensor.numel()} elements do not split over {world} ranks")
+        if world == 1:
+            return Pending(tensor.reshape(1, -1).clone())
+        self._count(tensor)
+        out = tensor.new_empty(tensor.numel())
+        work = dist.all_to_all_single(out, tensor.contiguous().view(-1), group=self.group, async_op=True)
+        return Pending(out.view(world, -1), work)
 
     def all_gather_into(self, out: torch.Tensor, piece: torch.Tensor) -> Pending:
         """Fill the flat ``out`` with every rank's ``piece``, in rank order; ``out`` has ``world_size`` pieces.

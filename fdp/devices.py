@@ -18,14 +18,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 
-from fdp.config import ConfigError
-from fdp.plan import BucketPlan
+from fdp.errors import ConfigError
 
 ACCELERATORS = ("auto", "cpu", "gpu")
 BACKENDS = ("auto", "gloo", "nccl")
@@ -298,19 +298,38 @@ def use_device(device: torch.device) -> torch.device:
     return device
 
 
-def host_plan(plan: BucketPlan) -> BucketPlan:
-    """``plan`` with every bucket on the CPU: the layout ranks and checkpoints compare.
+# -- a rank's memory budget ------------------------------------------------------------------
+def limit_memory(budget_mib: float, device: torch.device) -> None:
+    """Let this process allocate at most ``budget_mib`` more MiB from here on (``world.memory_per_rank_mb``).
 
-    Each rank's buckets live on its own GPU, and a checkpoint may be resumed on another
-    device; neither changes which tensor sits where in which bucket.
-
-    >>> from fdp.plan import pack_into_buckets
-    >>> gpu = pack_into_buckets([("w", (2, 3), "float32", "cuda:1")])
-    >>> host_plan(gpu).buckets[0].device, host_plan(gpu) == pack_into_buckets([("w", (2, 3), "float32", "cpu")])
-    ('cpu', True)
+    What a GPU's memory does for each rank, on any device: a run that needs more fails
+    with an out-of-memory error (``is_out_of_memory``) instead of slowing the machine down.
+    On a GPU it is torch's per-process fraction of the device's memory; on the CPU a
+    limit on the process's data segment (``RLIMIT_DATA``, the heap and private mappings a
+    process writes), counted from what it holds now. 0 sets no limit.
     """
-    layout = plan.to_dict()
-    return BucketPlan.from_dict({**layout, "buckets": [{**b, "device": "cpu"} for b in layout["buckets"]]})
+    if budget_mib <= 0:
+        return
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget_mib * 2**20 / total), device)
+        return
+    import resource
+
+    held = int(re.search(r"VmData:\s+(\d+)", open("/proc/self/status").read()).group(1)) * 1024
+    limit = held + int(budget_mib * 2**20)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, resource.getrlimit(resource.RLIMIT_DATA)[1]))
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` says an allocation failed (a CUDA OOM, torch's CPU allocator, Python's ``MemoryError``).
+
+    >>> is_out_of_memory(MemoryError()), is_out_of_memory(RuntimeError("shapes do not match"))
+    (True, False)
+    """
+    if isinstance(error, (MemoryError, getattr(torch, "OutOfMemoryError", MemoryError))):
+        return True
+    return isinstance(error, RuntimeError) and ("can't allocate memory" in str(error) or "out of memory" in str(error))
 
 
 # -- tensors on the device ------------------------------------------------------------------

@@ -21,11 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fdp.config import ConfigError
+from fdp.errors import ConfigError
 from fdp.functional import Buffers, FunctionalModel, Params
 from fdp.targets import label, locate
 
-__all__ = ["batch_metrics", "build_loss", "cross_entropy", "make_loss_fn", "mse"]
+__all__ = ["batch_metrics", "build_loss", "cross_entropy", "cross_entropy_loss", "make_loss_fn", "mse", "planner_loss"]
 
 Criterion = Callable[[Any, Tensor], Tensor]
 
@@ -65,7 +65,7 @@ def build_loss(node: Mapping) -> Criterion:
     >>> build_loss({"name": "custom", "_target_": "torch.nn.functional.l1_loss", "smoothing": 0.1})
     Traceback (most recent call last):
         ...
-    fdp.config.ConfigError: loss._target_='torch.nn.functional.l1_loss': got an unexpected keyword argument 'smoothing'
+    fdp.errors.ConfigError: loss._target_='torch.nn.functional.l1_loss': got an unexpected keyword argument 'smoothing'
     """
     settings = {str(k): v for k, v in node.items() if k != "name"}
     if "_target_" not in settings:
@@ -96,6 +96,25 @@ def make_loss_fn(model: FunctionalModel, criterion: Criterion) -> Callable:
         return criterion(outputs, targets), (new_buffers, {})
 
     return loss_fn
+
+
+def cross_entropy_loss(model: FunctionalModel) -> Callable:
+    """``loss_fn(params, buffers, batch) -> (loss, (new_buffers, metrics))`` for classifiers and LMs.
+
+    Logits of any shape ``(..., classes)`` are scored against targets of shape ``(...)``.
+
+    >>> from fdp.functional import functionalize
+    >>> model, params, buffers = functionalize(torch.nn.Linear(3, 2))
+    >>> loss, (new_buffers, metrics) = cross_entropy_loss(model)(params, buffers, (torch.zeros(4, 3), torch.tensor([0, 1, 0, 1])))
+    >>> loss.shape, metrics
+    (torch.Size([]), {})
+    """
+    return make_loss_fn(model, cross_entropy)
+
+
+def planner_loss(loss_fn: Callable, buffers: Buffers) -> Callable:
+    """Adapt a train loss to the planner's ``loss(params, batch)`` signature (``fdp.plan_buckets``)."""
+    return lambda params, batch: loss_fn(params, buffers, batch)[0]
 
 
 def batch_metrics(criterion: Criterion, outputs: Any, targets: Tensor) -> tuple[float, int, int, int]:

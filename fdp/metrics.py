@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from fdp.config import ConfigError
+from fdp.errors import ConfigError
 
 TENSORBOARD_DIR = "tb"
 

@@ -34,7 +34,7 @@ class MLP(nn.Module):
     def __init__(self, in_features: int, hidden: int, depth: int, out_features: int):
         super().__init__()
         if depth < 0:
-            raise ValueError(f"MLP depth must be >= 0, got {depth}")
+            raise ValueError(f"depth={depth!r}: expected an integer >= 0")
         layers: list[nn.Module] = []
         width = in_features
         for _ in range(depth):
@@ -83,7 +83,7 @@ class _CausalSelfAttention(nn.Module):
     def __init__(self, d_model: int, n_head: int, dropout: float):
         super().__init__()
         if d_model % n_head:
-            raise ValueError(f"d_model ({d_model}) must be divisible by n_head ({n_head})")
+            raise ValueError(f"n_head={n_head!r}: expected a divisor of d_model={d_model}")
         self.n_head = n_head
         self.dropout = dropout
         self.qkv = nn.Linear(d_model, 3 * d_model)

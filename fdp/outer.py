@@ -42,8 +42,10 @@ from fdp.functional import Params
 from fdp.hooks import Hook, allreduce
 from fdp.optim import GradientTransformation, apply_gradients, apply_updates, sgd
 from fdp.plan import BucketPlan
-from fdp.reduce import Reduction, init_hook_states
-from fdp.train import TrainState, make_train_step
+from fdp.hooks import init_hook_states
+from fdp.reduce import Reduction
+from fdp.state import TrainState
+from fdp.step import TrainStep, make_train_step
 
 OUTER = ("none", "local_sgd", "diloco")
 
@@ -175,20 +177,20 @@ def make_outer_step(
     comm: Comm | None = None,
     donate: bool = False,
     **step_options,
-) -> Callable[[TrainState, tuple], tuple[TrainState, dict]]:
-    """Build ``step(state, batch) -> (new_state, metrics)`` with the outer loop of ``spec``.
+) -> TrainStep:
+    """Build ``step(state, batch) -> (new_state, metrics)`` (a ``TrainStep``) with the outer loop of ``spec``.
 
     ``state.outer`` must come from ``init_outer_state``. Up to ``spec.start_step`` the
     step is ``make_train_step``'s (gradients reduced through ``hook`` every step); after
     it, each rank steps alone, and every ``spec.sync_every`` steps the pseudo-gradient is
     reduced through ``hook`` over ``plan`` and the outer optimizer moves every rank to
     the new anchor (``spec.overlap`` steps later, with each rank's progress since kept).
-    ``step_options`` (``accum_steps``, ``schedule``, ``nonfinite``, ``timeline``) go to
+    ``step_options`` (the other fields of ``fdp.step.StepOptions``) go to
     ``make_train_step``; ``donate`` as there. Every rank must build its step at the same
     point (with ``overlap``, the syncs get a process group of their own).
 
     >>> from fdp import functionalize, init_train_state, plan_buckets, sgd
-    >>> from fdp.train import cross_entropy_loss, planner_loss
+    >>> from fdp.losses import cross_entropy_loss, planner_loss
     >>> model, params, buffers = functionalize(torch.nn.Linear(4, 3))
     >>> loss_fn = cross_entropy_loss(model)
     >>> batch = (torch.randn(8, 4), torch.randint(0, 3, (8,)))
@@ -257,13 +259,12 @@ def make_outer_step(
             "synced": landed,
         }
 
-    def settle() -> None:  # make_train_step's: read the last step's finiteness verdict
+    def settle() -> None:  # read the last step's finiteness verdict, whichever inner step took it
         for inner in (synced, local):
             if inner is not None:
                 inner.settle()
 
-    step.settle = settle
-    return step
+    return TrainStep(step, settle)
 
 
 class _Sync:

@@ -24,7 +24,7 @@ from fdp import buckets as bucket_buffers
 from fdp._torch import HAS_DISABLE_FUNCTORCH, disable_functorch, foreach
 from fdp.comm import Comm
 from fdp.compiled import compile_grad, compiled_schedule
-from fdp.hooks.base import GradBucket, Hook
+from fdp.hooks.base import GradBucket, Hook, init_hook_states
 from fdp.plan import BucketPlan
 from fdp.trace import NullTimeline, Timeline
 
@@ -81,8 +81,11 @@ class Reduction:
     [(0, [1.0, 1.0])]
     """
 
-    def __init__(self, hook: Hook, comm: Comm, states: tuple, plan: BucketPlan, timeline: Timeline = NullTimeline()):
+    def __init__(self, hook: Hook, comm: Comm, states: tuple, plan: BucketPlan, timeline: Timeline = NullTimeline(),
+                 release: bool = False):
         self._hook, self._comm, self._states, self._plan, self._timeline = hook, comm, states, plan, timeline
+        self._release = release  # free each bucket buffer once its chain has handed back a result of its own
+        self._flats: dict[int, torch.Tensor] = {}
         self._running: dict[int, tuple[Any, Any]] = {}  # bucket index -> (generator, pending collective)
         self._ready: list[tuple[int, GradBucket]] = []  # finished, not yet handed back
         self._new_states: list[Any] = [None] * len(plan.buckets)
@@ -96,6 +99,7 @@ class Reduction:
         """Start the next bucket's chain (buckets start strictly in plan order)."""
         index = self.started
         self.started += 1
+        self._flats[index] = flat
         self._timeline.bucket_begin(index)
         # The bucket buffer is scratch the reducer refills every step: the chain may work in it.
         grads = GradBucket(index, flat, self._plan.buckets[index], owned=True)
@@ -117,6 +121,22 @@ class Reduction:
             self._wait_s += time.perf_counter() - t0
             self._resume(index, run, value)
             yield from self._handed_back()
+
+    def complete(self, index: int) -> None:
+        """Drive bucket ``index``'s chain to its end now, waiting on each of its collectives.
+
+        Every rank must call it at the same point of its step (ZeRO stage 3 finishes each
+        bucket two buckets later, inside backward), so that all issue the same sequence.
+        """
+        while index in self._running:
+            run, pending = self._running[index]
+            t0 = time.perf_counter()
+            value = pending.wait()
+            self._wait_s += time.perf_counter() - t0
+            if index in self._round:
+                self._round.remove(index)
+            self._timeline.collective_end(index, self._stage[index])
+            self._advance(index, run, value)
 
     def poll(self) -> None:
         """Resume the chains whose collectives are done, without blocking, as ``finished()`` would.
@@ -156,7 +176,7 @@ class Reduction:
         return self._round[0]
 
     def _resume(self, index: int, run, value) -> None:
-        self._round.pop(0)
+        self._round.remove(index)
         self._timeline.collective_end(index, self._stage[index])
         self._advance(index, run, value)
 
@@ -167,6 +187,9 @@ class Reduction:
     def _finished(self, index: int, result: tuple[GradBucket, Any]) -> None:
         reduced, self._new_states[index] = result
         self._running.pop(index, None)
+        flat = self._flats.pop(index)
+        if self._release and reduced.buffer.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
+            bucket_buffers.release(flat)
         self._ready.append((index, reduced))
         self._timeline.bucket_end(index)
 
@@ -179,11 +202,6 @@ class Reduction:
         self._running[index] = (run, pending)
         stage = self._stage[index] = self._stage.get(index, 0) + 1
         self._timeline.collective_begin(index, stage)
-
-
-def init_hook_states(hook: Hook, plan: BucketPlan) -> tuple:
-    """One hook state per bucket of ``plan``."""
-    return tuple(hook.init(bucket) for bucket in plan.buckets)
 
 
 class _SlotTable(NamedTuple):
@@ -222,15 +240,21 @@ class GradReducer:
 
     def __init__(
         self, loss_fn: LossFn, plan: BucketPlan, hook: Hook, comm: Comm, schedule: str = "after",
-        timeline: Timeline = NullTimeline(), compile: bool = False,
+        timeline: Timeline = NullTimeline(), compile: bool = False, release_buffers: bool = False, gather: Any = None,
     ):
         schedule = resolve_schedule(schedule, comm.world_size)
         if compile:
             schedule = compiled_schedule(schedule)
+        if gather is not None:  # the params are released bucket by bucket as their gradients complete
+            schedule = resolve_schedule("overlap", world_size=2)
         self.plan, self.hook, self.comm, self.schedule, self.timeline = plan, hook, comm, schedule, timeline
-        self.loss_fn = self._marking_forward_end(loss_fn)
-        self.flats = bucket_buffers.allocate(plan)
-        self._table = _slot_table(plan, self.flats)
+        self.release_buffers, self.gather = release_buffers or gather is not None, gather
+        self.loss_fn = self._marking_forward_end(gather.wrap_loss(loss_fn) if gather is not None else loss_fn)
+        self.flats = bucket_buffers.allocate(plan, zeroed=not self.release_buffers)
+        self._table = _slot_table(plan, self.flats)  # views: made while the buffers have memory
+        if self.release_buffers:  # given memory again when first written (``_start_next``, ``_store``, the tensor hooks)
+            for flat in self.flats:
+                bucket_buffers.release(flat)
         self._plain_grad = grad_and_value(self.loss_fn, has_aux=True)
         self._hooked_grad = grad_and_value(self._traced_loss, argnums=0, has_aux=True)
         if compile:
@@ -247,7 +271,7 @@ class GradReducer:
         the last micro-batch's backward starts each bucket as soon as it is full; the rest
         start here, in plan order, once backward is done.
         """
-        reduction = Reduction(self.hook, self.comm, hook_states, self.plan, self.timeline)
+        reduction = Reduction(self.hook, self.comm, hook_states, self.plan, self.timeline, release=self.release_buffers)
         scale = 1.0 / len(micro_batches)
         losses = []
         for i, batch in enumerate(micro_batches):
@@ -261,8 +285,22 @@ class GradReducer:
             buffers = aux[0] if isinstance(aux, tuple) else buffers
             losses.append(loss)
         while reduction.started < len(self.plan.buckets):
-            reduction.start(self.flats[reduction.started])
+            self._start_next(reduction)
+        if self.gather is not None:
+            self.gather.stop()  # every gradient is in: no whole params are needed any more
         return Backward(reduction, losses, buffers)
+
+    def _start_next(self, reduction: Reduction) -> None:
+        """Start the next bucket's chain (the plan's next, once its gradients are complete)."""
+        index = reduction.started
+        flat = self.flats[index]
+        if self.release_buffers:  # a bucket no gradient reached this step holds zeros
+            bucket_buffers.regrow(flat, zero=True)
+        if self.gather is not None:
+            self.gather.grads_done(index)
+            if index >= 2:  # at most three buckets' gradients in flight at once, the same on every rank
+                reduction.complete(index - 2)
+        reduction.start(flat)
 
     def _marking_forward_end(self, loss_fn: LossFn) -> LossFn:
         def marked(*args):
@@ -273,6 +311,9 @@ class GradReducer:
         return marked
 
     def _store(self, grads: dict, scale: float, accumulate: bool) -> None:
+        if self.release_buffers:
+            for flat in self.flats:
+                bucket_buffers.regrow(flat)
         names = [n for n in self._table.views if n in grads]
         views = [self._table.views[n] for n in names]
         values = [grads[n].reshape(-1) for n in names]
@@ -327,6 +368,10 @@ class GradReducer:
         view_of = self._table.views[name]
         start = view_of.storage_offset() - self.flats[bucket].storage_offset()
         stop = start + view_of.numel()
+        flat = self.flats[bucket]
+        # With parameter sharding autograd's own copy of the gradient is not kept: a
+        # zero-strided scalar takes its place in what torch.func returns.
+        placeholder = torch.zeros((), dtype=view_of.dtype, device=view_of.device) if self.gather is not None else None
 
         def on_grad_ready(grad):
             # torch.func.grad differentiates with create_graph=True, so ``grad`` carries a
@@ -338,6 +383,8 @@ class GradReducer:
             # the growth slowed the step down. The bucket is never differentiated, so the
             # copy runs without autograd.
             with torch.no_grad():
+                if self.release_buffers:
+                    bucket_buffers.regrow(flat)
                 target = flats_arg[bucket][start:stop].view(shape)
                 if self._accumulate:
                     target.add_(grad, alpha=self._scale)
@@ -351,9 +398,9 @@ class GradReducer:
             # their state) must be plain tensors, not this grad level's wrappers.
             with disable_functorch(), torch.no_grad():
                 while reduction.started < len(self._remaining) and self._remaining[reduction.started] == 0:
-                    reduction.start(self.flats[reduction.started])
+                    self._start_next(reduction)
             # Returning None keeps autograd's own gradient (returning it again also kept
             # a gradient set alive, through the same cycle).
-            return None
+            return None if placeholder is None else placeholder.expand(shape)
 
         return on_grad_ready

@@ -29,6 +29,7 @@ from fdp.comm import Comm
 from fdp.functional import Buffers, Params
 from fdp.launch import broadcast_from_rank0, check_same_plan
 from fdp.plan import BucketPlan
+from fdp.state import init_train_state
 
 __all__ = ["BUFFER_SYNC", "check_sync_buffers", "rank_seed", "setup_state", "sync_buffers"]
 
@@ -93,8 +94,6 @@ def setup_state(
     >>> setup_state(params, buffers, sgd(0.1), plan, seed=0).step
     0
     """
-    from fdp.train import init_train_state  # the train step imports this module
-
     comm = comm or Comm()
     check_same_plan(plan, comm)
     _check_same_seed_and_buffers(seed, buffers, comm)

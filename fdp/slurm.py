@@ -18,7 +18,7 @@ import itertools
 import re
 from typing import Mapping, NamedTuple
 
-from fdp.config import ConfigError
+from fdp.errors import ConfigError
 
 LOOPBACK = "127.0.0.1"
 # Below Linux's ephemeral range (32768-60999), where the OS hands out client ports.
@@ -148,7 +148,7 @@ def slurm_world(env: Mapping[str, str]) -> JobWorld:
         raise ConfigError(f"world=slurm: unreadable job environment: {error}") from None
     # Without SLURM_TASKS_PER_NODE (an older or hand-made environment), assume an even spread.
     local_world_size = counts[node] if node < len(counts) else max(1, world_size // max(1, nodes))
-    return _checked(JobWorld(rank, world_size, local_rank, local_world_size, env.get("MASTER_ADDR") or master, port))
+    return _within_job(JobWorld(rank, world_size, local_rank, local_world_size, env.get("MASTER_ADDR") or master, port))
 
 
 def submitit_world(job, env: Mapping[str, str]) -> JobWorld:
@@ -161,10 +161,10 @@ def submitit_world(job, env: Mapping[str, str]) -> JobWorld:
         return slurm_world(env)
     port = int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else port_for_job(str(job.job_id))
     per_node = job.num_tasks // max(1, job.num_nodes)
-    return _checked(JobWorld(job.global_rank, job.num_tasks, job.local_rank, per_node, LOOPBACK, port, local=True))
+    return _within_job(JobWorld(job.global_rank, job.num_tasks, job.local_rank, per_node, LOOPBACK, port, local=True))
 
 
-def _checked(world: JobWorld) -> JobWorld:
+def _within_job(world: JobWorld) -> JobWorld:
     if not 0 <= world.rank < world.world_size:
         raise ConfigError(f"world=slurm: task rank {world.rank} is outside the job's {world.world_size} tasks")
     if not 0 <= world.local_rank < world.local_world_size:

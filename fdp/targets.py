@@ -25,7 +25,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from fdp.config import ConfigError
+from fdp.errors import ConfigError
 
 __all__ = ["build", "label", "locate"]
 
@@ -45,7 +45,7 @@ def locate(setting: str, path: Any) -> Any:
     >>> locate("model._target_", "fdp.models.ResNet")
     Traceback (most recent call last):
         ...
-    fdp.config.ConfigError: model._target_='fdp.models.ResNet': module fdp.models has no attribute 'ResNet'
+    fdp.errors.ConfigError: model._target_='fdp.models.ResNet': module fdp.models has no attribute 'ResNet'
     """
     if not isinstance(path, str) or not _DOTTED.fullmatch(path):
         raise ConfigError(f"{setting}={path!r}: expected a dotted path to a class or function, such as my_pkg.models.Net")
@@ -111,7 +111,7 @@ def build(group: str, node: Mapping, offered: Mapping[str, Any] | None = None, s
     >>> build("model", {"name": "custom", "_target_": "torch.nn.Linear", "widht": 3}, offered={"in_features": 4})
     Traceback (most recent call last):
         ...
-    fdp.config.ConfigError: model._target_='torch.nn.Linear': Linear.__init__() got an unexpected keyword argument 'widht' (called with widht=3, in_features=4)
+    fdp.errors.ConfigError: model._target_='torch.nn.Linear': Linear.__init__() got an unexpected keyword argument 'widht' (called with widht=3, in_features=4)
     """
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate

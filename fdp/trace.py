@@ -85,6 +85,13 @@ class Timeline:
     def collective_end(self, bucket: int, stage: int) -> None:
         self._async("e", f"collective {stage}", bucket, "bucket", {})
 
+    def gather_begin(self, bucket: int) -> None:
+        """ZeRO stage 3: bucket ``bucket``'s params start their all-gather."""
+        self._async("b", f"gather {bucket}", bucket, "gather", {})
+
+    def gather_end(self, bucket: int) -> None:
+        self._async("e", f"gather {bucket}", bucket, "gather", {})
+
     def save(self, path: str | os.PathLike) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ import hydra
 from omegaconf import DictConfig
 
 from fdp.config import register_configs
-from fdp.build import setup
+from fdp.build import build_run
 from fdp.comm import Comm
 
 register_configs()
@@ -19,7 +19,7 @@ register_configs()
 
 @hydra.main(config_path="../conf", config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
-    plan = setup(cfg, Comm()).plan
+    plan = build_run(cfg, Comm()).plan
     print(plan)
     print(f"fingerprint: {plan.fingerprint()}")
     if cfg.get("plan_json"):

@@ -17,14 +17,17 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from fdp.checkpoint import CheckpointError
-from fdp.config import ConfigError, register_configs, validate
-from fdp.launch import RankLostError, WorkerFailedError, launch_rank
+from fdp.config import register_configs
+from fdp.errors import ConfigError
+from fdp.launch import RankLostError, RankOutOfMemoryError, WorkerFailedError, launch_rank
 from fdp.trainer import main as train
+from fdp.validate import validate
+from fdp.world import resolve_world
 
 register_configs()
 
 # Failures the run reports in one line: the message says what happened and what to change.
-EXPECTED = ("ConfigError", "CheckpointError", "FloatingPointError", "RankLostError")
+EXPECTED = ("ConfigError", "CheckpointError", "FloatingPointError", "RankLostError", "RankOutOfMemoryError")
 
 
 def save_hydra_files(cfg: DictConfig, run_dir: str) -> None:
@@ -49,7 +52,7 @@ def save_hydra_files(cfg: DictConfig, run_dir: str) -> None:
 def main(cfg: DictConfig) -> None:
     run_dir = HydraConfig.get().runtime.output_dir
     try:
-        validate(cfg, run_dir)  # before anything is written to run_dir
+        validate(resolve_world(cfg), run_dir)  # before anything is written to run_dir
         if launch_rank(cfg.world.launcher) == 0:  # under torchrun and SLURM every rank runs this script
             save_hydra_files(cfg, run_dir)
         train(cfg, run_dir)
@@ -64,7 +67,7 @@ def main(cfg: DictConfig) -> None:
             print(e.traceback, file=sys.stderr, end="")
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
-    except (RankLostError, FloatingPointError) as e:
+    except (RankLostError, RankOutOfMemoryError, FloatingPointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
 

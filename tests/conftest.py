@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import fdp.trainer
+import fdp.world
 from fdp.launch import WorldLayout, init_distributed, spawn
 
 torch.set_num_threads(1)
@@ -50,7 +50,7 @@ def _cpu_unless_marked_gpu(request):
         return
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("CUDA_VISIBLE_DEVICES", "")
-        patch.setattr(fdp.trainer, "visible_gpus", lambda: 0)
+        patch.setattr(fdp.world, "visible_gpus", lambda: 0)
         yield
 
 

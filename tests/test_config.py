@@ -4,7 +4,8 @@ import inspect
 
 import pytest
 
-from fdp.config import SCHEMAS, ConfigError, compose, validate
+from fdp.config import SCHEMAS, ConfigError, compose
+from fdp.validate import validate
 from fdp.hooks import HOOKS
 from fdp.optim import OPTIMIZERS, build_optimizer
 from fdp.optim.registry import SHARED_SETTINGS
@@ -42,7 +43,7 @@ def test_every_registered_optimizer_has_a_schema_and_back():
 
 @pytest.mark.parametrize("overrides, message", [
     (["optim.name=lion"], r"^optim\.name='lion': unknown optimizer; known optimizers: sgd, adam, adamw$"),
-    (["optim.momentum=-1"], r"^optim\.momentum must be >= 0, got -1\.0$"),
+    (["optim.momentum=-1"], r"^optim\.momentum=-1\.0: expected a number >= 0$"),
     (["trainer.nonfinite=maybe"], r"^trainer\.nonfinite='maybe': expected raise or skip$"),
 ])
 def test_a_setting_is_refused_by_the_module_that_uses_it_under_its_config_key(overrides, message):

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from fdp import Comm
-from fdp.config import ConfigError, compose, validate
+from fdp.config import ConfigError, compose
+from fdp.validate import validate
 from fdp.hooks import allreduce, build_hook, hierarchical, node_comms
 from fdp.plan import pack_into_buckets
 from fdp.reduce import Reduction, init_hook_states

@@ -11,7 +11,7 @@ import torch
 
 from fdp.config import ConfigError, compose
 from fdp.launch import WorldLayout, init_distributed, spawn
-from fdp.trainer import layout_of
+from fdp.world import layout_of
 
 # Everything below runs in `python -c`: `train` and `fail` live in __main__, which a spawned
 # worker could not import.
@@ -135,8 +135,8 @@ def test_launcher_none_under_a_launch_of_several_processes_is_refused(monkeypatc
         init_distributed(WorldLayout(nproc_per_node=2))
     message = str(error.value)
     assert "\n" not in message
-    assert "layout.launcher='none' makes a world of one" in message
-    assert "rank 1 of WORLD_SIZE=2" in message and "WorldLayout('elastic'" in message
+    assert "init_distributed(WorldLayout(launcher='none')) is a world of one" in message
+    assert "one of WORLD_SIZE=2" in message and "WorldLayout('elastic'" in message
 
 
 def test_launcher_none_alone_or_under_a_launch_of_one_is_a_world_of_one(monkeypatch):
@@ -148,5 +148,5 @@ def test_launcher_none_alone_or_under_a_launch_of_one_is_a_world_of_one(monkeypa
 
 def test_the_trainer_names_its_config_key_instead(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
-    with pytest.raises(ConfigError, match=r"^world=single: this process was started as one of WORLD_SIZE=4; expected world=torchrun$"):
+    with pytest.raises(ConfigError, match=r"^world=single is a world of one, but this process was started as one of WORLD_SIZE=4: expected world=torchrun$"):
         layout_of(compose("world=single"))

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from fdp.config import ConfigError
 from fdp.functional import functionalize
 from fdp.losses import batch_metrics, build_loss, cross_entropy, make_loss_fn, mse
-from fdp.train import cross_entropy_loss
+from fdp import cross_entropy_loss
 
 
 def test_cross_entropy_equals_the_train_step_loss_to_the_bit():

@@ -5,7 +5,8 @@ import sys
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from fdp.config import ConfigError, compose, validate
+from fdp.config import ConfigError, compose
+from fdp.validate import validate
 from fdp.metrics import MetricsLog, read_metrics
 from fdp.trainer import run
 

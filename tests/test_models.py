@@ -145,5 +145,5 @@ def test_build_model_errors():
         build_model("resnet")
     with pytest.raises(TypeError):
         build_model("mlp", in_features=4)
-    with pytest.raises(ValueError, match="divisible by n_head"):
+    with pytest.raises(ValueError, match="expected a divisor of d_model"):
         build_model("charlm", vocab_size=5, block_size=4, d_model=10, n_layer=1, n_head=3)

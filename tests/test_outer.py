@@ -10,13 +10,15 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from fdp import Comm, adam, functionalize, init_train_state, plan_buckets, sgd
-from fdp.config import ConfigError, compose, validate
+from fdp.config import ConfigError, compose
+from fdp.validate import validate
 from fdp.hooks import allreduce
 from fdp.outer import OuterSpec, check_outer, init_outer_state, make_outer_step
 from fdp.plan import pack_into_buckets
-from fdp.train import cross_entropy_loss, planner_loss
+from fdp import cross_entropy_loss, planner_loss
 from fdp.launch import spawn
-from fdp.trainer import layout_of, run, train_worker
+from fdp.trainer import run, train_worker
+from fdp.world import layout_of
 
 STEPS = 8
 

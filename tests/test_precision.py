@@ -14,14 +14,15 @@ from torch import nn
 
 from fdp import checkpoint
 from fdp.comm import Comm
-from fdp.config import ConfigError, compose, validate
+from fdp.config import ConfigError, compose
+from fdp.validate import validate
 from fdp.data import global_batch, load_digits, shard
 from fdp.functional import functionalize
 from fdp.models import MLP
 from fdp.optim import adam, sgd
 from fdp.plan import plan_buckets
 from fdp.precision import LossScale, Precision, check_precision, init_loss_scale, update_loss_scale
-from fdp.train import cross_entropy_loss, init_train_state, make_train_step, planner_loss
+from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
 
 TOL = 1e-5
 DATA = load_digits()

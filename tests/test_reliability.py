@@ -31,14 +31,17 @@ from omegaconf import OmegaConf
 from _paths import pythonpath_first
 from fdp import checkpoint
 from fdp.comm import Comm
-from fdp.config import ConfigError, register_configs, validate
+from fdp.config import ConfigError, register_configs
+from fdp.validate import validate
 from fdp.data import load_digits, shard_dataset
 from fdp.functional import functionalize
 from fdp.launch import RankLostError, WorkerFailedError, WorldLayout, init_distributed, loopback_interface, spawn
 from fdp.optim import sgd
 from fdp.plan import plan_buckets
-from fdp.train import cross_entropy_loss, init_train_state, make_train_step, planner_loss
-from fdp.trainer import Progress, layout_of, run, train_worker
+from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
+from fdp.rundir import RankStatus
+from fdp.trainer import run, train_worker
+from fdp.world import layout_of
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = str(ROOT / "conf")
@@ -243,7 +246,7 @@ def test_killed_rank_stops_the_run_naming_the_rank_and_the_step(tmp_path):
 
     def kill_rank1():
         wait_for(lambda: checkpointed(tmp_path, 20))
-        victim = Progress.read(tmp_path, 1)
+        victim = RankStatus.read(tmp_path, 1)
         os.kill(victim["pid"], signal.SIGKILL)
         return victim, time.monotonic()
 
@@ -262,7 +265,7 @@ def test_killed_rank_stops_the_run_naming_the_rank_and_the_step(tmp_path):
     assert int(match[2]) == victim["pid"]
     assert int(match[1]) >= victim["step"] >= 20 and int(match[3]) >= 20
     assert stopped - killed_at < timeout_s
-    assert not alive(Progress.read(tmp_path, 0)["pid"])
+    assert not alive(RankStatus.read(tmp_path, 0)["pid"])
 
 
 def test_hung_rank_is_named_by_the_survivor_within_the_timeout(tmp_path):
@@ -272,7 +275,7 @@ def test_hung_rank_is_named_by_the_survivor_within_the_timeout(tmp_path):
 
     def stop_rank1():
         wait_for(lambda: checkpointed(tmp_path, 20))
-        survivor, victim = Progress.read(tmp_path, 0), Progress.read(tmp_path, 1)
+        survivor, victim = RankStatus.read(tmp_path, 0), RankStatus.read(tmp_path, 1)
         os.kill(victim["pid"], signal.SIGSTOP)
         stopped_at = time.monotonic()
         try:
@@ -337,11 +340,11 @@ def interrupted(tmp_path_factory):
     def interrupt():
         seen = {}
         wait_for(lambda: (run_dir / "killed-while-saving").exists())
-        wait_for(lambda: not alive(Progress.read(run_dir, 0)["pid"]))
+        wait_for(lambda: not alive(RankStatus.read(run_dir, 0)["pid"]))
         seen["last_after_save_kill"] = checkpoint.load(checkpoints / checkpoint.LAST)["step"]
         seen["partial"] = sorted(p.name for p in checkpoints.glob(".step_*.tmp"))
         wait_for(lambda: checkpointed(run_dir, 4 * EVERY))
-        seen["victim"] = Progress.read(run_dir, 1)
+        seen["victim"] = RankStatus.read(run_dir, 1)
         os.kill(seen["victim"]["pid"], signal.SIGKILL)
         return seen
 
@@ -363,7 +366,7 @@ def test_restarted_world_resumes_from_the_last_checkpoint_bit_identically(interr
     the reference's parameters."""
     victim = interrupted["victim"]
     assert 4 * EVERY <= victim["step"] < STEPS  # rank 1 was killed mid-run
-    assert Progress.read(interrupted["dir"], 1)["pid"] != victim["pid"]  # a new rank 1 finished it
+    assert RankStatus.read(interrupted["dir"], 1)["pid"] != victim["pid"]  # a new rank 1 finished it
     assert interrupted["summary"]["steps"] == STEPS
     assert_same_params(final_params(interrupted["dir"]), reference["params"])
 
@@ -443,7 +446,7 @@ BAD_INPUTS = [
     (["trainer.nonfinite=maybe"], "validate", r"^trainer\.nonfinite='maybe': expected raise or skip$"),
     (["trainer.sync_buffers=mean"], "validate", r"^trainer\.sync_buffers='mean': expected broadcast, average or local$"),
     (["hooks=int8", "hooks.error_feedback=maybe"], "compose", r"hooks\.error_feedback=maybe"),
-    (["trainer.accum_steps=3"], "validate", r"^trainer\.accum_steps=3: expected a divisor of the per-rank batch 64$"),
+    (["trainer.accum_steps=3"], "validate", r"^trainer\.accum_steps=3: expected a divisor of the per-rank batch of 64 samples$"),
     (["model=charlm"], "validate", r"^data='digits': expected stdlib_text for model=charlm$"),
     ([*CHARLM, "model.n_head=3"], "validate", r"^model\.n_head=3: expected a divisor of model\.d_model=16$"),
     ([*CHARLM, "model.n_head=0"], "validate", r"^model\.n_head=0: expected an integer >= 1$"),

@@ -97,7 +97,7 @@ def test_build_refuses_rejected_arguments_naming_the_node(user_package):
     with pytest.raises(ConfigError) as caught:  # a built-in is named by its option
         build("model", {"name": "mlp", "_target_": "fdp.models.MLP", "hidden": 4, "depth": -1},
               {"in_features": 5, "out_features": 2})
-    assert _one_line(caught) == "model=mlp: MLP depth must be >= 0, got -1"
+    assert _one_line(caught) == "model=mlp: depth=-1: expected an integer >= 0"
 
 
 def test_a_bug_inside_the_target_is_not_reported_as_a_config_error(user_package):

@@ -8,7 +8,7 @@ from fdp.functional import functionalize
 from fdp.models import ConvNet, MLP
 from fdp.optim import adam, sgd
 from fdp.plan import plan_buckets
-from fdp.train import cross_entropy_loss, init_train_state, make_train_step, planner_loss
+from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
 
 
 def _setup(module, optimizer, batch, accum_steps=1, schedule="after", cap_mb=0.01):

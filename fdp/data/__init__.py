@@ -12,7 +12,7 @@ whose ``StepSampler`` follows the same order, so the same holds for it.
 >>> [t.shape for t in shard((x, y), rank=1, world_size=2)]
 [torch.Size([4, 64]), torch.Size([4])]
 """
-from fdp.data.batches import global_batch, shard, shard_dataset, split_micro_batches
+from fdp.data.batches import check_global_batch, check_micro_batches, global_batch, shard, shard_dataset, split_micro_batches
 from fdp.data.builtin import (
     DATASETS,
     STDLIB_TEXT_MODULES,
@@ -34,6 +34,8 @@ __all__ = [
     "Dataset",
     "load_digits",
     "load_stdlib_text",
+    "check_global_batch",
+    "check_micro_batches",
     "global_batch",
     "shard",
     "shard_dataset",

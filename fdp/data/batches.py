@@ -5,6 +5,33 @@ import torch
 from torch import Tensor
 
 from fdp.data.builtin import _EPOCH, _WINDOWS, Dataset, _generator
+from fdp.errors import require
+
+
+def check_global_batch(global_batch_size: int, world_size: int) -> int:
+    """``data.global_batch_size`` splits evenly over ``world_size`` ranks: the size of one rank's share.
+
+    >>> check_global_batch(10, 4)
+    Traceback (most recent call last):
+    ...
+    ValueError: data.global_batch_size=10: expected a multiple of the world size 4
+    """
+    require(global_batch_size % world_size == 0, "data.global_batch_size", global_batch_size,
+            f"a multiple of the world size {world_size}")
+    return global_batch_size // world_size
+
+
+def check_micro_batches(per_rank: int, accum_steps: int) -> int:
+    """``accum_steps`` micro-batches split a per-rank batch of ``per_rank`` samples evenly: their size.
+
+    >>> check_micro_batches(24, 5)
+    Traceback (most recent call last):
+    ...
+    ValueError: accum_steps=5: expected a divisor of the per-rank batch of 24 samples
+    """
+    require(isinstance(accum_steps, int) and accum_steps >= 1, "accum_steps", accum_steps, "an integer >= 1")
+    require(per_rank % accum_steps == 0, "accum_steps", accum_steps, f"a divisor of the per-rank batch of {per_rank} samples")
+    return per_rank // accum_steps
 
 
 def global_batch(data: Dataset, step: int, global_batch_size: int, seed: int) -> tuple[Tensor, Tensor]:
@@ -25,9 +52,9 @@ def global_batch(data: Dataset, step: int, global_batch_size: int, seed: int) ->
     True
     """
     if global_batch_size <= 0:
-        raise ValueError(f"data.global_batch_size must be positive, got {global_batch_size}")
+        raise ValueError(f"data.global_batch_size={global_batch_size!r}: expected an integer >= 1")
     if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
+        raise ValueError(f"step={step!r}: expected an integer >= 0")
     if data.is_text:
         T = data.block_size
         n_windows = data.train_x.shape[0] - T  # offsets 0 .. len - T - 1 fit T + 1 chars
@@ -69,16 +96,10 @@ def shard(batch: tuple[Tensor, ...], rank: int, world_size: int) -> tuple[Tensor
     (tensor([2, 3]), tensor([20, 30]))
     """
     if world_size <= 0:
-        raise ValueError(f"world_size must be positive, got {world_size}")
+        raise ValueError(f"world_size={world_size!r}: expected an integer >= 1")
     if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-    size = _batch_size(batch)
-    if size % world_size:
-        raise ValueError(
-            f"data.global_batch_size={size} is not divisible by the world size {world_size}; "
-            f"choose a multiple of {world_size}"
-        )
-    per_rank = size // world_size
+        raise ValueError(f"rank={rank!r}: expected an integer in [0, {world_size})")
+    per_rank = check_global_batch(_batch_size(batch), world_size)
     return tuple(t[rank * per_rank : (rank + 1) * per_rank] for t in batch)
 
 
@@ -103,9 +124,9 @@ def shard_dataset(data: Dataset, rank: int, world_size: int, drop_last: bool = F
     [[0, 2], [1, 3]]
     """
     if world_size <= 0:
-        raise ValueError(f"world_size must be positive, got {world_size}")
+        raise ValueError(f"world_size={world_size!r}: expected an integer >= 1")
     if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        raise ValueError(f"rank={rank!r}: expected an integer in [0, {world_size})")
     if data.is_text:
         raise ValueError(f"dataset {data.name!r} is a token stream: use global_batch, which cuts windows per step")
     n = data.train_x.shape[0]
@@ -123,14 +144,7 @@ def split_micro_batches(batch: tuple[Tensor, ...], accum_steps: int) -> list[tup
     >>> split_micro_batches((x,), 3)
     [(tensor([0, 1]),), (tensor([2, 3]),), (tensor([4, 5]),)]
     """
-    if accum_steps <= 0:
-        raise ValueError(f"accum_steps={accum_steps!r}: expected an integer >= 1")
-    size = _batch_size(batch)
-    if size % accum_steps:
-        raise ValueError(
-            f"accum_steps={accum_steps}: expected a divisor of the per-rank batch of {size} samples"
-        )
-    micro = size // accum_steps
+    micro = check_micro_batches(_batch_size(batch), accum_steps)
     return [tuple(t[i * micro : (i + 1) * micro] for t in batch) for i in range(accum_steps)]
 
 

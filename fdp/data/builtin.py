@@ -69,7 +69,7 @@ def _generator(seed: int, tag: int, n: int) -> torch.Generator:
 
 def _check_fraction(test_fraction: float) -> None:
     if not 0.0 < test_fraction < 1.0:
-        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+        raise ValueError(f"test_fraction={test_fraction!r}: expected a fraction in (0, 1)")
 
 
 def load_digits(seed: int = 0, test_fraction: float = 0.2, flatten: bool = True) -> Dataset:
@@ -165,7 +165,7 @@ def load_stdlib_text(block_size: int = 64, max_chars: int = 1_000_000, seed: int
     del seed  # the split is by position, so there is nothing to randomise
     _check_fraction(test_fraction)
     if block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size}")
+        raise ValueError(f"block_size={block_size!r}: expected an integer >= 1")
     text = _stdlib_text(max_chars)
     vocab = "".join(sorted(set(text)))
     # Vectorised char -> id mapping: a Python-level dict lookup per char costs ~0.1 s per 1M chars.

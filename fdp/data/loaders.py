@@ -125,7 +125,7 @@ def eval_batches(
     if not has_test_split(data):
         raise ValueError(f"dataset {data.name!r} has no test split")
     if batch_size <= 0:
-        raise ValueError(f"batch_size must be positive, got {batch_size}")
+        raise ValueError(f"batch_size={batch_size!r}: expected an integer >= 1")
     if isinstance(data, MapData):
         loader = DataLoader(data.test, batch_size=batch_size, num_workers=num_workers, collate_fn=collate)
         return itertools.islice(loader, max_batches)

@@ -9,7 +9,7 @@ from torch import Tensor
 from torch.utils.data import Dataset as TorchDataset
 from torch.utils.data import IterableDataset, Sampler, default_collate
 
-from fdp.data.batches import _epoch_indices
+from fdp.data.batches import _epoch_indices, check_global_batch
 
 
 # -- a user's own data: map-style torch Datasets through a DataLoader ----------------------
@@ -114,8 +114,7 @@ class StepSampler(Sampler):
     ):
         if not 0 < global_batch_size <= n:
             raise ValueError(f"data.global_batch_size={global_batch_size}: expected between 1 and the {n} training samples")
-        if global_batch_size % world_size:
-            raise ValueError(f"data.global_batch_size={global_batch_size} is not divisible by the world size {world_size}")
+        check_global_batch(global_batch_size, world_size)
         self.n, self.size, self.seed = n, global_batch_size, seed
         self.rank, self.world_size = rank, world_size
         self.start = start_step

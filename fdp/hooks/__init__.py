@@ -1,6 +1,6 @@
 """Composable gradient-reduction hooks (see ``fdp.hooks.base`` for the interface)."""
 from fdp.hooks.allreduce import allreduce
-from fdp.hooks.base import GradBucket, Hook, chain, checked, run_hook, run_stage, stage_name, stateless
+from fdp.hooks.base import GradBucket, Hook, chain, checked, init_hook_states, run_hook, run_stage, stage_name, stateless
 from fdp.hooks.compress import bf16, bf16_compress, bf16_decompress, fp16, fp16_compress, fp16_decompress
 from fdp.hooks.int8 import Int8State, int8, int8_compress, int8_decompress, int8_sum
 from fdp.hooks.hierarchical import NodeComms, hierarchical, node_comms
@@ -10,7 +10,7 @@ from fdp.hooks.registry import HOOKS, build_hook
 from fdp.hooks.topk import TopKState, topk
 
 __all__ = [
-    "GradBucket", "Hook", "allreduce", "chain", "checked", "run_hook", "run_stage", "stage_name", "stateless",
+    "GradBucket", "Hook", "allreduce", "chain", "checked", "init_hook_states", "run_hook", "run_stage", "stage_name", "stateless",
     "fp16", "bf16", "fp16_compress", "fp16_decompress", "bf16_compress", "bf16_decompress",
     "hierarchical", "node_comms", "NodeComms",
     "noop", "powersgd", "batched_powersgd", "PowerSGDState", "topk", "TopKState",

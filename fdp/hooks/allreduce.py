@@ -24,4 +24,4 @@ def allreduce() -> Hook:
         summed = yield comm.allreduce(buffer)
         return grads._replace(buffer=summed, owned=True)
 
-    return stateless(apply)
+    return stateless(apply, shardable=True)

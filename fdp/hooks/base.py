@@ -81,10 +81,20 @@ class GradBucket(NamedTuple):
 
 
 class Hook(NamedTuple):
-    """A gradient-reduction stage: ``init(bucket) -> state``, ``apply(state, grads, comm) -> (grads, state)``."""
+    """A gradient-reduction stage: ``init(bucket) -> state``, ``apply(state, grads, comm) -> (grads, state)``.
+
+    ``shardable`` declares that the stage also works when each rank receives only its
+    slice of the reduced bucket, as ZeRO stages 2 and 3 reduce-scatter it (``fdp.zero``):
+    its whole-bucket collectives are sums (``comm.allreduce``) or gathers whose parts it
+    sums (``comm.allgather`` followed by a sum, as ``int8_sum``), and everything after
+    them is elementwise. Stages that need the whole reduced bucket (PowerSGD's
+    projections, top-k's positions) leave it ``False``, the default for a stage that
+    does not say.
+    """
 
     init: Callable[[Bucket], Any]
     apply: Callable[[Any, GradBucket, Comm], HookRun]
+    shardable: bool = False
 
 
 def run_stage(result: HookRun):
@@ -133,7 +143,7 @@ def _check_buffer(buffer: Any, where: str) -> None:
         raise TypeError(f"{where} returned a bucket whose buffer is {_describe(buffer)}: expected a flat tensor")
 
 
-def _run_checked(hook: Hook, state: Any, grads: GradBucket, comm: Comm, where: str):
+def _run_with_checks(hook: Hook, state: Any, grads: GradBucket, comm: Comm, where: str):
     """``hook.apply`` driven as ``run_stage`` does, with what it yields and returns checked."""
     run = hook.apply(state, grads, comm)
     if inspect.isgenerator(run):
@@ -162,10 +172,10 @@ def checked(hook: Hook) -> Hook:
     where = f"hook {stage_name(hook)}"
 
     def apply(state: Any, grads: GradBucket, comm: Comm):
-        return (yield from _run_checked(hook, state, grads, comm, where))
+        return (yield from _run_with_checks(hook, state, grads, comm, where))
 
     apply.__qualname__ = stage_name(hook)
-    return Hook(hook.init, apply)
+    return Hook(hook.init, apply, hook.shardable)
 
 
 def check_hooks(hooks: tuple, where: str) -> None:
@@ -209,18 +219,18 @@ def chain(*hooks: Hook) -> Hook:
             )
         new_states = []
         for hook, state, where in zip(hooks, states, wheres):
-            grads, state = yield from _run_checked(hook, state, grads, comm, where)
+            grads, state = yield from _run_with_checks(hook, state, grads, comm, where)
             new_states.append(state)
         return grads, tuple(new_states)
 
     apply.__qualname__ = "chain"
-    return Hook(init, apply)
+    return Hook(init, apply, all(hook.shardable for hook in hooks))
 
 
-def stateless(apply: Callable[[GradBucket, Comm], Any]) -> Hook:
+def stateless(apply: Callable[[GradBucket, Comm], Any], shardable: bool = False) -> Hook:
     """A hook with no state from a function ``apply(grads, comm)`` (which may yield).
 
-    ``apply`` returns the new ``GradBucket`` alone.
+    ``apply`` returns the new ``GradBucket`` alone; ``shardable`` as for ``Hook``.
     """
     where = f"stateless stage {getattr(apply, '__qualname__', apply)!r}"
 
@@ -237,7 +247,7 @@ def stateless(apply: Callable[[GradBucket, Comm], Any]) -> Hook:
         return out, state
 
     apply_with_state.__qualname__ = getattr(apply, "__qualname__", "stateless")
-    return Hook(init, apply_with_state)
+    return Hook(init, apply_with_state, shardable)
 
 
 def expect_floating(grads: GradBucket, stage: str) -> None:
@@ -248,6 +258,17 @@ def expect_floating(grads: GradBucket, stage: str) -> None:
             "buckets only (an integer sum over ranks overflows or truncates); put the stage that "
             "decompresses before it, or sum integers in a wider type (see fdp.hooks.int8_sum)"
         )
+
+
+def init_hook_states(hook: Hook, plan) -> tuple:
+    """One state of ``hook`` per bucket of ``plan`` (a ``BucketPlan``), in plan order.
+
+    >>> from fdp.hooks import int8
+    >>> from fdp.plan import pack_into_buckets
+    >>> [state.error.shape for state, _, _ in init_hook_states(int8(), pack_into_buckets([("w", (3,), "float32", "cpu")]))]
+    [torch.Size([3])]
+    """
+    return tuple(hook.init(bucket) for bucket in plan.buckets)
 
 
 def run_hook(hook: Hook, state: Any, grads: GradBucket, comm: Comm) -> tuple[GradBucket, Any]:

@@ -39,7 +39,7 @@ def _cast_to(dtype: torch.dtype, name: str) -> Hook:
         return _cast(grads, dtype)
 
     cast.__qualname__ = name  # errors name the stage as the user wrote it
-    return stateless(cast)
+    return stateless(cast, shardable=True)
 
 
 def _cast_back(name: str) -> Hook:
@@ -47,7 +47,7 @@ def _cast_back(name: str) -> Hook:
         return _cast(grads, grads.spec.torch_dtype)
 
     cast_back.__qualname__ = name
-    return stateless(cast_back)
+    return stateless(cast_back, shardable=True)
 
 
 def fp16_compress() -> Hook:

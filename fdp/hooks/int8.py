@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 
 from fdp.comm import Comm
+from fdp.errors import check_bool
 from fdp.hooks.base import GradBucket, Hook, chain, expect_floating, stateless
 from fdp.plan import Bucket
 
@@ -49,8 +50,7 @@ def int8_compress(error_feedback: bool = True) -> Hook:
 
     >>> hook = int8_compress(error_feedback=False)
     """
-    if not isinstance(error_feedback, bool):
-        raise ValueError(f"error_feedback={error_feedback!r}: expected true or false")
+    error_feedback = check_bool("error_feedback", error_feedback)
 
     def init(bucket: Bucket) -> Int8State:
         if not error_feedback:
@@ -75,7 +75,7 @@ def int8_compress(error_feedback: bool = True) -> Hook:
         return grads._replace(buffer=q, owned=True, side={**grads.side, SCALE: scale}), new_state
 
     apply.__qualname__ = "int8_compress"
-    return Hook(init, apply)
+    return Hook(init, apply, shardable=True)
 
 
 def int8_sum() -> Hook:
@@ -93,7 +93,7 @@ def int8_sum() -> Hook:
         gathered = yield comm.allgather(grads.buffer)
         return grads._replace(buffer=gathered.sum(0, dtype=torch.int32), owned=True)
 
-    return stateless(int8_sum)
+    return stateless(int8_sum, shardable=True)
 
 
 def int8_decompress() -> Hook:
@@ -114,7 +114,7 @@ def int8_decompress() -> Hook:
         side = {key: value for key, value in grads.side.items() if key != SCALE}
         return grads._replace(buffer=out, owned=True, side=side)
 
-    return stateless(int8_decompress)
+    return stateless(int8_decompress, shardable=True)
 
 
 def int8(error_feedback: bool = True) -> Hook:

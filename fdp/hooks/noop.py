@@ -21,4 +21,4 @@ def noop() -> Hook:
     def apply(grads: GradBucket, comm: Comm) -> GradBucket:
         return grads
 
-    return stateless(apply)
+    return stateless(apply, shardable=True)

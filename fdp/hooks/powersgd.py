@@ -63,13 +63,13 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from fdp.comm import Comm
+from fdp.errors import check_bool, check_int, check_real
 from fdp.hooks.allreduce import allreduce
 from fdp.hooks.base import GradBucket, Hook, expect_floating
 from fdp.plan import Bucket
@@ -95,29 +95,6 @@ class PowerSGDState(NamedTuple):
 
 
 # ----------------------------------------------------------------------------- settings
-
-
-def _check_int(name: str, value, low: int, high: int | None = None) -> int:
-    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= low
-    if ok and high is not None:
-        ok = value < high
-    if not ok:
-        bound = f">= {low}" if high is None else f"in [{low}, {high})"
-        raise ValueError(f"{name}={value!r}: expected an integer {bound}")
-    return int(value)
-
-
-def _check_float(name: str, value, low: float) -> float:
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value >= low
-    if not ok:
-        raise ValueError(f"{name}={value!r}: expected a finite number >= {low}")
-    return float(value)
-
-
-def _check_bool(name: str, value) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"{name}={value!r}: expected true or false")
-    return bool(value)
 
 
 # ----------------------------------------------------------------------------- random Q
@@ -297,14 +274,14 @@ def powersgd(
 
     >>> hook = powersgd(rank=2, start_iter=10)
     """
-    rank = _check_int("rank", rank, 1)
-    start_iter = _check_int("start_iter", start_iter, 0)
-    min_compression_rate = _check_float("min_compression_rate", min_compression_rate, 1.0)
-    error_feedback = _check_bool("error_feedback", error_feedback)
-    warm_start = _check_bool("warm_start", warm_start)
-    epsilon = _check_float("orthogonalization_epsilon", orthogonalization_epsilon, 0.0)
-    seed = _check_int("seed", seed, 0, 2**32)
-    batch = _check_bool("batch_same_shape", batch_same_shape)
+    rank = check_int("rank", rank, 1)
+    start_iter = check_int("start_iter", start_iter, 0)
+    min_compression_rate = check_real("min_compression_rate", min_compression_rate, 1.0)
+    error_feedback = check_bool("error_feedback", error_feedback)
+    warm_start = check_bool("warm_start", warm_start)
+    epsilon = check_real("orthogonalization_epsilon", orthogonalization_epsilon, 0.0)
+    seed = check_int("seed", seed, 0, 2**32 - 1)
+    batch = check_bool("batch_same_shape", batch_same_shape)
 
     def init(bucket: Bucket) -> PowerSGDState:
         dtype, device = bucket.torch_dtype, torch.device(bucket.device)
@@ -399,12 +376,12 @@ def batched_powersgd(
 
     >>> hook = batched_powersgd(rank=1, start_iter=10)
     """
-    rank = _check_int("rank", rank, 1)
-    start_iter = _check_int("start_iter", start_iter, 0)
-    error_feedback = _check_bool("error_feedback", error_feedback)
-    warm_start = _check_bool("warm_start", warm_start)
-    seed = _check_int("seed", seed, 0, 2**32)
-    epsilon = _check_float("orthogonalization_epsilon", orthogonalization_epsilon, 0.0)
+    rank = check_int("rank", rank, 1)
+    start_iter = check_int("start_iter", start_iter, 0)
+    error_feedback = check_bool("error_feedback", error_feedback)
+    warm_start = check_bool("warm_start", warm_start)
+    seed = check_int("seed", seed, 0, 2**32 - 1)
+    epsilon = check_real("orthogonalization_epsilon", orthogonalization_epsilon, 0.0)
 
     def sizes(numel: int) -> tuple[int, int]:
         side = math.isqrt(numel)

@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 
 from fdp.comm import Comm
+from fdp.errors import check_bool, check_real, require
 from fdp.hooks.base import GradBucket, Hook, expect_floating
 from fdp.plan import Bucket
 
@@ -39,13 +40,11 @@ def topk(ratio: float = 0.01, error_feedback: bool = True, k: int | None = None)
     With ``error_feedback`` the entries not sent are kept (``TopKState.error``) and added
     to the next step's gradient; without it they are dropped.
     """
-    if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real) or not (0 < ratio <= 1):
-        raise ValueError(f"ratio={ratio!r}: expected a fraction with 0 < ratio <= 1")
-    if not isinstance(error_feedback, bool):
-        raise ValueError(f"error_feedback={error_feedback!r}: expected true or false")
-    if k is not None and (isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1):
-        raise ValueError(f"k={k!r}: expected an integer >= 1 (or unset, to use ratio)")
-    ratio = float(ratio)
+    ratio = check_real("ratio", ratio, 0.0, 1.0, low_open=True, what="a fraction with 0 < ratio <= 1")
+    error_feedback = check_bool("error_feedback", error_feedback)
+    if k is not None:
+        require(isinstance(k, numbers.Integral) and not isinstance(k, bool) and k >= 1, "k", k,
+                "an integer >= 1 (or unset, to use ratio)")
 
     def count(numel: int) -> int:
         wanted = k if k is not None else math.ceil(ratio * numel)

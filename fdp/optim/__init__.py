@@ -32,7 +32,6 @@ from fdp.optim.transforms import (
     SGDState,
     adam,
     adamw,
-    across_shards,
     apply_gradients,
     apply_updates,
     chain,
@@ -40,11 +39,12 @@ from fdp.optim.transforms import (
     current_lr,
     sgd,
     supports_inplace,
+    takes_sum_across,
 )
 
 __all__ = [
     "GradientTransformation", "Schedule", "SGDState", "AdamState", "ClipState",
     "constant_schedule", "warmup_cosine_schedule", "sgd", "adam", "adamw",
-    "clip_by_global_norm", "across_shards", "chain", "apply_updates", "apply_gradients", "supports_inplace", "current_lr",
+    "clip_by_global_norm", "chain", "apply_updates", "apply_gradients", "supports_inplace", "takes_sum_across", "current_lr",
     "OPTIMIZERS", "build_optimizer",
 ]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable, Mapping
 
+from fdp.errors import require
 from fdp.optim.schedules import constant_schedule, warmup_cosine_schedule
 from fdp.optim.transforms import GradientTransformation, adam, adamw, chain, clip_by_global_norm, sgd
 
@@ -36,11 +37,11 @@ def build_optimizer(spec: Mapping[str, Any], max_steps: int, path: str = "optim"
     if name not in OPTIMIZERS:
         raise ValueError(f"{path}.name={name!r}: unknown optimizer; known optimizers: {', '.join(OPTIMIZERS)}")
     lr, lr_schedule, warmup_steps, end_lr, clip_norm = (settings.pop(k) for k in SHARED_SETTINGS)
-    _require(lr > 0, f"{path}.lr", lr, "a learning rate > 0")
-    _require(lr_schedule in LR_SCHEDULES, f"{path}.lr_schedule", lr_schedule, " or ".join(LR_SCHEDULES))
-    _require(0 <= warmup_steps <= max_steps, f"{path}.warmup_steps", warmup_steps,
+    require(lr > 0, f"{path}.lr", lr, "a learning rate > 0")
+    require(lr_schedule in LR_SCHEDULES, f"{path}.lr_schedule", lr_schedule, " or ".join(LR_SCHEDULES))
+    require(0 <= warmup_steps <= max_steps, f"{path}.warmup_steps", warmup_steps,
              f"between 0 and trainer.max_steps={max_steps} (the schedule must not end before warm-up)")
-    _require(clip_norm is None or clip_norm > 0, f"{path}.clip_norm", clip_norm, "null (off) or > 0")
+    require(clip_norm is None or clip_norm > 0, f"{path}.clip_norm", clip_norm, "null (off) or > 0")
     factory = OPTIMIZERS[name]
     accepted = [p for p in inspect.signature(factory).parameters if p != "lr"]
     for key in settings:
@@ -53,11 +54,6 @@ def build_optimizer(spec: Mapping[str, Any], max_steps: int, path: str = "optim"
         schedule = constant_schedule(lr)
     try:
         optimizer = factory(schedule, **settings)
-    except ValueError as error:  # "momentum must be >= 0, got -1"
+    except ValueError as error:  # "momentum=-1: expected a number >= 0"
         raise ValueError(f"{path}.{error}") from None
     return chain(clip_by_global_norm(clip_norm), optimizer) if clip_norm else optimizer
-
-
-def _require(ok: bool, setting: str, value: Any, expected: str) -> None:
-    if not ok:
-        raise ValueError(f"{setting}={value!r}: expected {expected}")

@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
+from fdp.errors import require
+
 Schedule = Callable[[int], float]
 
 
@@ -47,9 +49,8 @@ def warmup_cosine_schedule(
     return schedule
 
 
-def _check(ok: bool, name: str, expected: str, value: Any) -> None:
-    if not ok:
-        raise ValueError(f"{name} must be {expected}, got {value!r}")
+def _check(ok: bool, name: str, bound: str, value: Any) -> None:
+    require(ok, name, value, f"a number {bound}")
 
 
 def _as_schedule(lr: float | Schedule) -> Schedule:

@@ -1,9 +1,8 @@
 """Optimizers and their combinators: ``GradientTransformation`` pairs over flat dicts of tensors."""
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from typing import Any, Callable, Iterator, NamedTuple
+import inspect
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -16,8 +15,17 @@ Updates = dict[str, torch.Tensor]
 State = Any
 
 
+SumAcross = Callable[[torch.Tensor], torch.Tensor]
+
+
 class GradientTransformation(NamedTuple):
     """``init(params) -> state`` and ``update(grads, state, params) -> (updates, state)``.
+
+    ``update`` and ``update_inplace`` also take ``sum_across=``: given (by ZeRO, whose
+    ranks each hold a shard of the gradients), it sums a tensor over the ranks that hold
+    the other shards, so a transform that looks at all gradients at once
+    (``clip_by_global_norm``) completes what it computed over its shard. Transforms that
+    work elementwise ignore it; ``chain`` passes it to every member.
 
     ``update_inplace(grads, state, params) -> state``, where present, is the same step for
     donated inputs: it writes the new params into ``params`` and the new state's tensors
@@ -90,7 +98,7 @@ def sgd(
         buffers = {k: torch.zeros_like(p) for k, p in params.items()} if momentum else None
         return SGDState(count=0, lr=schedule(0), momentum=buffers)
 
-    def update(grads: Grads, state: SGDState, params: Params | None = None) -> tuple[Updates, SGDState]:
+    def update(grads: Grads, state: SGDState, params: Params | None = None, sum_across=None) -> tuple[Updates, SGDState]:
         keys, d = _aligned(grads, state.momentum)
         if weight_decay:
             d = foreach.add(d, _params_for(keys, params, "weight_decay"), alpha=weight_decay)
@@ -108,7 +116,7 @@ def sgd(
         updates = dict(zip(keys, foreach.mul(d, -lr_now)))
         return updates, SGDState(count=state.count + 1, lr=lr_now, momentum=buffers)
 
-    def update_inplace(grads: Grads, state: SGDState, params: Params) -> SGDState:
+    def update_inplace(grads: Grads, state: SGDState, params: Params, sum_across=None) -> SGDState:
         keys, g = _subset(grads, params)
         lr_now = schedule(state.count)
         fused_sgd_(
@@ -161,7 +169,7 @@ def _adam(lr: float | Schedule, b1: float, b2: float, eps: float, weight_decay: 
         nu = {k: torch.zeros_like(p) for k, p in params.items()}
         return AdamState(count=0, lr=schedule(0), mu=mu, nu=nu)
 
-    def update(grads: Grads, state: AdamState, params: Params | None = None) -> tuple[Updates, AdamState]:
+    def update(grads: Grads, state: AdamState, params: Params | None = None, sum_across=None) -> tuple[Updates, AdamState]:
         keys, g = _aligned(grads, state.mu)
         p = _params_for(keys, params, "weight_decay") if weight_decay else None
         if weight_decay and not decoupled:
@@ -182,7 +190,7 @@ def _adam(lr: float | Schedule, b1: float, b2: float, eps: float, weight_decay: 
         new_state = AdamState(count=count, lr=lr_now, mu=dict(zip(keys, mu)), nu=dict(zip(keys, nu)))
         return dict(zip(keys, updates)), new_state
 
-    def update_inplace(grads: Grads, state: AdamState, params: Params) -> AdamState:
+    def update_inplace(grads: Grads, state: AdamState, params: Params, sum_across=None) -> AdamState:
         keys, g = _subset(grads, params)
         lr_now, count = schedule(state.count), state.count + 1
         # The kernel reads the step count (for the bias corrections) from a tensor per param.
@@ -204,58 +212,34 @@ def _adam(lr: float | Schedule, b1: float, b2: float, eps: float, weight_decay: 
 # ---------------------------------------------------------------------- combinators etc.
 
 
-# Set while a transform sees only this rank's shard of the gradients (ZeRO): how to sum a
-# statistic over the ranks that hold the other shards.
-_SUM_ACROSS_SHARDS: contextvars.ContextVar[Callable[[torch.Tensor], torch.Tensor] | None] = contextvars.ContextVar(
-    "fdp_sum_across_shards", default=None
-)
-
-
-@contextlib.contextmanager
-def across_shards(sum_across: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
-    """Within it, the gradients a transform gets are one shard of them all.
-
-    Transforms that look at all gradients at once (``clip_by_global_norm``) complete what
-    they compute over the shard with ``sum_across(tensor)``, which must return the sum of
-    ``tensor`` over the ranks holding the other shards (an all-reduce).
-
-    >>> clip = clip_by_global_norm(1.0)
-    >>> with across_shards(lambda t: t * 2):  # as if a second rank held a shard just like this one
-    ...     updates, _ = clip.update({"a": torch.tensor([3.0, 4.0])}, clip.init({}), None)
-    >>> updates["a"]  # global norm sqrt(50)
-    tensor([0.4243, 0.5657])
-    """
-    token = _SUM_ACROSS_SHARDS.set(sum_across)
-    try:
-        yield
-    finally:
-        _SUM_ACROSS_SHARDS.reset(token)
-
-
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     """Scale all updates by ``min(1, max_norm / (global_norm + 1e-6))``, as ``clip_grad_norm_``.
 
     The scale stays a tensor (no ``.item()``), so clipping never synchronizes with a GPU.
+    Given ``sum_across`` (the grads are one shard of them all), the norm is taken over
+    every shard.
 
     >>> clip = clip_by_global_norm(1.0)
     >>> grads = {"a": torch.tensor([3.0]), "b": torch.tensor([4.0])}
     >>> updates, _ = clip.update(grads, clip.init(grads), None)
     >>> torch.cat(list(updates.values()))  # norm 5 -> 1
     tensor([0.6000, 0.8000])
+    >>> updates, _ = clip.update({"a": torch.tensor([3.0, 4.0])}, (), None, sum_across=lambda t: t * 2)
+    >>> updates["a"]  # as if a second rank held a shard just like this one: global norm sqrt(50)
+    tensor([0.4243, 0.5657])
     """
     _check(max_norm > 0, "max_norm", "> 0", max_norm)
 
     def init(params: Params) -> ClipState:
         return ClipState()
 
-    def update(grads: Grads, state: ClipState, params: Params | None = None) -> tuple[Updates, ClipState]:
+    def update(grads: Grads, state: ClipState, params: Params | None = None, sum_across=None) -> tuple[Updates, ClipState]:
         keys, g = _aligned(grads, None)
         if not g:
             return {}, state
         device = g[0].device
         norms = foreach.norm(g, 2)
         total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), 2)
-        sum_across = _SUM_ACROSS_SHARDS.get()
         if sum_across is not None:  # a shard of the gradients: the norm is over all shards
             total = sum_across(total.square()).sqrt()
         scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -290,23 +274,23 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     def init(params: Params) -> tuple:
         return tuple(t.init(params) for t in transforms)
 
-    def update(grads: Grads, state: tuple, params: Params | None = None) -> tuple[Updates, tuple]:
+    def update(grads: Grads, state: tuple, params: Params | None = None, sum_across=None) -> tuple[Updates, tuple]:
         if len(state) != len(transforms):
             raise ValueError(f"state has {len(state)} members, chain has {len(transforms)} transforms")
         new_states = []
         for transform, member in zip(transforms, state):
-            grads, member = transform.update(grads, member, params)
+            grads, member = _update(transform, grads, member, params, sum_across)
             new_states.append(member)
         return grads, tuple(new_states)
 
     last = transforms[-1].update_inplace if transforms else None
 
-    def update_inplace(grads: Grads, state: tuple, params: Params) -> tuple:
+    def update_inplace(grads: Grads, state: tuple, params: Params, sum_across=None) -> tuple:
         # Every member but the last makes new updates as usual; the last one, an
         # optimizer, applies them to the donated params in place.
         new_states = []
         for transform, member in zip(transforms[:-1], state[:-1]):
-            grads, member = transform.update(grads, member, params)
+            grads, member = _update(transform, grads, member, params, sum_across)
             new_states.append(member)
         return (*new_states, last(grads, state[-1], params))
 
@@ -315,7 +299,8 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
 
 def apply_gradients(
-    optimizer: GradientTransformation, grads: Grads, state: State, params: Params, donate: bool = False
+    optimizer: GradientTransformation, grads: Grads, state: State, params: Params, donate: bool = False,
+    sum_across: SumAcross | None = None,
 ) -> tuple[Params, State]:
     """One optimizer step: ``(new_params, new_state)``.
 
@@ -332,9 +317,33 @@ def apply_gradients(
     (tensor([0.]), True)
     """
     if donate and grads.keys() == params.keys() and supports_inplace(optimizer, params, grads):
-        return dict(params), optimizer.update_inplace(grads, state, params)
-    updates, state = optimizer.update(grads, state, params)
+        if sum_across is None:
+            return dict(params), optimizer.update_inplace(grads, state, params)
+        return dict(params), optimizer.update_inplace(grads, state, params, sum_across=sum_across)
+    updates, state = _update(optimizer, grads, state, params, sum_across)
     return apply_updates(params, updates), state
+
+
+def _update(transform: GradientTransformation, grads: Grads, state: State, params: Params | None, sum_across):
+    # A transform written for whole gradients (three arguments) is called as such.
+    if sum_across is None:
+        return transform.update(grads, state, params)
+    return transform.update(grads, state, params, sum_across=sum_across)
+
+
+def takes_sum_across(optimizer: GradientTransformation) -> bool:
+    """Whether ``optimizer.update`` accepts ``sum_across=`` (needed to step a shard of the gradients).
+
+    >>> takes_sum_across(chain(clip_by_global_norm(1.0), adam(1e-3)))
+    True
+    >>> takes_sum_across(GradientTransformation(lambda p: (), lambda g, s, p: (g, s)))
+    False
+    """
+    try:
+        parameters = inspect.signature(optimizer.update).parameters
+    except (TypeError, ValueError):
+        return False
+    return "sum_across" in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
 _FUSED_DEVICES = ("cpu", "cuda")
@@ -431,5 +440,5 @@ def _subset(grads: Grads, params: Params) -> tuple[list[str], list[torch.Tensor]
 
 def _params_for(keys: list[str], params: Params | None, why: str) -> list[torch.Tensor]:
     if params is None:
-        raise ValueError(f"params must be passed to update when {why} != 0")
+        raise ValueError(f"params=None: expected the params, which update needs when {why} != 0")
     return [params[k] for k in keys]

@@ -6,7 +6,7 @@ from typing import Sequence
 
 import torch
 
-from fdp.plan.values import MiB, Bucket, BucketPlan, ParamSlot, TensorSpec, _check_cap, _spec
+from fdp.plan.values import MiB, Bucket, BucketPlan, ParamSlot, TensorSpec, check_cap, _spec
 
 
 def pack_into_buckets(
@@ -35,8 +35,8 @@ def pack_into_buckets(
     >>> [b.names for b in plan.buckets]
     [('a', 'b'), ('c',)]
     """
-    bucket_cap_mb = _check_cap("bucket_cap_mb", bucket_cap_mb)
-    first_bucket_cap_mb = _check_cap("first_bucket_cap_mb", first_bucket_cap_mb)
+    bucket_cap_mb = check_cap("bucket_cap_mb", bucket_cap_mb)
+    first_bucket_cap_mb = check_cap("first_bucket_cap_mb", first_bucket_cap_mb)
     used = [_spec(s) for s in order]
     idle = [_spec(s) for s in unused]
     if not used and not idle:

@@ -8,7 +8,7 @@ import torch
 
 from fdp._torch import tree_map
 from fdp.plan.packing import pack_into_buckets
-from fdp.plan.values import BucketPlan, TensorSpec, _check_cap
+from fdp.plan.values import BucketPlan, TensorSpec, check_cap
 
 Trace = Literal["auto", "meta", "real"]
 
@@ -124,8 +124,8 @@ def plan_buckets(
     >>> plan.names
     ('1.bias', '1.weight', '0.bias', '0.weight')
     """
-    bucket_cap_mb = _check_cap("bucket_cap_mb", bucket_cap_mb)
-    first_bucket_cap_mb = _check_cap("first_bucket_cap_mb", first_bucket_cap_mb)
+    bucket_cap_mb = check_cap("bucket_cap_mb", bucket_cap_mb)
+    first_bucket_cap_mb = check_cap("first_bucket_cap_mb", first_bucket_cap_mb)
     if not params:
         raise ValueError("no parameters to plan: the parameter tree is empty")
     order = gradient_ready_order(loss_fn, params, example_batch, trace=trace)

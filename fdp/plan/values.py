@@ -15,6 +15,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from fdp.errors import check_real
+
 MiB = 2**20
 _FORMAT = "fdp.BucketPlan"
 _VERSION = 1
@@ -157,8 +159,8 @@ class BucketPlan:
     def __post_init__(self) -> None:
         object.__setattr__(self, "buckets", tuple(self.buckets))
         # 25 and 25.0 must give the same JSON, or equal plans would get different fingerprints.
-        object.__setattr__(self, "bucket_cap_mb", _check_cap("bucket_cap_mb", self.bucket_cap_mb))
-        object.__setattr__(self, "first_bucket_cap_mb", _check_cap("first_bucket_cap_mb", self.first_bucket_cap_mb))
+        object.__setattr__(self, "bucket_cap_mb", check_cap("bucket_cap_mb", self.bucket_cap_mb))
+        object.__setattr__(self, "first_bucket_cap_mb", check_cap("first_bucket_cap_mb", self.first_bucket_cap_mb))
         if not self.buckets:
             raise ValueError("a BucketPlan needs at least one bucket")
         where: dict[str, tuple[int, int]] = {}
@@ -268,6 +270,20 @@ class BucketPlan:
             for b in d["buckets"]
         )
         return cls(buckets, d["bucket_cap_mb"], d["first_bucket_cap_mb"])
+
+    def on_cpu(self) -> BucketPlan:
+        """This plan with every bucket on the CPU: the layout ranks and checkpoints compare.
+
+        Each rank's buckets live on its own GPU, and a checkpoint may be resumed on another
+        device; neither changes which tensor sits where in which bucket.
+
+        >>> from fdp.plan import pack_into_buckets
+        >>> gpu = pack_into_buckets([("w", (2, 3), "float32", "cuda:1")])
+        >>> gpu.on_cpu().buckets[0].device, gpu.on_cpu() == pack_into_buckets([("w", (2, 3), "float32", "cpu")])
+        ('cpu', True)
+        """
+        layout = self.to_dict()
+        return BucketPlan.from_dict({**layout, "buckets": [{**b, "device": "cpu"} for b in layout["buckets"]]})
 
     def fingerprint(self) -> str:
         """SHA-256 hex digest of the canonical JSON of the plan: same plan, same string, anywhere.
@@ -405,9 +421,12 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _check_cap(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {value!r}")
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{name}={value!r}: expected a size in MiB > 0")
-    return float(value)
+def check_cap(name: str, value: float) -> float:
+    """A bucket cap (``bucket_cap_mb``, ``first_bucket_cap_mb``): a finite size in MiB > 0.
+
+    >>> check_cap("bucket_cap_mb", 0)
+    Traceback (most recent call last):
+    ...
+    ValueError: bucket_cap_mb=0: expected a size in MiB > 0
+    """
+    return check_real(name, value, 0.0, low_open=True, what="a size in MiB > 0")

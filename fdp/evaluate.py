@@ -1,0 +1,44 @@
+"""Evaluation on the test split: the mean loss, and accuracy where it applies."""
+from __future__ import annotations
+
+import torch
+
+from fdp.data import Dataset, MapData, eval_batches
+from fdp.devices import batch_to_device, device_of
+from fdp.functional import FunctionalModel
+from fdp.losses import Criterion, batch_metrics, cross_entropy
+from fdp.precision import Precision
+
+__all__ = ["evaluate"]
+
+
+@torch.no_grad()
+def evaluate(
+    model: FunctionalModel, params, buffers, data: Dataset | MapData, max_batches: int, batch_size: int = 256,
+    criterion: Criterion = cross_entropy, num_workers: int = 0, precision: Precision = Precision(),
+) -> dict:
+    """Mean loss over (up to ``max_batches`` batches of) the test split, and accuracy where it applies.
+
+    Accuracy applies to class scores ``(..., classes)`` for integer targets ``(...)``. Runs on
+    the params' device, in ``precision`` (scored in float32).
+
+    >>> from fdp import functionalize
+    >>> from fdp.data import load_digits
+    >>> model, params, buffers = functionalize(torch.nn.Linear(64, 10))
+    >>> sorted(evaluate(model, params, buffers, load_digits(), max_batches=1))
+    ['test_acc', 'test_loss']
+    """
+    device = device_of(params)
+    total_loss, count, correct, scored = 0.0, 0, 0, 0
+    for batch in eval_batches(data, batch_size, max_batches, num_workers=num_workers):
+        x, y = batch_to_device(batch, device)
+        with precision.autocast(device.type):
+            outputs, _ = model.apply(params, buffers, precision.cast(x), training=False)
+        if isinstance(outputs, torch.Tensor) and outputs.is_floating_point():
+            outputs = outputs.float()
+        loss, weight, hits, n = batch_metrics(criterion, outputs, y)
+        total_loss, count, correct, scored = total_loss + loss, count + weight, correct + hits, scored + n
+    metrics = {"test_loss": total_loss / count}
+    if scored:
+        metrics["test_acc"] = correct / scored
+    return metrics

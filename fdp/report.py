@@ -1,0 +1,114 @@
+"""What a run reports while it trains: a record per logged step, evaluations, the bar and the summary.
+
+``Report`` turns each step's metrics (``fdp.step``) into the records ``metrics.jsonl``
+holds (rank 0 writes them; every rank computes the same world-mean loss), evaluates on
+the test split when due, and sums the run up at its end.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from omegaconf import DictConfig
+
+from fdp import zero
+from fdp.build import RunParts, display_name
+from fdp.comm import Comm
+from fdp.data import has_test_split
+from fdp.evaluate import evaluate
+from fdp.metrics import MetricsLog, StepTimes, progress
+from fdp.rundir import RunDir
+from fdp.state import TrainState
+
+__all__ = ["Report"]
+
+
+class Report:
+    """The metrics of one rank's run (see the module docstring)."""
+
+    def __init__(self, cfg: DictConfig, run_dir: RunDir, parts: RunParts, comm: Comm, first_step: int, last_step: int):
+        self.cfg, self.run_dir, self.parts, self.comm = cfg, run_dir, parts, comm
+        self.last_step = last_step
+        is_zero = comm.rank == 0
+        self.log = MetricsLog(run_dir.path, resume=first_step > 0, tensorboard=cfg.trainer.tensorboard) if is_zero else None
+        self.bar = progress(last_step, first_step, enabled=cfg.trainer.progress and is_zero)
+        self.times, self.skipped, self.last_eval, self.record = StepTimes(), 0, {}, {}
+        self.started = time.perf_counter()
+
+    def step(self, state: TrainState, metrics: dict) -> None:
+        """Count a step; on a logged one, write its record (and the evaluation when due)."""
+        tc, number = self.cfg.trainer, state.step
+        self.times.add(metrics)
+        self.skipped += metrics["skipped"]
+        self.bar.update(1)
+        done = number == self.last_step
+        if number % tc.log_every and not done:
+            return
+        self.record = self._record(number, metrics)
+        if (tc.eval_every and number % tc.eval_every == 0 or done) and has_test_split(self.parts.data):
+            # Every rank takes part (ZeRO stage 3 gathers the params); rank 0 evaluates.
+            params = zero.whole_params(state, self.parts.plan, self.comm)
+            if self.comm.rank == 0:
+                self.last_eval = self._evaluate(state._replace(params=params))
+                self.record.update(self.last_eval)
+        self.bar.set_postfix(loss=f"{self.record['loss']:.4f}", samples_s=f"{self.record['samples_per_s']:.0f}")
+        if self.log:
+            self.log.write(self.record)
+
+    def _record(self, number: int, m: dict) -> dict:
+        loss, world = m["loss"].clone(), self.comm.world_size
+        if world > 1:
+            loss = self.comm.allreduce(loss / world).wait()
+        gbs = self.cfg.data.global_batch_size
+        record = {
+            "step": number,
+            "loss": loss.item(),
+            "lr": m["lr"],
+            "samples_per_s": gbs / m["step_s"],
+            "step_ms": 1e3 * m["step_s"],
+            "compute_ms": 1e3 * m["compute_s"],
+            "comm_wait_ms": 1e3 * m["comm_wait_s"],
+            "bytes_sent": m["bytes_sent"],
+            "compression": self.parts.plan.nbytes / m["bytes_sent"] if m["bytes_sent"] else None,
+            "skipped_steps": self.skipped,
+            "state_mib": m["state_mib"],
+        }
+        if "loss_scale" in m:
+            record["loss_scale"] = m["loss_scale"].item()
+        return record
+
+    def _evaluate(self, state: TrainState) -> dict:
+        parts, tc = self.parts, self.cfg.trainer
+        return evaluate(parts.model, state.params, state.buffers, parts.data, tc.eval_batches, criterion=parts.criterion,
+                        num_workers=self.cfg.data.get("num_workers", 0), precision=parts.precision)
+
+    def summary(self, state: TrainState, device: str) -> dict:
+        """The run in one record (the ``fdp: ...`` line rank 0 prints), also written to ``metrics.jsonl``."""
+        self.bar.close()
+        times, gbs = self.times, self.cfg.data.global_batch_size
+        rows = times.rows
+        sent = times.median("bytes_sent") if rows else 0
+        summary = {
+            "model": display_name(self.cfg.model),
+            "world": self.comm.world_size,
+            "device": device,
+            "steps": state.step,
+            "loss": self.record.get("loss"),
+            **self.last_eval,
+            "wall_s": time.perf_counter() - self.started,
+            "step_ms": 1e3 * times.median("step_s"),
+            "compute_ms": 1e3 * times.median("compute_s"),
+            "comm_wait_ms": 1e3 * times.median("comm_wait_s"),
+            "bytes_per_step": int(sent),
+            # Under an outer loop most steps send nothing: the mean is what a sync every H steps costs.
+            "mean_bytes_per_step": int(sum(r["bytes_sent"] for r in rows) / len(rows)) if rows else 0,
+            "compression": self.parts.plan.nbytes / sent if sent else None,
+            "samples_per_s": gbs / times.median("step_s"),
+            "skipped_steps": self.skipped,
+            "state_mib": self.record.get("state_mib"),
+            "run_dir": str(self.run_dir.path),
+        }
+        if self.log:
+            self.log.write({"summary": True, **summary})
+            self.log.close()
+        return summary

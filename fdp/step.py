@@ -1,0 +1,248 @@
+"""The pure train step: ``state, batch -> state, metrics``.
+
+``make_train_step`` builds it from a loss, an optimizer, a bucket plan and a hook chain.
+One step reads top to bottom in ``TrainStep``'s function below: buffers agree across
+ranks, backward fills the bucket buffers (starting each bucket's hook chain as it
+fills, under the ``overlap`` schedule), the reduction hands the buckets back as their
+chains finish and the update (``fdp.update``: stage 0, or a ZeRO stage of
+``fdp.zero``) takes each one, the finiteness verdict decides whether the step counts,
+and the update's ``finish`` gives the new params and optimizer state.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from fdp import checks, replicas
+from fdp.comm import Comm
+from fdp.data import split_micro_batches
+from fdp.devices import device_of, rng_scope
+from fdp._torch import HAS_DISABLE_FUNCTORCH
+from fdp.errors import check_bool, require
+from fdp.functional import FunctionalModel
+from fdp.hooks import Hook, allreduce, checked
+from fdp.optim import GradientTransformation, current_lr, takes_sum_across
+from fdp.plan import BucketPlan
+from fdp.precision import Precision, scaled_micro_batches, unscale, unscaled_loss, update_loss_scale
+from fdp.reduce import GradReducer, resolve_schedule
+from fdp.state import TrainState, state_nbytes
+from fdp.trace import NullTimeline, Timeline
+from fdp.verdicts import DeferredVerdicts
+from fdp.zero import check_hook_for_stage, check_zero_stage, make_update, scatters
+
+__all__ = ["NONFINITE", "StepOptions", "TrainStep", "check_nonfinite", "make_train_step"]
+
+NONFINITE = ("raise", "skip")
+
+
+def check_nonfinite(nonfinite: str) -> str:
+    """What a step does on a non-finite gradient: ``raise`` (name it) or ``skip`` (on every rank alike).
+
+    >>> check_nonfinite("ignore")
+    Traceback (most recent call last):
+    ...
+    ValueError: nonfinite='ignore': expected raise or skip
+    """
+    require(nonfinite in NONFINITE, "nonfinite", nonfinite, "raise or skip")
+    return nonfinite
+
+
+class StepOptions(NamedTuple):
+    """How a train step runs; every field is checked once, by the module that uses it (``checked()``).
+
+    * ``accum_steps``: micro-batches per step; their gradients are accumulated in the
+      bucket buffers and reduced once.
+    * ``schedule``: when the reduction starts: ``after`` backward, ``overlap`` with it
+      (each bucket as soon as it is full), or ``auto`` (overlap on more than one process).
+    * ``nonfinite``: ``raise`` or ``skip`` a step whose reduced gradients are not finite.
+      On a GPU ``raise`` does not stop the host to read the verdict: a non-finite
+      gradient at step s raises from the call for step s + 1 (naming step s), or from
+      ``TrainStep.settle()``; on the CPU the step itself raises, naming the parameter.
+    * ``donate``: the caller drops each state once it has the next (``fdp.trainer``
+      does), so the step may update params and optimizer state in place with torch's
+      fused kernels (see ``fdp.optim.apply_gradients``); an elementwise optimizer then
+      steps each bucket the moment its reduction is done. Results are those of
+      ``donate=False`` up to float rounding. A skipped step leaves ``state`` intact; one
+      that raises leaves a donated state partly updated (resume from a checkpoint).
+    * ``sync_buffers``: how buffers (BatchNorm statistics) agree across ranks before each
+      forward: ``broadcast`` rank 0's (DDP's default), ``average`` or ``local`` (``fdp.replicas``).
+    * ``precision``: an ``fdp.precision.Precision`` (autocast, bf16 weights, loss scaling;
+      under ``16-mixed`` an overflowing step is skipped on every rank alike).
+    * ``compile``: the gradient computation under ``torch.compile`` (``fdp.compiled``).
+    * ``zero_stage``: 1 shards the optimizer state over the ranks, 2 the reduced
+      gradients too, 3 the params too (``fdp.zero``); the state must then come from
+      ``fdp.zero.init_state`` or ``fdp.zero.shard_state`` for that stage.
+    * ``model``: the ``FunctionalModel`` the loss runs; stage 3 needs it, to gather each
+      bucket's params before its modules read them.
+    * ``reshard_after_forward``: stage 3 releases each bucket's params after the forward
+      and gathers them again for backward (``False``: keeps them from the forward to
+      their last gradient: more memory, half the gathers).
+    * ``timeline``: an ``fdp.trace.Timeline`` to record spans into.
+    """
+
+    accum_steps: int = 1
+    schedule: str = "after"
+    nonfinite: str = "raise"
+    donate: bool = False
+    sync_buffers: str = "broadcast"
+    precision: Precision | None = None
+    compile: bool = False
+    zero_stage: int = 0
+    model: FunctionalModel | None = None
+    reshard_after_forward: bool = True
+    timeline: Timeline | None = None
+
+    def checked(self) -> "StepOptions":
+        """These options with their defaults filled in; a ``ValueError`` naming the first bad one.
+
+        >>> StepOptions(accum_steps=0).checked()
+        Traceback (most recent call last):
+        ...
+        ValueError: accum_steps=0: expected an integer >= 1
+        """
+        checks.check_accum_steps(self.accum_steps)
+        resolve_schedule(self.schedule, world_size=1)
+        check_nonfinite(self.nonfinite)
+        replicas.check_sync_buffers(self.sync_buffers)
+        check_zero_stage(self.zero_stage)
+        check_bool("reshard_after_forward", self.reshard_after_forward)
+        if self.zero_stage == 3:
+            require(not self.compile, "compile", self.compile, "False with zero_stage=3 (its gathers run in hooks)")
+            require(HAS_DISABLE_FUNCTORCH, "zero_stage", 3, "0, 1 or 2: this torch cannot leave torch.func from a hook")
+        return self._replace(precision=self.precision or Precision(), timeline=self.timeline or NullTimeline())
+
+
+class TrainStep(NamedTuple):
+    """``train_step(state, batch) -> (new_state, metrics)``, and ``settle()``.
+
+    ``settle()`` reads the last step's finiteness verdict where the step left it unread
+    (on a GPU, so as not to stall the device) and raises if it was not finite: call it
+    before keeping a state for good (a checkpoint, the end of a run).
+    """
+
+    step: Callable[[TrainState, Any], tuple[TrainState, dict]]
+    settle: Callable[[], None]
+
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
+        return self.step(state, batch)
+
+
+def make_train_step(
+    loss_fn: Callable,
+    optimizer: GradientTransformation,
+    plan: BucketPlan,
+    hook: Hook | None = None,
+    comm: Comm | None = None,
+    **options: Any,
+) -> TrainStep:
+    """Build ``train_step(state, batch) -> (new_state, metrics)`` (a ``TrainStep``).
+
+    The step splits ``batch`` (this rank's share of the global batch) into micro-batches,
+    accumulates their gradients in the bucket buffers, reduces them once through
+    ``hook`` over ``plan``, and applies ``optimizer``. It never modifies ``state`` unless
+    it is donated; the same state and batch always give the same result. ``options``
+    are the fields of ``StepOptions``. The arguments are checked here and the first
+    step's state against ``plan`` and ``hook`` (``fdp.checks``).
+
+    >>> from fdp import functionalize, init_train_state, plan_buckets, sgd
+    >>> from fdp.losses import cross_entropy_loss, planner_loss
+    >>> model, params, buffers = functionalize(torch.nn.Linear(4, 3))
+    >>> loss_fn = cross_entropy_loss(model)
+    >>> batch = (torch.randn(8, 4), torch.randint(0, 3, (8,)))
+    >>> plan = plan_buckets(planner_loss(loss_fn, buffers), params, batch)
+    >>> step = make_train_step(loss_fn, sgd(0.1), plan)
+    >>> state, metrics = step(init_train_state(params, buffers, sgd(0.1), plan), batch)
+    >>> state.step
+    1
+    """
+    checks.check_step_arguments(loss_fn, optimizer, plan, hook, comm)
+    opts = StepOptions(**options).checked()
+    comm, hook = comm or Comm(), checked(hook or allreduce())
+    check_hook_for_stage(opts.zero_stage, hook)
+    if opts.zero_stage:
+        require(takes_sum_across(optimizer), "optimizer", optimizer.update,
+                "an update that takes sum_across= to step a shard of the gradients (ZeRO)", TypeError)
+    early = opts.donate and opts.nonfinite == "raise"
+    update = make_update(opts.zero_stage, optimizer, plan, comm, opts.timeline, opts.donate, early, opts.model,
+                         opts.reshard_after_forward)
+    reducer = GradReducer(opts.precision.wrap(loss_fn), plan, hook, update.reduction_comm(comm), opts.schedule,
+                          opts.timeline, compile=opts.compile, release_buffers=scatters(opts.zero_stage),
+                          gather=getattr(update, "gather", None))
+    verdicts = DeferredVerdicts()
+    checked_state, state_mib = False, None
+
+    def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
+        nonlocal checked_state, state_mib
+        t0 = time.perf_counter()
+        number = state.step + 1
+        opts.timeline.start_step(number)
+        if not checked_state:
+            update.check_state(state)
+            checks.check_hook_states(state.hook_state, hook, plan)
+            checked_state = True
+        state = state._replace(buffers=replicas.sync_buffers(state.buffers, comm, opts.sync_buffers))
+        step = update.begin(state, reducer.flats)
+        with rng_scope(state.rng, state.cuda_rng, device_of(state.params)) as rng_states:
+            micro_batches = scaled_micro_batches(split_micro_batches(batch, opts.accum_steps), state.loss_scale)
+            computed = reducer.backward(step.params, state.buffers, micro_batches, state.hook_state)
+            rng, cuda_rng = rng_states()
+        for index, bucket in computed.reduction.finished():
+            step.reduced(index, unscale(bucket.buffer, state.loss_scale, bucket.owned))
+
+        # Reduced gradients agree on every rank, so every rank takes the same branch.
+        # Skipping needs the verdict now (the step's one host synchronisation); raising
+        # can read it later, so the host goes on queueing work for the device.
+        ok = step.verdict()
+        skipped = False
+        if opts.nonfinite == "raise" and state.loss_scale is None:
+            verdicts.record(ok, _explain(number, step))
+        else:
+            skipped = not bool(ok.all())
+        loss_scale = None if state.loss_scale is None else update_loss_scale(
+            state.loss_scale, not skipped, opts.precision.growth_interval)
+        if skipped:  # nonfinite="skip", or loss scaling
+            new_state = state._replace(step=number, rng=rng, cuda_rng=cuda_rng, loss_scale=loss_scale)
+        else:
+            params, opt_state = step.finish()
+            new_state = TrainState(number, params, computed.buffers, opt_state, computed.reduction.hook_states, rng,
+                                   cuda_rng, loss_scale, state.outer)
+        if state_mib is None:  # what this rank holds between steps (params, optimizer state, bucket buffers): fixed
+            state_mib = state_nbytes(new_state, reducer.flats) / 2**20
+        return new_state, _metrics(t0, computed, step, new_state, state.loss_scale, loss_scale, skipped, state_mib)
+
+    return TrainStep(train_step, verdicts.settle)
+
+
+def _explain(number: int, step: Any) -> Callable[[bool], FloatingPointError]:
+    """The error for step ``number``'s non-finite gradient, made only when there is one."""
+
+    def explain(late: bool) -> FloatingPointError:
+        return FloatingPointError(
+            f"non-finite gradient at step {number} in {step.nonfinite_where(late)} "
+            "(set trainer.nonfinite=skip to skip such steps)"
+        )
+
+    return explain
+
+
+def _metrics(t0: float, computed: Any, step: Any, new_state: TrainState, scale_before: Any, scale_after: Any,
+             skipped: bool, state_mib: float) -> dict:
+    stats = computed.reduction.stats()
+    wait_s = stats.wait_s + step.wait_s
+    elapsed = time.perf_counter() - t0
+    metrics = {
+        "loss": unscaled_loss(torch.stack([loss.detach() for loss in computed.losses]).mean(), scale_before),
+        "lr": current_lr(new_state.opt_state),
+        "skipped": int(skipped),
+        "step_s": elapsed,
+        "comm_wait_s": wait_s,
+        "compute_s": elapsed - wait_s,
+        "bytes_sent": stats.bytes_sent,
+        "collectives": stats.collectives,
+        "state_mib": state_mib,
+    }
+    if scale_after is not None:
+        metrics["loss_scale"] = scale_after.scale
+    return metrics

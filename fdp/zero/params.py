@@ -1,0 +1,120 @@
+"""ZeRO stage 3: params sharded too. Each rank keeps its slice of every bucket and nothing whole.
+
+``TrainState.params`` holds ``{"bucket<i>": slice}`` (``fdp.zero.convert``), the
+optimizer state the same slices' state. A step gathers each bucket's params while the
+forward and backward need them (``fdp.zero.gather.ParamGather``), the hook chain
+reduce-scatters each bucket's gradient as soon as it is complete (``ScatterComm``, as at
+stage 2), and each rank steps its slices with its slices of the gradient. Nothing is
+all-gathered after the optimizer: the next step's forward gathers what it reads.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from fdp.comm import Comm
+from fdp.errors import require
+from fdp.functional import FunctionalModel
+from fdp.optim import GradientTransformation, apply_gradients
+from fdp.plan import BucketPlan
+from fdp.trace import NullTimeline, Timeline
+from fdp.update import describe_bucket, finite_flag
+from fdp.zero.convert import is_sharded, params_sharded
+from fdp.zero.gather import ParamGather
+from fdp.zero.layout import shard_key, shard_range
+from fdp.zero.scatter import ScatterComm
+
+__all__ = ["ParamShardedUpdate"]
+
+
+class ParamShardedUpdate:
+    """The ``fdp.update.Update`` of ZeRO stage 3 (see the module docstring).
+
+    ``model`` is the ``FunctionalModel`` the loss runs: its modules' hooks gather each
+    bucket before its params are read. ``gather`` is handed to the ``GradReducer``.
+    """
+
+    def __init__(self, optimizer: GradientTransformation, plan: BucketPlan, comm: Comm, model: FunctionalModel | None,
+                 reshard_after_forward: bool = True, timeline: Timeline | None = None, donate: bool = False,
+                 early: bool = False):
+        require(isinstance(model, FunctionalModel), "model", model,
+                "the FunctionalModel the loss runs (fdp.functionalize), which zero_stage=3 gathers bucket by bucket",
+                TypeError)
+        self.optimizer, self.plan, self.comm = optimizer, plan, comm
+        self.timeline = timeline or NullTimeline()
+        self.donate, self.early = donate, early
+        self.gather = ParamGather(model, plan, comm, reshard_after_forward, self.timeline)
+
+    def reduction_comm(self, comm: Comm) -> Any:
+        return ScatterComm(comm, self.plan)
+
+    def check_state(self, state: Any) -> None:
+        if not (params_sharded(state.params, self.plan) and is_sharded(state.opt_state, self.plan)):
+            raise ValueError(
+                "zero_stage=3: state.params are not this rank's slices by bucket; build the state with "
+                "fdp.zero.init_state(..., stage=3) or fdp.zero.shard_state(..., stage=3)"
+            )
+
+    def begin(self, state: Any, grad_buffers: tuple[torch.Tensor, ...]) -> "_ParamShardedStep":
+        self.gather.start(state.params)
+        per_bucket = self.early and state.loss_scale is None and self.optimizer.elementwise
+        return _ParamShardedStep(self, state, per_bucket)
+
+
+class _ParamShardedStep:
+    def __init__(self, owner: ParamShardedUpdate, state: Any, per_bucket: bool):
+        self.owner, self.state, self.per_bucket = owner, state, per_bucket
+        self.params = owner.gather.views
+        self.rank, self.world = owner.comm.rank, owner.comm.world_size
+        self.grads: dict[str, torch.Tensor] = {}
+        self.opt_state = state.opt_state
+        self.flags: list[torch.Tensor | None] = [None] * len(owner.plan.buckets)
+        self.wait_s = 0.0
+
+    def reduced(self, index: int, buffer: torch.Tensor) -> None:
+        """Take this rank's slice of bucket ``index``'s reduced gradient; step it now where allowed."""
+        owner = self.owner
+        bucket = owner.plan.buckets[index]
+        start, stop = shard_range(bucket, self.rank, self.world)
+        if buffer.numel() == bucket.numel and buffer.numel() != stop - start:  # a chain that sent nothing
+            buffer = torch.nn.functional.pad(buffer[start : min(stop, bucket.numel)], (0, max(0, stop - bucket.numel)))
+        require(buffer.numel() == stop - start, f"zero_stage=3: bucket {index}'s reduced gradient", buffer.numel(),
+                f"this rank's slice of {stop - start} elements")
+        self.flags[index] = finite_flag(buffer)
+        key = shard_key(index)
+        if self.per_bucket:  # donated: the slice is stepped in place
+            with owner.timeline.span("optimizer", bucket=index):
+                self.opt_state = owner.optimizer.update_inplace({key: buffer}, self.state.opt_state, {key: self.state.params[key]})
+        else:
+            self.grads[key] = buffer
+
+    def verdict(self) -> torch.Tensor:
+        owner = self.owner
+        ok = torch.stack(self.flags).all()
+        if self.world > 1:  # each rank saw only its slices
+            t0 = time.perf_counter()
+            bad = owner.comm.allreduce((~ok).to(torch.float32).reshape(1)).wait()
+            self.wait_s += time.perf_counter() - t0
+            ok = bad[0] == 0
+        return ok.reshape(1)
+
+    def finish(self) -> tuple[dict, Any]:
+        """Step the slices not stepped yet; ``(params, opt_state)``, the params this rank's slices."""
+        owner = self.owner
+        if self.per_bucket:
+            return self.state.params, self.opt_state
+        with owner.timeline.span("optimizer"):
+            return apply_gradients(owner.optimizer, self.grads, self.state.opt_state, self.state.params,
+                                   donate=owner.donate, sum_across=self._sum_across)
+
+    def _sum_across(self, tensor: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        total = self.owner.comm.allreduce(tensor.clone()).wait()
+        self.wait_s += time.perf_counter() - t0
+        return total
+
+    def nonfinite_where(self, late: bool) -> str:
+        bad = [index for index, ok in enumerate(self.flags) if ok is not None and not bool(ok)]
+        return describe_bucket(self.owner.plan, bad[0]) if bad else "a bucket of another rank's slice"

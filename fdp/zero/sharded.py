@@ -1,0 +1,149 @@
+"""ZeRO stages 1 and 2: each rank steps its slice of every bucket, then the slices are all-gathered.
+
+* Stage 1: gradients are reduced as at stage 0 (the hook chain all-reduces each
+  bucket); each rank steps only its slice of the params, with optimizer state for that
+  slice alone, and all-gathers the updated slice into every rank's whole params.
+* Stage 2: the reduction reduce-scatters each bucket instead (``ScatterComm``), so a
+  rank receives only its slice of the averaged gradient, and the reduction releases each
+  bucket buffer as its chain finishes (``GradReducer(release_buffers=True)``).
+
+A bucket's update and all-gather start as soon as its reduction has finished, while
+later buckets are still on the wire; the all-gathers are awaited at the end of the step.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from fdp.comm import Comm, Pending
+from fdp.optim import GradientTransformation, apply_gradients
+from fdp.plan import BucketPlan
+from fdp.trace import NullTimeline, Timeline
+from fdp.update import describe_bucket, finite_flag
+from fdp.zero.convert import is_sharded
+from fdp.zero.layout import flats_of, param_views, shard_key, shard_range
+from fdp.zero.scatter import ScatterComm
+
+__all__ = ["ShardedUpdate"]
+
+
+class ShardedUpdate:
+    """The ``fdp.update.Update`` of ZeRO stages 1 and 2 (see the module docstring)."""
+
+    def __init__(self, optimizer: GradientTransformation, plan: BucketPlan, comm: Comm, stage: int,
+                 timeline: Timeline | None = None, donate: bool = False, early: bool = False):
+        if stage not in (1, 2):
+            raise ValueError(f"stage={stage!r}: expected 1 or 2 (stage 0 is fdp.update.ReplicatedUpdate)")
+        self.optimizer, self.plan, self.comm, self.stage = optimizer, plan, comm, stage
+        self.timeline = timeline or NullTimeline()
+        self.donate, self.early = donate, early
+
+    def reduction_comm(self, comm: Comm) -> Any:
+        return ScatterComm(comm, self.plan) if self.stage == 2 else comm
+
+    def check_state(self, state: Any) -> None:
+        from fdp.checks import check_state_against_plan
+
+        check_state_against_plan(state, self.plan)
+        if not is_sharded(state.opt_state, self.plan):
+            raise ValueError(
+                f"zero_stage={self.stage}: the optimizer state is not sharded; "
+                "build the state with fdp.zero.init_state or fdp.zero.shard_state"
+            )
+
+    def begin(self, state: Any, grad_buffers: tuple[torch.Tensor, ...]) -> "_ShardedStep":
+        per_bucket = self.early and state.loss_scale is None and self.optimizer.elementwise
+        return _ShardedStep(self, state, grad_buffers, per_bucket)
+
+
+class _ShardedStep:
+    def __init__(self, owner: ShardedUpdate, state: Any, grad_buffers: tuple[torch.Tensor, ...], per_bucket: bool):
+        self.owner, self.state, self.grad_buffers, self.per_bucket = owner, state, grad_buffers, per_bucket
+        plan = owner.plan
+        self.rank, self.world = owner.comm.rank, owner.comm.world_size
+        # A step that may not touch ``state`` (donate=False) works on copies of the params.
+        self.flats = flats_of(state.params, plan, self.world, copy=not owner.donate)
+        self.params = dict(state.params) if owner.donate else param_views(plan, self.flats, list(state.params))
+        self.ranges = [shard_range(b, self.rank, self.world) for b in plan.buckets]
+        self.grads: dict[str, torch.Tensor] = {}
+        self.gathers: list[Pending] = []
+        self.opt_state = state.opt_state
+        self.flags: list[torch.Tensor | None] = [None] * len(plan.buckets)
+        self.wait_s = 0.0
+
+    def _param_slices(self, indices) -> dict[str, torch.Tensor]:
+        return {shard_key(i): self.flats[i][slice(*self.ranges[i])] for i in indices}
+
+    def reduced(self, index: int, buffer: torch.Tensor) -> None:
+        """Take bucket ``index``'s reduced gradient; step and gather its slice now where allowed."""
+        owner = self.owner
+        bucket = owner.plan.buckets[index]
+        start, stop = self.ranges[index]
+        if owner.stage == 2 and buffer.numel() == stop - start:  # this rank's slice of the sum
+            grad = buffer
+            self.flags[index] = finite_flag(grad)
+        elif buffer.numel() == bucket.numel:  # the whole bucket (stage 1, or a chain that sends nothing)
+            self.flags[index] = finite_flag(buffer)
+            grad = buffer[start : min(stop, bucket.numel)]
+            if grad.numel() != stop - start:  # this slice runs into the padding
+                grad = torch.cat([grad, grad.new_zeros(stop - start - grad.numel())])
+        else:
+            raise ValueError(
+                f"zero_stage={owner.stage}: the hook chain returned {buffer.numel()} elements for bucket {index} "
+                f"of {bucket.numel}; expected the whole bucket or this rank's slice of {stop - start}"
+            )
+        if self.per_bucket:
+            with owner.timeline.span("optimizer", bucket=index):
+                self.opt_state = owner.optimizer.update_inplace(
+                    {shard_key(index): grad}, self.state.opt_state, self._param_slices([index])
+                )
+            self._gather(index)
+        else:
+            self.grads[shard_key(index)] = grad
+
+    def _gather(self, index: int) -> None:
+        start, stop = self.ranges[index]
+        # The updated slice already sits in its place in the flat buffer: gathered in place.
+        self.gathers.append(self.owner.comm.all_gather_into(self.flats[index], self.flats[index][start:stop]))
+
+    def verdict(self) -> torch.Tensor:
+        ok = torch.stack(self.flags).all()
+        if self.owner.stage == 2 and self.world > 1:  # each rank saw only its slices
+            bad = self.owner.comm.allreduce((~ok).to(torch.float32).reshape(1)).wait()
+            ok = bad[0] == 0
+        return ok.reshape(1)
+
+    def finish(self) -> tuple[dict, Any]:
+        """Step the slices not stepped yet, wait for every all-gather; ``(params, opt_state)``."""
+        owner = self.owner
+        if self.grads:
+            indices = [b.index for b in owner.plan.buckets]
+            slices = self._param_slices(indices)
+            with owner.timeline.span("optimizer"):
+                new_slices, self.opt_state = apply_gradients(
+                    owner.optimizer, self.grads, self.state.opt_state, slices, donate=owner.donate,
+                    sum_across=self._sum_across,
+                )
+            for index in indices:
+                key = shard_key(index)
+                if new_slices[key] is not slices[key]:
+                    with torch.no_grad():
+                        slices[key].copy_(new_slices[key])
+                self._gather(index)
+        t0 = time.perf_counter()
+        for pending in self.gathers:
+            pending.wait()
+        self.wait_s += time.perf_counter() - t0
+        return self.params, self.opt_state
+
+    def _sum_across(self, tensor: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        total = self.owner.comm.allreduce(tensor.clone()).wait()
+        self.wait_s += time.perf_counter() - t0
+        return total
+
+    def nonfinite_where(self, late: bool) -> str:
+        bad = [index for index, ok in enumerate(self.flags) if ok is not None and not bool(ok)]
+        return describe_bucket(self.owner.plan, bad[0]) if bad else "a bucket of another rank's slice"
