@@ -5,7 +5,6 @@ import time
 from typing import Any, Callable, NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from fdp import checks, replicas
 from fdp.buckets import slot_views
@@ -14,6 +13,7 @@ from fdp.data import split_micro_batches
 from fdp.devices import device_of, rng_scope, seeded_cuda_rng
 from fdp.functional import Buffers, FunctionalModel, Params
 from fdp.hooks import Hook, allreduce, checked
+from fdp.losses import cross_entropy, make_loss_fn, weigh_micro_batches
 from fdp.optim import GradientTransformation, apply_gradients, current_lr, supports_inplace
 from fdp.plan import BucketPlan
 from fdp.precision import LossScale, Precision, scaled_micro_batches, unscale, unscaled_loss, update_loss_scale
@@ -143,16 +143,10 @@ def init_train_state(
 def cross_entropy_loss(model: FunctionalModel) -> Callable:
     """``loss_fn(params, buffers, batch) -> (loss, (new_buffers, metrics))`` for classifiers and LMs.
 
-    Logits of any shape ``(..., classes)`` are scored against targets of shape ``(...)``.
+    Logits of any shape ``(..., classes)`` are scored against targets of shape ``(...)``;
+    the batch is ``(inputs, targets)`` or a dict (see ``fdp.losses.make_loss_fn``).
     """
-
-    def loss_fn(params: Params, buffers: Buffers, batch):
-        inputs, targets = batch
-        logits, new_buffers = model.apply(params, buffers, inputs)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        return loss, (new_buffers, {})
-
-    return loss_fn
+    return make_loss_fn(model, cross_entropy)
 
 
 def planner_loss(loss_fn: Callable, buffers: Buffers) -> Callable:
@@ -210,7 +204,8 @@ def make_train_step(
     ``precision`` (``fdp.precision``) wraps ``loss_fn`` in autocast; under loss scaling
     (``16-mixed``, with ``init_train_state(..., precision=...)``) a step whose reduced
     gradients overflow is skipped on every rank alike and counted, whatever
-    ``nonfinite`` says, and the state's ``LossScale`` moves on. ``compile=True`` compiles
+    ``nonfinite`` says, and the state's ``LossScale`` moves on (the forward's buffers,
+    BatchNorm statistics, are kept, as with torch's ``GradScaler``). ``compile=True`` compiles
     the gradient computation with ``torch.compile`` (see ``fdp.compiled``).
     ``zero_stage`` 1 or 2 shards the optimizer state (and, at 2, the reduced gradients)
     over the ranks, ZeRO-style (see ``fdp.zero``); the state must then come from
@@ -260,7 +255,8 @@ def make_train_step(
         state = state._replace(buffers=replicas.sync_buffers(state.buffers, comm, sync_buffers))
         shards = sharded.begin(state, in_place=donate) if sharded is not None else None
         with rng_scope(state.rng, state.cuda_rng, device_of(state.params)) as rng_states:
-            micro_batches = scaled_micro_batches(split_micro_batches(batch, accum_steps), state.loss_scale)
+            micro_batches = weigh_micro_batches(loss_fn, split_micro_batches(batch, accum_steps), comm)
+            micro_batches = scaled_micro_batches(micro_batches, state.loss_scale)
             computed = reducer.backward(state.params, state.buffers, micro_batches, state.hook_state)
             rng, cuda_rng = rng_states()
 
@@ -300,7 +296,10 @@ def make_train_step(
                     params, opt_state = apply_gradients(optimizer, grads, state.opt_state, state.params, donate=donate)
             new_state = TrainState(step, params, computed.buffers, opt_state, computed.reduction.hook_states, rng, cuda_rng, loss_scale)
         else:  # nonfinite="skip", or loss scaling: "raise" leaves the verdict to _FiniteChecks
-            new_state = state._replace(step=step, rng=rng, cuda_rng=cuda_rng, loss_scale=loss_scale)
+            # An overflow of the scaled gradients says nothing of the forward: its buffers
+            # (BatchNorm statistics) are kept, as torch's GradScaler keeps them.
+            buffers = computed.buffers if state.loss_scale is not None else state.buffers
+            new_state = state._replace(step=step, buffers=buffers, rng=rng, cuda_rng=cuda_rng, loss_scale=loss_scale)
 
         if state_mib is None:  # what this rank holds between steps (params, optimizer state, gradient buffers): fixed
             state_mib = state_nbytes(new_state, sharded.grad_buffers() if sharded else reducer.flats) / 2**20

@@ -49,7 +49,7 @@ from fdp.launch import (
     spawn,
     tune_allocator,
 )
-from fdp.losses import Criterion, batch_metrics, cross_entropy, make_loss_fn
+from fdp.losses import Criterion, cross_entropy, eval_metrics, make_loss_fn
 from fdp.metrics import MetricsLog, StepTimes, progress, summary_line
 from fdp.outer import check_outer, make_outer_step
 from fdp.plan import BucketPlan
@@ -129,12 +129,7 @@ def evaluate(
     device = device_of(params)
     total_loss, count, correct, scored = 0.0, 0, 0, 0
     for batch in eval_batches(data, batch_size, max_batches, num_workers=num_workers):
-        x, y = batch_to_device(batch, device)
-        with precision.autocast(device.type):
-            outputs, _ = model.apply(params, buffers, precision.cast(x), training=False)
-        if isinstance(outputs, torch.Tensor) and outputs.is_floating_point():
-            outputs = outputs.float()
-        loss, weight, hits, n = batch_metrics(criterion, outputs, y)
+        loss, weight, hits, n = eval_metrics(model, criterion, params, buffers, batch_to_device(batch, device), precision)
         total_loss, count, correct, scored = total_loss + loss, count + weight, correct + hits, scored + n
     metrics = {"test_loss": total_loss / count}
     if scored:

@@ -398,12 +398,12 @@ class _Strings(_Items):
 
 
 @pytest.mark.parametrize("splits,message", [
-    (_Items(3), r"^returned a _Items; expected \(train, test\): two map-style torch Datasets \(test may be None\)$"),
+    (_Items(3), r"^returned a _Items; expected \(train, test\) or \(train, test, collate\): map-style torch Datasets \(test may be None\)"),
     ((_Items(3),), r"^returned a tuple of 1 items; expected \(train, test\)"),
     ((_Stream(), None), r"^the train split is a _Stream; expected a map-style torch Dataset \(items by index\)$"),
     ((_Unsized(), None), r"^the train split \(_Unsized\) has no len\(\); expected a map-style Dataset with __len__$"),
     ((_Items(0), None), r"^the train split is empty$"),
-    ((_Triples(3), None), r"^train item 0 is a 3-tuple; expected a pair \(input, target\)$"),
+    ((_Triples(3), None), r"^train item 0 is a 3-tuple; expected a pair \(input, target\) or a dict with a 'labels' entry$"),
     ((_Items(3), _Strings(3)), r"^test item 0: its input is a str; expected a tensor, a number or an array$"),
 ])
 def test_map_data_refuses_what_is_not_a_pair_of_map_style_datasets(splits, message):
