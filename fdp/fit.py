@@ -12,7 +12,7 @@ a scalar, or class scores that do not cover the labels or the data's declared cl
 >>> check_first_batch(model, cross_entropy, params, buffers, batch, Names(classes_setting="+model.num_classes"), 10)
 Traceback (most recent call last):
     ...
-fdp.config.ConfigError: model does not fit data: the model outputs 1000 class scores but data has 10 classes; expected +model.num_classes=10
+fdp.config.ConfigError: model does not fit data with loss: the model outputs 1000 class scores but data has 10 classes; expected +model.num_classes=10
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def check_first_batch(
 
     ``declared_classes`` is what the data says its classes are (``None``: it does not say).
     """
-    fits = f"{names.model} does not fit {names.data}"
+    fits = f"{names.model} does not fit {names.data} with {names.loss}"
     try:
         args, kwargs, targets = model_inputs(batch)
     except ValueError as error:
@@ -70,22 +70,18 @@ def check_first_batch(
         except UnreadableOutput as error:
             raise ConfigError(f"{names.loss}: {error}") from None
         except Exception as error:
-            if not isinstance(outputs, Tensor):  # a custom loss that fails on an output fdp cannot read either
+            if not isinstance(outputs, Tensor):  # a structured output (a ModelOutput) that the loss does not read
                 try:
                     logits_of(outputs)
-                except UnreadableOutput as unreadable:
-                    raise ConfigError(f"{names.loss}: {_reason(error)}; {unreadable}") from None
-            raise ConfigError(f"{fits} with {names.loss}: {_reason(error)} (first batch: {describe(batch)}; "
-                              f"outputs: {_describe_outputs(outputs)})") from None
+                    way_out = "a loss that reads it (outputs.logits), or a built-in one (loss=cross_entropy reads the logits)"
+                except UnreadableOutput:
+                    way_out = "a loss that reads it (loss._target_=my_pkg.losses.f, a function (outputs, targets) -> scalar)"
+                raise ConfigError(f"{names.loss} cannot read what the model returns, a {type(outputs).__name__}: "
+                                  f"{_reason(error)}; expected {way_out}") from None
+            raise ConfigError(f"{fits}: {_reason(error)} (first batch: {describe(batch)})") from None
     if not isinstance(loss, Tensor) or loss.dim() != 0 or not loss.is_floating_point():
         got = f"shape {tuple(loss.shape)} {loss.dtype}" if isinstance(loss, Tensor) else type(loss).__name__
         raise ConfigError(f"{names.loss}: returned {got}; expected a floating-point scalar")
-
-
-def _describe_outputs(outputs: Any) -> str:
-    if isinstance(outputs, Tensor):
-        return f"{tuple(outputs.shape)} {str(outputs.dtype).removeprefix('torch.')}"
-    return f"a {type(outputs).__name__}"
 
 
 def _scores_classes(criterion: Criterion) -> bool:
@@ -122,8 +118,8 @@ def _check_classes(criterion: Criterion, outputs: Any, targets: Any, names: Name
     largest = int(labels.max()) if labels.numel() else -1
     needed = max(largest + 1, declared or 0)
     if largest >= classes:
-        raise ConfigError(f"{names.model} does not fit {names.data}: the first batch has label {largest} but the model "
+        raise ConfigError(f"{names.model} does not fit {names.data} with {names.loss}: the first batch has label {largest} but the model "
                           f"outputs {classes} class scores; expected {names.classes_setting}={needed}")
     if declared is not None and classes != declared:
-        raise ConfigError(f"{names.model} does not fit {names.data}: the model outputs {classes} class scores but "
+        raise ConfigError(f"{names.model} does not fit {names.data} with {names.loss}: the model outputs {classes} class scores but "
                           f"{names.data} has {declared} classes; expected {names.classes_setting}={declared}")
