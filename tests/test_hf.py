@@ -3,10 +3,9 @@
 The references are torch's own: DDP + torch.optim.Adam on the model as transformers
 builds it, the loss written out here (the mean over every counted token of the global
 batch: the same number however the batch is split). Models are tiny and randomly
-initialised from configs; nothing is downloaded (HF_HUB_OFFLINE).
+initialised from configs; nothing is downloaded (conftest sets HF_HUB_OFFLINE).
 """
 import contextlib
-import os
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
 from _examples import example_command, train_example  # noqa: E402
