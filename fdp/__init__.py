@@ -2,7 +2,7 @@
 
 The pieces, one module each:
 
-* ``functional``: any ``nn.Module`` as ``apply(params, buffers, *inputs)``.
+* ``functional``: any ``nn.Module`` as ``apply(params, buffers, *inputs, **named_inputs)``.
 * ``optim``: optax-style optimizers, ``(init, update)`` pairs composed with ``chain``, and their registry.
 * ``plan`` / ``buckets``: the static gradient-bucket plan (values, packing, tracing) and its flat buffers.
 * ``hooks``: gradient-reduction stages (allreduce, fp16, PowerSGD, top-k) composed with ``hooks.chain``.
@@ -12,7 +12,8 @@ The pieces, one module each:
 * ``compiled``: the gradient computation under ``torch.compile``.
 * ``train``: ``TrainState`` and the pure ``train_step(state, batch) -> (state, metrics)``.
 * ``devices``: which device each rank computes on (``world.accelerator``, ``world.devices``).
-* ``targets`` / ``losses``: models, data and losses named in config by ``_target_``.
+* ``targets`` / ``losses`` / ``fit``: models, data and losses named in config by ``_target_``; reading model
+  outputs, token means over the global batch; the first-batch check.
 * ``launch`` / ``replicas``: worlds of processes; one consistent state on every rank (``setup_state``, ``sync_buffers``).
 * ``checks``: what a Python caller hands the train step, checked with errors naming the argument.
 * ``trainer`` / ``checkpoint``: the run loop; atomic checkpoints of every rank (``save_checkpoint``, ``load_checkpoint``).
@@ -26,9 +27,11 @@ from fdp.comm import Comm, Pending
 from fdp.devices import Placement, batch_to_device, place, resolve_backend, to_device
 from fdp.functional import FunctionalModel, functionalize
 from fdp.hooks import GradBucket, Hook
-from fdp.data import MapData, StepSampler
+from fdp.data import MapData, StepSampler, model_inputs
+from fdp.fit import check_first_batch
 from fdp.launch import WorldLayout, broadcast_from_rank0, check_same_plan, init_distributed, spawn
-from fdp.losses import build_loss, make_loss_fn
+from fdp.losses import TokenCrossEntropy, build_loss, logits_of, make_loss_fn
+from fdp.models import hf_model
 from fdp.optim import (
     GradientTransformation,
     adam,
@@ -61,5 +64,5 @@ __all__ = [
     "init_hook_states", "init_outer_state", "init_train_state", "make_loss_fn", "make_outer_step", "make_train_step",
     "pack", "place", "plan_buckets", "planner_loss", "resolve_backend", "resolve_schedule", "sgd", "spawn",
     "supports_inplace", "to_device", "unpack", "warmup_cosine_schedule",
-    "zero",
+    "zero", "TokenCrossEntropy", "logits_of", "model_inputs", "hf_model", "check_first_batch",
 ]
