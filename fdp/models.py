@@ -214,7 +214,8 @@ def hf_model(model_class: str | type, vocab_size: int | None = None, num_classes
     defaults = config_class()
     known = set(defaults.to_dict()) | set(getattr(config_class, "attribute_map", {}))
     for key in config:
-        if key not in known:
+        # Some settings live under another name (attn_implementation as _attn_implementation).
+        if key not in known and not hasattr(defaults, key) and not hasattr(defaults, f"_{key}"):
             own = [k for k in defaults.to_dict() if k not in _HF_COMMON_SETTINGS]  # this architecture's own settings
             raise ValueError(f"{key} is not a setting of {config_class.__name__}; expected one of its settings ({', '.join(own[:5])}, ...)")
     settings = {"use_cache": False, **config}
