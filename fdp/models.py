@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
+from fdp.targets import locate
+
 __all__ = ["MLP", "ConvNet", "CharTransformer", "build_model", "count_parameters", "hf_model", "MODELS"]
 
 
@@ -205,8 +207,6 @@ def hf_model(model_class: str | type, vocab_size: int | None = None, num_classes
         ...
     ValueError: n_layers is not a setting of GPT2Config; expected one of its settings (vocab_size, n_positions, n_embd, n_layer, n_head, ...)
     """
-    from fdp.targets import locate
-
     cls = locate("model.model_class", model_class) if isinstance(model_class, str) else model_class
     config_class = getattr(cls, "config_class", None)
     if not isinstance(config_class, type):

@@ -16,7 +16,7 @@ from fdp.data.mapped import MapData, StepSampler
 def train_batches(
     data: Dataset | MapData, global_batch_size: int, seed: int, rank: int, world_size: int,
     start_step: int, stop_step: int, num_workers: int = 0, pin_memory: bool = False,
-) -> Iterator[tuple[Tensor, Tensor]]:
+) -> Iterator[Any]:
     """This rank's batch of each step ``start_step .. stop_step - 1``.
 
     In-memory data is cut by ``global_batch`` and ``shard``; ``MapData`` is read through
@@ -112,7 +112,7 @@ def model_arguments(data: Dataset | MapData) -> dict[str, Any]:
 
 def eval_batches(
     data: Dataset | MapData, batch_size: int, max_batches: int | None = None, num_workers: int = 0
-) -> Iterator[tuple[Tensor, Tensor]]:
+) -> Iterator[Any]:
     """Deterministic in-order batches of the test split (the last one may be smaller).
 
     Text: consecutive non-overlapping windows ``x = t[jT:(j+1)T]``, ``y = t[jT+1:(j+1)T+1]``.
@@ -135,7 +135,7 @@ def eval_batches(
     return _in_memory_eval_batches(data, batch_size, max_batches)
 
 
-def _in_memory_eval_batches(data: Dataset, batch_size: int, max_batches: int | None) -> Iterator[tuple[Tensor, Tensor]]:
+def _in_memory_eval_batches(data: Dataset, batch_size: int, max_batches: int | None) -> Iterator[Any]:
     if data.is_text:
         T = data.block_size
         n_windows = (data.test_x.shape[0] - 1) // T
