@@ -439,6 +439,8 @@ def _pad_collate(items):
     ((_Tokens(3, labels=False), None), r"^train item 0 is a dict with entries \['input_ids'\]; expected a 'labels' entry \(the target\)$"),
     ((_Tokens(3, labels=False), None, _pad_collate), r"^train item 0 does not make a batch: a dict batch with entries \['attention_mask', 'input_ids'\] "
                                                      r"has no 'labels' entry"),
+    ((_Tokens(3), None), r"^train item 0: its input_ids is a list; expected a tensor, a number or an array \(or return \(train, test, "
+                         r"collate\) with a function that pads them, such as a Hugging Face data collator\)$"),
     ((_Tokens(3), None, "pad"), r"^returned a str as the collate function; expected a function from a list of items to a batch$"),
 ])
 def test_map_data_refuses_what_is_not_a_pair_of_map_style_datasets(splits, message):

@@ -72,7 +72,10 @@ def _check_item(item: Any, which: str) -> None:
         leaves = value.values() if isinstance(value, Mapping) else [value]
         for leaf in leaves:
             if not isinstance(leaf, _ITEM_PARTS):
-                raise ValueError(f"{which} item 0: its {part} is a {type(leaf).__name__}; expected a tensor, a number or an array")
+                # Token ids of different lengths are lists: they need a collate function that pads.
+                hint = " (or return (train, test, collate) with a function that pads them, such as a Hugging Face data collator)" \
+                    if isinstance(leaf, (list, tuple)) else ""
+                raise ValueError(f"{which} item 0: its {part} is a {type(leaf).__name__}; expected a tensor, a number or an array{hint}")
 
 
 def _check_split(split: Any, which: str, own_collate: Callable | None) -> None:
