@@ -13,7 +13,7 @@ Variants, each stepping with AdamW (lr 3e-4) through torch's fused kernel, bucke
 * ``eager``: the ``nn.Module``, ``loss.backward()``, ``torch.optim.AdamW(fused=True)``; no
   process group (world of 1 only);
 * ``ddp``: ``DistributedDataParallel`` over NCCL, the same optimizer;
-* ``fdp``: ``fdp.train.make_train_step`` as fdp's trainer runs it (``donate=True``; the
+* ``fdp``: ``fdp.make_train_step`` as fdp's trainer runs it (``donate=True``; the
   schedule the trainer picks: ``after`` on one rank, ``overlap`` on more), over NCCL.
 
 A world of 1 (one process on GPU 0, NCCL) always; a world of every visible GPU (one

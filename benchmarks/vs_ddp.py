@@ -10,7 +10,7 @@ a mean allreduce. A step is everything: forward, backward, reduction, optimizer.
 
 * ``ddp``: ``DistributedDataParallel`` (defaults) + ``torch.optim.SGD(fused=True)``, the
   same fused kernel fdp steps with (torch's CPU default, a loop over tensors, is slower).
-* ``fdp after`` / ``fdp overlap``: ``fdp.train.make_train_step`` with each schedule and
+* ``fdp after`` / ``fdp overlap``: ``fdp.make_train_step`` with each schedule and
   ``donate=True``, as fdp's trainer runs it (params and SGD state updated in place, each
   bucket's as soon as its reduction is done).
 * no-communication lower bounds: ``fdp noop`` (``fdp.hooks.noop``) and ``ddp noop``

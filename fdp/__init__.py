@@ -10,19 +10,21 @@ it in this list; ``tests/test_imports.py`` holds every import to that):
 * ``trace``: the Chrome-trace ``Timeline`` of a step.
 * ``precision``: autocast, bf16 weights and the dynamic loss scale (``LossScale``) of mixed precision.
 * ``optim``: optax-style optimizers, ``(init, update)`` pairs composed with ``chain``, and their registry.
-* ``functional``: any ``nn.Module`` as ``apply(params, buffers, *inputs)``.
-* ``models`` / ``data``: the built-in models; datasets, batches and their split over ranks and micro-batches.
+* ``functional``: any ``nn.Module`` as ``apply(params, buffers, *inputs, **named_inputs)``.
+* ``targets``: models, data and losses named in config by ``_target_``.
+* ``models`` / ``data``: the built-in models and Hugging Face ones from their configs (``hf_model``); datasets,
+  batches (any pytree of tensors) and their split over ranks and micro-batches.
 * ``hooks``: gradient-reduction stages (allreduce, fp16, PowerSGD, top-k, int8) composed with ``hooks.chain``.
 * ``slurm`` / ``devices`` / ``launch``: a rank's place in a job; which device it computes on; starting
   and joining a world of processes on torch's launchers.
-* ``targets`` / ``losses``: models, data and losses named in config by ``_target_``; loss functions.
+* ``losses`` / ``fit``: loss functions, reading model outputs, token means over the global batch; the first-batch check.
 * ``compiled`` / ``reduce``: the gradient computation (under ``torch.compile`` when asked) and the
   reduction that hands buckets back as their hook chains finish.
 * ``checks``: what a Python caller hands the train step, checked with errors naming the argument.
 * ``state``: ``TrainState``, the whole training state as one value.
 * ``verdicts``: each step's finiteness verdict, read without stalling the device.
 * ``update``: reduced buckets to new params: the one interface of every ZeRO stage, and stage 0.
-* ``zero``: ZeRO stages 1 and 2 on that interface (layout, state conversion, the sharded update).
+* ``zero``: ZeRO stages 1, 2 and 3 on that interface (layout, state conversion, the sharded updates, gathering).
 * ``replicas``: one consistent state on every rank (``setup_state``, ``sync_buffers``).
 * ``step``: the pure ``train_step(state, batch) -> (state, metrics)``.
 * ``outer``: local SGD and DiLoCo, an outer loop that syncs every few steps across slow links.
@@ -36,13 +38,15 @@ from fdp import hooks, zero
 from fdp.buckets import allocate, pack, unpack
 from fdp.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from fdp.comm import Comm, Pending
-from fdp.data import MapData, StepSampler
+from fdp.data import MapData, StepSampler, model_inputs
 from fdp.devices import Placement, batch_to_device, place, resolve_backend, to_device
 from fdp.errors import ConfigError
+from fdp.fit import check_first_batch
 from fdp.functional import FunctionalModel, functionalize
 from fdp.hooks import GradBucket, Hook, init_hook_states
 from fdp.launch import WorldLayout, broadcast_from_rank0, check_same_plan, init_distributed, spawn
-from fdp.losses import build_loss, cross_entropy_loss, make_loss_fn, planner_loss
+from fdp.losses import TokenCrossEntropy, build_loss, cross_entropy_loss, logits_of, make_loss_fn, planner_loss
+from fdp.models import hf_model
 from fdp.optim import (
     GradientTransformation,
     adam,
@@ -77,4 +81,5 @@ __all__ = [
     "make_train_step", "pack", "place", "plan_buckets", "planner_loss", "resolve_backend", "resolve_schedule", "sgd",
     "spawn", "state_nbytes", "supports_inplace", "to_device", "unpack", "warmup_cosine_schedule",
     "zero",
+    "TokenCrossEntropy", "logits_of", "model_inputs", "hf_model", "check_first_batch",
 ]

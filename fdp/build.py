@@ -24,7 +24,9 @@ from fdp.data import (
     num_train_samples,
     train_batches,
 )
+from fdp.data.batches import batch_size, head
 from fdp.devices import batch_to_device, to_device
+from fdp.fit import Names, check_first_batch
 from fdp.functional import FunctionalModel, functionalize
 from fdp.hooks import Hook
 from fdp.hooks.hierarchical import check_node_size, hierarchical, node_comms
@@ -40,8 +42,8 @@ from fdp.outer import check_outer, init_outer_state
 from fdp.plan import BucketPlan, plan_buckets
 from fdp.precision import Precision, check_precision
 from fdp.replicas import rank_seed, setup_state
-from fdp.targets import build, label
 from fdp.state import TrainState
+from fdp.targets import build, classes_setting, label
 
 
 # -- building the pieces from config ------------------------------------------------------
@@ -79,24 +81,11 @@ def display_name(node: DictConfig) -> str:
     return str(node.get("_target_")) if node.name == "custom" else node.name
 
 
-def _describe(batch: tuple) -> str:
-    return ", ".join(f"{part} {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for part, t in zip(("inputs", "targets"), batch))
-
-
-def check_fit(cfg: DictConfig, loss_fn, params, buffers, batch: tuple) -> None:
+def check_fit(cfg: DictConfig, model: FunctionalModel, criterion: Criterion, params, buffers, batch, data: Dataset | MapData) -> None:
     """Run the model and the loss on the first batch: a model/data/loss that do not fit is refused before step 1."""
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            loss, _ = loss_fn(params, buffers, batch)
-    except (RuntimeError, ValueError, TypeError, IndexError) as error:
-        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise ConfigError(
-            f"{label('model', cfg.model)} does not fit {label('data', cfg.data)} with {label('loss', cfg.loss)}: "
-            f"{reason} (first batch: {_describe(batch)})"
-        ) from None
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
-        got = f"shape {tuple(loss.shape)} {loss.dtype}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise ConfigError(f"{label('loss', cfg.loss)}: returned {got}; expected a floating-point scalar")
+    node = OmegaConf.to_container(cfg.model, resolve=True)
+    names = Names(label("model", cfg.model), label("data", cfg.data), label("loss", cfg.loss), classes_setting(node))
+    check_first_batch(model, criterion, params, buffers, batch, names, model_arguments(data)["num_classes"])
 
 
 class RunParts(NamedTuple):
@@ -132,8 +121,8 @@ def build_run(cfg: DictConfig, comm: Comm, device: torch.device = torch.device("
     criterion = build_loss(OmegaConf.to_container(cfg.loss, resolve=True))
     loss_fn = make_loss_fn(model, criterion)
     example = next(train_batches(data, cfg.data.global_batch_size, cfg.seed, comm.rank, comm.world_size, 0, 1))
-    example = batch_to_device(precision.cast(tuple(t[: max(1, t.shape[0] // cfg.trainer.accum_steps)] for t in example)), device)
-    check_fit(cfg, loss_fn, params, buffers, example)
+    example = batch_to_device(precision.cast(head(example, max(1, batch_size(example) // cfg.trainer.accum_steps))), device)
+    check_fit(cfg, model, criterion, params, buffers, example, data)
     plan = plan_buckets(
         planner_loss(loss_fn, buffers),
         params,

@@ -104,6 +104,17 @@ def check_readable(path: str | os.PathLike) -> None:
         load(path)  # the plain reader names the defect better (mmap refuses non-zip files first)
 
 
+def saved_config(path: str | os.PathLike) -> dict | None:
+    """The run config a checkpoint was written with (its ``config`` entry, as the trainer saves it), or ``None``.
+
+    Cheap: the tensors are mapped, not read.
+    """
+    from omegaconf import OmegaConf
+
+    text = load(path, mmap=True).get("config")
+    return OmegaConf.to_container(OmegaConf.create(text), resolve=False) if isinstance(text, str) else None
+
+
 def _on_host(value: Any) -> Any:
     return value.detach().cpu() if isinstance(value, torch.Tensor) else value
 

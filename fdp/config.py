@@ -99,6 +99,21 @@ class MSEConfig:
 
 
 @dataclass
+class CausalLMLossConfig:  # next-token cross-entropy over every counted token of the global batch
+    name: str = "causal_lm"
+    _target_: str = "fdp.losses.TokenCrossEntropy"
+    shift: int = 1  # labels are the input ids (Hugging Face's convention): position t predicts t + 1
+    ignore_index: int = -100  # targets not counted (padding)
+    label_smoothing: float = 0.0
+
+
+@dataclass
+class MaskedLMLossConfig(CausalLMLossConfig):
+    name: str = "masked_lm"
+    shift: int = 0
+
+
+@dataclass
 class CustomLossConfig:
     name: str = "custom"
     _target_: str = MISSING  # a function (outputs, targets) -> scalar
@@ -150,6 +165,7 @@ class TrainerConfig:
     checkpoint_every: int = 100  # 0: checkpoint only at the end
     keep_checkpoints: int = 2
     resume: bool = False
+    reschedule: bool = False  # resume with another max_steps: stretch the learning-rate schedule over it (else refused)
     bucket_cap_mb: float = 25.0
     first_bucket_cap_mb: float = 1.0
     allow_unused: bool = False
@@ -289,7 +305,8 @@ class Config:
 SCHEMAS = {
     "model": {"mlp": MLPConfig, "convnet": ConvNetConfig, "charlm": CharLMConfig, "custom": CustomModelConfig},
     "data": {"digits": DigitsConfig, "stdlib_text": StdlibTextConfig, "custom": CustomDataConfig},
-    "loss": {"cross_entropy": CrossEntropyConfig, "mse": MSEConfig, "custom": CustomLossConfig},
+    "loss": {"cross_entropy": CrossEntropyConfig, "mse": MSEConfig, "causal_lm": CausalLMLossConfig, "masked_lm": MaskedLMLossConfig,
+             "custom": CustomLossConfig},
     "optim": {"sgd": SGDConfig, "adam": AdamConfig, "adamw": AdamWConfig},
     "hooks": {
         "allreduce": AllreduceConfig,

@@ -25,6 +25,8 @@ from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 
+from fdp._torch import tree_map
+from fdp.data.batches import as_batch
 from fdp.errors import ConfigError
 
 ACCELERATORS = ("auto", "cpu", "gpu")
@@ -342,8 +344,8 @@ def to_device(tensors: Mapping[str, torch.Tensor], device: torch.device) -> dict
     return {name: t.to(device) for name, t in tensors.items()}
 
 
-def batch_to_device(batch: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """``batch`` on ``device``: staged in pinned host memory and copied without blocking the host.
+def batch_to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` (any pytree of tensors) on ``device``: staged in pinned host memory and copied without blocking the host.
 
     The copy is queued on the device's stream, so the host goes on to queue the step that
     reads it; on the CPU the batch is returned as it is.
@@ -353,7 +355,7 @@ def batch_to_device(batch: tuple[torch.Tensor, ...], device: torch.device) -> tu
     """
     if device.type != "cuda":
         return batch
-    return tuple(t.pin_memory().to(device, non_blocking=True) for t in batch)
+    return tree_map(lambda t: t.pin_memory().to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, as_batch(batch))
 
 
 def device_of(tensors: Mapping[str, torch.Tensor]) -> torch.device:

@@ -6,7 +6,7 @@ import torch
 from fdp.data import Dataset, MapData, eval_batches
 from fdp.devices import batch_to_device, device_of
 from fdp.functional import FunctionalModel
-from fdp.losses import Criterion, batch_metrics, cross_entropy
+from fdp.losses import Criterion, cross_entropy, eval_metrics
 from fdp.precision import Precision
 
 __all__ = ["evaluate"]
@@ -31,12 +31,7 @@ def evaluate(
     device = device_of(params)
     total_loss, count, correct, scored = 0.0, 0, 0, 0
     for batch in eval_batches(data, batch_size, max_batches, num_workers=num_workers):
-        x, y = batch_to_device(batch, device)
-        with precision.autocast(device.type):
-            outputs, _ = model.apply(params, buffers, precision.cast(x), training=False)
-        if isinstance(outputs, torch.Tensor) and outputs.is_floating_point():
-            outputs = outputs.float()
-        loss, weight, hits, n = batch_metrics(criterion, outputs, y)
+        loss, weight, hits, n = eval_metrics(model, criterion, params, buffers, batch_to_device(batch, device), precision)
         total_loss, count, correct, scored = total_loss + loss, count + weight, correct + hits, scored + n
     metrics = {"test_loss": total_loss / count}
     if scored:

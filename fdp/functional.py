@@ -38,9 +38,13 @@ class FunctionalModel:
         object.__setattr__(self, "ties", _ties(self.module))
         object.__setattr__(self, "_submodules", tuple(self.module.modules()))
 
-    def apply(self, params: Params, buffers: Buffers, *inputs: Any, training: bool = True) -> tuple[Any, Buffers]:
+    def apply(
+        self, params: Params, buffers: Buffers, *inputs: Any, training: bool = True, **named_inputs: Any
+    ) -> tuple[Any, Buffers]:
         """Run the forward on ``params``/``buffers``; return ``(outputs, new_buffers)``.
 
+        ``inputs`` go to the module's ``forward`` by position and ``named_inputs`` by name
+        (``model.apply(params, buffers, input_ids=ids, attention_mask=mask)``).
         ``training=False`` runs the module in eval mode (BatchNorm uses its running
         statistics, dropout is off).
 
@@ -51,6 +55,9 @@ class FunctionalModel:
         >>> out, new_buffers = model.apply(params, buffers, torch.randn(4, 3))
         >>> bool((new_buffers["running_mean"] != buffers["running_mean"]).any())
         True
+        >>> model, params, buffers = functionalize(nn.Bilinear(2, 3, 1))
+        >>> model.apply(params, buffers, input1=torch.ones(4, 2), input2=torch.ones(4, 3))[0].shape
+        torch.Size([4, 1])
         """
         new_buffers = {name: b.clone() for name, b in buffers.items()}
         if any(m.training != training for m in self._submodules):
@@ -59,7 +66,7 @@ class FunctionalModel:
         for alias, name in self.ties:
             if name in tensors:
                 tensors[alias] = tensors[name]
-        outputs = functional_call(self.module, tensors, inputs, tie_weights=False, strict=False)
+        outputs = functional_call(self.module, tensors, inputs, named_inputs or None, tie_weights=False, strict=False)
         return outputs, new_buffers
 
 

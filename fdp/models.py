@@ -18,7 +18,9 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-__all__ = ["MLP", "ConvNet", "CharTransformer", "build_model", "count_parameters", "MODELS"]
+from fdp.targets import locate
+
+__all__ = ["MLP", "ConvNet", "CharTransformer", "build_model", "count_parameters", "hf_model", "MODELS"]
 
 
 class MLP(nn.Module):
@@ -172,6 +174,61 @@ class CharTransformer(nn.Module):
         pos = torch.arange(T, device=idx.device)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         return self.head(self.ln_f(self.blocks(x)))
+
+
+# Settings every transformers config has (PretrainedConfig's), left out of the hint at a misspelt one.
+_HF_COMMON_SETTINGS = frozenset(
+    "return_dict output_hidden_states torchscript dtype torch_dtype pruned_heads tie_word_embeddings chunk_size_feed_forward "
+    "is_encoder_decoder is_decoder cross_attention_hidden_size add_cross_attention tie_encoder_decoder architectures "
+    "finetuning_task id2label label2id tokenizer_class prefix bos_token_id pad_token_id eos_token_id sep_token_id "
+    "decoder_start_token_id task_specific_params problem_type transformers_version model_type output_attentions".split()
+)
+
+
+def hf_model(model_class: str | type, vocab_size: int | None = None, num_classes: int | None = None, **config) -> nn.Module:
+    """A Hugging Face ``transformers`` model built from a config, randomly initialised: nothing is downloaded.
+
+    ``model_class`` is the class or its dotted path (``transformers.GPT2LMHeadModel``,
+    ``transformers.LlamaForCausalLM``, ``transformers.BertForMaskedLM``, ...); its own
+    config class (``model_class.config_class``) is made of ``config`` (``n_layer=2``,
+    ``hidden_size=32``, ...) and ``vocab_size``. From the command line,
+    ``model._target_=fdp.models.hf_model +model.model_class=transformers.GPT2LMHeadModel
+    +model.n_layer=2``; the data offers ``vocab_size`` (and ``num_classes``, taken as
+    ``num_labels`` by a ``...Classification`` class). A setting its config does not have
+    is refused (configs otherwise keep a misspelt one silently); ``use_cache`` is off
+    unless set, since training never reuses attention keys and values; special-token ids
+    of the default config that lie outside a smaller vocabulary are dropped.
+
+    >>> m = hf_model("transformers.GPT2LMHeadModel", vocab_size=50, n_layer=1, n_embd=16, n_head=2, n_positions=32)
+    >>> m(torch.randint(0, 50, (2, 8))).logits.shape
+    torch.Size([2, 8, 50])
+    >>> hf_model("transformers.GPT2LMHeadModel", n_layers=2)
+    Traceback (most recent call last):
+        ...
+    ValueError: n_layers is not a setting of GPT2Config; expected one of its settings (vocab_size, n_positions, n_embd, n_layer, n_head, ...)
+    """
+    cls = locate("model.model_class", model_class) if isinstance(model_class, str) else model_class
+    config_class = getattr(cls, "config_class", None)
+    if not isinstance(config_class, type):
+        raise ValueError(f"model_class={getattr(cls, '__name__', cls)!r}: expected a transformers model class (with a config_class)")
+    defaults = config_class()
+    known = set(defaults.to_dict()) | set(getattr(config_class, "attribute_map", {}))
+    for key in config:
+        # Some settings live under another name (attn_implementation as _attn_implementation).
+        if key not in known and not hasattr(defaults, key) and not hasattr(defaults, f"_{key}"):
+            own = [k for k in defaults.to_dict() if k not in _HF_COMMON_SETTINGS]  # this architecture's own settings
+            raise ValueError(f"{key} is not a setting of {config_class.__name__}; expected one of its settings ({', '.join(own[:5])}, ...)")
+    settings = {"use_cache": False, **config}
+    if vocab_size is not None:
+        settings.setdefault("vocab_size", vocab_size)
+    vocab = settings.get("vocab_size", getattr(defaults, "vocab_size", None))
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        default = getattr(defaults, key, None)
+        if key not in config and isinstance(default, int) and isinstance(vocab, int) and default >= vocab:
+            settings[key] = None  # a default id outside a smaller vocabulary (GPT-2's 50256) names no token
+    if num_classes is not None and "Classification" in cls.__name__:
+        settings.setdefault("num_labels", num_classes)
+    return cls(config_class(**settings))
 
 
 MODELS: dict[str, Callable[..., nn.Module]] = {

@@ -23,6 +23,7 @@ from fdp._torch import HAS_DISABLE_FUNCTORCH
 from fdp.errors import check_bool, require
 from fdp.functional import FunctionalModel
 from fdp.hooks import Hook, allreduce, checked
+from fdp.losses import weigh_micro_batches
 from fdp.optim import GradientTransformation, current_lr, takes_sum_across
 from fdp.plan import BucketPlan
 from fdp.precision import Precision, scaled_micro_batches, unscale, unscaled_loss, update_loss_scale
@@ -69,7 +70,8 @@ class StepOptions(NamedTuple):
     * ``sync_buffers``: how buffers (BatchNorm statistics) agree across ranks before each
       forward: ``broadcast`` rank 0's (DDP's default), ``average`` or ``local`` (``fdp.replicas``).
     * ``precision``: an ``fdp.precision.Precision`` (autocast, bf16 weights, loss scaling;
-      under ``16-mixed`` an overflowing step is skipped on every rank alike).
+      under ``16-mixed`` an overflowing step is skipped on every rank alike, keeping the
+      forward's buffers, BatchNorm statistics, as torch's ``GradScaler`` does).
     * ``compile``: the gradient computation under ``torch.compile`` (``fdp.compiled``).
     * ``zero_stage``: 1 shards the optimizer state over the ranks, 2 the reduced
       gradients too, 3 the params too (``fdp.zero``); the state must then come from
@@ -185,7 +187,8 @@ def make_train_step(
         state = state._replace(buffers=replicas.sync_buffers(state.buffers, comm, opts.sync_buffers))
         step = update.begin(state, reducer.flats)
         with rng_scope(state.rng, state.cuda_rng, device_of(state.params)) as rng_states:
-            micro_batches = scaled_micro_batches(split_micro_batches(batch, opts.accum_steps), state.loss_scale)
+            micro_batches = weigh_micro_batches(loss_fn, split_micro_batches(batch, opts.accum_steps), comm)
+            micro_batches = scaled_micro_batches(micro_batches, state.loss_scale)
             computed = reducer.backward(step.params, state.buffers, micro_batches, state.hook_state)
             rng, cuda_rng = rng_states()
         for index, bucket in computed.reduction.finished():
@@ -203,7 +206,10 @@ def make_train_step(
         loss_scale = None if state.loss_scale is None else update_loss_scale(
             state.loss_scale, not skipped, opts.precision.growth_interval)
         if skipped:  # nonfinite="skip", or loss scaling
-            new_state = state._replace(step=number, rng=rng, cuda_rng=cuda_rng, loss_scale=loss_scale)
+            # An overflow of the scaled gradients says nothing of the forward: its buffers
+            # (BatchNorm statistics) are kept, as torch's GradScaler keeps them.
+            buffers = computed.buffers if state.loss_scale is not None else state.buffers
+            new_state = state._replace(step=number, buffers=buffers, rng=rng, cuda_rng=cuda_rng, loss_scale=loss_scale)
         else:
             params, opt_state = step.finish()
             new_state = TrainState(number, params, computed.buffers, opt_state, computed.reduction.hook_states, rng,

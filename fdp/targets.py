@@ -27,7 +27,7 @@ from typing import Any
 
 from fdp.errors import ConfigError
 
-__all__ = ["build", "label", "locate"]
+__all__ = ["build", "classes_setting", "label", "locate"]
 
 _DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
 
@@ -95,6 +95,30 @@ def parameter_names(target: Any) -> set[str]:
         return set()
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     return {p.name for p in parameters if p.kind in kinds}
+
+
+# The arguments by which a model's constructor may set its number of class scores, most specific first.
+_CLASS_ARGUMENTS = ("num_classes", "out_features", "num_labels", "vocab_size")
+
+
+def classes_setting(node: Mapping) -> str:
+    """The override that sets the number of class scores of the model ``node`` builds (for messages).
+
+    The first of ``num_classes``, ``out_features``, ``num_labels``, ``vocab_size`` that its
+    target names (``num_classes`` if none: torchvision's models take it through ``**kwargs``),
+    with Hydra's ``+`` where the node does not have the key yet.
+
+    >>> classes_setting({"name": "mlp", "_target_": "fdp.models.MLP", "hidden": 8})
+    '+model.out_features'
+    >>> classes_setting({"name": "custom", "_target_": "torch.nn.Linear", "out_features": 5})
+    'model.out_features'
+    """
+    try:
+        accepted = parameter_names(locate("model._target_", node.get("_target_")))
+    except ConfigError:
+        accepted = set()
+    key = next((k for k in _CLASS_ARGUMENTS if k in accepted), _CLASS_ARGUMENTS[0])
+    return f"model.{key}" if key in node else f"+model.{key}"
 
 
 def build(group: str, node: Mapping, offered: Mapping[str, Any] | None = None, skip: tuple[str, ...] = ("name",)) -> Any:

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 from omegaconf import OmegaConf
 
-from fdp.checkpoint import check_readable
+from fdp.checkpoint import check_readable, saved_config
 from fdp.compiled import check_compile
 from fdp.config import SCHEMAS
 from fdp.data import check_global_batch, check_micro_batches
@@ -30,7 +30,7 @@ from fdp.hooks import build_hook
 from fdp.hooks.hierarchical import check_node_size
 from fdp.launch import ENV_LAUNCHERS, LAUNCHERS
 from fdp.metrics import check_tensorboard
-from fdp.optim import build_optimizer
+from fdp.optim import build_optimizer, check_resumed_schedule
 from fdp.outer import check_outer
 from fdp.plan.values import check_cap
 from fdp.precision import check_matmul_precision, check_precision
@@ -165,6 +165,8 @@ def _validate_run_dir(cfg: Any, run_dir: RunDir) -> None:
     if cfg.trainer.resume:
         _require(last.is_file(), "trainer.resume", True, f"a checkpoint at {last} (set hydra.run.dir to the run to continue)")
         check_readable(last)  # a truncated or foreign file fails here, before any worker starts
+        _as_config_key("trainer.max_steps", lambda _: check_resumed_schedule(saved_config(last), _container(cfg)),
+                       cfg.trainer.max_steps)
     else:
         _require(not run_dir.has_run(), "hydra.run.dir", str(run_dir.path),
                  "a directory without a previous run (or set trainer.resume=true to continue it)")

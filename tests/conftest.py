@@ -1,6 +1,8 @@
 """Shared fixtures. ``run_ranks`` is the one way tests start several processes."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -9,6 +11,10 @@ import fdp.world
 from fdp.launch import WorldLayout, init_distributed, spawn
 
 torch.set_num_threads(1)
+
+# Hugging Face models are built from configs and tokenizers from what ships in the package:
+# nothing may reach for the Hub, here or in the processes tests start.
+os.environ["HF_HUB_OFFLINE"] = "1"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,4 +1,6 @@
 """Atomic checkpoints, clear errors for bad files, and exact resume."""
+import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -8,8 +10,9 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from fdp import checkpoint
-from fdp.config import register_configs
+from fdp.config import ConfigError, register_configs
 from fdp.models import MLP
+from fdp.optim import warmup_cosine_schedule
 from fdp.trainer import run
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
@@ -77,6 +80,17 @@ def test_resume_is_bit_identical_with_adam_and_a_schedule(tmp_path):
     run(make_cfg(*common, "trainer.max_steps=20"), straight)
     stopped = tmp_path / "stopped"
     run(make_cfg(*common, "trainer.max_steps=20", "trainer.stop_at=10"), stopped)
+    # Another length would re-span the warm-up + cosine schedule: refused unless asked for.
+    stretched = tmp_path / "stretched"
+    shutil.copytree(stopped, stretched)
+    with pytest.raises(ConfigError) as refused:
+        run(make_cfg(*common, "trainer.max_steps=40", "trainer.resume=true"), stretched)
+    assert str(refused.value) == (
+        "trainer.max_steps=40: the checkpoint's learning-rate schedule (optim.lr_schedule=warmup_cosine) spans trainer.max_steps=20; "
+        "expected 20, or trainer.reschedule=true to stretch it over 40 steps (the rate jumps where the run resumes)")
+    run(make_cfg(*common, "trainer.max_steps=40", "trainer.resume=true", "trainer.reschedule=true", "trainer.log_every=1"), stretched)
+    lr_11 = [json.loads(line)["lr"] for line in (stretched / "metrics.jsonl").read_text().splitlines() if '"step": 11,' in line]
+    assert lr_11 == [pytest.approx(warmup_cosine_schedule(3e-4, 5, 40)(10))]  # the 40-step schedule's rate for update 11
     run(make_cfg(*common, "trainer.max_steps=20", "trainer.resume=true"), stopped)
     a = torch.load(straight / "checkpoints" / "last.pt", weights_only=True)
     b = torch.load(stopped / "checkpoints" / "last.pt", weights_only=True)

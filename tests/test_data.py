@@ -24,6 +24,7 @@ from fdp.data import (
     load_dataset,
     load_digits,
     load_stdlib_text,
+    model_inputs,
     shard,
     split_micro_batches,
 )
@@ -397,14 +398,50 @@ class _Strings(_Items):
         return "a picture", 0
 
 
+class _Tokens(torch.utils.data.Dataset):
+    """Items as a tokenizer makes them: ids of different lengths, labels the same ids (or no labels)."""
+
+    def __init__(self, n, labels=True):
+        self.n, self.labels = n, labels
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        ids = list(range(i, i + 1 + i % 4))
+        return {"input_ids": ids, **({"labels": ids} if self.labels else {})}
+
+
+def _pad_collate(items):
+    """A collator of one's own (as Hugging Face's): pads to the longest item, -100 in the labels' padding.
+
+    Returns a UserDict, as Hugging Face's BatchEncoding is one.
+    """
+    from collections import UserDict
+
+    longest = max(len(item["input_ids"]) for item in items)
+    ids = torch.tensor([item["input_ids"] + [0] * (longest - len(item["input_ids"])) for item in items])
+    mask = torch.tensor([[1] * len(item["input_ids"]) + [0] * (longest - len(item["input_ids"])) for item in items])
+    out = UserDict(input_ids=ids, attention_mask=mask)
+    if "labels" in items[0]:
+        out["labels"] = torch.where(mask.bool(), ids, -100)
+    return out
+
+
 @pytest.mark.parametrize("splits,message", [
-    (_Items(3), r"^returned a _Items; expected \(train, test\): two map-style torch Datasets \(test may be None\)$"),
+    (_Items(3), r"^returned a _Items; expected \(train, test\) or \(train, test, collate\): map-style torch Datasets \(test may be None\)"),
     ((_Items(3),), r"^returned a tuple of 1 items; expected \(train, test\)"),
     ((_Stream(), None), r"^the train split is a _Stream; expected a map-style torch Dataset \(items by index\)$"),
     ((_Unsized(), None), r"^the train split \(_Unsized\) has no len\(\); expected a map-style Dataset with __len__$"),
     ((_Items(0), None), r"^the train split is empty$"),
-    ((_Triples(3), None), r"^train item 0 is a 3-tuple; expected a pair \(input, target\)$"),
+    ((_Triples(3), None), r"^train item 0 is a 3-tuple; expected a pair \(input, target\) or a dict with a 'labels' entry$"),
     ((_Items(3), _Strings(3)), r"^test item 0: its input is a str; expected a tensor, a number or an array$"),
+    ((_Tokens(3, labels=False), None), r"^train item 0 is a dict with entries \['input_ids'\]; expected a 'labels' entry \(the target\)$"),
+    ((_Tokens(3, labels=False), None, _pad_collate), r"^train item 0 does not make a batch: a dict batch with entries \['attention_mask', 'input_ids'\] "
+                                                     r"has no 'labels' entry"),
+    ((_Tokens(3), None), r"^train item 0: its input_ids is a list; expected a tensor, a number or an array \(or return \(train, test, "
+                         r"collate\) with a function that pads them, such as a Hugging Face data collator\)$"),
+    ((_Tokens(3), None, "pad"), r"^returned a str as the collate function; expected a function from a list of items to a batch$"),
 ])
 def test_map_data_refuses_what_is_not_a_pair_of_map_style_datasets(splits, message):
     with pytest.raises(ValueError, match=message):
@@ -421,3 +458,54 @@ def test_model_arguments_come_from_the_items_and_the_dataset():
     assert (args["in_features"], args["in_channels"], args["num_classes"], args["out_features"]) == (32, 2, 2, 2)
     args = model_arguments(as_map_data("mine", (TensorDataset(torch.zeros(5, 3), torch.zeros(5, 2)), None)))
     assert args["out_features"] == 2 and args["num_classes"] is None
+
+
+# --- dict batches: Hugging Face's convention ------------------------------------------------------
+
+
+def test_dict_batches_shard_and_split_along_the_batch_dimension_like_pairs():
+    batch = {"input_ids": torch.arange(24).reshape(8, 3), "attention_mask": torch.ones(8, 3), "labels": torch.arange(8)}
+    pair = ({"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}, batch["labels"])
+    for world_size in (1, 2, 4):
+        shards = [shard(batch, r, world_size) for r in range(world_size)]
+        assert all(sorted(s) == sorted(batch) for s in shards)
+        for key in batch:
+            assert torch.equal(torch.cat([s[key] for s in shards]), batch[key])
+        paired = [shard(pair, r, world_size) for r in range(world_size)]
+        assert all(torch.equal(p[1], s["labels"]) and torch.equal(p[0]["input_ids"], s["input_ids"]) for p, s in zip(paired, shards))
+    micro = split_micro_batches(shards[1], 2)
+    assert [m["labels"].tolist() for m in micro] == [[2], [3]]
+    args, kwargs, targets = model_inputs(micro[0])
+    assert args == () and sorted(kwargs) == ["attention_mask", "input_ids"] and targets.tolist() == [2]
+    with pytest.raises(ValueError, match=r"batch tensors disagree on the batch dimension: input_ids \(8, 3\) int64, labels \(7,\) int64"):
+        split_micro_batches({"input_ids": batch["input_ids"], "labels": batch["labels"][:7]}, 1)
+    with pytest.raises(ValueError, match=r"^a dict batch with entries \['input_ids'\] has no 'labels' entry"):
+        model_inputs({"input_ids": batch["input_ids"]})
+
+
+def test_a_batch_encoding_from_a_collator_splits_as_a_dict():
+    encoded = _pad_collate([_Tokens(4)[i] for i in range(4)])
+    assert not isinstance(encoded, dict)  # a UserDict: one leaf to torch's pytree functions
+    micro = split_micro_batches(encoded, 2)
+    assert type(micro[0]) is dict and torch.equal(micro[1]["labels"], encoded["labels"][2:])
+
+
+def test_dict_items_with_their_own_collate_are_read_in_the_global_batch_order_on_any_world_size():
+    """Each rank pads its own share; the real tokens of the ranks' shares are those of the one-process batch."""
+    data = as_map_data("tokens", (_Tokens(37), _Tokens(5), _pad_collate))
+    assert model_arguments(data)["in_features"] == 1  # the first input entry (input_ids) of item 0
+    for step in (0, 5):  # 5 crosses an epoch boundary
+        (one,) = train_batches(data, 12, 3, 0, 1, step, step + 1)
+        shares = [next(train_batches(data, 12, 3, r, 3, step, step + 1, num_workers=r % 2)) for r in range(3)]
+        real = lambda b: [row[m.bool()].tolist() for row, m in zip(b["input_ids"], b["attention_mask"])]
+        assert sum((real(s) for s in shares), []) == real(one)
+        assert all(type(s) is dict and (s["labels"] == -100).sum() == (s["attention_mask"] == 0).sum() for s in shares)
+    (test,) = eval_batches(data, batch_size=8)
+    assert sorted(test) == ["attention_mask", "input_ids", "labels"] and test["input_ids"].shape == (5, 4)
+
+
+def test_fdp_collate_stacks_dict_items_of_equal_length():
+    items = [{"input_ids": torch.arange(3) + i, "labels": i} for i in range(4)]
+    data = as_map_data("fixed", (items, None))
+    batch = next(train_batches(data, 4, 0, 0, 1, 0, 1))
+    assert batch["input_ids"].shape == (4, 3) and batch["labels"].dtype == torch.int64

@@ -126,6 +126,27 @@ def test_16_mixed_matches_grad_scaler_with_overflow_skips_and_growth():
     assert _max_diff(state.params, reference) <= TOL
 
 
+def test_16_mixed_keeps_the_batchnorm_statistics_of_skipped_steps_as_grad_scaler_does():
+    """GradScaler skips the optimizer step, not the forward: BatchNorm's running statistics count every batch."""
+    from fdp.models import ConvNet
+
+    torch.manual_seed(0)
+    module = ConvNet(width=4)
+    reference = _copy(module, ConvNet(width=4))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40, growth_interval=3)
+    _, ref_skips = _eager(reference, 10, torch.float16, scaler)
+    step, state = _fdp(module, adam(1e-2), Precision("16-mixed", init_scale=2.0**40, growth_interval=3), _batch(0))
+    skips = 0
+    for i in range(10):
+        state, metrics = step(state, _batch(i))
+        skips += metrics["skipped"]
+    assert skips == ref_skips >= 3
+    assert all(state.buffers[n].item() == 10 for n in state.buffers if n.endswith("num_batches_tracked"))
+    for name, buffer in reference.named_buffers():
+        assert torch.allclose(state.buffers[name].float(), buffer.float(), rtol=0, atol=TOL), name
+    assert _max_diff(state.params, reference) <= TOL
+
+
 def test_skipped_step_leaves_params_optimizer_and_hooks_untouched():
     from fdp.hooks import chain, fp16_compress, fp16_decompress, powersgd
 

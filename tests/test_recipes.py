@@ -1,8 +1,6 @@
 """The shell entry points, run as a user runs them, and every config in conf/."""
 import json
 import os
-import re
-import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +9,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from _paths import pythonpath_first
+from _examples import train_example
 from fdp.config import SCHEMAS, register_configs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,13 +63,16 @@ def test_plan_recipe_prints_a_table_and_fingerprint(tmp_path):
 
 def test_the_example_project_trains_with_the_command_in_its_readme(tmp_path):
     """examples/README.md's command, as written, with a shorter run appended (later overrides win)."""
-    text = (ROOT / "examples" / "README.md").read_text()
-    command = shlex.split(re.search(r"```bash\n(.*?)\n```", text, re.S).group(1))
-    assert command[0] == "PYTHONPATH=examples" and command[1:3] == ["python", "recipes/train.py"]
-    proc = recipe("train.py", *command[3:], "trainer.max_steps=60", "trainer.eval_every=30", "trainer.progress=false",
-                  f"hydra.run.dir={tmp_path}", env={"PYTHONPATH": pythonpath_first(ROOT / "examples")})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = [l for l in proc.stdout.splitlines() if l.startswith("fdp: ")]
-    assert len(summary) == 1 and "model=my_project.models.Net" in summary[0]
-    records = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert records[-1]["summary"] and records[-1]["steps"] == 60 and records[-1]["test_acc"] > 0.6  # chance: 1/3
+    line, records = train_example("my_project", tmp_path, "trainer.max_steps=60", "trainer.eval_every=30")
+    assert "model=my_project.models.Net" in line
+    assert records[-1]["steps"] == 60 and records[-1]["test_acc"] > 0.6  # chance: 1/3
+
+
+def test_the_torchvision_example_trains_resnet18_on_two_processes_from_its_readme(tmp_path):
+    """torchvision's resnet18 (BatchNorm, 11M parameters) on 16x16 digit images, 2 ranks: it learns and is evaluated."""
+    line, records = train_example("vision", tmp_path, "+data.size=16", "trainer.max_steps=8", "trainer.eval_every=0",
+                                  "trainer.log_every=1")
+    assert "model=torchvision.models.resnet18 world=2" in line
+    losses = [r["loss"] for r in records[:-1]]
+    assert records[-1]["steps"] == 8 and losses[-1] < 0.7 * losses[0]
+    assert 0.0 <= records[-1]["test_acc"] <= 1.0 and records[-1]["test_loss"] > 0

@@ -467,7 +467,7 @@ BAD_INPUTS = [
     # Registries of models, datasets and losses, and targets of one's own.
     (["model.name=resnet"], "validate", r"^model\.name='resnet': unknown model; known models: charlm, convnet, custom, mlp$"),
     (["data.name=mnist"], "validate", r"^data\.name='mnist': unknown dataset; known datasets: custom, digits, stdlib_text$"),
-    (["loss.name=hinge"], "validate", r"^loss\.name='hinge': unknown loss; known losses: cross_entropy, custom, mse$"),
+    (["loss.name=hinge"], "validate", r"^loss\.name='hinge': unknown loss; known losses: causal_lm, cross_entropy, custom, masked_lm, mse$"),
     (["model=custom"], "validate", r"^model\._target_: missing; model=custom needs the dotted path to a class or function "
                                    r"\(e\.g\. model\._target_=my_pkg\.models\.Net\)$"),
     (["model=custom", "model._target_=no_such_pkg.models.Net"], "validate",
@@ -486,9 +486,22 @@ BAD_INPUTS = [
      r"^loss\._target_='torch\.nn\.functional\.l1_loss': got an unexpected keyword argument 'smoothing'$"),
     ([*MINE, "loss=custom", "loss._target_=torch.nn.functional.cross_entropy", "+loss.reduction=none"], "run",
      r"^loss\._target_='torch\.nn\.functional\.cross_entropy': returned shape \(64,\) torch\.float32; expected a floating-point scalar$"),
-    (TRIPLES, "run", r"^data\._target_='torch\.utils\.data\.random_split': train item 0 is a 3-tuple; expected a pair \(input, target\)$"),
+    (TRIPLES, "run", r"^data\._target_='torch\.utils\.data\.random_split': train item 0 is a 3-tuple; expected a pair \(input, target\) or a dict with a 'labels' entry$"),
     (["data=custom", "data._target_=torch.zeros", "+data._args_=[3]"], "run",
-     r"^data\._target_='torch\.zeros': returned a Tensor; expected \(train, test\): two map-style torch Datasets \(test may be None\)$"),
+     r"^data\._target_='torch\.zeros': returned a Tensor; expected \(train, test\) or \(train, test, collate\): map-style torch Datasets \(test may be None\)"),
+    # Class scores that do not fit the labels, and a model output the loss cannot read.
+    ([*MINE, "model=custom", "model._target_=torch.nn.Linear", "+model.out_features=5"], "run",
+     r"^model\._target_='torch\.nn\.Linear' does not fit data\._target_='my_project\.data\.make' with loss=cross_entropy: the model "
+     r"outputs 5 class scores but data\._target_='my_project\.data\.make' has 3 classes; expected model\.out_features=3$"),
+    (["model=custom", "model._target_=torchvision.models.resnet18", "data=custom", "data._target_=vision.data.make", "+data.size=16"],
+     "run", r"^model\._target_='torchvision\.models\.resnet18' does not fit data\._target_='vision\.data\.make' with "
+            r"loss=cross_entropy: the model outputs 1000 class scores but data\._target_='vision\.data\.make' has 10 classes; "
+            r"expected \+model\.num_classes=10$"),
+    (["model=custom", "model._target_=fdp.models.hf_model", "+model.model_class=transformers.GPT2LMHeadModel", "+model.n_layer=1",
+      "+model.n_embd=16", "+model.n_head=2", "+model.n_positions=32", "data=custom", "data._target_=hf_text.data.make",
+      "data.global_batch_size=4", "loss=custom", "loss._target_=torch.nn.functional.cross_entropy"], "run",
+     r"^loss\._target_='torch\.nn\.functional\.cross_entropy' cannot read what the model returns, a "
+     r"CausalLMOutputWithCrossAttentions: .*; expected a loss that reads it \(outputs\.logits\), or a built-in one"),
     ([*MINE, "+data.n_train=10"], "run", r"^data\.global_batch_size=64: expected at most the 10 training samples of my_project\.data\.make$"),
     ([], "validate", r"^hydra\.run\.dir='.*': expected a directory without a previous run \(or set trainer\.resume=true"),
 ]

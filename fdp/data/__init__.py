@@ -5,14 +5,25 @@ builds the whole batch of optimizer step ``step`` from local generators, so a ru
 at step k sees exactly the batches of an uninterrupted one, whatever the world size.
 Ranks then take their contiguous ``shard`` and may split it into micro-batches.
 A user's own data (``MapData``: map-style torch Datasets) is read through a ``DataLoader``
-whose ``StepSampler`` follows the same order, so the same holds for it.
+whose ``StepSampler`` follows the same order, so the same holds for it. A batch is any
+pytree of tensors with a common batch dimension (``(inputs, targets)``, or a dict whose
+``labels`` go to the loss and whose other entries go to the model by name).
 
 >>> data = load_dataset("digits")
 >>> x, y = global_batch(data, step=0, global_batch_size=8, seed=0)
 >>> [t.shape for t in shard((x, y), rank=1, world_size=2)]
 [torch.Size([4, 64]), torch.Size([4])]
 """
-from fdp.data.batches import check_global_batch, check_micro_batches, global_batch, shard, shard_dataset, split_micro_batches
+from fdp.data.batches import (
+    as_batch,
+    check_global_batch,
+    check_micro_batches,
+    global_batch,
+    model_inputs,
+    shard,
+    shard_dataset,
+    split_micro_batches,
+)
 from fdp.data.builtin import (
     DATASETS,
     STDLIB_TEXT_MODULES,
@@ -40,6 +51,8 @@ __all__ = [
     "shard",
     "shard_dataset",
     "split_micro_batches",
+    "model_inputs",
+    "as_batch",
     "eval_batches",
     "load_dataset",
     "MapData",

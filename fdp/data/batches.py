@@ -1,9 +1,19 @@
-"""Batches as pure functions of the step: the global batch, its shards and micro-batches."""
+"""Batches as pure functions of the step: the global batch, its shards and micro-batches.
+
+A batch is any pytree of tensors that share their first (batch) dimension: the built-in
+data's ``(inputs, targets)`` pairs, or a dict such as a Hugging Face collator's
+``{"input_ids", "attention_mask", "labels"}``. Shards and micro-batches cut every tensor
+alike along that dimension; ``model_inputs`` says what the model and the loss get.
+"""
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from fdp._torch import tree_flatten, tree_map
 from fdp.data.builtin import _EPOCH, _WINDOWS, Dataset, _generator
 from fdp.errors import require
 
@@ -32,6 +42,9 @@ def check_micro_batches(per_rank: int, accum_steps: int) -> int:
     require(isinstance(accum_steps, int) and accum_steps >= 1, "accum_steps", accum_steps, "an integer >= 1")
     require(per_rank % accum_steps == 0, "accum_steps", accum_steps, f"a divisor of the per-rank batch of {per_rank} samples")
     return per_rank // accum_steps
+
+
+LABELS = "labels"  # the entry of a dict batch the loss gets (Hugging Face's name); the rest go to the model
 
 
 def global_batch(data: Dataset, step: int, global_batch_size: int, seed: int) -> tuple[Tensor, Tensor]:
@@ -88,19 +101,22 @@ def _epoch_indices(n: int, start: int, count: int, seed: int, cache: dict[int, T
     return perms[offset : offset + count]
 
 
-def shard(batch: tuple[Tensor, ...], rank: int, world_size: int) -> tuple[Tensor, ...]:
+def shard(batch: Any, rank: int, world_size: int) -> Any:
     """Rank ``rank``'s contiguous slice of a global batch (every tensor sliced alike).
 
     >>> x = torch.arange(8)
     >>> shard((x, x * 10), rank=1, world_size=4)
     (tensor([2, 3]), tensor([20, 30]))
+    >>> shard({"input_ids": x, "labels": x * 10}, rank=3, world_size=4)
+    {'input_ids': tensor([6, 7]), 'labels': tensor([60, 70])}
     """
     if world_size <= 0:
         raise ValueError(f"world_size={world_size!r}: expected an integer >= 1")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank!r}: expected an integer in [0, {world_size})")
-    per_rank = check_global_batch(_batch_size(batch), world_size)
-    return tuple(t[rank * per_rank : (rank + 1) * per_rank] for t in batch)
+    batch = as_batch(batch)
+    per_rank = check_global_batch(batch_size(batch), world_size)
+    return _rows(batch, rank * per_rank, (rank + 1) * per_rank)
 
 
 def shard_dataset(data: Dataset, rank: int, world_size: int, drop_last: bool = False) -> Dataset:
@@ -137,19 +153,122 @@ def shard_dataset(data: Dataset, rank: int, world_size: int, drop_last: bool = F
     return data._replace(train_x=data.train_x[idx], train_y=data.train_y[idx])
 
 
-def split_micro_batches(batch: tuple[Tensor, ...], accum_steps: int) -> list[tuple[Tensor, ...]]:
+def split_micro_batches(batch: Any, accum_steps: int) -> list:
     """Split a (per-rank) batch into ``accum_steps`` equal consecutive micro-batches.
 
     >>> x = torch.arange(6)
     >>> split_micro_batches((x,), 3)
     [(tensor([0, 1]),), (tensor([2, 3]),), (tensor([4, 5]),)]
     """
-    micro = check_micro_batches(_batch_size(batch), accum_steps)
-    return [tuple(t[i * micro : (i + 1) * micro] for t in batch) for i in range(accum_steps)]
+    batch = as_batch(batch)
+    micro = check_micro_batches(batch_size(batch), accum_steps)
+    return [_rows(batch, i * micro, (i + 1) * micro) for i in range(accum_steps)]
 
 
-def _batch_size(batch: tuple[Tensor, ...]) -> int:
-    sizes = {t.shape[0] for t in batch}
-    if len(sizes) != 1:
-        raise ValueError(f"batch tensors disagree on the batch dimension: {sorted(sizes)}")
+def _tensors(batch: Any) -> bool:
+    # The common (inputs, targets) pair of tensors skips the pytree walks: 6 instead of 16 us per split.
+    return type(batch) is tuple and all(isinstance(t, Tensor) for t in batch)
+
+
+def _rows(batch: Any, start: int, stop: int) -> Any:
+    if _tensors(batch):
+        return tuple(t[start:stop] for t in batch)
+    return tree_map(lambda t: t[start:stop], batch)
+
+
+def as_batch(batch: Any) -> Any:
+    """``batch`` with every mapping a plain ``dict`` and every list or tuple a new one of the same type.
+
+    A Hugging Face ``BatchEncoding`` is a ``UserDict``, which pytree functions would take
+    for one leaf.
+
+    >>> from collections import UserDict
+    >>> as_batch(UserDict(labels=torch.zeros(2)))
+    {'labels': tensor([0., 0.])}
+    """
+    if _tensors(batch):
+        return batch
+    if isinstance(batch, Mapping):
+        return {key: as_batch(value) for key, value in batch.items()}
+    if type(batch) in (tuple, list):
+        return type(batch)(as_batch(part) for part in batch)
+    return batch
+
+
+def batch_size(batch: Any) -> int:
+    """The batch dimension every tensor of ``batch`` shares; ``ValueError`` when they disagree or are not tensors.
+
+    >>> batch_size({"input_ids": torch.zeros(4, 16), "labels": torch.zeros(4, 16)})
+    4
+    """
+    leaves = list(batch) if _tensors(batch) else tree_flatten(batch)[0]
+    kinds = {type(leaf).__name__ for leaf in leaves if not isinstance(leaf, Tensor)}
+    if kinds or not leaves:
+        raise ValueError(f"batch holds {', '.join(sorted(kinds)) or 'no tensors'}; expected tensors (a pytree of them) that share a batch dimension")
+    sizes = {t.shape[0] if t.dim() else None for t in leaves}
+    if len(sizes) != 1 or None in sizes:
+        raise ValueError(f"batch tensors disagree on the batch dimension: {describe(batch)}")
     return sizes.pop()
+
+
+def model_inputs(batch: Any) -> tuple[tuple, dict, Any]:
+    """What a batch gives the model and the loss: ``(positional inputs, keyword inputs, targets)``.
+
+    A dict is Hugging Face's convention: every entry but ``labels`` goes to the model by
+    name (``input_ids=..., attention_mask=...``) and ``labels`` to the loss. A pair is
+    ``(inputs, targets)``: a dict of inputs goes by name, anything else as the one
+    positional input.
+
+    >>> x, y = torch.zeros(2, 3), torch.zeros(2)
+    >>> model_inputs((x, y))[0][0] is x
+    True
+    >>> args, kwargs, targets = model_inputs({"input_ids": x, "attention_mask": x, "labels": y})
+    >>> args, sorted(kwargs), targets is y
+    ((), ['attention_mask', 'input_ids'], True)
+    """
+    if isinstance(batch, Mapping):
+        if LABELS not in batch:
+            raise ValueError(f"a dict batch with entries {sorted(batch)} has no {LABELS!r} entry; expected the targets of the loss under {LABELS!r}")
+        return (), {key: value for key, value in batch.items() if key != LABELS}, batch[LABELS]
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        inputs, targets = batch
+        if isinstance(inputs, Mapping):
+            return (), dict(inputs), targets
+        return (inputs,), {}, targets
+    kind = f"a {len(batch)}-tuple" if isinstance(batch, (tuple, list)) else f"a {type(batch).__name__}"
+    raise ValueError(f"the batch is {kind}; expected a pair (inputs, targets) or a dict with a {LABELS!r} entry")
+
+
+def head(batch: Any, count: int) -> Any:
+    """The first ``count`` samples of ``batch`` (all of them if it has fewer).
+
+    >>> head((torch.arange(5), torch.arange(5)), 2)
+    (tensor([0, 1]), tensor([0, 1]))
+    """
+    return _rows(as_batch(batch), 0, count)
+
+
+def describe(batch: Any) -> str:
+    """Shapes and dtypes of a batch's tensors, for messages.
+
+    >>> describe((torch.zeros(4, 8), torch.zeros(4, dtype=torch.int64)))
+    'inputs (4, 8) float32, targets (4,) int64'
+    >>> describe({"input_ids": torch.zeros(2, 3, dtype=torch.int64)})
+    'input_ids (2, 3) int64'
+    """
+    batch = as_batch(batch)
+    if isinstance(batch, (tuple, list)) and len(batch) == 2 and not isinstance(batch[0], Mapping):
+        named = {"inputs": batch[0], "targets": batch[1]}
+    elif isinstance(batch, Mapping):
+        named = batch
+    elif isinstance(batch, (tuple, list)) and len(batch) == 2:
+        named = {**batch[0], "targets": batch[1]}
+    else:
+        named = {"batch": batch}
+    return ", ".join(f"{name} {_shape_and_dtype(value)}" for name, value in named.items())
+
+
+def _shape_and_dtype(value: Any) -> str:
+    if isinstance(value, Tensor):
+        return f"{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+    return type(value).__name__

@@ -8,15 +8,15 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from fdp.data.batches import global_batch, shard
+from fdp.data.batches import global_batch, model_inputs, shard
 from fdp.data.builtin import Dataset
-from fdp.data.mapped import MapData, StepSampler, collate
+from fdp.data.mapped import MapData, StepSampler
 
 
 def train_batches(
     data: Dataset | MapData, global_batch_size: int, seed: int, rank: int, world_size: int,
     start_step: int, stop_step: int, num_workers: int = 0, pin_memory: bool = False,
-) -> Iterator[tuple[Tensor, Tensor]]:
+) -> Iterator[Any]:
     """This rank's batch of each step ``start_step .. stop_step - 1``.
 
     In-memory data is cut by ``global_batch`` and ``shard``; ``MapData`` is read through
@@ -39,7 +39,7 @@ def train_batches(
     # The generator only seeds the workers (random transforms inside a dataset); the order is the sampler's.
     generator = torch.Generator().manual_seed(seed * 1_000_003 + rank)
     loader = DataLoader(
-        data.train, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate,
+        data.train, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory, collate_fn=data.collate_fn(),
         generator=generator,
     )
     return iter(loader)
@@ -76,7 +76,7 @@ def model_arguments(data: Dataset | MapData) -> dict[str, Any]:
     vector), ``num_classes`` and ``vocab_size`` (from the dataset, or a split's
     ``num_classes`` / ``classes`` / ``vocab_size`` attributes), ``block_size`` and
     ``out_features`` (the classes for integer targets, the elements of one target for
-    real-valued ones).
+    real-valued ones). For dict items the input is the first entry besides ``labels``.
 
     >>> from fdp.data import load_digits
 
@@ -91,8 +91,11 @@ def model_arguments(data: Dataset | MapData) -> dict[str, Any]:
         x = data.train_x[0]
         return {"in_features": x.numel(), "in_channels": x.shape[0] if x.dim() >= 2 else 1,
                 "num_classes": data.num_classes, "out_features": data.num_classes, "vocab_size": None, "block_size": None}
-    inputs, targets = collate([data.train[0]])
-    x, y = inputs[0], targets[0]
+    args, kwargs, targets = model_inputs(data.collate_fn()([data.train[0]]))
+    # The first input (by position, else by name): for a dict of token ids, the ids.
+    first = args[0] if args else next(iter(kwargs.values()), None)
+    x = first[0] if isinstance(first, Tensor) else torch.zeros(0)
+    y = targets[0]
     classes = getattr(data.train, "num_classes", None)
     if classes is None and hasattr(data.train, "classes"):
         classes = len(data.train.classes)
@@ -109,7 +112,7 @@ def model_arguments(data: Dataset | MapData) -> dict[str, Any]:
 
 def eval_batches(
     data: Dataset | MapData, batch_size: int, max_batches: int | None = None, num_workers: int = 0
-) -> Iterator[tuple[Tensor, Tensor]]:
+) -> Iterator[Any]:
     """Deterministic in-order batches of the test split (the last one may be smaller).
 
     Text: consecutive non-overlapping windows ``x = t[jT:(j+1)T]``, ``y = t[jT+1:(j+1)T+1]``.
@@ -127,12 +130,12 @@ def eval_batches(
     if batch_size <= 0:
         raise ValueError(f"batch_size={batch_size!r}: expected an integer >= 1")
     if isinstance(data, MapData):
-        loader = DataLoader(data.test, batch_size=batch_size, num_workers=num_workers, collate_fn=collate)
+        loader = DataLoader(data.test, batch_size=batch_size, num_workers=num_workers, collate_fn=data.collate_fn())
         return itertools.islice(loader, max_batches)
     return _in_memory_eval_batches(data, batch_size, max_batches)
 
 
-def _in_memory_eval_batches(data: Dataset, batch_size: int, max_batches: int | None) -> Iterator[tuple[Tensor, Tensor]]:
+def _in_memory_eval_batches(data: Dataset, batch_size: int, max_batches: int | None) -> Iterator[Any]:
     if data.is_text:
         T = data.block_size
         n_windows = (data.test_x.shape[0] - 1) // T

@@ -1,7 +1,8 @@
 """A user's own data: map-style torch Datasets read in the global batch order through a DataLoader."""
 from __future__ import annotations
 
-from typing import Any, Iterator, NamedTuple
+from collections.abc import Mapping
+from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -9,18 +10,22 @@ from torch import Tensor
 from torch.utils.data import Dataset as TorchDataset
 from torch.utils.data import IterableDataset, Sampler, default_collate
 
-from fdp.data.batches import _epoch_indices, check_global_batch
+from fdp._torch import tree_map
+from fdp.data.batches import LABELS, _epoch_indices, as_batch, batch_size, check_global_batch, model_inputs
 
 
 # -- a user's own data: map-style torch Datasets through a DataLoader ----------------------
 class MapData(NamedTuple):
-    """Train and test splits as map-style ``torch.utils.data.Dataset``s of ``(input, target)`` items.
+    """Train and test splits as map-style ``torch.utils.data.Dataset``s, and how their items become a batch.
 
-    Inputs and targets are tensors, numbers or NumPy arrays; ``test`` may be ``None``.
-    Items are read by index through a ``DataLoader`` (``train_batches``), so a split need
-    not fit in memory. A split may carry ``num_classes`` (or torchvision's ``classes``),
-    ``vocab_size`` or ``block_size`` attributes for the model's constructor
-    (``model_arguments``).
+    Items are ``(input, target)`` pairs or dicts whose ``labels`` entry is the target
+    (Hugging Face's convention; the other entries go to the model by name), made of
+    tensors, numbers or NumPy arrays; ``test`` may be ``None``. ``collate`` turns a list of
+    items into a batch: ``fdp.data.collate`` (stacking) unless the data brings its own,
+    such as a Hugging Face data collator that pads. Items are read by index through a
+    ``DataLoader`` (``train_batches``), so a split need not fit in memory. A split may
+    carry ``num_classes`` (or torchvision's ``classes``), ``vocab_size`` or
+    ``block_size`` attributes for the model's constructor (``model_arguments``).
 
     >>> from torch.utils.data import TensorDataset
     >>> from fdp.data import has_test_split
@@ -32,9 +37,48 @@ class MapData(NamedTuple):
     name: str
     train: TorchDataset
     test: TorchDataset | None
+    collate: Callable[[list], Any] | None = None
+
+    def collate_fn(self) -> Callable[[list], Any]:
+        """The function that makes a batch of a list of items (``collate`` unless the data brings its own)."""
+        return collate if self.collate is None else _OwnCollate(self.collate)
 
 
-def _check_split(split: Any, which: str) -> None:
+class _OwnCollate:
+    """The data's own collate function, its batch with plain dicts (picklable for DataLoader workers)."""
+
+    def __init__(self, fn: Callable[[list], Any]):
+        self.fn = fn
+
+    def __call__(self, items: list) -> Any:
+        return as_batch(self.fn(items))
+
+
+_ITEM_PARTS = (Tensor, int, float, bool, np.ndarray, np.number)
+
+
+def _check_item(item: Any, which: str) -> None:
+    # fdp's own collate stacks pairs or dicts of tensors, numbers and arrays.
+    if isinstance(item, Mapping):
+        if LABELS not in item:
+            raise ValueError(f"{which} item 0 is a dict with entries {sorted(item)}; expected a {LABELS!r} entry (the target)")
+        parts = item.items()
+    elif isinstance(item, (tuple, list)) and len(item) == 2:
+        parts = zip(("input", "target"), item)
+    else:
+        kind = f"a {len(item)}-tuple" if isinstance(item, (tuple, list)) else f"a {type(item).__name__}"
+        raise ValueError(f"{which} item 0 is {kind}; expected a pair (input, target) or a dict with a {LABELS!r} entry")
+    for part, value in parts:
+        leaves = value.values() if isinstance(value, Mapping) else [value]
+        for leaf in leaves:
+            if not isinstance(leaf, _ITEM_PARTS):
+                # Token ids of different lengths are lists: they need a collate function that pads.
+                hint = " (or return (train, test, collate) with a function that pads them, such as a Hugging Face data collator)" \
+                    if isinstance(leaf, (list, tuple)) else ""
+                raise ValueError(f"{which} item 0: its {part} is a {type(leaf).__name__}; expected a tensor, a number or an array{hint}")
+
+
+def _check_split(split: Any, which: str, own_collate: Callable | None) -> None:
     if isinstance(split, IterableDataset) or not hasattr(split, "__getitem__"):
         raise ValueError(f"the {which} split is a {type(split).__name__}; expected a map-style torch Dataset (items by index)")
     try:
@@ -44,30 +88,35 @@ def _check_split(split: Any, which: str) -> None:
     if n == 0:
         raise ValueError(f"the {which} split is empty")
     item = split[0]
-    if not isinstance(item, (tuple, list)) or len(item) != 2:
-        kind = f"a {len(item)}-tuple" if isinstance(item, (tuple, list)) else f"a {type(item).__name__}"
-        raise ValueError(f"{which} item 0 is {kind}; expected a pair (input, target)")
-    for part, value in zip(("input", "target"), item):
-        if not isinstance(value, (Tensor, int, float, bool, np.ndarray, np.number)):
-            raise ValueError(f"{which} item 0: its {part} is a {type(value).__name__}; expected a tensor, a number or an array")
+    if own_collate is None:
+        _check_item(item, which)
+    try:  # the batch of the first item: what every step's batch will be made like
+        model_inputs(batch := _OwnCollate(own_collate)([item]) if own_collate else collate([item]))
+        batch_size(batch)
+    except Exception as error:
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise ValueError(f"{which} item 0 does not make a batch: {reason}") from None
 
 
 def as_map_data(name: str, splits: Any) -> MapData:
-    """``MapData`` from what a data target returned, ``(train, test)``; errors say what is wrong.
+    """``MapData`` from what a data target returned, ``(train, test)`` or ``(train, test, collate)``; errors say what is wrong.
 
-    >>> as_map_data("toy", [(torch.zeros(2), 0, 1)] * 3)
+    >>> as_map_data("toy", [(torch.zeros(2), 0, 1)] * 4)
     Traceback (most recent call last):
         ...
-    ValueError: returned a list of 3 items; expected (train, test): two map-style torch Datasets (test may be None)
+    ValueError: returned a list of 4 items; expected (train, test) or (train, test, collate): map-style torch Datasets (test may be None) and a function from a list of items to a batch
     """
-    if not isinstance(splits, (tuple, list)) or len(splits) != 2:
+    if not isinstance(splits, (tuple, list)) or len(splits) not in (2, 3):
         kind = f"a {type(splits).__name__} of {len(splits)} items" if isinstance(splits, (tuple, list)) else f"a {type(splits).__name__}"
-        raise ValueError(f"returned {kind}; expected (train, test): two map-style torch Datasets (test may be None)")
-    train, test = splits
-    _check_split(train, "train")
+        raise ValueError(f"returned {kind}; expected (train, test) or (train, test, collate): map-style torch Datasets "
+                         "(test may be None) and a function from a list of items to a batch")
+    train, test, own_collate = (*splits, None) if len(splits) == 2 else splits
+    if own_collate is not None and not callable(own_collate):
+        raise ValueError(f"returned a {type(own_collate).__name__} as the collate function; expected a function from a list of items to a batch")
+    _check_split(train, "train", own_collate)
     if test is not None:
-        _check_split(test, "test")
-    return MapData(name, train, test)
+        _check_split(test, "test", own_collate)
+    return MapData(name, train, test, own_collate)
 
 
 def _as_default_float(batch: Tensor, value: Any) -> Tensor:
@@ -75,8 +124,8 @@ def _as_default_float(batch: Tensor, value: Any) -> Tensor:
     return batch.to(torch.get_default_dtype()) if isinstance(value, float) else batch
 
 
-def collate(items: list) -> tuple[Tensor, Tensor]:
-    """``(inputs, targets)`` of a list of ``(input, target)`` items, stacked along a new first dim.
+def collate(items: list) -> Any:
+    """The batch of a list of ``(input, target)`` pairs or of dicts: every part stacked along a new first dim.
 
     Python ints become int64 and Python floats the default float dtype.
 
@@ -85,9 +134,15 @@ def collate(items: list) -> tuple[Tensor, Tensor]:
             [1., 1., 1.]]), tensor([1, 0]))
     >>> collate([(1.5, 2.0)])[1].dtype
     torch.float32
+    >>> collate([{"input_ids": torch.arange(3), "labels": torch.arange(3)}] * 2)["labels"].shape
+    torch.Size([2, 3])
     """
-    inputs, targets = default_collate(items)
-    return _as_default_float(inputs, items[0][0]), _as_default_float(targets, items[0][1])
+    batch = as_batch(default_collate(items))
+    first = as_batch(items[0])
+    if isinstance(batch, list):  # default_collate makes a list of the parts of tuple items
+        batch = tuple(batch)
+        first = tuple(first)
+    return tree_map(_as_default_float, batch, first)
 
 
 class StepSampler(Sampler):

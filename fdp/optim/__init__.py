@@ -23,7 +23,7 @@ torch's fused optimizer kernels, the ones ``torch.optim`` uses with ``fused=True
 pass over memory instead of several, and no new params or state each step (on a 25M
 model on CPU, Adam 14 ms instead of 76 ms, SGD with momentum 16 ms instead of 37 ms).
 """
-from fdp.optim.registry import OPTIMIZERS, build_optimizer
+from fdp.optim.registry import OPTIMIZERS, build_optimizer, check_resumed_schedule
 from fdp.optim.schedules import Schedule, constant_schedule, warmup_cosine_schedule
 from fdp.optim.transforms import (
     AdamState,
@@ -46,5 +46,5 @@ __all__ = [
     "GradientTransformation", "Schedule", "SGDState", "AdamState", "ClipState",
     "constant_schedule", "warmup_cosine_schedule", "sgd", "adam", "adamw",
     "clip_by_global_norm", "chain", "apply_updates", "apply_gradients", "supports_inplace", "takes_sum_across", "current_lr",
-    "OPTIMIZERS", "build_optimizer",
+    "OPTIMIZERS", "build_optimizer", "check_resumed_schedule",
 ]

@@ -57,3 +57,33 @@ def build_optimizer(spec: Mapping[str, Any], max_steps: int, path: str = "optim"
     except ValueError as error:  # "momentum=-1: expected a number >= 0"
         raise ValueError(f"{path}.{error}") from None
     return chain(clip_by_global_norm(clip_norm), optimizer) if clip_norm else optimizer
+
+
+def check_resumed_schedule(saved: Mapping[str, Any] | None, current: Mapping[str, Any]) -> None:
+    """Refuse a resumed run whose ``trainer.max_steps`` would silently re-span the learning-rate schedule.
+
+    ``warmup_cosine`` decays over ``trainer.max_steps``: resuming with another length
+    would move every later rate (a jump at the resumed step) unless asked for with
+    ``trainer.reschedule=true``. ``saved`` and ``current`` are run configs as dicts
+    (``saved`` ``None``: a checkpoint that does not say, accepted).
+
+    >>> run = lambda steps, schedule="warmup_cosine", **trainer: {"trainer": {"max_steps": steps, **trainer},
+    ...                                                          "optim": {"lr_schedule": schedule}}
+    >>> check_resumed_schedule(run(100), run(200))
+    Traceback (most recent call last):
+    ValueError: trainer.max_steps=200: the checkpoint's learning-rate schedule (optim.lr_schedule=warmup_cosine) spans trainer.max_steps=100; expected 100, or trainer.reschedule=true to stretch it over 200 steps (the rate jumps where the run resumes)
+    >>> check_resumed_schedule(run(100, "constant"), run(200, "constant"))  # nothing depends on the length
+    >>> check_resumed_schedule(run(100), run(200, reschedule=True))
+    """
+    if saved is None or current["trainer"].get("reschedule", False):
+        return
+    before, after = saved.get("trainer", {}).get("max_steps"), current["trainer"]["max_steps"]
+    schedule = saved.get("optim", {}).get("lr_schedule", "constant")
+    # Only the length changed implicitly: a schedule changed on the command line is what was asked for.
+    if before is None or before == after or schedule == "constant" or current["optim"].get("lr_schedule") != schedule:
+        return
+    raise ValueError(
+        f"trainer.max_steps={after}: the checkpoint's learning-rate schedule (optim.lr_schedule={schedule}) spans "
+        f"trainer.max_steps={before}; expected {before}, or trainer.reschedule=true to stretch it over {after} steps "
+        "(the rate jumps where the run resumes)"
+    )

@@ -1,0 +1,125 @@
+"""The first-batch check: a model, data and loss that do not fit are refused before step 1, in one line.
+
+``check_first_batch`` runs the model and the loss once on the first micro-batch (no
+gradients, the RNG left as it was) and names what does not fit: a forward or a loss
+that raises (whatever the exception), an output the loss cannot read, a loss that is not
+a scalar, or class scores that do not cover the labels or the data's declared classes.
+
+>>> from fdp.functional import functionalize
+>>> from fdp.losses import cross_entropy
+>>> model, params, buffers = functionalize(torch.nn.Linear(3, 1000))
+>>> batch = (torch.zeros(4, 3), torch.tensor([0, 1, 2, 9]))
+>>> check_first_batch(model, cross_entropy, params, buffers, batch, Names(classes_setting="+model.num_classes"), 10)
+Traceback (most recent call last):
+    ...
+fdp.errors.ConfigError: model does not fit data with loss: the model outputs 1000 class scores but data has 10 classes; expected +model.num_classes=10
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fdp.errors import ConfigError
+from fdp.data.batches import describe, model_inputs
+from fdp.functional import Buffers, FunctionalModel, Params
+from fdp.losses import IGNORE_INDEX, Criterion, TokenCrossEntropy, UnreadableOutput, cross_entropy, logits_of
+
+__all__ = ["Names", "check_first_batch"]
+
+
+class Names(NamedTuple):
+    """How messages name the model, the data, the loss, and the setting that sets the model's classes."""
+
+    model: str = "model"
+    data: str = "data"
+    loss: str = "loss"
+    classes_setting: str = "+model.num_classes"
+
+
+def _reason(error: BaseException) -> str:
+    text = (str(error).strip().splitlines() or [""])[0]
+    usual = isinstance(error, (RuntimeError, ValueError, TypeError, IndexError))
+    return text if usual and text else f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def check_first_batch(
+    model: FunctionalModel, criterion: Criterion, params: Params, buffers: Buffers, batch: Any, names: Names = Names(),
+    declared_classes: int | None = None,
+) -> None:
+    """Run ``model`` and ``criterion`` on ``batch``; a ``ConfigError`` of one line if they do not fit it.
+
+    ``declared_classes`` is what the data says its classes are (``None``: it does not say).
+    """
+    fits = f"{names.model} does not fit {names.data} with {names.loss}"
+    try:
+        args, kwargs, targets = model_inputs(batch)
+    except ValueError as error:
+        raise ConfigError(f"{names.data}: {error}") from None
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        try:
+            outputs, _ = model.apply(params, buffers, *args, **kwargs)
+        except Exception as error:  # anything the user's forward raises: one line, not a traceback
+            raise ConfigError(f"{fits}: {_reason(error)} (first batch: {describe(batch)})") from None
+        _check_classes(criterion, outputs, targets, names, declared_classes)
+        try:
+            loss = criterion(outputs, targets)
+        except UnreadableOutput as error:
+            raise ConfigError(f"{names.loss}: {error}") from None
+        except Exception as error:
+            if not isinstance(outputs, Tensor):  # a structured output (a ModelOutput) that the loss does not read
+                try:
+                    logits_of(outputs)
+                    way_out = "a loss that reads it (outputs.logits), or a built-in one (loss=cross_entropy reads the logits)"
+                except UnreadableOutput:
+                    way_out = "a loss that reads it (loss._target_=my_pkg.losses.f, a function (outputs, targets) -> scalar)"
+                raise ConfigError(f"{names.loss} cannot read what the model returns, a {type(outputs).__name__}: "
+                                  f"{_reason(error)}; expected {way_out}") from None
+            raise ConfigError(f"{fits}: {_reason(error)} (first batch: {describe(batch)})") from None
+    if not isinstance(loss, Tensor) or loss.dim() != 0 or not loss.is_floating_point():
+        got = f"shape {tuple(loss.shape)} {loss.dtype}" if isinstance(loss, Tensor) else type(loss).__name__
+        raise ConfigError(f"{names.loss}: returned {got}; expected a floating-point scalar")
+
+
+def _scores_classes(criterion: Criterion) -> bool:
+    """Whether ``criterion`` takes class scores ``(..., C)`` for labels in ``0 .. C-1`` (a cross-entropy)."""
+    fn = criterion.func if isinstance(criterion, functools.partial) else criterion
+    return fn in (cross_entropy, F.cross_entropy, F.nll_loss) or isinstance(fn, (TokenCrossEntropy, nn.CrossEntropyLoss, nn.NLLLoss))
+
+
+def _check_classes(criterion: Criterion, outputs: Any, targets: Any, names: Names, declared: int | None) -> None:
+    """Class scores ``(..., C)`` for integer targets: every label below C, and C the data's classes where it says.
+
+    Only for the cross-entropies: a loss of one's own may read integer targets otherwise
+    (embeddings against class ids), and says itself what does not fit.
+    """
+    if not _scores_classes(criterion):
+        return
+    try:
+        scores = logits_of(outputs)
+    except UnreadableOutput:
+        return
+    if not isinstance(targets, Tensor):
+        return
+    align = getattr(criterion, "align", None)
+    if align is not None:
+        try:
+            scores, targets = align(scores, targets)
+        except ValueError:
+            return  # the loss itself will say
+    integer = not (targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool)
+    if not integer or scores.dim() != targets.dim() + 1 or scores.shape[:-1] != targets.shape:
+        return
+    classes = scores.shape[-1]
+    labels = targets[(targets >= 0) & (targets != getattr(criterion, "ignore_index", IGNORE_INDEX))]
+    largest = int(labels.max()) if labels.numel() else -1
+    needed = max(largest + 1, declared or 0)
+    if largest >= classes:
+        raise ConfigError(f"{names.model} does not fit {names.data} with {names.loss}: the first batch has label {largest} but the model "
+                          f"outputs {classes} class scores; expected {names.classes_setting}={needed}")
+    if declared is not None and classes != declared:
+        raise ConfigError(f"{names.model} does not fit {names.data} with {names.loss}: the model outputs {classes} class scores but "
+                          f"{names.data} has {declared} classes; expected {names.classes_setting}={declared}")

@@ -1,0 +1,91 @@
+"""The first-batch check: what does not fit is one line naming it, whatever the model or loss raises."""
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fdp.config import ConfigError
+from fdp.fit import Names, check_first_batch
+from fdp.functional import functionalize
+from fdp.losses import TokenCrossEntropy, cross_entropy, mse
+
+NAMES = Names("model._target_='my.Net'", "data._target_='my.data'", "loss=cross_entropy", "+model.num_classes")
+BATCH = (torch.randn(8, 4), torch.tensor([0, 1, 2, 3, 4, 5, 6, 7]))
+
+
+class _Hidden(nn.Module):
+    """Returns what a model without a head returns: no scores to read."""
+
+    def __init__(self, returns):
+        super().__init__()
+        self.linear, self.returns = nn.Linear(4, 10), returns
+
+    def forward(self, x):
+        return self.returns(self.linear(x))
+
+
+def _check(module, criterion=cross_entropy, batch=BATCH, names=NAMES, declared=None):
+    model, params, buffers = functionalize(module)
+    with pytest.raises(ConfigError) as caught:
+        check_first_batch(model, criterion, params, buffers, batch, names, declared)
+    assert "\n" not in str(caught.value)
+    return str(caught.value)
+
+
+def _reads_reshape(outputs, targets):  # a loss written for tensors, given a ModelOutput: AttributeError
+    return F.cross_entropy(outputs.reshape(-1, 10), targets)
+
+
+def test_an_output_the_loss_cannot_read_is_named_with_the_way_out():
+    from transformers.modeling_outputs import BaseModelOutput, CausalLMOutputWithCrossAttentions
+
+    message = _check(_Hidden(lambda h: BaseModelOutput(last_hidden_state=h)))
+    assert message == ("loss=cross_entropy: the model returns a BaseModelOutput with no logits (entries: last_hidden_state); the "
+                       "built-in losses read a tensor of scores, a ModelOutput, dict or dataclass with logits, or a tuple whose "
+                       "first element is the logits: set loss._target_ to a function (outputs, targets) -> scalar that reads this output")
+    custom = NAMES._replace(loss="loss._target_='my.loss'")
+    message = _check(_Hidden(lambda h: CausalLMOutputWithCrossAttentions(logits=h)), _reads_reshape, names=custom)
+    assert message == ("loss._target_='my.loss' cannot read what the model returns, a CausalLMOutputWithCrossAttentions: "
+                       "AttributeError: 'CausalLMOutputWithCrossAttentions' object has no attribute 'reshape'; expected a loss "
+                       "that reads it (outputs.logits), or a built-in one (loss=cross_entropy reads the logits)")
+    message = _check(_Hidden(lambda h: {"features": h}), _reads_reshape, names=custom)
+    assert message.startswith("loss._target_='my.loss' cannot read what the model returns, a dict: AttributeError: ")
+    assert message.endswith("expected a loss that reads it (loss._target_=my_pkg.losses.f, a function (outputs, targets) -> scalar)")
+
+
+def test_whatever_the_forward_raises_is_one_line_with_the_first_batch():
+    def broken(h):
+        raise KeyError("no such layer")
+
+    message = _check(_Hidden(broken))
+    assert message == ("model._target_='my.Net' does not fit data._target_='my.data' with loss=cross_entropy: KeyError: "
+                       "'no such layer' (first batch: inputs (8, 4) float32, targets (8,) int64)")
+    message = _check(nn.Linear(5, 10))
+    assert message.startswith("model._target_='my.Net' does not fit data._target_='my.data' with loss=cross_entropy: mat1 and mat2")
+
+
+def test_class_scores_must_cover_the_labels_and_the_classes_the_data_declares():
+    """A 1000-class head on 10-class data (torchvision's default) is refused, not trained."""
+    assert _check(nn.Linear(4, 1000), declared=10) == (
+        "model._target_='my.Net' does not fit data._target_='my.data' with loss=cross_entropy: the model outputs 1000 class "
+        "scores but data._target_='my.data' has 10 classes; expected +model.num_classes=10")
+    assert _check(nn.Linear(4, 6)) == (
+        "model._target_='my.Net' does not fit data._target_='my.data' with loss=cross_entropy: the first batch has label 7 "
+        "but the model outputs 6 class scores; expected +model.num_classes=8")
+    # The same for torch's cross-entropy by its path or as a class, and for shifted token labels (padding not counted).
+    assert "outputs 6 class scores" in _check(nn.Linear(4, 6), functools.partial(F.cross_entropy, label_smoothing=0.1))
+    assert "outputs 6 class scores" in _check(nn.Linear(4, 6), nn.CrossEntropyLoss())
+    tokens = (torch.randint(0, 5, (2, 4)), torch.tensor([[9, 1, 2, -100], [1, 1, -100, -100]]))
+    model, params, buffers = functionalize(nn.Embedding(5, 5))
+    check_first_batch(model, TokenCrossEntropy(shift=1), params, buffers, tokens, NAMES, None)  # 9 is never a target
+    assert "label 9" in _check(nn.Embedding(5, 5), TokenCrossEntropy(shift=0), tokens)
+
+
+def test_losses_of_ones_own_and_regression_are_not_held_to_classes():
+    ids = (torch.randn(8, 4), torch.arange(8))  # integer targets scored against embeddings
+    model, params, buffers = functionalize(nn.Linear(4, 3))
+    check_first_batch(model, lambda out, t: out.pow(2).mean() + 0 * t.sum(), params, buffers, ids, NAMES, 10)
+    model, params, buffers = functionalize(nn.Linear(4, 1))
+    check_first_batch(model, mse, params, buffers, (torch.randn(8, 4), torch.randn(8, 1)), NAMES, None)
