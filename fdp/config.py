@@ -176,6 +176,7 @@ class WorldConfig:
     max_restarts: int = 0
     hierarchical: bool = False  # reduce inside each node, run the hook chain across nodes only, share inside the node
     node_size: int = 0  # processes per node for hierarchical (0: the processes of one launch)
+    requeue_signal: str = "SIGUSR1"  # world=slurm: stop, checkpoint and requeue the job on it (sbatch --signal=USR1@90); none: off
 
 
 # -- hooks -----------------------------------------------------------------------------
@@ -365,6 +366,7 @@ def validate(cfg: Any, run_dir: Any = None) -> None:
     from fdp.metrics import check_tensorboard
     from fdp.compiled import check_compile
     from fdp.hooks.hierarchical import check_node_size
+    from fdp.interrupt import check_requeue_signal
     from fdp.optim import build_optimizer
     from fdp.outer import check_outer
     from fdp.plan.values import _check_cap
@@ -410,6 +412,7 @@ def validate(cfg: Any, run_dir: Any = None) -> None:
     _require(w.nnodes >= 1, "world.nnodes", w.nnodes, "an integer >= 1")
     _require(w.timeout_s > 0, "world.timeout_s", w.timeout_s, "seconds > 0")
     _require(w.max_restarts >= 0, "world.max_restarts", w.max_restarts, "an integer >= 0")
+    _checked("world.requeue_signal", check_requeue_signal, w.requeue_signal)  # fdp.interrupt
     _require(d.global_batch_size >= 1, "data.global_batch_size", d.global_batch_size, "an integer >= 1")
     if "test_fraction" in d:
         _require(0.0 < d.test_fraction < 1.0, "data.test_fraction", d.test_fraction, "a fraction in (0, 1)")

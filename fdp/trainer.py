@@ -6,6 +6,7 @@ the workers with the elastic launcher; each worker (or the single process) then 
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -39,6 +40,7 @@ from fdp.devices import (
     visible_gpus,
 )
 from fdp.functional import FunctionalModel
+from fdp.interrupt import StopSignals, stop_signal_names
 from fdp.launch import (
     ENV_LAUNCHERS,
     Heartbeat,
@@ -46,6 +48,7 @@ from fdp.launch import (
     WorkerFailedError,
     WorldLayout,
     init_distributed,
+    launch_rank,
     spawn,
     tune_allocator,
 )
@@ -54,6 +57,7 @@ from fdp.metrics import MetricsLog, StepTimes, progress, summary_line
 from fdp.outer import check_outer, make_outer_step
 from fdp.plan import BucketPlan
 from fdp.precision import Precision, set_matmul_precision
+from fdp.rundir import own_run_dir, train_log_handler
 from fdp.slurm import job_world
 from fdp.trace import NullTimeline, Timeline
 from fdp.train import TrainState, make_train_step
@@ -213,9 +217,12 @@ def _setup_logging(run_dir: Path, rank: int) -> None:
     if rank == 0:
         handler = logging.StreamHandler(sys.stdout)
     else:
-        handler = logging.FileHandler(run_dir / f"rank{rank}.log")
+        handler = logging.FileHandler(run_dir / f"rank{rank}.log", delay=True)  # made at its first line
     handler.setFormatter(logging.Formatter(f"[rank{rank}] %(message)s"))
-    log.handlers[:] = [handler]
+    for old in log.handlers:
+        old.close()
+    # What rank 0 prints also goes to Hydra's <run dir>/train.log (fdp.rundir).
+    log.handlers[:] = [handler, train_log_handler(run_dir, f"[rank{rank}] ")] if rank == 0 else [handler]
     log.setLevel(logging.INFO)
     log.propagate = False
 
@@ -231,6 +238,9 @@ def train_worker(cfg: DictConfig, run_dir: str) -> dict:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+train_worker.handles_stop_signals = True  # fdp.launch.spawn: it installs fdp.interrupt's handlers itself
 
 
 def _train(cfg: DictConfig, run_dir: Path, comm: Comm, device: torch.device) -> dict:
@@ -276,16 +286,25 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm, device: torch.device) -> 
     num_workers = cfg.data.get("num_workers", 0)
     on_gpu = any(p.is_cuda for p in state.params.values())
     batches = train_batches(run.data, gbs, cfg.seed, rank, world, state.step, last_step, num_workers, pin_memory=on_gpu)
+    # -- fdp.interrupt: SIGINT/SIGTERM (and SLURM's requeue signal) stop every rank after the same step
+    stop = StopSignals(stop_signal_names(cfg.world.launcher, cfg.world.get("requeue_signal", "none")),
+                       repeat_stops_at_once=cfg.world.launcher == "none").install().join(world)
+    interrupted = None
     try:
         while state.step < last_step:
             tracker.update(state.step + 1)
+            waited = time.perf_counter()  # the data wait: how long the step waited for its batch
             batch = batch_to_device(next(batches), device)
+            waited = time.perf_counter() - waited
             state, m = train_step(state, batch)
+            m["data_wait_s"] = waited
             times.add(m)
             skipped += m["skipped"]
             step = state.step
             bar.update(1)
             done = step == last_step
+            interrupted = stop.agreed()  # every rank, every step (pipelined: costs no wait)
+            done = done or interrupted is not None
             if step % tc.log_every == 0 or done:
                 loss = m["loss"].clone()
                 if world > 1:
@@ -298,6 +317,7 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm, device: torch.device) -> 
                     "step_ms": 1e3 * m["step_s"],
                     "compute_ms": 1e3 * m["compute_s"],
                     "comm_wait_ms": 1e3 * m["comm_wait_s"],
+                    "data_wait_ms": 1e3 * m["data_wait_s"],
                     "bytes_sent": m["bytes_sent"],
                     "compression": run.plan.nbytes / m["bytes_sent"] if m["bytes_sent"] else None,
                     "skipped_steps": skipped,
@@ -305,7 +325,7 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm, device: torch.device) -> 
                 }
                 if "loss_scale" in m:
                     record["loss_scale"] = m["loss_scale"].item()
-                if (tc.eval_every and step % tc.eval_every == 0 or done) and has_test_split(run.data) and rank == 0:
+                if (tc.eval_every and step % tc.eval_every == 0 or done and not interrupted) and has_test_split(run.data) and rank == 0:
                     last_eval = evaluate(run.model, state.params, state.buffers, run.data, tc.eval_batches,
                                          criterion=run.criterion, num_workers=num_workers, precision=run.precision)
                     record.update(last_eval)
@@ -315,12 +335,16 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm, device: torch.device) -> 
             if tc.checkpoint_every and step % tc.checkpoint_every == 0 or done:
                 train_step.settle()  # no checkpoint of a step whose gradients were not finite
                 _save(run_dir, state, comm, cfg, run.plan)
+            if interrupted:
+                break
+        stop.close()
     except RuntimeError as error:
         lost = _lost_rank_error(error, heartbeat, rank, tracker.step) if world > 1 else None
         if lost is None:
             raise
         raise lost from error
     finally:
+        stop.close(finished=False)
         timeline.save(run_dir / "trace" / f"rank{rank}.json")
         if heartbeat is not None:
             heartbeat.stop()
@@ -338,6 +362,7 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm, device: torch.device) -> 
         "step_ms": 1e3 * times.median("step_s"),
         "compute_ms": 1e3 * times.median("compute_s"),
         "comm_wait_ms": 1e3 * times.median("comm_wait_s"),
+        "data_wait_ms": 1e3 * times.mean("data_wait_s"),  # every step's: a loader's start-up stall counts
         "bytes_per_step": int(times.median("bytes_sent")) if times.rows else 0,
         # Under an outer loop most steps send nothing: the mean is what a sync every H steps costs.
         "mean_bytes_per_step": int(sum(r["bytes_sent"] for r in times.rows) / len(times.rows)) if times.rows else 0,
@@ -346,6 +371,7 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm, device: torch.device) -> 
         "skipped_steps": skipped,
         "state_mib": record.get("state_mib"),
         "run_dir": str(run_dir),
+        **({"interrupted": interrupted} if interrupted else {}),
     }
     if metrics_log:
         metrics_log.write({"summary": True, **summary})
@@ -355,6 +381,12 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm, device: torch.device) -> 
 
 def run(cfg: DictConfig, run_dir: str | Path) -> dict:
     """Validate ``cfg`` and train it in ``run_dir`` on the world it names; return rank 0's summary."""
+    owner = launch_rank(cfg.world.launcher) == 0  # under torchrun and SLURM, rank 0 owns the run directory
+    with own_run_dir(run_dir) if owner else contextlib.nullcontext():  # fdp.rundir: one run per directory
+        return _run(cfg, run_dir)
+
+
+def _run(cfg: DictConfig, run_dir: str | Path) -> dict:
     cfg = resolve_world(cfg)
     validate(cfg, run_dir)
     Path(run_dir).mkdir(parents=True, exist_ok=True)
