@@ -252,6 +252,7 @@ def make_train_step(
         if per_bucket is None:
             checks.check_state_against_plan(state, plan)
             checks.check_hook_states(state.hook_state, reducer.hook, plan)
+            checks.check_same_replicas(state.params, state.buffers, comm, fresh=state.step == 0)  # ranks start equal
             # A loss-scaled step may still be skipped once every bucket is in: no early updates.
             per_bucket = (donate and nonfinite == "raise" and state.loss_scale is None and optimizer.elementwise
                           and supports_inplace(optimizer, state.params))
