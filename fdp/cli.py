@@ -78,10 +78,10 @@ def _unknown_key(cause: Any, override: str | None) -> str:
     where = parent or "the config"
     shown = override or full_key
     if close:
-        hint = f"did you mean {parent + '.' if parent else ''}{close[0]}?"
+        hint = f"did you mean {parent + '.' if parent else ''}{close[0]}? "
     else:
-        hint = f"the keys of {where}: {', '.join(known)}" if known else f"a key of {where}"
-    return f"{shown}: unknown key; expected a key of {where} ({hint} A key of your own is added as +{shown})"
+        hint = f"{', '.join(known)}; " if known else ""
+    return f"{shown}: unknown key; expected a key of {where} ({hint}a key of your own is added as +{shown})"
 
 
 def _bad_value(cause: Any, override: str | None) -> str:
@@ -126,7 +126,7 @@ def hydra_error_line(error: BaseException, argv: list[str] | None = None) -> str
     ...     compose("trainer.max_stpes=5")
     ... except Exception as error:
     ...     print(hydra_error_line(error, ["trainer.max_stpes=5"]))
-    trainer.max_stpes=5: unknown key; expected a key of trainer (did you mean trainer.max_steps? A key of your own is added as +trainer.max_stpes=5)
+    trainer.max_stpes=5: unknown key; expected a key of trainer (did you mean trainer.max_steps? a key of your own is added as +trainer.max_stpes=5)
     """
     from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException, OverrideParseException
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError

@@ -25,6 +25,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Iterator, Mapping
@@ -37,7 +38,9 @@ __all__ = ["StopSignals", "StoppedAtOnce", "check_requeue_signal", "exit_code", 
 
 STOP_SIGNALS = ("SIGINT", "SIGTERM")
 _AGENT_SIGNALS = "TORCHELASTIC_SIGNALS_TO_HANDLE"  # read by torch's elastic agent when it starts workers
-_HELPERS = (b"resource_tracker", b"forkserver")  # children of the launcher that are not workers
+_TRACKER_QUIET = "ignore::UserWarning:multiprocessing.resource_tracker"
+# Children of the launcher that are not workers: how multiprocessing starts its helpers.
+_HELPERS = (b"from multiprocessing.resource_tracker import", b"from multiprocessing.forkserver import")
 _AGENT_DEFAULT = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 _UNCATCHABLE = ("SIGKILL", "SIGSTOP")
 
@@ -192,17 +195,29 @@ class Relay:
         self.received: str | None = None
         self.stopped_at_once: str | None = None
         self.agent_signals = ",".join(_AGENT_DEFAULT)  # the signals torch's agent may still take
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._sent: dict[int, int] = {}  # pid -> the signal it was sent
 
     def on_signal(self, number: int, frame=None) -> None:
         with self._lock:
             name = signal.Signals(number).name
             if self.received is None:
                 self.received = name
-                _send(_children(), number)
             elif self.stopped_at_once is None:
                 self.stopped_at_once = name
-                _send(_children(), signal.SIGKILL)
+        self.pass_on()
+
+    def pass_on(self) -> None:
+        """Send each worker what it has not had yet: the first signal, or SIGKILL after a second one."""
+        with self._lock:
+            if self.received is None:
+                return
+            first, kill = signal.Signals[self.received], self.stopped_at_once is not None
+            for pid in _children():
+                sent = self._sent.get(pid)
+                if sent is None or (kill and sent != signal.SIGKILL):
+                    self._sent[pid] = signal.SIGKILL if kill else first
+                    _send([pid], self._sent[pid])
 
 
 @contextlib.contextmanager
@@ -224,6 +239,11 @@ def relay_to_workers(names: tuple[str, ...] = STOP_SIGNALS) -> Iterator[Relay]:
     agent_signals = os.environ.get(_AGENT_SIGNALS)
     os.environ[_AGENT_SIGNALS] = relay.agent_signals = ",".join(n for n in _AGENT_DEFAULT if n not in names)
     previous = {number: signal.signal(number, relay.on_signal) for number in numbers}
+    # Workers killed by a second signal leave multiprocessing semaphores that the resource
+    # tracker (started below, with this process's warning options) unlinks at exit, with a
+    # warning about them: the clean-up is done, the warning is noise after a one-line stop.
+    if _TRACKER_QUIET not in sys.warnoptions:
+        sys.warnoptions.append(_TRACKER_QUIET)
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, numbers)
     done = threading.Event()
 
@@ -232,6 +252,7 @@ def relay_to_workers(names: tuple[str, ...] = STOP_SIGNALS) -> Iterator[Relay]:
             info = signal.sigtimedwait(numbers, 0.1)
             if info is not None:
                 relay.on_signal(info.si_signo)
+            relay.pass_on()  # to workers started since the signal came
 
     thread = threading.Thread(target=wait_for_signals, name="fdp-signals", daemon=True)
     thread.start()

@@ -204,6 +204,9 @@ def _worker(entry: Callable[..., Any], *args: Any) -> Any:
     unblocks them once its handlers are in; any other gets them back as they were.
     """
     if not getattr(entry, "handles_stop_signals", False):
+        # A forked worker also inherited the launcher's handlers: Python's own defaults instead.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT, signal.SIGTERM])
     return entry(*args)
 

@@ -217,7 +217,7 @@ def _setup_logging(run_dir: Path, rank: int) -> None:
     if rank == 0:
         handler = logging.StreamHandler(sys.stdout)
     else:
-        handler = logging.FileHandler(run_dir / f"rank{rank}.log", delay=True)  # made at its first line
+        handler = logging.FileHandler(run_dir / f"rank{rank}.log")
     handler.setFormatter(logging.Formatter(f"[rank{rank}] %(message)s"))
     for old in log.handlers:
         old.close()
