@@ -303,7 +303,7 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm, device: torch.device) -> 
             step = state.step
             bar.update(1)
             done = step == last_step
-            interrupted = stop.agreed()  # every rank, every step (pipelined: costs no wait)
+            interrupted = stop.agreed()  # every rank, every step: the ranks compare flags every ~0.1 s, no step waits
             done = done or interrupted is not None
             if step % tc.log_every == 0 or done:
                 loss = m["loss"].clone()
