@@ -18,6 +18,8 @@ The pieces, one module each:
 * ``trainer`` / ``checkpoint``: the run loop; atomic checkpoints of every rank (``save_checkpoint``, ``load_checkpoint``).
 * ``outer``: local SGD and DiLoCo, an outer loop that syncs every few steps across slow links.
 * ``zero``: ZeRO stages 1 and 2, optimizer state (and gradients) sharded over the ranks by bucket slices.
+* ``rundir`` / ``interrupt`` / ``cli``: one owner per run directory and its ``train.log``; stopping every
+  rank at one step on SIGINT, SIGTERM or SLURM's warning signal; the shell entry's one-line endings.
 """
 from fdp import hooks, zero
 from fdp.buckets import allocate, pack, unpack
@@ -26,6 +28,7 @@ from fdp.comm import Comm, Pending
 from fdp.devices import Placement, batch_to_device, place, resolve_backend, to_device
 from fdp.functional import FunctionalModel, functionalize
 from fdp.hooks import GradBucket, Hook
+from fdp.interrupt import StopSignals, StoppedAtOnce
 from fdp.data import MapData, StepSampler
 from fdp.launch import WorldLayout, broadcast_from_rank0, check_same_plan, init_distributed, spawn
 from fdp.losses import build_loss, make_loss_fn
@@ -48,11 +51,12 @@ from fdp.plan import Bucket, BucketPlan, ParamSlot, gradient_ready_order, plan_b
 from fdp.precision import LossScale, Precision
 from fdp.reduce import GradReducer, Reduction, init_hook_states, resolve_schedule
 from fdp.replicas import BUFFER_SYNC, setup_state, sync_buffers
+from fdp.rundir import RunDirInUse, own_run_dir
 from fdp.train import TrainState, cross_entropy_loss, init_train_state, make_train_step, planner_loss
 
 __all__ = [
     "BUFFER_SYNC", "CheckpointError", "broadcast_from_rank0", "check_same_plan", "load_checkpoint", "save_checkpoint",
-    "setup_state", "sync_buffers",
+    "setup_state", "sync_buffers", "RunDirInUse", "StopSignals", "StoppedAtOnce", "own_run_dir",
     "Bucket", "BucketPlan", "Comm", "FunctionalModel", "GradBucket", "GradReducer", "GradientTransformation",
     "Hook", "LossScale", "MapData", "OuterSpec", "OuterState", "ParamSlot", "Pending", "Placement", "Precision",
     "Reduction", "StepSampler", "TrainState", "WorldLayout", "adam", "adamw", "allocate", "apply_gradients",

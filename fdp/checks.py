@@ -223,6 +223,7 @@ def check_same_replicas(params: dict, buffers: dict, comm: Comm, fresh: bool) ->
         differs = (other != every[0]).nonzero()
         if len(differs):
             name = list(tensors)[int(differs[0])]
+            dist.barrier(group=comm.group)  # every rank saw it: none tears its connections down under another
             raise ValueError(
                 f"{name} differs between rank 0 and rank {rank}: the ranks start from different values and would "
                 "train apart; make the state with fdp.setup_state(params, buffers, optimizer, plan, hook, comm), "
