@@ -217,10 +217,11 @@ def train(cfg: Any, run_dir: str | Path, save_config: Callable[[Any, Path], None
     try:
         rank = launch_rank(cfg.world.launcher)
         owner = rank == 0  # under torchrun and SLURM every rank runs this; rank 0 owns the directory
+        validate(cfg)  # a mistake in the settings is told first, whoever owns the directory
         with run_log(run_dir if owner else None) as log:
             try:
                 with own_run_dir(run_dir, say=log.warning) if owner else contextlib.nullcontext():
-                    validate(cfg, run_dir)  # before anything is written to run_dir
+                    validate(cfg, run_dir)  # what the directory holds: a run to resume, or none
                     if owner:
                         save_config(cfg, run_dir)
                         note = slow_precision_note(cfg.trainer.precision, cfg.world.accelerator)

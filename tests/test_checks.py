@@ -123,36 +123,36 @@ def test_a_launched_process_without_its_world_is_refused(monkeypatch):
 
 
 # -- ranks that start from different values ------------------------------------------------------
-def _two_ranks_built_apart(rank, world, use_setup_state):
-    """Each rank builds its model from its own seed, as ranks do that never share params."""
+def _two_ranks_built_apart(rank, world):
+    """Each rank builds its model from its own seed, as ranks do that never share params; the
+    state from fdp.setup_state trains, the one from init_train_state on each rank is refused."""
     torch.manual_seed(100 + rank)
     model, params, buffers = fdp.functionalize(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)))
     loss_fn = fdp.cross_entropy_loss(model)
     batch = (torch.randn(8, 4), torch.randint(0, 3, (8,)))
     plan = fdp.plan_buckets(fdp.planner_loss(loss_fn, buffers), params, batch)
     comm = fdp.Comm()
-    if use_setup_state:
-        state = fdp.setup_state(params, buffers, fdp.sgd(0.1), plan, comm=comm)
-    else:
-        state = fdp.init_train_state(params, buffers, fdp.sgd(0.1), plan)
     step = fdp.make_train_step(loss_fn, fdp.sgd(0.1), plan, comm=comm)
-    state, _ = step(state, batch)
-    return {name: p.clone() for name, p in state.params.items()}
+    trained, _ = step(fdp.setup_state(params, buffers, fdp.sgd(0.1), plan, comm=comm), batch)
+    apart = fdp.make_train_step(loss_fn, fdp.sgd(0.1), plan, comm=comm)  # its own first step, and checks
+    try:
+        apart(fdp.init_train_state(params, buffers, fdp.sgd(0.1), plan), batch)
+    except ValueError as error:
+        return {name: p.clone() for name, p in trained.params.items()}, str(error)
+    return None, "trained apart"
 
 
 def test_ranks_that_start_from_different_params_are_refused_at_the_first_step(run_ranks):
     """DDP broadcasts rank 0's params when it is built; a state from init_train_state on each
     rank has no such step, so the first step compares the ranks' fingerprints and names the
-    first tensor that differs (in the state's order)."""
-    with pytest.raises(fdp.launch.WorkerFailedError) as caught:
-        run_ranks(_two_ranks_built_apart, False, timeout_s=30.0)
-    message = str(caught.value)
+    first tensor that differs (in the state's order), on every rank."""
+    (params0, error0), (params1, error1) = run_ranks(_two_ranks_built_apart, timeout_s=30.0)
+    assert error0 == error1
     assert re.fullmatch(
         r"state\.params\['0\.weight'\] differs between rank 0 and rank 1: the ranks start from different values "
         r"and would train apart; make the state with fdp\.setup_state\(params, buffers, optimizer, plan, hook, comm\), "
-        r"which gives every rank rank 0's params and buffers \(rank [01]\)", message), message
-    same = run_ranks(_two_ranks_built_apart, True, timeout_s=30.0)  # setup_state: rank 0's params everywhere
-    assert all(torch.equal(same[0][name], same[1][name]) for name in same[0])
+        r"which gives every rank rank 0's params and buffers", error0), error0
+    assert all(torch.equal(params0[name], params1[name]) for name in params0)  # setup_state: rank 0's everywhere
 
 
 def test_a_fingerprint_sees_one_bit_and_the_order_of_elements():
