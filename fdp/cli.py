@@ -255,5 +255,7 @@ def train(cfg: Any, run_dir: str | Path, save_config: Callable[[Any, Path], None
     except Exception as error:
         if not _refused(error):
             raise
+        with contextlib.suppress(OSError):
+            run_dir.rmdir()  # the one Hydra made for a run refused before it took it, if empty
         print(f"error: {error}", file=sys.stderr, flush=True)  # refused: nothing was written for it
         return REFUSED
