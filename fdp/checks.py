@@ -217,6 +217,8 @@ def check_same_replicas(params: dict, buffers: dict, comm: Comm, fresh: bool) ->
     if not tensors:
         return
     mine = fingerprint(tensors)
+    if dist.get_backend(comm.group) == "gloo":
+        mine = mine.cpu()  # ranks sharing a GPU talk over gloo, which gathers host tensors
     every = [torch.empty_like(mine) for _ in range(comm.world_size)]
     dist.all_gather(every, mine, group=comm.group)
     for rank, other in enumerate(every[1:], start=1):

@@ -138,9 +138,10 @@ class StopSignals:
     def join(self, world_size: int) -> "StopSignals":
         """Make the flag's own group (every rank calls it, at the same point; nothing with one rank)."""
         if world_size > 1:
-            from fdp.comm import new_group
+            from fdp._torch import group_timeout
 
-            self._group = new_group(list(range(world_size)))  # gloo on CPU whatever the world's backend
+            # gloo on the CPU whatever the world's backend: reading the flag never waits for a GPU.
+            self._group = dist.new_group(list(range(world_size)), timeout=group_timeout(), backend="gloo")
         return self
 
     def agreed(self) -> str | None:

@@ -57,7 +57,7 @@ from fdp.metrics import MetricsLog, StepTimes, progress, summary_line
 from fdp.outer import check_outer, make_outer_step
 from fdp.plan import BucketPlan
 from fdp.precision import Precision, set_matmul_precision
-from fdp.rundir import own_run_dir, train_log_handler
+from fdp.rundir import RUN_LOGGER, own_run_dir, train_log_handler
 from fdp.slurm import job_world
 from fdp.trace import NullTimeline, Timeline
 from fdp.train import TrainState, make_train_step
@@ -108,7 +108,7 @@ def resolve_world(cfg: DictConfig) -> DictConfig:
     # Under torchrun or SLURM each process is a rank; it checks its own GPU when it takes it.
     placement = placement_of(cfg, probe=None if under_torchrun else probe_gpus)
     for index, reason in placement.unusable:
-        print(f"fdp: GPU {index} is busy or unusable and is left out: {reason}", file=sys.stderr, flush=True)
+        logging.getLogger(RUN_LOGGER).warning(f"fdp: GPU {index} is busy or unusable and is left out: {reason}")  # stderr, train.log
     resolved = copy.deepcopy(cfg)  # keeps the schema: the values below are type-checked
     resolved.world.accelerator = placement.accelerator
     resolved.world.backend = placement.backend
