@@ -8,7 +8,8 @@ per-step cost shows most) three ways, interleaved in one run:
 * ``pipelined``: the step, then an all-reduce started after step ``s`` and read after
   step ``s + 1``, every step (what a first version did);
 * ``fdp``: the step, then ``StopSignals.agreed()`` (what ``fdp.trainer`` does): a
-  pipelined all-reduce about every ``CHECK_EVERY_S`` seconds of training.
+  pipelined all-reduce about every ``CHECK_EVERY_S`` seconds of training;
+* ``none again``: the step alone once more, for the noise between two identical runs.
 
 Prints ms per step (the median of interleaved rounds) and the ratios to ``none``, and
 writes the table to ``benchmarks/results/stop_flag.md``.
@@ -32,7 +33,7 @@ from fdp.interrupt import StopSignals
 from fdp.launch import WorldLayout, init_distributed, spawn
 
 RESULTS = Path(__file__).resolve().parent / "results" / "stop_flag.md"
-WAYS = ("none", "blocking", "pipelined", "fdp")
+WAYS = ("none", "blocking", "pipelined", "fdp", "none again")  # the last: the noise floor
 
 
 def _rank(steps: int, rounds: int, hidden: int, layout: WorldLayout) -> dict:
@@ -62,7 +63,7 @@ def _rank(steps: int, rounds: int, hidden: int, layout: WorldLayout) -> dict:
                     if pending is not None:
                         pending.wait()
                     pending = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True)
-                else:
+                elif way == "fdp":
                     stop.agreed()
             times[way].append((time.perf_counter() - t0) / steps)
     pending.wait()
