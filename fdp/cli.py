@@ -20,6 +20,7 @@ import dataclasses
 import difflib
 import os
 import re
+import signal
 import sys
 import typing
 from pathlib import Path
@@ -27,7 +28,7 @@ from typing import Any, Callable
 
 from fdp.checkpoint import LAST, CheckpointError
 from fdp.config import ConfigError, validate
-from fdp.interrupt import StoppedAtOnce, exit_code, requeue_job
+from fdp.interrupt import StoppedAtOnce, exit_code, requeue_job, stop_signal_names
 from fdp.launch import RankLostError, WorkerFailedError, launch_rank
 from fdp.metrics import summary_line
 from fdp.rundir import CHECKPOINTS, own_run_dir, run_log
@@ -217,6 +218,9 @@ def train(cfg: Any, run_dir: str | Path, save_config: Callable[[Any, Path], None
     try:
         rank = launch_rank(cfg.world.launcher)
         owner = rank == 0  # under torchrun and SLURM every rank runs this; rank 0 owns the directory
+        if cfg.world.launcher == "slurm":  # a signal SLURM sends during start-up is held for the loop's handler
+            held = stop_signal_names("slurm", cfg.world.requeue_signal)
+            signal.pthread_sigmask(signal.SIG_BLOCK, [signal.Signals[name] for name in held])
         validate(cfg)  # a mistake in the settings is told first, whoever owns the directory
         with run_log(run_dir if owner else None) as log:
             try:
