@@ -202,7 +202,7 @@ def _interrupted_line(summary: dict, run_dir: Path, extra: str = "") -> str:
             f"{run_dir / CHECKPOINTS / LAST}; resume with trainer.resume=true hydra.run.dir={run_dir}{extra}")
 
 
-def train(cfg: Any, run_dir: str | Path, save_config: Callable[[Any, Path], None], run: Callable | None = None) -> int:
+def train(cfg: Any, run_dir: str | Path, save_config: Callable[[Any, Path], None]) -> int:
     """Own ``run_dir``, validate ``cfg``, write its config files (``save_config``), train; the exit status.
 
     Every outcome ends in one line: the summary (stdout), ``error: ...`` (stderr) or
@@ -210,9 +210,8 @@ def train(cfg: Any, run_dir: str | Path, save_config: Callable[[Any, Path], None
     a refused run leaves the directory as it found it (and none at all if it was new).
     """
     from fdp.precision import slow_precision_note
-    from fdp.trainer import run as default_run
+    from fdp.trainer import run  # the trainer is above this module
 
-    run = run or default_run
     run_dir = Path(run_dir)
     summary: dict = {}
     try:
