@@ -210,7 +210,7 @@ def train(cfg: Any, run_dir: str | Path, save_config: Callable[[Any, Path], None
     a refused run leaves the directory as it found it (and none at all if it was new).
     """
     from fdp.precision import slow_precision_note
-    from fdp.trainer import run  # the trainer is above this module
+    from fdp.trainer import run  # only for a run: translating Hydra's errors does not need it
 
     run_dir = Path(run_dir)
     summary: dict = {}

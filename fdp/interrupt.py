@@ -6,8 +6,8 @@
   all-reduce (max) their flags on a small gloo group of their own, so a signal seen by
   one rank stops all of them after the same step. Each all-reduce is read at the next
   such step (it has long finished by then), so no step waits for it; a run stops within
-  about 0.2 s of the signal. The loop then saves a checkpoint of that step and returns; the recipe prints one line and exits ``128 + signal`` (130 for SIGINT, 143
-  for SIGTERM).
+  about 0.2 s of the signal. The loop then saves a checkpoint of that step and returns;
+  the recipe prints one line and exits ``128 + signal`` (130 for SIGINT, 143 for SIGTERM).
 * In the process that starts a local world, ``relay_to_workers`` blocks those signals
   before the workers start (a blocked signal stays blocked across ``fork`` and ``exec``,
   so a worker still importing holds a Ctrl-C pending instead of dying with a traceback;
@@ -260,7 +260,8 @@ def relay_to_workers(names: tuple[str, ...] = STOP_SIGNALS) -> Iterator[Relay]:
     # Workers killed by a second signal leave multiprocessing semaphores that the resource
     # tracker (started below, with this process's warning options) unlinks at exit, with a
     # warning about them: the clean-up is done, the warning is noise after a one-line stop.
-    if _TRACKER_QUIET not in sys.warnoptions:
+    quieted = _TRACKER_QUIET not in sys.warnoptions
+    if quieted:
         sys.warnoptions.append(_TRACKER_QUIET)
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, numbers)
     done = threading.Event()
@@ -282,6 +283,8 @@ def relay_to_workers(names: tuple[str, ...] = STOP_SIGNALS) -> Iterator[Relay]:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         for number, handler in previous.items():
             signal.signal(number, handler)
+        if quieted:
+            sys.warnoptions.remove(_TRACKER_QUIET)
         if agent_signals is None:
             os.environ.pop(_AGENT_SIGNALS, None)
         else:
