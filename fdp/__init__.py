@@ -15,8 +15,9 @@ it in this list; ``tests/test_imports.py`` holds every import to that):
 * ``models`` / ``data``: the built-in models and Hugging Face ones from their configs (``hf_model``); datasets,
   batches (any pytree of tensors) and their split over ranks and micro-batches.
 * ``hooks``: gradient-reduction stages (allreduce, fp16, PowerSGD, top-k, int8) composed with ``hooks.chain``.
-* ``slurm`` / ``devices`` / ``launch``: a rank's place in a job; which device it computes on; starting
-  and joining a world of processes on torch's launchers.
+* ``slurm`` / ``devices`` / ``interrupt`` / ``launch``: a rank's place in a job; which device it computes on;
+  stopping every rank at one step on SIGINT, SIGTERM or SLURM's warning signal; starting and joining a world
+  of processes on torch's launchers.
 * ``losses`` / ``fit``: loss functions, reading model outputs, token means over the global batch; the first-batch check.
 * ``compiled`` / ``reduce``: the gradient computation (under ``torch.compile`` when asked) and the
   reduction that hands buckets back as their hook chains finish.
@@ -29,10 +30,12 @@ it in this list; ``tests/test_imports.py`` holds every import to that):
 * ``step``: the pure ``train_step(state, batch) -> (state, metrics)``.
 * ``outer``: local SGD and DiLoCo, an outer loop that syncs every few steps across slow links.
 * ``checkpoint``: atomic checkpoints of every rank (``save_checkpoint``, ``load_checkpoint``).
-* ``metrics`` / ``evaluate`` / ``rundir``: what a run writes, its test metrics, its directory's files.
+* ``metrics`` / ``evaluate`` / ``rundir``: what a run writes, its test metrics, its directory's files, its one
+  owner and its ``train.log``.
 * ``config`` / ``validate``: typed config schemas; a config refused before anything runs.
 * ``world`` / ``build`` / ``report`` / ``trainer``: a config's world on this machine, a run's pieces,
   what it reports, and the run loop.
+* ``cli``: the shell entry's one-line endings (Hydra's errors, refusals, interruptions, exit statuses).
 """
 from fdp import hooks, zero
 from fdp.buckets import allocate, pack, unpack
@@ -44,6 +47,7 @@ from fdp.errors import ConfigError
 from fdp.fit import check_first_batch
 from fdp.functional import FunctionalModel, functionalize
 from fdp.hooks import GradBucket, Hook, init_hook_states
+from fdp.interrupt import StopSignals, StoppedAtOnce
 from fdp.launch import WorldLayout, broadcast_from_rank0, check_same_plan, init_distributed, spawn
 from fdp.losses import TokenCrossEntropy, build_loss, cross_entropy_loss, logits_of, make_loss_fn, planner_loss
 from fdp.models import hf_model
@@ -66,12 +70,13 @@ from fdp.plan import Bucket, BucketPlan, ParamSlot, gradient_ready_order, plan_b
 from fdp.precision import LossScale, Precision
 from fdp.reduce import GradReducer, Reduction, resolve_schedule
 from fdp.replicas import BUFFER_SYNC, setup_state, sync_buffers
+from fdp.rundir import RunDirInUse, own_run_dir
 from fdp.state import TrainState, init_train_state, state_nbytes
 from fdp.step import StepOptions, TrainStep, make_train_step
 
 __all__ = [
     "BUFFER_SYNC", "CheckpointError", "ConfigError", "broadcast_from_rank0", "check_same_plan", "load_checkpoint",
-    "save_checkpoint", "setup_state", "sync_buffers",
+    "save_checkpoint", "setup_state", "sync_buffers", "RunDirInUse", "StopSignals", "StoppedAtOnce", "own_run_dir",
     "Bucket", "BucketPlan", "Comm", "FunctionalModel", "GradBucket", "GradReducer", "GradientTransformation",
     "Hook", "LossScale", "MapData", "OuterSpec", "OuterState", "ParamSlot", "Pending", "Placement", "Precision",
     "Reduction", "StepOptions", "StepSampler", "TrainState", "TrainStep", "WorldLayout", "adam", "adamw", "allocate",

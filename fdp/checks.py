@@ -1,7 +1,8 @@
 """What a Python caller hands the train step, checked once, with errors naming the argument.
 
 ``make_train_step`` calls ``check_step_arguments`` when it is built and
-``check_state_against_plan`` and ``check_hook_states`` on the first step's state. Each
+``check_state_against_plan``, ``check_hook_states`` and ``check_same_replicas`` on the
+first step's state. Each
 error is one line naming the argument (``accum_steps``, ``state.params['fc.weight']``,
 ``state.hook_state[2]``) and what was expected; a config layer may translate the names
 to its own keys. Everything here is a pure function of its arguments (and, for the
@@ -12,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from fdp._torch import tree_flatten
 from fdp.comm import Comm
@@ -21,7 +23,8 @@ from fdp.launch import refuse_world_of_one
 from fdp.optim import GradientTransformation
 from fdp.plan import BucketPlan
 
-__all__ = ["check_step_arguments", "check_accum_steps", "check_state_against_plan", "check_hook_states", "check_world"]
+__all__ = ["check_step_arguments", "check_accum_steps", "check_state_against_plan", "check_hook_states",
+           "check_same_replicas", "check_world", "fingerprint"]
 
 
 def _is(kind: type, value: Any) -> bool:
@@ -174,4 +177,63 @@ def check_hook_states(hook_state: Any, hook: Hook, plan: BucketPlan) -> None:
             raise TypeError(
                 f"state.hook_state[{bucket.index}] does not fit hook {stage_name(hook)} on bucket {bucket.index} "
                 f"(made for another hook or plan?): {_REMAKE}, with the hook given to make_train_step"
+            )
+
+
+_CHUNK = 1 << 20
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def fingerprint(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One int64 per tensor that changes with any bit of any element (and with the elements' order).
+
+    The bits of each element, read as an integer, weighted by a position-dependent odd
+    factor and summed with wrap-around: cheap (one pass), exact, and on the tensors' device.
+
+    >>> a = {"w": torch.tensor([1.0, 2.0])}
+    >>> bool((fingerprint(a) == fingerprint({"w": torch.tensor([1.0, 2.0])})).all())
+    True
+    >>> bool((fingerprint(a) == fingerprint({"w": torch.tensor([2.0, 1.0])})).all())
+    False
+    """
+    out = []
+    for t in tensors.values():
+        bits = t.detach().contiguous().view(-1)
+        bits = bits.view(_INT_OF_SIZE[bits.element_size()])
+        total = torch.zeros((), dtype=torch.int64, device=bits.device)
+        for start in range(0, bits.numel(), _CHUNK):  # in chunks: the int64 copies stay small
+            part = bits[start : start + _CHUNK].to(torch.int64)
+            weights = torch.arange(start, start + part.numel(), device=bits.device, dtype=torch.int64) * 2 + 1
+            total += (part * weights).sum()
+        out.append(total)
+    return torch.stack(out) if out else torch.zeros(0, dtype=torch.int64)
+
+
+def check_same_replicas(params: dict, buffers: dict, comm: Comm, fresh: bool) -> None:
+    """Refuse ranks whose params (and, for a ``fresh`` state, buffers) differ: they would train apart silently.
+
+    Every rank all-gathers one fingerprint per tensor (``fingerprint``) and compares it
+    with rank 0's; the error names the first tensor that differs. A resumed state's
+    buffers may differ by design (``sync_buffers="local"``), so only a fresh one's are compared.
+    """
+    if comm.world_size == 1:
+        return
+    tensors = {**{f"state.params[{n!r}]": p for n, p in params.items()},
+               **({f"state.buffers[{n!r}]": b for n, b in buffers.items()} if fresh else {})}
+    if not tensors:
+        return
+    mine = fingerprint(tensors)
+    if dist.get_backend(comm.group) == "gloo":
+        mine = mine.cpu()  # ranks sharing a GPU talk over gloo, which gathers host tensors
+    every = [torch.empty_like(mine) for _ in range(comm.world_size)]
+    dist.all_gather(every, mine, group=comm.group)
+    for rank, other in enumerate(every[1:], start=1):
+        differs = (other != every[0]).nonzero()
+        if len(differs):
+            name = list(tensors)[int(differs[0])]
+            dist.barrier(group=comm.group)  # every rank saw it: none tears its connections down under another
+            raise ValueError(
+                f"{name} differs between rank 0 and rank {rank}: the ranks start from different values and would "
+                "train apart; make the state with fdp.setup_state(params, buffers, optimizer, plan, hook, comm), "
+                "which gives every rank rank 0's params and buffers"
             )

@@ -32,8 +32,9 @@ import torch.distributed as dist
 
 from fdp._torch import default_store
 from fdp.comm import Comm
-from fdp.errors import ConfigError
 from fdp.devices import device_of_rank, resolve_backend, use_device
+from fdp.errors import ConfigError
+from fdp.interrupt import StoppedAtOnce, relay_to_workers
 from fdp.plan import BucketPlan
 from fdp.slurm import job_world
 
@@ -179,7 +180,15 @@ def spawn(entry: Callable[..., Any], args: tuple, layout: WorldLayout) -> dict[i
         start_method=layout.start_method,
     )
     try:
-        return elastic_launch(config, entry)(*args)
+        with relay_to_workers() as relay:  # SIGINT/SIGTERM: passed on to the workers; a second one kills them
+            if hasattr(config, "signals_to_handle"):  # torch >= 2.14 sets the agent's signals from its config
+                config.signals_to_handle = relay.agent_signals
+            try:
+                return elastic_launch(config, _worker)(entry, *args)
+            except ChildFailedError:
+                if relay.stopped_at_once:
+                    raise StoppedAtOnce(relay.stopped_at_once) from None
+                raise
     except ChildFailedError as error:
         rank, failure = error.get_first_failure()
         message = failure.message
@@ -190,6 +199,20 @@ def spawn(entry: Callable[..., Any], args: tuple, layout: WorldLayout) -> dict[i
         for name in _QUIETED:
             logging.getLogger(name).removeFilter(quiet)
         del store
+
+
+def _worker(entry: Callable[..., Any], *args: Any) -> Any:
+    """A worker of ``spawn``: it starts with SIGINT and SIGTERM blocked (``relay_to_workers``).
+
+    An entry that handles them itself (``handles_stop_signals``, as ``fdp.trainer.train_worker``)
+    unblocks them once its handlers are in; any other gets them back as they were.
+    """
+    if not getattr(entry, "handles_stop_signals", False):
+        # A forked worker also inherited the launcher's handlers: Python's own defaults instead.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT, signal.SIGTERM])
+    return entry(*args)
 
 
 def check_start_method(method: str) -> None:

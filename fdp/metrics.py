@@ -119,11 +119,15 @@ class StepTimes:
         self.rows: list[dict] = []
 
     def add(self, metrics: dict) -> None:
-        self.rows.append({k: metrics[k] for k in ("step_s", "compute_s", "comm_wait_s", "bytes_sent")})
+        self.rows.append({k: metrics.get(k, 0.0) for k in ("step_s", "compute_s", "comm_wait_s", "bytes_sent", "data_wait_s")})
 
     def median(self, key: str) -> float:
         rows = self.rows[self.warmup :] or self.rows
         return statistics.median(r[key] for r in rows) if rows else float("nan")
+
+    def mean(self, key: str) -> float:
+        """The mean over every step, the first ones too (where a start-up stall shows)."""
+        return statistics.fmean(r[key] for r in self.rows) if self.rows else float("nan")
 
 
 def progress(total: int, initial: int, enabled: bool):

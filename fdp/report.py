@@ -35,17 +35,18 @@ class Report:
         self.times, self.skipped, self.last_eval, self.record = StepTimes(), 0, {}, {}
         self.started = time.perf_counter()
 
-    def step(self, state: TrainState, metrics: dict) -> None:
-        """Count a step; on a logged one, write its record (and the evaluation when due)."""
+    def step(self, state: TrainState, metrics: dict, stopping: bool = False) -> None:
+        """Count a step; on a logged one (and the last, ``stopping`` early included), write its record
+        and the evaluation when due (not on a run stopping early: it should stop at once)."""
         tc, number = self.cfg.trainer, state.step
         self.times.add(metrics)
         self.skipped += metrics["skipped"]
         self.bar.update(1)
         done = number == self.last_step
-        if number % tc.log_every and not done:
+        if number % tc.log_every and not done and not stopping:
             return
         self.record = self._record(number, metrics)
-        if (tc.eval_every and number % tc.eval_every == 0 or done) and has_test_split(self.parts.data):
+        if (tc.eval_every and number % tc.eval_every == 0 or done and not stopping) and has_test_split(self.parts.data):
             # Every rank takes part (ZeRO stage 3 gathers the params); rank 0 evaluates.
             params = zero.whole_params(state, self.parts.plan, self.comm)
             if self.comm.rank == 0:
@@ -68,6 +69,7 @@ class Report:
             "step_ms": 1e3 * m["step_s"],
             "compute_ms": 1e3 * m["compute_s"],
             "comm_wait_ms": 1e3 * m["comm_wait_s"],
+            "data_wait_ms": 1e3 * m["data_wait_s"],
             "bytes_sent": m["bytes_sent"],
             "compression": self.parts.plan.nbytes / m["bytes_sent"] if m["bytes_sent"] else None,
             "skipped_steps": self.skipped,
@@ -82,8 +84,9 @@ class Report:
         return evaluate(parts.model, state.params, state.buffers, parts.data, tc.eval_batches, criterion=parts.criterion,
                         num_workers=self.cfg.data.get("num_workers", 0), precision=parts.precision)
 
-    def summary(self, state: TrainState, device: str) -> dict:
-        """The run in one record (the ``fdp: ...`` line rank 0 prints), also written to ``metrics.jsonl``."""
+    def summary(self, state: TrainState, device: str, interrupted: str | None = None) -> dict:
+        """The run in one record (the ``fdp: ...`` line rank 0 prints), also written to ``metrics.jsonl``;
+        ``interrupted``: the signal that stopped it early."""
         self.bar.close()
         times, gbs = self.times, self.cfg.data.global_batch_size
         rows = times.rows
@@ -99,6 +102,7 @@ class Report:
             "step_ms": 1e3 * times.median("step_s"),
             "compute_ms": 1e3 * times.median("compute_s"),
             "comm_wait_ms": 1e3 * times.median("comm_wait_s"),
+            "data_wait_ms": 1e3 * times.mean("data_wait_s"),  # every step's: a loader's start-up stall counts
             "bytes_per_step": int(sent),
             # Under an outer loop most steps send nothing: the mean is what a sync every H steps costs.
             "mean_bytes_per_step": int(sum(r["bytes_sent"] for r in rows) / len(rows)) if rows else 0,
@@ -107,6 +111,7 @@ class Report:
             "skipped_steps": self.skipped,
             "state_mib": self.record.get("state_mib"),
             "run_dir": str(self.run_dir.path),
+            **({"interrupted": interrupted} if interrupted else {}),
         }
         if self.log:
             self.log.write({"summary": True, **summary})

@@ -1,8 +1,10 @@
-"""A run's directory: where each of its files lives, named in one place.
+"""A run's directory: where each of its files lives, who owns it, and what the run logs there.
 
 ::
 
     <run dir>/
+      .lock                held by the run that owns the directory (flock), naming it
+      train.log            what the run printed: start-up, warnings, the summary, errors
       metrics.jsonl        one JSON object per logged step, and the summary (rank 0)
       checkpoints/         step_<N>.pt and last.pt (fdp.checkpoint)
       plan.txt, plan.json  the bucket plan, as a table and as JSON
@@ -13,17 +15,50 @@
 
 >>> RunDir("outputs/run").last_checkpoint.as_posix()
 'outputs/run/checkpoints/last.pt'
+
+One owner: ``own_run_dir(run_dir)`` is held for the whole of a run (the recipe, ``fdp.trainer.run``):
+
+* It takes an exclusive ``flock`` on ``<run dir>/.lock`` and writes ``pid=<pid> host=<host>``
+  into it. A second run that finds the lock held is refused in one line naming the
+  directory and the owner's pid and host. The kernel drops the lock when its holder
+  dies however it dies (also a SIGKILL), so a lock that can be taken is stale: the new
+  run takes it over and says whose it was. On a shared file system the lock is the file
+  system's (NFS forwards ``flock`` to the server), so it holds across hosts.
+* It notes what the directory holds when the run takes it. If the run is then refused
+  (``release(refused=True)``: a bad setting, a checkpoint that does not fit), every file
+  and folder the refused run created is removed again, and so is the directory if that
+  leaves it empty: a refusal leaves no run directory behind and adds nothing to a run
+  it refused to continue.
+
+Ownership is per process and re-entrant: a nested ``own_run_dir`` of a directory this
+process already owns is a no-op, so the recipe and ``fdp.trainer.run`` can both ask.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
+import logging
 import os
 import re
+import shutil
+import socket
+import sys
+import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
-from fdp.checkpoint import LAST
+from fdp.checkpoint import LAST, CheckpointError
+from fdp.errors import ConfigError
 
-__all__ = ["RunDir", "RankStatus"]
+__all__ = [
+    "LOCK", "TRAIN_LOG", "CHECKPOINTS", "RUN_LOGGER", "RunDir", "RankStatus", "RunDirInUse", "Ownership", "own_run_dir",
+    "owner_of", "run_log", "train_log_handler",
+]
+
+LOCK = ".lock"  # held (flock) by the run that owns the directory, and names it
+TRAIN_LOG = "train.log"  # what the run printed, through logging (Hydra's <job name>.log)
+CHECKPOINTS = "checkpoints"
 
 
 class RunDir(NamedTuple):
@@ -37,7 +72,7 @@ class RunDir(NamedTuple):
 
     @property
     def checkpoints(self) -> Path:
-        return Path(self.path) / "checkpoints"
+        return Path(self.path) / CHECKPOINTS
 
     @property
     def last_checkpoint(self) -> Path:
@@ -50,6 +85,10 @@ class RunDir(NamedTuple):
     @property
     def plan_json(self) -> Path:
         return Path(self.path) / "plan.json"
+
+    @property
+    def train_log(self) -> Path:
+        return Path(self.path) / TRAIN_LOG
 
     @property
     def tensorboard(self) -> Path:
@@ -101,3 +140,206 @@ class RankStatus:
 
     def close(self) -> None:
         os.close(self._fd)
+
+
+# -- one owner -------------------------------------------------------------------------------
+_held: dict[str, "Ownership"] = {}  # real path -> this process's ownership of it
+
+
+class RunDirInUse(ConfigError):
+    """Another live process owns the run directory; the message names it."""
+
+
+def owner_of(run_dir: str | Path) -> dict[str, str]:
+    """What ``<run dir>/.lock`` says of its owner (``{"pid": ..., "host": ...}``; empty if nothing).
+
+    Read it from a process that does not own the directory (reading needs no lock).
+
+    >>> import tempfile
+    >>> owner_of(tempfile.mkdtemp())
+    {}
+    """
+    try:
+        text = (Path(run_dir) / LOCK).read_text()
+    except OSError:
+        return {}
+    return dict(re.findall(r"(\w+)=(\S+)", text))
+
+
+def _paths(run_dir: Path) -> set[str]:
+    """Every file and folder under ``run_dir``, relative to it."""
+    return {str(p.relative_to(run_dir)) for p in run_dir.rglob("*")}
+
+
+class Ownership:
+    """This process's hold on a run directory; ``release`` gives it up."""
+
+    def __init__(self, run_dir: Path, fd: int | None, before: set[str], previous: dict[str, str]):
+        self.run_dir, self._fd, self._before = run_dir, fd, before
+        self.previous = previous  # the dead owner whose stale lock this run took over (empty: none)
+        self._depth = 1
+
+    def release(self, refused: bool = False) -> None:
+        """Give the directory up; ``refused=True`` first removes what this run created in it."""
+        self._depth -= 1
+        if self._depth or self._fd is None:
+            return
+        _held.pop(str(self.run_dir.resolve()), None)
+        try:
+            if refused:
+                self._roll_back()
+            with contextlib.suppress(OSError):
+                os.unlink(self.run_dir / LOCK)  # while still held: a waiting run then finds no stale lock
+        finally:
+            os.close(self._fd)
+            self._fd = None
+        if refused:
+            with contextlib.suppress(OSError):
+                self.run_dir.rmdir()  # only if empty: a refused fresh run leaves no directory
+
+    def _roll_back(self) -> None:
+        new = sorted(_paths(self.run_dir) - self._before - {LOCK}, key=lambda p: -p.count(os.sep))
+        if any(p.startswith(CHECKPOINTS + os.sep) and p.endswith(".pt") for p in new):
+            return  # it trained and saved: not a refusal to undo
+        for rel in new:
+            path = self.run_dir / rel
+            with contextlib.suppress(OSError):
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
+
+
+def _in_use(run_dir: Path, owner: dict[str, str]) -> RunDirInUse:
+    who = f"pid {owner.get('pid', '?')} on {owner.get('host', '?')}"
+    return RunDirInUse(
+        f"hydra.run.dir={run_dir}: in use by another run ({who}); expected a directory no live run is writing to "
+        "(wait for that run, stop it, or choose another hydra.run.dir)"
+    )
+
+
+def _lock(path: Path) -> int:
+    """An fd holding ``flock`` on ``path`` (the file at ``path`` when it returns); raises ``BlockingIOError`` if held."""
+    for _ in range(10):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)  # the owner unlinked it as we took it: lock the file that is there now
+    raise OSError(errno.EAGAIN, "the lock file kept changing", str(path))
+
+
+def _take(run_dir: Path) -> Ownership:
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        before = _paths(run_dir)
+        previous = owner_of(run_dir)
+        fd = _lock(run_dir / LOCK)
+    except BlockingIOError:
+        raise _in_use(run_dir, owner_of(run_dir)) from None
+    except OSError as error:
+        raise ConfigError(
+            f"hydra.run.dir={run_dir}: expected a directory this process can create and write ({error.strerror or error})"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid={os.getpid()} host={socket.gethostname()} since={time.strftime('%Y-%m-%dT%H:%M:%S')}\n".encode(), 0)
+    return Ownership(run_dir, fd, before, previous)
+
+
+def _stale_note(run_dir: Path, previous: dict[str, str]) -> str:
+    return (f"fdp: hydra.run.dir={run_dir} was locked by pid {previous.get('pid', '?')} on {previous.get('host', '?')}, "
+            "which is gone; this run takes it over")
+
+
+@contextlib.contextmanager
+def own_run_dir(run_dir: str | Path, say: Callable[[str], None] | None = None) -> Iterator[Ownership]:
+    """Hold ``run_dir`` for the ``with`` block; a refusal raised inside rolls back what it created.
+
+    Refusals are ``ConfigError`` (and so ``RunDirInUse``) and ``fdp.checkpoint.CheckpointError``;
+    ``say`` reports a stale lock taken over (default: a line on stderr).
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> with own_run_dir(d):
+    ...     owner_of(d)["pid"] == str(os.getpid())
+    True
+    >>> owner_of(d)
+    {}
+    """
+    run_dir = Path(run_dir)
+    key = str(run_dir.resolve())
+    if key in _held:
+        owned = _held[key]
+        owned._depth += 1
+    else:
+        owned = _held[key] = _take(run_dir)
+        if owned.previous:
+            (say or (lambda line: print(line, file=sys.stderr, flush=True)))(_stale_note(run_dir, owned.previous))
+    refused = False
+    try:
+        yield owned
+    except (ConfigError, CheckpointError):
+        refused = True
+        raise
+    except BaseException as error:  # a local world's workers refused: the same as refusing here
+        refused = getattr(error, "error_type", None) in ("ConfigError", "CheckpointError", "RunDirInUse")
+        raise
+    finally:
+        owned.release(refused=refused)
+
+
+# -- what the run prints, also in <run dir>/train.log ------------------------------------------
+RUN_LOGGER = "fdp.run"  # the run's own lines: start-up warnings, the summary, errors, interruptions
+
+
+class _Below(logging.Filter):
+    def __init__(self, level: int):
+        super().__init__()
+        self.level = level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < self.level
+
+
+def train_log_handler(run_dir: str | Path, prefix: str = "") -> logging.Handler:
+    """A handler appending to ``<run dir>/train.log``, which it creates at its first line."""
+    handler = logging.FileHandler(Path(run_dir) / TRAIN_LOG, delay=True)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s {prefix}%(message)s"))
+    return handler
+
+
+@contextlib.contextmanager
+def run_log(run_dir: str | Path | None) -> Iterator[logging.Logger]:
+    """The ``fdp.run`` logger for the ``with`` block: INFO to stdout, warnings and errors to stderr,
+    all of it to ``<run dir>/train.log`` as well (created at the first line: ``None`` for no file).
+
+    Outside such a block the logger has no handler of its own; warnings then reach stderr
+    through logging's last resort.
+    """
+    logger = logging.getLogger(RUN_LOGGER)
+    out, err = logging.StreamHandler(sys.stdout), logging.StreamHandler(sys.stderr)
+    out.addFilter(_Below(logging.WARNING))
+    err.setLevel(logging.WARNING)
+    handlers: list[logging.Handler] = [out, err]
+    if run_dir is not None:
+        handlers.append(train_log_handler(run_dir))
+    previous = (logger.handlers[:], logger.level, logger.propagate)
+    logger.handlers[:] = handlers
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    try:
+        yield logger
+    finally:
+        for handler in handlers:
+            handler.flush()
+            handler.close()
+        logger.handlers[:], level, logger.propagate = previous[0], previous[1], previous[2]
+        logger.setLevel(level)

@@ -181,7 +181,7 @@ def make_train_step(
         number = state.step + 1
         opts.timeline.start_step(number)
         if not checked_state:
-            update.check_state(state)
+            update.check_state(state)  # the params it steps, and that the ranks start from the same ones
             checks.check_hook_states(state.hook_state, hook, plan)
             checked_state = True
         state = state._replace(buffers=replicas.sync_buffers(state.buffers, comm, opts.sync_buffers))

@@ -7,11 +7,13 @@ and each one runs ``train_worker``: join the world, build the run's pieces
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -24,12 +26,14 @@ from fdp.comm import Comm
 from fdp.data import check_global_batch, train_batches
 from fdp.devices import batch_to_device, is_out_of_memory, limit_memory
 from fdp.errors import ConfigError
+from fdp.interrupt import StopSignals, stop_signal_names
 from fdp.launch import (
     Heartbeat,
     RankLostError,
     RankOutOfMemoryError,
     WorkerFailedError,
     init_distributed,
+    launch_rank,
     release_free_memory,
     spawn,
     tune_allocator,
@@ -39,7 +43,7 @@ from fdp.metrics import summary_line
 from fdp.outer import check_outer, make_outer_step
 from fdp.precision import set_matmul_precision
 from fdp.report import Report
-from fdp.rundir import RankStatus, RunDir
+from fdp.rundir import RankStatus, RunDir, own_run_dir, train_log_handler
 from fdp.state import TrainState
 from fdp.step import TrainStep, make_train_step
 from fdp.trace import NullTimeline, Timeline
@@ -121,7 +125,10 @@ def _setup_logging(run_dir: RunDir, rank: int) -> None:
     else:
         handler = logging.FileHandler(run_dir.rank_log(rank))
     handler.setFormatter(logging.Formatter(f"[rank{rank}] %(message)s"))
-    log.handlers[:] = [handler]
+    for old in log.handlers:
+        old.close()
+    # What rank 0 prints also goes to Hydra's <run dir>/train.log (fdp.rundir).
+    log.handlers[:] = [handler, train_log_handler(run_dir.path, f"[rank{rank}] ")] if rank == 0 else [handler]
     log.setLevel(logging.INFO)
     log.propagate = False
 
@@ -146,6 +153,9 @@ def train_worker(cfg: DictConfig, run_dir: str) -> dict:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+train_worker.handles_stop_signals = True  # fdp.launch.spawn: it installs fdp.interrupt's handlers itself
 
 
 def _out_of_memory_message(cfg: DictConfig, rank: int, step: int | None, error: BaseException) -> str:
@@ -180,30 +190,52 @@ def _train(cfg: DictConfig, run_dir: RunDir, comm: Comm, device: torch.device) -
                             cfg.data.get("num_workers", 0), pin_memory=on_gpu)
     status = RankStatus(run_dir, rank)
     heartbeat = Heartbeat(rank, world).start() if world > 1 else None
+    # fdp.interrupt: SIGINT/SIGTERM (and SLURM's requeue signal) stop every rank after the same step.
+    stop = StopSignals(stop_signal_names(cfg.world.launcher, cfg.world.requeue_signal),
+                       repeat_stops_at_once=cfg.world.launcher == "none").install().join(world)
+    interrupted = None
     try:
         while state.step < last_step:
             status.update(state.step + 1)
-            state, metrics = train_step(state, batch_to_device(next(batches), device))
-            report.step(state, metrics)
-            if tc.checkpoint_every and state.step % tc.checkpoint_every == 0 or state.step == last_step:
+            waited = time.perf_counter()  # the data wait: how long the step waited for its batch
+            batch = batch_to_device(next(batches), device)
+            waited = time.perf_counter() - waited
+            state, metrics = train_step(state, batch)
+            interrupted = stop.agreed()  # every rank, every step: flags are compared every ~0.1 s, no step waits
+            report.step(state, {**metrics, "data_wait_s": waited}, stopping=interrupted is not None)
+            if tc.checkpoint_every and state.step % tc.checkpoint_every == 0 or state.step == last_step or interrupted:
                 train_step.settle()  # no checkpoint of a step whose gradients were not finite
                 _save(run_dir, state, comm, cfg, parts)
+            if interrupted:
+                break
+        stop.close()
     except RuntimeError as error:
         lost = _lost_rank_error(error, heartbeat, rank, status.step) if world > 1 else None
         if lost is None:
             raise
         raise lost from error
     finally:
+        stop.close(finished=False)
         timeline.save(run_dir.trace(rank))
         if heartbeat is not None:
             heartbeat.stop()
         status.close()
-    return report.summary(state, device.type)
+    return report.summary(state, device.type, interrupted)
 
 
 # -- the run ----------------------------------------------------------------------------------
 def run(cfg: DictConfig, run_dir: str | Path) -> dict:
-    """Validate ``cfg`` and train it in ``run_dir`` on the world it names; return rank 0's summary."""
+    """Validate ``cfg`` and train it in ``run_dir`` on the world it names; return rank 0's summary.
+
+    The run owns ``run_dir`` while it lasts (``fdp.rundir.own_run_dir``; under torchrun and
+    SLURM rank 0 holds it).
+    """
+    owner = launch_rank(cfg.world.launcher) == 0
+    with own_run_dir(run_dir) if owner else contextlib.nullcontext():
+        return _run(cfg, run_dir)
+
+
+def _run(cfg: DictConfig, run_dir: str | Path) -> dict:
     cfg = resolve_world(cfg)
     validate(cfg, run_dir)
     Path(run_dir).mkdir(parents=True, exist_ok=True)

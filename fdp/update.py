@@ -34,7 +34,7 @@ from typing import Any, Protocol
 import torch
 
 from fdp.buckets import slot_views
-from fdp.checks import check_state_against_plan
+from fdp.checks import check_same_replicas, check_state_against_plan
 from fdp.comm import Comm
 from fdp.optim import GradientTransformation, apply_gradients, supports_inplace
 from fdp.plan import BucketPlan
@@ -75,7 +75,7 @@ class Update(Protocol):
         """The comm the hook chain reduces over."""
 
     def check_state(self, state: Any) -> None:
-        """Refuse, in one line, a state this update cannot step (checked on the first step)."""
+        """Refuse, in one line, a state this update cannot step, or one the ranks do not share (the first step)."""
 
     def begin(self, state: Any, grad_buffers: tuple[torch.Tensor, ...]) -> StepUpdate:
         """The update of one step from ``state``; ``grad_buffers`` are the reducer's bucket buffers."""
@@ -110,9 +110,10 @@ class ReplicatedUpdate:
     the optimizer steps once every bucket is in (global-norm clipping needs them all).
     """
 
-    def __init__(self, optimizer: GradientTransformation, plan: BucketPlan, timeline: Timeline | None = None,
-                 donate: bool = False, early: bool = False):
+    def __init__(self, optimizer: GradientTransformation, plan: BucketPlan, comm: Comm | None = None,
+                 timeline: Timeline | None = None, donate: bool = False, early: bool = False):
         self.optimizer, self.plan, self.donate, self.early = optimizer, plan, donate, early
+        self.comm = comm or Comm()
         self.timeline = timeline or NullTimeline()
         self._per_bucket: bool | None = None  # decided on the first step: params keep their device and dtype
 
@@ -121,6 +122,7 @@ class ReplicatedUpdate:
 
     def check_state(self, state: Any) -> None:
         check_state_against_plan(state, self.plan)
+        check_same_replicas(state.params, state.buffers, self.comm, fresh=state.step == 0)
 
     def begin(self, state: Any, grad_buffers: tuple[torch.Tensor, ...]) -> "_ReplicatedStep":
         if self._per_bucket is None:

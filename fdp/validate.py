@@ -28,6 +28,7 @@ from fdp.devices import BACKENDS
 from fdp.errors import ConfigError, require
 from fdp.hooks import build_hook
 from fdp.hooks.hierarchical import check_node_size
+from fdp.interrupt import check_requeue_signal
 from fdp.launch import ENV_LAUNCHERS, LAUNCHERS
 from fdp.metrics import check_tensorboard
 from fdp.optim import build_optimizer, check_resumed_schedule
@@ -127,6 +128,7 @@ def _validate_world(cfg: Any) -> None:
     _require(w.timeout_s > 0, "world.timeout_s", w.timeout_s, "seconds > 0")
     _require(w.max_restarts >= 0, "world.max_restarts", w.max_restarts, "an integer >= 0")
     _require(w.memory_per_rank_mb >= 0, "world.memory_per_rank_mb", w.memory_per_rank_mb, "MiB >= 0 (0: no limit)")
+    _as_config_key("world.requeue_signal", check_requeue_signal, w.requeue_signal)
     _require(d.global_batch_size >= 1, "data.global_batch_size", d.global_batch_size, "an integer >= 1")
     if w.launcher in ENV_LAUNCHERS:  # there the world size is known only to the launched processes
         return

@@ -6,14 +6,15 @@ worker's ``layout_of`` then reads the same answer into the ``WorldLayout`` it jo
 from __future__ import annotations
 
 import copy
+import logging
 import os
-import sys
 
 from omegaconf import DictConfig
 
 from fdp.devices import Placement, place, probe_gpus, visible_gpus
 from fdp.errors import ConfigError
 from fdp.launch import ENV_LAUNCHERS, WorldLayout, refuse_world_of_one
+from fdp.rundir import RUN_LOGGER
 from fdp.slurm import job_world
 
 __all__ = ["placement_of", "layout_of", "resolve_world"]
@@ -60,7 +61,7 @@ def resolve_world(cfg: DictConfig) -> DictConfig:
     # Under torchrun or SLURM each process is a rank; it checks its own GPU when it takes it.
     placement = placement_of(cfg, probe=None if under_launcher else probe_gpus)
     for index, reason in placement.unusable:
-        print(f"fdp: GPU {index} is busy or unusable and is left out: {reason}", file=sys.stderr, flush=True)
+        logging.getLogger(RUN_LOGGER).warning(f"fdp: GPU {index} is busy or unusable and is left out: {reason}")  # stderr, train.log
     resolved = copy.deepcopy(cfg)  # keeps the schema: the values below are type-checked
     resolved.world.accelerator = placement.accelerator
     resolved.world.backend = placement.backend

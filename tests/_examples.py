@@ -15,9 +15,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def example_command(package):
-    """The command of examples/README.md that trains ``package`` (as written, its lines joined), after PYTHONPATH= and the script."""
+    """The first command of examples/README.md that trains ``package`` (as written, its lines joined), after
+    PYTHONPATH= and the script."""
     text = (ROOT / "examples" / "README.md").read_text()
-    (block,) = [b for b in re.findall(r"```bash\n(.*?)\n```", text, re.S) if f"{package}.data.make" in b]
+    block = [b for b in re.findall(r"```bash\n(.*?)\n```", text, re.S) if f"{package}.data.make" in b][0]
     command = shlex.split(block.replace("\\\n", " "))
     assert command[0] == "PYTHONPATH=examples" and command[1:3] == ["python", "recipes/train.py"]
     return command[3:]

@@ -1,6 +1,8 @@
 """What a Python caller hands the train step: one-line errors naming the argument, before any harm."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -118,3 +120,49 @@ def test_a_launched_process_without_its_world_is_refused(monkeypatch):
         fdp.make_train_step(loss_fn, fdp.sgd(0.1), plan)
     monkeypatch.setenv("WORLD_SIZE", "1")
     check_world(None)  # torchrun with one process: a world of one is right
+
+
+# -- ranks that start from different values ------------------------------------------------------
+def _two_ranks_built_apart(rank, world):
+    """Each rank builds its model from its own seed, as ranks do that never share params; the
+    state from fdp.setup_state trains, the one from init_train_state on each rank is refused."""
+    torch.manual_seed(100 + rank)
+    model, params, buffers = fdp.functionalize(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)))
+    loss_fn = fdp.cross_entropy_loss(model)
+    batch = (torch.randn(8, 4), torch.randint(0, 3, (8,)))
+    plan = fdp.plan_buckets(fdp.planner_loss(loss_fn, buffers), params, batch)
+    comm = fdp.Comm()
+    step = fdp.make_train_step(loss_fn, fdp.sgd(0.1), plan, comm=comm)
+    trained, _ = step(fdp.setup_state(params, buffers, fdp.sgd(0.1), plan, comm=comm), batch)
+    apart = fdp.make_train_step(loss_fn, fdp.sgd(0.1), plan, comm=comm)  # its own first step, and checks
+    try:
+        apart(fdp.init_train_state(params, buffers, fdp.sgd(0.1), plan), batch)
+    except ValueError as error:
+        return {name: p.clone() for name, p in trained.params.items()}, str(error)
+    return None, "trained apart"
+
+
+def test_ranks_that_start_from_different_params_are_refused_at_the_first_step(run_ranks):
+    """DDP broadcasts rank 0's params when it is built; a state from init_train_state on each
+    rank has no such step, so the first step compares the ranks' fingerprints and names the
+    first tensor that differs (in the state's order), on every rank."""
+    (params0, error0), (params1, error1) = run_ranks(_two_ranks_built_apart, timeout_s=30.0)
+    assert error0 == error1
+    assert re.fullmatch(
+        r"state\.params\['0\.weight'\] differs between rank 0 and rank 1: the ranks start from different values "
+        r"and would train apart; make the state with fdp\.setup_state\(params, buffers, optimizer, plan, hook, comm\), "
+        r"which gives every rank rank 0's params and buffers", error0), error0
+    assert all(torch.equal(params0[name], params1[name]) for name in params0)  # setup_state: rank 0's everywhere
+
+
+def test_a_fingerprint_sees_one_bit_and_the_order_of_elements():
+    from fdp.checks import fingerprint
+
+    x = torch.randn(3000)
+    flipped = x.clone()
+    flipped.view(torch.int32)[2999] ^= 1  # the last bit of the last element
+    tensors = {"a": x, "b": torch.arange(6, dtype=torch.bfloat16), "c": torch.zeros(0)}
+    base = fingerprint(tensors)
+    assert base.shape == (3,) and base.dtype == torch.int64
+    assert (fingerprint({**tensors, "a": flipped}) != base).tolist() == [True, False, False]
+    assert (fingerprint({**tensors, "b": torch.arange(6, dtype=torch.bfloat16).flip(0)}) != base).tolist() == [False, True, False]

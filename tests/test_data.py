@@ -509,3 +509,34 @@ def test_fdp_collate_stacks_dict_items_of_equal_length():
     data = as_map_data("fixed", (items, None))
     batch = next(train_batches(data, 4, 0, 0, 1, 0, 1))
     assert batch["input_ids"].shape == (4, 3) and batch["labels"].dtype == torch.int64
+
+
+# -- loader workers in a rank of a local world ----------------------------------------------------
+MARK = {"value": 0}  # set at run time in the rank: a forked worker sees it, a spawned one re-imports 0
+
+
+class WhoLoads(torch.utils.data.Dataset):
+    """Items that say which process loaded them, and what it saw of the rank's ``MARK``."""
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return torch.tensor([os.getpid(), MARK["value"]]), 0
+
+
+def _loader_workers(rank, world):
+    MARK["value"] = 7
+    data = as_map_data("who", (WhoLoads(), WhoLoads()))
+    x, _ = next(train_batches(data, 16, 0, rank, world, 0, 1, num_workers=2))
+    evaluations = [{int(p) for x, _ in eval_batches(data, 8, max_batches=4, num_workers=2) for p in x[:, 0]} for _ in range(3)]
+    return x[:, 1].tolist(), evaluations
+
+
+def test_loader_workers_of_a_rank_are_forked_and_evaluation_keeps_its_workers(run_ranks):
+    """A rank started by spawn would give its DataLoader spawned workers (each re-imports torch:
+    seconds per loader); they are forked, and every evaluation reuses the one test loader's workers."""
+    for marks, evaluations in run_ranks(_loader_workers):
+        assert set(marks) == {7}  # forked: the workers saw the rank's own state
+        assert len(evaluations[0]) == 2 and evaluations[0] == evaluations[1] == evaluations[2]
+        assert os.getpid() not in evaluations[0]

@@ -1,10 +1,13 @@
-"""The Python examples in README.md run exactly as written."""
+"""The Python examples in README.md run exactly as written, and so does every shell command of
+README.md and examples/README.md that is not marked an illustration."""
 from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from _paths import pythonpath_first
@@ -42,3 +45,77 @@ def test_the_two_process_example_trains_checkpoints_and_resumes_to_the_same_para
     assert lines[-1] == "6 steps straight and 3 + 3 resumed: the same parameters on both ranks"
     assert [line.split(":")[0] for line in lines[:-1]] == ["step 3", "step 6", "step 6"]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["last.pt", "step_00000003.pt", "step_00000006.pt"]
+
+
+# -- every shell command of the READMEs ---------------------------------------------------------
+ILLUSTRATION = re.compile(r"<!-- illustration: (.+?) -->\n```bash\n", re.S)
+MAX_STEPS = 40  # the main README's runs, capped (a later override wins); examples/README.md's run as written
+
+
+def _shell_blocks(path: Path) -> list[tuple[str | None, str]]:
+    """Each ```bash block of ``path``: (why it is an illustration, or None; its text)."""
+    text = path.read_text()
+    blocks = []
+    for match in re.finditer(r"```bash\n(.*?)```", text, re.S):
+        marker = re.search(r"<!-- illustration: (.+?) -->\n$", text[: match.start()])
+        blocks.append((marker.group(1) if marker else None, match.group(1)))
+    return blocks
+
+
+def _commands(block: str) -> list[str]:
+    joined = re.sub(r"\\\n\s*", " ", block)
+    return [line.split("  #")[0].strip() for line in joined.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def _runnable(command: str, tmp: Path, dirs: dict, cap: bool) -> tuple[list[str], dict]:
+    """``command`` as argv and environment, its run directory (or sweep) moved under ``tmp``."""
+    words = shlex.split(command)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath_first(ROOT)}
+    while "=" in words[0]:
+        name, _, value = words.pop(0).partition("=")
+        env[name] = pythonpath_first(ROOT / value, ROOT) if name == "PYTHONPATH" else value
+    assert words[0] == "python", command
+    argv = [sys.executable, *words[1:]]
+    for i, word in enumerate(argv):
+        if word.startswith("hydra.run.dir="):
+            argv[i] = "hydra.run.dir=" + str(dirs.setdefault(word, tmp / f"run{len(dirs)}"))
+    if not any(w.startswith("hydra.run.dir=") for w in argv):
+        argv.append(f"hydra.run.dir={tmp / f'run{len(dirs)}'}")
+        dirs[f"unnamed{len(dirs)}"] = None
+    if "-m" in argv:
+        argv.append(f"hydra.sweep.dir={tmp / f'sweep{len(dirs)}'}")
+    steps = [int(w.split("=")[1]) for w in argv if w.startswith("trainer.max_steps=")]
+    if cap and argv[1].endswith("train.py") and (not steps or steps[-1] > MAX_STEPS):
+        argv.append(f"trainer.max_steps={MAX_STEPS}")
+    return [*argv, "trainer.progress=false"] if argv[1].endswith("train.py") else argv, env
+
+
+def _run_chain(chain: list) -> list[str]:
+    failures = []
+    for argv, env, command in chain:
+        done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            failures.append(f"{command}\n  -> exit {done.returncode}: {done.stderr.strip().splitlines()[-1:]}")
+    return failures
+
+
+def test_every_shell_command_in_the_readmes_runs_or_is_marked_an_illustration(tmp_path):
+    """Each command of a ```bash block runs from the repository root and exits 0; a block it
+    cannot run here (GPUs, clusters, installs) says so in an HTML comment before it. The main
+    README's runs are capped at MAX_STEPS steps. Commands that share a run directory (a run
+    stopped, then resumed) run in order; the others two at a time."""
+    chains: dict[str, list] = {}
+    for path, cap in ((ROOT / "README.md", True), (ROOT / "examples" / "README.md", False)):
+        for n, (why, block) in enumerate(_shell_blocks(path)):
+            if why is not None:
+                assert why.strip(), f"{path.name}: an illustration says why"
+                continue
+            tmp, dirs = tmp_path / f"{path.parent.name}{n}", {}
+            tmp.mkdir()
+            for command in _commands(block):
+                argv, env = _runnable(command, tmp, dirs, cap)
+                chains.setdefault(next(w for w in argv if w.startswith("hydra.run.dir=")), []).append((argv, env, command))
+    assert sum(map(len, chains.values())) >= 10
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        failures = [f for found in pool.map(_run_chain, chains.values()) for f in found]
+    assert not failures, "\n".join(failures)

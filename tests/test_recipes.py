@@ -48,8 +48,13 @@ def test_default_recipe_trains_from_the_shell(tmp_path):
     assert len(summary) == 1 and "test_acc=" in summary[0]
     records = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["summary"] and records[-1]["test_acc"] > 0.8
-    assert {"step", "loss", "lr", "samples_per_s"} <= set(records[0])
+    assert {"step", "loss", "lr", "samples_per_s", "data_wait_ms"} <= set(records[0])
+    assert records[-1]["data_wait_ms"] >= 0  # the summary's: how long the steps waited for their batches
     assert (tmp_path / "checkpoints" / "last.pt").exists()
+    # What the run printed is in Hydra's train.log too: the start-up line and the summary.
+    log = (tmp_path / "train.log").read_text()
+    startup = [l for l in proc.stdout.splitlines() if l.startswith("[rank0] mlp: ")]
+    assert len(startup) == 1 and startup[0] in log and summary[0] in log
 
 
 def test_plan_recipe_prints_a_table_and_fingerprint(tmp_path):

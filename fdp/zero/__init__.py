@@ -108,7 +108,7 @@ def make_update(
     """
     check_zero_stage(stage)
     if stage == 0:
-        return ReplicatedUpdate(optimizer, plan, timeline, donate, early)
+        return ReplicatedUpdate(optimizer, plan, comm, timeline, donate, early)
     if stage == 3:
         return ParamShardedUpdate(optimizer, plan, comm, model, reshard_after_forward, timeline, donate, early)
     return ShardedUpdate(optimizer, plan, comm, stage, timeline, donate, early)

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from fdp.checks import check_same_replicas
 from fdp.comm import Comm
 from fdp.errors import require
 from fdp.functional import FunctionalModel
@@ -56,6 +57,7 @@ class ParamShardedUpdate:
                 "zero_stage=3: state.params are not this rank's slices by bucket; build the state with "
                 "fdp.zero.init_state(..., stage=3) or fdp.zero.shard_state(..., stage=3)"
             )
+        check_same_replicas({}, state.buffers, self.comm, fresh=state.step == 0)  # the params are slices: each its own
 
     def begin(self, state: Any, grad_buffers: tuple[torch.Tensor, ...]) -> "_ParamShardedStep":
         self.gather.start(state.params)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from fdp.checks import check_same_replicas, check_state_against_plan
 from fdp.comm import Comm, Pending
 from fdp.optim import GradientTransformation, apply_gradients
 from fdp.plan import BucketPlan
@@ -44,9 +45,8 @@ class ShardedUpdate:
         return ScatterComm(comm, self.plan) if self.stage == 2 else comm
 
     def check_state(self, state: Any) -> None:
-        from fdp.checks import check_state_against_plan
-
         check_state_against_plan(state, self.plan)
+        check_same_replicas(state.params, state.buffers, self.comm, fresh=state.step == 0)
         if not is_sharded(state.opt_state, self.plan):
             raise ValueError(
                 f"zero_stage={self.stage}: the optimizer state is not sharded; "

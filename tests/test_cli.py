@@ -1,0 +1,88 @@
+"""Mistakes Hydra catches, through the real shell entry: one ``error:`` line naming the key
+and what was expected (the closest valid name for a misspelling), exit status 2, and no
+run directory left behind (fdp.cli, fdp.rundir)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fdp.cli import hydra_error_line
+from fdp.config import compose
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["trainer.max_steps=2", "trainer.progress=false"]
+
+# (overrides, the one line on stderr). Each runs from its own empty directory, with Hydra's
+# default run directory (outputs/<date>/<time>/) unless the case names one.
+CASES = [
+    (["hooks=powersdg"], r"error: hooks=powersdg: expected one of allreduce, batched_powersgd, bf16, fp16, fp16_powersgd, "
+                         r"int8, noop, powersgd, topk \(did you mean hooks=powersgd\?\)"),
+    (["trainer.max_stpes=5"], r"error: trainer\.max_stpes=5: unknown key; expected a key of trainer \(did you mean "
+                              r"trainer\.max_steps\? a key of your own is added as \+trainer\.max_stpes=5\)"),
+    (["optim.lr=abc"], r"error: optim\.lr=abc: expected a number"),
+    (["trainer.resume=/some/file.pt"], r"error: trainer\.resume=/some/file\.pt: expected true or false \(to continue a run, "
+                                       r"set hydra\.run\.dir to its directory and trainer\.resume=true\)"),
+    (["hooks=powersgd", "hooks.rank=four"], r"error: hooks\.rank=four: expected an integer"),
+    (["+trainer.max_steps=3"], r"error: \+trainer\.max_steps=3: expected a new key, but trainer\.max_steps exists "
+                               r"\(set it without the \+: trainer\.max_steps=3\)"),
+    (["trainer.max_steps=[1"], r"error: trainer\.max_steps=\[1: expected key=value in Hydra's override grammar \(.*\)"),
+    (["hydra.run.dir=/proc/x"], r"error: hydra\.run\.dir=/proc/x: expected a directory this process can create and write \(.*\)"),
+    # Refused by fdp once the run is built: the run directory Hydra made is removed again.
+    (["model=custom", "model._target_=torch.nn.Identity"],
+     r"error: model\._target_='torch\.nn\.Identity': built a module without parameters \(Identity\); "
+     r"expected a model with parameters to train"),
+    (["model.hidden=0"], r"error: model\.hidden=0: expected an integer >= 1"),
+]
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory):
+    """Every case at once (each is mostly start-up), each from a directory of its own."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    runs = []
+    for overrides, _ in CASES:
+        cwd = tmp_path_factory.mktemp("cwd")
+        command = [sys.executable, str(ROOT / "recipes" / "train.py"), *overrides, *TINY]
+        runs.append((cwd, subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
+    return [(cwd, proc, *proc.communicate(timeout=300)) for cwd, proc in runs]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[" ".join(o) for o, _ in CASES])
+def test_a_mistake_is_one_error_line_with_exit_status_2_and_no_run_directory(refused, case):
+    overrides, expected = CASES[case]
+    cwd, proc, stdout, stderr = refused[case]
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, stderr[-3000:]
+    assert len(lines) == 1 and re.fullmatch(expected, lines[0]), lines
+    assert "_schema" not in stderr and "HYDRA_FULL_ERROR" not in stderr
+    assert not stdout.strip()
+    assert not list(cwd.glob("outputs/*/*")), sorted(map(str, cwd.rglob("*")))
+
+
+def test_hydra_full_error_still_gives_hydras_own_report(tmp_path):
+    """Hydra's documented switch: with HYDRA_FULL_ERROR=1 the user gets the full trace."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "train.py"), "trainer.max_stpes=5"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" in proc.stderr and "ConfigCompositionException" in proc.stderr
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["model.hiden=3"], "model.hiden=3: unknown key; expected a key of model (did you mean model.hidden? "
+                        "a key of your own is added as +model.hiden=3)"),
+    (["foo=1"], "foo=1: unknown key; expected a key of the config (model, data, loss, optim, hooks, outer, world, trainer, "
+                "seed; a key of your own is added as +foo=1)"),
+    (["trainer=fast"], "trainer=fast: expected one of default"),
+    (["trainer.progress=maybe"], "trainer.progress=maybe: expected true or false"),
+    (["optim.clip_norm=x"], "optim.clip_norm=x: expected a number or null"),
+])
+def test_hydra_errors_translate_in_process(overrides, expected):
+    with pytest.raises(Exception) as caught:
+        compose(*overrides)
+    assert hydra_error_line(caught.value, overrides) == expected

@@ -1,0 +1,93 @@
+"""A run directory has one owner (fdp.rundir): a second run is refused naming the first,
+a dead run's lock is taken over saying so, and a refused run adds nothing to a directory."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fdp.config import ConfigError
+from fdp.rundir import LOCK, RunDirInUse, own_run_dir, owner_of
+from fdp.rundir import RankStatus
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["model.hidden=16", "data.global_batch_size=16", "trainer.eval_every=0", "trainer.progress=false"]
+
+
+def recipe(run_dir, *overrides, wait=True):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "recipes" / "train.py"), *TINY, *overrides, f"hydra.run.dir={run_dir}"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if wait:
+        proc.out, proc.err = proc.communicate(timeout=180)
+    return proc
+
+
+def lines(text):
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def listing(run_dir):
+    """Every path under ``run_dir``, with each file's modification time."""
+    return {str(p.relative_to(run_dir)): p.stat().st_mtime_ns if p.is_file() else None for p in sorted(Path(run_dir).rglob("*"))}
+
+
+def test_one_owner_per_run_directory_and_a_dead_owners_lock_is_taken_over(tmp_path):
+    first = recipe(tmp_path, "trainer.max_steps=1000000", "trainer.checkpoint_every=5", wait=False)
+    deadline = time.monotonic() + 120
+    while RankStatus.read(tmp_path, 0).get("step", 0) < 12:
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()[1][-3000:]
+        time.sleep(0.05)
+    host = socket.gethostname()
+    assert owner_of(tmp_path) | {"since": "-"} == {"pid": str(first.pid), "host": host, "since": "-"}
+
+    # A second run into the same directory, while the first is alive: refused, naming it.
+    second = recipe(tmp_path, "trainer.max_steps=5")
+    assert second.returncode == 2, second.err[-3000:]
+    assert lines(second.err) == [
+        f"error: hydra.run.dir={tmp_path}: in use by another run (pid {first.pid} on {host}); expected a directory no "
+        "live run is writing to (wait for that run, stop it, or choose another hydra.run.dir)"]
+    assert not (tmp_path / ".hydra" / "resume-1").exists()  # it wrote nothing there
+
+    # The first dies without a word (SIGKILL): its lock file stays, but the kernel freed the lock.
+    first.kill()
+    first.communicate()
+    assert owner_of(tmp_path)["pid"] == str(first.pid)
+    last = int(max(p.name for p in (tmp_path / "checkpoints").glob("step_*.pt"))[5:13])
+    third = recipe(tmp_path, "trainer.resume=true", f"trainer.max_steps={last + 3}")
+    assert third.returncode == 0, third.err[-3000:]
+    note = f"fdp: hydra.run.dir={tmp_path} was locked by pid {first.pid} on {host}, which is gone; this run takes it over"
+    assert lines(third.err) == [note]
+    assert note in (tmp_path / "train.log").read_text()
+    assert f"steps={last + 3} " in third.out and not (tmp_path / LOCK).exists()
+
+    # A resume refused once the checkpoint is read leaves the run exactly as it was.
+    before = listing(tmp_path)
+    fourth = recipe(tmp_path, "trainer.resume=true", "model.hidden=32", f"trainer.max_steps={last + 6}")
+    assert fourth.returncode == 2 and "another bucket plan" in fourth.err, fourth.err[-3000:]
+    assert listing(tmp_path) == before
+
+
+def test_ownership_in_one_process_is_reentrant_and_a_refusal_rolls_back(tmp_path):
+    run_dir = tmp_path / "run"
+    with own_run_dir(run_dir) as outer:
+        with own_run_dir(run_dir) as inner:  # the recipe and fdp.trainer.run both ask
+            assert inner is outer
+        assert (run_dir / LOCK).exists()  # still held by the outer block
+        other = subprocess.run([sys.executable, "-c", f"from fdp.rundir import own_run_dir\nwith own_run_dir({str(run_dir)!r}): pass"],
+                               capture_output=True, text=True, timeout=120, env={**os.environ})
+        assert "RunDirInUse" in other.stderr and f"pid {os.getpid()} on" in other.stderr
+    assert not run_dir.joinpath(LOCK).exists()
+    with pytest.raises(ConfigError):
+        with own_run_dir(run_dir):
+            (run_dir / "plan.txt").write_text("made by a run that is then refused")
+            (run_dir / "ranks").mkdir()
+            raise ConfigError("refused")
+    assert not run_dir.exists()  # it was empty before: nothing is left
+    assert issubclass(RunDirInUse, ConfigError)
