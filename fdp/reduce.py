@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import time
+import weakref
 from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
@@ -233,8 +234,14 @@ class GradReducer:
         self._table = _slot_table(plan, self.flats)
         self._plain_grad = grad_and_value(self.loss_fn, has_aux=True)
         self._hooked_grad = grad_and_value(self._traced_loss, argnums=0, has_aux=True)
+        # Params laid out one flat buffer per bucket cross the transform as those buffers.
+        self._flat_grad = grad_and_value(self._flat_loss, has_aux=True)
+        self._hooked_flat_grad = grad_and_value(self._traced_flat_loss, argnums=0, has_aux=True)
         if compile:
             self._plain_grad = compile_grad(self._plain_grad)
+            self._flat_grad = compile_grad(self._flat_grad)
+        self._seen_flat: tuple[tuple[str, ...], list[weakref.ref]] = ((), [])  # the params last found laid out
+        self._keys: tuple[str, ...] = ()  # the params' names in the caller's order
         self._reduction: Reduction | None = None
         self._remaining: list[int] = []
         self._scale = 1.0
@@ -250,10 +257,14 @@ class GradReducer:
         reduction = Reduction(self.hook, self.comm, hook_states, self.plan, self.timeline)
         scale = 1.0 / len(micro_batches)
         losses = []
+        flats = self.flat_params(params)
         for i, batch in enumerate(micro_batches):
             start_us = self.timeline.now_us()
             if i == len(micro_batches) - 1 and self.schedule == "overlap":
-                loss, aux = self._overlapped(params, buffers, batch, reduction, scale, accumulate=i > 0)
+                loss, aux = self._overlapped(params, flats, buffers, batch, reduction, scale, accumulate=i > 0)
+            elif flats is not None:
+                grads, (loss, aux) = self._flat_grad(flats, buffers, batch)
+                self._store_flat(grads, scale, accumulate=i > 0)
             else:
                 grads, (loss, aux) = self._plain_grad(params, buffers, batch)
                 self._store(grads, scale, accumulate=i > 0)
@@ -263,6 +274,26 @@ class GradReducer:
         while reduction.started < len(self.plan.buckets):
             reduction.start(self.flats[reduction.started])
         return Backward(reduction, losses, buffers)
+
+    def flat_params(self, params) -> tuple[torch.Tensor, ...] | None:
+        """The flat buffers ``params`` are views of (see ``fdp.buckets.lay_out``), or ``None``.
+
+        The full check looks at every tensor's storage; a step's params are usually the
+        very tensors of the step before (updated in place), which a look at their
+        identities confirms.
+        """
+        keys, refs = self._seen_flat
+        values = params.values()
+        if len(refs) != len(values) or any(ref() is not value for ref, value in zip(refs, values)) or tuple(params) != keys:
+            if bucket_buffers.flat_buffers(self.plan, params) is None:
+                return None
+            self._seen_flat = (tuple(params), [weakref.ref(value) for value in values])
+        self._keys = self._seen_flat[0]
+        return bucket_buffers.flat_buffers(self.plan, params, checked=True)
+
+    def laid_out(self, params) -> dict:
+        """``params`` themselves if they are laid out one flat buffer per bucket, else a copy that is."""
+        return params if self.flat_params(params) is not None else bucket_buffers.lay_out(self.plan, params)
 
     def _marking_forward_end(self, loss_fn: LossFn) -> LossFn:
         def marked(*args):
@@ -283,14 +314,33 @@ class GradReducer:
             if scale != 1.0:
                 foreach.mul_(views, scale)
 
+    def _store_flat(self, grads: tuple, scale: float, accumulate: bool) -> None:
+        flats = list(self.flats)
+        if accumulate:
+            foreach.add_(flats, list(grads), alpha=scale)
+        else:
+            foreach.copy_(flats, list(grads))
+            if scale != 1.0:
+                foreach.mul_(flats, scale)
+
+    def _flat_loss(self, flats, buffers, batch):
+        views: dict[str, torch.Tensor] = {}
+        for bucket, flat in zip(self.plan.buckets, flats):
+            views.update(zip(bucket._layout[0], bucket_buffers.views_in(bucket, flat)))
+        # In the caller's order: a loss that walks the params (a penalty) sums as it would.
+        return self.loss_fn({name: views[name] for name in self._keys}, buffers, batch)
+
     # -- overlap: the buckets fill and launch from inside backward ---------------------
 
-    def _overlapped(self, params, buffers, batch, reduction: Reduction, scale: float, accumulate: bool):
+    def _overlapped(self, params, flats, buffers, batch, reduction: Reduction, scale: float, accumulate: bool):
         self._reduction, self._scale, self._accumulate = reduction, scale, accumulate
-        self._remaining = list(self._table.sizes)
+        self._remaining = list(self._table.sizes) if flats is None else [1] * len(self.flats)
         self._handles = []
         try:
-            _, (loss, aux) = self._hooked_grad(params, self.flats, buffers, batch)
+            if flats is None:
+                _, (loss, aux) = self._hooked_grad(params, self.flats, buffers, batch)
+            else:
+                _, (loss, aux) = self._hooked_flat_grad(flats, self.flats, buffers, batch)
         finally:
             # The hooks hold this reducer and the wrapped bucket buffers; drop them from the
             # (already dead) wrapped parameters so nothing of this step outlives it.
@@ -322,6 +372,31 @@ class GradReducer:
             self._handles.append(p.register_hook(self._make_tensor_hook(name, flats_arg, tuple(p.shape))))
         return self.loss_fn(params, buffers, batch)
 
+    def _traced_flat_loss(self, flats, flats_arg, buffers, batch):
+        for index, flat in enumerate(flats):
+            self._handles.append(flat.register_hook(self._make_bucket_hook(index, flats_arg)))
+        return self._flat_loss(flats, buffers, batch)
+
+    def _make_bucket_hook(self, index: int, flats_arg):
+        def on_grad_ready(grad):
+            # The whole bucket's gradient at once (the backward of views_in's split);
+            # written without autograd for the reason _make_tensor_hook gives.
+            with torch.no_grad():
+                _write(flats_arg[index], grad, self._scale, self._accumulate)
+            self._remaining[index] = 0
+            self._start_filled()
+            return None
+
+        return on_grad_ready
+
+    def _start_filled(self) -> None:
+        reduction = self._reduction
+        # Hook chains run outside the transform: tensors they create (and keep in
+        # their state) must be plain tensors, not this grad level's wrappers.
+        with disable_functorch(), torch.no_grad():
+            while reduction.started < len(self._remaining) and self._remaining[reduction.started] == 0:
+                reduction.start(self.flats[reduction.started])
+
     def _make_tensor_hook(self, name: str, flats_arg, shape: tuple[int, ...]):
         bucket = self._table.bucket[name]
         view_of = self._table.views[name]
@@ -338,22 +413,21 @@ class GradReducer:
             # the growth slowed the step down. The bucket is never differentiated, so the
             # copy runs without autograd.
             with torch.no_grad():
-                target = flats_arg[bucket][start:stop].view(shape)
-                if self._accumulate:
-                    target.add_(grad, alpha=self._scale)
-                elif self._scale != 1.0:
-                    torch.mul(grad, self._scale, out=target)
-                else:
-                    target.copy_(grad)
+                _write(flats_arg[bucket][start:stop].view(shape), grad, self._scale, self._accumulate)
             self._remaining[bucket] -= 1
-            reduction = self._reduction
-            # Hook chains run outside the transform: tensors they create (and keep in
-            # their state) must be plain tensors, not this grad level's wrappers.
-            with disable_functorch(), torch.no_grad():
-                while reduction.started < len(self._remaining) and self._remaining[reduction.started] == 0:
-                    reduction.start(self.flats[reduction.started])
+            self._start_filled()
             # Returning None keeps autograd's own gradient (returning it again also kept
             # a gradient set alive, through the same cycle).
             return None
 
         return on_grad_ready
+
+
+def _write(target: torch.Tensor, grad: torch.Tensor, scale: float, accumulate: bool) -> None:
+    """``target`` = ``scale * grad``, or ``+=`` it when accumulating micro-batches."""
+    if accumulate:
+        target.add_(grad, alpha=scale)
+    elif scale != 1.0:
+        torch.mul(grad, scale, out=target)
+    else:
+        target.copy_(grad)

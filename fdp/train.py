@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from fdp import checks, replicas
-from fdp.buckets import slot_views
+from fdp.buckets import lay_out, slot_views
 from fdp.comm import Comm
 from fdp.data import split_micro_batches
 from fdp.devices import device_of, rng_scope, seeded_cuda_rng
@@ -128,12 +128,17 @@ def init_train_state(
     """The state before step 1 (pass ``plan``, and ``hook`` unless it is ``allreduce()``, for a
     state that ``make_train_step`` can step; ``fdp.setup_state`` does this across ranks).
 
+    With ``plan``, the state's params are copies laid out one flat buffer per bucket
+    (``fdp.buckets.lay_out``): the step then hands ``torch.func`` one tensor per bucket.
+
     >>> from fdp import functionalize, sgd
     >>> model, params, buffers = functionalize(torch.nn.Linear(2, 2))
     >>> init_train_state(params, buffers, sgd(0.1)).step
     0
     """
     hook_state = init_hook_states(hook or allreduce(), plan) if plan is not None else ()
+    if plan is not None:  # one flat buffer per bucket: fewer tensors to cross torch.func each step
+        params = lay_out(plan, params)
     rng = torch.Generator().manual_seed(seed).get_state()
     cuda_rng = seeded_cuda_rng(seed, device_of(params))
     loss_scale = precision.init_loss_scale(device_of(params)) if precision is not None else None
@@ -252,6 +257,8 @@ def make_train_step(
         if per_bucket is None:
             checks.check_state_against_plan(state, plan)
             checks.check_hook_states(state.hook_state, reducer.hook, plan)
+            if donate and sharded is None:  # params as one flat buffer per bucket: fewer tensors to cross torch.func
+                state = state._replace(params=reducer.laid_out(state.params))
             # A loss-scaled step may still be skipped once every bucket is in: no early updates.
             per_bucket = (donate and nonfinite == "raise" and state.loss_scale is None and optimizer.elementwise
                           and supports_inplace(optimizer, state.params))
