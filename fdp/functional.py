@@ -8,11 +8,11 @@ the gradient tree.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.func import functional_call
+from torch.func import functional_call, vjp
 
 from fdp._torch import release_storage, swap_back, swap_into, tensor_slots
 
@@ -77,6 +77,35 @@ class FunctionalModel:
             return self.module(*inputs)
         finally:
             swap_back(taken)
+
+
+def grad_and_value(fn: Callable) -> Callable:
+    """``torch.func.grad_and_value(fn, has_aux=True)``, computed through ``torch.func.vjp``.
+
+    ``run(primal, *rest) -> (grads, (value, aux))`` differentiates ``fn(primal, *rest)
+    -> (value, aux)`` with respect to ``primal`` (a tensor or a tree of them) alone; the
+    other arguments enter as they are. The numbers are ``grad_and_value``'s, bit for
+    bit. The host time is not: ``grad_and_value`` runs the backward inside its
+    transform, where every backward op passes through the transform's wrappers and
+    records a graph of its own (``create_graph=True``, for transforms stacked on top).
+    The function ``vjp`` returns runs the backward once the transform is left, on plain
+    tensors and without that graph: on a 100-tensor transformer of tiny widths (so the
+    time is the host's) a step's gradient took ~0.8 ms less, about what the backward
+    costs in eager PyTorch.
+
+    >>> w = torch.tensor([1.0, 2.0])
+    >>> grads, (value, aux) = grad_and_value(lambda w, x: ((w * x).sum(), "aux"))(w, torch.tensor([3.0, 4.0]))
+    >>> grads.tolist(), value.item(), aux
+    ([3.0, 4.0], 11.0, 'aux')
+    """
+
+    def run(primal: Any, *rest: Any) -> tuple[Any, tuple[torch.Tensor, Any]]:
+        value, backward, aux = vjp(lambda p: fn(p, *rest), primal, has_aux=True)
+        with torch.no_grad():
+            (grads,) = backward(torch.ones_like(value), retain_graph=False)
+        return grads, (value, aux)
+
+    return run
 
 
 def functionalize(module: nn.Module, keep_module_weights: bool = True) -> tuple[FunctionalModel, Params, Buffers]:

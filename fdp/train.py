@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from fdp import checks, replicas
-from fdp.buckets import lay_out, slot_views
+from fdp.buckets import lay_out
 from fdp.comm import Comm
 from fdp.data import split_micro_batches
 from fdp.devices import device_of, rng_scope, seeded_cuda_rng
@@ -279,7 +279,7 @@ def make_train_step(
             if shards is not None:  # ZeRO: this rank steps (and all-gathers) its slice of the bucket
                 shards.reduced(index, buffer, per_bucket)
                 continue
-            reduced[index] = slot_views(plan.buckets[index], buffer)
+            reduced[index] = reducer.grad_views(index, buffer)
             finite.append(_finite(buffer))
             if per_bucket:
                 with timeline.span("optimizer", bucket=index):
