@@ -26,7 +26,7 @@ __all__ = [
     "foreach", "fused_sgd_", "fused_adam_", "fused_adamw_", "HAS_FUSED_OPTIMIZERS",
     "disable_functorch", "HAS_DISABLE_FUNCTORCH", "default_store", "group_timeout",
     "tree_flatten", "tree_unflatten", "tree_map", "storage_alias", "release_storage",
-    "tensor_slots", "swap_into", "swap_back",
+    "tensor_slots", "swap_into", "swap_back", "inductor_default_cache_dir",
 ]
 
 
@@ -211,3 +211,17 @@ def swap_back(taken: list[tuple[dict, str, Any]]) -> None:
     """Undo ``swap_into`` (last in, first out, so a name given twice ends as it began)."""
     for owner, key, tensor in reversed(taken):
         owner[key] = tensor
+
+
+# -- torch.compile ---------------------------------------------------------------------------
+def inductor_default_cache_dir() -> str | None:
+    """The cache directory inductor picks when ``TORCHINDUCTOR_CACHE_DIR`` is not set (``None`` if unknown).
+
+    Importing ``torch._dynamo`` already writes that default into the environment, so a
+    set variable alone does not say that someone chose it.
+    """
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:
+        return None
+    return default_cache_dir()

@@ -242,7 +242,8 @@ class GradReducer:
         self._hooked_flat_grad = grad_and_value(self._traced_flat_loss)
         if compile:  # the compiler takes the whole of torch.func's own transform in one graph
             self._plain_grad = compile_grad(func_grad_and_value(self.loss_fn, has_aux=True))
-            self._flat_grad = compile_grad(func_grad_and_value(self._flat_loss, has_aux=True))
+        # One compiled path, the params tree's, whatever the params' layout: no second compile.
+        self._compiled = compile
         self._seen_flat: tuple[tuple[str, ...], list[weakref.ref]] = ((), [])  # the params last found laid out
         self._keys: tuple[str, ...] = ()  # the params' names in the caller's order
         self._reduction: Reduction | None = None
@@ -260,7 +261,7 @@ class GradReducer:
         reduction = Reduction(self.hook, self.comm, hook_states, self.plan, self.timeline)
         scale = 1.0 / len(micro_batches)
         losses = []
-        flats = self.flat_params(params)
+        flats = None if self._compiled else self.flat_params(params)
         for i, batch in enumerate(micro_batches):
             start_us = self.timeline.now_us()
             if i == len(micro_batches) - 1 and self.schedule == "overlap":

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from fdp import checkpoint, zero
+from fdp import checkpoint, compiled, zero
 from fdp.build import Run, display_name, setup
 from fdp.comm import Comm
 from fdp.config import ConfigError, validate
@@ -254,10 +254,14 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm, device: torch.device) -> 
         )
     timeline = Timeline(rank) if tc.trace else NullTimeline()
     outer = check_outer(OmegaConf.to_container(cfg.outer))
+    last_step = min(tc.max_steps, tc.stop_at or tc.max_steps)
+    choice = compiled.choose(tc.compile, run_dir, device.type, last_step - state.step)
+    if rank == 0:
+        log.info(choice.message)
     options = dict(
         accum_steps=tc.accum_steps, schedule=tc.schedule, nonfinite=tc.nonfinite, timeline=timeline,
         donate=True,  # the loop below never looks at a state again once it has the next
-        sync_buffers=tc.sync_buffers, precision=run.precision, compile=tc.compile,
+        sync_buffers=tc.sync_buffers, precision=run.precision, compile=choice.compile,
         zero_stage=tc.zero_stage,
     )
     loss_fn = make_loss_fn(run.model, run.criterion)
@@ -269,7 +273,6 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm, device: torch.device) -> 
     times, skipped, last_eval, record = StepTimes(), 0, {}, {}
     gbs = cfg.data.global_batch_size
     t_start = time.perf_counter()
-    last_step = min(tc.max_steps, tc.stop_at or tc.max_steps)
     bar = progress(last_step, state.step, enabled=tc.progress and rank == 0)
     tracker = Progress(run_dir, rank)
     heartbeat = Heartbeat(rank, world).start() if world > 1 else None
@@ -327,6 +330,8 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm, device: torch.device) -> 
         tracker.close()
     bar.close()
     wall = time.perf_counter() - t_start
+    if rank == 0 and times.rows:  # what this invocation measured, for the next one's trainer.compile=auto
+        compiled.write_record(run_dir, choice, times.rows[0]["step_s"], times.median("step_s"))
     summary = {
         "model": display_name(cfg.model),
         "world": world,
