@@ -243,7 +243,7 @@ class GradReducer:
         if compile:  # the compiler takes the whole of torch.func's own transform in one graph
             self._plain_grad = compile_grad(func_grad_and_value(self.loss_fn, has_aux=True))
         # One compiled path, the params tree's, whatever the params' layout: no second compile.
-        self._compiled = compile
+        self._flat = not compile and bucket_buffers.crosses_flat(plan)
         self._seen_flat: tuple[tuple[str, ...], list[weakref.ref]] = ((), [])  # the params last found laid out
         self._keys: tuple[str, ...] = ()  # the params' names in the caller's order
         self._reduction: Reduction | None = None
@@ -261,7 +261,7 @@ class GradReducer:
         reduction = Reduction(self.hook, self.comm, hook_states, self.plan, self.timeline)
         scale = 1.0 / len(micro_batches)
         losses = []
-        flats = None if self._compiled else self.flat_params(params)
+        flats = self.flat_params(params) if self._flat else None
         for i, batch in enumerate(micro_batches):
             start_us = self.timeline.now_us()
             if i == len(micro_batches) - 1 and self.schedule == "overlap":
@@ -306,8 +306,10 @@ class GradReducer:
         return bucket_buffers.slot_views(self.plan.buckets[index], buffer)
 
     def laid_out(self, params) -> dict:
-        """``params`` themselves if they are laid out one flat buffer per bucket, else a copy that is."""
-        return params if self.flat_params(params) is not None else bucket_buffers.lay_out(self.plan, params)
+        """``params`` laid out one flat buffer per bucket where this reducer hands them over so (a copy if need be)."""
+        if not self._flat or self.flat_params(params) is not None:
+            return params
+        return bucket_buffers.lay_out(self.plan, params)
 
     def _marking_forward_end(self, loss_fn: LossFn) -> LossFn:
         def marked(*args):
@@ -399,7 +401,9 @@ class GradReducer:
                 _write(flats_arg[index], grad, self._scale, self._accumulate)
             self._remaining[index] = 0
             self._start_filled()
-            return None
+            # What goes on to the transform's result, which the step drops: a zero of no
+            # memory lets this bucket's gradient go now, not one gradient set at the end.
+            return torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
 
         return on_grad_ready
 
@@ -418,14 +422,10 @@ class GradReducer:
         stop = start + view_of.numel()
 
         def on_grad_ready(grad):
-            # torch.func.grad differentiates with create_graph=True, so ``grad`` carries a
-            # graph (it requires grad). Copied with autograd on, the bucket buffer would
-            # record a CopySlices node whose graph saves this step's wrapped parameters;
-            # the parameters' hooks hold this closure, which holds the buffer: a cycle
-            # through C++ that Python's gc cannot break. Every step's parameters (one
-            # gradient-sized set, ~100 MB on a 25M model) then stayed alive for good, and
-            # the growth slowed the step down. The bucket is never differentiated, so the
-            # copy runs without autograd.
+            # Copied with autograd on, a gradient that carries a graph (torch.func.grad's
+            # create_graph=True) made the bucket record a node saving this step's wrapped
+            # params, held through the hooks in a cycle gc cannot break: a gradient-sized
+            # set leaked per step. The bucket is never differentiated: no autograd.
             with torch.no_grad():
                 _write(flats_arg[bucket][start:stop].view(shape), grad, self._scale, self._accumulate)
             self._remaining[bucket] -= 1

@@ -37,6 +37,11 @@ def _finite(flat: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(flat.sum(dtype=torch.float32))
 
 
+def _mean_loss(losses: list[torch.Tensor]) -> torch.Tensor:
+    # One micro-batch's loss is its own mean: no stack and mean to issue for it.
+    return losses[0].detach() if len(losses) == 1 else torch.stack([loss.detach() for loss in losses]).mean()
+
+
 class _Verdict(NamedTuple):
     ok: torch.Tensor  # on the host (pinned when copied from a GPU): all True when every gradient was finite
     copied: Any  # the CUDA event behind the copy
@@ -316,7 +321,7 @@ def make_train_step(
             stats = stats._replace(wait_s=stats.wait_s + shards.wait_s)
         elapsed = time.perf_counter() - t0
         metrics = {
-            "loss": unscaled_loss(torch.stack([loss.detach() for loss in computed.losses]).mean(), state.loss_scale),
+            "loss": unscaled_loss(_mean_loss(computed.losses), state.loss_scale),
             "lr": current_lr(new_state.opt_state),
             "skipped": int(skipped),
             "step_s": elapsed,

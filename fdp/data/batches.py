@@ -130,6 +130,8 @@ def split_micro_batches(batch: tuple[Tensor, ...], accum_steps: int) -> list[tup
         raise ValueError(
             f"accum_steps={accum_steps}: expected a divisor of the per-rank batch of {size} samples"
         )
+    if accum_steps == 1:  # the batch itself: slicing it whole would only add ops to the step
+        return [tuple(batch)]
     micro = size // accum_steps
     return [tuple(t[i * micro : (i + 1) * micro] for t in batch) for i in range(accum_steps)]
 
