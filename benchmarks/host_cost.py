@@ -378,6 +378,7 @@ def markdown(rows: dict, meta: str, before: dict | None) -> str:
             out.append(f"| {p} | " + " | ".join(f"{r['breakdown']['eager'].get(p, 0.0):.0f}" for r in rows.values()) + " |")
         out += ["", "aten ops per step (profiler events named `aten::`): "
                 + "; ".join(f"{n} eager {r['aten_ops']['eager']}, fdp {r['aten_ops']['fdp']}" for n, r in rows.items() if r["aten_ops"]), ""]
+    out += ["What of this is torch.func's own, reproduced in plain torch: `func_overhead.md` (`python benchmarks/func_overhead.py`).", ""]
     return "\n".join(out)
 
 

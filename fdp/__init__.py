@@ -4,12 +4,12 @@ The pieces, one module each:
 
 * ``functional``: any ``nn.Module`` as ``apply(params, buffers, *inputs)``.
 * ``optim``: optax-style optimizers, ``(init, update)`` pairs composed with ``chain``, and their registry.
-* ``plan`` / ``buckets``: the static gradient-bucket plan (values, packing, tracing) and its flat buffers.
+* ``plan`` / ``buckets``: the static gradient-bucket plan (values, packing, tracing), its flat buffers, params laid out by it.
 * ``hooks``: gradient-reduction stages (allreduce, fp16, PowerSGD, top-k) composed with ``hooks.chain``.
 * ``comm`` / ``reduce``: collectives as values, and the reduction that hands buckets back as they finish.
 * ``_torch``: the one place fdp touches private torch APIs, each with a public fallback.
 * ``precision``: autocast, bf16 weights and the dynamic loss scale (``LossScale``) of mixed precision.
-* ``compiled``: the gradient computation under ``torch.compile``.
+* ``compiled``: the gradient computation under ``torch.compile``; ``trainer.compile=auto``'s choice and cache.
 * ``train``: ``TrainState`` and the pure ``train_step(state, batch) -> (state, metrics)``.
 * ``devices``: which device each rank computes on (``world.accelerator``, ``world.devices``).
 * ``targets`` / ``losses``: models, data and losses named in config by ``_target_``.
@@ -20,7 +20,7 @@ The pieces, one module each:
 * ``zero``: ZeRO stages 1 and 2, optimizer state (and gradients) sharded over the ranks by bucket slices.
 """
 from fdp import hooks, zero
-from fdp.buckets import allocate, pack, unpack
+from fdp.buckets import allocate, lay_out, pack, unpack
 from fdp.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from fdp.comm import Comm, Pending
 from fdp.devices import Placement, batch_to_device, place, resolve_backend, to_device
@@ -58,7 +58,7 @@ __all__ = [
     "Reduction", "StepSampler", "TrainState", "WorldLayout", "adam", "adamw", "allocate", "apply_gradients",
     "apply_updates", "batch_to_device", "build_loss", "build_optimizer", "chain", "check_outer", "clip_by_global_norm",
     "constant_schedule", "cross_entropy_loss", "functionalize", "gradient_ready_order", "hooks", "init_distributed",
-    "init_hook_states", "init_outer_state", "init_train_state", "make_loss_fn", "make_outer_step", "make_train_step",
+    "init_hook_states", "init_outer_state", "init_train_state", "lay_out", "make_loss_fn", "make_outer_step", "make_train_step",
     "pack", "place", "plan_buckets", "planner_loss", "resolve_backend", "resolve_schedule", "sgd", "spawn",
     "supports_inplace", "to_device", "unpack", "warmup_cosine_schedule",
     "zero",
