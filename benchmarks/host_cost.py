@@ -295,9 +295,9 @@ def worker(layout, structures: list[str], variants: list[str], reps: int, steps:
                 for _ in range(warmup):
                     built[v]()
                 for _ in range(steps):
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     built[v]()
-                    times[v].append(time.perf_counter() - t0)
+                    times[v].append((time.perf_counter() - t0, time.process_time() - c0))
         result = {"times": times, "first_loss": first_loss, "first_step_s": compile_s,
                   "tensors": sum(1 for _ in module_for(spec).parameters())}
         if world == 1 and breakdown_steps:
@@ -326,12 +326,17 @@ def _run_world(world: int, structures, variants, args) -> dict:
 def summarise(one: dict, two: dict) -> dict:
     rows = {}
     for name in one:
-        med = {f"{v} 1": 1e3 * statistics.median(ts) for v, ts in one[name]["times"].items()}
-        med.update({f"{v} 2": 1e3 * statistics.median(ts) for v, ts in two.get(name, {}).get("times", {}).items()})
-        row = {"tensors": one[name]["tensors"], "ms": med,
-               "fdp/eager": med["fdp 1"] / med["eager 1"], "fdp/ddp 1": med["fdp 1"] / med["ddp 1"]}
+        timed = {f"{v} 1": ts for v, ts in one[name]["times"].items()}
+        timed.update({f"{v} 2": ts for v, ts in two.get(name, {}).get("times", {}).items()})
+        # CPU time (the process's, all its threads) is the host's work; the wall time adds waits and other jobs.
+        med = {v: 1e3 * statistics.median(cpu for _, cpu in ts) for v, ts in timed.items()}
+        wall = {v: 1e3 * statistics.median(w for w, _ in ts) for v, ts in timed.items()}
+        row = {"tensors": one[name]["tensors"], "ms": med, "wall_ms": wall,
+               "fdp/eager": med["fdp 1"] / med["eager 1"], "fdp/ddp 1": med["fdp 1"] / med["ddp 1"],
+               "wall fdp/eager": wall["fdp 1"] / wall["eager 1"]}
         if "fdp 2" in med:
             row["fdp/ddp 2"] = med["fdp 2"] / med["ddp 2"]
+            row["wall fdp/ddp 2"] = wall["fdp 2"] / wall["ddp 2"]
         if "fdp compiled 1" in med:
             row["compiled/eager"] = med["fdp compiled 1"] / med["eager 1"]
             row["compile_s"] = one[name]["first_step_s"]["fdp compiled"]
@@ -346,16 +351,20 @@ def _fmt(x) -> str:
 
 
 def markdown(rows: dict, meta: str, before: dict | None) -> str:
-    head = ("| structure | tensors | eager ms | DDP ms (1) | fdp ms (1) | fdp/eager (1) | fdp/DDP (1) | DDP ms (2) | fdp ms (2) "
-            "| fdp/DDP (2) | fdp compiled ms | compiled/eager |")
-    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    head = ("| structure | tensors | eager | DDP (1) | fdp (1) | fdp/eager (1) | fdp/DDP (1) | DDP (2) | fdp (2) "
+            "| fdp/DDP (2) | fdp compiled | compiled/eager | wall: fdp/eager (1) | wall: fdp/DDP (2) |")
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, r in rows.items():
         ms = r["ms"]
         lines.append(
             f"| {name} | {r['tensors']} | {ms['eager 1']:.2f} | {ms['ddp 1']:.2f} | {ms['fdp 1']:.2f} | {r['fdp/eager']:.2f} | "
             f"{r['fdp/ddp 1']:.2f} | {_fmt(ms.get('ddp 2'))} | {_fmt(ms.get('fdp 2'))} | {_fmt(r.get('fdp/ddp 2'))} | "
-            f"{_fmt(ms.get('fdp compiled 1'))} | {_fmt(r.get('compiled/eager'))} |")
-    out = ["# Host time per step on the CPU: fdp, eager PyTorch and DDP at tiny widths", "", meta, "", *lines, ""]
+            f"{_fmt(ms.get('fdp compiled 1'))} | {_fmt(r.get('compiled/eager'))} | {_fmt(r.get('wall fdp/eager'))} | "
+            f"{_fmt(r.get('wall fdp/ddp 2'))} |")
+    out = ["# Host time per step on the CPU: fdp, eager PyTorch and DDP at tiny widths", "", meta, "",
+           "CPU milliseconds per step (the process's CPU time, all its threads: the host's work, which other jobs on the "
+           "machine inflate far less than the wall time); ratios of those; the last two columns are ratios of wall times.",
+           "", *lines, ""]
     if before:
         out += ["Before (the same script on the fdp of the `--before` run):", "",
                 "| structure | fdp/eager (1) before | after | fdp/DDP (2) before | after | fdp ms (1) before | after |",
