@@ -27,8 +27,8 @@ from fdp.plan import Bucket, BucketPlan
 
 __all__ = ["allocate", "pack", "unpack", "slot_views", "lay_out", "flat_buffers", "views_in", "crosses_flat"]
 
-# Below this mean size per tensor, params laid out flat are worth their extra gradient pass on a CPU (crosses_flat).
-FLAT_CPU_BYTES_PER_TENSOR = 64 * 2**10
+# Up to this mean size per tensor, params laid out flat are worth their extra gradient pass on a CPU (crosses_flat).
+FLAT_CPU_BYTES_PER_TENSOR = 32 * 2**10
 
 
 def allocate(plan: BucketPlan) -> tuple[torch.Tensor, ...]:
@@ -199,11 +199,13 @@ def crosses_flat(plan: BucketPlan) -> bool:
     of one per parameter (~8 us of host time each, measured on a 2-core CPU), at the
     cost of one more pass over the gradient: the backward of ``views_in``'s split
     concatenates each bucket's gradients before they are copied into the bucket. On a
-    GPU that pass takes microseconds; on a CPU it pays only for small tensors, under
-    64 KiB on average (a 25M-parameter MLP of 4 MiB matrices steps 10-15% slower flat).
+    GPU that pass takes microseconds; on a CPU it pays only for small tensors, up to
+    32 KiB on average. Measured here in CPU time per step (24-layer MLPs, batch 32): 2%
+    faster flat at 8 KiB per tensor, the same at 33 KiB, 4% slower at 130 KiB and 24%
+    slower at 4 MiB (the 25M MLP of ``vs_ddp.py``).
 
     >>> from fdp.plan import pack_into_buckets
-    >>> crosses_flat(pack_into_buckets([("w", (64, 64), "float32", "cpu")]))
+    >>> crosses_flat(pack_into_buckets([("w", (64, 64), "float32", "cpu")]))  # 16 KiB
     True
     >>> crosses_flat(pack_into_buckets([("w", (1024, 1024), "float32", "cpu")]))
     False
