@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from fdp import checks, replicas
-from fdp.buckets import lay_out
+from fdp.buckets import crosses_flat, lay_out
 from fdp.comm import Comm
 from fdp.data import split_micro_batches
 from fdp.devices import device_of, rng_scope, seeded_cuda_rng
@@ -133,8 +133,8 @@ def init_train_state(
     """The state before step 1 (pass ``plan``, and ``hook`` unless it is ``allreduce()``, for a
     state that ``make_train_step`` can step; ``fdp.setup_state`` does this across ranks).
 
-    With ``plan``, the state's params are copies laid out one flat buffer per bucket
-    (``fdp.buckets.lay_out``): the step then hands ``torch.func`` one tensor per bucket.
+    With ``plan``, where the step hands ``torch.func`` one flat buffer per bucket
+    (``fdp.buckets.crosses_flat``), the state's params are copies laid out that way.
 
     >>> from fdp import functionalize, sgd
     >>> model, params, buffers = functionalize(torch.nn.Linear(2, 2))
@@ -142,12 +142,22 @@ def init_train_state(
     0
     """
     hook_state = init_hook_states(hook or allreduce(), plan) if plan is not None else ()
-    if plan is not None:  # one flat buffer per bucket: fewer tensors to cross torch.func each step
-        params = lay_out(plan, params)
+    if plan is not None:
+        params = _laid_out(plan, params)
     rng = torch.Generator().manual_seed(seed).get_state()
     cuda_rng = seeded_cuda_rng(seed, device_of(params))
     loss_scale = precision.init_loss_scale(device_of(params)) if precision is not None else None
     return TrainState(0, params, buffers, optimizer.init(params), hook_state, rng, cuda_rng, loss_scale)
+
+
+def _laid_out(plan: BucketPlan, params: Params) -> Params:
+    # One flat buffer per bucket where the step hands those to torch.func; params the plan
+    # was not made for are left as they are, for the first step to name what is wrong.
+    try:
+        checks.check_state_against_plan(TrainState(0, params, {}, None, None, None), plan)
+    except (TypeError, ValueError):
+        return params
+    return lay_out(plan, params) if crosses_flat(plan) else params
 
 
 def cross_entropy_loss(model: FunctionalModel) -> Callable:
