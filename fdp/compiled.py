@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from fdp._torch import inductor_default_cache_dir
 
@@ -216,10 +217,20 @@ class CompileChoice(NamedTuple):
     record: dict  # what earlier invocations measured (see write_record)
 
 
-def choose(setting: Any, run_dir: str | os.PathLike, device: str, planned_steps: int) -> CompileChoice:
-    """``decide_compile`` on the run's record; a run that compiles keeps its artifacts in ``cache_dir(run_dir)``."""
+def choose(setting: Any, run_dir: str | os.PathLike, device: str, planned_steps: int, comm: Any = None) -> CompileChoice:
+    """``decide_compile`` on the run's record; a run that compiles keeps its artifacts in ``cache_dir(run_dir)``.
+
+    With ``comm`` (a ``fdp.comm.Comm`` of more than one rank), every rank takes rank 0's
+    choice: ranks that read different records (nodes without a shared run directory) or
+    differ in their compilers would otherwise step differently (a compiled step reduces
+    ``after`` backward).
+    """
     record = read_record(run_dir)
     compile_now, reason = decide_compile(setting, device, planned_steps, costs_from(record), compiler_missing(device))
+    if comm is not None and comm.world_size > 1:
+        decided = [(compile_now, reason)]
+        dist.broadcast_object_list(decided, src=0, group=comm.group)
+        compile_now, reason = decided[0]
     if compile_now:
         use_cache_dir(cache_dir(run_dir))
     message = f"trainer.compile={str(setting).lower()}: {'compiling' if compile_now else 'not compiling'} the gradient computation ({reason})"

@@ -94,9 +94,9 @@ def grad_and_value(fn: Callable) -> Callable:
     costs in eager PyTorch.
 
     >>> w = torch.tensor([1.0, 2.0])
-    >>> grads, (value, aux) = grad_and_value(lambda w, x: ((w * x).sum(), "aux"))(w, torch.tensor([3.0, 4.0]))
-    >>> grads.tolist(), value.item(), aux
-    ([3.0, 4.0], 11.0, 'aux')
+    >>> grads, (value, aux) = grad_and_value(lambda w, x: ((w * x).sum(), x.max()))(w, torch.tensor([3.0, 4.0]))
+    >>> grads.tolist(), value.item(), aux.item()
+    ([3.0, 4.0], 11.0, 4.0)
     """
 
     def run(primal: Any, *rest: Any) -> tuple[Any, tuple[torch.Tensor, Any]]:

@@ -255,7 +255,7 @@ def _train(cfg: DictConfig, run_dir: Path, comm: Comm, device: torch.device) -> 
     timeline = Timeline(rank) if tc.trace else NullTimeline()
     outer = check_outer(OmegaConf.to_container(cfg.outer))
     last_step = min(tc.max_steps, tc.stop_at or tc.max_steps)
-    choice = compiled.choose(tc.compile, run_dir, device.type, last_step - state.step)
+    choice = compiled.choose(tc.compile, run_dir, device.type, last_step - state.step, comm)
     if rank == 0:
         log.info(choice.message)
     options = dict(
