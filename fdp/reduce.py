@@ -5,8 +5,9 @@ Two schedules share this module:
 * ``after``: backward runs to the end, the gradients are packed into the bucket buffers,
   then every bucket's hook chain starts.
 * ``overlap``: tensor hooks registered inside the ``torch.func`` transform copy each
-  gradient into its bucket as backward produces it, and a bucket's chain starts the
-  moment its last gradient lands, so communication runs while backward goes on.
+  gradient (or, for params laid out flat, each bucket's) into its bucket as backward
+  produces it, and a bucket's chain starts the moment its last gradient lands, so
+  communication runs while backward goes on.
 
 Either way buckets start in plan order and are resumed in plan order, so every rank
 issues the same collectives in the same sequence, whatever the timing.
