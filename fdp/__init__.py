@@ -5,7 +5,7 @@ it in this list; ``tests/test_imports.py`` holds every import to that):
 
 * ``errors``: ``ConfigError`` and the one wording of every refusal (imports nothing of fdp).
 * ``_torch``: the one place fdp touches private torch APIs, each with a public fallback.
-* ``plan`` / ``buckets``: the static gradient-bucket plan (values, packing, tracing) and its flat buffers.
+* ``plan`` / ``buckets``: the static gradient-bucket plan (values, packing, tracing), its flat buffers, params laid out by it.
 * ``comm``: collectives as values (``Comm``, ``Pending``).
 * ``trace``: the Chrome-trace ``Timeline`` of a step.
 * ``precision``: autocast, bf16 weights and the dynamic loss scale (``LossScale``) of mixed precision.
@@ -19,8 +19,8 @@ it in this list; ``tests/test_imports.py`` holds every import to that):
   stopping every rank at one step on SIGINT, SIGTERM or SLURM's warning signal; starting and joining a world
   of processes on torch's launchers.
 * ``losses`` / ``fit``: loss functions, reading model outputs, token means over the global batch; the first-batch check.
-* ``compiled`` / ``reduce``: the gradient computation (under ``torch.compile`` when asked) and the
-  reduction that hands buckets back as their hook chains finish.
+* ``compiled`` / ``reduce``: the gradient computation (under ``torch.compile`` when asked, and
+  ``trainer.compile=auto``'s choice) and the reduction that hands buckets back as their hook chains finish.
 * ``checks``: what a Python caller hands the train step, checked with errors naming the argument.
 * ``state``: ``TrainState``, the whole training state as one value.
 * ``verdicts``: each step's finiteness verdict, read without stalling the device.
@@ -38,7 +38,7 @@ it in this list; ``tests/test_imports.py`` holds every import to that):
 * ``cli``: the shell entry's one-line endings (Hydra's errors, refusals, interruptions, exit statuses).
 """
 from fdp import hooks, zero
-from fdp.buckets import allocate, pack, unpack
+from fdp.buckets import allocate, lay_out, pack, unpack
 from fdp.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from fdp.comm import Comm, Pending
 from fdp.data import MapData, StepSampler, model_inputs
@@ -82,7 +82,8 @@ __all__ = [
     "Reduction", "StepOptions", "StepSampler", "TrainState", "TrainStep", "WorldLayout", "adam", "adamw", "allocate",
     "apply_gradients", "apply_updates", "batch_to_device", "build_loss", "build_optimizer", "chain", "check_outer",
     "clip_by_global_norm", "constant_schedule", "cross_entropy_loss", "functionalize", "gradient_ready_order", "hooks",
-    "init_distributed", "init_hook_states", "init_outer_state", "init_train_state", "make_loss_fn", "make_outer_step",
+    "init_distributed", "init_hook_states", "init_outer_state", "init_train_state", "lay_out", "make_loss_fn",
+    "make_outer_step",
     "make_train_step", "pack", "place", "plan_buckets", "planner_loss", "resolve_backend", "resolve_schedule", "sgd",
     "spawn", "state_nbytes", "supports_inplace", "to_device", "unpack", "warmup_cosine_schedule",
     "zero",

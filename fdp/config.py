@@ -174,7 +174,7 @@ class TrainerConfig:
     sync_buffers: str = "broadcast"  # broadcast | average | local: buffers (BatchNorm statistics) across ranks
     precision: str = "32-true"  # 32-true | bf16-mixed | 16-mixed | bf16-true (Lightning's names)
     matmul_precision: str = "highest"  # highest | high | medium: torch.set_float32_matmul_precision
-    compile: bool = False  # torch.compile the gradient computation
+    compile: Any = "auto"  # auto | true | false: torch.compile the gradient computation (auto: on a GPU, when the run repays the compile)
     zero_stage: int = 0  # 0 | 1 (shard optimizer state over ranks) | 2 (and reduced gradients) | 3 (and params)
     reshard_after_forward: bool = True  # zero_stage=3: release each bucket's params after forward, gather again for backward
     trace: bool = False  # write a Chrome trace per rank to <run dir>/trace/ (for short diagnostic runs)

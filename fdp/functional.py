@@ -8,13 +8,13 @@ the gradient tree.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.func import functional_call
+from torch.func import functional_call, vjp
 
-from fdp._torch import release_storage
+from fdp._torch import release_storage, swap_back, swap_into, tensor_slots
 
 Params = dict[str, torch.Tensor]
 Buffers = dict[str, torch.Tensor]
@@ -25,18 +25,23 @@ class FunctionalModel:
     """A module and its constants; ``apply`` is the pure forward.
 
     ``ties`` pairs each further name of a tied tensor with the name it is kept under.
-    It and the list of submodules are found once here: searching the module for them on
-    every call cost ~1 ms of host time per step on a 100-tensor transformer.
+    It, the list of submodules and where each parameter and buffer is held are found
+    once here: searching the module for them on every call cost ~1 ms of host time per
+    step on a 100-tensor transformer, and resolving the names again on every call as
+    ``functional_call`` does, ~0.2 ms more.
     """
 
     module: nn.Module
     frozen: Params
     ties: tuple[tuple[str, str], ...] = field(init=False, repr=False)
     _submodules: tuple[nn.Module, ...] = field(init=False, repr=False, compare=False)
+    _slots: dict | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "ties", _ties(self.module))
         object.__setattr__(self, "_submodules", tuple(self.module.modules()))
+        names = [n for named in (self.module.named_parameters, self.module.named_buffers) for n, _ in named(remove_duplicate=False)]
+        object.__setattr__(self, "_slots", tensor_slots(self.module, names))
 
     def apply(
         self, params: Params, buffers: Buffers, *inputs: Any, training: bool = True, **named_inputs: Any
@@ -66,8 +71,48 @@ class FunctionalModel:
         for alias, name in self.ties:
             if name in tensors:
                 tensors[alias] = tensors[name]
-        outputs = functional_call(self.module, tensors, inputs, named_inputs or None, tie_weights=False, strict=False)
-        return outputs, new_buffers
+        return self._call(tensors, inputs, named_inputs), new_buffers
+
+    def _call(self, tensors: dict[str, torch.Tensor], inputs: tuple, named_inputs: dict) -> Any:
+        # The module's own tensors are swapped for ``tensors`` and back, as functional_call
+        # does, through the places found once; a name it does not know takes torch's path.
+        slots = self._slots
+        if slots is None or not tensors.keys() <= slots.keys():
+            return functional_call(self.module, tensors, inputs, named_inputs or None, tie_weights=False, strict=False)
+        taken = swap_into(slots, tensors)
+        try:
+            return self.module(*inputs, **named_inputs)
+        finally:
+            swap_back(taken)
+
+
+def grad_and_value(fn: Callable) -> Callable:
+    """``torch.func.grad_and_value(fn, has_aux=True)``, computed through ``torch.func.vjp``.
+
+    ``run(primal, *rest) -> (grads, (value, aux))`` differentiates ``fn(primal, *rest)
+    -> (value, aux)`` with respect to ``primal`` (a tensor or a tree of them) alone; the
+    other arguments enter as they are. The numbers are ``grad_and_value``'s, bit for
+    bit. The host time is not: ``grad_and_value`` runs the backward inside its
+    transform, where every backward op passes through the transform's wrappers and
+    records a graph of its own (``create_graph=True``, for transforms stacked on top).
+    The function ``vjp`` returns runs the backward once the transform is left, on plain
+    tensors and without that graph: on a 100-tensor transformer of tiny widths (so the
+    time is the host's) a step's gradient took ~0.8 ms less, about what the backward
+    costs in eager PyTorch.
+
+    >>> w = torch.tensor([1.0, 2.0])
+    >>> grads, (value, aux) = grad_and_value(lambda w, x: ((w * x).sum(), x.max()))(w, torch.tensor([3.0, 4.0]))
+    >>> grads.tolist(), value.item(), aux.item()
+    ([3.0, 4.0], 11.0, 4.0)
+    """
+
+    def run(primal: Any, *rest: Any) -> tuple[Any, tuple[torch.Tensor, Any]]:
+        value, backward, aux = vjp(lambda p: fn(p, *rest), primal, has_aux=True)
+        with torch.no_grad():
+            (grads,) = backward(torch.ones_like(value), retain_graph=False)
+        return grads, (value, aux)
+
+    return run
 
 
 def functionalize(module: nn.Module, keep_module_weights: bool = True) -> tuple[FunctionalModel, Params, Buffers]:

@@ -5,8 +5,9 @@ Two schedules share this module:
 * ``after``: backward runs to the end, the gradients are packed into the bucket buffers,
   then every bucket's hook chain starts.
 * ``overlap``: tensor hooks registered inside the ``torch.func`` transform copy each
-  gradient into its bucket as backward produces it, and a bucket's chain starts the
-  moment its last gradient lands, so communication runs while backward goes on.
+  gradient (or, for params laid out flat, each bucket's) into its bucket as backward
+  produces it, and a bucket's chain starts the moment its last gradient lands, so
+  communication runs while backward goes on.
 
 Either way buckets start in plan order and are resumed in plan order, so every rank
 issues the same collectives in the same sequence, whatever the timing.
@@ -15,15 +16,17 @@ from __future__ import annotations
 
 import inspect
 import time
+import weakref
 from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
-from torch.func import grad_and_value
+from torch.func import grad_and_value as func_grad_and_value
 
 from fdp import buckets as bucket_buffers
 from fdp._torch import HAS_DISABLE_FUNCTORCH, disable_functorch, foreach
 from fdp.comm import Comm
 from fdp.compiled import compile_grad, compiled_schedule
+from fdp.functional import grad_and_value
 from fdp.hooks.base import GradBucket, Hook, init_hook_states
 from fdp.plan import BucketPlan
 from fdp.trace import NullTimeline, Timeline
@@ -241,6 +244,7 @@ class GradReducer:
     def __init__(
         self, loss_fn: LossFn, plan: BucketPlan, hook: Hook, comm: Comm, schedule: str = "after",
         timeline: Timeline = NullTimeline(), compile: bool = False, release_buffers: bool = False, gather: Any = None,
+        flat_params: bool = True,
     ):
         schedule = resolve_schedule(schedule, comm.world_size)
         if compile:
@@ -251,14 +255,24 @@ class GradReducer:
         self.release_buffers, self.gather = release_buffers or gather is not None, gather
         self.loss_fn = self._marking_forward_end(gather.wrap_loss(loss_fn) if gather is not None else loss_fn)
         self.flats = bucket_buffers.allocate(plan, zeroed=not self.release_buffers)
-        self._table = _slot_table(plan, self.flats)  # views: made while the buffers have memory
+        # Views, made while the buffers have memory: they stay views of them when it is released and given back.
+        self._table = _slot_table(plan, self.flats)
         if self.release_buffers:  # given memory again when first written (``_start_next``, ``_store``, the tensor hooks)
             for flat in self.flats:
                 bucket_buffers.release(flat)
-        self._plain_grad = grad_and_value(self.loss_fn, has_aux=True)
-        self._hooked_grad = grad_and_value(self._traced_loss, argnums=0, has_aux=True)
-        if compile:
-            self._plain_grad = compile_grad(self._plain_grad)
+        # The backward runs once torch.func's transform is left (fdp.functional.grad_and_value);
+        # params laid out one flat buffer per bucket cross the transform as those buffers.
+        self._plain_grad = grad_and_value(self.loss_fn)
+        self._hooked_grad = grad_and_value(self._traced_loss)
+        self._flat_grad = grad_and_value(self._flat_loss)
+        self._hooked_flat_grad = grad_and_value(self._traced_flat_loss)
+        if compile:  # the compiler takes the whole of torch.func's own transform in one graph
+            self._plain_grad = compile_grad(func_grad_and_value(self.loss_fn, has_aux=True))
+        # One compiled path, the params tree's, whatever the params' layout: no second compile.
+        # Params sharded by ZeRO keep their own layout (``flat_params=False``).
+        self._flat = flat_params and not compile and bucket_buffers.crosses_flat(plan)
+        self._seen_flat: tuple[tuple[str, ...], list[weakref.ref]] = ((), [])  # the params last found laid out
+        self._keys: tuple[str, ...] = ()  # the params' names in the caller's order
         self._reduction: Reduction | None = None
         self._remaining: list[int] = []
         self._scale = 1.0
@@ -274,10 +288,14 @@ class GradReducer:
         reduction = Reduction(self.hook, self.comm, hook_states, self.plan, self.timeline, release=self.release_buffers)
         scale = 1.0 / len(micro_batches)
         losses = []
+        flats = self.flat_params(params) if self._flat else None
         for i, batch in enumerate(micro_batches):
             start_us = self.timeline.now_us()
             if i == len(micro_batches) - 1 and self.schedule == "overlap":
-                loss, aux = self._overlapped(params, buffers, batch, reduction, scale, accumulate=i > 0)
+                loss, aux = self._overlapped(params, flats, buffers, batch, reduction, scale, accumulate=i > 0)
+            elif flats is not None:
+                grads, (loss, aux) = self._flat_grad(flats, buffers, batch)
+                self._store_flat(grads, scale, accumulate=i > 0)
             else:
                 grads, (loss, aux) = self._plain_grad(params, buffers, batch)
                 self._store(grads, scale, accumulate=i > 0)
@@ -302,6 +320,28 @@ class GradReducer:
                 reduction.complete(index - 2)
         reduction.start(flat)
 
+    def flat_params(self, params) -> tuple[torch.Tensor, ...] | None:
+        """The flat buffers ``params`` are views of (see ``fdp.buckets.lay_out``), or ``None``.
+
+        The full check looks at every tensor's storage; a step's params are usually the
+        very tensors of the step before (updated in place), which a look at their
+        identities confirms.
+        """
+        keys, refs = self._seen_flat
+        values = params.values()
+        if len(refs) != len(values) or any(ref() is not value for ref, value in zip(refs, values)) or tuple(params) != keys:
+            if bucket_buffers.flat_buffers(self.plan, params) is None:
+                return None
+            self._seen_flat = (tuple(params), [weakref.ref(value) for value in values])
+        self._keys = self._seen_flat[0]
+        return bucket_buffers.flat_buffers(self.plan, params, checked=True)
+
+    def laid_out(self, params) -> dict:
+        """``params`` laid out one flat buffer per bucket where this reducer hands them over so (a copy if need be)."""
+        if not self._flat or self.flat_params(params) is not None:
+            return params
+        return bucket_buffers.lay_out(self.plan, params)
+
     def _marking_forward_end(self, loss_fn: LossFn) -> LossFn:
         def marked(*args):
             out = loss_fn(*args)
@@ -324,14 +364,33 @@ class GradReducer:
             if scale != 1.0:
                 foreach.mul_(views, scale)
 
+    def _store_flat(self, grads: tuple, scale: float, accumulate: bool) -> None:
+        flats = list(self.flats)
+        if accumulate:
+            foreach.add_(flats, list(grads), alpha=scale)
+        else:
+            foreach.copy_(flats, list(grads))
+            if scale != 1.0:
+                foreach.mul_(flats, scale)
+
+    def _flat_loss(self, flats, buffers, batch):
+        views: dict[str, torch.Tensor] = {}
+        for bucket, flat in zip(self.plan.buckets, flats):
+            views.update(zip(bucket._layout[0], bucket_buffers.views_in(bucket, flat)))
+        # In the caller's order: a loss that walks the params (a penalty) sums as it would.
+        return self.loss_fn({name: views[name] for name in self._keys}, buffers, batch)
+
     # -- overlap: the buckets fill and launch from inside backward ---------------------
 
-    def _overlapped(self, params, buffers, batch, reduction: Reduction, scale: float, accumulate: bool):
+    def _overlapped(self, params, flats, buffers, batch, reduction: Reduction, scale: float, accumulate: bool):
         self._reduction, self._scale, self._accumulate = reduction, scale, accumulate
-        self._remaining = list(self._table.sizes)
+        self._remaining = list(self._table.sizes) if flats is None else [1] * len(self.flats)
         self._handles = []
         try:
-            _, (loss, aux) = self._hooked_grad(params, self.flats, buffers, batch)
+            if flats is None:
+                _, (loss, aux) = self._hooked_grad(params, self.flats, buffers, batch)
+            else:
+                _, (loss, aux) = self._hooked_flat_grad(flats, self.flats, buffers, batch)
         finally:
             # The hooks hold this reducer and the wrapped bucket buffers; drop them from the
             # (already dead) wrapped parameters so nothing of this step outlives it.
@@ -363,6 +422,33 @@ class GradReducer:
             self._handles.append(p.register_hook(self._make_tensor_hook(name, flats_arg, tuple(p.shape))))
         return self.loss_fn(params, buffers, batch)
 
+    def _traced_flat_loss(self, flats, flats_arg, buffers, batch):
+        for index, flat in enumerate(flats):
+            self._handles.append(flat.register_hook(self._make_bucket_hook(index, flats_arg)))
+        return self._flat_loss(flats, buffers, batch)
+
+    def _make_bucket_hook(self, index: int, flats_arg):
+        def on_grad_ready(grad):
+            # The whole bucket's gradient at once (the backward of views_in's split);
+            # written without autograd for the reason _make_tensor_hook gives.
+            with torch.no_grad():
+                _write(flats_arg[index], grad, self._scale, self._accumulate)
+            self._remaining[index] = 0
+            self._start_filled()
+            # What goes on to the transform's result, which the step drops: a zero of no
+            # memory lets this bucket's gradient go now, not one gradient set at the end.
+            return torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
+
+        return on_grad_ready
+
+    def _start_filled(self) -> None:
+        reduction = self._reduction
+        # Hook chains run outside the transform: tensors they create (and keep in
+        # their state) must be plain tensors, not this grad level's wrappers.
+        with disable_functorch(), torch.no_grad():
+            while reduction.started < len(self._remaining) and self._remaining[reduction.started] == 0:
+                self._start_next(reduction)
+
     def _make_tensor_hook(self, name: str, flats_arg, shape: tuple[int, ...]):
         bucket = self._table.bucket[name]
         view_of = self._table.views[name]
@@ -374,33 +460,28 @@ class GradReducer:
         placeholder = torch.zeros((), dtype=view_of.dtype, device=view_of.device) if self.gather is not None else None
 
         def on_grad_ready(grad):
-            # torch.func.grad differentiates with create_graph=True, so ``grad`` carries a
-            # graph (it requires grad). Copied with autograd on, the bucket buffer would
-            # record a CopySlices node whose graph saves this step's wrapped parameters;
-            # the parameters' hooks hold this closure, which holds the buffer: a cycle
-            # through C++ that Python's gc cannot break. Every step's parameters (one
-            # gradient-sized set, ~100 MB on a 25M model) then stayed alive for good, and
-            # the growth slowed the step down. The bucket is never differentiated, so the
-            # copy runs without autograd.
+            # Copied with autograd on, a gradient that carries a graph (torch.func.grad's
+            # create_graph=True) made the bucket record a node saving this step's wrapped
+            # params, held through the hooks in a cycle gc cannot break: a gradient-sized
+            # set leaked per step. The bucket is never differentiated: no autograd.
             with torch.no_grad():
                 if self.release_buffers:
                     bucket_buffers.regrow(flat)
-                target = flats_arg[bucket][start:stop].view(shape)
-                if self._accumulate:
-                    target.add_(grad, alpha=self._scale)
-                elif self._scale != 1.0:
-                    torch.mul(grad, self._scale, out=target)
-                else:
-                    target.copy_(grad)
+                _write(flats_arg[bucket][start:stop].view(shape), grad, self._scale, self._accumulate)
             self._remaining[bucket] -= 1
-            reduction = self._reduction
-            # Hook chains run outside the transform: tensors they create (and keep in
-            # their state) must be plain tensors, not this grad level's wrappers.
-            with disable_functorch(), torch.no_grad():
-                while reduction.started < len(self._remaining) and self._remaining[reduction.started] == 0:
-                    self._start_next(reduction)
+            self._start_filled()
             # Returning None keeps autograd's own gradient (returning it again also kept
             # a gradient set alive, through the same cycle).
             return None if placeholder is None else placeholder.expand(shape)
 
         return on_grad_ready
+
+
+def _write(target: torch.Tensor, grad: torch.Tensor, scale: float, accumulate: bool) -> None:
+    """``target`` = ``scale * grad``, or ``+=`` it when accumulating micro-batches."""
+    if accumulate:
+        target.add_(grad, alpha=scale)
+    elif scale != 1.0:
+        torch.mul(grad, scale, out=target)
+    else:
+        target.copy_(grad)

@@ -12,6 +12,8 @@ from typing import Any, NamedTuple
 import torch
 
 from fdp._torch import tree_flatten
+from fdp.buckets import crosses_flat, lay_out
+from fdp.checks import check_state_against_plan
 from fdp.devices import device_of, seeded_cuda_rng
 from fdp.functional import Buffers, Params
 from fdp.hooks import Hook, allreduce, init_hook_states
@@ -57,16 +59,31 @@ def init_train_state(
     """The state before step 1 (pass ``plan``, and ``hook`` unless it is ``allreduce()``, for a
     state that ``make_train_step`` can step; ``fdp.setup_state`` does this across ranks).
 
+    With ``plan``, where the step hands ``torch.func`` one flat buffer per bucket
+    (``fdp.buckets.crosses_flat``), the state's params are copies laid out that way.
+
     >>> from fdp import functionalize, sgd
     >>> model, params, buffers = functionalize(torch.nn.Linear(2, 2))
     >>> init_train_state(params, buffers, sgd(0.1)).step
     0
     """
     hook_state = init_hook_states(hook or allreduce(), plan) if plan is not None else ()
+    if plan is not None:
+        params = _laid_out(plan, params)
     rng = torch.Generator().manual_seed(seed).get_state()
     cuda_rng = seeded_cuda_rng(seed, device_of(params))
     loss_scale = precision.init_loss_scale(device_of(params)) if precision is not None else None
     return TrainState(0, params, buffers, optimizer.init(params), hook_state, rng, cuda_rng, loss_scale)
+
+
+def _laid_out(plan: BucketPlan, params: Params) -> Params:
+    # One flat buffer per bucket where the step hands those to torch.func; params the plan
+    # was not made for are left as they are, for the first step to name what is wrong.
+    try:
+        check_state_against_plan(TrainState(0, params, {}, None, None, None), plan)
+    except (TypeError, ValueError):
+        return params
+    return lay_out(plan, params) if crosses_flat(plan) else params
 
 
 def state_nbytes(state: Any, grad_buffers: tuple[torch.Tensor, ...] = ()) -> int:

@@ -171,7 +171,7 @@ def make_train_step(
                          opts.reshard_after_forward)
     reducer = GradReducer(opts.precision.wrap(loss_fn), plan, hook, update.reduction_comm(comm), opts.schedule,
                           opts.timeline, compile=opts.compile, release_buffers=scatters(opts.zero_stage),
-                          gather=getattr(update, "gather", None))
+                          gather=getattr(update, "gather", None), flat_params=update.flat_params)
     verdicts = DeferredVerdicts()
     checked_state, state_mib = False, None
 
@@ -183,6 +183,8 @@ def make_train_step(
         if not checked_state:
             update.check_state(state)  # the params it steps, and that the ranks start from the same ones
             checks.check_hook_states(state.hook_state, hook, plan)
+            if opts.donate:  # params as one flat buffer per bucket, where the reducer hands them over so
+                state = state._replace(params=reducer.laid_out(state.params))
             checked_state = True
         state = state._replace(buffers=replicas.sync_buffers(state.buffers, comm, opts.sync_buffers))
         step = update.begin(state, reducer.flats)
@@ -233,13 +235,18 @@ def _explain(number: int, step: Any) -> Callable[[bool], FloatingPointError]:
     return explain
 
 
+def _mean_loss(losses: list[torch.Tensor]) -> torch.Tensor:
+    # One micro-batch's loss is its own mean: no stack and mean to issue for it.
+    return losses[0].detach() if len(losses) == 1 else torch.stack([loss.detach() for loss in losses]).mean()
+
+
 def _metrics(t0: float, computed: Any, step: Any, new_state: TrainState, scale_before: Any, scale_after: Any,
              skipped: bool, state_mib: float) -> dict:
     stats = computed.reduction.stats()
     wait_s = stats.wait_s + step.wait_s
     elapsed = time.perf_counter() - t0
     metrics = {
-        "loss": unscaled_loss(torch.stack([loss.detach() for loss in computed.losses]).mean(), scale_before),
+        "loss": unscaled_loss(_mean_loss(computed.losses), scale_before),
         "lr": current_lr(new_state.opt_state),
         "skipped": int(skipped),
         "step_s": elapsed,

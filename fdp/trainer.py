@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from fdp import checkpoint, zero
+from fdp import checkpoint, compiled, zero
 from fdp.build import RunParts, build_run, display_name
 from fdp.comm import Comm
 from fdp.data import check_global_batch, train_batches
@@ -89,12 +89,12 @@ def _announce(cfg: DictConfig, run_dir: RunDir, parts: RunParts, world: int, dev
     )
 
 
-def _make_step(cfg: DictConfig, parts: RunParts, comm: Comm, timeline: Timeline) -> TrainStep:
+def _make_step(cfg: DictConfig, parts: RunParts, comm: Comm, timeline: Timeline, compile: bool) -> TrainStep:
     tc = cfg.trainer
     options = dict(
         accum_steps=tc.accum_steps, schedule=tc.schedule, nonfinite=tc.nonfinite, timeline=timeline,
         donate=True,  # the loop never looks at a state again once it has the next
-        sync_buffers=tc.sync_buffers, precision=parts.precision, compile=tc.compile, zero_stage=tc.zero_stage,
+        sync_buffers=tc.sync_buffers, precision=parts.precision, compile=compile, zero_stage=tc.zero_stage,
         model=parts.model, reshard_after_forward=tc.reshard_after_forward,
     )
     loss_fn = make_loss_fn(parts.model, parts.criterion)
@@ -182,8 +182,12 @@ def _train(cfg: DictConfig, run_dir: RunDir, comm: Comm, device: torch.device) -
     if rank == 0:
         _announce(cfg, run_dir, parts, world, device)
     timeline = Timeline(rank) if tc.trace else NullTimeline()
-    train_step = _make_step(cfg, parts, comm, timeline)
     last_step = min(tc.max_steps, tc.stop_at or tc.max_steps)
+    blocked = "trainer.zero_stage=3 gathers params in module hooks, which do not compile" if tc.zero_stage == 3 else None
+    choice = compiled.choose(tc.compile, run_dir.path, device.type, last_step - state.step, comm, blocked)
+    if rank == 0:
+        log.info(choice.message)
+    train_step = _make_step(cfg, parts, comm, timeline, choice.compile)
     report = Report(cfg, run_dir, parts, comm, state.step, last_step)
     on_gpu = device.type == "cuda"
     batches = train_batches(parts.data, cfg.data.global_batch_size, cfg.seed, rank, world, state.step, last_step,
@@ -220,6 +224,9 @@ def _train(cfg: DictConfig, run_dir: RunDir, comm: Comm, device: torch.device) -
         if heartbeat is not None:
             heartbeat.stop()
         status.close()
+    rows = report.times.rows
+    if rank == 0 and rows:  # what this invocation measured, for the next one's trainer.compile=auto
+        compiled.write_record(run_dir.path, choice, rows[0]["step_s"], report.times.median("step_s"))
     return report.summary(state, device.type, interrupted)
 
 

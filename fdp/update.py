@@ -69,7 +69,14 @@ class StepUpdate(Protocol):
 
 
 class Update(Protocol):
-    """The update of every step of one train step function (see the module docstring)."""
+    """The update of every step of one train step function (see the module docstring).
+
+    ``flat_params``: whether the params it steps may be laid out one flat buffer per
+    bucket and so cross ``torch.func`` (``fdp.buckets.lay_out``); sharded params keep
+    ZeRO's own layout.
+    """
+
+    flat_params: bool
 
     def reduction_comm(self, comm: Comm) -> Any:
         """The comm the hook chain reduces over."""
@@ -110,9 +117,12 @@ class ReplicatedUpdate:
     the optimizer steps once every bucket is in (global-norm clipping needs them all).
     """
 
+    flat_params = True
+
     def __init__(self, optimizer: GradientTransformation, plan: BucketPlan, comm: Comm | None = None,
                  timeline: Timeline | None = None, donate: bool = False, early: bool = False):
         self.optimizer, self.plan, self.donate, self.early = optimizer, plan, donate, early
+        self._views: list[dict] | None = None  # the grad buffers' views, made once
         self.comm = comm or Comm()
         self.timeline = timeline or NullTimeline()
         self._per_bucket: bool | None = None  # decided on the first step: params keep their device and dtype
@@ -128,12 +138,14 @@ class ReplicatedUpdate:
         if self._per_bucket is None:
             self._per_bucket = (self.early and state.loss_scale is None and self.optimizer.elementwise
                                 and supports_inplace(self.optimizer, state.params))
-        return _ReplicatedStep(self, state, self._per_bucket)
+        if self._views is None and grad_buffers:
+            self._views = [slot_views(b, flat) for b, flat in zip(self.plan.buckets, grad_buffers)]
+        return _ReplicatedStep(self, state, self._per_bucket, grad_buffers)
 
 
 class _ReplicatedStep:
-    def __init__(self, owner: ReplicatedUpdate, state: Any, per_bucket: bool):
-        self.owner, self.state, self.per_bucket = owner, state, per_bucket
+    def __init__(self, owner: ReplicatedUpdate, state: Any, per_bucket: bool, grad_buffers: tuple):
+        self.owner, self.state, self.per_bucket, self.grad_buffers = owner, state, per_bucket, grad_buffers
         self.params = state.params
         self.grads: list[dict] = [{}] * len(owner.plan.buckets)
         self.flags: list[torch.Tensor | None] = [None] * len(owner.plan.buckets)  # by bucket index
@@ -142,7 +154,9 @@ class _ReplicatedStep:
 
     def reduced(self, index: int, buffer: torch.Tensor) -> None:
         owner = self.owner
-        self.grads[index] = slot_views(owner.plan.buckets[index], buffer)
+        # A chain that reduces in place hands back the reducer's own buffer, whose views are made once.
+        mine = bool(self.grad_buffers) and buffer is self.grad_buffers[index]
+        self.grads[index] = dict(owner._views[index]) if mine else slot_views(owner.plan.buckets[index], buffer)
         self.flags[index] = finite_flag(buffer)
         if self.per_bucket:  # every call of one step gets the same state and returns the same new one
             with owner.timeline.span("optimizer", bucket=index):

@@ -112,7 +112,8 @@ def _validate_trainer(cfg: Any) -> None:
                  f"0 with outer={cfg.outer.name} (an outer loop keeps whole optimizer states)")
         _require(not cfg.world.hierarchical, "trainer.zero_stage", t.zero_stage, "0 with world.hierarchical=true")
     if t.zero_stage == 3:
-        _require(not t.compile, "trainer.compile", t.compile, "false with trainer.zero_stage=3 (its gathers run in module hooks)")
+        _require(t.compile is not True, "trainer.compile", t.compile,
+                 "auto or false with trainer.zero_stage=3 (its gathers run in module hooks)")
     _as_config_key("optim", lambda spec: build_optimizer(spec, t.max_steps), _container(cfg.optim))
     if t.tensorboard:
         check_tensorboard()

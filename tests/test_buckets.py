@@ -192,3 +192,48 @@ def test_docstring_examples_run():
 
     result = doctest.testmod(fdp.buckets)
     assert result.attempted > 10 and result.failed == 0
+
+
+def test_lay_out_keeps_names_order_and_values_in_one_buffer_per_bucket():
+    from fdp.buckets import flat_buffers, lay_out
+
+    plan = pack_into_buckets(
+        [("b", (3,), "float32", "cpu"), ("w", (2, 3), "float32", "cpu"), ("s", (), "float32", "cpu")], bucket_cap_mb=1e-5,
+        first_bucket_cap_mb=1e-5,
+    )
+    params = {"w": torch.arange(6.0).reshape(2, 3), "s": torch.tensor(7.0), "b": torch.tensor([1.0, 2.0, 3.0])}
+    laid = lay_out(plan, params)
+    assert list(laid) == list(params) and all(torch.equal(laid[n], params[n]) for n in params)
+    flats = flat_buffers(plan, laid)
+    assert len(flats) == len(plan.buckets) > 1
+    for bucket, flat in zip(plan.buckets, flats):
+        assert flat.numel() == bucket.numel
+        for slot in bucket.slots:  # each param is its slot of the bucket's buffer
+            assert laid[slot.name].data_ptr() == flat.data_ptr() + slot.offset * 4
+    flats[0].add_(1.0)  # the buffers are the params' memory
+    assert torch.equal(laid[plan.buckets[0].slots[0].name], params[plan.buckets[0].slots[0].name] + 1)
+
+
+def test_flat_buffers_refuse_params_not_laid_out_as_the_plan_says():
+    from fdp.buckets import flat_buffers, lay_out
+
+    plan = pack_into_buckets([("a", (2,), "float32", "cpu"), ("b", (2, 2), "float32", "cpu")])
+    laid = lay_out(plan, {"a": torch.ones(2), "b": torch.ones(2, 2)})
+    assert flat_buffers(plan, laid) is not None
+    assert flat_buffers(plan, {"a": torch.ones(2), "b": torch.ones(2, 2)}) is None  # separate tensors
+    assert flat_buffers(plan, {**laid, "b": laid["b"].t()}) is None  # the right memory, not contiguous
+    assert flat_buffers(plan, {"a": laid["b"].reshape(-1)[:2], "b": laid["b"]}) is None  # another offset
+    assert flat_buffers(plan, {k: v.double() for k, v in laid.items()}) is None
+
+
+def test_views_in_split_a_bucket_and_their_gradient_is_the_flat_one():
+    from fdp.buckets import views_in
+
+    plan = pack_into_buckets([("b", (2,), "float32", "cpu"), ("w", (2, 3), "float32", "cpu"), ("s", (), "float32", "cpu")])
+    flat = torch.arange(9.0, requires_grad=True)
+    views = dict(zip(plan.buckets[0].names, views_in(plan.buckets[0], flat)))
+    assert {n: tuple(v.shape) for n, v in views.items()} == {"b": (2,), "w": (2, 3), "s": ()}
+    (views["w"].sum() * 2 + views["s"] * 3).backward()  # "b" unused: zeros in its slot
+    order = [s.name for s in plan.buckets[0].slots]
+    expected = torch.cat([{"b": torch.zeros(2), "w": torch.full((6,), 2.0), "s": torch.tensor([3.0])}[n] for n in order])
+    assert torch.equal(flat.grad, expected)

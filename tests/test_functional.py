@@ -87,3 +87,59 @@ def test_tied_weights_follow_the_one_tensor_given_for_them():
     tokens = torch.randint(0, 7, (8,))
     out, _ = model.apply(moved, buffers, tokens, training=False)
     torch.testing.assert_close(out, reference(tokens), rtol=0, atol=0)
+
+
+def test_grad_and_value_through_vjp_equals_torch_func_s_bit_for_bit():
+    """Same grads, loss and aux (BatchNorm's new statistics) as torch.func.grad_and_value."""
+    from fdp.functional import grad_and_value as vjp_grad_and_value
+
+    torch.manual_seed(0)
+    model, params, buffers = functionalize(_Tied())
+    tokens, targets = torch.randint(0, 7, (8,)), torch.randint(0, 7, (8,))
+
+    def loss_fn(p, b, batch):
+        out, new_buffers = model.apply(p, b, batch[0])
+        return nn.functional.cross_entropy(out, batch[1]), (new_buffers, {"max": out.max()})
+
+    grads, (loss, (new_buffers, extra)) = vjp_grad_and_value(loss_fn)(params, buffers, (tokens, targets))
+    ref_grads, (ref_loss, (ref_buffers, ref_extra)) = grad_and_value(loss_fn, has_aux=True)(params, buffers, (tokens, targets))
+    assert grads.keys() == ref_grads.keys() and all(torch.equal(grads[n], ref_grads[n]) for n in grads)
+    assert torch.equal(loss, ref_loss) and torch.equal(extra["max"], ref_extra["max"])
+    assert all(torch.equal(new_buffers[n], ref_buffers[n]) for n in ref_buffers)
+    assert not any(g.requires_grad for g in grads.values()) and not loss.requires_grad
+
+
+class _Fails(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    def forward(self, x):
+        if x.sum() > 100:
+            raise RuntimeError("forward failed")
+        return self.lin(x)
+
+
+def test_apply_puts_the_module_s_own_tensors_back_even_when_the_forward_raises():
+    module = _Fails()
+    own = {n: p for n, p in module.named_parameters()}
+    model, params, buffers = functionalize(module)
+    zeros = {n: torch.zeros_like(p) for n, p in params.items()}
+    out, _ = model.apply(zeros, buffers, torch.ones(1, 2))
+    assert torch.equal(out, torch.zeros(1, 2))  # ran on the tensors given
+    try:
+        model.apply(zeros, buffers, torch.full((1, 2), 1000.0))
+    except RuntimeError as error:
+        assert str(error) == "forward failed"
+    assert all(dict(module.named_parameters())[n] is own[n] for n in own)  # the module's own again
+    assert all(isinstance(p, nn.Parameter) for p in module.parameters())
+
+
+def test_apply_takes_names_the_module_does_not_hold_through_functional_call():
+    torch.manual_seed(0)
+    module = nn.Linear(3, 2)
+    model, params, buffers = functionalize(module)
+    # An extra plain attribute a forward might read: not a registered tensor, so torch's path sets it.
+    out, _ = model.apply({**params, "scale": torch.tensor(2.0)}, buffers, torch.ones(1, 3))
+    torch.testing.assert_close(out, module(torch.ones(1, 3)), rtol=0, atol=0)
+    assert not hasattr(module, "scale")

@@ -146,6 +146,11 @@ def test_a_two_gpu_checkpoint_resumes_on_one(tmp_path):
 
 def _small_charlm_step(nonfinite: str = "raise", zero_stage: int = 0):
     """A 2-layer char transformer on GPU 0 in several buckets: ``(train_step, state, batch)`` after 3 steps."""
+    return _small_charlm(nonfinite, zero_stage)[:3]
+
+
+def _small_charlm(nonfinite: str = "raise", zero_stage: int = 0):
+    """``_small_charlm_step``'s pieces and the bucket plan."""
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     torch.manual_seed(0)
@@ -158,17 +163,30 @@ def _small_charlm_step(nonfinite: str = "raise", zero_stage: int = 0):
     assert len(plan) > 1
     optimizer = fdp.adamw(1e-3)
     if zero_stage:
-        state = fdp.zero.init_state(params, buffers, optimizer, plan, fdp.Comm())
+        state = fdp.zero.init_state(params, buffers, optimizer, plan, fdp.Comm(), stage=zero_stage)
     else:
         state = fdp.init_train_state(params, buffers, optimizer, plan)
-    train_step = fdp.make_train_step(loss_fn, optimizer, plan, donate=True, nonfinite=nonfinite, zero_stage=zero_stage)
+    train_step = fdp.make_train_step(loss_fn, optimizer, plan, donate=True, nonfinite=nonfinite, zero_stage=zero_stage,
+                                     model=model)
     for _ in range(3):  # first steps decide and allocate once
         state, _ = train_step(state, batch)
     torch.cuda.synchronize()
-    return train_step, state, batch
+    return train_step, state, batch, plan
 
 
-@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_zero_stage_three_on_the_gpu_equals_stage_zero():
+    """Stage 3's gathers and reduce-scatters on CUDA tensors (a world of one: each bucket gathered and released)."""
+    finals = {}
+    for stage in (0, 3):
+        train_step, state, batch, plan = _small_charlm(zero_stage=stage)
+        for _ in range(5):
+            state, _ = train_step(state, batch)
+        finals[stage] = fdp.zero.whole_params(state, plan, fdp.Comm())
+    for name, p in finals[0].items():
+        torch.testing.assert_close(finals[3][name], p, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 3])
 def test_a_train_step_returns_while_the_gpu_still_works_on_it(zero_stage):
     train_step, state, batch = _small_charlm_step(zero_stage=zero_stage)
     # ~0.4 s of matmuls ahead of the step on the same stream: a step that waited for its

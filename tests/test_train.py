@@ -124,3 +124,77 @@ def test_nonfinite_skip_keeps_params_and_counts():
     new, metrics = step(state, (x, y))
     assert metrics["skipped"] == 1 and new.step == 1
     _assert_trees_equal(new.params, state.params)
+
+
+def _tied_lm():
+    from fdp.models import CharTransformer
+
+    return CharTransformer(vocab_size=16, block_size=8, d_model=8, n_layer=2, n_head=2)  # a tied head
+
+
+@pytest.mark.parametrize("make,batch", [
+    (ConvNet, lambda: _digits_batch(0, 16)),  # BatchNorm buffers through the step
+    (_tied_lm, lambda: (torch.randint(0, 16, (4, 8)), torch.randint(0, 16, (4, 8)))),
+])
+@pytest.mark.parametrize("schedule", ["after", "overlap"])
+def test_params_laid_out_flat_step_as_separate_tensors_do_bit_for_bit(make, batch, schedule):
+    """The state's params are one flat buffer per bucket; the step crosses torch.func with those."""
+    from fdp.buckets import flat_buffers
+    from fdp.reduce import GradReducer
+
+    torch.manual_seed(0)
+    module, example = make(), batch()
+    model, params, buffers = functionalize(module)
+    loss_fn = cross_entropy_loss(model)
+    plan = plan_buckets(planner_loss(loss_fn, buffers), params, example, bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005)
+    assert len(plan.buckets) > 2
+    calls = []
+    flat_loss = GradReducer._flat_loss
+
+    def counted(self, *args):
+        calls.append(1)
+        return flat_loss(self, *args)
+
+    ends = []
+    for flat in (True, False):
+        opt = adam(1e-2)
+        state = init_train_state(params, buffers, opt, plan)
+        assert flat_buffers(plan, state.params) is not None
+        if not flat:  # the same values as separate tensors
+            state = state._replace(params={k: v.clone() for k, v in state.params.items()})
+        laid_out = GradReducer.laid_out
+        GradReducer._flat_loss = counted
+        if not flat:
+            GradReducer.laid_out = lambda self, p: p
+        try:
+            step = make_train_step(loss_fn, opt, plan, accum_steps=2, schedule=schedule, donate=True)
+            calls.clear()
+            for i in range(3):
+                state, metrics = step(state, example)
+        finally:
+            GradReducer._flat_loss, GradReducer.laid_out = flat_loss, laid_out
+        assert len(calls) == (6 if flat else 0)  # 3 steps x 2 micro-batches
+        ends.append((state, metrics["loss"]))
+    (a, loss_a), (b, loss_b) = ends
+    _assert_trees_equal(a.params, b.params)
+    _assert_trees_equal(a.buffers, b.buffers)
+    _assert_trees_equal(a.opt_state, b.opt_state)
+    assert torch.equal(loss_a, loss_b)
+
+
+def test_a_donated_state_not_laid_out_is_laid_out_once_then_stepped_in_place():
+    torch.manual_seed(0)
+    from fdp.buckets import flat_buffers
+
+    module, batch = MLP(8, 8, 2, 3), (torch.randn(4, 8), torch.randint(0, 3, (4,)))
+    model, params, buffers = functionalize(module)
+    loss_fn = cross_entropy_loss(model)
+    plan = plan_buckets(planner_loss(loss_fn, buffers), params, batch)
+    state = init_train_state(params, buffers, sgd(0.1), plan)
+    state = state._replace(params={k: v.clone() for k, v in state.params.items()})  # as a checkpoint restores them
+    step = make_train_step(loss_fn, sgd(0.1), plan, donate=True)
+    state, _ = step(state, batch)
+    assert flat_buffers(plan, state.params) is not None
+    first = dict(state.params)
+    state, _ = step(state, batch)
+    assert all(state.params[n] is t for n, t in first.items())  # in place from then on

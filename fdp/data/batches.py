@@ -162,6 +162,8 @@ def split_micro_batches(batch: Any, accum_steps: int) -> list:
     """
     batch = as_batch(batch)
     micro = check_micro_batches(batch_size(batch), accum_steps)
+    if accum_steps == 1:  # the batch itself: slicing it whole would only add ops to the step
+        return [batch]
     return [_rows(batch, i * micro, (i + 1) * micro) for i in range(accum_steps)]
 
 

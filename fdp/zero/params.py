@@ -37,6 +37,8 @@ class ParamShardedUpdate:
     bucket before its params are read. ``gather`` is handed to the ``GradReducer``.
     """
 
+    flat_params = False
+
     def __init__(self, optimizer: GradientTransformation, plan: BucketPlan, comm: Comm, model: FunctionalModel | None,
                  reshard_after_forward: bool = True, timeline: Timeline | None = None, donate: bool = False,
                  early: bool = False):
