@@ -132,8 +132,11 @@ def _fsdp2(spec: dict, comm, warmup: int, steps: int) -> dict:
 def _count_collectives() -> list[int]:
     """Count the bytes this rank hands to all-gathers and reduce-scatters (FSDP2 calls these)."""
     sent = [0]
-    for name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
-        original = getattr(dist, name)
+    # torch 2.13 renamed the flat collectives (all_gather_single, reduce_scatter_single); FSDP2 calls one name or the other.
+    for name in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_single", "reduce_scatter_single"):
+        original = getattr(dist, name, None)
+        if original is None:
+            continue
 
         def counting(output, input, *args, _original=original, **kwargs):
             sent[0] += input.numel() * input.element_size()
