@@ -9,7 +9,6 @@ all-gathered after the optimizer: the next step's forward gathers what it reads.
 """
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
@@ -21,11 +20,12 @@ from fdp.functional import FunctionalModel
 from fdp.optim import GradientTransformation, apply_gradients
 from fdp.plan import BucketPlan
 from fdp.trace import NullTimeline, Timeline
-from fdp.update import describe_bucket, finite_flag
+from fdp.update import finite_flag
 from fdp.zero.convert import is_sharded, params_sharded
 from fdp.zero.gather import ParamGather
 from fdp.zero.layout import shard_key, shard_range
 from fdp.zero.scatter import ScatterComm
+from fdp.zero.slice_step import SliceStep
 
 __all__ = ["ParamShardedUpdate"]
 
@@ -67,15 +67,13 @@ class ParamShardedUpdate:
         return _ParamShardedStep(self, state, per_bucket)
 
 
-class _ParamShardedStep:
+class _ParamShardedStep(SliceStep):
     def __init__(self, owner: ParamShardedUpdate, state: Any, per_bucket: bool):
-        self.owner, self.state, self.per_bucket = owner, state, per_bucket
+        super().__init__(owner, sliced=True)
+        self.state, self.per_bucket = state, per_bucket
         self.params = owner.gather.views
-        self.rank, self.world = owner.comm.rank, owner.comm.world_size
         self.grads: dict[str, torch.Tensor] = {}
         self.opt_state = state.opt_state
-        self.flags: list[torch.Tensor | None] = [None] * len(owner.plan.buckets)
-        self.wait_s = 0.0
 
     def reduced(self, index: int, buffer: torch.Tensor) -> None:
         """Take this rank's slice of bucket ``index``'s reduced gradient; step it now where allowed."""
@@ -94,16 +92,6 @@ class _ParamShardedStep:
         else:
             self.grads[key] = buffer
 
-    def verdict(self) -> torch.Tensor:
-        owner = self.owner
-        ok = torch.stack(self.flags).all()
-        if self.world > 1:  # each rank saw only its slices
-            t0 = time.perf_counter()
-            bad = owner.comm.allreduce((~ok).to(torch.float32).reshape(1)).wait()
-            self.wait_s += time.perf_counter() - t0
-            ok = bad[0] == 0
-        return ok.reshape(1)
-
     def finish(self) -> tuple[dict, Any]:
         """Step the slices not stepped yet; ``(params, opt_state)``, the params this rank's slices."""
         owner = self.owner
@@ -113,12 +101,3 @@ class _ParamShardedStep:
             return apply_gradients(owner.optimizer, self.grads, self.state.opt_state, self.state.params,
                                    donate=owner.donate, sum_across=self._sum_across)
 
-    def _sum_across(self, tensor: torch.Tensor) -> torch.Tensor:
-        t0 = time.perf_counter()
-        total = self.owner.comm.allreduce(tensor.clone()).wait()
-        self.wait_s += time.perf_counter() - t0
-        return total
-
-    def nonfinite_where(self, late: bool) -> str:
-        bad = [index for index, ok in enumerate(self.flags) if ok is not None and not bool(ok)]
-        return describe_bucket(self.owner.plan, bad[0]) if bad else "a bucket of another rank's slice"

@@ -22,10 +22,11 @@ from fdp.comm import Comm, Pending
 from fdp.optim import GradientTransformation, apply_gradients
 from fdp.plan import BucketPlan
 from fdp.trace import NullTimeline, Timeline
-from fdp.update import describe_bucket, finite_flag
+from fdp.update import finite_flag
 from fdp.zero.convert import is_sharded
 from fdp.zero.layout import flats_of, param_views, shard_key, shard_range
 from fdp.zero.scatter import ScatterComm
+from fdp.zero.slice_step import SliceStep
 
 __all__ = ["ShardedUpdate"]
 
@@ -60,11 +61,11 @@ class ShardedUpdate:
         return _ShardedStep(self, state, grad_buffers, per_bucket)
 
 
-class _ShardedStep:
+class _ShardedStep(SliceStep):
     def __init__(self, owner: ShardedUpdate, state: Any, grad_buffers: tuple[torch.Tensor, ...], per_bucket: bool):
-        self.owner, self.state, self.grad_buffers, self.per_bucket = owner, state, grad_buffers, per_bucket
+        super().__init__(owner, sliced=owner.stage == 2)
+        self.state, self.grad_buffers, self.per_bucket = state, grad_buffers, per_bucket
         plan = owner.plan
-        self.rank, self.world = owner.comm.rank, owner.comm.world_size
         # A step that may not touch ``state`` (donate=False) works on copies of the params.
         self.flats = flats_of(state.params, plan, self.world, copy=not owner.donate)
         self.params = dict(state.params) if owner.donate else param_views(plan, self.flats, list(state.params))
@@ -72,8 +73,6 @@ class _ShardedStep:
         self.grads: dict[str, torch.Tensor] = {}
         self.gathers: list[Pending] = []
         self.opt_state = state.opt_state
-        self.flags: list[torch.Tensor | None] = [None] * len(plan.buckets)
-        self.wait_s = 0.0
 
     def _param_slices(self, indices) -> dict[str, torch.Tensor]:
         return {shard_key(i): self.flats[i][slice(*self.ranges[i])] for i in indices}
@@ -110,13 +109,6 @@ class _ShardedStep:
         # The updated slice already sits in its place in the flat buffer: gathered in place.
         self.gathers.append(self.owner.comm.all_gather_into(self.flats[index], self.flats[index][start:stop]))
 
-    def verdict(self) -> torch.Tensor:
-        ok = torch.stack(self.flags).all()
-        if self.owner.stage == 2 and self.world > 1:  # each rank saw only its slices
-            bad = self.owner.comm.allreduce((~ok).to(torch.float32).reshape(1)).wait()
-            ok = bad[0] == 0
-        return ok.reshape(1)
-
     def finish(self) -> tuple[dict, Any]:
         """Step the slices not stepped yet, wait for every all-gather; ``(params, opt_state)``."""
         owner = self.owner
@@ -140,12 +132,3 @@ class _ShardedStep:
         self.wait_s += time.perf_counter() - t0
         return self.params, self.opt_state
 
-    def _sum_across(self, tensor: torch.Tensor) -> torch.Tensor:
-        t0 = time.perf_counter()
-        total = self.owner.comm.allreduce(tensor.clone()).wait()
-        self.wait_s += time.perf_counter() - t0
-        return total
-
-    def nonfinite_where(self, late: bool) -> str:
-        bad = [index for index, ok in enumerate(self.flags) if ok is not None and not bool(ok)]
-        return describe_bucket(self.owner.plan, bad[0]) if bad else "a bucket of another rank's slice"
