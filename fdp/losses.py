@@ -36,7 +36,7 @@ from fdp.precision import Precision
 from fdp.targets import label, locate
 
 __all__ = [
-    "TokenCrossEntropy", "UnreadableOutput", "Weighted", "batch_metrics", "build_loss", "cross_entropy",
+    "TokenCrossEntropy", "TokenWeightedLoss", "UnreadableOutput", "Weighted", "batch_metrics", "build_loss", "cross_entropy",
     "cross_entropy_loss", "eval_metrics", "logits_of", "make_loss_fn", "mse", "planner_loss", "weigh_micro_batches",
 ]
 
@@ -219,10 +219,9 @@ def weigh_micro_batches(loss_fn: Callable, micro_batches: list, comm: Comm) -> l
     >>> [(int(w.total), w.units) for w in weigh_micro_batches(loss_fn, batches, Comm())]
     [(3, 2), (3, 2)]
     """
-    counted = getattr(loss_fn, "counted", None)
-    if counted is None:
+    if not isinstance(loss_fn, TokenWeightedLoss):
         return micro_batches
-    total = torch.stack([counted(batch) for batch in micro_batches]).sum()
+    total = torch.stack([loss_fn.counted(batch) for batch in micro_batches]).sum()
     if comm.world_size > 1:
         total = comm.allreduce(total).wait()
     units = comm.world_size * len(micro_batches)
@@ -234,8 +233,8 @@ def make_loss_fn(model: FunctionalModel, criterion: Criterion) -> Callable:
 
     The batch is split by ``fdp.data.model_inputs``: a dict's entries but ``labels`` go to
     the model by name, ``labels`` to ``criterion``. A criterion that counts its targets
-    (``counted``, ``summed``: ``TokenCrossEntropy``) gives a ``loss_fn`` with ``counted``,
-    and the step hands it ``Weighted`` micro-batches (``weigh_micro_batches``).
+    (``counted``, ``summed``: ``TokenCrossEntropy``) gives a ``TokenWeightedLoss``, to
+    which the step hands ``Weighted`` micro-batches (``weigh_micro_batches``).
 
     >>> from fdp.functional import functionalize
     >>> model, params, buffers = functionalize(torch.nn.Linear(3, 2))
@@ -243,23 +242,45 @@ def make_loss_fn(model: FunctionalModel, criterion: Criterion) -> Callable:
     >>> loss.shape
     torch.Size([])
     """
-    counts = callable(getattr(criterion, "counted", None)) and callable(getattr(criterion, "summed", None))
+    if _counts_targets(criterion):
+        return TokenWeightedLoss(model, criterion)
 
     def loss_fn(params: Params, buffers: Buffers, batch):
-        if counts and isinstance(batch, Weighted):
-            inner, total, units = batch
-            args, kwargs, targets = model_inputs(inner)
-            outputs, new_buffers = model.apply(params, buffers, *args, **kwargs)
-            summed = criterion.summed(outputs, targets)
-            # units / total in float64: exactly 1 / (count per micro-batch) when the counts are all equal.
-            return summed * (units / total.clamp_min(1).double()).to(summed.dtype), (new_buffers, {})
         args, kwargs, targets = model_inputs(batch)
         outputs, new_buffers = model.apply(params, buffers, *args, **kwargs)
         return criterion(outputs, targets), (new_buffers, {})
 
-    if counts:
-        loss_fn.counted = lambda batch: criterion.counted(model_inputs(batch)[2])
     return loss_fn
+
+
+def _counts_targets(criterion: Criterion) -> bool:
+    """Whether ``criterion`` is a mean over the targets it counts (``counted`` and ``summed``)."""
+    return callable(getattr(criterion, "counted", None)) and callable(getattr(criterion, "summed", None))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # compared and hashed as itself, like a function
+class TokenWeightedLoss:
+    """The ``loss_fn`` of a criterion that counts its targets: a ``Weighted`` micro-batch's
+    loss is its summed loss over the global batch's count, so the step's mean is over
+    every counted target, however the batch is split; a plain batch gets the criterion's mean.
+    """
+
+    model: FunctionalModel
+    criterion: Criterion
+
+    def __call__(self, params: Params, buffers: Buffers, batch):
+        weighted = isinstance(batch, Weighted)
+        args, kwargs, targets = model_inputs(batch.batch if weighted else batch)
+        outputs, new_buffers = self.model.apply(params, buffers, *args, **kwargs)
+        if not weighted:
+            return self.criterion(outputs, targets), (new_buffers, {})
+        summed = self.criterion.summed(outputs, targets)
+        # units / total in float64: exactly 1 / (count per micro-batch) when the counts are all equal.
+        return summed * (batch.units / batch.total.clamp_min(1).double()).to(summed.dtype), (new_buffers, {})
+
+    def counted(self, batch) -> Tensor:
+        """The targets of ``batch`` its mean runs over (int64 scalar)."""
+        return self.criterion.counted(model_inputs(batch)[2])
 
 
 def cross_entropy_loss(model: FunctionalModel) -> Callable:
@@ -310,7 +331,7 @@ def batch_metrics(criterion: Criterion, outputs: Any, targets: Tensor) -> tuple[
     >>> batch_metrics(mse, torch.zeros(2, 1), torch.ones(2, 1))
     (2.0, 2, 0, 0)
     """
-    if callable(getattr(criterion, "counted", None)) and callable(getattr(criterion, "summed", None)):
+    if _counts_targets(criterion):
         weight = int(criterion.counted(targets))
         loss = criterion.summed(outputs, targets).item()
     else:
