@@ -34,7 +34,6 @@ import datetime
 import json
 import os
 import platform
-import re
 import statistics
 import sys
 import time
@@ -47,14 +46,13 @@ if str(REPO) not in sys.path:  # run as a script: make ``fdp`` and this module i
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from benchmarks._proc import reset_peak, status_mib  # noqa: E402
+
 RESULTS = REPO / "benchmarks" / "results"
 LR = 1e-3
 BUCKET_CAP_MB, FIRST_BUCKET_CAP_MB = 25.0, 1.0
 SIDES = ("fdp stage 0", "fdp stage 1", "fdp stage 2", "fdp stage 3", "FSDP2")
 
-
-def _status_mib(field: str) -> float:
-    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) / 1024
 
 
 def _module(spec: dict):
@@ -153,15 +151,15 @@ def _timed(step, state, warmup: int, steps: int, n_params: int, measure) -> dict
     dist.barrier()
     for _ in range(warmup):
         state, m = step(state)
-    warm_peak = _status_mib("VmHWM")
-    Path("/proc/self/clear_refs").write_text("5")
+    warm_peak = status_mib("VmHWM")
+    reset_peak()
     times, sent = [], []
     for _ in range(steps):
         state, m = step(state)
         times.append(m["step_s"])
     state_mib, bytes_sent, loss = measure(m, state)
     return {"params": n_params, "state_mib": state_mib, "ms": [1e3 * t for t in times], "bytes_sent": bytes_sent,
-            "timed_peak_mib": _status_mib("VmHWM"), "warm_peak_mib": warm_peak, "loss": loss}
+            "timed_peak_mib": status_mib("VmHWM"), "warm_peak_mib": warm_peak, "loss": loss}
 
 
 def worker(spec: dict, side: str, world: int, warmup: int, steps: int) -> dict:
@@ -171,7 +169,7 @@ def worker(spec: dict, side: str, world: int, warmup: int, steps: int) -> dict:
     tune_allocator(sharded_params=side in ("fdp stage 3", "FSDP2"))
     comm = init_distributed(WorldLayout("elastic", nproc_per_node=world, backend="gloo", timeout_s=1200))
     torch.set_num_threads(1)
-    base = _status_mib("VmRSS")
+    base = status_mib("VmRSS")
     out = _fsdp2(spec, comm, warmup, steps) if side == "FSDP2" else _fdp(spec, int(side[-1]), comm, warmup, steps)
     dist.destroy_process_group()
     return {**out, "base_mib": base}
@@ -249,9 +247,6 @@ def _table(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _loadavg() -> float:
-    return float(Path("/proc/loadavg").read_text().split()[0])
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -266,7 +261,7 @@ def main() -> None:
     d_model, layers = (256, 8) if args.quick else (args.d_model, args.layers)
     spec = {"vocab": 256, "seq": 64, "d_model": d_model, "n_layer": layers, "n_head": max(1, d_model // 64), "batch": 2}
     warmup, steps = (1, 2) if args.quick else (args.warmup, args.steps)
-    load_before, t0 = _loadavg(), time.perf_counter()
+    load_before, t0 = os.getloadavg()[0], time.perf_counter()
     rows = []
     for world in args.worlds:
         for side in args.sides:
@@ -275,7 +270,7 @@ def main() -> None:
             print(_line(row, rows), flush=True)
     meta = {
         "date": datetime.date.today().isoformat(), "torch": torch.__version__, "python": platform.python_version(),
-        "machine": platform.machine(), "cpus": os.cpu_count(), "load_before": load_before, "load_after": _loadavg(),
+        "machine": platform.machine(), "cpus": os.cpu_count(), "load_before": load_before, "load_after": os.getloadavg()[0],
         "wall_s": time.perf_counter() - t0, "warmup": warmup, "steps": steps, "spec": spec,
     }
     table = _table(rows, meta)

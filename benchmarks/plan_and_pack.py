@@ -25,7 +25,6 @@ import json
 import math
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -35,17 +34,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "plan_and_pack.md"
 MiB = 2**20
+if str(REPO) not in sys.path:  # run as a script: make ``benchmarks`` importable
+    sys.path.insert(0, str(REPO))
 
+from benchmarks._proc import reset_peak, status_mib  # noqa: E402
 
 # ----------------------------------------------------------------------------- children
-
-
-def _status_mib(field: str) -> float:
-    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) / 1024
-
-
-def _reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")
 
 
 def _child_plan(args: dict) -> dict:
@@ -129,14 +123,14 @@ def _child_pack(args: dict) -> dict:
     out = step()  # first call: builds the cached slot aliases (fdp), checks results
     assert all(torch.equal(out[n], grads[n]) for n in grads)
     del out
-    rss_before = _status_mib("VmRSS")
-    _reset_peak()
+    rss_before = status_mib("VmRSS")
+    reset_peak()
     times, kept = [], None
     for _ in range(args["repeats"]):
         t0 = time.perf_counter()
         kept = step()  # keep the result alive like a training loop does until the next step
         times.append(time.perf_counter() - t0)
-    peak = _status_mib("VmHWM") - rss_before
+    peak = status_mib("VmHWM") - rss_before
     return {
         "params": sum(numels),
         "tensors": len(shapes),

@@ -60,7 +60,6 @@ import importlib.util
 import json
 import os
 import platform
-import re
 import statistics
 import sys
 import time
@@ -73,6 +72,8 @@ if str(REPO) not in sys.path:  # run as a script: make ``fdp`` and this module i
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
+from benchmarks._proc import reset_peak, status_mib  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 NOTES_MARKER = "## Notes"
@@ -92,12 +93,6 @@ HOOK_MODULES = ["fdp.hooks.compress", "fdp.hooks.powersgd", "fdp.hooks.registry"
 # ----------------------------------------------------------------------------- memory
 
 
-def _status_mib(field: str) -> float:
-    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) / 1024
-
-
-def _reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")
 
 
 def _release_memory() -> None:
@@ -281,14 +276,14 @@ def _measure_model(
         shift = rep % len(variants)
         for variant in variants[shift:] + variants[:shift]:
             _release_memory()
-            base = _status_mib("VmRSS")
-            _reset_peak()
+            base = status_mib("VmRSS")
+            reset_peak()
             step = _build(variant, spec, batch)
             dist.barrier()
             for _ in range(warmup):
                 step()
-            build_peak = _status_mib("VmHWM")
-            _reset_peak()  # the reported peak is that of the timed (steady-state) steps
+            build_peak = status_mib("VmHWM")
+            reset_peak()  # the reported peak is that of the timed (steady-state) steps
             times, waits, cpus = [], [], []
             for _ in range(steps):
                 c0, t0 = time.process_time(), time.perf_counter()  # process CPU: all threads, ns clock
@@ -299,7 +294,7 @@ def _measure_model(
             rec["ms"] += [1e3 * t for t in times]
             rec["wait_ms"] += [1e3 * w for w in waits]
             rec["cpu_ms"] += [1e3 * c for c in cpus]
-            rec["peak_mib"].append(_status_mib("VmHWM"))
+            rec["peak_mib"].append(status_mib("VmHWM"))
             rec["build_peak_mib"].append(build_peak)
             rec["base_mib"].append(base)
             rec["buckets"] = getattr(step, "buckets", None)
@@ -329,14 +324,14 @@ def rss_worker(model_name: str, variant: str, warmup: int, steps: int, allocator
     torch.set_num_threads(1)
     spec = MODELS[model_name]
     batch = batch_for(spec, comm.rank)
-    base = _status_mib("VmRSS")
+    base = status_mib("VmRSS")
     step = _build(variant, spec, batch)
     for _ in range(warmup):
         step()
-    _reset_peak()
+    reset_peak()
     for _ in range(steps):
         step()
-    peak = _status_mib("VmHWM")
+    peak = status_mib("VmHWM")
     dist.destroy_process_group()
     return base, peak
 

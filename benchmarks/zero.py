@@ -40,7 +40,6 @@ import datetime
 import json
 import os
 import platform
-import re
 import statistics
 import sys
 import time
@@ -53,6 +52,8 @@ if str(REPO) not in sys.path:  # run as a script: make ``fdp`` and this module i
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from benchmarks._proc import reset_peak, status_mib  # noqa: E402
+
 from benchmarks.vs_ddp import batch_for, module_for  # noqa: E402  (the same models and batches)
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -64,9 +65,6 @@ MODELS = {
 }
 STAGES = (0, 1, 2)
 
-
-def _status_mib(field: str) -> float:
-    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) / 1024
 
 
 def worker(model_name: str, stage: int, world: int, warmup: int, steps: int) -> dict:
@@ -85,7 +83,7 @@ def worker(model_name: str, stage: int, world: int, warmup: int, steps: int) -> 
     torch.set_num_threads(1)
     spec = MODELS[model_name]
     batch = batch_for(spec, comm.rank)
-    base = _status_mib("VmRSS")
+    base = status_mib("VmRSS")
     model, params, buffers = functionalize(module_for(spec), keep_module_weights=False)
     n_params = sum(p.numel() for p in params.values())
     loss_fn = cross_entropy_loss(model)
@@ -102,8 +100,8 @@ def worker(model_name: str, stage: int, world: int, warmup: int, steps: int) -> 
     dist.barrier()
     for _ in range(warmup):
         state, m = step(state, batch)
-    warm_peak = _status_mib("VmHWM")  # build and warm-up
-    Path("/proc/self/clear_refs").write_text("5")
+    warm_peak = status_mib("VmHWM")  # build and warm-up
+    reset_peak()
     times, waits, sent = [], [], []
     for _ in range(steps):
         state, m = step(state, batch)
@@ -113,7 +111,7 @@ def worker(model_name: str, stage: int, world: int, warmup: int, steps: int) -> 
     out = {
         "params": n_params, "buckets": len(plan), "schedule": schedule, "state_mib": m["state_mib"],
         "ms": [1e3 * t for t in times], "wait_ms": [1e3 * w for w in waits], "bytes_sent": statistics.median(sent),
-        "timed_peak_mib": _status_mib("VmHWM"), "base_mib": base, "warm_peak_mib": warm_peak,
+        "timed_peak_mib": status_mib("VmHWM"), "base_mib": base, "warm_peak_mib": warm_peak,
         "loss": float(m["loss"]),
     }
     dist.destroy_process_group()
@@ -128,9 +126,6 @@ def _run(model_name: str, stage: int, world: int, warmup: int, steps: int) -> li
     return [results[r] for r in range(world)]
 
 
-def _loadavg() -> float:
-    return float(Path("/proc/loadavg").read_text().split()[0])
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -141,7 +136,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
     warmup, steps = (1, 2) if args.quick else (args.warmup, args.steps)
-    load_before, t0 = _loadavg(), time.perf_counter()
+    load_before, t0 = os.getloadavg()[0], time.perf_counter()
     rows = []
     for world in args.worlds:
         for model_name in args.models:
@@ -152,7 +147,7 @@ def main() -> None:
                 print(_line(row, rows), flush=True)
     meta = {
         "date": datetime.date.today().isoformat(), "torch": torch.__version__, "python": platform.python_version(),
-        "machine": platform.machine(), "cpus": os.cpu_count(), "load_before": load_before, "load_after": _loadavg(),
+        "machine": platform.machine(), "cpus": os.cpu_count(), "load_before": load_before, "load_after": os.getloadavg()[0],
         "wall_s": time.perf_counter() - t0, "warmup": warmup, "steps": steps,
     }
     table = _table(rows, meta)
