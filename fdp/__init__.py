@@ -8,6 +8,7 @@ it in this list; ``tests/test_imports.py`` holds every import to that):
 * ``plan`` / ``buckets``: the static gradient-bucket plan (values, packing, tracing) and its flat buffers.
 * ``comm``: collectives as values (``Comm``, ``Pending``).
 * ``trace``: the Chrome-trace ``Timeline`` of a step.
+* ``streams``: each sample's own random stream (dropout masks that do not depend on the rank or the world size).
 * ``precision``: autocast, bf16 weights and the dynamic loss scale (``LossScale``) of mixed precision.
 * ``optim``: optax-style optimizers, ``(init, update)`` pairs composed with ``chain``, and their registry.
 * ``functional``: any ``nn.Module`` as ``apply(params, buffers, *inputs, **named_inputs)``.

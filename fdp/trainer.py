@@ -96,6 +96,8 @@ def _make_step(cfg: DictConfig, parts: RunParts, comm: Comm, timeline: Timeline)
         donate=True,  # the loop never looks at a state again once it has the next
         sync_buffers=tc.sync_buffers, precision=parts.precision, compile=tc.compile, zero_stage=tc.zero_stage,
         model=parts.model, reshard_after_forward=tc.reshard_after_forward,
+        # Dropout masks by sample, the same on any number of ranks (a compiled step keeps each rank's generator).
+        sample_seed=None if tc.compile else cfg.seed,
     )
     loss_fn = make_loss_fn(parts.model, parts.criterion)
     outer = check_outer(OmegaConf.to_container(cfg.outer))
