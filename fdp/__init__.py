@@ -19,6 +19,8 @@ it in this list; ``tests/test_imports.py`` holds every import to that):
 * ``slurm`` / ``devices`` / ``interrupt`` / ``launch``: a rank's place in a job; which device it computes on;
   stopping every rank at one step on SIGINT, SIGTERM or SLURM's warning signal; starting and joining a world
   of processes on torch's launchers.
+* ``keeper`` / ``shrink``: a rank kept by the process its launcher watches, so it can be lost alone; a world that
+  goes on without a lost rank, in place (``world.on_rank_loss=shrink``).
 * ``losses`` / ``fit``: loss functions, reading model outputs, token means over the global batch; the first-batch check.
 * ``compiled`` / ``reduce``: the gradient computation (under ``torch.compile`` when asked) and the
   reduction that hands buckets back as their hook chains finish.
