@@ -21,7 +21,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from fdp import checkpoint, zero
-from fdp.build import RunParts, build_run, display_name
+from fdp.build import RunParts, build_run, display_name, mirrors
 from fdp.comm import Comm
 from fdp.data import check_global_batch, train_batches
 from fdp.devices import batch_to_device, is_out_of_memory, limit_memory
@@ -65,17 +65,17 @@ def _save(run_dir: RunDir, state: TrainState, comm: Comm, cfg: DictConfig, parts
     checkpoint.save_checkpoint(run_dir.checkpoints, state, parts.plan, comm, keep=cfg.trainer.keep_checkpoints, extra=extra)
 
 
-def _resume(run_dir: RunDir, parts: RunParts, comm: Comm, stage: int) -> TrainState:
+def _resume(cfg: DictConfig, run_dir: RunDir, parts: RunParts, comm: Comm, stage: int) -> TrainState:
     template = zero.unsharded_template(parts.state, parts.optimizer, parts.plan) if stage else parts.state
     state = checkpoint.load_checkpoint(run_dir.last_checkpoint, template, parts.plan, comm)
-    return zero.shard_state(state, parts.plan, comm, stage) if stage else state
+    return zero.shard_state(state, parts.plan, comm, stage, mirror=mirrors(cfg)) if stage else state
 
 
 def _first_state(cfg: DictConfig, run_dir: RunDir, parts: RunParts, comm: Comm) -> TrainState:
     """The built state, or the last checkpoint's when resuming (asked, or after a restart of the world)."""
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
     if cfg.trainer.resume or (restarted and run_dir.last_checkpoint.exists()):
-        return _resume(run_dir, parts, comm, cfg.trainer.zero_stage)
+        return _resume(cfg, run_dir, parts, comm, cfg.trainer.zero_stage)
     return parts.state
 
 
@@ -244,6 +244,13 @@ class _Loop:
         step = world.agree_on_step(self.state.step, comm)
         if self.state.step != step:  # this rank finished the step its peers dropped: back to the one before
             self.state = self.before
+        if self.cfg.trainer.zero_stage:
+            try:
+                self.state = zero.reshard_survivors(self.state, self.parts.plan, tuple(sorted(members)), world.members, comm)
+            except zero.LostSlices as lost_slices:
+                raise RankLostError(f"rank {', '.join(map(str, sorted(members - set(world.members))))} lost at step "
+                                    f"{step + 1}: {lost_slices}; continue from the last checkpoint "
+                                    "(trainer.resume=true)") from None
         self.before = self.state
         shrink = Shrink(step, lost, comm.world_size, time.perf_counter() - self.since)
         report.shrunk(comm, shrink.record())
