@@ -175,7 +175,8 @@ def test_zero_stage_1_keeps_the_lost_ranks_slices_and_trains_the_uninterrupted_r
     _check_shrunk_run(zero1_killed, reference)
 
 
-LOCAL_SGD = ["outer=local_sgd", "outer.sync_every=4"]
+# PowerSGD compresses the pseudo-gradient with each rank's own error feedback (a per-rank hook state).
+LOCAL_SGD = ["outer=local_sgd", "outer.sync_every=4", "hooks=powersgd", "hooks.start_iter=2"]
 
 
 @pytest.fixture(scope="module")
@@ -186,8 +187,8 @@ def local_sgd_killed(tmp_path_factory):
 def test_local_sgd_goes_on_as_a_run_stopped_there_and_resumed_on_two_ranks(local_sgd_killed, tmp_path):
     """Under local SGD the ranks' params differ between syncs, so the result depends on the world
     size: the survivors must train what a run stopped at that step and resumed on two ranks does
-    (each keeps its own params, inner optimizer state and outer state; the lost rank's progress
-    since the last sync is dropped)."""
+    (each keeps its own params, inner optimizer state, outer state and PowerSGD error feedback; the
+    lost rank's progress since the last sync and its error feedback are dropped)."""
     summary, victim = local_sgd_killed["summary"], local_sgd_killed["victim"]
     (shrink,) = summary["shrinks"]
     assert shrink["lost"] == [2] and summary["world"] == 2 and summary["steps"] == STEPS
@@ -218,3 +219,31 @@ def test_a_world_under_min_ranks_ends_in_one_line_with_a_checkpoint_to_resume(tm
     # Usable: the run goes on from it (here on one process) to the end.
     resumed = run(compose(*RUN, "world=single", "trainer.resume=true"), tmp_path)
     assert resumed["steps"] == STEPS and resumed["world"] == 1
+
+
+# -- under torchrun --------------------------------------------------------------------------------------
+def test_under_torchrun_losing_rank_0_leaves_two_that_finish_and_print_the_summary(tmp_path, reference):
+    """``torchrun --max-restarts 0``: rank 0's process owns the run directory and prints the summary;
+    its rank is killed, its keeper stays until the others are done and prints theirs."""
+    import subprocess
+    import sys
+
+    from _paths import pythonpath_first
+
+    root = Path(__file__).resolve().parents[1]
+    overrides = [o for o in COMMON if not o.startswith("world=") and "nproc_per_node" not in o]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", "--max-restarts",
+               "0", str(root / "recipes" / "train.py"), "world=torchrun", *overrides, f"hydra.run.dir={tmp_path}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath_first(root)}
+    signaller = Signaller(tmp_path, signal.SIGKILL, rank=0)
+    try:
+        done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=240)
+    finally:
+        signaller.done()
+    assert done.returncode == 0, done.stderr[-3000:]
+    last = done.stdout.strip().splitlines()[-1]
+    match = re.fullmatch(r"fdp: model=charlm world=2 device=cpu steps=60 .* shrinks=\[\{'step': (\d+), 'lost': \[0\], "
+                         r"'world': 2, 'seconds_lost': [\d.]+\}\]", last)
+    assert match, done.stdout[-2000:]
+    assert KILL_AT - 1 <= int(match[1]) <= signaller.victim["step"]
+    assert_close_params(final_params(tmp_path), reference["params"])
