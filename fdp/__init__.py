@@ -51,6 +51,7 @@ from fdp.fit import check_first_batch
 from fdp.functional import FunctionalModel, functionalize
 from fdp.hooks import GradBucket, Hook, init_hook_states
 from fdp.interrupt import StopSignals, StoppedAtOnce
+from fdp.keeper import LostRank
 from fdp.launch import WorldLayout, broadcast_from_rank0, check_same_plan, init_distributed, spawn
 from fdp.losses import TokenCrossEntropy, build_loss, cross_entropy_loss, logits_of, make_loss_fn, planner_loss
 from fdp.models import hf_model
@@ -76,6 +77,7 @@ from fdp.replicas import BUFFER_SYNC, setup_state, sync_buffers
 from fdp.rundir import RunDirInUse, own_run_dir
 from fdp.state import TrainState, init_train_state, state_nbytes
 from fdp.step import StepOptions, TrainStep, make_train_step
+from fdp.streams import SampleStreams
 
 __all__ = [
     "BUFFER_SYNC", "CheckpointError", "ConfigError", "broadcast_from_rank0", "check_same_plan", "load_checkpoint",
@@ -89,5 +91,5 @@ __all__ = [
     "make_train_step", "pack", "place", "plan_buckets", "planner_loss", "resolve_backend", "resolve_schedule", "sgd",
     "spawn", "state_nbytes", "supports_inplace", "to_device", "unpack", "warmup_cosine_schedule",
     "zero",
-    "TokenCrossEntropy", "logits_of", "model_inputs", "hf_model", "check_first_batch",
+    "TokenCrossEntropy", "logits_of", "model_inputs", "hf_model", "check_first_batch", "LostRank", "SampleStreams",
 ]

@@ -70,9 +70,10 @@ def check_shrinkable_batch(global_batch_size: int, world_size: int, min_ranks: i
     """Every world a shrink can leave (``min_ranks`` to ``world_size`` ranks) splits the global batch evenly.
 
     >>> check_shrinkable_batch(12, 4, 1)
+    >>> check_shrinkable_batch(10, 4, 1)
     Traceback (most recent call last):
     ...
-    ValueError: data.global_batch_size=12: expected a multiple of every world size from world.min_ranks=1 to 4 times trainer.accum_steps=1 (e.g. 12 * 2 = 24), for world.on_rank_loss=shrink
+    ValueError: data.global_batch_size=10: expected a multiple of every world size from world.min_ranks=1 to 4 times trainer.accum_steps=1 (e.g. 10 * 6 = 60), for world.on_rank_loss=shrink
     """
     sizes = range(max(1, min_ranks), world_size + 1)
     bad = [n for n in sizes if global_batch_size % (n * accum_steps)]
@@ -80,7 +81,7 @@ def check_shrinkable_batch(global_batch_size: int, world_size: int, min_ranks: i
         lcm = 1
         for n in sizes:
             lcm = lcm * n * accum_steps // _gcd(lcm, n * accum_steps)
-        factor = -(-lcm // global_batch_size) if global_batch_size < lcm else lcm // _gcd(lcm, global_batch_size)
+        factor = lcm // _gcd(lcm, global_batch_size)  # the smallest multiple of the batch that every world splits
         raise ValueError(
             f"data.global_batch_size={global_batch_size}: expected a multiple of every world size from "
             f"world.min_ranks={min_ranks} to {world_size} times trainer.accum_steps={accum_steps} "
