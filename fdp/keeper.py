@@ -17,6 +17,8 @@ waits for it and reports to the launcher as a worker that finished:
 
 The rank dies with its keeper (``PR_SET_PDEATHSIG``), so stopping the launcher still
 stops it; the stop signals the launcher passes on (``fdp.interrupt``) are forwarded to it.
+The rank is forked, so the keeper must not have used CUDA (a forked child cannot): fdp's
+keepers touch no GPU before forking, and the rank takes its GPU itself.
 
 >>> def rank():
 ...     return 42
@@ -96,6 +98,10 @@ def keep(entry: Callable[..., Any], *args: Any, rank: int, fenced: Callable[[], 
     kills the child. A lost rank gives ``after_loss(LostRank(...))`` when given (a keeper
     that must stay until the run ends, under ``torchrun``), else the ``LostRank`` itself.
     """
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        raise RuntimeError("world.on_rank_loss=shrink: CUDA is already initialised in the process that keeps the rank, "
+                           "and a forked rank cannot use it; expected a launch that touches no GPU before the ranks start")
     read_end, write_end = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
