@@ -8,6 +8,7 @@ it in this list; ``tests/test_imports.py`` holds every import to that):
 * ``plan`` / ``buckets``: the static gradient-bucket plan (values, packing, tracing), its flat buffers, params laid out by it.
 * ``comm``: collectives as values (``Comm``, ``Pending``).
 * ``trace``: the Chrome-trace ``Timeline`` of a step.
+* ``streams``: each sample's own random stream (dropout masks that do not depend on the rank or the world size).
 * ``precision``: autocast, bf16 weights and the dynamic loss scale (``LossScale``) of mixed precision.
 * ``optim``: optax-style optimizers, ``(init, update)`` pairs composed with ``chain``, and their registry.
 * ``functional``: any ``nn.Module`` as ``apply(params, buffers, *inputs, **named_inputs)``.
@@ -18,6 +19,8 @@ it in this list; ``tests/test_imports.py`` holds every import to that):
 * ``slurm`` / ``devices`` / ``interrupt`` / ``launch``: a rank's place in a job; which device it computes on;
   stopping every rank at one step on SIGINT, SIGTERM or SLURM's warning signal; starting and joining a world
   of processes on torch's launchers.
+* ``keeper`` / ``shrink``: a rank kept by the process its launcher watches, so it can be lost alone; a world that
+  goes on without a lost rank, in place (``world.on_rank_loss=shrink``).
 * ``losses`` / ``fit``: loss functions, reading model outputs, token means over the global batch; the first-batch check.
 * ``compiled`` / ``reduce``: the gradient computation (under ``torch.compile`` when asked, and
   ``trainer.compile=auto``'s choice) and the reduction that hands buckets back as their hook chains finish.
@@ -48,6 +51,7 @@ from fdp.fit import check_first_batch
 from fdp.functional import FunctionalModel, functionalize
 from fdp.hooks import GradBucket, Hook, init_hook_states
 from fdp.interrupt import StopSignals, StoppedAtOnce
+from fdp.keeper import LostRank
 from fdp.launch import WorldLayout, broadcast_from_rank0, check_same_plan, init_distributed, spawn
 from fdp.losses import TokenCrossEntropy, build_loss, cross_entropy_loss, logits_of, make_loss_fn, planner_loss
 from fdp.models import hf_model
@@ -73,6 +77,7 @@ from fdp.replicas import BUFFER_SYNC, setup_state, sync_buffers
 from fdp.rundir import RunDirInUse, own_run_dir
 from fdp.state import TrainState, init_train_state, state_nbytes
 from fdp.step import StepOptions, TrainStep, make_train_step
+from fdp.streams import SampleStreams
 
 __all__ = [
     "BUFFER_SYNC", "CheckpointError", "ConfigError", "broadcast_from_rank0", "check_same_plan", "load_checkpoint",
@@ -87,5 +92,5 @@ __all__ = [
     "make_train_step", "pack", "place", "plan_buckets", "planner_loss", "resolve_backend", "resolve_schedule", "sgd",
     "spawn", "state_nbytes", "supports_inplace", "to_device", "unpack", "warmup_cosine_schedule",
     "zero",
-    "TokenCrossEntropy", "logits_of", "model_inputs", "hf_model", "check_first_batch",
+    "TokenCrossEntropy", "logits_of", "model_inputs", "hf_model", "check_first_batch", "LostRank", "SampleStreams",
 ]

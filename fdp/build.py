@@ -141,11 +141,16 @@ def build_run(cfg: DictConfig, comm: Comm, device: torch.device = torch.device("
         check_same_plan(plan, comm)
         params, buffers = broadcast_from_rank0(params, comm), broadcast_from_rank0(buffers, comm)
         state = zero.init_state(params, buffers, optimizer, plan, comm, hook, seed=rank_seed(cfg.seed, comm.rank),
-                                stage=cfg.trainer.zero_stage)
+                                stage=cfg.trainer.zero_stage, mirror=mirrors(cfg))
     else:
         state = setup_state(params, buffers, optimizer, plan, hook, comm, seed=cfg.seed, precision=precision)
     state = state._replace(outer=init_outer_state(check_outer(OmegaConf.to_container(cfg.outer)), state.params, plan, hook))
     return RunParts(model, data, plan, hook, optimizer, state, num_params, criterion, precision)
+
+
+def mirrors(cfg: DictConfig) -> bool:
+    """Whether each rank keeps the next rank's slices of a ZeRO stage-1 state (a world that may shrink)."""
+    return cfg.world.on_rank_loss == "shrink" and cfg.trainer.zero_stage == 1
 
 
 def _hierarchical(hook: Hook, cfg: DictConfig, comm: Comm) -> Hook:

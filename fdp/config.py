@@ -193,6 +193,8 @@ class WorldConfig:
     devices: Any = "auto"  # auto | N | -1 | "0,2" | [0,2]: see fdp.devices
     timeout_s: float = 300.0
     max_restarts: int = 0
+    on_rank_loss: str = "restart"  # restart: a lost rank ends the world (max_restarts restarts it) | shrink: the rest go on
+    min_ranks: int = 1  # on_rank_loss=shrink: end the run (with a checkpoint) when fewer ranks remain
     memory_per_rank_mb: float = 0.0  # what each rank may allocate once started (0: no limit), as a GPU's memory bounds it
     hierarchical: bool = False  # reduce inside each node, run the hook chain across nodes only, share inside the node
     node_size: int = 0  # processes per node for hierarchical (0: the processes of one launch)

@@ -144,6 +144,12 @@ class StopSignals:
             self._group = dist.new_group(list(range(world_size)), timeout=group_timeout(), backend="gloo")
         return self
 
+    def rejoin(self, world_size: int) -> "StopSignals":
+        """Join a new world (``fdp.shrink``): the old group is gone; a flag already raised is kept."""
+        self._group, self._pending, self._countdown, self._last_steps = None, None, 0, 1
+        self._since = time.perf_counter()
+        return self.join(world_size)
+
     def agreed(self) -> str | None:
         """The signal every rank stops on after this step (``None``: go on). Call it on every rank after every step.
 

@@ -367,19 +367,21 @@ class Heartbeat:
     store to beat in (a torch that hides it), ``silent_ranks()`` is ``None``: unknown.
     """
 
-    def __init__(self, rank: int, world_size: int, interval_s: float = 0.5):
+    def __init__(self, rank: int, world_size: int, interval_s: float = 0.5, store: Any = None):
         self.rank, self.world_size, self.interval_s = rank, world_size, interval_s
-        self._store = default_store()
+        self._store = store if store is not None else default_store()  # the default group's, unless given
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="fdp-heartbeat", daemon=True)
 
-    def _key(self, rank: int) -> str:
+    @staticmethod
+    def key(rank: int) -> str:
+        """Rank ``rank``'s counter in the store."""
         return f"fdp/heartbeat/{rank}"
 
     def _beat(self) -> None:
         while not self._stop.is_set():
             try:
-                self._store.add(self._key(self.rank), 1)
+                self._store.add(self.key(self.rank), 1)
             except Exception:  # the store is gone: nothing left to tell
                 return
             self._stop.wait(self.interval_s)
@@ -393,7 +395,7 @@ class Heartbeat:
         self._stop.set()
 
     def _counts(self) -> list[int]:
-        return [self._store.add(self._key(r), 0) for r in range(self.world_size)]
+        return [self._store.add(self.key(r), 0) for r in range(self.world_size)]
 
     def silent_ranks(self) -> list[int] | None:
         """Ranks whose counter did not move over three beats (``None``: the store does not answer)."""

@@ -209,7 +209,9 @@ def make_outer_step(
         raise ValueError("outer=none: expected local_sgd or diloco for an outer step (use make_train_step)")
     hook, comm = hook or allreduce(), comm or Comm()
     synced = make_train_step(loss_fn, optimizer, plan, hook, comm, donate=donate, **step_options) if spec.start_step else None
-    local = make_train_step(loss_fn, optimizer, plan, allreduce(), _Alone(), donate=donate, **step_options)
+    # Each rank steps alone on its share of the global batch: its samples keep their global numbers.
+    local = make_train_step(loss_fn, optimizer, plan, allreduce(), _Alone(), donate=donate,
+                            **{"batch_rank": comm.rank, **step_options})
     local_hook_states = init_hook_states(allreduce(), plan)
     # A sync in flight across steps gets a group of its own: the collectives issued
     # meanwhile (a logged loss, a checkpoint's gather) then cannot cross its own.

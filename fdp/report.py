@@ -34,6 +34,17 @@ class Report:
         self.bar = progress(last_step, first_step, enabled=cfg.trainer.progress and is_zero)
         self.times, self.skipped, self.last_eval, self.record = StepTimes(), 0, {}, {}
         self.started = time.perf_counter()
+        self.shrinks: list[dict] = []  # each time the world went on without a lost rank (fdp.shrink)
+
+    def shrunk(self, comm: Comm, record: dict) -> None:
+        """The world went on without a lost rank from step ``record["step"]``: note it (a line of
+        ``metrics.jsonl``, and the summary); the new world's rank 0 writes the records from here on."""
+        self.comm = comm
+        if comm.rank == 0 and self.log is None:
+            self.log = MetricsLog(self.run_dir.path, resume=True, tensorboard=self.cfg.trainer.tensorboard)
+        self.shrinks.append(record)
+        if self.log:
+            self.log.write({"shrink": True, **record})
 
     def step(self, state: TrainState, metrics: dict, stopping: bool = False) -> None:
         """Count a step; on a logged one (and the last, ``stopping`` early included), write its record
@@ -111,6 +122,7 @@ class Report:
             "skipped_steps": self.skipped,
             "state_mib": self.record.get("state_mib"),
             "run_dir": str(self.run_dir.path),
+            **({"shrinks": self.shrinks} if self.shrinks else {}),
             **({"interrupted": interrupted} if interrupted else {}),
         }
         if self.log:

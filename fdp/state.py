@@ -33,7 +33,10 @@ class TrainState(NamedTuple):
     dropout and other random ops draw from, ``cuda_rng`` that of the params' GPU (empty
     when they are not on one); ``loss_scale`` the dynamic ``LossScale`` of ``16-mixed``
     precision (``None`` otherwise); ``outer`` the outer loop's state when training syncs
-    only every few steps (``fdp.outer``).
+    only every few steps (``fdp.outer``); ``mirror``, under ZeRO stage 1 in a world that may
+    shrink (``fdp.shrink``), the optimizer state of the next rank's slices (rank ``r`` keeps
+    rank ``r + 1``'s, mod the world size), so that a lost rank's slices survive it (empty
+    otherwise; never saved: a checkpoint holds the whole state).
     """
 
     step: int
@@ -45,6 +48,7 @@ class TrainState(NamedTuple):
     cuda_rng: torch.Tensor = torch.empty(0, dtype=torch.uint8)
     loss_scale: LossScale | None = None
     outer: Any = ()
+    mirror: Any = ()
 
 
 def init_train_state(
@@ -98,7 +102,7 @@ def state_nbytes(state: Any, grad_buffers: tuple[torch.Tensor, ...] = ()) -> int
     32
     """
     seen: dict[int, int] = {}
-    tensors = [*state.params.values(), *tree_flatten(state.opt_state)[0], *grad_buffers]
+    tensors = [*state.params.values(), *tree_flatten(state.opt_state)[0], *tree_flatten(state.mirror)[0], *grad_buffers]
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
             storage = t.untyped_storage()

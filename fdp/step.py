@@ -18,6 +18,7 @@ import torch
 from fdp import checks, replicas
 from fdp.comm import Comm
 from fdp.data import split_micro_batches
+from fdp.data.batches import batch_size
 from fdp.devices import device_of, rng_scope
 from fdp._torch import HAS_DISABLE_FUNCTORCH
 from fdp.errors import check_bool, require
@@ -29,6 +30,7 @@ from fdp.plan import BucketPlan
 from fdp.precision import Precision, scaled_micro_batches, unscale, unscaled_loss, update_loss_scale
 from fdp.reduce import GradReducer, resolve_schedule
 from fdp.state import TrainState, state_nbytes
+from fdp.streams import SampleStreams
 from fdp.trace import NullTimeline, Timeline
 from fdp.verdicts import DeferredVerdicts
 from fdp.zero import check_hook_for_stage, check_zero_stage, make_update, scatters
@@ -82,6 +84,12 @@ class StepOptions(NamedTuple):
       and gathers them again for backward (``False``: keeps them from the forward to
       their last gradient: more memory, half the gathers).
     * ``timeline``: an ``fdp.trace.Timeline`` to record spans into.
+    * ``sample_seed``: dropout and the forward's other batch-shaped random ops draw each
+      sample's values from its own stream, keyed by this seed, the step and the sample's
+      index in the global batch (``fdp.streams``), so they do not depend on the world size;
+      ``None``: from the state's generators (``TrainState.rng``, each rank's own).
+    * ``batch_rank``: which share of the global batch this rank's batch is (its first
+      sample is number ``batch_rank * len(batch)``); ``None``: ``comm``'s rank.
     """
 
     accum_steps: int = 1
@@ -95,6 +103,8 @@ class StepOptions(NamedTuple):
     model: FunctionalModel | None = None
     reshard_after_forward: bool = True
     timeline: Timeline | None = None
+    sample_seed: int | None = None
+    batch_rank: int | None = None
 
     def checked(self) -> "StepOptions":
         """These options with their defaults filled in; a ``ValueError`` naming the first bad one.
@@ -110,6 +120,10 @@ class StepOptions(NamedTuple):
         replicas.check_sync_buffers(self.sync_buffers)
         check_zero_stage(self.zero_stage)
         check_bool("reshard_after_forward", self.reshard_after_forward)
+        for name, least in (("sample_seed", None), ("batch_rank", 0)):
+            value = getattr(self, name)
+            whole = isinstance(value, int) and not isinstance(value, bool) and (least is None or value >= least)
+            require(value is None or whole, name, value, "None or an integer" + (" >= 0" if least is not None else ""))
         if self.zero_stage == 3:
             require(not self.compile, "compile", self.compile, "False with zero_stage=3 (its gathers run in hooks)")
             require(HAS_DISABLE_FUNCTORCH, "zero_stage", 3, "0, 1 or 2: this torch cannot leave torch.func from a hook")
@@ -169,7 +183,10 @@ def make_train_step(
     early = opts.donate and opts.nonfinite == "raise"
     update = make_update(opts.zero_stage, optimizer, plan, comm, opts.timeline, opts.donate, early, opts.model,
                          opts.reshard_after_forward)
-    reducer = GradReducer(opts.precision.wrap(loss_fn), plan, hook, update.reduction_comm(comm), opts.schedule,
+    streams = SampleStreams(opts.sample_seed) if opts.sample_seed is not None else None
+    batch_rank = comm.rank if opts.batch_rank is None else opts.batch_rank
+    forward_loss = streams.wrap(loss_fn) if streams else loss_fn
+    reducer = GradReducer(opts.precision.wrap(forward_loss), plan, hook, update.reduction_comm(comm), opts.schedule,
                           opts.timeline, compile=opts.compile, release_buffers=scatters(opts.zero_stage),
                           gather=getattr(update, "gather", None), flat_params=update.flat_params)
     verdicts = DeferredVerdicts()
@@ -189,7 +206,11 @@ def make_train_step(
         state = state._replace(buffers=replicas.sync_buffers(state.buffers, comm, opts.sync_buffers))
         step = update.begin(state, reducer.flats)
         with rng_scope(state.rng, state.cuda_rng, device_of(state.params)) as rng_states:
-            micro_batches = weigh_micro_batches(loss_fn, split_micro_batches(batch, opts.accum_steps), comm)
+            micro_batches = split_micro_batches(batch, opts.accum_steps)
+            if streams is not None:
+                streams.begin(number, batch_rank * batch_size(batch), [batch_size(b) for b in micro_batches],
+                              device_of(state.params))
+            micro_batches = weigh_micro_batches(loss_fn, micro_batches, comm)
             micro_batches = scaled_micro_batches(micro_batches, state.loss_scale)
             computed = reducer.backward(step.params, state.buffers, micro_batches, state.hook_state)
             rng, cuda_rng = rng_states()
@@ -215,7 +236,7 @@ def make_train_step(
         else:
             params, opt_state = step.finish()
             new_state = TrainState(number, params, computed.buffers, opt_state, computed.reduction.hook_states, rng,
-                                   cuda_rng, loss_scale, state.outer)
+                                   cuda_rng, loss_scale, state.outer, getattr(step, "mirror", state.mirror))
         if state_mib is None:  # what this rank holds between steps (params, optimizer state, bucket buffers): fixed
             state_mib = state_nbytes(new_state, reducer.flats) / 2**20
         return new_state, _metrics(t0, computed, step, new_state, state.loss_scale, loss_scale, skipped, state_mib)

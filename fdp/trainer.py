@@ -21,12 +21,13 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from fdp import checkpoint, compiled, zero
-from fdp.build import RunParts, build_run, display_name
+from fdp.build import RunParts, build_run, display_name, mirrors
 from fdp.comm import Comm
 from fdp.data import check_global_batch, train_batches
 from fdp.devices import batch_to_device, is_out_of_memory, limit_memory
 from fdp.errors import ConfigError
 from fdp.interrupt import StopSignals, stop_signal_names
+from fdp.keeper import LostRank
 from fdp.launch import (
     Heartbeat,
     RankLostError,
@@ -44,6 +45,7 @@ from fdp.outer import check_outer, make_outer_step
 from fdp.precision import set_matmul_precision
 from fdp.report import Report
 from fdp.rundir import RankStatus, RunDir, own_run_dir, train_log_handler
+from fdp.shrink import Shrink, ShrinkingWorld, check_shrinkable_batch, keep_rank, launched_world, shrink_store
 from fdp.state import TrainState
 from fdp.step import TrainStep, make_train_step
 from fdp.trace import NullTimeline, Timeline
@@ -63,17 +65,17 @@ def _save(run_dir: RunDir, state: TrainState, comm: Comm, cfg: DictConfig, parts
     checkpoint.save_checkpoint(run_dir.checkpoints, state, parts.plan, comm, keep=cfg.trainer.keep_checkpoints, extra=extra)
 
 
-def _resume(run_dir: RunDir, parts: RunParts, comm: Comm, stage: int) -> TrainState:
+def _resume(cfg: DictConfig, run_dir: RunDir, parts: RunParts, comm: Comm, stage: int) -> TrainState:
     template = zero.unsharded_template(parts.state, parts.optimizer, parts.plan) if stage else parts.state
     state = checkpoint.load_checkpoint(run_dir.last_checkpoint, template, parts.plan, comm)
-    return zero.shard_state(state, parts.plan, comm, stage) if stage else state
+    return zero.shard_state(state, parts.plan, comm, stage, mirror=mirrors(cfg)) if stage else state
 
 
 def _first_state(cfg: DictConfig, run_dir: RunDir, parts: RunParts, comm: Comm) -> TrainState:
     """The built state, or the last checkpoint's when resuming (asked, or after a restart of the world)."""
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
     if cfg.trainer.resume or (restarted and run_dir.last_checkpoint.exists()):
-        return _resume(run_dir, parts, comm, cfg.trainer.zero_stage)
+        return _resume(cfg, run_dir, parts, comm, cfg.trainer.zero_stage)
     return parts.state
 
 
@@ -89,13 +91,17 @@ def _announce(cfg: DictConfig, run_dir: RunDir, parts: RunParts, world: int, dev
     )
 
 
-def _make_step(cfg: DictConfig, parts: RunParts, comm: Comm, timeline: Timeline, compile: bool) -> TrainStep:
+def _make_step(cfg: DictConfig, parts: RunParts, comm: Comm, timeline: Timeline, compile: bool,
+               donate: bool = True) -> TrainStep:
     tc = cfg.trainer
     options = dict(
-        accum_steps=tc.accum_steps, schedule=tc.schedule, nonfinite=tc.nonfinite, timeline=timeline,
-        donate=True,  # the loop never looks at a state again once it has the next
+        # donate: the loop never looks at a state again once it has the next (but a world that
+        # shrinks may go back to it: fdp.shrink)
+        accum_steps=tc.accum_steps, schedule=tc.schedule, nonfinite=tc.nonfinite, timeline=timeline, donate=donate,
         sync_buffers=tc.sync_buffers, precision=parts.precision, compile=compile, zero_stage=tc.zero_stage,
         model=parts.model, reshard_after_forward=tc.reshard_after_forward,
+        # Dropout masks by sample, the same on any number of ranks (a compiled step keeps each rank's generator).
+        sample_seed=None if compile else cfg.seed,
     )
     loss_fn = make_loss_fn(parts.model, parts.criterion)
     outer = check_outer(OmegaConf.to_container(cfg.outer))
@@ -134,28 +140,45 @@ def _setup_logging(run_dir: RunDir, rank: int) -> None:
 
 
 # -- the worker -------------------------------------------------------------------------------
-def train_worker(cfg: DictConfig, run_dir: str) -> dict:
-    """Train on this rank until ``trainer.max_steps``; return the summary (rank 0's is the one printed)."""
+def train_worker(cfg: DictConfig, run_dir: str) -> dict | LostRank:
+    """Train on this rank until ``trainer.max_steps``; return the summary (rank 0's is the one printed).
+
+    Under ``world.on_rank_loss=shrink`` this process keeps the rank as its child
+    (``fdp.keeper``) and returns ``LostRank`` for a rank the world went on without
+    (under ``torchrun`` and SLURM, the run's summary once the others are done).
+    """
     cfg = OmegaConf.create(cfg) if not isinstance(cfg, DictConfig) else cfg
+    if cfg.world.on_rank_loss == "shrink" and launched_world(cfg.world.launcher).world_size > 1:
+        return keep_rank(_rank_worker, cfg, run_dir, launcher=cfg.world.launcher, timeout_s=cfg.world.timeout_s)
+    return _rank_worker(cfg, run_dir)
+
+
+train_worker.handles_stop_signals = True  # fdp.launch.spawn: it installs fdp.interrupt's handlers itself
+
+
+def _rank_worker(cfg: DictConfig, run_dir: str) -> dict:
     tune_allocator(sharded_params=cfg.trainer.zero_stage == 3)
     layout = layout_of(cfg)
     comm = init_distributed(layout)
     device = layout.device(int(os.environ.get("LOCAL_RANK", 0)))
     limit_memory(cfg.world.memory_per_rank_mb, device)
     status = RunDir(Path(run_dir))
+    world = None
+    if cfg.world.on_rank_loss == "shrink" and comm.world_size > 1:
+        world = ShrinkingWorld(shrink_store(cfg.world.timeout_s), comm.rank, comm.world_size, dist.get_backend(),
+                               cfg.world.timeout_s, cfg.world.min_ranks)
     try:
-        return _train(cfg, status, comm, device)
+        return _train(cfg, status, comm, device, world)
     except (MemoryError, RuntimeError) as error:
         if not is_out_of_memory(error):
             raise
         step = RankStatus.read(status, comm.rank).get("step")
         raise RankOutOfMemoryError(_out_of_memory_message(cfg, comm.rank, step, error)) from None
     finally:
+        if world is not None:
+            world.close()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-train_worker.handles_stop_signals = True  # fdp.launch.spawn: it installs fdp.interrupt's handlers itself
 
 
 def _out_of_memory_message(cfg: DictConfig, rank: int, step: int | None, error: BaseException) -> str:
@@ -168,56 +191,128 @@ def _out_of_memory_message(cfg: DictConfig, rank: int, step: int | None, error: 
             f"a higher trainer.zero_stage (now {cfg.trainer.zero_stage}; 3 shards the params too) or a smaller model")
 
 
-def _train(cfg: DictConfig, run_dir: RunDir, comm: Comm, device: torch.device) -> dict:
-    rank, world, tc = comm.rank, comm.world_size, cfg.trainer
+class _Loop:
+    """The training loop of one world: what depends on its ranks, and where the loop stands.
+
+    ``state`` is the newest state this rank completed, ``before`` the one before it (kept
+    for a world that shrinks: the step is pure there), ``since`` when the step in flight began.
+    """
+
+    def __init__(self, cfg: DictConfig, parts: RunParts, comm: Comm, timeline: Timeline, device: torch.device,
+                 state: TrainState, last_step: int, compile: bool):
+        self.cfg, self.parts, self.timeline, self.device, self.last_step = cfg, parts, timeline, device, last_step
+        self.compile = compile
+        self.state = self.before = state
+        self.since = time.perf_counter()
+        self.join(comm)
+
+    def join(self, comm: Comm) -> None:
+        """The step function and this rank's batches for the world of ``comm``, from ``state`` on."""
+        cfg = self.cfg
+        self.comm = comm
+        self.train_step = _make_step(cfg, self.parts, comm, self.timeline, self.compile,
+                                     donate=cfg.world.on_rank_loss != "shrink")
+        self.batches = train_batches(self.parts.data, cfg.data.global_batch_size, cfg.seed, comm.rank, comm.world_size,
+                                     self.state.step, self.last_step, cfg.data.get("num_workers", 0),
+                                     pin_memory=self.device.type == "cuda")
+
+    def run(self, run_dir: RunDir, report: Report, status: RankStatus, stop: StopSignals) -> str | None:
+        """Train to the last step, or to the step a stop signal ends on (returned)."""
+        tc = self.cfg.trainer
+        while self.state.step < self.last_step:
+            status.update(self.state.step + 1)
+            self.since = waited = time.perf_counter()  # the data wait: how long the step waited for its batch
+            batch = batch_to_device(next(self.batches), self.device)
+            waited = time.perf_counter() - waited
+            state, metrics = self.train_step(self.state, batch)
+            self.before, self.state = self.state, state
+            interrupted = stop.agreed()  # every rank, every step: flags are compared every ~0.1 s, no step waits
+            report.step(state, {**metrics, "data_wait_s": waited}, stopping=interrupted is not None)
+            if tc.checkpoint_every and state.step % tc.checkpoint_every == 0 or state.step == self.last_step or interrupted:
+                self.train_step.settle()  # no checkpoint of a step whose gradients were not finite
+                _save(run_dir, state, self.comm, self.cfg, self.parts)
+            if interrupted:
+                return interrupted
+        return None
+
+    def shrink(self, world: ShrinkingWorld, error: RuntimeError, run_dir: RunDir, report: Report,
+               stop: StopSignals) -> None:
+        """Go on without the ranks that stopped answering (``fdp.shrink``); re-raise ``error`` if none did."""
+        silent = world.silent()
+        if not silent:  # every rank still beats: not a lost rank
+            raise error
+        members = set(world.members)
+        comm = world.regroup(silent)
+        lost = tuple(sorted(members - set(world.members)))
+        step = world.agree_on_step(self.state.step, comm)
+        if self.state.step != step:  # this rank finished the step its peers dropped: back to the one before
+            self.state = self.before
+        if self.cfg.trainer.zero_stage:
+            try:
+                self.state = zero.reshard_survivors(self.state, self.parts.plan, tuple(sorted(members)), world.members, comm)
+            except zero.LostSlices as lost_slices:
+                raise RankLostError(f"rank {', '.join(map(str, sorted(members - set(world.members))))} lost at step "
+                                    f"{step + 1}: {lost_slices}; continue from the last checkpoint "
+                                    "(trainer.resume=true)") from None
+        self.before = self.state
+        shrink = Shrink(step, lost, comm.world_size, time.perf_counter() - self.since)
+        report.shrunk(comm, shrink.record())
+        gone = sorted(r for record in report.shrinks for r in record["lost"])
+        log.info(f"rank {', '.join(map(str, lost))} lost: going on from step {step} on {comm.world_size} ranks "
+                 f"({shrink.seconds_lost:.1f} s lost)")
+        if comm.world_size < self.cfg.world.min_ranks:
+            _save(run_dir, self.state, comm, self.cfg, self.parts)
+            raise RankLostError(
+                f"rank {', '.join(map(str, gone))} lost by step {step + 1}: {comm.world_size} left, fewer than "
+                f"world.min_ranks={self.cfg.world.min_ranks}; the last checkpoint is step {step} "
+                "(continue with trainer.resume=true)"
+            )
+        stop.rejoin(comm.world_size)
+        self.join(comm)
+
+
+def _train(cfg: DictConfig, run_dir: RunDir, comm: Comm, device: torch.device, world: ShrinkingWorld | None = None) -> dict:
+    rank, world_size, tc = comm.rank, comm.world_size, cfg.trainer
     _setup_logging(run_dir, rank)
     set_matmul_precision(tc.matmul_precision)  # process-wide: set once, before anything runs
     try:
-        check_global_batch(cfg.data.global_batch_size, world)  # under torchrun the world is known only here
+        check_global_batch(cfg.data.global_batch_size, world_size)  # under torchrun the world is known only here
+        if world is not None:
+            check_shrinkable_batch(cfg.data.global_batch_size, world_size, cfg.world.min_ranks, tc.accum_steps)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     parts = build_run(cfg, comm, device)
     state = _first_state(cfg, run_dir, parts, comm)
     release_free_memory()  # what building left free (the whole params, at ZeRO stages that shard them)
     if rank == 0:
-        _announce(cfg, run_dir, parts, world, device)
+        _announce(cfg, run_dir, parts, world_size, device)
     timeline = Timeline(rank) if tc.trace else NullTimeline()
     last_step = min(tc.max_steps, tc.stop_at or tc.max_steps)
     blocked = "trainer.zero_stage=3 gathers params in module hooks, which do not compile" if tc.zero_stage == 3 else None
     choice = compiled.choose(tc.compile, run_dir.path, device.type, last_step - state.step, comm, blocked)
     if rank == 0:
         log.info(choice.message)
-    train_step = _make_step(cfg, parts, comm, timeline, choice.compile)
+    loop = _Loop(cfg, parts, comm, timeline, device, state, last_step, choice.compile)
     report = Report(cfg, run_dir, parts, comm, state.step, last_step)
-    on_gpu = device.type == "cuda"
-    batches = train_batches(parts.data, cfg.data.global_batch_size, cfg.seed, rank, world, state.step, last_step,
-                            cfg.data.get("num_workers", 0), pin_memory=on_gpu)
     status = RankStatus(run_dir, rank)
-    heartbeat = Heartbeat(rank, world).start() if world > 1 else None
+    heartbeat = Heartbeat(rank, world_size).start() if world_size > 1 and world is None else None
     # fdp.interrupt: SIGINT/SIGTERM (and SLURM's requeue signal) stop every rank after the same step.
     stop = StopSignals(stop_signal_names(cfg.world.launcher, cfg.world.requeue_signal),
-                       repeat_stops_at_once=cfg.world.launcher == "none").install().join(world)
-    interrupted = None
+                       repeat_stops_at_once=cfg.world.launcher == "none").install().join(world_size)
     try:
-        while state.step < last_step:
-            status.update(state.step + 1)
-            waited = time.perf_counter()  # the data wait: how long the step waited for its batch
-            batch = batch_to_device(next(batches), device)
-            waited = time.perf_counter() - waited
-            state, metrics = train_step(state, batch)
-            interrupted = stop.agreed()  # every rank, every step: flags are compared every ~0.1 s, no step waits
-            report.step(state, {**metrics, "data_wait_s": waited}, stopping=interrupted is not None)
-            if tc.checkpoint_every and state.step % tc.checkpoint_every == 0 or state.step == last_step or interrupted:
-                train_step.settle()  # no checkpoint of a step whose gradients were not finite
-                _save(run_dir, state, comm, cfg, parts)
-            if interrupted:
+        while True:
+            try:
+                interrupted = loop.run(run_dir, report, status, stop)
                 break
+            except RuntimeError as error:
+                if world is not None:
+                    loop.shrink(world, error, run_dir, report, stop)
+                    continue
+                lost = _lost_rank_error(error, heartbeat, rank, status.step) if world_size > 1 else None
+                if lost is None:
+                    raise
+                raise lost from error
         stop.close()
-    except RuntimeError as error:
-        lost = _lost_rank_error(error, heartbeat, rank, status.step) if world > 1 else None
-        if lost is None:
-            raise
-        raise lost from error
     finally:
         stop.close(finished=False)
         timeline.save(run_dir.trace(rank))
@@ -227,7 +322,10 @@ def _train(cfg: DictConfig, run_dir: RunDir, comm: Comm, device: torch.device) -
     rows = report.times.rows
     if rank == 0 and rows:  # what this invocation measured, for the next one's trainer.compile=auto
         compiled.write_record(run_dir.path, choice, rows[0]["step_s"], report.times.median("step_s"))
-    return report.summary(state, device.type, interrupted)
+    summary = report.summary(loop.state, device.type, interrupted)
+    if world is not None:
+        world.finish(summary)
+    return summary
 
 
 # -- the run ----------------------------------------------------------------------------------
@@ -251,11 +349,16 @@ def _run(cfg: DictConfig, run_dir: str | Path) -> dict:
         return train_worker(cfg, str(run_dir))
     container = OmegaConf.to_container(cfg, resolve=True)
     try:
-        return spawn(train_worker, (container, str(run_dir)), layout)[0]
+        results = spawn(train_worker, (container, str(run_dir)), layout)
     except WorkerFailedError as error:
         if error.signal is None:
             raise  # the worker's own one-line error
         raise RankLostError(_lost_message(RunDir(Path(run_dir)), error)) from error
+    # A world that shrank: the summary of the first rank still there (rank 0 of the last world).
+    kept = [results[rank] for rank in sorted(results) if not isinstance(results[rank], LostRank)]
+    if not kept:
+        raise RankLostError(f"every rank was lost: {', '.join(f'rank {r.rank} {r.how}' for r in results.values())}")
+    return kept[0]
 
 
 def _lost_message(run_dir: RunDir, error: WorkerFailedError) -> str:

@@ -38,6 +38,7 @@ from fdp.precision import check_matmul_precision, check_precision
 from fdp.reduce import resolve_schedule
 from fdp.replicas import check_sync_buffers
 from fdp.rundir import RunDir
+from fdp.shrink import check_on_rank_loss, check_shrinkable_batch
 from fdp.step import check_nonfinite
 from fdp.targets import locate
 from fdp.zero import check_hook_for_stage, check_zero_stage
@@ -130,6 +131,10 @@ def _validate_world(cfg: Any) -> None:
     _require(w.max_restarts >= 0, "world.max_restarts", w.max_restarts, "an integer >= 0")
     _require(w.memory_per_rank_mb >= 0, "world.memory_per_rank_mb", w.memory_per_rank_mb, "MiB >= 0 (0: no limit)")
     _as_config_key("world.requeue_signal", check_requeue_signal, w.requeue_signal)
+    _as_config_key("world.on_rank_loss", check_on_rank_loss, w.on_rank_loss)
+    _require(w.min_ranks >= 1, "world.min_ranks", w.min_ranks, "an integer >= 1")
+    if w.on_rank_loss == "shrink":
+        _validate_shrink(cfg)
     _require(d.global_batch_size >= 1, "data.global_batch_size", d.global_batch_size, "an integer >= 1")
     if w.launcher in ENV_LAUNCHERS:  # there the world size is known only to the launched processes
         return
@@ -138,6 +143,19 @@ def _validate_world(cfg: Any) -> None:
     _as_config_key("trainer.accum_steps", lambda accum: check_micro_batches(per_rank, accum), t.accum_steps)
     if w.hierarchical:  # under torchrun the world is known only at run time: the worker checks it
         _as_config_key("world.node_size", lambda size: check_node_size(world, size), w.node_size or w.nproc_per_node)
+    if w.on_rank_loss == "shrink":
+        _require(w.min_ranks <= world, "world.min_ranks", w.min_ranks, f"at most the world's {world} ranks")
+        _as_config_key("data.global_batch_size", lambda size: check_shrinkable_batch(size, world, w.min_ranks, t.accum_steps),
+                       d.global_batch_size)
+
+
+def _validate_shrink(cfg: Any) -> None:
+    """What a world that shrinks in place cannot do (yet): each refused in one line."""
+    w, t, why = cfg.world, cfg.trainer, "with world.on_rank_loss=shrink"
+    _require(w.max_restarts == 0, "world.max_restarts", w.max_restarts, f"0 {why} (a lost rank shrinks the world instead)")
+    _require(t.zero_stage <= 1, "trainer.zero_stage", t.zero_stage,
+             f"0 or 1 {why} (stages 2 and 3 keep no copy of a lost rank's gradient and parameter slices)")
+    _require(not w.hierarchical, "world.hierarchical", w.hierarchical, f"false {why} (the nodes are fixed)")
 
 
 def _validate_data_and_model(cfg: Any) -> None:

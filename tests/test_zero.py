@@ -414,3 +414,29 @@ def test_a_run_that_does_not_fit_a_rank_fails_at_stage_zero_and_trains_at_stage_
     assert "ran out of memory" in message and "world.memory_per_rank_mb=1000" in message and "trainer.zero_stage" in message
     summary = run(_cfg(*common, "trainer.zero_stage=3"), tmp_path / "stage3")
     assert summary["steps"] == 3
+
+
+# -- the mirror of the next rank's slices (a world that may shrink, fdp.shrink) ----------------------------
+def _mirrored_steps(rank, world):
+    """Stage 1 with a mirror, clipped Adam (a cross-rank norm): each rank's opt state and mirror after 6 steps."""
+    loss_fn, params, buffers, batches, plan, _ = _model_and_plan(rank, world, 1)
+    optimizer = chain(clip_by_global_norm(0.05), adam(1e-2))
+    comm = Comm()
+    state = zero.init_state(params, buffers, optimizer, plan, comm, stage=1, mirror=True)
+    step = make_train_step(loss_fn, optimizer, plan, comm=comm, zero_stage=1)
+    for batch in batches[:6]:
+        state, _ = step(state, batch)
+    return state.opt_state, state.mirror
+
+
+def test_each_rank_mirrors_the_next_ranks_optimizer_slices_exactly(run_ranks):
+    results = run_ranks(_mirrored_steps, world_size=3)
+    keys = zero.shard_key
+    for rank, (_, mirror) in enumerate(results):
+        owner_state = results[(rank + 1) % 3][0]
+        mine, theirs = mirror[1].mu, owner_state[1].mu  # the Adam member of the chain
+        assert mine.keys() == theirs.keys() and len(mine) > 1, sorted(mine)
+        for key in mine:
+            assert torch.equal(mine[key], theirs[key]), (rank, key)
+            assert torch.equal(mirror[1].nu[key], owner_state[1].nu[key]), (rank, key)
+    assert keys(0) in results[0][1][1].mu

@@ -13,7 +13,9 @@ steps only that slice:
   (``fdp.zero.gather``, ``fdp.zero.params``).
 
 Each stage is an ``fdp.update.Update`` (``make_update``); the train step is the same for
-all. Checkpoints hold the whole state (``gather_state``), so any world size and any
+all. In a world that may shrink, stage 1 also keeps the next rank's slices of the
+optimizer state (``TrainState.mirror``), and ``reshard_survivors`` splits the state
+again over the ranks left (``fdp.zero.mirror``). Checkpoints hold the whole state (``gather_state``), so any world size and any
 stage can resume them (``shard_state``; ``fdp.zero.convert``).
 
 >>> check_zero_stage(1)
@@ -41,13 +43,14 @@ from fdp.zero.convert import (
     whole_params,
 )
 from fdp.zero.layout import shard_key, shard_range
+from fdp.zero.mirror import LostSlices, reshard_survivors
 from fdp.zero.params import ParamShardedUpdate
 from fdp.zero.sharded import ShardedUpdate
 
 __all__ = [
     "ZERO_STAGES", "check_zero_stage", "check_hook_for_stage", "make_update", "scatters", "shard_range", "shard_key", "init_state",
     "shard_state", "gather_state", "whole_params", "unsharded_template", "is_sharded", "params_sharded", "state_nbytes",
-    "ShardedUpdate", "ParamShardedUpdate",
+    "ShardedUpdate", "ParamShardedUpdate", "LostSlices", "reshard_survivors",
 ]
 
 ZERO_STAGES = (0, 1, 2, 3)

@@ -75,15 +75,21 @@ def _slices(named: dict, plan: BucketPlan, rank: int, world: int) -> dict:
     }
 
 
+def _mirrored(comm: Comm) -> int:
+    """The rank whose slices this rank mirrors (``TrainState.mirror``): the next one."""
+    return (comm.rank + 1) % comm.world_size
+
+
 def init_state(
     params: Params, buffers: Buffers, optimizer: GradientTransformation, plan: BucketPlan, comm: Comm,
-    hook: Hook | None = None, seed: int = 0, stage: int = 1,
+    hook: Hook | None = None, seed: int = 0, stage: int = 1, mirror: bool = False,
 ) -> TrainState:
     """The sharded state before step 1: params whole and laid out flat (stages 1, 2) or this
     rank's slices alone (stage 3), optimizer state for this rank's slices.
 
     ``params`` must already be the same on every rank. The unsharded optimizer state is
-    never built, so it never takes memory.
+    never built, so it never takes memory. ``mirror`` (stage 1, more than one rank): the
+    state also holds the optimizer state of the next rank's slices (``TrainState.mirror``).
     """
     check_names(params, plan)
     rank, world = comm.rank, comm.world_size
@@ -96,18 +102,29 @@ def init_state(
         owned = {shard_key(b.index): flat[slice(*shard_range(b, rank, world))] for b, flat in zip(plan.buckets, flats)}
     hook_state = init_hook_states(hook or allreduce(), plan)
     rng = torch.Generator().manual_seed(seed).get_state()
-    return TrainState(0, sharded, buffers, optimizer.init(owned), hook_state, rng)
+    mirrored = optimizer.init(_slices(params, plan, _mirrored(comm), world)) if _mirrors(mirror, stage, world) else ()
+    return TrainState(0, sharded, buffers, optimizer.init(owned), hook_state, rng, mirror=mirrored)
 
 
-def shard_state(state: TrainState, plan: BucketPlan, comm: Comm, stage: int = 1) -> TrainState:
+def _mirrors(mirror: bool, stage: int, world: int) -> bool:
+    if mirror and stage != 1:
+        raise ValueError(f"mirror=True: expected zero_stage=1 (stage {stage} keeps no whole reduced gradient)")
+    return mirror and world > 1
+
+
+def shard_state(state: TrainState, plan: BucketPlan, comm: Comm, stage: int = 1, mirror: bool = False) -> TrainState:
     """``state`` (whole, e.g. from a checkpoint) as this rank's sharded state for ``stage``.
 
-    The optimizer state's per-parameter dicts become dicts of this rank's flat slices.
+    The optimizer state's per-parameter dicts become dicts of this rank's flat slices
+    (``mirror``: and the next rank's, as ``TrainState.mirror``).
     """
     check_names(state.params, plan)
     rank, world = comm.rank, comm.world_size
     names = frozenset(plan.names)
     opt_state = _map_named(state.opt_state, names, lambda named: _slices(named, plan, rank, world))
+    if _mirrors(mirror, stage, world):
+        mirrored = _map_named(state.opt_state, names, lambda named: _slices(named, plan, _mirrored(comm), world))
+        state = state._replace(mirror=mirrored)
     if stage == 3:
         params = _slices(state.params, plan, rank, world)
     else:

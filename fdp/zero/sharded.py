@@ -9,6 +9,11 @@
 
 A bucket's update and all-gather start as soon as its reduction has finished, while
 later buckets are still on the wire; the all-gathers are awaited at the end of the step.
+
+A stage-1 state with a ``mirror`` (``TrainState.mirror``: a world that may shrink) also
+steps the next rank's slices of the optimizer state, from the whole reduced gradient
+every rank holds at stage 1 and the cross-rank sums of its own update (a clipping
+norm) replayed: no communication, the optimizer's elementwise work twice.
 """
 from __future__ import annotations
 
@@ -55,9 +60,13 @@ class ShardedUpdate:
                 f"zero_stage={self.stage}: the optimizer state is not sharded; "
                 "build the state with fdp.zero.init_state or fdp.zero.shard_state"
             )
+        if state.mirror and self.stage != 1:
+            raise ValueError(f"zero_stage={self.stage}: a mirror of the next rank's slices needs the whole reduced "
+                             "gradient, which only stage 1 keeps; expected a state without one (mirror=False)")
 
     def begin(self, state: Any, grad_buffers: tuple[torch.Tensor, ...]) -> "_ShardedStep":
-        per_bucket = self.early and state.loss_scale is None and self.optimizer.elementwise
+        # A mirror steps from the params the step began with: no slice is stepped (and gathered) early.
+        per_bucket = self.early and state.loss_scale is None and self.optimizer.elementwise and not state.mirror
         return _ShardedStep(self, state, grad_buffers, per_bucket)
 
 
@@ -73,9 +82,15 @@ class _ShardedStep(SliceStep):
         self.grads: dict[str, torch.Tensor] = {}
         self.gathers: list[Pending] = []
         self.opt_state = state.opt_state
+        self.mirror = state.mirror
+        mirrored = (self.rank + 1) % self.world
+        self.mirror_ranges = [shard_range(b, mirrored, self.world) for b in plan.buckets] if state.mirror else []
+        self.mirror_grads: dict[str, torch.Tensor] = {}
+        self.sums: list[torch.Tensor] = []  # what _sum_across returned, for the mirror's update
 
-    def _param_slices(self, indices) -> dict[str, torch.Tensor]:
-        return {shard_key(i): self.flats[i][slice(*self.ranges[i])] for i in indices}
+    def _param_slices(self, indices, ranges=None) -> dict[str, torch.Tensor]:
+        ranges = ranges or self.ranges
+        return {shard_key(i): self.flats[i][slice(*ranges[i])] for i in indices}
 
     def reduced(self, index: int, buffer: torch.Tensor) -> None:
         """Take bucket ``index``'s reduced gradient; step and gather its slice now where allowed."""
@@ -87,14 +102,14 @@ class _ShardedStep(SliceStep):
             self.flags[index] = finite_flag(grad)
         elif buffer.numel() == bucket.numel:  # the whole bucket (stage 1, or a chain that sends nothing)
             self.flags[index] = finite_flag(buffer)
-            grad = buffer[start : min(stop, bucket.numel)]
-            if grad.numel() != stop - start:  # this slice runs into the padding
-                grad = torch.cat([grad, grad.new_zeros(stop - start - grad.numel())])
+            grad = _padded(buffer, start, stop, bucket.numel)
         else:
             raise ValueError(
                 f"zero_stage={owner.stage}: the hook chain returned {buffer.numel()} elements for bucket {index} "
                 f"of {bucket.numel}; expected the whole bucket or this rank's slice of {stop - start}"
             )
+        if self.mirror_ranges:
+            self.mirror_grads[shard_key(index)] = _padded(buffer, *self.mirror_ranges[index], bucket.numel)
         if self.per_bucket:
             with owner.timeline.span("optimizer", bucket=index):
                 self.opt_state = owner.optimizer.update_inplace(
@@ -120,6 +135,8 @@ class _ShardedStep(SliceStep):
                     owner.optimizer, self.grads, self.state.opt_state, slices, donate=owner.donate,
                     sum_across=self._sum_across,
                 )
+                if self.mirror_ranges:  # before the gathers overwrite the next rank's slices of the params
+                    self.mirror = self._step_mirror(indices)
             for index in indices:
                 key = shard_key(index)
                 if new_slices[key] is not slices[key]:
@@ -132,3 +149,23 @@ class _ShardedStep(SliceStep):
         self.wait_s += time.perf_counter() - t0
         return self.params, self.opt_state
 
+    def _sum_across(self, tensor: torch.Tensor) -> torch.Tensor:
+        total = super()._sum_across(tensor)
+        self.sums.append(total)
+        return total
+
+    def _step_mirror(self, indices) -> Any:
+        """The next rank's slices of the optimizer state, stepped as that rank steps them (never in place)."""
+        sums = iter(self.sums)
+        params = self._param_slices(indices, self.mirror_ranges)  # still the values the step began with
+        _, mirror = apply_gradients(self.owner.optimizer, self.mirror_grads, self.state.mirror, params,
+                                    sum_across=lambda tensor: next(sums))
+        return mirror
+
+
+def _padded(buffer: torch.Tensor, start: int, stop: int, numel: int) -> torch.Tensor:
+    """``buffer[start:stop]`` of a bucket's whole reduced gradient, zero-padded where it runs past the bucket."""
+    grad = buffer[start : min(stop, numel)]
+    if grad.numel() != stop - start:
+        grad = torch.cat([grad, grad.new_zeros(stop - start - grad.numel())])
+    return grad

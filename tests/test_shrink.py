@@ -1,0 +1,249 @@
+"""A world that loses a rank and goes on in place (world.on_rank_loss=shrink, fdp.shrink, fdp.keeper).
+
+Three gloo ranks train a tiny character transformer with dropout under Adam; rank 2 is
+SIGKILLed (or SIGSTOPped) from outside once it starts step 30 of 60, through the pid in
+``<run dir>/ranks/rank2.txt``. The survivors must finish the run on two ranks by
+themselves, without a checkpoint to read, with the parameters of the uninterrupted run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fdp.config import ConfigError, compose
+from fdp.launch import WorkerFailedError
+from fdp.rundir import RankStatus
+from fdp.trainer import run
+from fdp.validate import validate
+
+STEPS, KILL_AT, TIMEOUT_S = 60, 30, 5
+RUN = [
+    "model=charlm", "data=stdlib_text", "model.d_model=16", "model.n_layer=1", "model.n_head=2", "model.dropout=0.1",
+    "data.block_size=8", "data.max_chars=5000", "data.global_batch_size=12", "optim=adam", "optim.lr=1e-3",
+    "trainer.eval_every=0", "trainer.progress=false", f"trainer.max_steps={STEPS}", "trainer.checkpoint_every=0",
+]
+COMMON = [*RUN, "world=local4", "world.nproc_per_node=3", "world.backend=gloo", f"world.timeout_s={TIMEOUT_S}",
+          "world.on_rank_loss=shrink"]
+
+
+def alive(pid):
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+class Signaller:
+    """Sends ``sig`` to launch rank ``rank`` of the run in ``run_dir`` once it starts step ``step`` (from a thread)."""
+
+    def __init__(self, run_dir, sig, rank=2, step=KILL_AT):
+        import threading
+
+        self.run_dir, self.sig, self.rank, self.step = run_dir, sig, rank, step
+        self.victim, self.at = None, None
+        self.thread = threading.Thread(target=self._send, daemon=True)
+        self.thread.start()
+
+    def _send(self):
+        deadline = time.monotonic() + 120
+        while RankStatus.read(self.run_dir, self.rank).get("step", 0) < self.step:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.001)
+        self.victim = RankStatus.read(self.run_dir, self.rank)
+        os.kill(self.victim["pid"], self.sig)
+        self.at = time.monotonic()
+
+    def done(self):
+        self.thread.join(5)
+        if self.sig == signal.SIGSTOP and self.victim and alive(self.victim["pid"]):
+            os.kill(self.victim["pid"], signal.SIGKILL)  # never left behind, whatever the test found
+        return self
+
+
+def final_params(run_dir):
+    return torch.load(Path(run_dir) / "checkpoints" / "last.pt", weights_only=True)["params"]
+
+
+def records(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_close_params(a, b, atol=1e-5):
+    assert a.keys() == b.keys()
+    gap = max((a[n] - b[n]).abs().max().item() for n in a)
+    assert gap <= atol, gap
+
+
+def _interrupted_run(tmp_path_factory, name, sig, *overrides):
+    run_dir = tmp_path_factory.mktemp(name)
+    signaller = Signaller(run_dir, sig)
+    started = time.monotonic()
+    try:
+        summary = run(compose(*COMMON, *overrides), run_dir)
+    finally:
+        signaller.done()
+    return {"dir": run_dir, "summary": summary, "victim": signaller.victim, "signalled_at": signaller.at,
+            "ended_at": time.monotonic(), "started_at": started}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run (the same settings, nobody lost)."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    summary = run(compose(*COMMON), run_dir)
+    return {"dir": run_dir, "summary": summary, "params": final_params(run_dir)}
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    return _interrupted_run(tmp_path_factory, "killed", signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory):
+    return _interrupted_run(tmp_path_factory, "stopped", signal.SIGSTOP)
+
+
+def test_the_uninterrupted_run_never_shrinks(reference):
+    assert reference["summary"]["world"] == 3 and reference["summary"]["steps"] == STEPS
+    assert "shrinks" not in reference["summary"]
+
+
+def _check_shrunk_run(result, reference):
+    summary, victim = result["summary"], result["victim"]
+    assert victim is not None and victim["step"] >= KILL_AT
+    assert summary["steps"] == STEPS and summary["world"] == 2
+    (shrink,) = summary["shrinks"]
+    assert shrink["lost"] == [2] and shrink["world"] == 2
+    assert KILL_AT - 1 <= shrink["step"] <= victim["step"]
+    # Nothing to read: the only checkpoint is the one written at the end.
+    assert sorted(p.name for p in (result["dir"] / "checkpoints").glob("step_*.pt")) == [f"step_{STEPS:08d}.pt"]
+    assert [r for r in records(result["dir"]) if r.get("shrink")] == [{"shrink": True, **shrink}]
+    assert_close_params(final_params(result["dir"]), reference["params"])
+    assert shrink["seconds_lost"] <= TIMEOUT_S + 10
+    assert not alive(victim["pid"])
+    return shrink
+
+
+def test_a_killed_rank_leaves_two_that_finish_the_uninterrupted_run(killed, reference):
+    shrink = _check_shrunk_run(killed, reference)
+    assert shrink["seconds_lost"] < TIMEOUT_S  # a dead peer's socket closes at once: no timeout waited for
+
+
+def test_a_hung_rank_is_dropped_after_the_timeout_and_killed_by_its_keeper(stopped, reference):
+    shrink = _check_shrunk_run(stopped, reference)
+    assert TIMEOUT_S - 1 <= shrink["seconds_lost"]  # the survivors' collective timed out first
+
+
+# -- settings a shrinking world refuses --------------------------------------------------------------
+REFUSED = [
+    (["world.on_rank_loss=ignore"], r"^world\.on_rank_loss='ignore': expected restart or shrink$"),
+    (["world.min_ranks=0"], r"^world\.min_ranks=0: expected an integer >= 1$"),
+    (["world.min_ranks=4"], r"^world\.min_ranks=4: expected at most the world's 3 ranks$"),
+    (["world.max_restarts=1"], r"^world\.max_restarts=1: expected 0 with world\.on_rank_loss=shrink"),
+    (["trainer.zero_stage=2"], r"^trainer\.zero_stage=2: expected 0 or 1 with world\.on_rank_loss=shrink"),
+    (["data.global_batch_size=9"], r"^data\.global_batch_size=9: expected a multiple of every world size from "
+                                   r"world\.min_ranks=1 to 3 times trainer\.accum_steps=1 \(e\.g\. 9 \* 2 = 18\)"),
+]
+
+
+@pytest.mark.parametrize("overrides, expected", REFUSED)
+def test_settings_a_shrinking_world_cannot_run_are_refused_in_one_line(overrides, expected):
+    with pytest.raises(ConfigError) as caught:
+        validate(compose(*COMMON, *overrides))
+    assert re.search(expected, str(caught.value)) and "\n" not in str(caught.value), str(caught.value)
+
+
+# -- ZeRO stage 1, and local SGD --------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def zero1_killed(tmp_path_factory):
+    return _interrupted_run(tmp_path_factory, "zero1", signal.SIGKILL, "trainer.zero_stage=1")
+
+
+def test_zero_stage_1_keeps_the_lost_ranks_slices_and_trains_the_uninterrupted_run(zero1_killed, reference):
+    """Each rank mirrors the next rank's optimizer-state slices: rank 1 held rank 2's, so the
+    survivors split the whole optimizer state again between them and train on."""
+    _check_shrunk_run(zero1_killed, reference)
+
+
+# PowerSGD compresses the pseudo-gradient with each rank's own error feedback (a per-rank hook state).
+LOCAL_SGD = ["outer=local_sgd", "outer.sync_every=4", "hooks=powersgd", "hooks.start_iter=2"]
+
+
+@pytest.fixture(scope="module")
+def local_sgd_killed(tmp_path_factory):
+    return _interrupted_run(tmp_path_factory, "local_sgd", signal.SIGKILL, *LOCAL_SGD)
+
+
+def test_local_sgd_goes_on_as_a_run_stopped_there_and_resumed_on_two_ranks(local_sgd_killed, tmp_path):
+    """Under local SGD the ranks' params differ between syncs, so the result depends on the world
+    size: the survivors must train what a run stopped at that step and resumed on two ranks does
+    (each keeps its own params, inner optimizer state, outer state and PowerSGD error feedback; the
+    lost rank's progress since the last sync and its error feedback are dropped)."""
+    summary, victim = local_sgd_killed["summary"], local_sgd_killed["victim"]
+    (shrink,) = summary["shrinks"]
+    assert shrink["lost"] == [2] and summary["world"] == 2 and summary["steps"] == STEPS
+    assert KILL_AT - 1 <= shrink["step"] <= victim["step"] + 1
+    assert shrink["seconds_lost"] <= TIMEOUT_S + 10
+    run(compose(*COMMON, *LOCAL_SGD, f"trainer.stop_at={shrink['step']}"), tmp_path)
+    run(compose(*COMMON, *LOCAL_SGD, "world.nproc_per_node=2", "trainer.resume=true"), tmp_path)
+    assert_close_params(final_params(local_sgd_killed["dir"]), final_params(tmp_path))
+
+
+# -- fewer than world.min_ranks ------------------------------------------------------------------------
+def test_a_world_under_min_ranks_ends_in_one_line_with_a_checkpoint_to_resume(tmp_path):
+    two = ["world.nproc_per_node=2", "world.min_ranks=2"]
+    signaller = Signaller(tmp_path, signal.SIGKILL, rank=1, step=20)
+    try:
+        with pytest.raises(WorkerFailedError) as caught:
+            run(compose(*COMMON, *two), tmp_path)
+    finally:
+        signaller.done()
+    message = str(caught.value)
+    match = re.fullmatch(r"rank 1 lost by step (\d+): 1 left, fewer than world\.min_ranks=2; the last checkpoint is "
+                         r"step (\d+) \(continue with trainer\.resume=true\) \(rank 0\)", message)
+    assert match, message
+    step = int(match[2])
+    assert int(match[1]) == step + 1 and 19 <= step <= signaller.victim["step"]
+    saved = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
+    assert saved["step"] == step
+    # Usable: the run goes on from it (here on one process) to the end.
+    resumed = run(compose(*RUN, "world=single", "trainer.resume=true"), tmp_path)
+    assert resumed["steps"] == STEPS and resumed["world"] == 1
+
+
+# -- under torchrun --------------------------------------------------------------------------------------
+def test_under_torchrun_losing_rank_0_leaves_two_that_finish_and_print_the_summary(tmp_path, reference):
+    """``torchrun --max-restarts 0``: rank 0's process owns the run directory and prints the summary;
+    its rank is killed, its keeper stays until the others are done and prints theirs."""
+    import subprocess
+    import sys
+
+    from _paths import pythonpath_first
+
+    root = Path(__file__).resolve().parents[1]
+    overrides = [o for o in COMMON if not o.startswith("world=") and "nproc_per_node" not in o]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", "--max-restarts",
+               "0", str(root / "recipes" / "train.py"), "world=torchrun", *overrides, f"hydra.run.dir={tmp_path}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath_first(root)}
+    signaller = Signaller(tmp_path, signal.SIGKILL, rank=0)
+    try:
+        done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=240)
+    finally:
+        signaller.done()
+    assert done.returncode == 0, done.stderr[-3000:]
+    last = done.stdout.strip().splitlines()[-1]
+    match = re.fullmatch(r"fdp: model=charlm world=2 device=cpu steps=60 .* shrinks=\[\{'step': (\d+), 'lost': \[0\], "
+                         r"'world': 2, 'seconds_lost': [\d.]+\}\]", last)
+    assert match, done.stdout[-2000:]
+    assert KILL_AT - 1 <= int(match[1]) <= signaller.victim["step"]
+    assert_close_params(final_params(tmp_path), reference["params"])

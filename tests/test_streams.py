@@ -1,0 +1,130 @@
+"""Each sample's random stream (fdp.streams): masks that depend on the sample, not on the rank or the micro-batch."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fdp import adam, functionalize, make_train_step, plan_buckets, planner_loss
+from fdp.comm import Comm
+from fdp.config import compose
+from fdp.data import global_batch, load_stdlib_text, shard
+from fdp.losses import cross_entropy_loss
+from fdp.models import CharTransformer
+from fdp.replicas import setup_state
+from fdp.streams import SampleStreams
+from fdp.trainer import run
+
+SEED = 11
+
+
+def _draws(x: torch.Tensor) -> list[torch.Tensor]:
+    """Every kind of random op the streams replace, applied to a batch ``x`` of shape (B, 4, 6)."""
+    q = x.view(x.shape[0], 2, 4, 3)
+    attention = F.scaled_dot_product_attention(q, q, q, dropout_p=0.4)
+    out, mask = torch.native_dropout(x, 0.3, True)
+    return [
+        F.dropout(x, 0.5, training=True), attention, out, mask, torch.rand_like(x), torch.randn_like(x),
+        torch.bernoulli(torch.full_like(x, 0.25)), torch.empty_like(x).uniform_(-2, 3), torch.empty_like(x).normal_(1, 2),
+        torch.rand(x.shape[0], 5), torch.randn(x.shape[0], 5, dtype=torch.float64),
+    ]
+
+
+def _on_streams(step: int, first: int, x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    streams = SampleStreams(SEED)
+    draws = streams.wrap(_draws)
+    streams.begin(step, first, sizes)
+    outs = [draws(part) for part in x.split(sizes)]
+    return [torch.cat(parts) for parts in zip(*outs)]
+
+
+def test_a_samples_values_do_not_depend_on_the_batch_or_micro_batch_it_is_in():
+    x = torch.randn(6, 4, 6)
+    whole = _on_streams(3, 0, x, [6])
+    # Samples 2..5 on another rank, as two micro-batches of 2.
+    share = _on_streams(3, 2, x[2:], [2, 2])
+    for a, b in zip(whole, share):
+        assert torch.equal(a[2:], b)
+    # A different step, or other samples, draw other values.
+    other_step = _on_streams(4, 0, x, [6])
+    assert not torch.equal(whole[0], other_step[0])
+    assert not torch.equal(whole[4][0], whole[4][1])
+    # Two ops of one forward draw different values (the op's number is in the key).
+    assert not torch.equal(whole[4], (whole[8] - 1) / 2)
+
+
+def test_the_draws_have_the_distributions_asked_for():
+    streams = SampleStreams(0)
+    streams.begin(1, 0, [64])
+    x = torch.ones(64, 5000)
+    kept, uniform, normal = streams.wrap(lambda x: (F.dropout(x, 0.1, True) != 0, torch.rand_like(x), torch.randn_like(x)))(x)
+    assert abs(kept.float().mean().item() - 0.9) < 0.005
+    assert abs(uniform.mean().item() - 0.5) < 0.005 and abs(uniform.var().item() - 1 / 12) < 0.002
+    assert 0.0 <= uniform.min().item() and uniform.max().item() < 1.0
+    assert abs(normal.mean().item()) < 0.01 and abs(normal.std().item() - 1.0) < 0.01
+
+
+def test_ops_that_are_not_per_sample_draw_from_the_generator():
+    streams = SampleStreams(0)
+    noise = streams.wrap(lambda x: (torch.rand(3, 3), torch.randperm(5), F.dropout(x, 0.5, True)))
+    torch.manual_seed(5)
+    expected = torch.rand(3, 3), torch.randperm(5)
+    torch.manual_seed(5)
+    streams.begin(1, 0, [6])
+    fixed, perm, _ = noise(torch.ones(6, 2))
+    assert torch.equal(fixed, expected[0]) and torch.equal(perm, expected[1])
+
+
+def test_a_forward_that_draws_nothing_runs_without_the_mode_after_the_first():
+    streams = SampleStreams(0)
+    plain = streams.wrap(lambda x: x * 2)
+    streams.begin(1, 0, [2])
+    plain(torch.ones(2))
+    assert streams.draws is False
+    drawing = SampleStreams(0)
+    drawing.begin(1, 0, [2])
+    drawing.wrap(lambda x: F.dropout(x, 0.5, True))(torch.ones(2, 3))
+    assert drawing.draws is True
+
+
+# -- the train step: two ranks with dropout train the one-process run ------------------------
+GLOBAL, STEPS = 8, 6
+
+
+def _charlm_run(comm: Comm, accum_steps: int, sample_seed):
+    data = load_stdlib_text(block_size=8, max_chars=4000)
+    torch.manual_seed(0)
+    model, params, buffers = functionalize(CharTransformer(data.num_classes, 8, 16, 1, 2, dropout=0.3))
+    loss_fn = cross_entropy_loss(model)
+    batches = [shard(global_batch(data, s, GLOBAL, 0), comm.rank, comm.world_size) for s in range(STEPS)]
+    plan = plan_buckets(planner_loss(loss_fn, buffers), params, batches[0])
+    state = setup_state(params, buffers, adam(1e-3), plan, comm=comm, seed=0)
+    step = make_train_step(loss_fn, adam(1e-3), plan, comm=comm, accum_steps=accum_steps, sample_seed=sample_seed)
+    for batch in batches:
+        state, _ = step(state, batch)
+    return state.params
+
+
+def _two_ranks(rank, world):
+    return {seed: _charlm_run(Comm(), 2, seed) for seed in (SEED, None)}
+
+
+def test_dropout_on_two_ranks_trains_what_one_process_trains(run_ranks):
+    one = {seed: _charlm_run(Comm(), 1, seed) for seed in (SEED, None)}
+    two = run_ranks(_two_ranks, world_size=2)
+    gap = {seed: max((one[seed][n] - two[0][seed][n]).abs().max().item() for n in one[seed]) for seed in (SEED, None)}
+    assert gap[SEED] <= 1e-5, gap
+    assert gap[None] > 1e-3, gap  # each rank's own generator: other masks, other params
+
+
+def test_world_single_and_local2_train_the_same_params_with_dropout(tmp_path):
+    common = [
+        "model=charlm", "data=stdlib_text", "model.d_model=16", "model.n_layer=1", "model.n_head=2", "model.dropout=0.2",
+        "data.block_size=8", "data.max_chars=5000", "data.global_batch_size=8", "optim=adam", "trainer.eval_every=0",
+        "trainer.progress=false", "trainer.max_steps=12", "world.backend=gloo",
+    ]
+    params = {}
+    for world in ("single", "local2"):
+        run(compose(*common, f"world={world}"), tmp_path / world)
+        params[world] = torch.load(tmp_path / world / "checkpoints" / "last.pt", weights_only=True)["params"]
+    for name, value in params["single"].items():
+        torch.testing.assert_close(params["local2"][name], value, rtol=0, atol=1e-5)
