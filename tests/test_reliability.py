@@ -29,6 +29,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from _paths import pythonpath_first
+from _procs import alive
 from fdp import checkpoint
 from fdp.comm import Comm
 from fdp.config import ConfigError, register_configs
@@ -42,6 +43,7 @@ from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_l
 from fdp.rundir import RankStatus
 from fdp.trainer import run, train_worker
 from fdp.world import layout_of
+
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = str(ROOT / "conf")
@@ -106,15 +108,6 @@ class Background(threading.Thread):
 
 def checkpointed(run_dir, step):
     return (Path(run_dir) / "checkpoints" / f"step_{step:08d}.pt").exists()
-
-
-def alive(pid):
-    """Running, and not a zombie waiting for its parent."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
 
 # -- the uninterrupted run, and what listened while it ran ---------------------------------

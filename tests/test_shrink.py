@@ -17,11 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from _procs import alive
 from fdp.config import ConfigError, compose
 from fdp.launch import WorkerFailedError
 from fdp.rundir import RankStatus
 from fdp.trainer import run
 from fdp.validate import validate
+
 
 STEPS, KILL_AT, TIMEOUT_S = 60, 30, 5
 RUN = [
@@ -31,14 +33,6 @@ RUN = [
 ]
 COMMON = [*RUN, "world=local4", "world.nproc_per_node=3", "world.backend=gloo", f"world.timeout_s={TIMEOUT_S}",
           "world.on_rank_loss=shrink"]
-
-
-def alive(pid):
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
 
 class Signaller:
