@@ -126,7 +126,7 @@ def _fdp_step(spec: dict, batch, world: int, compile: bool, optimizer=None):
     from fdp.hooks import allreduce
     from fdp.optim import adamw
     from fdp.plan import plan_buckets
-    from fdp.train import cross_entropy_loss, init_train_state, make_train_step, planner_loss
+    from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
 
     model, params, buffers = functionalize(module_for(spec), keep_module_weights=False)
     loss_fn = cross_entropy_loss(model)
@@ -167,13 +167,13 @@ TIMED = [
     ("fdp.reduce", "GradReducer._store_flat", "bucket copies"),
     ("fdp.reduce", "_write", "bucket copies"),
     ("fdp.reduce", "GradReducer.grad_views", "gradient views"),
-    ("fdp.train", "slot_views", "gradient views"),
+    ("fdp.update", "slot_views", "gradient views"),
     ("fdp.buckets", "views_in", "param views of the flat buffers"),
     ("fdp.reduce", "Reduction.start", "hook chains (start)"),
     ("fdp.reduce", "Reduction._resume", "hook chains (resume)"),
-    ("fdp.train", "_finite", "finiteness flags"),
-    ("fdp.train", "_FiniteChecks.record", "finiteness flags"),
-    ("fdp.train", "apply_gradients", "optimizer"),
+    ("fdp.update", "finite_flag", "finiteness flags"),
+    ("fdp.verdicts", "DeferredVerdicts.record", "finiteness flags"),
+    ("fdp.update", "apply_gradients", "optimizer"),
 ]
 # part -> the part it runs inside of (whose time it is taken out of)
 NESTED = {"reparametrisation": "forward (functional call)", "forward (functional call)": "gradient (torch.func)",

@@ -7,7 +7,7 @@ also steps the next rank's slices of the optimizer state (``TrainState.mirror``)
 dropout draws each sample's masks from its own stream (``fdp.streams``; on in every run
 of the trainer, so it is measured against each rank's generator, ``sample_seed=None``).
 
-Two gloo ranks train a char transformer (dropout 0.1, Adam) with ``make_train_step``,
+Gloo ranks (two unless ``--ranks``) train a char transformer (dropout 0.1, Adam) with ``make_train_step``,
 each variant on a state of its own, interleaved over rounds (median ms per step of the
 slower rank):
 
@@ -17,6 +17,10 @@ slower rank):
 * ``stage 0 donate again``: the first variant once more, for the noise between identical runs.
 
     python -m benchmarks.shrink_overhead [--steps 20] [--rounds 5]   # from the repo root; ~2 min
+    python -m benchmarks.shrink_overhead --d-model 8 --block 8 --batch 4 --steps 30 \
+        --out benchmarks/results/shrink_overhead_tiny.md               # tiny widths: the host's time
+    python -m benchmarks.shrink_overhead --d-model 8 --block 8 --batch 2 --steps 30 --ranks 1 \
+        --out benchmarks/results/shrink_overhead_tiny_1rank.md
 """
 from __future__ import annotations
 
@@ -47,14 +51,14 @@ VARIANTS = {  # name: (zero stage, donate, mirror, sample streams)
 }
 
 
-def _rank(steps: int, rounds: int, d_model: int, layout: WorldLayout) -> dict:
+def _rank(steps: int, rounds: int, d_model: int, block: int, batch: int, layout: WorldLayout) -> dict:
     comm = init_distributed(layout)
     torch.set_num_threads(1)
-    data = load_stdlib_text(block_size=64, max_chars=200_000)
+    data = load_stdlib_text(block_size=block, max_chars=200_000)
     torch.manual_seed(0)
-    model, params, buffers = fdp.functionalize(CharTransformer(data.num_classes, 64, d_model, 2, 4, dropout=0.1))
+    model, params, buffers = fdp.functionalize(CharTransformer(data.num_classes, block, d_model, 2, 4, dropout=0.1))
     loss_fn = fdp.cross_entropy_loss(model)
-    batches = [shard(global_batch(data, s, 32, 0), comm.rank, comm.world_size) for s in range(steps)]
+    batches = [shard(global_batch(data, s, batch, 0), comm.rank, comm.world_size) for s in range(steps)]
     plan = fdp.plan_buckets(fdp.planner_loss(loss_fn, buffers), params, batches[0])
     optimizer = fdp.adam(1e-3)
     runs = {}
@@ -85,10 +89,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--block", type=int, default=64, help="tokens per sample")
+    parser.add_argument("--batch", type=int, default=32, help="global batch size")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    layout = WorldLayout("elastic", nproc_per_node=2, backend="gloo", timeout_s=300)
-    results = spawn(_rank, (args.steps, args.rounds, args.d_model, layout), layout)
+    layout = WorldLayout("elastic", nproc_per_node=args.ranks, backend="gloo", timeout_s=300)
+    results = spawn(_rank, (args.steps, args.rounds, args.d_model, args.block, args.batch, layout), layout)
     ms = {name: max(results[r][name] for r in results) for name in VARIANTS}
     base = {"stage 0 pure": "stage 0 donate", "stage 1 pure": "stage 1 donate", "stage 1 pure + mirror": "stage 1 donate",
             "stage 0 donate, rank generators": "stage 0 donate", "stage 0 donate again": "stage 0 donate"}
@@ -97,11 +104,12 @@ def main() -> None:
     load = os.getloadavg()[0]
     table = "\n".join([
         "# What a shrinkable world costs per step while nothing is lost (benchmarks/shrink_overhead.py)", "",
-        f"2 gloo ranks, one thread each, char transformer d_model {args.d_model} x 2 layers, block 64, dropout 0.1, "
-        f"Adam, global batch 32; {args.steps} steps x {args.rounds} interleaved rounds (median, the slower rank); "
+        f"{args.ranks} gloo rank{'s' if args.ranks > 1 else ''}, one thread each, char transformer d_model {args.d_model} x 2 layers, block {args.block}, dropout 0.1, "
+        f"Adam, global batch {args.batch}; {args.steps} steps x {args.rounds} interleaved rounds (median, the slower rank); "
         f"torch {torch.__version__}; {time.strftime('%Y-%m-%d')}; load average {load:.1f} at the end (2-core machine).", "",
         "| variant | ms per step | ratio |", "|---|---|---|", *rows, "",
-        f"`python -m benchmarks.shrink_overhead --steps {args.steps} --rounds {args.rounds}`", "",
+        f"`python -m benchmarks.shrink_overhead --steps {args.steps} --rounds {args.rounds} --d-model {args.d_model} "
+        f"--block {args.block} --batch {args.batch} --ranks {args.ranks}`", "",
     ])
     print(table)
     args.out.write_text(table)

@@ -176,6 +176,7 @@ class TrainerConfig:
     matmul_precision: str = "highest"  # highest | high | medium: torch.set_float32_matmul_precision
     compile: Any = "auto"  # auto | true | false: torch.compile the gradient computation (auto: on a GPU, when the run repays the compile)
     zero_stage: int = 0  # 0 | 1 (shard optimizer state over ranks) | 2 (and reduced gradients) | 3 (and params)
+    sample_streams: Any = "auto"  # auto | true | false: dropout masks per sample, alike on any world (auto: if it may shrink)
     reshard_after_forward: bool = True  # zero_stage=3: release each bucket's params after forward, gather again for backward
     trace: bool = False  # write a Chrome trace per rank to <run dir>/trace/ (for short diagnostic runs)
     tensorboard: bool = False  # also write the logged metrics as TensorBoard scalars to <run dir>/tb/ (rank 0)

@@ -34,8 +34,9 @@ import torch
 
 from fdp._torch import TorchDispatchMode
 
-__all__ = ["SampleStreams", "uniform", "RANDOM_OPS"]
+__all__ = ["SampleStreams", "uniform", "RANDOM_OPS", "check_sample_streams", "wants_sample_streams"]
 
+SETTINGS = ("auto", True, False)
 _M32 = 0xFFFFFFFF
 _MUL = 0x45D9F3B  # the multiplier of a 32-bit integer hash (< 2**27: products stay inside int64)
 _SAMPLE = 0x9E3779B9  # odd steps that spread consecutive counters over the 32-bit range
@@ -231,3 +232,31 @@ class SampleStreams:
             return out
 
         return on_sample_streams
+
+
+def check_sample_streams(value: Any) -> bool | str:
+    """``trainer.sample_streams``: ``auto``, ``True`` or ``False``; else a ``ValueError`` naming it.
+
+    >>> check_sample_streams("yes")
+    Traceback (most recent call last):
+    ...
+    ValueError: sample_streams='yes': expected auto, true or false
+    """
+    if value not in SETTINGS or isinstance(value, int) and not isinstance(value, bool):
+        raise ValueError(f"sample_streams={value!r}: expected auto, true or false")
+    return value
+
+
+def wants_sample_streams(setting: bool | str, on_rank_loss: str) -> bool:
+    """Whether a run draws its forward's randomness per sample (``trainer.sample_streams``).
+
+    ``auto`` draws per sample where the result must not depend on the world size while
+    the run goes: a world that may shrink (``world.on_rank_loss=shrink``). Elsewhere each
+    rank's generator is used, since the streams' dispatch mode costs a Python call per op
+    of a forward that draws (about twice fdp's host time per step at tiny widths, a few
+    per cent on a model whose compute dominates: ``benchmarks/shrink_overhead.py``).
+
+    >>> wants_sample_streams("auto", "restart"), wants_sample_streams("auto", "shrink"), wants_sample_streams(True, "restart")
+    (False, True, True)
+    """
+    return on_rank_loss == "shrink" if setting == "auto" else bool(setting)

@@ -48,6 +48,7 @@ from fdp.rundir import RankStatus, RunDir, own_run_dir, train_log_handler
 from fdp.shrink import Shrink, ShrinkingWorld, check_shrinkable_batch, keep_rank, launched_world, shrink_store
 from fdp.state import TrainState
 from fdp.step import TrainStep, make_train_step
+from fdp.streams import wants_sample_streams
 from fdp.trace import NullTimeline, Timeline
 from fdp.validate import validate
 from fdp.world import layout_of, resolve_world
@@ -100,14 +101,23 @@ def _make_step(cfg: DictConfig, parts: RunParts, comm: Comm, timeline: Timeline,
         accum_steps=tc.accum_steps, schedule=tc.schedule, nonfinite=tc.nonfinite, timeline=timeline, donate=donate,
         sync_buffers=tc.sync_buffers, precision=parts.precision, compile=compile, zero_stage=tc.zero_stage,
         model=parts.model, reshard_after_forward=tc.reshard_after_forward,
-        # Dropout masks by sample, the same on any number of ranks (a compiled step keeps each rank's generator).
-        sample_seed=None if compile else cfg.seed,
+        # Dropout masks by sample, the same on any number of ranks (fdp.streams), or each rank's generator.
+        sample_seed=cfg.seed if wants_sample_streams(tc.sample_streams, cfg.world.on_rank_loss) else None,
     )
     loss_fn = make_loss_fn(parts.model, parts.criterion)
     outer = check_outer(OmegaConf.to_container(cfg.outer))
     if outer.name == "none":
         return make_train_step(loss_fn, parts.optimizer, parts.plan, parts.hook, comm, **options)
     return make_outer_step(loss_fn, parts.optimizer, parts.plan, outer, parts.hook, comm, **options)
+
+
+def _not_compiled(cfg: DictConfig) -> str | None:
+    """Why this run's step cannot compile (what ``trainer.compile=auto`` says), or ``None``."""
+    if cfg.trainer.zero_stage == 3:
+        return "trainer.zero_stage=3 gathers params in module hooks, which do not compile"
+    if wants_sample_streams(cfg.trainer.sample_streams, cfg.world.on_rank_loss):
+        return "per-sample random streams (trainer.sample_streams) run in a dispatch mode, which does not compile"
+    return None
 
 
 def _lost_rank_error(error: RuntimeError, heartbeat: Heartbeat | None, rank: int, step: int) -> RankLostError | None:
@@ -288,7 +298,7 @@ def _train(cfg: DictConfig, run_dir: RunDir, comm: Comm, device: torch.device, w
         _announce(cfg, run_dir, parts, world_size, device)
     timeline = Timeline(rank) if tc.trace else NullTimeline()
     last_step = min(tc.max_steps, tc.stop_at or tc.max_steps)
-    blocked = "trainer.zero_stage=3 gathers params in module hooks, which do not compile" if tc.zero_stage == 3 else None
+    blocked = _not_compiled(cfg)
     choice = compiled.choose(tc.compile, run_dir.path, device.type, last_step - state.step, comm, blocked)
     if rank == 0:
         log.info(choice.message)

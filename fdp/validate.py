@@ -39,6 +39,7 @@ from fdp.reduce import resolve_schedule
 from fdp.replicas import check_sync_buffers
 from fdp.rundir import RunDir
 from fdp.shrink import check_on_rank_loss, check_shrinkable_batch
+from fdp.streams import check_sample_streams, wants_sample_streams
 from fdp.step import check_nonfinite
 from fdp.targets import locate
 from fdp.zero import check_hook_for_stage, check_zero_stage
@@ -104,6 +105,11 @@ def _validate_trainer(cfg: Any) -> None:
     _as_config_key("trainer.matmul_precision", check_matmul_precision, t.matmul_precision)
     _as_config_key("trainer.compile", lambda value: check_compile(value, device), t.compile)
     _as_config_key("trainer.zero_stage", check_zero_stage, t.zero_stage)
+    _as_config_key("trainer.sample_streams", check_sample_streams, t.sample_streams)
+    if wants_sample_streams(t.sample_streams, cfg.world.on_rank_loss):
+        _require(t.compile is not True, "trainer.compile", t.compile,
+                 "auto or false with per-sample streams (trainer.sample_streams, on with world.on_rank_loss=shrink): "
+                 "their dispatch mode does not compile")
     hook = _as_config_key("hooks", build_hook, _container(cfg.hooks))
     _as_config_key("trainer.zero_stage", lambda stage: check_hook_for_stage(stage, hook), t.zero_stage)
     if t.zero_stage:  # combinations whose state does not shard (yet): refused, not silently unsharded

@@ -1,18 +1,21 @@
 """Each sample's random stream (fdp.streams): masks that depend on the sample, not on the rank or the micro-batch."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from fdp import adam, functionalize, make_train_step, plan_buckets, planner_loss
 from fdp.comm import Comm
 from fdp.config import compose
+from fdp.errors import ConfigError
 from fdp.data import global_batch, load_stdlib_text, shard
 from fdp.losses import cross_entropy_loss
 from fdp.models import CharTransformer
 from fdp.replicas import setup_state
-from fdp.streams import SampleStreams
+from fdp.streams import SampleStreams, wants_sample_streams
 from fdp.trainer import run
+from fdp.validate import validate
 
 SEED = 11
 
@@ -120,7 +123,7 @@ def test_world_single_and_local2_train_the_same_params_with_dropout(tmp_path):
     common = [
         "model=charlm", "data=stdlib_text", "model.d_model=16", "model.n_layer=1", "model.n_head=2", "model.dropout=0.2",
         "data.block_size=8", "data.max_chars=5000", "data.global_batch_size=8", "optim=adam", "trainer.eval_every=0",
-        "trainer.progress=false", "trainer.max_steps=12", "world.backend=gloo",
+        "trainer.progress=false", "trainer.max_steps=12", "world.backend=gloo", "trainer.sample_streams=true",
     ]
     params = {}
     for world in ("single", "local2"):
@@ -128,3 +131,26 @@ def test_world_single_and_local2_train_the_same_params_with_dropout(tmp_path):
         params[world] = torch.load(tmp_path / world / "checkpoints" / "last.pt", weights_only=True)["params"]
     for name, value in params["single"].items():
         torch.testing.assert_close(params["local2"][name], value, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("overrides, streams", [
+    ((), False),  # auto: each rank's generator, no dispatch mode's host cost
+    (("world=local2", "world.on_rank_loss=shrink"), True),  # auto: the survivors must draw the lost world's masks
+    (("trainer.sample_streams=true",), True),
+    (("world=local2", "world.on_rank_loss=shrink", "trainer.sample_streams=false"), False),
+])
+def test_sample_streams_auto_draws_per_sample_where_the_world_may_shrink(overrides, streams):
+    cfg = compose("model=charlm", "data=stdlib_text", "model.dropout=0.1", *overrides)
+    validate(cfg)
+    assert wants_sample_streams(cfg.trainer.sample_streams, cfg.world.on_rank_loss) is streams
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (("trainer.sample_streams=maybe",), "trainer.sample_streams='maybe': expected auto, true or false"),
+    (("trainer.sample_streams=true", "trainer.compile=true"),
+     "trainer.compile=True: expected auto or false with per-sample streams"),
+])
+def test_sample_streams_settings_that_cannot_run_are_refused_in_one_line(overrides, expected):
+    with pytest.raises(ConfigError) as error:
+        validate(compose(*overrides))
+    assert str(error.value).startswith(expected), str(error.value)
