@@ -236,7 +236,7 @@ def make_train_step(
         else:
             params, opt_state = step.finish()
             new_state = TrainState(number, params, computed.buffers, opt_state, computed.reduction.hook_states, rng,
-                                   cuda_rng, loss_scale, state.outer, getattr(step, "mirror", state.mirror))
+                                   cuda_rng, loss_scale, state.outer, step.mirror)
         if state_mib is None:  # what this rank holds between steps (params, optimizer state, bucket buffers): fixed
             state_mib = state_nbytes(new_state, reducer.flats) / 2**20
         return new_state, _metrics(t0, computed, step, new_state, state.loss_scale, loss_scale, skipped, state_mib)

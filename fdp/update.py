@@ -49,11 +49,14 @@ class StepUpdate(Protocol):
     ``params``: what forward and backward run on this step (at ZeRO stage 3, views that
     the update's ``gather`` fills bucket by bucket while they are read). ``wait_s``:
     seconds this step's update spent blocked on communication of its own (all-gathers, a
-    norm's all-reduce).
+    norm's all-reduce). ``mirror``: the state's copy of the next rank's optimizer-state
+    slices (``TrainState.mirror``, ZeRO stage 1 in a world that may shrink), stepped by
+    ``finish()``; ``None`` where none is kept.
     """
 
     params: dict
     wait_s: float
+    mirror: Any
 
     def reduced(self, index: int, buffer: torch.Tensor) -> None:
         """Take bucket ``index``'s reduced gradient (buckets arrive in the order they finish)."""
@@ -146,7 +149,7 @@ class ReplicatedUpdate:
 class _ReplicatedStep:
     def __init__(self, owner: ReplicatedUpdate, state: Any, per_bucket: bool, grad_buffers: tuple):
         self.owner, self.state, self.per_bucket, self.grad_buffers = owner, state, per_bucket, grad_buffers
-        self.params = state.params
+        self.params, self.mirror = state.params, state.mirror
         self.grads: list[dict] = [{}] * len(owner.plan.buckets)
         self.flags: list[torch.Tensor | None] = [None] * len(owner.plan.buckets)  # by bucket index
         self.opt_state = state.opt_state

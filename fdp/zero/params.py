@@ -70,7 +70,7 @@ class ParamShardedUpdate:
 class _ParamShardedStep(SliceStep):
     def __init__(self, owner: ParamShardedUpdate, state: Any, per_bucket: bool):
         super().__init__(owner, sliced=True)
-        self.state, self.per_bucket = state, per_bucket
+        self.state, self.per_bucket, self.mirror = state, per_bucket, state.mirror
         self.params = owner.gather.views
         self.grads: dict[str, torch.Tensor] = {}
         self.opt_state = state.opt_state
