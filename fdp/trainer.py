@@ -3,7 +3,9 @@
 ``main(cfg, run_dir)`` is what ``recipes/train.py`` calls: ``run`` validates the config,
 starts the workers of a local world with the elastic launcher (or runs in this process),
 and each one runs ``train_worker``: join the world, build the run's pieces
-(``fdp.build``), resume or start, and loop over the steps (``_train``).
+(``fdp.build``), resume or start, and loop over the steps (``_train``, ``_Loop``). Under
+``world.on_rank_loss=shrink`` a lost rank does not end the loop: the survivors regroup and
+go on from the last step they all completed (``_Loop.shrink``, ``fdp.shrink``).
 """
 from __future__ import annotations
 
