@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 __all__ = [
     "foreach", "fused_sgd_", "fused_adam_", "fused_adamw_", "HAS_FUSED_OPTIMIZERS",
-    "disable_functorch", "HAS_DISABLE_FUNCTORCH", "default_store", "group_timeout",
+    "disable_functorch", "HAS_DISABLE_FUNCTORCH", "default_store", "group_timeout", "live_groups",
     "tree_flatten", "tree_unflatten", "tree_map", "tree_paths", "TorchDispatchMode", "storage_id", "storage_alias",
     "release_storage", "tensor_slots", "swap_into", "swap_back", "inductor_default_cache_dir",
 ]
@@ -112,6 +112,12 @@ def group_timeout(group: Any = None) -> Any | None:
         except (AttributeError, RuntimeError, ValueError):
             continue
     return None
+
+
+def live_groups() -> list[Any]:
+    """Every process group torch knows in this process (the default one included); ``[]`` where it hides them."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    return list(getattr(world, "pg_map", {}) or {})
 
 
 # -- pytrees --------------------------------------------------------------------------------

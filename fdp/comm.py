@@ -8,21 +8,51 @@ runs the very same code path.
 """
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from fdp._torch import group_timeout
 
+Watch = Callable[[], None]  # raises RuntimeError once the world a collective runs in is known to be broken
+_WATCH_EVERY = datetime.timedelta(milliseconds=50)
+
+
+def wait_watched(work: Any, watch: Watch | None) -> None:
+    """``work.wait()``, asking ``watch`` every 50 ms while the collective is not done.
+
+    A rank whose collective waits on a live peer (which waits on a lost one) would
+    otherwise learn of the loss only at the collective's timeout; the first rank to see
+    it says so where ``watch`` looks (``fdp.shrink``), and the wait ends at once. Only
+    for gloo: NCCL's timed wait blocks the host until the device is done.
+
+    >>> wait_watched(None, None)
+    """
+    if work is None:
+        return
+    if watch is None:
+        work.wait()
+        return
+    while True:
+        try:
+            work.wait(timeout=_WATCH_EVERY)
+            return
+        except RuntimeError:
+            if work.is_completed():
+                raise  # the collective's own failure
+            watch()
+
 
 class Pending:
     """A collective in flight; ``wait()`` blocks until it is done and returns its result."""
 
-    __slots__ = ("_work", "_result")
+    __slots__ = ("_work", "_result", "_watch")
 
-    def __init__(self, result: torch.Tensor, work=None):
-        self._work, self._result = work, result
+    def __init__(self, result: torch.Tensor, work=None, watch: Watch | None = None):
+        self._work, self._result, self._watch = work, result, watch
 
     def __getattr__(self, name: str):
         # Only for names a Pending lacks: most often a hook that used a collective's
@@ -38,7 +68,7 @@ class Pending:
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
-            self._work.wait()
+            wait_watched(self._work, self._watch)
             self._work = None
         return self._result
 
@@ -50,6 +80,8 @@ class Comm:
     ``bytes_sent`` counts the payload this rank contributes (the tensor handed to each
     collective), the figure a compression ratio is taken against.
 
+    ``watch``: asked while a collective waits (``wait_watched``); ``fdp.shrink`` sets it.
+
     >>> comm = Comm()            # no process group: a world of one
     >>> comm.allreduce(torch.ones(3)).wait()
     tensor([1., 1., 1.])
@@ -58,6 +90,7 @@ class Comm:
     group: dist.ProcessGroup | None = None
     bytes_sent: int = field(default=0)
     collectives: int = field(default=0)
+    watch: Watch | None = field(default=None, repr=False, compare=False)
 
     @property
     def world_size(self) -> int:
@@ -71,12 +104,15 @@ class Comm:
         self.bytes_sent += tensor.numel() * tensor.element_size()
         self.collectives += 1
 
+    def _pending(self, result: torch.Tensor, work: Any) -> Pending:
+        return Pending(result, work, self.watch)
+
     def allreduce(self, tensor: torch.Tensor) -> Pending:
         """Sum ``tensor`` over ranks, in place; the caller must own ``tensor``."""
         if self.world_size == 1:
             return Pending(tensor)
         self._count(tensor)
-        return Pending(tensor, dist.all_reduce(tensor, group=self.group, async_op=True))
+        return self._pending(tensor, dist.all_reduce(tensor, group=self.group, async_op=True))
 
     def allgather(self, tensor: torch.Tensor) -> Pending:
         """Every rank's ``tensor``, stacked: the result has shape ``(world_size, *tensor.shape)``."""
@@ -86,7 +122,7 @@ class Comm:
         self._count(tensor)
         out = tensor.new_empty(world * tensor.numel())
         work = _all_gather_flat(out, tensor.contiguous().view(-1), group=self.group, async_op=True)
-        return Pending(out.view(world, *tensor.shape), work)
+        return self._pending(out.view(world, *tensor.shape), work)
 
     def gather(self, tensor: torch.Tensor, dst: int = 0) -> Pending:
         """Every rank's ``tensor``, stacked on rank ``dst`` (shape ``(world_size, *tensor.shape)``); ``None`` elsewhere.
@@ -103,7 +139,7 @@ class Comm:
         target = dist.get_global_rank(self.group, dst) if self.group is not None else dst
         work = dist.gather(tensor.contiguous(), list(out.unbind(0)) if mine else None, dst=target, group=self.group,
                            async_op=True)
-        return Pending(out, work)
+        return self._pending(out, work)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Pending:
         """Every rank's ``tensor`` becomes rank ``src``'s (``src`` counted in this group), in place."""
@@ -112,7 +148,7 @@ class Comm:
         if self.rank == src:
             self._count(tensor)
         source = dist.get_global_rank(self.group, src) if self.group is not None else src
-        return Pending(tensor, dist.broadcast(tensor, source, group=self.group, async_op=True))
+        return self._pending(tensor, dist.broadcast(tensor, source, group=self.group, async_op=True))
 
     def reduce_scatter(self, tensor: torch.Tensor) -> Pending:
         """Sum the flat ``tensor`` over ranks; this rank gets its ``1/world_size`` slice, a new tensor.
@@ -137,9 +173,9 @@ class Comm:
         if dist.get_backend(self.group) == "gloo":
             flat = tensor.view(-1)
             mine = flat[self.rank * size : (self.rank + 1) * size]
-            return Pending(mine, dist.all_reduce(flat, group=self.group, async_op=True))
+            return self._pending(mine, dist.all_reduce(flat, group=self.group, async_op=True))
         out = tensor.new_empty(size)
-        return Pending(out, _reduce_scatter_flat(out, tensor.contiguous().view(-1), group=self.group, async_op=True))
+        return self._pending(out, _reduce_scatter_flat(out, tensor.contiguous().view(-1), group=self.group, async_op=True))
 
     def all_to_all(self, tensor: torch.Tensor) -> Pending:
         """Chunk ``j`` of the flat ``tensor`` goes to rank ``j``; row ``r`` of the result came from rank ``r``.
@@ -159,7 +195,7 @@ class Comm:
         self._count(tensor)
         out = tensor.new_empty(tensor.numel())
         work = dist.all_to_all_single(out, tensor.contiguous().view(-1), group=self.group, async_op=True)
-        return Pending(out.view(world, -1), work)
+        return self._pending(out.view(world, -1), work)
 
     def all_gather_into(self, out: torch.Tensor, piece: torch.Tensor) -> Pending:
         """Fill the flat ``out`` with every rank's ``piece``, in rank order; ``out`` has ``world_size`` pieces.
@@ -190,8 +226,8 @@ class Comm:
                     mine.copy_(piece.view(-1))
             ranks = dist.get_process_group_ranks(self.group) if self.group is not None else range(world)
             works = [dist.broadcast(chunk, src=src, group=self.group, async_op=True) for chunk, src in zip(chunks, ranks)]
-            return Pending(out, _AllOf(works))
-        return Pending(out, _all_gather_flat(out, piece.contiguous().view(-1), group=self.group, async_op=True))
+            return self._pending(out, _AllOf(works))
+        return self._pending(out, _all_gather_flat(out, piece.contiguous().view(-1), group=self.group, async_op=True))
 
     def on_own_group(self) -> "Comm":
         """A ``Comm`` over the same ranks on a process group of its own.
@@ -205,7 +241,7 @@ class Comm:
         if self.world_size == 1:
             return Comm()
         ranks = dist.get_process_group_ranks(self.group) if self.group is not None else list(range(self.world_size))
-        return Comm(new_group(ranks))
+        return Comm(new_group(ranks), watch=self.watch)
 
     def take_counters(self) -> tuple[int, int]:
         """Return ``(bytes_sent, collectives)`` since the last call and reset them."""
@@ -234,9 +270,9 @@ class _AllOf:
     def is_completed(self) -> bool:
         return all(work.is_completed() for work in self._works)
 
-    def wait(self) -> None:
+    def wait(self, timeout: datetime.timedelta | None = None) -> None:
         for work in self._works:
-            work.wait()
+            work.wait() if timeout is None else work.wait(timeout=timeout)
 
 
 # torch renamed the flat all-gather (all_gather_into_tensor -> all_gather_single) in 2.13.

@@ -33,6 +33,8 @@ from typing import Iterator, Mapping
 import torch
 import torch.distributed as dist
 
+from fdp.comm import Watch, wait_watched
+
 __all__ = ["StopSignals", "StoppedAtOnce", "check_requeue_signal", "exit_code", "relay_to_workers", "requeue_job",
            "stop_signal_names"]
 
@@ -109,6 +111,7 @@ class StopSignals:
         self.received: str | None = None
         self._previous: dict[int, object] = {}
         self._group = None
+        self._watch: Watch | None = None
         self._pending: tuple | None = None
         self._countdown, self._last_steps, self._since = 0, 1, time.perf_counter()
 
@@ -135,8 +138,12 @@ class StopSignals:
             signal.signal(number, handler)
         self._previous = {}
 
-    def join(self, world_size: int) -> "StopSignals":
-        """Make the flag's own group (every rank calls it, at the same point; nothing with one rank)."""
+    def join(self, world_size: int, watch: Watch | None = None) -> "StopSignals":
+        """Make the flag's own group (every rank calls it, at the same point; nothing with one rank).
+
+        ``watch``: asked while the flag's all-reduce is waited for (``fdp.comm.wait_watched``).
+        """
+        self._watch = watch
         if world_size > 1:
             from fdp._torch import group_timeout
 
@@ -144,11 +151,11 @@ class StopSignals:
             self._group = dist.new_group(list(range(world_size)), timeout=group_timeout(), backend="gloo")
         return self
 
-    def rejoin(self, world_size: int) -> "StopSignals":
+    def rejoin(self, world_size: int, watch: Watch | None = None) -> "StopSignals":
         """Join a new world (``fdp.shrink``): the old group is gone; a flag already raised is kept."""
         self._group, self._pending, self._countdown, self._last_steps = None, None, 0, 1
         self._since = time.perf_counter()
-        return self.join(world_size)
+        return self.join(world_size, watch)
 
     def agreed(self) -> str | None:
         """The signal every rank stops on after this step (``None``: go on). Call it on every rank after every step.
@@ -168,7 +175,7 @@ class StopSignals:
         verdict, steps = None, 1
         if self._pending is not None:
             work, flag = self._pending
-            work.wait()
+            wait_watched(work, self._watch)
             number, steps = int(flag[0]), -int(flag[1])
             verdict = signal.Signals(number).name if number else None
         per_step = (now - self._since) / max(1, self._last_steps)
@@ -182,7 +189,7 @@ class StopSignals:
     def close(self, finished: bool = True) -> None:
         """Wait for the flag in flight (``finished``: every rank reached this point) and restore the handlers."""
         if self._pending is not None and finished:
-            self._pending[0].wait()
+            wait_watched(self._pending[0], self._watch)
         self._pending = None
         if self._group is not None:
             with contextlib.suppress(Exception):

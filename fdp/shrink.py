@@ -7,13 +7,17 @@ the world size (the global batch is split over whatever ranks there are; dropout
 follow the samples, ``fdp.streams``), so when a rank dies or hangs the survivors:
 
 1. see a collective fail (a dead peer's socket closes at once; a hung one's collective
-   times out after ``world.timeout_s``) and ask the heartbeats which ranks went silent;
+   times out after ``world.timeout_s``), ask the heartbeats which ranks went silent and
+   say so in the store, which ends the collectives the others wait in at once
+   (``ShrinkingWorld.watch``: gloo fails a collective only on the rank whose own peer is
+   gone; the rest would wait for their timeout);
 2. agree on the members of the next generation (the first survivor's proposal wins, in
    the store) and mark the others lost, so that their keepers (``fdp.keeper``) kill a
    hung rank and tell the launcher it finished;
 3. meet in the store, drop the process groups and make a new one over the survivors (a
    new key space per generation on the same store, ranks renumbered densely in their
-   old order), with no process restarted;
+   old order), with no process restarted; the old groups are kept alive, never freed,
+   since freeing a gloo group waits for a collective still stuck in it to time out;
 4. agree on the last step every survivor completed (a survivor one step ahead goes back
    to the state before it: the step is pure, ``donate=False``, so that state is intact)
    and go on from it with the global batch split over fewer ranks.
@@ -41,6 +45,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
+from fdp._torch import live_groups
 from fdp.comm import Comm
 from fdp.errors import require
 from fdp.keeper import LostRank, keep
@@ -51,6 +56,7 @@ __all__ = ["ON_RANK_LOSS", "Shrink", "ShrinkingWorld", "check_on_rank_loss", "ch
            "launched_world", "shrink_store"]
 
 ON_RANK_LOSS = ("restart", "shrink")
+_RETIRED: list[Any] = []  # the process groups of earlier generations (see step 3 of the module docstring)
 _ARRIVE_POLL_S = 0.01
 
 
@@ -213,6 +219,21 @@ class ShrinkingWorld:
     def rank(self) -> int:
         return self.members.index(self.me)
 
+    def comm(self) -> Comm:
+        """The ``Comm`` of this generation's group, whose waits end once a member reports the world broken."""
+        return Comm(watch=self.watch if self.backend == "gloo" else None)
+
+    def report_broken(self) -> None:
+        """Tell every member that this generation's world lost a rank (this rank saw it go silent)."""
+        with contextlib.suppress(Exception):  # a store that does not answer: the others time out instead
+            self.store.set(f"gen{self.generation}/broken", str(self.me))
+
+    def watch(self) -> None:
+        """Raise ``RuntimeError`` if a member reported this generation's world broken (asked while a collective waits)."""
+        key = f"gen{self.generation}/broken"
+        if self.store.check([key]):
+            raise RuntimeError(f"rank {self.store.get(key).decode()} reported a lost rank (generation {self.generation})")
+
     def silent(self) -> list[int] | None:
         """Members whose heartbeat stopped (launch ranks; ``None``: the store does not answer)."""
         silent = self.heartbeat.silent_ranks()
@@ -233,6 +254,7 @@ class ShrinkingWorld:
                 self.store.set(fence_key(rank), str(generation))
             if self.me not in agreed:
                 raise RankLostError(f"rank {self.me} was declared lost by the other ranks (it stopped answering in time)")
+            _RETIRED.extend(live_groups())
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
             self.members, self.generation = tuple(agreed), generation
@@ -241,7 +263,7 @@ class ShrinkingWorld:
                 timeout = datetime.timedelta(seconds=self.timeout_s)
                 dist.init_process_group(self.backend, store=dist.PrefixStore(f"gen{generation}/group", self.store),
                                         rank=self.rank, world_size=len(agreed), timeout=timeout)
-                return Comm()
+                return self.comm()
             dropped = set(missing)
         raise RankLostError(f"rank {self.me} could not form a world with the other ranks")
 

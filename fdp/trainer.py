@@ -179,6 +179,7 @@ def _rank_worker(cfg: DictConfig, run_dir: str) -> dict:
     if cfg.world.on_rank_loss == "shrink" and comm.world_size > 1:
         world = ShrinkingWorld(shrink_store(cfg.world.timeout_s), comm.rank, comm.world_size, dist.get_backend(),
                                cfg.world.timeout_s, cfg.world.min_ranks)
+        comm = world.comm()
     try:
         return _train(cfg, status, comm, device, world)
     except (MemoryError, RuntimeError) as error:
@@ -253,6 +254,7 @@ class _Loop:
         silent = world.silent()
         if not silent:  # every rank still beats: not a lost rank
             raise error
+        world.report_broken()  # the others' collectives may wait on a live peer: they end now
         members = set(world.members)
         comm = world.regroup(silent)
         lost = tuple(sorted(members - set(world.members)))
@@ -279,7 +281,7 @@ class _Loop:
                 f"world.min_ranks={self.cfg.world.min_ranks}; the last checkpoint is step {step} "
                 "(continue with trainer.resume=true)"
             )
-        stop.rejoin(comm.world_size)
+        stop.rejoin(comm.world_size, comm.watch)
         self.join(comm)
 
 
@@ -310,7 +312,7 @@ def _train(cfg: DictConfig, run_dir: RunDir, comm: Comm, device: torch.device, w
     heartbeat = Heartbeat(rank, world_size).start() if world_size > 1 and world is None else None
     # fdp.interrupt: SIGINT/SIGTERM (and SLURM's requeue signal) stop every rank after the same step.
     stop = StopSignals(stop_signal_names(cfg.world.launcher, cfg.world.requeue_signal),
-                       repeat_stops_at_once=cfg.world.launcher == "none").install().join(world_size)
+                       repeat_stops_at_once=cfg.world.launcher == "none").install().join(world_size, comm.watch)
     try:
         while True:
             try:

@@ -21,6 +21,7 @@ from _procs import alive
 from fdp.config import ConfigError, compose
 from fdp.launch import WorkerFailedError
 from fdp.rundir import RankStatus
+from fdp.shrink import ShrinkingWorld, shrink_store
 from fdp.trainer import run
 from fdp.validate import validate
 
@@ -241,3 +242,36 @@ def test_under_torchrun_losing_rank_0_leaves_two_that_finish_and_print_the_summa
     assert match, done.stdout[-2000:]
     assert KILL_AT - 1 <= int(match[1]) <= signaller.victim["step"]
     assert_close_params(final_params(tmp_path), reference["params"])
+
+
+# -- a collective that waits on a live peer -------------------------------------------------------------
+WAIT_TIMEOUT_S = 8
+
+
+def _wait_on_a_live_peer(rank, world_size):
+    """Rank 0 never joins the all-reduce (its peers wait on it, alive) and reports the world broken after 1 s."""
+    world = ShrinkingWorld(shrink_store(WAIT_TIMEOUT_S), rank, world_size, "gloo", WAIT_TIMEOUT_S)
+    try:
+        if rank == 0:
+            time.sleep(1.0)
+            world.report_broken()
+            world.store.wait(["waited/1", "waited/2"])  # alive until the others are done: no socket closes
+            return None
+        started = time.monotonic()
+        try:
+            world.comm().allreduce(torch.ones(4)).wait()
+            outcome = "the all-reduce returned"
+        except RuntimeError as error:
+            outcome = str(error)
+        world.store.set(f"waited/{rank}", "1")
+        return outcome, time.monotonic() - started
+    finally:
+        world.close()
+
+
+def test_a_rank_waiting_on_a_live_peer_stops_once_the_world_is_reported_broken(run_ranks):
+    """gloo fails a collective only where a peer's socket closed; the others would wait for the timeout."""
+    results = run_ranks(_wait_on_a_live_peer, world_size=3, timeout_s=WAIT_TIMEOUT_S)
+    for message, waited in results[1:]:
+        assert message == "rank 0 reported a lost rank (generation 0)", message
+        assert 0.9 <= waited < 3, waited  # at the report, not at the 8 s timeout
