@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fdp.comm import Comm
+from fdp.comm import Comm, wait_watched
 from fdp.functional import Buffers, Params
 from fdp.launch import broadcast_from_rank0, check_same_plan
 from fdp.plan import BucketPlan
@@ -132,11 +132,13 @@ def sync_buffers(buffers: Buffers, comm: Comm, how: str = "broadcast") -> Buffer
     out = dict(buffers)
     for (dtype, _), names in _groups(buffers).items():
         flat = torch.cat([buffers[name].reshape(-1) for name in names])  # a new tensor: the collective writes into it
+        # Waited as the step's own collectives are (a world that may shrink ends the wait early).
         if how == "average" and dtype.is_floating_point:
-            dist.all_reduce(flat, group=comm.group)
+            wait_watched(dist.all_reduce(flat, group=comm.group, async_op=True), comm.watch)
             flat.div_(world)
         else:
-            dist.broadcast(flat, src=0, group=comm.group)
+            source = dist.get_global_rank(comm.group, 0) if comm.group is not None else 0
+            wait_watched(dist.broadcast(flat, src=source, group=comm.group, async_op=True), comm.watch)
         for name, part in zip(names, flat.split([buffers[name].numel() for name in names])):
             out[name] = part.view(buffers[name].shape)
     return out
