@@ -111,12 +111,14 @@ def keep(entry: Callable[..., Any], *args: Any, rank: int, fenced: Callable[[], 
         _run_child(entry, args, write_end)
     os.close(write_end)
     previous = {number: signal.signal(number, lambda number, frame: _forward(pid, number)) for number in _FORWARDED}
-    blocked = signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)  # the launcher may have held them for us
+    # The launcher may have held them for us. They stay unblocked after the rank: a launcher
+    # that stops this process from then on (the run ended elsewhere) must reach it, or it
+    # waits out its grace period before killing it.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)
     try:
         data, status, how = _wait(pid, read_end, fenced)
     finally:
         os.close(read_end)
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         for number, handler in previous.items():
             signal.signal(number, handler)
     if how is None and data:
