@@ -145,7 +145,7 @@ def _count_collectives() -> list[int]:
 
 
 def _timed(step, state, warmup: int, steps: int, n_params: int, measure) -> dict:
-    from fdp.launch import release_free_memory
+    from fdp.allocator import release_free_memory
 
     release_free_memory()  # the whole model both sides built before sharding it (fdp's trainer does the same)
     dist.barrier()
@@ -153,7 +153,7 @@ def _timed(step, state, warmup: int, steps: int, n_params: int, measure) -> dict
         state, m = step(state)
     warm_peak = status_mib("VmHWM")
     reset_peak()
-    times, sent = [], []
+    times = []
     for _ in range(steps):
         state, m = step(state)
         times.append(m["step_s"])
@@ -163,7 +163,8 @@ def _timed(step, state, warmup: int, steps: int, n_params: int, measure) -> dict
 
 
 def worker(spec: dict, side: str, world: int, warmup: int, steps: int) -> dict:
-    from fdp.launch import WorldLayout, init_distributed, tune_allocator
+    from fdp.allocator import tune_allocator
+    from fdp.launch import WorldLayout, init_distributed
 
     # fdp's trainer's allocator policy; FSDP2 gathers and frees params like stage 3 and gets its policy.
     tune_allocator(sharded_params=side in ("fdp stage 3", "FSDP2"))

@@ -38,7 +38,7 @@ jobs on the machine falls on all of them alike. Reported per variant:
   100-200 MiB); ``--quick`` reports the in-process figure (median over blocks);
 * how much CPU other processes took during the run (``/proc/stat`` minus the ranks' own).
 
-``fdp.launch.tune_allocator()`` runs in each rank first, as fdp's trainer does; it is
+``fdp.allocator.tune_allocator()`` runs in each rank first, as fdp's trainer does; it is
 process-wide, so DDP runs under it too (``--allocator default`` leaves glibc alone).
 
     python benchmarks/vs_ddp.py [--quick] [--hooks] [--allocator tuned|default]
@@ -239,7 +239,8 @@ def worker(
     With ``budget_s``, each model gets an equal share of it, and a repetition after the first
     starts only if the last one would still fit (rank 0 decides, so the ranks agree).
     """
-    from fdp.launch import WorldLayout, init_distributed, tune_allocator
+    from fdp.allocator import tune_allocator
+    from fdp.launch import WorldLayout, init_distributed
 
     if allocator == "tuned":
         tune_allocator()
@@ -316,7 +317,8 @@ def _measure_model(
 
 def rss_worker(model_name: str, variant: str, warmup: int, steps: int, allocator: str) -> tuple[float, float]:
     """One rank of a fresh launch that runs one variant: (RSS before building it, peak RSS of its timed steps)."""
-    from fdp.launch import WorldLayout, init_distributed, tune_allocator
+    from fdp.allocator import tune_allocator
+    from fdp.launch import WorldLayout, init_distributed
 
     if allocator == "tuned":
         tune_allocator()

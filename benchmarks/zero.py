@@ -72,7 +72,8 @@ def worker(model_name: str, stage: int, world: int, warmup: int, steps: int) -> 
     from fdp import zero
     from fdp.comm import Comm
     from fdp.functional import functionalize
-    from fdp.launch import WorldLayout, init_distributed, tune_allocator
+    from fdp.allocator import tune_allocator
+    from fdp.launch import WorldLayout, init_distributed
     from fdp.optim import adam
     from fdp.plan import plan_buckets
     from fdp.reduce import resolve_schedule

@@ -4,6 +4,7 @@ The modules, one concept each, from the ground up (a module imports only modules
 it in this list; ``tests/test_imports.py`` holds every import to that):
 
 * ``errors``: ``ConfigError`` and the one wording of every refusal (imports nothing of fdp).
+* ``allocator``: this process's memory (glibc's heap tuned for pure steps, free memory handed back).
 * ``_torch``: the one place fdp touches private torch APIs, each with a public fallback.
 * ``plan`` / ``buckets``: the static gradient-bucket plan (values, packing, tracing), its flat buffers, params laid out by it.
 * ``comm``: collectives as values (``Comm``, ``Pending``).

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from fdp import checkpoint, compiled, zero
+from fdp.allocator import release_free_memory, tune_allocator
 from fdp.build import RunParts, build_run, display_name, mirrors
 from fdp.comm import Comm
 from fdp.data import check_global_batch, train_batches
@@ -37,9 +38,7 @@ from fdp.launch import (
     WorkerFailedError,
     init_distributed,
     launch_rank,
-    release_free_memory,
     spawn,
-    tune_allocator,
 )
 from fdp.losses import make_loss_fn
 from fdp.metrics import summary_line

@@ -1,0 +1,55 @@
+"""This process's memory: glibc's heap tuned for pure steps, and free memory handed back.
+
+>>> release_free_memory()
+"""
+from __future__ import annotations
+
+import ctypes
+
+__all__ = ["tune_allocator", "release_free_memory"]
+
+
+def tune_allocator(sharded_params: bool = False) -> None:
+    """Keep freed tensor memory in glibc's heap instead of returning it to the OS.
+
+    A pure step allocates new parameter, optimizer-state and gradient tensors every step
+    and frees last step's. With glibc's defaults a block above the mmap threshold (at most
+    32 MiB, glibc's ceiling for that setting) is mmap-ed and unmapped again, so every
+    step pays a page fault per 4 KiB of it: on a model with 64 MiB tensors that was
+    ~246,000 faults and ~65% of the CPU time of a step. ``M_MMAP_MAX = 0`` serves blocks
+    of any size from the heap, and a 1 GiB trim threshold keeps the freed ones there for
+    the next step (measured: 0 faults per step, 2.9x less CPU per step, peak RSS +17%).
+    Tensors under the threshold are not affected; glibc's dynamic threshold already
+    reuses them. Call it once per process, before the model is built.
+
+    ``sharded_params=True`` (ZeRO stage 3) keeps blocks of 8 MiB and more out of the heap
+    instead: its bucket buffers are released and given memory again several times a step,
+    at other sizes each time, and in one heap their freed space fragments until the heap
+    is larger than the memory stage 3 saves (measured on a 25M model, 2 ranks: peak RSS
+    1142 MiB from the heap, 1075 MiB mapped, against 1165 MiB for stage 0). Mapped, a
+    released buffer goes back to the OS at once; the page faults of refilling it cost a
+    few milliseconds per 100 MiB gathered.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to tune
+        return
+    m_trim_threshold, m_mmap_threshold, m_mmap_max = -1, -3, -4
+    if sharded_params:
+        libc.mallopt(m_mmap_threshold, 8 * 2**20)
+    else:
+        libc.mallopt(m_mmap_threshold, 32 * 2**20)  # glibc's ceiling; also freezes the trim threshold
+        libc.mallopt(m_mmap_max, 0)  # no mmap-ed blocks: large tensors come from (and return to) the heap
+    libc.mallopt(m_trim_threshold, 2**30)
+
+
+def release_free_memory() -> None:
+    """Give the memory glibc's heap holds free back to the OS (``malloc_trim``).
+
+    Once after building a run: the whole params every rank makes before sharding them
+    (ZeRO) are freed then, and would otherwise stay in the heap, resident, for good.
+    """
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing held back
+        pass
