@@ -188,7 +188,7 @@ def make_train_step(
     forward_loss = streams.wrap(loss_fn) if streams else loss_fn
     reducer = GradReducer(opts.precision.wrap(forward_loss), plan, hook, update.reduction_comm(comm), opts.schedule,
                           opts.timeline, compile=opts.compile, release_buffers=scatters(opts.zero_stage),
-                          gather=getattr(update, "gather", None), flat_params=update.flat_params)
+                          gather=update.gather, flat_params=update.flat_params)
     verdicts = DeferredVerdicts()
     checked_state, state_mib = False, None
 

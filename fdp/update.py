@@ -76,10 +76,13 @@ class Update(Protocol):
 
     ``flat_params``: whether the params it steps may be laid out one flat buffer per
     bucket and so cross ``torch.func`` (``fdp.buckets.lay_out``); sharded params keep
-    ZeRO's own layout.
+    ZeRO's own layout. ``gather``: what materialises sharded params while forward and
+    backward read them (ZeRO stage 3's ``ParamGather``, handed to the ``GradReducer``);
+    ``None`` where the params are whole.
     """
 
     flat_params: bool
+    gather: Any
 
     def reduction_comm(self, comm: Comm) -> Any:
         """The comm the hook chain reduces over."""
@@ -121,6 +124,7 @@ class ReplicatedUpdate:
     """
 
     flat_params = True
+    gather = None
 
     def __init__(self, optimizer: GradientTransformation, plan: BucketPlan, comm: Comm | None = None,
                  timeline: Timeline | None = None, donate: bool = False, early: bool = False):

@@ -40,6 +40,7 @@ class ShardedUpdate:
     """The ``fdp.update.Update`` of ZeRO stages 1 and 2 (see the module docstring)."""
 
     flat_params = False
+    gather = None
 
     def __init__(self, optimizer: GradientTransformation, plan: BucketPlan, comm: Comm, stage: int,
                  timeline: Timeline | None = None, donate: bool = False, early: bool = False):
