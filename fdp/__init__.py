@@ -23,8 +23,9 @@ it in this list; ``tests/test_imports.py`` holds every import to that):
 * ``keeper`` / ``shrink``: a rank kept by the process its launcher watches, so it can be lost alone; a world that
   goes on without a lost rank, in place (``world.on_rank_loss=shrink``).
 * ``losses`` / ``fit``: loss functions, reading model outputs, token means over the global batch; the first-batch check.
+* ``chains``: one step's bucket hook chains in flight, handed back in plan order as they finish (``Reduction``).
 * ``compiled`` / ``reduce``: the gradient computation (under ``torch.compile`` when asked, and
-  ``trainer.compile=auto``'s choice) and the reduction that hands buckets back as their hook chains finish.
+  ``trainer.compile=auto``'s choice) and the reduction that starts each bucket's chain as its gradient is packed.
 * ``checks``: what a Python caller hands the train step, checked with errors naming the argument.
 * ``state``: ``TrainState``, the whole training state as one value.
 * ``verdicts``: each step's finiteness verdict, read without stalling the device.
@@ -73,7 +74,8 @@ from fdp.optim import (
 from fdp.outer import OuterSpec, OuterState, check_outer, init_outer_state, make_outer_step
 from fdp.plan import Bucket, BucketPlan, ParamSlot, gradient_ready_order, plan_buckets
 from fdp.precision import LossScale, Precision
-from fdp.reduce import GradReducer, Reduction, resolve_schedule
+from fdp.chains import Reduction
+from fdp.reduce import GradReducer, resolve_schedule
 from fdp.replicas import BUFFER_SYNC, setup_state, sync_buffers
 from fdp.rundir import RunDirInUse, own_run_dir
 from fdp.state import TrainState, init_train_state, state_nbytes

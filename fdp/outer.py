@@ -43,7 +43,7 @@ from fdp.hooks import Hook, allreduce
 from fdp.optim import GradientTransformation, apply_gradients, apply_updates, sgd
 from fdp.plan import BucketPlan
 from fdp.hooks import init_hook_states
-from fdp.reduce import Reduction
+from fdp.chains import Reduction
 from fdp.state import TrainState
 from fdp.step import TrainStep, make_train_step
 

@@ -7,7 +7,8 @@ from fdp.config import ConfigError, compose
 from fdp.validate import validate
 from fdp.hooks import allreduce, build_hook, hierarchical, node_comms
 from fdp.plan import pack_into_buckets
-from fdp.reduce import Reduction, init_hook_states
+from fdp.chains import Reduction
+from fdp.hooks.base import init_hook_states
 
 
 def _buckets():

@@ -44,7 +44,7 @@ from fdp.hooks import (
     topk,
 )
 from fdp.plan import pack_into_buckets
-from fdp.reduce import Reduction
+from fdp.chains import Reduction
 
 torch.set_num_threads(1)
 

@@ -13,7 +13,7 @@ from fdp.models import ConvNet, MLP
 from fdp.optim import sgd
 from fdp.plan import pack_into_buckets, plan_buckets
 from fdp.launch import check_same_plan
-from fdp.reduce import Reduction
+from fdp.chains import Reduction
 from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
 
 STEPS = 20
