@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import math
 import os
 import time
 from typing import Any, Callable, NamedTuple
@@ -84,21 +85,13 @@ def check_shrinkable_batch(global_batch_size: int, world_size: int, min_ranks: i
     sizes = range(max(1, min_ranks), world_size + 1)
     bad = [n for n in sizes if global_batch_size % (n * accum_steps)]
     if bad:
-        lcm = 1
-        for n in sizes:
-            lcm = lcm * n * accum_steps // _gcd(lcm, n * accum_steps)
-        factor = lcm // _gcd(lcm, global_batch_size)  # the smallest multiple of the batch that every world splits
+        lcm = math.lcm(*(n * accum_steps for n in sizes))
+        factor = lcm // math.gcd(lcm, global_batch_size)  # the smallest multiple of the batch that every world splits
         raise ValueError(
             f"data.global_batch_size={global_batch_size}: expected a multiple of every world size from "
             f"world.min_ranks={min_ranks} to {world_size} times trainer.accum_steps={accum_steps} "
             f"(e.g. {global_batch_size} * {factor} = {global_batch_size * factor}), for world.on_rank_loss=shrink"
         )
-
-
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
 
 
 def shrink_store(timeout_s: float) -> dist.Store:
