@@ -22,6 +22,7 @@ from fdp.data import (
     as_map_data,
     model_arguments,
     num_train_samples,
+    targets_shifted,
     train_batches,
 )
 from fdp.data.batches import batch_size, head
@@ -87,7 +88,8 @@ def check_fit(cfg: DictConfig, model: FunctionalModel, criterion: Criterion, par
     """Run the model and the loss on the first batch: a model/data/loss that do not fit is refused before step 1."""
     node = OmegaConf.to_container(cfg.model, resolve=True)
     names = Names(label("model", cfg.model), label("data", cfg.data), label("loss", cfg.loss), classes_setting(node))
-    check_first_batch(model, criterion, params, buffers, batch, names, model_arguments(data)["num_classes"])
+    check_first_batch(model, criterion, params, buffers, batch, names, model_arguments(data)["num_classes"],
+                      targets_shifted(data))
 
 
 class RunParts(NamedTuple):

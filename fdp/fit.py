@@ -3,7 +3,11 @@
 ``check_first_batch`` runs the model and the loss once on the first micro-batch (no
 gradients, the RNG left as it was) and names what does not fit: a forward or a loss
 that raises (whatever the exception), an output the loss cannot read, a loss that is not
-a scalar, or class scores that do not cover the labels or the data's declared classes.
+a scalar, class scores that do not cover the labels or the data's declared classes, or
+token targets that the loss aligns differently from the data (``check_alignment``): a loss
+that shifts (``loss=causal_lm``) on targets already shifted (``data=stdlib_text``) would
+learn the token two ahead, and a loss that does not shift on labels equal to the input
+ids would learn to copy its input, both silently.
 
 >>> from fdp.functional import functionalize
 >>> from fdp.losses import cross_entropy
@@ -28,7 +32,7 @@ from fdp.data.batches import describe, model_inputs
 from fdp.functional import Buffers, FunctionalModel, Params
 from fdp.losses import IGNORE_INDEX, Criterion, TokenCrossEntropy, UnreadableOutput, cross_entropy, logits_of
 
-__all__ = ["Names", "check_first_batch"]
+__all__ = ["Names", "check_alignment", "check_first_batch"]
 
 
 class Names(NamedTuple):
@@ -48,17 +52,19 @@ def _reason(error: BaseException) -> str:
 
 def check_first_batch(
     model: FunctionalModel, criterion: Criterion, params: Params, buffers: Buffers, batch: Any, names: Names = Names(),
-    declared_classes: int | None = None,
+    declared_classes: int | None = None, targets_shifted: bool | None = None,
 ) -> None:
     """Run ``model`` and ``criterion`` on ``batch``; a ``ConfigError`` of one line if they do not fit it.
 
-    ``declared_classes`` is what the data says its classes are (``None``: it does not say).
+    ``declared_classes`` is what the data says its classes are, ``targets_shifted`` whether
+    it says its targets are the next tokens already (``None``: it does not say).
     """
     fits = f"{names.model} does not fit {names.data} with {names.loss}"
     try:
         args, kwargs, targets = model_inputs(batch)
     except ValueError as error:
         raise ConfigError(f"{names.data}: {error}") from None
+    check_alignment(criterion, _token_ids(args, kwargs), targets, names, targets_shifted)
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         try:
             outputs, _ = model.apply(params, buffers, *args, **kwargs)
@@ -123,3 +129,55 @@ def _check_classes(criterion: Criterion, outputs: Any, targets: Any, names: Name
     if declared is not None and classes != declared:
         raise ConfigError(f"{names.model} does not fit {names.data} with {names.loss}: the model outputs {classes} class scores but "
                           f"{names.data} has {declared} classes; expected {names.classes_setting}={declared}")
+
+
+# -- how the loss and the data align targets with positions --------------------------------
+def _shift_of(criterion: Criterion) -> int:
+    """How many positions ahead ``criterion`` scores each position's scores (``TokenCrossEntropy.shift``; 0 otherwise)."""
+    fn = criterion.func if isinstance(criterion, functools.partial) else criterion
+    shift = getattr(fn, "shift", 0)
+    return shift if isinstance(shift, int) else 0
+
+
+def _token_ids(args: tuple, kwargs: dict) -> Tensor | None:
+    """The model's token ids: ``input_ids`` by name, else its first input."""
+    first = kwargs.get("input_ids", args[0] if args else next(iter(kwargs.values()), None))
+    return first if isinstance(first, Tensor) else None
+
+
+def _same_tokens(a: Tensor, b: Tensor, counted: Tensor) -> bool:
+    """``a`` equals ``b`` at every counted position (and at least one is counted)."""
+    return bool(counted.any()) and bool((a == b)[counted].all())
+
+
+def check_alignment(criterion: Criterion, inputs: Tensor | None, targets: Any, names: Names = Names(),
+                    shifted: bool | None = None) -> None:
+    """Refuse a loss and data that disagree on which token each position predicts, in one line.
+
+    ``shifted`` is what the data says (targets are its inputs shifted by one already);
+    where it does not say (``None``), the batch tells: token-id inputs ``(B, T)`` and integer
+    targets of that shape that equal the inputs one position on, or the inputs themselves.
+
+    >>> ids = torch.tensor([[5, 1, 4, 2, 3]])
+    >>> check_alignment(TokenCrossEntropy(shift=1), ids[:, :-1], ids[:, 1:], Names(data="data=text", loss="loss=causal_lm"))
+    Traceback (most recent call last):
+        ...
+    fdp.errors.ConfigError: loss=causal_lm scores position t against the target at t + 1, but data=text's targets are already the next tokens (its inputs shifted by one): the model would learn the token 2 ahead; expected loss=cross_entropy, or data whose targets are its input ids
+    """
+    shift = _shift_of(criterion)
+    tokens = (isinstance(inputs, Tensor) and isinstance(targets, Tensor) and inputs.dim() == 2 and inputs.shape == targets.shape
+              and inputs.shape[1] > 1 and not inputs.is_floating_point() and not targets.is_floating_point())
+    counted = (targets != getattr(criterion, "ignore_index", IGNORE_INDEX)) & (targets >= 0) if tokens else None
+    if shift and shifted is not True and tokens:
+        # Inputs that repeat one token are their own shift: only a batch that tells the two apart says so.
+        shifted = shifted or (_same_tokens(targets[:, :-1], inputs[:, 1:], counted[:, :-1])
+                              and not _same_tokens(targets, inputs, counted))
+    if shift and shifted:
+        raise ConfigError(
+            f"{names.loss} scores position t against the target at t + {shift}, but {names.data}'s targets are already "
+            f"the next tokens (its inputs shifted by one): the model would learn the token {shift + 1} ahead; "
+            "expected loss=cross_entropy, or data whose targets are its input ids")
+    if not shift and tokens and shifted is not True and _scores_classes(criterion) and _same_tokens(targets, inputs, counted):
+        raise ConfigError(
+            f"{names.data}'s targets are its input ids, but {names.loss} scores each position against its own token: "
+            "the model would learn to copy its input; expected loss=causal_lm (position t against the token at t + 1)")

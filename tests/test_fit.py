@@ -89,3 +89,45 @@ def test_losses_of_ones_own_and_regression_are_not_held_to_classes():
     check_first_batch(model, lambda out, t: out.pow(2).mean() + 0 * t.sum(), params, buffers, ids, NAMES, 10)
     model, params, buffers = functionalize(nn.Linear(4, 1))
     check_first_batch(model, mse, params, buffers, (torch.randn(8, 4), torch.randn(8, 1)), NAMES, None)
+
+
+def _charlm(vocab):
+    from fdp.models import CharTransformer
+
+    torch.manual_seed(0)
+    return CharTransformer(vocab_size=vocab, block_size=8, d_model=16, n_layer=1, n_head=2)
+
+
+def test_a_loss_that_shifts_refuses_targets_the_data_has_shifted_already():
+    from fdp.data import global_batch, load_stdlib_text, targets_shifted
+
+    data = load_stdlib_text(block_size=8, max_chars=5000)
+    batch = global_batch(data, step=0, global_batch_size=4, seed=0)
+    names = Names("model=charlm", "data=stdlib_text", "loss=causal_lm")
+    model, params, buffers = functionalize(_charlm(data.num_classes))
+    check_first_batch(model, cross_entropy, params, buffers, batch, names, data.num_classes, targets_shifted(data))
+    for said in (True, None):  # what the data says, and what its batch shows where it says nothing
+        with pytest.raises(ConfigError) as caught:
+            check_first_batch(model, TokenCrossEntropy(shift=1), params, buffers, batch, names, data.num_classes, said)
+        assert str(caught.value) == (
+            "loss=causal_lm scores position t against the target at t + 1, but data=stdlib_text's targets are already the "
+            "next tokens (its inputs shifted by one): the model would learn the token 2 ahead; expected loss=cross_entropy, "
+            "or data whose targets are its input ids")
+
+
+def test_labels_equal_to_the_input_ids_need_a_loss_that_shifts():
+    ids = torch.randint(0, 20, (4, 8), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[0, 5:] = -100  # padding is not counted
+    batch = (ids, labels)  # what a Hugging Face causal LM's collator makes, as a pair
+    names = Names("model=charlm", "data._target_='my.data'", "loss=cross_entropy")
+    model, params, buffers = functionalize(_charlm(20))
+    check_first_batch(model, TokenCrossEntropy(shift=1), params, buffers, batch, names)
+    for loss in (cross_entropy, TokenCrossEntropy(shift=0)):
+        with pytest.raises(ConfigError, match=r"^data._target_='my.data''s targets are its input ids, but loss=cross_entropy "
+                                              r"scores each position against its own token: the model would learn to copy its "
+                                              r"input; expected loss=causal_lm \(position t against the token at t \+ 1\)$"):
+            check_first_batch(model, loss, params, buffers, batch, names)
+    # Inputs that repeat one token are both their own shift and themselves: nothing to tell, nothing refused.
+    same = (torch.full((2, 8), 3), torch.full((2, 8), 3))
+    check_first_batch(model, TokenCrossEntropy(shift=1), params, buffers, same, names)

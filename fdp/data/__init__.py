@@ -37,6 +37,7 @@ from fdp.data.loaders import (
     has_test_split,
     model_arguments,
     num_train_samples,
+    targets_shifted,
     train_batches,
 )
 from fdp.data.mapped import MapData, StepSampler, as_map_data, collate
@@ -63,6 +64,7 @@ __all__ = [
     "num_train_samples",
     "has_test_split",
     "model_arguments",
+    "targets_shifted",
     "DATASETS",
     "STDLIB_TEXT_MODULES",
 ]

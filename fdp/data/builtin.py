@@ -19,6 +19,9 @@ class Dataset(NamedTuple):
     are the very same tensors (targets are the stream shifted by one, cut out per
     window); ``num_classes`` is the vocabulary size, ``vocab[i]`` the character of
     token ``i`` and ``block_size`` the window length T.
+    ``targets_shifted`` says that a sample's targets are already its inputs shifted by
+    one (the next tokens), so a loss that shifts them again (``loss=causal_lm``) would
+    score each position against the token two ahead: ``fdp.fit`` refuses that pair.
 
     >>> data = load_digits()
     >>> data.name, data.num_classes, data.is_text
@@ -33,6 +36,7 @@ class Dataset(NamedTuple):
     num_classes: int
     block_size: int | None = None
     vocab: str | None = None
+    targets_shifted: bool = False
 
     @property
     def is_text(self) -> bool:
@@ -180,7 +184,8 @@ def load_stdlib_text(block_size: int = 64, max_chars: int = 1_000_000, seed: int
             f"each split needs at least block_size + 1 = {block_size + 1}"
         )
     train, test = tokens[:n_train], tokens[n_train:]
-    return Dataset("stdlib_text", train, train, test, test, len(vocab), block_size=block_size, vocab=vocab)
+    return Dataset("stdlib_text", train, train, test, test, len(vocab), block_size=block_size, vocab=vocab,
+                   targets_shifted=True)
 
 
 

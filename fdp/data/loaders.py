@@ -136,6 +136,21 @@ def model_arguments(data: Dataset | MapData) -> dict[str, Any]:
     }
 
 
+def targets_shifted(data: Dataset | MapData) -> bool | None:
+    """Whether the data says its targets are already its inputs shifted by one, the next tokens (``None``: it does not say).
+
+    A ``MapData`` says so with a ``targets_shifted`` attribute on its train split.
+
+    >>> from fdp.data import load_digits, load_stdlib_text
+    >>> targets_shifted(load_digits()), targets_shifted(load_stdlib_text(max_chars=1000, block_size=8))
+    (False, True)
+    """
+    if isinstance(data, Dataset):
+        return data.targets_shifted
+    said = getattr(data.train, "targets_shifted", None)
+    return None if said is None else bool(said)
+
+
 def eval_batches(
     data: Dataset | MapData, batch_size: int, max_batches: int | None = None, num_workers: int = 0
 ) -> Iterator[Any]:
