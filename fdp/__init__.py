@@ -37,7 +37,8 @@ it in this list; ``tests/test_imports.py`` holds every import to that):
 * ``checkpoint``: atomic checkpoints of every rank (``save_checkpoint``, ``load_checkpoint``).
 * ``metrics`` / ``evaluate`` / ``rundir``: what a run writes, its test metrics, its directory's files, its one
   owner and its ``train.log``.
-* ``config`` / ``validate``: typed config schemas; a config refused before anything runs.
+* ``config`` / ``keys`` / ``validate``: typed config schemas; the keys each node takes (keys of one's own only
+  where they reach one's own objects); a config refused before anything runs.
 * ``world`` / ``build`` / ``report`` / ``trainer``: a config's world on this machine, a run's pieces,
   what it reports, and the run loop.
 * ``cli``: the shell entry's one-line endings (Hydra's errors, refusals, interruptions, exit statuses).

@@ -29,6 +29,7 @@ from typing import Any, Callable
 from fdp.checkpoint import LAST, CheckpointError
 from fdp.errors import ConfigError
 from fdp.interrupt import StoppedAtOnce, exit_code, requeue_job, stop_signal_names
+from fdp.keys import unknown_key_line
 from fdp.launch import RankLostError, RankOutOfMemoryError, WorkerFailedError, launch_rank
 from fdp.metrics import summary_line
 from fdp.rundir import CHECKPOINTS, own_run_dir, run_log
@@ -57,10 +58,6 @@ def _expected_type(schema: Any, key: str) -> str | None:
     return f"{words} or null" if optional else words
 
 
-def _keys(schema: Any) -> list[str]:
-    return [f.name for f in dataclasses.fields(schema)] if dataclasses.is_dataclass(schema) else []
-
-
 def _override_of(key: str, argv: list[str]) -> str | None:
     """The command-line override that sets ``key`` (the last one: later ones win)."""
     found = None
@@ -74,15 +71,9 @@ def _override_of(key: str, argv: list[str]) -> str | None:
 def _unknown_key(cause: Any, override: str | None) -> str:
     full_key = str(getattr(cause, "full_key", "") or "")
     parent, _, key = full_key.rpartition(".")
-    known = _keys(getattr(cause, "object_type", None))
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-    where = parent or "the config"
-    shown = override or full_key
-    if close:
-        hint = f"did you mean {parent + '.' if parent else ''}{close[0]}? "
-    else:
-        hint = f"{', '.join(known)}; " if known else ""
-    return f"{shown}: unknown key; expected a key of {where} ({hint}a key of your own is added as +{shown})"
+    schema = getattr(cause, "object_type", None)
+    option = getattr(schema, "name", None) if dataclasses.is_dataclass(schema) else None
+    return unknown_key_line(parent, key, {parent: {"name": option}} if parent else {}, override or full_key)
 
 
 def _bad_value(cause: Any, override: str | None) -> str:
@@ -127,7 +118,7 @@ def hydra_error_line(error: BaseException, argv: list[str] | None = None) -> str
     ...     compose("trainer.max_stpes=5")
     ... except Exception as error:
     ...     print(hydra_error_line(error, ["trainer.max_stpes=5"]))
-    trainer.max_stpes=5: unknown key; expected a key of trainer (did you mean trainer.max_steps? a key of your own is added as +trainer.max_stpes=5)
+    trainer.max_stpes=5: unknown key; expected a key of trainer (did you mean trainer.max_steps? trainer takes no keys of your own)
     """
     from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException, OverrideParseException
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError

@@ -29,6 +29,7 @@ from fdp.errors import ConfigError, require
 from fdp.hooks import build_hook
 from fdp.hooks.hierarchical import check_node_size
 from fdp.interrupt import check_requeue_signal
+from fdp.keys import check_keys
 from fdp.launch import ENV_LAUNCHERS, LAUNCHERS
 from fdp.metrics import check_tensorboard
 from fdp.optim import build_optimizer, check_resumed_schedule
@@ -78,6 +79,7 @@ def _device(world: Any) -> str:
 
 def validate(cfg: Any, run_dir: Any = None) -> None:
     """Refuse a config before anything is built or written; each error names one setting."""
+    check_keys(cfg)  # +trainer.x=1 is composed by Hydra, yet nothing would read it
     for group in ("model", "data", "loss"):
         if cfg.get(group) is not None:
             _check_target(group, cfg[group])

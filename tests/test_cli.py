@@ -23,7 +23,14 @@ CASES = [
     (["hooks=powersdg"], r"error: hooks=powersdg: expected one of allreduce, batched_powersgd, bf16, fp16, fp16_powersgd, "
                          r"int8, noop, powersgd, topk \(did you mean hooks=powersgd\?\)"),
     (["trainer.max_stpes=5"], r"error: trainer\.max_stpes=5: unknown key; expected a key of trainer \(did you mean "
-                              r"trainer\.max_steps\? a key of your own is added as \+trainer\.max_stpes=5\)"),
+                              r"trainer\.max_steps\? trainer takes no keys of your own\)"),
+    # Keys of one's own only where they reach one's own objects: elsewhere Hydra would add them, and nothing read them.
+    (["+trainer.anything=1"], r"error: trainer\.anything: unknown key; expected a key of trainer \(max_steps, .*, progress; "
+                              r"trainer takes no keys of your own\)"),
+    (["+world.devices_=2"], r"error: world\.devices_: unknown key; expected a key of world \(did you mean world\.devices\? "
+                            r"world takes no keys of your own\)"),
+    (["trainer.devices=2"], r"error: trainer\.devices=2: unknown key; expected a key of trainer \(did you mean world\.devices\? "
+                            r"trainer takes no keys of your own\)"),
     (["optim.lr=abc"], r"error: optim\.lr=abc: expected a number"),
     (["trainer.resume=/some/file.pt"], r"error: trainer\.resume=/some/file\.pt: expected true or false \(to continue a run, "
                                        r"set hydra\.run\.dir to its directory and trainer\.resume=true\)"),
@@ -77,7 +84,11 @@ def test_hydra_full_error_still_gives_hydras_own_report(tmp_path):
     (["model.hiden=3"], "model.hiden=3: unknown key; expected a key of model (did you mean model.hidden? "
                         "a key of your own is added as +model.hiden=3)"),
     (["foo=1"], "foo=1: unknown key; expected a key of the config (model, data, loss, optim, hooks, outer, world, trainer, "
-                "seed; a key of your own is added as +foo=1)"),
+                "seed)"),
+    (["optim.warmup=3"], "optim.warmup=3: unknown key; expected a key of optim (did you mean optim.warmup_steps? "
+                         "optim takes no keys of your own)"),
+    (["trainer.lr=3"], "trainer.lr=3: unknown key; expected a key of trainer (did you mean optim.lr? "
+                       "trainer takes no keys of your own)"),
     (["trainer=fast"], "trainer=fast: expected one of default"),
     (["trainer.progress=maybe"], "trainer.progress=maybe: expected true or false"),
     (["optim.clip_norm=x"], "optim.clip_norm=x: expected a number or null"),
@@ -86,3 +97,23 @@ def test_hydra_errors_translate_in_process(overrides, expected):
     with pytest.raises(Exception) as caught:
         compose(*overrides)
     assert hydra_error_line(caught.value, overrides) == expected
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("+trainer.max_stpes=5", "trainer.max_stpes: unknown key; expected a key of trainer (did you mean trainer.max_steps? "
+                             "trainer takes no keys of your own)"),
+    ("+optim.b1=0.8", "optim.b1: unknown key; expected a key of optim (b1 is a key of optim=adam; optim takes no keys of your own)"),
+    ("+hooks.rank=2", "hooks.rank: unknown key; expected a key of hooks (rank is a key of hooks=powersgd; "
+                      "hooks takes no keys of your own)"),
+    ("+outer.sync=2", "outer.sync: unknown key; expected a key of outer (outer=none has none but its name; "
+                      "outer takes no keys of your own)"),
+    ("+seeds=1", "seeds: unknown key; expected a key of the config (did you mean seed?)"),
+])
+def test_a_key_of_ones_own_is_refused_where_nothing_reads_it(override, expected):
+    from fdp.config import ConfigError
+    from fdp.validate import validate
+
+    with pytest.raises(ConfigError) as caught:
+        validate(compose(override))
+    assert str(caught.value) == expected
+    validate(compose("+model.unused=1", "+loss.label_smoothing=0.1"))  # these reach the user's (or fdp's) targets
