@@ -80,17 +80,17 @@ def check_shrinkable_batch(global_batch_size: int, world_size: int, min_ranks: i
     >>> check_shrinkable_batch(10, 4, 1)
     Traceback (most recent call last):
     ...
-    ValueError: data.global_batch_size=10: expected a multiple of every world size from world.min_ranks=1 to 4 times trainer.accum_steps=1 (e.g. 10 * 6 = 60), for world.on_rank_loss=shrink
+    ValueError: data.global_batch_size=10: expected a multiple of every world size from world.min_ranks=1 to 4 times trainer.accum_steps=1 (e.g. 12, a multiple of 12, their least common multiple), for world.on_rank_loss=shrink
     """
     sizes = range(max(1, min_ranks), world_size + 1)
     bad = [n for n in sizes if global_batch_size % (n * accum_steps)]
     if bad:
         lcm = math.lcm(*(n * accum_steps for n in sizes))
-        factor = lcm // math.gcd(lcm, global_batch_size)  # the smallest multiple of the batch that every world splits
+        fits = -(-global_batch_size // lcm) * lcm  # the nearest batch at least as large that every world splits
         raise ValueError(
             f"data.global_batch_size={global_batch_size}: expected a multiple of every world size from "
             f"world.min_ranks={min_ranks} to {world_size} times trainer.accum_steps={accum_steps} "
-            f"(e.g. {global_batch_size} * {factor} = {global_batch_size * factor}), for world.on_rank_loss=shrink"
+            f"(e.g. {fits}, a multiple of {lcm}, their least common multiple), for world.on_rank_loss=shrink"
         )
 
 

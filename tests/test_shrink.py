@@ -21,7 +21,7 @@ from _procs import alive
 from fdp.config import ConfigError, compose
 from fdp.launch import WorkerFailedError
 from fdp.rundir import RankStatus
-from fdp.shrink import ShrinkingWorld, shrink_store
+from fdp.shrink import ShrinkingWorld, check_shrinkable_batch, shrink_store
 from fdp.trainer import run
 from fdp.validate import validate
 
@@ -147,8 +147,17 @@ REFUSED = [
     (["world.max_restarts=1"], r"^world\.max_restarts=1: expected 0 with world\.on_rank_loss=shrink"),
     (["trainer.zero_stage=2"], r"^trainer\.zero_stage=2: expected 0 or 1 with world\.on_rank_loss=shrink"),
     (["data.global_batch_size=9"], r"^data\.global_batch_size=9: expected a multiple of every world size from "
-                                   r"world\.min_ranks=1 to 3 times trainer\.accum_steps=1 \(e\.g\. 9 \* 2 = 18\)"),
+                                   r"world\.min_ranks=1 to 3 times trainer\.accum_steps=1 \(e\.g\. 12, a multiple of 6, "
+                                   r"their least common multiple\)"),
 ]
+
+
+def test_the_batch_suggested_for_a_shrinking_world_is_the_nearest_that_every_world_splits():
+    """32 on 4 ranks with 2 micro-batches: every world from 1 to 4 splits 48 (the least common multiple of 2, 4, 6, 8
+    is 24), not only a multiple of 32 such as 96."""
+    with pytest.raises(ValueError, match=r"\(e\.g\. 48, a multiple of 24, their least common multiple\)"):
+        check_shrinkable_batch(32, 4, 1, accum_steps=2)
+    check_shrinkable_batch(48, 4, 1, accum_steps=2)
 
 
 @pytest.mark.parametrize("overrides, expected", REFUSED)
@@ -277,3 +286,18 @@ def test_a_rank_waiting_on_a_live_peer_stops_once_the_world_is_reported_broken(r
     for message, waited in results[1:]:
         assert message == "rank 0 reported a lost rank (generation 0)", message
         assert 0.9 <= waited < 3, waited  # at the report, not at the 8 s timeout
+
+
+def test_the_readmes_shrink_commands_are_accepted_as_written():
+    """README's commands for a shrinking world (which the README tests do not run: a rank must be lost) pass validation."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text().replace("\\\n", " ")
+    commands = [line for line in readme.splitlines() if "recipes/train.py" in line and "on_rank_loss=shrink" in line
+                and not line.lstrip().startswith(("Under", "`"))]
+    assert len(commands) == 2, commands
+    for command in commands:
+        words = command.split()
+        overrides = [w for w in words[words.index("recipes/train.py") + 1:] if "=" in w]
+        cfg = compose(*overrides)
+        validate(cfg)
+        nproc = int(words[words.index("--nproc-per-node") + 1]) if "--nproc-per-node" in words else cfg.world.nproc_per_node
+        check_shrinkable_batch(cfg.data.global_batch_size, nproc, cfg.world.min_ranks, cfg.trainer.accum_steps)
