@@ -126,6 +126,7 @@ class OptimBase:
     weight_decay: float = 0.0
     lr_schedule: str = "constant"  # constant | warmup_cosine
     warmup_steps: int = 0
+    warmup_ratio: float = 0.0  # where warmup_steps is 0: warm up over this fraction of trainer.max_steps
     end_lr: float = 0.0  # warmup_cosine: the rate at trainer.max_steps
     clip_norm: Optional[float] = None
 

@@ -85,7 +85,7 @@ def test_hydra_full_error_still_gives_hydras_own_report(tmp_path):
                         "a key of your own is added as +model.hiden=3)"),
     (["foo=1"], "foo=1: unknown key; expected a key of the config (model, data, loss, optim, hooks, outer, world, trainer, "
                 "seed)"),
-    (["optim.warmup=3"], "optim.warmup=3: unknown key; expected a key of optim (did you mean optim.warmup_steps? "
+    (["optim.warmup_step=3"], "optim.warmup_step=3: unknown key; expected a key of optim (did you mean optim.warmup_steps? "
                          "optim takes no keys of your own)"),
     (["trainer.lr=3"], "trainer.lr=3: unknown key; expected a key of trainer (did you mean optim.lr? "
                        "trainer takes no keys of your own)"),

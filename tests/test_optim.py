@@ -358,3 +358,26 @@ def test_state_round_trips_through_torch_save(name, tmp_path):
     assert _bit_equal(restored, state)
     grads = _fdp_grads(model, params, 3)  # and training continues identically from the restored state
     assert _bit_equal(opt.update(grads, restored, params), opt.update(grads, state, params))
+
+
+def test_the_adamw_preset_warms_up_over_a_tenth_of_any_run():
+    """optim=adamw once warmed up over a fixed 30 steps, refusing every shorter run (a 20-step smoke test)."""
+    from fdp.config import compose
+    from fdp.optim import build_optimizer
+    from fdp.validate import validate
+
+    params = {"w": torch.zeros(3)}
+    for max_steps, warmup in ((20, 2), (300, 30)):
+        cfg = compose("optim=adamw", f"trainer.max_steps={max_steps}")
+        validate(cfg)
+        opt = build_optimizer(dict(cfg.optim), max_steps)
+        state, rates = opt.init(params), []
+        for _ in range(warmup + 2):  # after the update of step k, the state holds the rate of step k
+            _, state = opt.update({"w": torch.ones(3)}, state, params)
+            rates.append(fo.current_lr(state))
+        assert max(rates) == pytest.approx(cfg.optim.lr) and rates.index(max(rates)) == warmup, rates
+    cfg = compose("optim=adamw", "trainer.max_steps=20", "optim.warmup_steps=5")  # steps of one's own win over the ratio
+    opt = build_optimizer(dict(cfg.optim), 20)
+    assert opt.init(params) is not None
+    with pytest.raises(ValueError, match=r"^optim\.warmup_ratio=1\.5: expected a fraction of trainer\.max_steps in \[0, 1\)$"):
+        build_optimizer({**cfg.optim, "warmup_ratio": 1.5}, 20)

@@ -3,7 +3,8 @@
 One registry for the ``optim`` config group. A spec names an optimizer of ``OPTIMIZERS``
 and gives its settings (the factory's own keyword arguments) plus the settings every
 optimizer shares: ``lr``, ``lr_schedule`` (``constant`` or ``warmup_cosine`` with
-``warmup_steps`` and ``end_lr``) and ``clip_norm`` (clip by global norm first; ``None``
+``warmup_steps``, or ``warmup_ratio`` of the run's steps where ``warmup_steps`` is 0, and
+``end_lr``) and ``clip_norm`` (clip by global norm first; ``None``
 for off). Errors are ``ValueError`` naming the setting by its path (``optim.lr``).
 
 >>> opt = build_optimizer({"name": "sgd", "lr": 0.1, "momentum": 0.9}, max_steps=100)
@@ -24,7 +25,16 @@ from fdp.optim.transforms import GradientTransformation, adam, adamw, chain, cli
 
 OPTIMIZERS: dict[str, Callable[..., GradientTransformation]] = {"sgd": sgd, "adam": adam, "adamw": adamw}
 LR_SCHEDULES = ("constant", "warmup_cosine")
-SHARED_SETTINGS = {"lr": 1e-3, "lr_schedule": "constant", "warmup_steps": 0, "end_lr": 0.0, "clip_norm": None}
+SHARED_SETTINGS = {"lr": 1e-3, "lr_schedule": "constant", "warmup_steps": 0, "warmup_ratio": 0.0, "end_lr": 0.0, "clip_norm": None}
+
+
+def warmup_length(warmup_steps: int, warmup_ratio: float, max_steps: int) -> int:
+    """The warm-up's steps: ``warmup_steps`` where set, else ``warmup_ratio`` of the run (a preset that fits any length).
+
+    >>> warmup_length(0, 0.1, 300), warmup_length(0, 0.1, 20), warmup_length(5, 0.1, 20)
+    (30, 2, 5)
+    """
+    return warmup_steps or round(warmup_ratio * max_steps)
 
 
 def build_optimizer(spec: Mapping[str, Any], max_steps: int, path: str = "optim") -> GradientTransformation:
@@ -36,11 +46,13 @@ def build_optimizer(spec: Mapping[str, Any], max_steps: int, path: str = "optim"
     name = settings.pop("name", None)
     if name not in OPTIMIZERS:
         raise ValueError(f"{path}.name={name!r}: unknown optimizer; known optimizers: {', '.join(OPTIMIZERS)}")
-    lr, lr_schedule, warmup_steps, end_lr, clip_norm = (settings.pop(k) for k in SHARED_SETTINGS)
+    lr, lr_schedule, warmup_steps, warmup_ratio, end_lr, clip_norm = (settings.pop(k) for k in SHARED_SETTINGS)
     require(lr > 0, f"{path}.lr", lr, "a learning rate > 0")
     require(lr_schedule in LR_SCHEDULES, f"{path}.lr_schedule", lr_schedule, " or ".join(LR_SCHEDULES))
     require(0 <= warmup_steps <= max_steps, f"{path}.warmup_steps", warmup_steps,
-             f"between 0 and trainer.max_steps={max_steps} (the schedule must not end before warm-up)")
+             f"between 0 and trainer.max_steps={max_steps} (the schedule must not end before warm-up; "
+             f"{path}.warmup_ratio scales it to the run)")
+    require(0 <= warmup_ratio < 1, f"{path}.warmup_ratio", warmup_ratio, "a fraction of trainer.max_steps in [0, 1)")
     require(clip_norm is None or clip_norm > 0, f"{path}.clip_norm", clip_norm, "null (off) or > 0")
     factory = OPTIMIZERS[name]
     accepted = [p for p in inspect.signature(factory).parameters if p != "lr"]
@@ -49,7 +61,7 @@ def build_optimizer(spec: Mapping[str, Any], max_steps: int, path: str = "optim"
             raise ValueError(f"{path}.{key}: not a setting of optimizer {name!r}; accepted settings: "
                              f"{', '.join([*SHARED_SETTINGS, *accepted])}")
     if lr_schedule == "warmup_cosine":
-        schedule = warmup_cosine_schedule(lr, warmup_steps, max_steps, end_lr)
+        schedule = warmup_cosine_schedule(lr, warmup_length(warmup_steps, warmup_ratio, max_steps), max_steps, end_lr)
     else:
         schedule = constant_schedule(lr)
     try:
