@@ -291,17 +291,20 @@ def test_str_has_a_row_per_bucket_and_a_total():
                              unused=[("idle.w", (3,), "float32", "cpu")])
     text = str(plan)
     lines = text.splitlines()
-    assert [c.strip() for c in lines[0].split("|")] == [
-        "bucket", "dtype", "device", "MiB", "tensors", "first param", "last param"
+    assert lines[0].startswith("buckets in backward order")
+    assert [c.strip() for c in lines[1].split("|")] == [
+        "bucket", "dtype", "device", "params", "MiB", "tensors", "first param", "last param"
     ]
     for b in plan.buckets:
         row = [ln for ln in lines if ln.split("|")[0].strip() == (f"{b.index} (unused)" if b.unused else str(b.index))]
         assert len(row) == 1, (b, text)
         cells = [c.strip() for c in row[0].split("|")]
         assert cells[1:3] == [b.dtype, b.device]
-        assert cells[4] == str(len(b.slots))
-        assert cells[5:] == [b.names[0], b.names[-1]]
-    assert lines[-1].startswith(f"total: {len(plan)} buckets, 5 tensors")
+        assert cells[3] == f"{sum(s.numel for s in b.slots):,}"
+        assert cells[5] == str(len(b.slots))
+        assert cells[6:] == [b.names[0], b.names[-1]]
+    total = sum(s.numel for b in plan.buckets for s in b.slots)
+    assert lines[-1].startswith(f"total: {len(plan)} buckets, 5 tensors, {total:,} params")
 
 
 # ----------------------------------------------------------------------------- tracing real models

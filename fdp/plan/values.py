@@ -353,12 +353,13 @@ class BucketPlan:
     # --------------------------------------------------------------- display
 
     def __str__(self) -> str:
-        header = ("bucket", "dtype", "device", "MiB", "tensors", "first param", "last param")
+        header = ("bucket", "dtype", "device", "params", "MiB", "tensors", "first param", "last param")
         rows = [
             (
                 f"{b.index}{' (unused)' if b.unused else ''}",
                 b.dtype,
                 b.device,
+                f"{sum(s.numel for s in b.slots):,}",
                 _mib(b.nbytes),
                 str(len(b.slots)),
                 b.slots[0].name,
@@ -367,17 +368,20 @@ class BucketPlan:
             for b in self.buckets
         ]
         widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
-        numeric = {3, 4}
+        numeric = {3, 4, 5}
 
         def fmt(row: Sequence[str]) -> str:
             cells = (cell.rjust(w) if c in numeric else cell.ljust(w) for c, (cell, w) in enumerate(zip(row, widths)))
             return " | ".join(cells).rstrip()
 
-        lines = [fmt(header), "-+-".join("-" * w for w in widths)]
+        # Gradients become ready from the last layer back: the plan packs them in that order.
+        lines = ["buckets in backward order (bucket 0 holds the gradients that become ready first: the last layers)",
+                 fmt(header), "-+-".join("-" * w for w in widths)]
         lines += [fmt(r) for r in rows]
         n_tensors = sum(len(b.slots) for b in self.buckets)
+        n_params = sum(s.numel for b in self.buckets for s in b.slots)
         lines.append(
-            f"total: {len(self.buckets)} buckets, {n_tensors} tensors, {self.nbytes / MiB:.3f} MiB "
+            f"total: {len(self.buckets)} buckets, {n_tensors} tensors, {n_params:,} params, {self.nbytes / MiB:.3f} MiB "
             f"(caps: first {self.first_bucket_cap_mb:g} MiB, then {self.bucket_cap_mb:g} MiB)"
         )
         return "\n".join(lines)
