@@ -27,7 +27,7 @@ from fdp.data import (
 )
 from fdp.data.batches import batch_size, head
 from fdp.devices import batch_to_device, to_device
-from fdp.fit import Names, check_first_batch
+from fdp.fit import Names, check_first_batch, untransformable
 from fdp.functional import FunctionalModel, functionalize
 from fdp.hooks import Hook
 from fdp.hooks.hierarchical import check_node_size, hierarchical, node_comms
@@ -127,14 +127,20 @@ def build_run(cfg: DictConfig, comm: Comm, device: torch.device = torch.device("
     example = next(train_batches(data, cfg.data.global_batch_size, cfg.seed, comm.rank, comm.world_size, 0, 1))
     example = batch_to_device(precision.cast(head(example, max(1, batch_size(example) // cfg.trainer.accum_steps))), device)
     check_fit(cfg, model, criterion, params, buffers, example, data)
-    plan = plan_buckets(
-        planner_loss(loss_fn, buffers),
-        params,
-        example,
-        bucket_cap_mb=cfg.trainer.bucket_cap_mb,
-        first_bucket_cap_mb=cfg.trainer.first_bucket_cap_mb,
-        allow_unused=cfg.trainer.allow_unused,
-    )
+    try:  # the first gradient of the run: what torch.func cannot run in the model fails here
+        plan = plan_buckets(
+            planner_loss(loss_fn, buffers),
+            params,
+            example,
+            bucket_cap_mb=cfg.trainer.bucket_cap_mb,
+            first_bucket_cap_mb=cfg.trainer.first_bucket_cap_mb,
+            allow_unused=cfg.trainer.allow_unused,
+        )
+    except RuntimeError as error:
+        refusal = untransformable(error, label("model", cfg.model))
+        if refusal is None:
+            raise
+        raise refusal from None
     hook = build_hook(OmegaConf.to_container(cfg.hooks))
     if cfg.world.hierarchical:
         hook = _hierarchical(hook, cfg, comm)

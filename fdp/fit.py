@@ -21,6 +21,7 @@ fdp.errors.ConfigError: model does not fit data with loss: the model outputs 100
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any, NamedTuple
 
 import torch
@@ -32,7 +33,7 @@ from fdp.data.batches import describe, model_inputs
 from fdp.functional import Buffers, FunctionalModel, Params
 from fdp.losses import IGNORE_INDEX, Criterion, TokenCrossEntropy, UnreadableOutput, cross_entropy, logits_of
 
-__all__ = ["Names", "check_alignment", "check_first_batch"]
+__all__ = ["Names", "check_alignment", "check_first_batch", "untransformable"]
 
 
 class Names(NamedTuple):
@@ -67,7 +68,9 @@ def check_first_batch(
     check_alignment(criterion, _token_ids(args, kwargs), targets, names, targets_shifted)
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         try:
-            outputs, _ = model.apply(params, buffers, *args, **kwargs)
+            with warnings.catch_warnings():  # a probe without gradients: what the forward warns, the step warns again
+                warnings.simplefilter("ignore")
+                outputs, _ = model.apply(params, buffers, *args, **kwargs)
         except Exception as error:  # anything the user's forward raises: one line, not a traceback
             raise ConfigError(f"{fits}: {_reason(error)} (first batch: {describe(batch)})") from None
         _check_classes(criterion, outputs, targets, names, declared_classes)
@@ -181,3 +184,43 @@ def check_alignment(criterion: Criterion, inputs: Tensor | None, targets: Any, n
         raise ConfigError(
             f"{names.data}'s targets are its input ids, but {names.loss} scores each position against its own token: "
             "the model would learn to copy its input; expected loss=causal_lm (position t against the token at t + 1)")
+
+
+# -- what torch.func's gradients cannot run ----------------------------------------------------
+# torch.func raises these (RuntimeError) when a forward uses what its transforms do not support.
+_SAVED_TENSOR_HOOKS = "don't yet support saved tensor hooks"
+_OLD_STYLE_FUNCTION = "must override the setup_context staticmethod"
+
+
+def _raised_under(error: BaseException, suffix: str) -> bool:
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.replace("\\", "/").endswith(suffix):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def untransformable(error: BaseException, model: str = "model") -> ConfigError | None:
+    """The one-line refusal for a forward that torch.func's gradients cannot run (``None``: not such an error).
+
+    fdp takes gradients with ``torch.func.grad``: ``torch.utils.checkpoint`` inside a model
+    (either form), saved-tensor hooks and ``autograd.Function``s without ``setup_context``
+    fail there with a long traceback; this names what to use instead.
+
+    >>> print(untransformable(RuntimeError("torch.func.{grad, vjp} don't yet support saved tensor hooks."), "model=mlp"))
+    model=mlp: its forward uses saved-tensor hooks (torch.autograd.graph.saved_tensors_hooks, save_on_cpu), which fdp's torch.func gradients do not run; expected a forward without them
+    """
+    text = str(error)
+    if not isinstance(error, RuntimeError) or not (_SAVED_TENSOR_HOOKS in text or _OLD_STYLE_FUNCTION in text):
+        return None
+    if _raised_under(error, "torch/utils/checkpoint.py"):
+        return ConfigError(f"{model}: its forward calls torch.utils.checkpoint, which fdp's torch.func gradients do not run; "
+                           "expected a forward without it, and trainer.activation_checkpointing=true to recompute "
+                           "activations instead")
+    if _SAVED_TENSOR_HOOKS in text:
+        return ConfigError(f"{model}: its forward uses saved-tensor hooks (torch.autograd.graph.saved_tensors_hooks, "
+                           "save_on_cpu), which fdp's torch.func gradients do not run; expected a forward without them")
+    return ConfigError(f"{model}: its forward calls a torch.autograd.Function without setup_context, which fdp's torch.func "
+                       "gradients do not run; expected one that overrides setup_context "
+                       "(https://pytorch.org/docs/stable/notes/extending.func.html)")

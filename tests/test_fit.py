@@ -131,3 +131,32 @@ def test_labels_equal_to_the_input_ids_need_a_loss_that_shifts():
     # Inputs that repeat one token are both their own shift and themselves: nothing to tell, nothing refused.
     same = (torch.full((2, 8), 3), torch.full((2, 8), 3))
     check_first_batch(model, TokenCrossEntropy(shift=1), params, buffers, same, names)
+
+
+class Checkpointed(nn.Module):
+    """A model that recomputes its hidden layer with torch.utils.checkpoint (either form)."""
+
+    def __init__(self, in_features: int = 64, num_classes: int = 10, use_reentrant: bool = False):
+        super().__init__()
+        self.a, self.b, self.use_reentrant = nn.Linear(in_features, 16), nn.Linear(16, num_classes), use_reentrant
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return self.b(checkpoint(lambda h: torch.relu(self.a(h)), x, use_reentrant=self.use_reentrant))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_torch_utils_checkpoint_in_a_model_is_one_line_naming_the_setting_to_use(reentrant, recwarn):
+    from fdp.build import build_run
+    from fdp.comm import Comm
+    from fdp.config import compose
+
+    cfg = compose("model=custom", f"model._target_={__name__}.Checkpointed", f"+model.use_reentrant={str(reentrant).lower()}")
+    with pytest.raises(ConfigError) as caught:
+        build_run(cfg, Comm())
+    assert str(caught.value) == (
+        f"model._target_='{__name__}.Checkpointed': its forward calls torch.utils.checkpoint, which fdp's torch.func "
+        "gradients do not run; expected a forward without it, and trainer.activation_checkpointing=true to recompute "
+        "activations instead")
+    assert not [w for w in recwarn if "checkpoint" in str(w.filename)]  # nor torch's warning from the first-batch probe
