@@ -41,7 +41,8 @@ it in this list; ``tests/test_imports.py`` holds every import to that):
   where they reach one's own objects); a config refused before anything runs.
 * ``world`` / ``build`` / ``report`` / ``trainer``: a config's world on this machine, a run's pieces,
   what it reports, and the run loop.
-* ``cli``: the shell entry's one-line endings (Hydra's errors, refusals, interruptions, exit statuses).
+* ``cli`` / ``sweep``: the shell entry's one-line endings (Hydra's errors, refusals, interruptions, exit statuses);
+  a Hydra sweep checked whole before its first job, run to its end and summed up in a table.
 """
 from fdp import hooks, zero
 from fdp.buckets import allocate, lay_out, pack, unpack

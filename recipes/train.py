@@ -15,6 +15,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from fdp import cli
@@ -42,10 +43,14 @@ def save_hydra_files(cfg: DictConfig, run_dir: str | Path) -> None:
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base=None)
-def main(cfg: DictConfig) -> None:
-    status = cli.train(cfg, HydraConfig.get().runtime.output_dir, save_hydra_files)
-    if status:
+def main(cfg: DictConfig) -> int:
+    hydra_cfg = HydraConfig.get()
+    status = cli.train(cfg, hydra_cfg.runtime.output_dir, save_hydra_files)
+    # A sweep goes on after a job that failed (fdp.sweep sums them up and ends with the worst status),
+    # but not after a stop signal: Ctrl-C stops the sweep.
+    if status and (hydra_cfg.mode != RunMode.MULTIRUN or status >= 128):
         sys.exit(status)
+    return status
 
 
 if __name__ == "__main__":
