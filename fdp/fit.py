@@ -136,7 +136,7 @@ def _check_classes(criterion: Criterion, outputs: Any, targets: Any, names: Name
 
 # -- how the loss and the data align targets with positions --------------------------------
 def _shift_of(criterion: Criterion) -> int:
-    """How many positions ahead ``criterion`` scores each position's scores (``TokenCrossEntropy.shift``; 0 otherwise)."""
+    """How many positions ahead ``criterion`` scores each position (``TokenCrossEntropy.shift``; 0 otherwise)."""
     fn = criterion.func if isinstance(criterion, functools.partial) else criterion
     shift = getattr(fn, "shift", 0)
     return shift if isinstance(shift, int) else 0
@@ -162,14 +162,16 @@ def check_alignment(criterion: Criterion, inputs: Tensor | None, targets: Any, n
     targets of that shape that equal the inputs one position on, or the inputs themselves.
 
     >>> ids = torch.tensor([[5, 1, 4, 2, 3]])
-    >>> check_alignment(TokenCrossEntropy(shift=1), ids[:, :-1], ids[:, 1:], Names(data="data=text", loss="loss=causal_lm"))
+    >>> names = Names(data="data=text", loss="loss=causal_lm")
+    >>> check_alignment(TokenCrossEntropy(shift=1), ids[:, :-1], ids[:, 1:], names)
     Traceback (most recent call last):
         ...
     fdp.errors.ConfigError: loss=causal_lm scores position t against the target at t + 1, but data=text's targets are already the next tokens (its inputs shifted by one): the model would learn the token 2 ahead; expected loss=cross_entropy, or data whose targets are its input ids
     """
     shift = _shift_of(criterion)
-    tokens = (isinstance(inputs, Tensor) and isinstance(targets, Tensor) and inputs.dim() == 2 and inputs.shape == targets.shape
-              and inputs.shape[1] > 1 and not inputs.is_floating_point() and not targets.is_floating_point())
+    tokens = (isinstance(inputs, Tensor) and isinstance(targets, Tensor) and inputs.dim() == 2
+              and inputs.shape == targets.shape and inputs.shape[1] > 1
+              and not inputs.is_floating_point() and not targets.is_floating_point())
     counted = (targets != getattr(criterion, "ignore_index", IGNORE_INDEX)) & (targets >= 0) if tokens else None
     if shift and shifted is not True and tokens:
         # Inputs that repeat one token are their own shift: only a batch that tells the two apart says so.
@@ -180,7 +182,8 @@ def check_alignment(criterion: Criterion, inputs: Tensor | None, targets: Any, n
             f"{names.loss} scores position t against the target at t + {shift}, but {names.data}'s targets are already "
             f"the next tokens (its inputs shifted by one): the model would learn the token {shift + 1} ahead; "
             "expected loss=cross_entropy, or data whose targets are its input ids")
-    if not shift and tokens and shifted is not True and _scores_classes(criterion) and _same_tokens(targets, inputs, counted):
+    copies = tokens and shifted is not True and _same_tokens(targets, inputs, counted)
+    if not shift and copies and _scores_classes(criterion):
         raise ConfigError(
             f"{names.data}'s targets are its input ids, but {names.loss} scores each position against its own token: "
             "the model would learn to copy its input; expected loss=causal_lm (position t against the token at t + 1)")
@@ -208,19 +211,20 @@ def untransformable(error: BaseException, model: str = "model") -> ConfigError |
     (either form), saved-tensor hooks and ``autograd.Function``s without ``setup_context``
     fail there with a long traceback; this names what to use instead.
 
-    >>> print(untransformable(RuntimeError("torch.func.{grad, vjp} don't yet support saved tensor hooks."), "model=mlp"))
+    >>> error = RuntimeError("torch.func.{grad, vjp} don't yet support saved tensor hooks.")
+    >>> print(untransformable(error, "model=mlp"))
     model=mlp: its forward uses saved-tensor hooks (torch.autograd.graph.saved_tensors_hooks, save_on_cpu), which fdp's torch.func gradients do not run; expected a forward without them
     """
     text = str(error)
     if not isinstance(error, RuntimeError) or not (_SAVED_TENSOR_HOOKS in text or _OLD_STYLE_FUNCTION in text):
         return None
     if _raised_under(error, "torch/utils/checkpoint.py"):
-        return ConfigError(f"{model}: its forward calls torch.utils.checkpoint, which fdp's torch.func gradients do not run; "
-                           "expected a forward without it, and trainer.activation_checkpointing=true to recompute "
+        return ConfigError(f"{model}: its forward calls torch.utils.checkpoint, which fdp's torch.func gradients "
+                           "do not run; expected a forward without it, and trainer.activation_checkpointing=true to recompute "
                            "activations instead")
     if _SAVED_TENSOR_HOOKS in text:
         return ConfigError(f"{model}: its forward uses saved-tensor hooks (torch.autograd.graph.saved_tensors_hooks, "
                            "save_on_cpu), which fdp's torch.func gradients do not run; expected a forward without them")
-    return ConfigError(f"{model}: its forward calls a torch.autograd.Function without setup_context, which fdp's torch.func "
-                       "gradients do not run; expected one that overrides setup_context "
+    return ConfigError(f"{model}: its forward calls a torch.autograd.Function without setup_context, which fdp's "
+                       "torch.func gradients do not run; expected one that overrides setup_context "
                        "(https://pytorch.org/docs/stable/notes/extending.func.html)")

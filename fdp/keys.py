@@ -61,7 +61,7 @@ def takes_own_keys(group: str, node: Mapping | None = None) -> bool:
 
 
 def closest_key(group: str, key: str, nodes: Mapping | None = None) -> str | None:
-    """The dotted key closest to ``group.key``: a near spelling in ``group``, else ``key`` (or near it) in another group.
+    """The dotted key closest to ``group.key``: a near spelling in ``group``, else ``key`` (or near it) elsewhere.
 
     ``nodes`` (a whole config) picks the option schemas of the groups that have options.
     """
@@ -82,7 +82,8 @@ def closest_key(group: str, key: str, nodes: Mapping | None = None) -> str | Non
 def _option_with(group: str, key: str, node: Mapping | None) -> str | None:
     """Another option of ``group`` whose schema has ``key`` (``hooks.rank``: ``powersgd``)."""
     current = node.get("name") if isinstance(node, Mapping) else None
-    return next((name for name, schema in SCHEMAS.get(group, {}).items() if name != current and key in _fields(schema)), None)
+    options = SCHEMAS.get(group, {}).items()
+    return next((name for name, schema in options if name != current and key in _fields(schema)), None)
 
 
 def unknown_key_line(group: str, key: str, nodes: Mapping | None = None, shown: str | None = None) -> str:
@@ -101,7 +102,8 @@ def unknown_key_line(group: str, key: str, nodes: Mapping | None = None, shown: 
     elif known:
         parts = [", ".join(known) + ";"]
     else:
-        parts = [f"{group}={node.get('name')} has none but its name;"] if isinstance(node, Mapping) and node.get("name") else []
+        named = isinstance(node, Mapping) and node.get("name")
+        parts = [f"{group}={node.get('name')} has none but its name;"] if named else []
     if group and takes_own_keys(group, node):
         parts.append(f"a key of your own is added as +{shown.lstrip('+')}")
     elif group:

@@ -112,7 +112,8 @@ class SweepTable(Callback):
                     raise
             else:
                 continue
-            print(f"error: sweep job {num} ({' '.join(_varying(jobs)[num])}): {line}; no job of the {len(jobs)} was run",
+            which = " ".join(_varying(jobs)[num])
+            print(f"error: sweep job {num} ({which}): {line}; no job of the {len(jobs)} was run",
                   file=sys.stderr, flush=True)
             raise SystemExit(REFUSED)
 

@@ -25,11 +25,12 @@ from fdp.optim.transforms import GradientTransformation, adam, adamw, chain, cli
 
 OPTIMIZERS: dict[str, Callable[..., GradientTransformation]] = {"sgd": sgd, "adam": adam, "adamw": adamw}
 LR_SCHEDULES = ("constant", "warmup_cosine")
-SHARED_SETTINGS = {"lr": 1e-3, "lr_schedule": "constant", "warmup_steps": 0, "warmup_ratio": 0.0, "end_lr": 0.0, "clip_norm": None}
+SHARED_SETTINGS = {"lr": 1e-3, "lr_schedule": "constant", "warmup_steps": 0, "warmup_ratio": 0.0, "end_lr": 0.0,
+                   "clip_norm": None}
 
 
 def warmup_length(warmup_steps: int, warmup_ratio: float, max_steps: int) -> int:
-    """The warm-up's steps: ``warmup_steps`` where set, else ``warmup_ratio`` of the run (a preset that fits any length).
+    """The warm-up's steps: ``warmup_steps`` where set, else ``warmup_ratio`` of the run (a preset for any length).
 
     >>> warmup_length(0, 0.1, 300), warmup_length(0, 0.1, 20), warmup_length(5, 0.1, 20)
     (30, 2, 5)

@@ -381,7 +381,8 @@ class BucketPlan:
         n_tensors = sum(len(b.slots) for b in self.buckets)
         n_params = sum(s.numel for b in self.buckets for s in b.slots)
         lines.append(
-            f"total: {len(self.buckets)} buckets, {n_tensors} tensors, {n_params:,} params, {self.nbytes / MiB:.3f} MiB "
+            f"total: {len(self.buckets)} buckets, {n_tensors} tensors, {n_params:,} params, "
+            f"{self.nbytes / MiB:.3f} MiB "
             f"(caps: first {self.first_bucket_cap_mb:g} MiB, then {self.bucket_cap_mb:g} MiB)"
         )
         return "\n".join(lines)
