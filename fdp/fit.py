@@ -65,7 +65,6 @@ def check_first_batch(
         args, kwargs, targets = model_inputs(batch)
     except ValueError as error:
         raise ConfigError(f"{names.data}: {error}") from None
-    check_alignment(criterion, _token_ids(args, kwargs), targets, names, targets_shifted)
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         try:
             with warnings.catch_warnings():  # a probe without gradients: what the forward warns, the step warns again
@@ -91,6 +90,8 @@ def check_first_batch(
     if not isinstance(loss, Tensor) or loss.dim() != 0 or not loss.is_floating_point():
         got = f"shape {tuple(loss.shape)} {loss.dtype}" if isinstance(loss, Tensor) else type(loss).__name__
         raise ConfigError(f"{names.loss}: returned {got}; expected a floating-point scalar")
+    # Last: a model and loss that run may still disagree with the data on which token each position predicts.
+    check_alignment(criterion, _token_ids(args, kwargs), targets, names, targets_shifted)
 
 
 def _scores_classes(criterion: Criterion) -> bool:
