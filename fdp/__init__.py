@@ -4,6 +4,7 @@ The modules, one concept each, from the ground up (a module imports only modules
 it in this list; ``tests/test_imports.py`` holds every import to that):
 
 * ``errors``: ``ConfigError`` and the one wording of every refusal (imports nothing of fdp).
+* ``targets``: models, data, losses, optimizers and hooks named in config by ``_target_``.
 * ``allocator``: this process's memory (glibc's heap tuned for pure steps, free memory handed back).
 * ``_torch``: the one place fdp touches private torch APIs, each with a public fallback.
 * ``plan`` / ``buckets``: the static gradient-bucket plan (values, packing, tracing), its flat buffers, params laid out by it.
@@ -13,7 +14,6 @@ it in this list; ``tests/test_imports.py`` holds every import to that):
 * ``precision``: autocast, bf16 weights and the dynamic loss scale (``LossScale``) of mixed precision.
 * ``optim``: optax-style optimizers, ``(init, update)`` pairs composed with ``chain``, and their registry.
 * ``functional``: any ``nn.Module`` as ``apply(params, buffers, *inputs, **named_inputs)``.
-* ``targets``: models, data and losses named in config by ``_target_``.
 * ``models`` / ``data``: the built-in models and Hugging Face ones from their configs (``hf_model``); datasets,
   batches (any pytree of tensors) and their split over ranks and micro-batches.
 * ``hooks``: gradient-reduction stages (allreduce, fp16, PowerSGD, top-k, int8) composed with ``hooks.chain``.
