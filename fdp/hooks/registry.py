@@ -94,7 +94,7 @@ def _custom(settings: dict[str, Any], path: str) -> Hook:
     if not isinstance(made, Hook):
         if hasattr(made, "update") and hasattr(made, "init"):
             what = "an optimizer (GradientTransformation)"
-        elif callable(made):
+        elif inspect.isroutine(made):
             what = f"the function {getattr(made, '__name__', made)!r} (a factory's result is called for)"
         else:
             what = f"a {type(made).__name__}"
