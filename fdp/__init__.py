@@ -67,9 +67,14 @@ from fdp.optim import (
     chain,
     clip_by_global_norm,
     constant_schedule,
+    decay_rule,
+    embedding_names,
     sgd,
     supports_inplace,
+    warmup_constant_schedule,
     warmup_cosine_schedule,
+    warmup_linear_schedule,
+    wsd_schedule,
 )
 from fdp.outer import OuterSpec, OuterState, check_outer, init_outer_state, make_outer_step
 from fdp.plan import Bucket, BucketPlan, ParamSlot, gradient_ready_order, plan_buckets
@@ -96,4 +101,5 @@ __all__ = [
     "spawn", "state_nbytes", "supports_inplace", "to_device", "unpack", "warmup_cosine_schedule",
     "zero",
     "TokenCrossEntropy", "logits_of", "model_inputs", "hf_model", "check_first_batch", "LostRank", "SampleStreams",
+    "decay_rule", "embedding_names", "warmup_constant_schedule", "warmup_linear_schedule", "wsd_schedule",
 ]

@@ -127,7 +127,7 @@ class OptimShared:  # the settings every optimizer takes (fdp.optim.registry)
     warmup_steps: int = 0
     end_lr: float = 0.0  # the rate at trainer.max_steps of the decaying schedules
     decay_fraction: float = 0.1  # wsd: the last fraction of the run, over which the rate decays
-    decay_filter: Any = "all"  # all | weights (not biases, norms, embeddings) | [name patterns exempt from weight decay]
+    decay_filter: Any = "all"  # all | weights (not biases, norms, embeddings) | [names exempt from weight decay]
     clip_norm: Optional[float] = None
 
 

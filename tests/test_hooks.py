@@ -918,10 +918,13 @@ def test_a_custom_hook_is_built_from_its_target_with_its_settings(my_project):
                                             r"\(GradientTransformation\); expected an fdp\.hooks\.Hook"),
     ({"_target_": "fdp.hooks.fp16_compress", "max_norm": 1.0}, r"^hooks\._target_='fdp\.hooks\.fp16_compress': "
                                                                r"fp16_compress\(\) got an unexpected keyword argument"),
-    ({"_target_": "my_project.hooks.clip_then_allreduce", "max_norm": -1}, r"^hooks\._target_=.*: max_norm=-1: expected"),
-    ({"_target_": "test_hooks.stateless"}, r"^hooks\._target_='test_hooks\.stateless': stateless\(\) missing 1 required"),
+    ({"_target_": "my_project.hooks.clip_then_allreduce", "max_norm": -1},
+     r"^hooks\._target_=.*: max_norm=-1: expected"),
+    ({"_target_": "test_hooks.stateless"},
+     r"^hooks\._target_='test_hooks\.stateless': stateless\(\) missing 1 required"),
     ({"_target_": "torch.nn.Identity"}, r"^hooks\._target_='torch\.nn\.Identity': returned a Identity; expected"),
-    ({"_target_": "???"}, r"^hooks\._target_: missing; hooks=custom needs the dotted path to a factory returning a Hook"),
+    ({"_target_": "???"},
+     r"^hooks\._target_: missing; hooks=custom needs the dotted path to a factory returning a Hook"),
 ])
 def test_a_custom_hook_that_does_not_import_or_returns_no_hook_is_refused_in_one_line(my_project, spec, message):
     with pytest.raises(ValueError, match=message) as error:

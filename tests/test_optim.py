@@ -512,3 +512,73 @@ def test_decay_filter_refusals_name_the_setting():
                            ([], r"^optim\.decay_filter=\[\]: expected all or weights, or a non-empty list")):
         with pytest.raises(ValueError, match=message):
             fo.build_optimizer({"name": "adamw", "decay_filter": value}, max_steps=10)
+
+
+# ------------------------------------------------------------------------- optim=custom
+
+
+@pytest.fixture
+def my_project(monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "examples"))
+
+
+def test_a_custom_optimizer_gets_the_schedule_and_the_decay_rule_of_the_shared_settings(my_project):
+    spec = {"name": "custom", "_target_": "my_project.optim.lion", "b1": 0.5, "weight_decay": 1.0, "lr": 0.1,
+            "lr_schedule": "warmup_linear", "warmup_steps": 1, "decay_filter": ["*.bias"], "clip_norm": 1.0}
+    opt = fo.build_optimizer(spec, max_steps=3)
+    params = {"fc.weight": torch.ones(2), "fc.bias": torch.ones(2)}
+    state = opt.init(params)
+    steps = []
+    for _ in range(3):
+        updates, state = opt.update({k: torch.full((2,), 30.0) for k in params}, state, params)
+        steps.append({k: float(u[0]) for k, u in updates.items()})
+    # Rates 0, 0.1, 0.05 (warm-up, then linear to 0 at step 3); Lion steps -lr * sign(...); the weight also decays.
+    assert steps == [pytest.approx({"fc.weight": 0.0, "fc.bias": 0.0}),
+                     pytest.approx({"fc.weight": -0.1 - 0.1, "fc.bias": -0.1}),
+                     pytest.approx({"fc.weight": -0.05 - 0.05, "fc.bias": -0.05})]
+    assert fo.current_lr(state) == pytest.approx(0.05)  # a state of one's own with an lr field is logged too
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"_target_": "my_project.optim.nothing"}, r"^optim\._target_='my_project\.optim\.nothing': module "
+                                               r"my_project\.optim has no attribute 'nothing'$"),
+    ({"_target_": "my_project.hooks.clip_then_allreduce"},
+     r"^optim\._target_='my_project\.hooks\.clip_then_allreduce': returned a reduction hook \(fdp\.hooks\.Hook\); "
+     r"expected a GradientTransformation"),
+    ({"_target_": "torch.optim.AdamW"},
+     r"^optim\._target_='torch\.optim\.AdamW': a torch\.optim optimizer, which steps"),
+    ({"_target_": "my_project.optim.lion", "b1": 1.5},
+     r"^optim\._target_='my_project\.optim\.lion': b1=1\.5: expected"),
+    ({"_target_": "my_project.optim.lion", "b3": 0.5},
+     r"^optim\._target_=.*: lion\(\) got an unexpected keyword argument"),
+    ({"_target_": "fdp.optim.clip_by_global_norm", "max_norm": 1.0, "decay_filter": "weights"},
+     r"^optim\.decay_filter: fdp\.optim\.clip_by_global_norm takes no decay_mask argument"),
+    ({}, r"^optim\._target_: missing; optim=custom needs the dotted path to a factory returning a "),
+])
+def test_a_custom_optimizer_that_is_not_importable_or_no_optimizer_is_refused_in_one_line(my_project, spec, message):
+    with pytest.raises(ValueError, match=message) as error:
+        fo.build_optimizer({"name": "custom", **spec}, max_steps=10)
+    assert "\n" not in str(error.value)
+
+
+def test_a_decay_rule_by_name_is_refused_at_zero_stages():
+    from fdp.config import ConfigError, compose
+    from fdp.validate import validate
+
+    validate(compose("world=local2", "optim=adamw", "optim.decay_filter=weights"))
+    with pytest.raises(ConfigError, match=r"^trainer\.zero_stage=1: the optimizer exempts params from weight decay "
+                                          r"by name, which ZeRO's flat slices of buckets do not keep; expected "):
+        validate(compose("world=local2", "optim=adamw", "optim.decay_filter=weights", "trainer.zero_stage=1"))
+
+
+def test_resuming_another_length_is_refused_for_every_schedule_that_spans_the_run():
+    def run(steps, schedule):
+        return {"trainer": {"max_steps": steps}, "optim": {"lr_schedule": schedule}}
+
+    for schedule in ("warmup_linear", "warmup_cosine", "wsd"):
+        with pytest.raises(ValueError, match=rf"optim\.lr_schedule={schedule}\) spans trainer\.max_steps=100"):
+            fo.check_resumed_schedule(run(100, schedule), run(200, schedule))
+    for schedule in ("constant", "warmup_constant"):
+        fo.check_resumed_schedule(run(100, schedule), run(200, schedule))

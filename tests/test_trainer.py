@@ -117,7 +117,8 @@ def test_own_hook_and_optimizer_from_config_resume_exactly_at_zero_stage_two(tmp
     """hooks=custom (a clipping stage with per-bucket counts, then allreduce; shardable) and optim=custom (Lion) on
     two ranks at ZeRO stage 2: stopped at step 5 and resumed, the params, optimizer and each rank's hook state are
     those of the uninterrupted run, bit for bit."""
-    steps = [*SMALL["mlp"], "world=local2", "trainer.zero_stage=2", "trainer.max_steps=10", "trainer.checkpoint_every=5",
+    steps = [*SMALL["mlp"], "world=local2", "trainer.zero_stage=2", "trainer.max_steps=10",
+             "trainer.checkpoint_every=5",
              "hooks=custom", "hooks._target_=my_project.hooks.clip_then_allreduce", "+hooks.max_norm=0.5",
              "optim=custom", "optim._target_=my_project.optim.lion", "optim.lr=1e-3", "+optim.b1=0.95",
              "optim.lr_schedule=wsd", "optim.decay_fraction=0.5"]

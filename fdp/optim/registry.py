@@ -70,7 +70,8 @@ def build_optimizer(spec: Mapping[str, Any], max_steps: int, path: str = "optim"
     settings = {**SHARED_SETTINGS, **{str(k): v for k, v in spec.items()}}
     name = settings.pop("name", None)
     if name not in OPTIMIZERS and name != "custom":
-        raise ValueError(f"{path}.name={name!r}: unknown optimizer; known optimizers: {', '.join([*OPTIMIZERS, 'custom'])}")
+        known = ", ".join([*OPTIMIZERS, "custom"])
+        raise ValueError(f"{path}.name={name!r}: unknown optimizer; known optimizers: {known}")
     lr, lr_schedule, warmup_steps, end_lr, decay_fraction, decay_filter, clip_norm = (
         settings.pop(k) for k in SHARED_SETTINGS)
     require(lr > 0, f"{path}.lr", lr, "a learning rate > 0")

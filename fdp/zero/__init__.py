@@ -48,7 +48,8 @@ from fdp.zero.params import ParamShardedUpdate
 from fdp.zero.sharded import ShardedUpdate
 
 __all__ = [
-    "ZERO_STAGES", "check_zero_stage", "check_hook_for_stage", "check_optimizer_for_stage", "make_update", "scatters", "shard_range", "shard_key", "init_state",
+    "ZERO_STAGES", "check_zero_stage", "check_hook_for_stage", "check_optimizer_for_stage", "make_update", "scatters",
+    "shard_range", "shard_key", "init_state",
     "shard_state", "gather_state", "whole_params", "unsharded_template", "is_sharded", "params_sharded", "state_nbytes",
     "ShardedUpdate", "ParamShardedUpdate", "LostSlices", "reshard_survivors",
 ]
