@@ -12,7 +12,8 @@ it in this list; ``tests/test_imports.py`` holds every import to that):
 * ``trace``: the Chrome-trace ``Timeline`` of a step.
 * ``streams``: each sample's own random stream (dropout masks that do not depend on the rank or the world size).
 * ``precision``: autocast, bf16 weights and the dynamic loss scale (``LossScale``) of mixed precision.
-* ``optim``: optax-style optimizers, ``(init, update)`` pairs composed with ``chain``, and their registry.
+* ``optim``: optax-style optimizers, ``(init, update)`` pairs composed with ``chain``, their learning-rate
+  schedules and weight-decay rules, and their registry.
 * ``functional``: any ``nn.Module`` as ``apply(params, buffers, *inputs, **named_inputs)``.
 * ``models`` / ``data``: the built-in models and Hugging Face ones from their configs (``hf_model``); datasets,
   batches (any pytree of tensors) and their split over ranks and micro-batches.
