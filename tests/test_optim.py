@@ -582,3 +582,23 @@ def test_resuming_another_length_is_refused_for_every_schedule_that_spans_the_ru
             fo.check_resumed_schedule(run(100, schedule), run(200, schedule))
     for schedule in ("constant", "warmup_constant"):
         fo.check_resumed_schedule(run(100, schedule), run(200, schedule))
+
+
+def test_a_run_built_from_config_exempts_the_model_s_embeddings_tied_head_included():
+    """``optim.decay_filter=weights`` through ``fdp.build``: the charlm's token and position embeddings (the head is
+    tied to the first) and its norms and biases take no weight decay, its linear weights do."""
+    from fdp.build import build_run
+    from fdp.comm import Comm
+    from fdp.config import compose
+
+    cfg = compose("model=charlm", "data=stdlib_text", "model.d_model=16", "model.n_layer=1", "model.n_head=2",
+                  "data.block_size=8", "data.max_chars=4000", "optim=adamw", "optim.lr_schedule=constant",
+                  "optim.decay_filter=weights", "optim.weight_decay=0.5")
+    parts = build_run(cfg, Comm())
+    params = parts.state.params
+    zeros = {k: torch.zeros_like(p) for k, p in params.items()}  # AdamW's step is then the decay alone
+    updates, _ = parts.optimizer.update(zeros, parts.optimizer.init(params), params)
+    decayed = {k for k, u in updates.items() if u.abs().max() > 0}
+    assert {"tok_emb.weight", "pos_emb.weight"} <= params.keys() - decayed and "head.weight" not in params
+    assert decayed and all(params[k].ndim == 2 for k in decayed)
+    assert {k for k, p in params.items() if p.ndim == 2} - decayed == {"tok_emb.weight", "pos_emb.weight"}
