@@ -4,6 +4,7 @@ The modules, one concept each, from the ground up (a module imports only modules
 it in this list; ``tests/test_imports.py`` holds every import to that):
 
 * ``errors``: ``ConfigError`` and the one wording of every refusal (imports nothing of fdp).
+* ``targets``: models, data, losses, optimizers and hooks named in config by ``_target_``.
 * ``allocator``: this process's memory (glibc's heap tuned for pure steps, free memory handed back).
 * ``_torch``: the one place fdp touches private torch APIs, each with a public fallback.
 * ``plan`` / ``buckets``: the static gradient-bucket plan (values, packing, tracing), its flat buffers, params laid out by it.
@@ -11,9 +12,9 @@ it in this list; ``tests/test_imports.py`` holds every import to that):
 * ``trace``: the Chrome-trace ``Timeline`` of a step.
 * ``streams``: each sample's own random stream (dropout masks that do not depend on the rank or the world size).
 * ``precision``: autocast, bf16 weights and the dynamic loss scale (``LossScale``) of mixed precision.
-* ``optim``: optax-style optimizers, ``(init, update)`` pairs composed with ``chain``, and their registry.
+* ``optim``: optax-style optimizers, ``(init, update)`` pairs composed with ``chain``, their learning-rate
+  schedules and weight-decay rules, and their registry.
 * ``functional``: any ``nn.Module`` as ``apply(params, buffers, *inputs, **named_inputs)``.
-* ``targets``: models, data and losses named in config by ``_target_``.
 * ``models`` / ``data``: the built-in models and Hugging Face ones from their configs (``hf_model``); datasets,
   batches (any pytree of tensors) and their split over ranks and micro-batches.
 * ``hooks``: gradient-reduction stages (allreduce, fp16, PowerSGD, top-k, int8) composed with ``hooks.chain``.
@@ -69,9 +70,14 @@ from fdp.optim import (
     chain,
     clip_by_global_norm,
     constant_schedule,
+    decay_rule,
+    embedding_names,
     sgd,
     supports_inplace,
+    warmup_constant_schedule,
     warmup_cosine_schedule,
+    warmup_linear_schedule,
+    wsd_schedule,
 )
 from fdp.outer import OuterSpec, OuterState, check_outer, init_outer_state, make_outer_step
 from fdp.plan import Bucket, BucketPlan, ParamSlot, gradient_ready_order, plan_buckets
@@ -98,4 +104,5 @@ __all__ = [
     "spawn", "state_nbytes", "supports_inplace", "to_device", "unpack", "warmup_cosine_schedule",
     "zero",
     "TokenCrossEntropy", "logits_of", "model_inputs", "hf_model", "check_first_batch", "LostRank", "SampleStreams",
+    "decay_rule", "embedding_names", "warmup_constant_schedule", "warmup_linear_schedule", "wsd_schedule",
 ]

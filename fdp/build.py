@@ -38,7 +38,7 @@ from fdp.launch import (
 )
 from fdp.losses import Criterion, build_loss, cross_entropy, make_loss_fn, planner_loss
 from fdp.models import count_parameters
-from fdp.optim import GradientTransformation, build_optimizer
+from fdp.optim import GradientTransformation, build_optimizer, embedding_names
 from fdp.outer import check_outer, init_outer_state
 from fdp.plan import BucketPlan, plan_buckets
 from fdp.precision import Precision, check_precision
@@ -118,6 +118,7 @@ def build_run(cfg: DictConfig, comm: Comm, device: torch.device = torch.device("
     torch.manual_seed(cfg.seed)
     module = build_module(cfg.model, data)
     num_params = count_parameters(module)
+    embeddings = embedding_names(module)  # for optim.decay_filter=weights; the module gives up its weights next
     model, params, buffers = functionalize(module, keep_module_weights=False)  # the state holds the weights
     precision = check_precision(cfg.trainer.precision, device.type)
     params, buffers = to_device(params, device), to_device(buffers, device)
@@ -144,7 +145,7 @@ def build_run(cfg: DictConfig, comm: Comm, device: torch.device = torch.device("
     hook = build_hook(OmegaConf.to_container(cfg.hooks))
     if cfg.world.hierarchical:
         hook = _hierarchical(hook, cfg, comm)
-    optimizer = build_optimizer(OmegaConf.to_container(cfg.optim), cfg.trainer.max_steps)
+    optimizer = build_optimizer(OmegaConf.to_container(cfg.optim), cfg.trainer.max_steps, embeddings=embeddings)
     if cfg.trainer.zero_stage:  # the optimizer state is built for this rank's slices only
         check_same_plan(plan, comm)
         params, buffers = broadcast_from_rank0(params, comm), broadcast_from_rank0(buffers, comm)

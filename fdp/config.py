@@ -121,14 +121,20 @@ class CustomLossConfig:
 
 # -- optimizer -------------------------------------------------------------------------
 @dataclass
-class OptimBase:
+class OptimShared:  # the settings every optimizer takes (fdp.optim.registry)
     lr: float = 1e-3
-    weight_decay: float = 0.0
-    lr_schedule: str = "constant"  # constant | warmup_cosine
+    lr_schedule: str = "constant"  # constant | warmup_constant | warmup_linear | warmup_cosine | wsd
     warmup_steps: int = 0
     warmup_ratio: float = 0.0  # where warmup_steps is 0: warm up over this fraction of trainer.max_steps
-    end_lr: float = 0.0  # warmup_cosine: the rate at trainer.max_steps
+    end_lr: float = 0.0  # the rate at trainer.max_steps of the decaying schedules
+    decay_fraction: float = 0.1  # wsd: the last fraction of the run, over which the rate decays
+    decay_filter: Any = "all"  # all | weights (not biases, norms, embeddings) | [names exempt from weight decay]
     clip_norm: Optional[float] = None
+
+
+@dataclass
+class OptimBase(OptimShared):
+    weight_decay: float = 0.0
 
 
 @dataclass
@@ -152,6 +158,12 @@ class AdamConfig(OptimBase):
 class AdamWConfig(AdamConfig):
     name: str = "adamw"
     weight_decay: float = 0.01
+
+
+@dataclass
+class CustomOptimConfig(OptimShared):
+    name: str = "custom"
+    _target_: str = MISSING  # a factory returning an fdp.optim.GradientTransformation
 
 
 # -- trainer and world -----------------------------------------------------------------
@@ -268,6 +280,12 @@ class ChainConfig:
     stages: List[Any] = field(default_factory=list)
 
 
+@dataclass
+class CustomHookConfig:
+    name: str = "custom"
+    _target_: str = MISSING  # a factory returning an fdp.hooks.Hook (a chain is one)
+
+
 # -- outer loop (fdp.outer) -------------------------------------------------------------
 @dataclass
 class OuterNoneConfig:
@@ -312,7 +330,7 @@ SCHEMAS = {
     "data": {"digits": DigitsConfig, "stdlib_text": StdlibTextConfig, "custom": CustomDataConfig},
     "loss": {"cross_entropy": CrossEntropyConfig, "mse": MSEConfig, "causal_lm": CausalLMLossConfig, "masked_lm": MaskedLMLossConfig,
              "custom": CustomLossConfig},
-    "optim": {"sgd": SGDConfig, "adam": AdamConfig, "adamw": AdamWConfig},
+    "optim": {"sgd": SGDConfig, "adam": AdamConfig, "adamw": AdamWConfig, "custom": CustomOptimConfig},
     "hooks": {
         "allreduce": AllreduceConfig,
         "fp16": Fp16Config,
@@ -323,6 +341,7 @@ SCHEMAS = {
         "topk": TopKConfig,
         "int8": Int8Config,
         "chain": ChainConfig,
+        "custom": CustomHookConfig,
     },
     "world": {"world": WorldConfig},
     "outer": {"none": OuterNoneConfig, "local_sgd": LocalSGDConfig, "diloco": DiLoCoConfig},

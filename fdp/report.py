@@ -76,6 +76,7 @@ class Report:
             "step": number,
             "loss": loss.item(),
             "lr": m["lr"],
+            "grad_norm": m["grad_norm"].item(),
             "samples_per_s": gbs / m["step_s"],
             "step_ms": 1e3 * m["step_s"],
             "compute_ms": 1e3 * m["compute_s"],

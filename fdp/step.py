@@ -268,6 +268,7 @@ def _metrics(t0: float, computed: Any, step: Any, new_state: TrainState, scale_b
     elapsed = time.perf_counter() - t0
     metrics = {
         "loss": unscaled_loss(_mean_loss(computed.losses), scale_before),
+        "grad_norm": step.grad_norm(),  # of the reduced gradient, before clipping: the same on every rank
         "lr": current_lr(new_state.opt_state),
         "skipped": int(skipped),
         "step_s": elapsed,

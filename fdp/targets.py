@@ -141,7 +141,7 @@ def build(group: str, node: Mapping, offered: Mapping[str, Any] | None = None, s
     from hydra.utils import instantiate
 
     settings = {str(k): v for k, v in node.items() if k not in skip}
-    if "_target_" not in settings:
+    if settings.get("_target_", "???") == "???":  # absent, or Hydra's mark of a value still missing
         raise ConfigError(f"{group}._target_: missing; expected a dotted path to a class or function")
     target = locate(f"{group}._target_", settings["_target_"])
     accepted = parameter_names(target)

@@ -40,7 +40,7 @@ from fdp.optim import GradientTransformation, apply_gradients, supports_inplace
 from fdp.plan import BucketPlan
 from fdp.trace import NullTimeline, Timeline
 
-__all__ = ["Update", "StepUpdate", "ReplicatedUpdate", "finite_flag", "describe_bucket"]
+__all__ = ["Update", "StepUpdate", "ReplicatedUpdate", "bucket_norm", "finite_flag", "global_norm", "describe_bucket"]
 
 
 class StepUpdate(Protocol):
@@ -63,6 +63,10 @@ class StepUpdate(Protocol):
 
     def verdict(self) -> torch.Tensor:
         """On the device, the same on every rank: all True when every reduced gradient is finite."""
+
+    def grad_norm(self) -> torch.Tensor:
+        """On the device, the same on every rank: the global L2 norm of the reduced gradient, before any clipping
+        (asked after ``verdict()``)."""
 
     def finish(self) -> tuple[dict, Any]:
         """``(params, opt_state)`` after the optimizer step (not called for a skipped step)."""
@@ -92,6 +96,25 @@ class Update(Protocol):
 
     def begin(self, state: Any, grad_buffers: tuple[torch.Tensor, ...]) -> StepUpdate:
         """The update of one step from ``state``; ``grad_buffers`` are the reducer's bucket buffers."""
+
+
+def bucket_norm(flat: torch.Tensor) -> torch.Tensor:
+    """The L2 norm of a bucket's (or slice's) gradient, in float32 whatever its dtype, kept on the device.
+
+    >>> bucket_norm(torch.tensor([3.0, 4.0], dtype=torch.bfloat16)).item()
+    5.0
+    """
+    return torch.linalg.vector_norm(flat, dtype=torch.float32)
+
+
+def global_norm(norms: list[torch.Tensor]) -> torch.Tensor:
+    """The norm of the concatenated tensors whose norms are ``norms`` (on the first one's device).
+
+    >>> global_norm([torch.tensor(3.0), torch.tensor(4.0)]).item()
+    5.0
+    """
+    device = norms[0].device
+    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
 
 
 def finite_flag(flat: torch.Tensor) -> torch.Tensor:
@@ -156,6 +179,7 @@ class _ReplicatedStep:
         self.params, self.mirror = state.params, state.mirror
         self.grads: list[dict] = [{}] * len(owner.plan.buckets)
         self.flags: list[torch.Tensor | None] = [None] * len(owner.plan.buckets)  # by bucket index
+        self.norms: list[torch.Tensor | None] = [None] * len(owner.plan.buckets)
         self.opt_state = state.opt_state
         self.wait_s = 0.0
 
@@ -165,12 +189,16 @@ class _ReplicatedStep:
         mine = bool(self.grad_buffers) and buffer is self.grad_buffers[index]
         self.grads[index] = dict(owner._views[index]) if mine else slot_views(owner.plan.buckets[index], buffer)
         self.flags[index] = finite_flag(buffer)
+        self.norms[index] = bucket_norm(buffer)  # before an in-place optimizer may overwrite the gradient
         if self.per_bucket:  # every call of one step gets the same state and returns the same new one
             with owner.timeline.span("optimizer", bucket=index):
                 self.opt_state = owner.optimizer.update_inplace(self.grads[index], self.state.opt_state, self.state.params)
 
     def verdict(self) -> torch.Tensor:
         return torch.stack(self.flags)
+
+    def grad_norm(self) -> torch.Tensor:
+        return global_norm(self.norms)
 
     def finish(self) -> tuple[dict, Any]:
         if self.per_bucket:

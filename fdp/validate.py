@@ -43,7 +43,7 @@ from fdp.shrink import check_on_rank_loss, check_shrinkable_batch
 from fdp.streams import check_sample_streams, wants_sample_streams
 from fdp.step import check_nonfinite
 from fdp.targets import locate
-from fdp.zero import check_hook_for_stage, check_zero_stage
+from fdp.zero import check_hook_for_stage, check_optimizer_for_stage, check_zero_stage
 
 __all__ = ["validate"]
 
@@ -123,7 +123,8 @@ def _validate_trainer(cfg: Any) -> None:
     if t.zero_stage == 3:
         _require(t.compile is not True, "trainer.compile", t.compile,
                  "auto or false with trainer.zero_stage=3 (its gathers run in module hooks)")
-    _as_config_key("optim", lambda spec: build_optimizer(spec, t.max_steps), _container(cfg.optim))
+    optimizer = _as_config_key("optim", lambda spec: build_optimizer(spec, t.max_steps), _container(cfg.optim))
+    _as_config_key("trainer.zero_stage", lambda stage: check_optimizer_for_stage(stage, optimizer), t.zero_stage)
     if t.tensorboard:
         check_tensorboard()
     _as_config_key("outer", check_outer, _container(cfg.outer))

@@ -885,3 +885,61 @@ def test_optimizer_and_hook_chains_refuse_each_others_members():
         fdp.chain(fp16_compress(), fdp.sgd(0.1))
     with pytest.raises(TypeError, match=r"argument 0 is the function 'allreduce'.*allreduce\(\)"):
         chain(allreduce)
+
+
+# -- hooks=custom: a user's own factory ---------------------------------------------------------------------------
+def _unshardable_clip(max_norm: float = 1.0):
+    """A user's hook that does not declare ``shardable``: refused where ZeRO scatters the bucket."""
+    return chain(stateless(lambda grads, comm: grads._replace(buffer=grads.buffer.clamp(-max_norm, max_norm))),
+                 allreduce())
+
+
+@pytest.fixture
+def my_project(monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "examples"))
+
+
+def test_a_custom_hook_is_built_from_its_target_with_its_settings(my_project):
+    hook = build_hook({"name": "custom", "_target_": "my_project.hooks.clip_then_allreduce", "max_norm": 1.0})
+    bucket = _plan([("w", (2,))]).buckets[0]
+    out, state = run_hook(hook, hook.init(bucket), GradBucket(0, torch.tensor([6.0, 8.0]), bucket), Comm())
+    torch.testing.assert_close(out.buffer, torch.tensor([0.6, 0.8]))
+    assert hook.shardable and [int(t) for t in state[0]] == [1, 1]  # one step seen, clipped
+    # In a YAML chain too.
+    assert build_hook({"chain": [{"name": "custom", "_target_": "my_project.hooks.clip_then_allreduce"}]}).shardable
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"_target_": "my_project.nothing.make"}, r"^hooks\._target_='my_project\.nothing\.make': module my_project has no "
+                                              r"attribute 'nothing'$"),
+    ({"_target_": "my_project.optim.lion"}, r"^hooks\._target_='my_project\.optim\.lion': returned an optimizer "
+                                            r"\(GradientTransformation\); expected an fdp\.hooks\.Hook"),
+    ({"_target_": "fdp.hooks.fp16_compress", "max_norm": 1.0}, r"^hooks\._target_='fdp\.hooks\.fp16_compress': "
+                                                               r"fp16_compress\(\) got an unexpected keyword argument"),
+    ({"_target_": "my_project.hooks.clip_then_allreduce", "max_norm": -1},
+     r"^hooks\._target_=.*: max_norm=-1: expected"),
+    ({"_target_": "test_hooks.stateless"},
+     r"^hooks\._target_='test_hooks\.stateless': stateless\(\) missing 1 required"),
+    ({"_target_": "torch.nn.Identity"}, r"^hooks\._target_='torch\.nn\.Identity': returned a Identity; expected"),
+    ({"_target_": "???"},
+     r"^hooks\._target_: missing; hooks=custom needs the dotted path to a factory returning a Hook"),
+])
+def test_a_custom_hook_that_does_not_import_or_returns_no_hook_is_refused_in_one_line(my_project, spec, message):
+    with pytest.raises(ValueError, match=message) as error:
+        build_hook({"name": "custom", **spec})
+    assert "\n" not in str(error.value)
+
+
+def test_a_custom_hook_s_shardable_declaration_decides_zero_stages_two_and_three(my_project):
+    from fdp.config import ConfigError, compose
+    from fdp.validate import validate
+
+    base = ["world=local2", "hooks=custom"]
+    for stage in (2, 3):  # declared shardable: accepted
+        validate(compose(*base, "hooks._target_=my_project.hooks.clip_then_allreduce", f"trainer.zero_stage={stage}"))
+    undeclared = "hooks._target_=test_hooks._unshardable_clip"
+    validate(compose(*base, undeclared, "trainer.zero_stage=1"))  # stage 1 reduces whole buckets
+    with pytest.raises(ConfigError, match=r"^trainer\.zero_stage=2: hooks 'chain' need the whole reduced bucket"):
+        validate(compose(*base, undeclared, "trainer.zero_stage=2"))

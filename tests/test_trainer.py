@@ -60,6 +60,9 @@ def test_two_ranks_train_like_one_process_on_the_union_batch(tmp_path, model, ex
     summary_two = run(make_cfg(*SMALL[model], *steps, "world=local2"), tmp_path / "local2")
     assert summary_two["world"] == 2 and summary_one["world"] == 1
     assert max_diff(final_params(tmp_path / "single"), final_params(tmp_path / "local2")) <= 1e-5
+    norms = [[line["grad_norm"] for line in map(json.loads, (tmp_path / run / "metrics.jsonl").read_text().splitlines())
+              if "grad_norm" in line] for run in ("single", "local2")]
+    assert len(norms[0]) == 2 and norms[1] == pytest.approx(norms[0], rel=1e-4)  # steps 10 and 20, as one process
     assert summary_two["bytes_per_step"] > 0 and summary_one["bytes_per_step"] == 0
 
 
@@ -69,7 +72,7 @@ def test_run_writes_metrics_summary_and_rank_logs(tmp_path):
     lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [l for l in lines if "summary" not in l]
     assert [l["step"] for l in steps] == [2, 4, 6]
-    for key in ("loss", "lr", "samples_per_s", "compute_ms", "comm_wait_ms", "bytes_sent"):
+    for key in ("loss", "lr", "grad_norm", "samples_per_s", "compute_ms", "comm_wait_ms", "bytes_sent"):
         assert all(key in l for l in steps), key
     assert "test_acc" in steps[-1]
     assert lines[-1]["summary"] and lines[-1]["steps"] == 6
@@ -104,3 +107,30 @@ def test_loss_setting_picks_the_training_loss(tmp_path, examples_on_path):
     assert "test_acc" not in summary and summary["test_loss"] > 0
     losses = [json.loads(l)["loss"] for l in (tmp_path / "mse" / "metrics.jsonl").read_text().splitlines()[:-1]]
     assert losses[-1] < losses[0]
+
+
+def _checkpoint(run_dir):
+    return torch.load(Path(run_dir) / "checkpoints" / "last.pt", weights_only=True)
+
+
+def test_own_hook_and_optimizer_from_config_resume_exactly_at_zero_stage_two(tmp_path, examples_on_path):
+    """hooks=custom (a clipping stage with per-bucket counts, then allreduce; shardable) and optim=custom (Lion) on
+    two ranks at ZeRO stage 2: stopped at step 5 and resumed, the params, optimizer and each rank's hook state are
+    those of the uninterrupted run, bit for bit."""
+    steps = [*SMALL["mlp"], "world=local2", "trainer.zero_stage=2", "trainer.max_steps=10",
+             "trainer.checkpoint_every=5",
+             "hooks=custom", "hooks._target_=my_project.hooks.clip_then_allreduce", "+hooks.max_norm=0.5",
+             "optim=custom", "optim._target_=my_project.optim.lion", "optim.lr=1e-3", "+optim.b1=0.95",
+             "optim.lr_schedule=wsd", "optim.decay_fraction=0.5"]
+    whole = run(make_cfg(*steps), tmp_path / "whole")
+    run(make_cfg(*steps, "trainer.stop_at=5"), tmp_path / "parts")
+    assert _checkpoint(tmp_path / "parts")["step"] == 5
+    run(make_cfg(*steps, "trainer.resume=true"), tmp_path / "parts")
+    a, b = _checkpoint(tmp_path / "whole"), _checkpoint(tmp_path / "parts")
+    assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
+    assert all(torch.equal(x, y) for x, y in zip(a["opt_state"], b["opt_state"]) if isinstance(x, torch.Tensor))
+    for rank in (0, 1):  # each bucket's (steps seen, steps clipped): a resumed count that restarted would read 5
+        counts = [int(t) for t in b["ranks"][rank]["hook_state"]]
+        assert counts == [int(t) for t in a["ranks"][rank]["hook_state"]]
+        assert counts[0::2] == [10] * (len(counts) // 2) and 0 < sum(counts[1::2])
+    assert whole["steps"] == 10

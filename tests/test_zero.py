@@ -273,6 +273,50 @@ def test_a_nonfinite_gradient_raises_or_skips_on_every_rank_alike(run_ranks, sta
     assert went_on == [(5, [0, 0, 1, 0, 0], None, True)] * 2
 
 
+def _grad_norms(rank, world):
+    """``metrics["grad_norm"]`` of 5 steps at every stage, and the norms ``clip_grad_norm_`` returns for torch's
+    own training of the same MLP on the union batches (torch.optim.Adam, clipped at the same norm)."""
+    torch.manual_seed(0)
+    module = MLP(*MODEL)
+    reference, norms = torch.optim.Adam(module.parameters(), lr=1e-2), []
+    for x, y in _union_batches(world)[:5]:
+        reference.zero_grad()
+        torch.nn.functional.cross_entropy(module(x), y).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(module.parameters(), 0.05)))
+        reference.step()
+    out = {}
+    for stage in (0, 1, 2, 3):
+        for donate, accum in ((True, 1), (False, 2)):
+            loss_fn, params, buffers, batches, plan, model = _model_and_plan(rank, world, accum)
+            optimizer, comm = chain(clip_by_global_norm(0.05), adam(1e-2)), Comm()
+            step = make_train_step(loss_fn, optimizer, plan, comm=comm, accum_steps=accum, donate=donate,
+                                   zero_stage=stage, model=model, schedule="overlap")
+            state = zero.init_state(params, buffers, optimizer, plan, comm, stage=stage) if stage else \
+                init_train_state(params, buffers, optimizer, plan)
+            out[(stage, donate)] = []
+            for batch in batches[:5]:
+                state, metrics = step(state, batch)
+                out[(stage, donate)].append(metrics["grad_norm"].item())
+    return norms, out
+
+
+def _union_batches(world):
+    g = torch.Generator().manual_seed(0)  # as _batches draws them, before it splits them over the ranks
+    return [(torch.randn(8 * world, MODEL[0], generator=g), torch.randint(0, MODEL[-1], (8 * world,), generator=g))
+            for _ in range(STEPS)]
+
+
+def test_grad_norm_is_the_union_batch_norm_before_clipping_at_every_stage(run_ranks):
+    """The logged norm is that of the averaged gradient before clipping, on every rank, at every stage (the slices'
+    norms summed at 2 and 3), stepped per bucket or at once: torch's clip_grad_norm_ on one process says the same."""
+    results = run_ranks(_grad_norms)
+    for norms, out in results:
+        assert max(norms) > 0.05  # clipping changed the trajectory: a norm after clipping would read 0.05
+        for key, got in out.items():
+            assert got == pytest.approx(norms, rel=1e-5), key
+    assert results[0][1] == results[1][1]  # bit for bit the same on both ranks
+
+
 def test_clipping_sees_the_global_norm_across_slices():
     """Clipping two shards, each completing its norm with the other's, equals clipping the whole."""
     g = torch.Generator().manual_seed(0)

@@ -3,6 +3,9 @@
 A spec is a mapping with a ``name`` and that hook's settings, or a chain of specs, given
 either as ``{"chain": [spec, ...]}`` or as ``{"name": "chain", "stages": [spec, ...]}``
 (the form of ``fdp.config.ChainConfig``). A bare string is a hook with default settings.
+``{"name": "custom", "_target_": "my_pkg.hooks.make", ...}`` is a user's own hook: the
+factory ``_target_`` names (``fdp.targets``) is called with the other keys and must return
+a ``Hook`` (a chain is one); it declares ``shardable`` itself.
 Errors are ``ValueError`` naming the setting by its path (``hooks.rank``,
 ``hooks.chain[1].name``) and listing what is accepted; the hook factories themselves,
 called from Python, name their arguments (``rank=0: expected an integer >= 1``).
@@ -22,6 +25,7 @@ from fdp.hooks.int8 import int8
 from fdp.hooks.noop import noop
 from fdp.hooks.powersgd import batched_powersgd, powersgd
 from fdp.hooks.topk import topk
+from fdp.targets import build
 
 __all__ = ["HOOKS", "build_hook"]
 
@@ -42,7 +46,7 @@ HOOKS: dict[str, Callable[..., Hook]] = {
 
 
 def _known() -> str:
-    return ", ".join([*HOOKS, "chain"])
+    return ", ".join([*HOOKS, "chain", "custom"])
 
 
 def build_hook(spec: Any, path: str = "hooks") -> Hook:
@@ -60,6 +64,8 @@ def build_hook(spec: Any, path: str = "hooks") -> Hook:
         return _build_chain(settings, path)
     if "name" not in settings:
         raise ValueError(f"{path}.name: missing; expected one of {_known()}")
+    if settings["name"] == "custom":
+        return _custom(settings, path)
     name = settings.pop("name")
     factory = HOOKS.get(name) if isinstance(name, str) else None
     if factory is None:
@@ -77,6 +83,24 @@ def build_hook(spec: Any, path: str = "hooks") -> Hook:
         if message.split("=", 1)[0] in accepted:
             raise ValueError(f"{path}.{message}") from None
         raise
+
+
+def _custom(settings: dict[str, Any], path: str) -> Hook:
+    """The ``Hook`` a user's factory (``<path>._target_``) returns, called with the spec's other keys."""
+    if settings.get("_target_", "???") == "???":
+        raise ValueError(f"{path}._target_: missing; {path}=custom needs the dotted path to a factory returning a Hook "
+                         f"(e.g. {path}._target_=my_pkg.hooks.make)")
+    made = build(path, settings)  # a ConfigError (a ValueError) naming the setting where it does not import or call
+    if not isinstance(made, Hook):
+        if hasattr(made, "update") and hasattr(made, "init"):
+            what = "an optimizer (GradientTransformation)"
+        elif inspect.isroutine(made):
+            what = f"the function {getattr(made, '__name__', made)!r} (a factory's result is called for)"
+        else:
+            what = f"a {type(made).__name__}"
+        raise ValueError(f"{path}._target_={settings.get('_target_')!r}: returned {what}; expected an fdp.hooks.Hook "
+                         "(init, apply, shardable), such as fdp.hooks.chain(...) or fdp.hooks.stateless(...)")
+    return made
 
 
 def _build_chain(settings: dict[str, Any], path: str) -> Hook:

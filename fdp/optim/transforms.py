@@ -38,12 +38,21 @@ class GradientTransformation(NamedTuple):
     transform also takes the gradients of a subset of the params and steps only those,
     so a train step can update each bucket's params as soon as its reduction is done;
     every call for one step gets the same ``state`` and returns the same new state.
+
+    ``by_name`` says a step depends on the parameters' names (a ``decay_mask`` that exempts
+    some from weight decay): it then needs the params keyed by name, and ZeRO, which steps
+    flat slices of buckets, refuses it.
     """
 
     init: Callable[[Params], State]
     update: Callable[[Grads, State, Params], tuple[Updates, State]]
     update_inplace: Callable[[Grads, State, Params], State] | None = None
     elementwise: bool = False
+    by_name: bool = False
+
+
+# Which params weight decay applies to, by name and value (``fdp.optim.decay_rule`` makes one from config).
+DecayMask = Callable[[str, torch.Tensor], bool]
 
 
 class SGDState(NamedTuple):
@@ -72,12 +81,13 @@ class ClipState(NamedTuple):
 
 def sgd(
     lr: float | Schedule, momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False,
-    weight_decay: float = 0.0,
+    weight_decay: float = 0.0, decay_mask: DecayMask | None = None,
 ) -> GradientTransformation:
     """SGD with ``torch.optim.SGD`` semantics (L2 weight decay added to the gradient).
 
     As in torch, the first step seeds the momentum buffer with the gradient itself
-    (dampening is not applied to it).
+    (dampening is not applied to it). ``decay_mask(name, param)`` says which params
+    weight decay applies to (``None``: all), as two ``torch.optim`` param groups would.
 
     >>> opt = sgd(0.1, momentum=0.9)
     >>> params = {"w": torch.tensor([1.0])}
@@ -101,7 +111,7 @@ def sgd(
     def update(grads: Grads, state: SGDState, params: Params | None = None, sum_across=None) -> tuple[Updates, SGDState]:
         keys, d = _aligned(grads, state.momentum)
         if weight_decay:
-            d = foreach.add(d, _params_for(keys, params, "weight_decay"), alpha=weight_decay)
+            d = _with_l2(d, keys, _params_for(keys, params, "weight_decay"), weight_decay, decays)
         buffers = None
         if momentum:
             if state.count == 0:
@@ -119,20 +129,26 @@ def sgd(
     def update_inplace(grads: Grads, state: SGDState, params: Params, sum_across=None) -> SGDState:
         keys, g = _subset(grads, params)
         lr_now = schedule(state.count)
-        fused_sgd_(
-            [params[k] for k in keys], g, [state.momentum[k] for k in keys] if momentum else [],
-            weight_decay=weight_decay, momentum=momentum, lr=lr_now, dampening=dampening, nesterov=nesterov,
-            maximize=False, is_first_step=state.count == 0,
-        )
+        for group, decay in _groups(keys, g, params, weight_decay, decays):  # torch.optim's param groups
+            fused_sgd_(
+                [params[k] for k in group], [g[i] for i in group.values()],
+                [state.momentum[k] for k in group] if momentum else [],
+                weight_decay=decay, momentum=momentum, lr=lr_now, dampening=dampening, nesterov=nesterov,
+                maximize=False, is_first_step=state.count == 0,
+            )
         return SGDState(count=state.count + 1, lr=lr_now, momentum=state.momentum)
 
-    return GradientTransformation(init, update, update_inplace, elementwise=True)
+    decays = _decays(decay_mask)
+    return GradientTransformation(init, update, update_inplace, elementwise=True, by_name=decay_mask is not None)
 
 
 def adam(
-    lr: float | Schedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0
+    lr: float | Schedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
+    decay_mask: DecayMask | None = None,
 ) -> GradientTransformation:
     """Adam with ``torch.optim.Adam`` semantics (L2 weight decay added to the gradient).
+
+    ``decay_mask(name, param)`` says which params weight decay applies to (``None``: all).
 
     >>> opt = adam(0.1)
     >>> params = {"w": torch.tensor([1.0, -1.0])}
@@ -140,13 +156,17 @@ def adam(
     >>> updates["w"]  # the first Adam step is -lr * sign(grad)
     tensor([-0.1000,  0.1000])
     """
-    return _adam(lr, b1, b2, eps, weight_decay, decoupled=False)
+    return _adam(lr, b1, b2, eps, weight_decay, decay_mask, decoupled=False)
 
 
 def adamw(
-    lr: float | Schedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-2
+    lr: float | Schedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-2,
+    decay_mask: DecayMask | None = None,
 ) -> GradientTransformation:
     """AdamW with ``torch.optim.AdamW`` semantics: params shrink by ``lr * weight_decay`` each step.
+
+    ``decay_mask(name, param)`` says which params shrink (``None``: all), as a ``torch.optim``
+    param group with ``weight_decay=0`` for the others would.
 
     >>> opt = adamw(0.1, weight_decay=0.5)
     >>> params = {"w": torch.tensor([2.0])}
@@ -154,10 +174,11 @@ def adamw(
     >>> updates["w"]  # zero gradient: only the decay, -0.1 * 0.5 * 2.0
     tensor([-0.1000])
     """
-    return _adam(lr, b1, b2, eps, weight_decay, decoupled=True)
+    return _adam(lr, b1, b2, eps, weight_decay, decay_mask, decoupled=True)
 
 
-def _adam(lr: float | Schedule, b1: float, b2: float, eps: float, weight_decay: float, decoupled: bool):
+def _adam(lr: float | Schedule, b1: float, b2: float, eps: float, weight_decay: float, decay_mask: DecayMask | None,
+          decoupled: bool):
     schedule = _as_schedule(lr)
     _check(0 <= b1 < 1, "b1", "in [0, 1)", b1)
     _check(0 <= b2 < 1, "b2", "in [0, 1)", b2)
@@ -173,7 +194,7 @@ def _adam(lr: float | Schedule, b1: float, b2: float, eps: float, weight_decay: 
         keys, g = _aligned(grads, state.mu)
         p = _params_for(keys, params, "weight_decay") if weight_decay else None
         if weight_decay and not decoupled:
-            g = foreach.add(g, p, alpha=weight_decay)
+            g = _with_l2(g, keys, p, weight_decay, decays)
         # Same op sequence as torch.optim's, so the float32 results agree to the last bits.
         # In-place ops only ever touch tensors allocated here: fewer allocations, still pure.
         mu = foreach.lerp([state.mu[k] for k in keys], g, 1.0 - b1)
@@ -186,7 +207,9 @@ def _adam(lr: float | Schedule, b1: float, b2: float, eps: float, weight_decay: 
         updates = foreach.mul(mu, -lr_now / (1.0 - b1**count))
         foreach.div_(updates, denom)
         if weight_decay and decoupled:
-            foreach.add_(updates, p, alpha=-lr_now * weight_decay)
+            shrunk = [i for i, k in enumerate(keys) if decays(k, p[i])]
+            if shrunk:
+                foreach.add_([updates[i] for i in shrunk], [p[i] for i in shrunk], alpha=-lr_now * weight_decay)
         new_state = AdamState(count=count, lr=lr_now, mu=dict(zip(keys, mu)), nu=dict(zip(keys, nu)))
         return dict(zip(keys, updates)), new_state
 
@@ -198,15 +221,18 @@ def _adam(lr: float | Schedule, b1: float, b2: float, eps: float, weight_decay: 
         if not keys:
             return new_state
         # Filled on the device: a tensor made from a Python number is a host copy, which waits for the GPU.
-        steps = [torch.full((), float(count), device=g[0].device)] * len(keys)
+        step = torch.full((), float(count), device=g[0].device)
         fused = fused_adamw_ if decoupled else fused_adam_
-        fused(
-            [params[k] for k in keys], g, [state.mu[k] for k in keys], [state.nu[k] for k in keys], [], steps,
-            lr=lr_now, beta1=b1, beta2=b2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
-        )
+        for group, decay in _groups(keys, g, params, weight_decay, decays):  # torch.optim's param groups
+            fused(
+                [params[k] for k in group], [g[i] for i in group.values()], [state.mu[k] for k in group],
+                [state.nu[k] for k in group], [], [step] * len(group),
+                lr=lr_now, beta1=b1, beta2=b2, weight_decay=decay, eps=eps, amsgrad=False, maximize=False,
+            )
         return new_state
 
-    return GradientTransformation(init, update, update_inplace, elementwise=True)
+    decays = _decays(decay_mask)
+    return GradientTransformation(init, update, update_inplace, elementwise=True, by_name=decay_mask is not None)
 
 
 # ---------------------------------------------------------------------- combinators etc.
@@ -295,7 +321,8 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         return (*new_states, last(grads, state[-1], params))
 
     elementwise = all(t.elementwise for t in transforms)
-    return GradientTransformation(init, update, update_inplace if last else None, elementwise)
+    by_name = any(t.by_name for t in transforms)
+    return GradientTransformation(init, update, update_inplace if last else None, elementwise, by_name)
 
 
 def apply_gradients(
@@ -391,8 +418,8 @@ def apply_updates(params: Params, updates: Updates) -> Params:
 def current_lr(opt_state: State) -> float | None:
     """The learning rate of the last update (before any update: of the first), for logging.
 
-    Searches a (possibly nested, chained) state and returns the first optimizer's ``lr``;
-    ``None`` if no member has one.
+    Searches a (possibly nested, chained) state and returns the ``lr`` field of the first
+    NamedTuple that has one; ``None`` if no member has one.
 
     >>> from fdp.optim import warmup_cosine_schedule
     >>> opt = chain(clip_by_global_norm(1.0), adamw(warmup_cosine_schedule(1.0, 4, 8)))
@@ -403,7 +430,7 @@ def current_lr(opt_state: State) -> float | None:
     >>> current_lr(state)  # the third update ran at step 2 of the warm-up
     0.5
     """
-    if isinstance(opt_state, (SGDState, AdamState)):
+    if isinstance(opt_state, tuple) and "lr" in getattr(opt_state, "_fields", ()):  # SGDState, AdamState, yours
         return opt_state.lr
     if isinstance(opt_state, (tuple, list)):
         for member in opt_state:
@@ -436,6 +463,41 @@ def _subset(grads: Grads, params: Params) -> tuple[list[str], list[torch.Tensor]
     if unknown:
         raise ValueError(f"grads for parameters the optimizer does not have: {sorted(unknown)[:5]}")
     return list(grads), list(grads.values())
+
+
+def _decays(decay_mask: DecayMask | None) -> DecayMask:
+    """``decay_mask`` with its answer kept per name (asked once per param, not every step); all when ``None``."""
+    if decay_mask is None:
+        return lambda name, param: True
+    answers: dict[str, bool] = {}
+
+    def decays(name: str, param: torch.Tensor) -> bool:
+        if name not in answers:
+            answers[name] = bool(decay_mask(name, param))
+        return answers[name]
+
+    return decays
+
+
+def _with_l2(grads: list[torch.Tensor], keys: list[str], params: list[torch.Tensor], weight_decay: float,
+             decays: DecayMask) -> list[torch.Tensor]:
+    """``grads`` with ``weight_decay * param`` added to those of the params ``decays`` names (new tensors there)."""
+    out = list(grads)
+    chosen = [i for i, k in enumerate(keys) if decays(k, params[i])]
+    if chosen:
+        added = foreach.add([grads[i] for i in chosen], [params[i] for i in chosen], alpha=weight_decay)
+        for i, tensor in zip(chosen, added):
+            out[i] = tensor
+    return out
+
+
+def _groups(keys: list[str], grads: list[torch.Tensor], params: Params, weight_decay: float, decays: DecayMask):
+    """The keys split as ``torch.optim`` param groups would be: ``({key: index in grads}, weight_decay)`` pairs,
+    the decayed ones and the others (``weight_decay`` 0), leaving out an empty group."""
+    decayed, exempt = {}, {}
+    for i, k in enumerate(keys):
+        (decayed if not weight_decay or decays(k, params[k]) else exempt)[k] = i
+    return [(group, decay) for group, decay in ((decayed, weight_decay), (exempt, 0.0)) if group]
 
 
 def _params_for(keys: list[str], params: Params | None, why: str) -> list[torch.Tensor]:

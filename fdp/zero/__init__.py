@@ -48,7 +48,8 @@ from fdp.zero.params import ParamShardedUpdate
 from fdp.zero.sharded import ShardedUpdate
 
 __all__ = [
-    "ZERO_STAGES", "check_zero_stage", "check_hook_for_stage", "make_update", "scatters", "shard_range", "shard_key", "init_state",
+    "ZERO_STAGES", "check_zero_stage", "check_hook_for_stage", "check_optimizer_for_stage", "make_update", "scatters",
+    "shard_range", "shard_key", "init_state",
     "shard_state", "gather_state", "whole_params", "unsharded_template", "is_sharded", "params_sharded", "state_nbytes",
     "ShardedUpdate", "ParamShardedUpdate", "LostSlices", "reshard_survivors",
 ]
@@ -89,6 +90,23 @@ def check_hook_for_stage(stage: int, hook: Hook) -> None:
         )
 
 
+def check_optimizer_for_stage(stage: int, optimizer: GradientTransformation) -> None:
+    """Refuse an optimizer whose step depends on parameter names (``by_name``: a weight-decay mask) at a ZeRO stage,
+    which steps flat slices of buckets that mix parameters.
+
+    >>> from fdp.optim import adamw, decay_rule
+    >>> check_optimizer_for_stage(1, adamw(1e-3, decay_mask=decay_rule("weights")))
+    Traceback (most recent call last):
+    ...
+    ValueError: zero_stage=1: the optimizer exempts params from weight decay by name, which ZeRO's flat slices of buckets do not keep; expected zero_stage=0 (or optim.decay_filter=all)
+    """
+    if stage and optimizer.by_name:
+        raise ValueError(
+            f"zero_stage={stage}: the optimizer exempts params from weight decay by name, which ZeRO's flat slices "
+            "of buckets do not keep; expected zero_stage=0 (or optim.decay_filter=all)"
+        )
+
+
 def scatters(stage: int) -> bool:
     """Whether stage ``stage``'s reduction hands each rank only its slice of a bucket.
 
@@ -110,6 +128,7 @@ def make_update(
     of ``model`` bucket by bucket (``fdp.zero.gather``).
     """
     check_zero_stage(stage)
+    check_optimizer_for_stage(stage, optimizer)
     if stage == 0:
         return ReplicatedUpdate(optimizer, plan, comm, timeline, donate, early)
     if stage == 3:

@@ -20,7 +20,6 @@ from fdp.functional import FunctionalModel
 from fdp.optim import GradientTransformation, apply_gradients
 from fdp.plan import BucketPlan
 from fdp.trace import NullTimeline, Timeline
-from fdp.update import finite_flag
 from fdp.zero.convert import is_sharded, params_sharded
 from fdp.zero.gather import ParamGather
 from fdp.zero.layout import shard_key, shard_range
@@ -63,7 +62,9 @@ class ParamShardedUpdate:
 
     def begin(self, state: Any, grad_buffers: tuple[torch.Tensor, ...]) -> "_ParamShardedStep":
         self.gather.start(state.params)
-        per_bucket = self.early and state.loss_scale is None and self.optimizer.elementwise
+        # An elementwise optimizer without an in-place form (a user's own) steps once every slice is in.
+        per_bucket = (self.early and state.loss_scale is None and self.optimizer.elementwise
+                      and self.optimizer.update_inplace is not None)
         return _ParamShardedStep(self, state, per_bucket)
 
 
@@ -84,7 +85,7 @@ class _ParamShardedStep(SliceStep):
             buffer = torch.nn.functional.pad(buffer[start : min(stop, bucket.numel)], (0, max(0, stop - bucket.numel)))
         require(buffer.numel() == stop - start, f"zero_stage=3: bucket {index}'s reduced gradient", buffer.numel(),
                 f"this rank's slice of {stop - start} elements")
-        self.flags[index] = finite_flag(buffer)
+        self.take(index, buffer, buffer)
         key = shard_key(index)
         if self.per_bucket:  # donated: the slice is stepped in place
             with owner.timeline.span("optimizer", bucket=index):

@@ -27,7 +27,6 @@ from fdp.comm import Comm, Pending
 from fdp.optim import GradientTransformation, apply_gradients
 from fdp.plan import BucketPlan
 from fdp.trace import NullTimeline, Timeline
-from fdp.update import finite_flag
 from fdp.zero.convert import is_sharded
 from fdp.zero.layout import flats_of, param_views, shard_key, shard_range
 from fdp.zero.scatter import ScatterComm
@@ -67,7 +66,9 @@ class ShardedUpdate:
 
     def begin(self, state: Any, grad_buffers: tuple[torch.Tensor, ...]) -> "_ShardedStep":
         # A mirror steps from the params the step began with: no slice is stepped (and gathered) early.
-        per_bucket = self.early and state.loss_scale is None and self.optimizer.elementwise and not state.mirror
+        # An elementwise optimizer without an in-place form (a user's own) steps once every slice is in.
+        per_bucket = (self.early and state.loss_scale is None and self.optimizer.elementwise and not state.mirror
+                      and self.optimizer.update_inplace is not None)
         return _ShardedStep(self, state, grad_buffers, per_bucket)
 
 
@@ -100,10 +101,10 @@ class _ShardedStep(SliceStep):
         start, stop = self.ranges[index]
         if owner.stage == 2 and buffer.numel() == stop - start:  # this rank's slice of the sum
             grad = buffer
-            self.flags[index] = finite_flag(grad)
+            self.take(index, grad, grad)
         elif buffer.numel() == bucket.numel:  # the whole bucket (stage 1, or a chain that sends nothing)
-            self.flags[index] = finite_flag(buffer)
             grad = _padded(buffer, start, stop, bucket.numel)
+            self.take(index, buffer, grad if self.sliced else buffer)  # each rank counts its slice where they add up
         else:
             raise ValueError(
                 f"zero_stage={owner.stage}: the hook chain returned {buffer.numel()} elements for bucket {index} "

@@ -1,5 +1,6 @@
-"""What a sharded step does the same at every stage: per-bucket finite flags, the verdict
-over every rank's slices, and the cross-rank sums a non-elementwise optimizer asks for.
+"""What a sharded step does the same at every stage: per-bucket finite flags and norms, the
+verdict and the gradient's global norm over every rank's slices (one all-reduce for both),
+and the cross-rank sums a non-elementwise optimizer asks for.
 
 ``fdp.zero.sharded`` (stages 1 and 2) and ``fdp.zero.params`` (stage 3) build their step
 on ``SliceStep``; the time spent waiting on these collectives is kept in ``wait_s``.
@@ -11,7 +12,7 @@ from typing import Any
 
 import torch
 
-from fdp.update import describe_bucket
+from fdp.update import bucket_norm, describe_bucket, finite_flag, global_norm
 
 
 class SliceStep:
@@ -25,14 +26,30 @@ class SliceStep:
         self.owner, self.sliced = owner, sliced
         self.rank, self.world = owner.comm.rank, owner.comm.world_size
         self.flags: list[torch.Tensor | None] = [None] * len(owner.plan.buckets)
+        self.norms: list[torch.Tensor | None] = [None] * len(owner.plan.buckets)
+        self.norm: torch.Tensor | None = None  # the global one, once the verdict has summed the slices'
         self.wait_s = 0.0
+
+    def take(self, index: int, flat: torch.Tensor, counted: torch.Tensor) -> None:
+        """Note bucket ``index``'s reduced gradient ``flat``; ``counted`` is the part of it this rank adds to the
+        global norm (its slice where each rank holds one, else all of it), zero-padded or not."""
+        self.flags[index] = finite_flag(flat)
+        self.norms[index] = bucket_norm(counted)
 
     def verdict(self) -> torch.Tensor:
         """``[True]`` where every bucket's gradient is finite on every rank that saw it."""
-        ok = torch.stack(self.flags).all()
-        if self.sliced and self.world > 1:
-            ok = self._sum_across((~ok).to(torch.float32).reshape(1))[0] == 0
+        ok, norm = torch.stack(self.flags).all(), global_norm(self.norms)
+        if self.sliced and self.world > 1:  # the slices' squared norms add up in the verdict's all-reduce
+            total = self._sum_across(torch.stack([(~ok).to(torch.float32), norm.square()]))
+            ok, norm = total[0] == 0, total[1].sqrt()
+        self.norm = norm
         return ok.reshape(1)
+
+    def grad_norm(self) -> torch.Tensor:
+        """The global norm of the reduced gradient (summed across the slices by ``verdict()``)."""
+        if self.norm is None:
+            self.verdict()
+        return self.norm
 
     def nonfinite_where(self, late: bool) -> str:
         bad = [index for index, ok in enumerate(self.flags) if ok is not None and not bool(ok)]
