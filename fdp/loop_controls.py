@@ -281,12 +281,14 @@ class LoopControls:
     """Everything above for one rank's loop: call ``stepped`` after each step, ``evaluated`` after each
     evaluation, ``payload`` for each checkpoint (on every rank), ``keep_best`` with the file it wrote.
 
-    ``resumed``: the ``loop`` and ``ema`` entries of the checkpoint the run resumes from (``read_resumed``).
+    ``resumed``: the ``loop`` and ``ema`` entries of the checkpoint the run resumes from (``read_resumed``);
+    ``end_step``: the run's last step (``run_steps``), whatever step this invocation stops at.
     """
 
     def __init__(self, tc: Any, comm: Comm, plan: BucketPlan, state: TrainState, evaluates: bool,
-                 resumed: dict | None = None):
+                 end_step: int, resumed: dict | None = None):
         self.comm, self.plan, self.stage = comm, plan, tc.zero_stage
+        self.eval_every, self.end_step = tc.eval_every, end_step
         early = tc.early_stopping
         self.early = Monitor.of(early.monitor, early.mode, early.min_delta) if early.monitor else None
         self.patience = early.patience
@@ -342,8 +344,14 @@ class LoopControls:
         return "early_stopping" if self.stopped.startswith("early stopping") else "max_time"
 
     def evaluated(self, step: int, record: dict | None) -> Verdict:
-        """After each step: with an evaluation's ``record`` (the same on every rank), rank it and decide."""
-        if record is None:
+        """After each step: with an evaluation's ``record`` (the same on every rank), rank it and decide.
+
+        Only the evaluations every run of these settings makes count: not the one closing an
+        invocation that stops early to be resumed (``trainer.stop_at``), or a resumed run would
+        decide on one evaluation more than the uninterrupted one.
+        """
+        scheduled = self.eval_every and step % self.eval_every == 0 or step == self.end_step
+        if record is None or not scheduled:
             return Verdict()
         keep = False
         if self.best_by is not None:

@@ -317,7 +317,7 @@ def _train(cfg: DictConfig, run_dir: RunDir, comm: Comm, device: torch.device, w
     steps = run_steps(tc.max_steps, tc.max_epochs, parts.data, cfg.data.global_batch_size)
     last_step = min(steps, tc.stop_at or steps)
     resumed = read_resumed(run_dir.last_checkpoint, comm) if state.step else None
-    controls = LoopControls(tc, comm, parts.plan, state, has_test_split(parts.data), resumed)
+    controls = LoopControls(tc, comm, parts.plan, state, has_test_split(parts.data), steps, resumed)
     blocked = _not_compiled(cfg)
     choice = compiled.choose(tc.compile, run_dir.path, device.type, last_step - state.step, comm, blocked)
     if rank == 0:
