@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import csv
 import io
+import logging
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -150,12 +152,16 @@ class MlflowLog:
 
     def __init__(self, run_dir: str | Path, resume: bool = False, settings: dict | None = None):
         check_mlflow()
+        for name in ("mlflow", "alembic"):  # their notes on making the store's tables are not the run's output
+            logging.getLogger(name).setLevel(logging.WARNING)
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
         run_dir = Path(run_dir).resolve()
         self.client = MlflowClient(tracking_uri=mlflow_uri(run_dir))
-        experiment = self.client.get_experiment_by_name(MLFLOW_EXPERIMENT)
+        with warnings.catch_warnings():  # SQLAlchemy's deprecation notes on MLflow's own use of it
+            warnings.simplefilter("ignore", DeprecationWarning)
+            experiment = self.client.get_experiment_by_name(MLFLOW_EXPERIMENT)
         experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(
             MLFLOW_EXPERIMENT, artifact_location=(run_dir / "mlartifacts").as_uri())
         # The store belongs to this run directory: a resumed run goes on in the run it holds.
