@@ -10,13 +10,14 @@ beside the params (``ema_test_loss``...) and checkpoints it whole (``fdp.loop_co
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 from fdp.errors import require
 
-__all__ = ["Ema", "check_ema_decay", "ema", "averaged_as"]
+__all__ = ["Ema", "averaged_as", "check_ema_decay", "ema"]
 
 Params = dict[str, torch.Tensor]
 _WIDENED = (torch.float16, torch.bfloat16)

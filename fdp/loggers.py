@@ -14,18 +14,20 @@ Rank 0 writes them all; a resumed run goes on in the same files and the same MLf
 from __future__ import annotations
 
 import csv
+import importlib.util
 import io
 import logging
 import os
 import time
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from fdp.errors import ConfigError
 from fdp.metrics import TensorBoardLog, check_tensorboard
 
-__all__ = ["CsvLog", "LOGGERS", "MlflowLog", "check_loggers", "check_mlflow", "mlflow_uri", "open_loggers"]
+__all__ = ["LOGGERS", "CsvLog", "MlflowLog", "check_loggers", "check_mlflow", "mlflow_uri", "open_loggers"]
 
 LOGGERS = ("tensorboard", "csv", "mlflow")
 CSV_FILE = "metrics.csv"
@@ -57,11 +59,9 @@ def check_loggers(names: Iterable[str], tensorboard: bool = False) -> tuple[str,
 
 def check_mlflow() -> None:
     """Refuse ``mlflow`` among the loggers in one line when the package is missing."""
-    try:
-        import mlflow  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("mlflow") is None:  # found without importing it (seconds)
         raise ConfigError("trainer.loggers=[mlflow]: expected the mlflow package to be installed "
-                          "(pip install mlflow, or pip install -e '.[mlflow]')") from None
+                          "(pip install mlflow, or pip install -e '.[mlflow]')")
 
 
 def mlflow_uri(run_dir: str | Path) -> str:

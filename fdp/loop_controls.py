@@ -21,6 +21,7 @@ exactly as the uninterrupted one would.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -158,7 +159,7 @@ class Monitor(NamedTuple):
     min_delta: float = 0.0
 
     @staticmethod
-    def of(name: str, mode: str = "auto", min_delta: float = 0.0) -> "Monitor":
+    def of(name: str, mode: str = "auto", min_delta: float = 0.0) -> Monitor:
         if check_mode(mode) == "auto":
             mode = "max" if re.search(r"acc|accuracy|f1|auc", name) else "min"
         return Monitor(name, mode, min_delta)
@@ -269,10 +270,8 @@ class Deadline:
             self._pending[0].wait()
         self._pending = None
         if self._group is not None:
-            try:
+            with contextlib.suppress(Exception):  # the world may be gone (a lost rank): nothing left to release
                 dist.destroy_process_group(self._group)
-            except Exception:  # the world may be gone (a lost rank): nothing left to release
-                pass
             self._group = None
 
 
@@ -389,7 +388,7 @@ class LoopControls:
         if written is None or self.best_by is None:
             return
         directory = Path(checkpoints) / BEST
-        value = dict((s, v) for v, s in self.best).get(step)
+        value = {s: v for v, s in self.best}.get(step)
         if value is not None:
             _atomic_copy(written, directory / f"step={step}-{self.best_by.name}={value:.6g}.pt")
         kept = {s for _, s in self.best}
