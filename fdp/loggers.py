@@ -152,10 +152,12 @@ class MlflowLog:
 
     def __init__(self, run_dir: str | Path, resume: bool = False, settings: dict | None = None):
         check_mlflow()
-        for name in ("mlflow", "alembic"):  # their notes on making the store's tables are not the run's output
-            logging.getLogger(name).setLevel(logging.WARNING)
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
+
+        # Their notes on making the store's tables are not the run's output (set once mlflow has set its own).
+        for name in ("mlflow", "alembic"):
+            logging.getLogger(name).setLevel(logging.WARNING)
 
         run_dir = Path(run_dir).resolve()
         self.client = MlflowClient(tracking_uri=mlflow_uri(run_dir))

@@ -248,8 +248,8 @@ class _Loop:
             evaluated = report.step(state, {**metrics, "data_wait_s": waited}, stopping=interrupted is not None,
                                     average=controls.average)
             verdict = controls.evaluated(state.step, evaluated)  # the same on every rank: rank 0's record
-            controls.stopped = verdict.stop or out_of_time
             due = tc.checkpoint_every and state.step % tc.checkpoint_every == 0 or state.step == self.last_step
+            controls.stopped = None if state.step == self.last_step else verdict.stop or out_of_time
             if due or interrupted or controls.stopped or verdict.keep_best:
                 self.train_step.settle()  # no checkpoint of a step whose gradients were not finite
                 written = _save(run_dir, state, self.comm, self.cfg, self.parts, controls.payload(state.step))

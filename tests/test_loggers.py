@@ -32,11 +32,12 @@ def test_csv_gains_columns_in_every_row_and_a_resumed_log_goes_on_in_the_same_fi
     assert (tmp_path / "metrics.csv").read_text() == ""
 
 
-def test_a_run_logs_to_csv_and_mlflow_with_its_settings(tmp_path):
+def test_a_run_stopped_and_resumed_logs_to_csv_and_one_mlflow_run_with_its_settings(tmp_path):
     from mlflow.tracking import MlflowClient
 
-    run(compose(*SMALL, "trainer.max_steps=4", "trainer.log_every=2", "trainer.eval_every=4",
-                "trainer.loggers=[csv,mlflow]"), tmp_path)
+    settings = [*SMALL, "trainer.max_steps=4", "trainer.log_every=2", "trainer.eval_every=4", "trainer.loggers=[csv,mlflow]"]
+    run(compose(*settings, "trainer.stop_at=2"), tmp_path)
+    run(compose(*settings, "trainer.resume=true"), tmp_path)  # goes on in the same files and MLflow run
     steps, summary = read_metrics(tmp_path)
     with open(tmp_path / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
