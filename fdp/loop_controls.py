@@ -392,7 +392,7 @@ class LoopControls:
         if value is not None:
             _atomic_copy(written, directory / f"step={step}-{self.best_by.name}={value:.6g}.pt")
         kept = {s for _, s in self.best}
-        for old in directory.iterdir():
+        for old in directory.iterdir() if directory.is_dir() else ():  # none yet: no evaluation has ranked
             match = _BEST_FILE.match(old.name)
             if match and int(match.group(1)) not in kept:
                 old.unlink()

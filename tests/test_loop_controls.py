@@ -173,9 +173,13 @@ def test_two_ranks_at_stage_3_stopped_and_resumed_end_like_one_process_uninterru
 
 
 def test_max_epochs_sets_the_run_and_its_schedule_from_the_shell_settings(tmp_path):
+    # Checkpoints at steps 4 and 8 come before the one evaluation (at the end), which alone ranks.
     summary = run(compose(*SMALL, "data.global_batch_size=128", "trainer.max_epochs=1", "trainer.log_every=1",
-                          "trainer.eval_every=0", "optim.lr_schedule=warmup_cosine", "optim.warmup_steps=0"), tmp_path)
+                          "trainer.eval_every=0", "optim.lr_schedule=warmup_cosine", "optim.warmup_steps=0",
+                          "trainer.checkpoint_every=4", "trainer.checkpoint_monitor=test_acc"), tmp_path)
     assert summary["steps"] == math.ceil(1438 / 128) == 12
+    assert [p.name for p in (tmp_path / "checkpoints" / "best").iterdir()] == [
+        f"step=12-test_acc={summary['test_acc']:.6g}.pt"]
     lrs = [r["lr"] for r in read_metrics(tmp_path)[0]]
     assert lrs[0] > 0.09 and lrs[-1] < 0.01  # the cosine decays over these 12 steps, not over max_steps=300
     assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["steps"] == 12
