@@ -105,7 +105,7 @@ def check_max_time(value: Any) -> float:
     return seconds
 
 
-def check_loop_settings(tc: Any, on_rank_loss: str = "stop") -> None:
+def check_loop_settings(tc: Any, on_rank_loss: str = "stop", outer: str = "none") -> None:
     """The settings of ``trainer`` (``tc``) this module uses, each refused in one line naming its key.
 
     >>> from fdp.config import compose
@@ -128,6 +128,8 @@ def check_loop_settings(tc: Any, on_rank_loss: str = "stop") -> None:
     check(not check_max_time(tc.max_time) or on_rank_loss != "shrink", "max_time", tc.max_time,
           "0 with world.on_rank_loss=shrink (its clock is not carried to a new world)")
     named("ema_decay", check_ema_decay, tc.ema_decay)
+    check(not tc.ema_decay or outer == "none", "ema_decay", tc.ema_decay,
+          f"0 with outer={outer} (its ranks' params differ between syncs: no one average to keep)")
     early = tc.early_stopping
     check(early.mode in MODES, "early_stopping.mode", early.mode, "auto, min or max")
     check(early.patience >= 1, "early_stopping.patience", early.patience, "an integer >= 1")

@@ -124,7 +124,7 @@ def _validate_trainer(cfg: Any) -> None:
                  "auto or false with trainer.zero_stage=3 (its gathers run in module hooks)")
     _as_config_key("optim", lambda spec: build_optimizer(spec, t.max_steps), _container(cfg.optim))
     _as_config_key("trainer.loggers", lambda names: check_loggers(names, t.tensorboard), list(t.loggers))
-    check_loop_settings(t, cfg.world.on_rank_loss)
+    check_loop_settings(t, cfg.world.on_rank_loss, cfg.outer.name)
     _as_config_key("outer", check_outer, _container(cfg.outer))
 
 

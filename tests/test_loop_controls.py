@@ -92,6 +92,10 @@ def test_settings_are_refused_in_one_line_each():
         with pytest.raises(ConfigError) as error:
             validate(compose(override))
         assert str(error.value).startswith(message) and "\n" not in str(error.value), override
+    with pytest.raises(ConfigError, match=r"trainer.ema_decay=0.9: expected 0 with outer=diloco"):
+        validate(compose("trainer.ema_decay=0.9", "outer=diloco"))
+    with pytest.raises(ConfigError, match=r"trainer.max_time=60: expected 0 with world.on_rank_loss=shrink"):
+        validate(compose("trainer.max_time=60", "world=local2", "world.on_rank_loss=shrink"))
     with pytest.raises(ConfigError, match=r"early_stopping.monitor='test_loss': expected '' with trainer.eval_every=0"):
         validate(compose("trainer.early_stopping.monitor=test_loss", "trainer.eval_every=0"))
 
