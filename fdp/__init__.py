@@ -14,6 +14,7 @@ it in this list; ``tests/test_imports.py`` holds every import to that):
 * ``precision``: autocast, bf16 weights and the dynamic loss scale (``LossScale``) of mixed precision.
 * ``optim``: optax-style optimizers, ``(init, update)`` pairs composed with ``chain``, their learning-rate
   schedules and weight-decay rules, and their registry.
+* ``ema``: an exponential moving average of the params as an ``(init, update)`` pair.
 * ``functional``: any ``nn.Module`` as ``apply(params, buffers, *inputs, **named_inputs)``.
 * ``models`` / ``data``: the built-in models and Hugging Face ones from their configs (``hf_model``); datasets,
   batches (any pytree of tensors) and their split over ranks and micro-batches.
@@ -36,8 +37,10 @@ it in this list; ``tests/test_imports.py`` holds every import to that):
 * ``step``: the pure ``train_step(state, batch) -> (state, metrics)``.
 * ``outer``: local SGD and DiLoCo, an outer loop that syncs every few steps across slow links.
 * ``checkpoint``: atomic checkpoints of every rank (``save_checkpoint``, ``load_checkpoint``).
-* ``metrics`` / ``evaluate`` / ``rundir``: what a run writes, its test metrics, its directory's files, its one
-  owner and its ``train.log``.
+* ``loop_controls``: when a loop ends before ``max_steps`` (epochs, time, early stopping), its best checkpoints,
+  its moving average.
+* ``metrics`` / ``loggers`` / ``evaluate`` / ``rundir``: what a run writes (and to TensorBoard, CSV, MLflow),
+  its test metrics, its directory's files, its one owner and its ``train.log``.
 * ``config`` / ``keys`` / ``validate``: typed config schemas; the keys each node takes (keys of one's own only
   where they reach one's own objects); a config refused before anything runs.
 * ``world`` / ``build`` / ``report`` / ``trainer``: a config's world on this machine, a run's pieces,
@@ -50,6 +53,7 @@ from fdp.buckets import allocate, lay_out, pack, unpack
 from fdp.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from fdp.comm import Comm, Pending
 from fdp.data import MapData, StepSampler, model_inputs
+from fdp.ema import Ema, ema
 from fdp.devices import Placement, batch_to_device, place, resolve_backend, to_device
 from fdp.errors import ConfigError
 from fdp.fit import check_first_batch
@@ -58,6 +62,8 @@ from fdp.hooks import GradBucket, Hook, init_hook_states
 from fdp.interrupt import StopSignals, StoppedAtOnce
 from fdp.keeper import LostRank
 from fdp.launch import WorldLayout, broadcast_from_rank0, check_same_plan, init_distributed, spawn
+from fdp.loggers import CsvLog, MlflowLog
+from fdp.loop_controls import LoopControls, Monitor, run_steps
 from fdp.losses import TokenCrossEntropy, build_loss, cross_entropy_loss, logits_of, make_loss_fn, planner_loss
 from fdp.models import hf_model
 from fdp.optim import (
@@ -105,4 +111,5 @@ __all__ = [
     "zero",
     "TokenCrossEntropy", "logits_of", "model_inputs", "hf_model", "check_first_batch", "LostRank", "SampleStreams",
     "decay_rule", "embedding_names", "warmup_constant_schedule", "warmup_linear_schedule", "wsd_schedule",
+    "Ema", "ema", "CsvLog", "MlflowLog", "LoopControls", "Monitor", "run_steps",
 ]

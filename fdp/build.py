@@ -36,6 +36,7 @@ from fdp.launch import (
     broadcast_from_rank0,
     check_same_plan,
 )
+from fdp.loop_controls import run_steps
 from fdp.losses import Criterion, build_loss, cross_entropy, make_loss_fn, planner_loss
 from fdp.models import count_parameters
 from fdp.optim import GradientTransformation, build_optimizer, embedding_names
@@ -145,7 +146,9 @@ def build_run(cfg: DictConfig, comm: Comm, device: torch.device = torch.device("
     hook = build_hook(OmegaConf.to_container(cfg.hooks))
     if cfg.world.hierarchical:
         hook = _hierarchical(hook, cfg, comm)
-    optimizer = build_optimizer(OmegaConf.to_container(cfg.optim), cfg.trainer.max_steps, embeddings=embeddings)
+    # The schedule spans the run: max_steps, or fewer where trainer.max_epochs ends it sooner.
+    steps = run_steps(cfg.trainer.max_steps, cfg.trainer.max_epochs, data, cfg.data.global_batch_size)
+    optimizer = build_optimizer(OmegaConf.to_container(cfg.optim), steps, embeddings=embeddings)
     if cfg.trainer.zero_stage:  # the optimizer state is built for this rank's slices only
         check_same_plan(plan, comm)
         params, buffers = broadcast_from_rank0(params, comm), broadcast_from_rank0(buffers, comm)

@@ -168,8 +168,23 @@ class CustomOptimConfig(OptimShared):
 
 # -- trainer and world -----------------------------------------------------------------
 @dataclass
+class EarlyStoppingConfig:
+    monitor: str = ""  # a metric of the evaluations (test_loss, test_acc, ema_test_loss, loss...); "": no early stopping
+    patience: int = 3  # evaluations without improvement before the run stops
+    mode: str = "auto"  # auto | min | max (auto: max for an accuracy, min otherwise)
+    min_delta: float = 0.0  # the least change that counts as an improvement
+
+
+@dataclass
 class TrainerConfig:
     max_steps: int = 300  # the length of the run (schedules span it)
+    max_epochs: int = 0  # end after this many passes over the training data, if sooner than max_steps (0: off)
+    max_time: Any = 0  # end (with a checkpoint) after this much training time: seconds or DD:HH:MM:SS (0: off)
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
+    checkpoint_monitor: str = ""  # keep the keep_best best checkpoints by this metric in checkpoints/best/ ("": off)
+    checkpoint_mode: str = "auto"  # auto | min | max, as early_stopping.mode
+    keep_best: int = 1
+    ema_decay: float = 0.0  # a moving average of the params, evaluated as ema_<metric> and checkpointed (0: off)
     stop_at: int = 0  # end this invocation early at this step, to resume later (0: run to max_steps)
     accum_steps: int = 1
     log_every: int = 10
@@ -192,7 +207,8 @@ class TrainerConfig:
     sample_streams: Any = "auto"  # auto | true | false: dropout masks per sample, alike on any world (auto: if it may shrink)
     reshard_after_forward: bool = True  # zero_stage=3: release each bucket's params after forward, gather again for backward
     trace: bool = False  # write a Chrome trace per rank to <run dir>/trace/ (for short diagnostic runs)
-    tensorboard: bool = False  # also write the logged metrics as TensorBoard scalars to <run dir>/tb/ (rank 0)
+    tensorboard: bool = False  # the same as "tensorboard" in loggers
+    loggers: List[str] = field(default_factory=list)  # tensorboard | csv | mlflow, beside metrics.jsonl (rank 0)
     progress: bool = True
 
 

@@ -27,7 +27,8 @@ class MetricsLog:
     """Appends one JSON object per logged step to ``<run dir>/metrics.jsonl``.
 
     With ``tensorboard=True`` each step's numbers also go to ``<run dir>/tb/`` as
-    TensorBoard scalars (``TensorBoardLog``).
+    TensorBoard scalars (``TensorBoardLog``); each of ``loggers`` (objects with ``write(record)``
+    and ``close()``: ``fdp.loggers``) gets every record too.
 
     >>> import tempfile
     >>> log = MetricsLog(tempfile.mkdtemp())
@@ -35,23 +36,23 @@ class MetricsLog:
     >>> log.close()
     """
 
-    def __init__(self, run_dir: str | Path, resume: bool = False, tensorboard: bool = False):
+    def __init__(self, run_dir: str | Path, resume: bool = False, tensorboard: bool = False, loggers: list = ()):
         path = Path(run_dir) / "metrics.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._file = open(path, "a" if resume else "w", buffering=1)
-        self._tensorboard = TensorBoardLog(run_dir) if tensorboard else None
+        self._loggers = [*([TensorBoardLog(run_dir)] if tensorboard else []), *loggers]
 
     def write(self, record: dict) -> None:
         plain = {k: _plain(v) for k, v in record.items()}
         self._file.write(json.dumps(plain) + "\n")
-        if self._tensorboard is not None:
-            self._tensorboard.write(plain)
+        for logger in self._loggers:
+            logger.write(plain)
 
     def close(self) -> None:
         self._file.close()
-        if self._tensorboard is not None:
-            self._tensorboard.close()
+        for logger in self._loggers:
+            logger.close()
 
 
 def check_tensorboard() -> None:

@@ -9,13 +9,16 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from omegaconf import DictConfig
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
 
 from fdp import zero
 from fdp.build import RunParts, display_name
 from fdp.comm import Comm
 from fdp.data import has_test_split
+from fdp.ema import averaged_as
 from fdp.evaluate import evaluate
+from fdp.loggers import check_loggers, open_loggers
 from fdp.metrics import MetricsLog, StepTimes, progress
 from fdp.rundir import RunDir
 from fdp.state import TrainState
@@ -30,7 +33,7 @@ class Report:
         self.cfg, self.run_dir, self.parts, self.comm = cfg, run_dir, parts, comm
         self.last_step = last_step
         is_zero = comm.rank == 0
-        self.log = MetricsLog(run_dir.path, resume=first_step > 0, tensorboard=cfg.trainer.tensorboard) if is_zero else None
+        self.log = self._open_log(resume=first_step > 0) if is_zero else None
         self.bar = progress(last_step, first_step, enabled=cfg.trainer.progress and is_zero)
         self.times, self.skipped, self.last_eval, self.record = StepTimes(), 0, {}, {}
         self.started = time.perf_counter()
@@ -41,14 +44,24 @@ class Report:
         ``metrics.jsonl``, and the summary); the new world's rank 0 writes the records from here on."""
         self.comm = comm
         if comm.rank == 0 and self.log is None:
-            self.log = MetricsLog(self.run_dir.path, resume=True, tensorboard=self.cfg.trainer.tensorboard)
+            self.log = self._open_log(resume=True)
         self.shrinks.append(record)
         if self.log:
             self.log.write({"shrink": True, **record})
 
-    def step(self, state: TrainState, metrics: dict, stopping: bool = False) -> None:
+    def _open_log(self, resume: bool) -> MetricsLog:
+        tc = self.cfg.trainer
+        names = check_loggers(tc.loggers, tc.tensorboard)
+        settings = OmegaConf.to_container(self.cfg, resolve=True)
+        return MetricsLog(self.run_dir.path, resume=resume, loggers=open_loggers(names, self.run_dir.path, resume, settings))
+
+    def step(self, state: TrainState, metrics: dict, stopping: bool = False, average: dict | None = None) -> dict | None:
         """Count a step; on a logged one (and the last, ``stopping`` early included), write its record
-        and the evaluation when due (not on a run stopping early: it should stop at once)."""
+        and the evaluation when due (not on a run stopping early: it should stop at once).
+
+        ``average``: the params' moving average (``fdp.ema``), evaluated too (``ema_test_loss``...).
+        Returns the record of a step that evaluated, rank 0's on every rank, else ``None``.
+        """
         tc, number = self.cfg.trainer, state.step
         self.times.add(metrics)
         self.skipped += metrics["skipped"]
@@ -60,12 +73,29 @@ class Report:
         if (tc.eval_every and number % tc.eval_every == 0 or done and not stopping) and has_test_split(self.parts.data):
             # Every rank takes part (ZeRO stage 3 gathers the params); rank 0 evaluates.
             params = zero.whole_params(state, self.parts.plan, self.comm)
+            averaged = zero.whole_params(state._replace(params=average), self.parts.plan, self.comm) \
+                if average is not None else None
             if self.comm.rank == 0:
                 self.last_eval = self._evaluate(state._replace(params=params))
+                if averaged is not None:
+                    on_average = self._evaluate(state._replace(params=averaged_as(averaged, params)))
+                    self.last_eval.update({f"ema_{k}": v for k, v in on_average.items()})
                 self.record.update(self.last_eval)
+            evaluated = self._from_rank0(self.record)
+        else:
+            evaluated = None
         self.bar.set_postfix(loss=f"{self.record['loss']:.4f}", samples_s=f"{self.record['samples_per_s']:.0f}")
         if self.log:
             self.log.write(self.record)
+        return evaluated
+
+    def _from_rank0(self, record: dict) -> dict:
+        """Rank 0's record on every rank: what it evaluated, for decisions every rank must make alike."""
+        if self.comm.world_size == 1:
+            return dict(record)
+        box = [record if self.comm.rank == 0 else None]
+        dist.broadcast_object_list(box, group=self.comm.group, group_src=0)
+        return box[0]
 
     def _record(self, number: int, m: dict) -> dict:
         loss, world = m["loss"].clone(), self.comm.world_size
@@ -96,9 +126,10 @@ class Report:
         return evaluate(parts.model, state.params, state.buffers, parts.data, tc.eval_batches, criterion=parts.criterion,
                         num_workers=self.cfg.data.get("num_workers", 0), precision=parts.precision)
 
-    def summary(self, state: TrainState, device: str, interrupted: str | None = None) -> dict:
+    def summary(self, state: TrainState, device: str, interrupted: str | None = None, stopped: str | None = None) -> dict:
         """The run in one record (the ``fdp: ...`` line rank 0 prints), also written to ``metrics.jsonl``;
-        ``interrupted``: the signal that stopped it early."""
+        ``interrupted``: the signal that stopped it early; ``stopped``: the setting that ended it before
+        its last step (``max_time``, ``early_stopping``: ``fdp.loop_controls``)."""
         self.bar.close()
         times, gbs = self.times, self.cfg.data.global_batch_size
         rows = times.rows
@@ -125,6 +156,7 @@ class Report:
             "run_dir": str(self.run_dir.path),
             **({"shrinks": self.shrinks} if self.shrinks else {}),
             **({"interrupted": interrupted} if interrupted else {}),
+            **({"stopped": stopped} if stopped else {}),
         }
         if self.log:
             self.log.write({"summary": True, **summary})

@@ -6,12 +6,14 @@
       .lock                held by the run that owns the directory (flock), naming it
       train.log            what the run printed: start-up, warnings, the summary, errors
       metrics.jsonl        one JSON object per logged step, and the summary (rank 0)
-      checkpoints/         step_<N>.pt and last.pt (fdp.checkpoint)
+      checkpoints/         step_<N>.pt and last.pt (fdp.checkpoint); best/ (trainer.keep_best, fdp.loop_controls)
       plan.txt, plan.json  the bucket plan, as a table and as JSON
       ranks/rank<N>.txt    each rank's pid and the step it is computing (RankStatus)
       rank<N>.log          what ranks other than 0 log
       trace/rank<N>.json   Chrome traces (trainer.trace=true)
       tb/                  TensorBoard scalars (trainer.tensorboard=true)
+      metrics.csv          a row per logged step (trainer.loggers=[csv], fdp.loggers)
+      mlflow.db            an MLflow run (trainer.loggers=[mlflow])
 
 >>> RunDir("outputs/run").last_checkpoint.as_posix()
 'outputs/run/checkpoints/last.pt'

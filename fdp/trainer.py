@@ -26,7 +26,7 @@ from fdp import checkpoint, compiled, zero
 from fdp.allocator import release_free_memory, tune_allocator
 from fdp.build import RunParts, build_run, display_name, mirrors
 from fdp.comm import Comm
-from fdp.data import check_global_batch, train_batches
+from fdp.data import check_global_batch, has_test_split, train_batches
 from fdp.devices import batch_to_device, is_out_of_memory, limit_memory
 from fdp.errors import ConfigError
 from fdp.interrupt import StopSignals, stop_signal_names
@@ -40,6 +40,7 @@ from fdp.launch import (
     launch_rank,
     spawn,
 )
+from fdp.loop_controls import LoopControls, read_resumed, run_steps
 from fdp.losses import make_loss_fn
 from fdp.metrics import summary_line
 from fdp.outer import check_outer, make_outer_step
@@ -60,11 +61,13 @@ log = logging.getLogger("fdp")
 
 
 # -- checkpoints of the run -----------------------------------------------------------------
-def _save(run_dir: RunDir, state: TrainState, comm: Comm, cfg: DictConfig, parts: RunParts) -> None:
+def _save(run_dir: RunDir, state: TrainState, comm: Comm, cfg: DictConfig, parts: RunParts,
+          extra: dict | None = None) -> Path | None:
     if cfg.trainer.zero_stage:  # saved whole (by rank 0), so that any world size and stage can resume it
         state = zero.gather_state(state, parts.plan, comm, to=0)
-    extra = {"config": OmegaConf.to_yaml(cfg)}
-    checkpoint.save_checkpoint(run_dir.checkpoints, state, parts.plan, comm, keep=cfg.trainer.keep_checkpoints, extra=extra)
+    extra = {"config": OmegaConf.to_yaml(cfg), **(extra or {})}
+    return checkpoint.save_checkpoint(run_dir.checkpoints, state, parts.plan, comm, keep=cfg.trainer.keep_checkpoints,
+                                      extra=extra)
 
 
 def _resume(cfg: DictConfig, run_dir: RunDir, parts: RunParts, comm: Comm, stage: int) -> TrainState:
@@ -211,9 +214,9 @@ class _Loop:
     """
 
     def __init__(self, cfg: DictConfig, parts: RunParts, comm: Comm, timeline: Timeline, device: torch.device,
-                 state: TrainState, last_step: int, compile: bool):
+                 state: TrainState, last_step: int, compile: bool, controls: LoopControls):
         self.cfg, self.parts, self.timeline, self.device, self.last_step = cfg, parts, timeline, device, last_step
-        self.compile = compile
+        self.compile, self.controls = compile, controls
         self.state = self.before = state
         self.since = time.perf_counter()
         self.join(comm)
@@ -229,22 +232,32 @@ class _Loop:
                                      pin_memory=self.device.type == "cuda")
 
     def run(self, run_dir: RunDir, report: Report, status: RankStatus, stop: StopSignals) -> str | None:
-        """Train to the last step, or to the step a stop signal ends on (returned)."""
-        tc = self.cfg.trainer
-        while self.state.step < self.last_step:
+        """Train to the last step, or to the step a stop signal ends on (returned); ``controls.stopped``
+        says why a run ended before its last step without one (``fdp.loop_controls``)."""
+        tc, controls = self.cfg.trainer, self.controls
+        controls.stopped = controls.ended_before()
+        while self.state.step < self.last_step and not controls.stopped:
             status.update(self.state.step + 1)
             self.since = waited = time.perf_counter()  # the data wait: how long the step waited for its batch
             batch = batch_to_device(next(self.batches), self.device)
             waited = time.perf_counter() - waited
             state, metrics = self.train_step(self.state, batch)
             self.before, self.state = self.state, state
+            out_of_time = controls.stepped(state)  # the moving average; max_time, agreed by every rank
             interrupted = stop.agreed()  # every rank, every step: flags are compared every ~0.1 s, no step waits
-            report.step(state, {**metrics, "data_wait_s": waited}, stopping=interrupted is not None)
-            if tc.checkpoint_every and state.step % tc.checkpoint_every == 0 or state.step == self.last_step or interrupted:
+            evaluated = report.step(state, {**metrics, "data_wait_s": waited}, stopping=interrupted is not None,
+                                    average=controls.average)
+            verdict = controls.evaluated(state.step, evaluated)  # the same on every rank: rank 0's record
+            due = tc.checkpoint_every and state.step % tc.checkpoint_every == 0 or state.step == self.last_step
+            controls.stopped = None if state.step == self.last_step else verdict.stop or out_of_time
+            if due or interrupted or controls.stopped or verdict.keep_best:
                 self.train_step.settle()  # no checkpoint of a step whose gradients were not finite
-                _save(run_dir, state, self.comm, self.cfg, self.parts)
+                written = _save(run_dir, state, self.comm, self.cfg, self.parts, controls.payload(state.step))
+                controls.keep_best(run_dir.checkpoints, written, state.step)
             if interrupted:
                 return interrupted
+        if controls.stopped and self.comm.rank == 0:
+            log.info(f"stopped at step {self.state.step}: {controls.stopped}")
         return None
 
     def shrink(self, world: ShrinkingWorld, error: RuntimeError, run_dir: RunDir, report: Report,
@@ -260,6 +273,7 @@ class _Loop:
         step = world.agree_on_step(self.state.step, comm)
         if self.state.step != step:  # this rank finished the step its peers dropped: back to the one before
             self.state = self.before
+            self.controls.back()
         if self.cfg.trainer.zero_stage:
             try:
                 self.state = zero.reshard_survivors(self.state, self.parts.plan, tuple(sorted(members)), world.members, comm)
@@ -300,12 +314,15 @@ def _train(cfg: DictConfig, run_dir: RunDir, comm: Comm, device: torch.device, w
     if rank == 0:
         _announce(cfg, run_dir, parts, world_size, device)
     timeline = Timeline(rank) if tc.trace else NullTimeline()
-    last_step = min(tc.max_steps, tc.stop_at or tc.max_steps)
+    steps = run_steps(tc.max_steps, tc.max_epochs, parts.data, cfg.data.global_batch_size)
+    last_step = min(steps, tc.stop_at or steps)
+    resumed = read_resumed(run_dir.last_checkpoint, comm) if state.step else None
+    controls = LoopControls(tc, comm, parts.plan, state, has_test_split(parts.data), steps, resumed)
     blocked = _not_compiled(cfg)
     choice = compiled.choose(tc.compile, run_dir.path, device.type, last_step - state.step, comm, blocked)
     if rank == 0:
         log.info(choice.message)
-    loop = _Loop(cfg, parts, comm, timeline, device, state, last_step, choice.compile)
+    loop = _Loop(cfg, parts, comm, timeline, device, state, last_step, choice.compile, controls)
     report = Report(cfg, run_dir, parts, comm, state.step, last_step)
     status = RankStatus(run_dir, rank)
     heartbeat = Heartbeat(rank, world_size).start() if world_size > 1 and world is None else None
@@ -326,8 +343,10 @@ def _train(cfg: DictConfig, run_dir: RunDir, comm: Comm, device: torch.device, w
                     raise
                 raise lost from error
         stop.close()
+        controls.close()
     finally:
         stop.close(finished=False)
+        controls.close(finished=False)
         timeline.save(run_dir.trace(rank))
         if heartbeat is not None:
             heartbeat.stop()
@@ -335,7 +354,7 @@ def _train(cfg: DictConfig, run_dir: RunDir, comm: Comm, device: torch.device, w
     rows = report.times.rows
     if rank == 0 and rows:  # what this invocation measured, for the next one's trainer.compile=auto
         compiled.write_record(run_dir.path, choice, rows[0]["step_s"], report.times.median("step_s"))
-    summary = report.summary(loop.state, device.type, interrupted)
+    summary = report.summary(loop.state, device.type, interrupted, controls.stopped_by)
     if world is not None:
         world.finish(summary)
     return summary

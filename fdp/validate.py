@@ -31,7 +31,8 @@ from fdp.hooks.hierarchical import check_node_size
 from fdp.interrupt import check_requeue_signal
 from fdp.keys import check_keys
 from fdp.launch import ENV_LAUNCHERS, LAUNCHERS
-from fdp.metrics import check_tensorboard
+from fdp.loggers import check_loggers
+from fdp.loop_controls import check_loop_settings
 from fdp.optim import build_optimizer, check_resumed_schedule
 from fdp.outer import check_outer
 from fdp.plan.values import check_cap
@@ -125,8 +126,8 @@ def _validate_trainer(cfg: Any) -> None:
                  "auto or false with trainer.zero_stage=3 (its gathers run in module hooks)")
     optimizer = _as_config_key("optim", lambda spec: build_optimizer(spec, t.max_steps), _container(cfg.optim))
     _as_config_key("trainer.zero_stage", lambda stage: check_optimizer_for_stage(stage, optimizer), t.zero_stage)
-    if t.tensorboard:
-        check_tensorboard()
+    _as_config_key("trainer.loggers", lambda names: check_loggers(names, t.tensorboard), list(t.loggers))
+    check_loop_settings(t, cfg.world.on_rank_loss, cfg.outer.name)
     _as_config_key("outer", check_outer, _container(cfg.outer))
 
 

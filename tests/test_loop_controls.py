@@ -1,0 +1,189 @@
+"""Loop controls: max_epochs, max_time, early stopping, the best checkpoints and the moving average,
+on one rank and two, stopped and resumed."""
+import json
+import math
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from fdp.comm import Comm
+from fdp.config import compose
+from fdp.data import StepSampler, as_map_data, load_digits
+from fdp.errors import ConfigError
+from fdp.loop_controls import (
+    Deadline,
+    Monitor,
+    Stopping,
+    ranked,
+    run_steps,
+    stopping_update,
+)
+from fdp.metrics import read_metrics
+from fdp.rundir import RankStatus
+from fdp.trainer import run
+from fdp.validate import validate
+
+SMALL = ["model=mlp", "model.hidden=32", "trainer.progress=false", "data.global_batch_size=16",
+         "trainer.bucket_cap_mb=0.01", "trainer.first_bucket_cap_mb=0.005", "trainer.eval_batches=2"]
+
+
+def checkpoint(run_dir, name="last.pt"):
+    return torch.load(Path(run_dir) / "checkpoints" / name, weights_only=True)
+
+
+def max_diff(a, b):
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+# -- the values, alone ---------------------------------------------------------------------------
+def test_max_epochs_counts_passes_over_the_training_data():
+    # Each step reads global_batch_size samples of one permutation per pass: E passes end with the step
+    # that reads the last sample of pass E, and every sample is read exactly E times by then.
+    n, size, epochs = 300, 32, 3
+    steps = math.ceil(epochs * n / size)
+    assert run_steps(10_000, epochs, _items(n), size) == steps == 29
+    read = [i for batch in StepSampler(n, size, seed=0, stop_step=steps) for i in batch]
+    assert sorted(read[: epochs * n]) == sorted(list(range(n)) * epochs)
+    assert len(read) - epochs * n < size  # the last step only fills up from pass E + 1
+    assert run_steps(20, epochs, _items(n), size) == 20  # max_steps still caps it
+    assert run_steps(300, 0, _items(n), size) == 300  # off
+    assert run_steps(300, 1, load_digits(), 64) == math.ceil(1438 / 64)
+
+
+def _items(n):
+    return as_map_data("items", (TensorDataset(torch.zeros(n, 2), torch.zeros(n, dtype=torch.long)), None))
+
+
+def test_early_stopping_counts_evaluations_since_the_best_and_resets_on_improvement():
+    monitor = Monitor.of("test_loss", min_delta=0.01)
+    state, waits = Stopping(), []
+    for value in (1.0, 0.8, 0.805, 0.795, 0.7, float("nan"), 0.71, 0.72):
+        state = stopping_update(state, value, monitor)
+        waits.append(state.waited)
+    assert waits == [0, 0, 1, 2, 0, 1, 2, 3] and state.best == 0.7  # 0.795 is within min_delta; NaN never improves
+    accuracy = Monitor.of("test_acc")
+    assert accuracy.mode == "max" and stopping_update(Stopping(0.5, 2), 0.6, accuracy) == Stopping(0.6, 0)
+
+
+def test_best_checkpoints_rank_by_the_metric_and_keep_k():
+    best, admitted = (), []
+    for step, value in enumerate((0.9, 0.5, 0.7, 0.95, 0.4, 0.5), start=1):
+        best, kept = ranked(best, value, step, 3, Monitor.of("test_loss"))
+        admitted.append(kept)
+    assert best == ((0.4, 5), (0.5, 2), (0.5, 6)) and admitted == [True, True, True, False, True, True]
+    high, _ = ranked(((0.9, 1),), 0.95, 2, 2, Monitor.of("test_acc"))
+    assert high == ((0.95, 2), (0.9, 1))
+
+
+def test_settings_are_refused_in_one_line_each():
+    for override, message in [
+        ("trainer.early_stopping.patience=0", "trainer.early_stopping.patience=0: expected an integer >= 1"),
+        ("trainer.max_time=1h", "trainer.max_time='1h': expected seconds >= 0 or DD:HH:MM:SS"),
+        ("trainer.ema_decay=1.0", "trainer.ema_decay=1.0: expected 0 (off) or a decay in (0, 1)"),
+        ("trainer.max_epochs=-1", "trainer.max_epochs=-1: expected an integer >= 0"),
+        ("trainer.keep_best=0", "trainer.keep_best=0: expected an integer >= 1"),
+        ("trainer.checkpoint_mode=up", "trainer.checkpoint_mode='up': expected auto, min or max"),
+        ("trainer.loggers=[wandb]", "trainer.loggers=['wandb']: expected a list of tensorboard, csv, mlflow"),
+    ]:
+        with pytest.raises(ConfigError) as error:
+            validate(compose(override))
+        assert str(error.value).startswith(message) and "\n" not in str(error.value), override
+    with pytest.raises(ConfigError, match=r"trainer.ema_decay=0.9: expected 0 with outer=diloco"):
+        validate(compose("trainer.ema_decay=0.9", "outer=diloco"))
+    with pytest.raises(ConfigError, match=r"trainer.max_time=60: expected 0 with world.on_rank_loss=shrink"):
+        validate(compose("trainer.max_time=60", "world=local2", "world.on_rank_loss=shrink"))
+    with pytest.raises(ConfigError, match=r"early_stopping.monitor='test_loss': expected '' with trainer.eval_every=0"):
+        validate(compose("trainer.early_stopping.monitor=test_loss", "trainer.eval_every=0"))
+
+
+def test_a_monitor_the_evaluations_lack_is_refused_naming_the_metrics_they_have(tmp_path):
+    with pytest.raises(ConfigError, match=r"trainer.checkpoint_monitor='val_loss': expected a metric of the "
+                                          r"evaluations: .*test_acc, test_loss"):
+        run(compose(*SMALL, "trainer.max_steps=2", "trainer.eval_every=2", "trainer.checkpoint_monitor=val_loss"),
+            tmp_path)
+
+
+# -- max_time: rank 0's clock, every rank's step ------------------------------------------------------
+def _deadline_steps(rank, world_size):
+    # Only rank 0's clock counts (rank 1's limit would have run out at once): both stop after the same step.
+    deadline = Deadline(0.3 if rank == 0 else 1e-9, 0.0, Comm())
+    for step in range(1, 10_000):
+        time.sleep(0.01)
+        if deadline.passed():
+            deadline.close()
+            return step
+    deadline.close()
+    return None
+
+
+def test_max_time_stops_every_rank_after_the_same_step(run_ranks):
+    steps = run_ranks(_deadline_steps)
+    assert steps[0] is not None and steps[0] == steps[1]
+
+
+def test_max_time_stops_two_ranks_at_one_step_with_a_checkpoint_and_counts_across_resumes(tmp_path):
+    summary = run(compose(*SMALL, "world=local2", "trainer.max_steps=100000", "trainer.max_time=3",
+                          "trainer.log_every=1000", "trainer.checkpoint_every=0"), tmp_path)
+    steps = summary["steps"]
+    assert summary["stopped"] == "max_time" and 1 <= steps < 100000
+    assert checkpoint(tmp_path)["step"] == steps and 3.0 <= checkpoint(tmp_path)["loop"]["elapsed_s"] < 60
+    assert RankStatus.read(tmp_path, 0)["step"] == RankStatus.read(tmp_path, 1)["step"] == steps
+    # Resumed (here on one process): the time is spent already, so the run ends at once where it was.
+    again = run(compose(*SMALL, "trainer.max_steps=100000", "trainer.max_time=3", "trainer.resume=true",
+                        "trainer.log_every=1000", "trainer.checkpoint_every=0"), tmp_path)
+    assert again["steps"] == steps and again["stopped"] == "max_time"
+
+
+# -- early stopping, the best checkpoints and the average on two ranks ---------------------------------
+CONTROLS = [*SMALL, "trainer.max_steps=12", "trainer.eval_every=2", "trainer.log_every=2", "trainer.ema_decay=0.8",
+            # min_delta so large that no evaluation after the first improves: the run stops at the third (step 6)
+            "trainer.early_stopping.monitor=test_loss", "trainer.early_stopping.patience=2",
+            "trainer.early_stopping.min_delta=100", "trainer.checkpoint_monitor=ema_test_loss", "trainer.keep_best=2",
+            "trainer.loggers=[csv]"]
+
+
+def test_two_ranks_at_stage_3_stopped_and_resumed_end_like_one_process_uninterrupted(tmp_path):
+    """Early stopping, the best checkpoints and the moving average (kept per slice at ZeRO stage 3) on
+    two ranks, stopped at step 5 and resumed, equal one process's uninterrupted run on the union batch."""
+    one = run(compose(*CONTROLS), tmp_path / "one")
+    run(compose(*CONTROLS, "world=local2", "trainer.zero_stage=3", "trainer.stop_at=5"), tmp_path / "two")
+    two = run(compose(*CONTROLS, "world=local2", "trainer.zero_stage=3", "trainer.resume=true"), tmp_path / "two")
+    assert one["steps"] == two["steps"] == 6 and one["stopped"] == two["stopped"] == "early_stopping"
+    assert RankStatus.read(tmp_path / "two", 0)["step"] == RankStatus.read(tmp_path / "two", 1)["step"] == 6
+    a, b = checkpoint(tmp_path / "one"), checkpoint(tmp_path / "two")
+    assert a["step"] == b["step"] == 6
+    assert max_diff(a["params"], b["params"]) <= 1e-5
+    assert max_diff(a["ema"], b["ema"]) <= 1e-5
+    assert max_diff(a["ema"], a["params"]) > 1e-3  # an average, not the params
+    assert b["loop"]["stopping_waited"] == 2 and len(b["loop"]["best"]) == 2
+    assert abs(one["ema_test_loss"] - two["ema_test_loss"]) <= 1e-4
+    # The two best by ema_test_loss, the same steps on both, each a whole checkpoint of its step.
+    names = [sorted(p.name for p in (tmp_path / run_dir / "checkpoints" / "best").iterdir()) for run_dir in ("one", "two")]
+    steps = [int(name.split("-")[0].removeprefix("step=")) for name in names[0]]
+    assert [n.split("-")[0] for n in names[0]] == [n.split("-")[0] for n in names[1]] and len(steps) == 2
+    records = {r["step"]: r for r in read_metrics(tmp_path / "one")[0]}
+    best = sorted(records[s]["ema_test_loss"] for s in (2, 4, 6))[:2]
+    assert sorted(records[s]["ema_test_loss"] for s in steps) == best
+    for name, step in zip(names[1], steps):
+        assert checkpoint(tmp_path / "two", f"best/{name}")["step"] == step
+    # The CSV file has a row per logged step of both invocations, the evaluations' columns included.
+    rows = (tmp_path / "two" / "metrics.csv").read_text().splitlines()
+    assert rows[0].startswith("step,loss,") and "ema_test_loss" in rows[0].split(",")
+    assert [int(r.split(",")[0]) for r in rows[1:]] == [2, 4, 5, 6]  # step 5 closed the first invocation
+
+
+def test_max_epochs_sets_the_run_and_its_schedule_from_the_shell_settings(tmp_path):
+    # Checkpoints at steps 4 and 8 come before the one evaluation (at the end), which alone ranks.
+    summary = run(compose(*SMALL, "data.global_batch_size=128", "trainer.max_epochs=1", "trainer.log_every=1",
+                          "trainer.eval_every=0", "optim.lr_schedule=warmup_cosine", "optim.warmup_steps=0",
+                          "trainer.checkpoint_every=4", "trainer.checkpoint_monitor=test_acc"), tmp_path)
+    assert summary["steps"] == math.ceil(1438 / 128) == 12
+    assert [p.name for p in (tmp_path / "checkpoints" / "best").iterdir()] == [
+        f"step=12-test_acc={summary['test_acc']:.6g}.pt"]
+    lrs = [r["lr"] for r in read_metrics(tmp_path)[0]]
+    assert lrs[0] > 0.09 and lrs[-1] < 0.01  # the cosine decays over these 12 steps, not over max_steps=300
+    assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["steps"] == 12
