@@ -262,6 +262,14 @@ class Int8Config:
 
 
 @dataclass
+class LowBitConfig:
+    name: str = "lowbit"
+    format: str = "fp4"  # int8, fp8 (e4m3), int4 or fp4 (e2m1)
+    block: int = 64  # entries per scale
+    error_feedback: bool = True
+
+
+@dataclass
 class ChainConfig:
     name: str = "chain"
     stages: List[Any] = field(default_factory=list)
@@ -321,6 +329,7 @@ SCHEMAS = {
         "batched_powersgd": BatchedPowerSGDConfig,
         "topk": TopKConfig,
         "int8": Int8Config,
+        "lowbit": LowBitConfig,
         "chain": ChainConfig,
     },
     "world": {"world": WorldConfig},
