@@ -44,6 +44,7 @@ from fdp.hooks import (
     stateless,
     topk,
 )
+from fdp.hooks.lowbit import decode, encode
 from fdp.plan import pack_into_buckets
 from fdp.chains import Reduction
 
@@ -931,8 +932,6 @@ def test_optimizer_and_hook_chains_refuse_each_others_members():
 def test_lowbit_rounds_to_the_nearest_code_within_its_bound(format):
     """Blocks of very different magnitudes each get their own scale: every entry rounds to the
     reference's nearest code, off by at most half a step of its block's grid."""
-    from fdp.hooks.lowbit import decode, encode
-
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(8, 64, generator=gen) * torch.logspace(-6, 3, 8).unsqueeze(1)).view(-1)[:500]
     codes, scales = encode(x, format, 64)
