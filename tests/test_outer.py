@@ -353,23 +353,34 @@ def test_fp4_outer_gradients_send_each_fragment_alone_and_keep_ranks_agreed(stre
 # -- resume in the middle of a period ----------------------------------------------------
 RUN = ["model.hidden=16", "data.global_batch_size=16", "trainer.progress=false", "trainer.eval_every=0",
        "world=local2", "world.backend=gloo", "world.timeout_s=60", "trainer.max_steps=10",
-       "outer=diloco", "outer.sync_every=4", "hooks=powersgd", "hooks.start_iter=1", "hooks.min_compression_rate=1"]
+       "outer=diloco", "outer.sync_every=4"]
+POWERSGD = ["hooks=powersgd", "hooks.start_iter=1", "hooks.min_compression_rate=1"]
 
 
 def _checkpoint(run_dir):
     return torch.load(Path(run_dir) / "checkpoints" / "last.pt", weights_only=True)
 
 
+# Streaming: two fragments (syncs after steps 2, 6, 10 and 4, 8), each sent behind the next step,
+# as fp4 codes with error feedback; small buckets so that the plan has several.
+VARIANTS = {
+    "overlap0": [*POWERSGD, "outer.overlap=0"],
+    "overlap3": [*POWERSGD, "outer.overlap=3"],
+    "streaming": ["outer.fragments=2", "outer.overlap=1", "hooks=lowbit", "hooks.block=16",
+                  "trainer.bucket_cap_mb=0.002", "trainer.first_bucket_cap_mb=0.001"],
+}
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """``uninterrupted(overlap)``: the last checkpoint of the run of RUN without a stop, made once per overlap."""
+    """``uninterrupted(variant)``: the last checkpoint of the run of RUN without a stop, made once per variant."""
     made = {}
 
-    def last_checkpoint(overlap):
-        if overlap not in made:
-            made[overlap] = tmp_path_factory.mktemp(f"whole-overlap{overlap}")
-            run(compose(*RUN, f"outer.overlap={overlap}"), made[overlap])
-        return _checkpoint(made[overlap])
+    def last_checkpoint(variant):
+        if variant not in made:
+            made[variant] = tmp_path_factory.mktemp(f"whole-{variant}")
+            run(compose(*RUN, *VARIANTS[variant]), made[variant])
+        return _checkpoint(made[variant])
 
     return last_checkpoint
 
@@ -385,21 +396,23 @@ def _assert_each_rank_as_uninterrupted(whole, parts):
                 assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), (rank, key)
 
 
-@pytest.mark.parametrize("overlap", [0, 3])
-def test_resume_in_the_middle_of_a_period_is_bit_exact(tmp_path, uninterrupted, overlap):
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_resume_in_the_middle_of_a_period_is_bit_exact(tmp_path, uninterrupted, variant):
     """Stopped after step 6 (syncs at 4 and 8) and resumed: each rank ends as in one uninterrupted run.
 
     With ``overlap=3`` the sync sent after step 4 is still in flight at the stop (applied
-    after step 7): the resumed run sends it again from the checkpoint.
+    after step 7): the resumed run sends it again from the checkpoint. Streaming: fragment
+    0's fp4 sync sent after step 6 is in flight at the stop, with both fragments' outer
+    optimizer states and every bucket's error feedback in the checkpoint.
     """
-    runs = [*RUN, f"outer.overlap={overlap}"]
+    runs = [*RUN, *VARIANTS[variant]]
     run(compose(*runs, "trainer.stop_at=6"), tmp_path)
     halfway = _checkpoint(tmp_path)
     assert halfway["step"] == 6
     # Mid-period the ranks have stepped apart, and each rank's own params were saved.
     assert any(not torch.equal(halfway["ranks"][0]["params"][k], halfway["ranks"][1]["params"][k]) for k in halfway["params"])
     run(compose(*runs, "trainer.resume=true"), tmp_path)
-    _assert_each_rank_as_uninterrupted(uninterrupted(overlap), _checkpoint(tmp_path))
+    _assert_each_rank_as_uninterrupted(uninterrupted(variant), _checkpoint(tmp_path))
 
 
 def _killed_when_saving(cfg, run_dir, step):
@@ -420,11 +433,11 @@ def _killed_when_saving(cfg, run_dir, step):
 def test_a_restarted_world_keeps_the_schedule_with_a_sync_in_flight(tmp_path, uninterrupted):
     """Rank 0 dies at checkpoint 8; the restarted world resumes from checkpoint 6, where the
     sync sent after step 4 is in flight (``overlap=3``), and ends as the uninterrupted run."""
-    cfg = compose(*RUN, "outer.overlap=3", "trainer.checkpoint_every=2", "world.max_restarts=1")
+    cfg = compose(*RUN, *VARIANTS["overlap3"], "trainer.checkpoint_every=2", "world.max_restarts=1")
     validate(cfg, tmp_path)
     results = spawn(_killed_when_saving, (OmegaConf.to_container(cfg, resolve=True), str(tmp_path), 8), layout_of(cfg))
     assert (tmp_path / "killed").read_text() == "8" and results[0]["steps"] == 10
-    _assert_each_rank_as_uninterrupted(uninterrupted(3), _checkpoint(tmp_path))
+    _assert_each_rank_as_uninterrupted(uninterrupted("overlap3"), _checkpoint(tmp_path))
 
 
 # -- refusals --------------------------------------------------------------------------------
