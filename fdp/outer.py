@@ -27,6 +27,15 @@ optimizer steps the anchor with the average, and each rank keeps what it learned
 ``s`` on top of it (``params += new_anchor - params_at_s``). The pseudo-gradient in
 flight is part of the state (``OuterState.in_flight``), so a checkpoint taken inside
 those ``D`` steps resumes bit-exactly: the resumed run sends it again.
+
+``fragments=F`` is streaming DiLoCo (Douillard et al. 2025): the plan's buckets are cut
+into F contiguous runs balanced by size (``fdp.plan.split_fragments``), each with its own
+outer optimizer state, and fragment f syncs after the steps ``s`` with
+``(s - start_step - offset_f) % sync_every == 0`` (``fragment_offsets``), so one sync
+moves 1/F of the model; ``overlap`` then applies to each fragment's sync. ``mix=a``
+lands a sync as ``a * local + (1 - a) * new anchor`` (the paper's and torchft's alpha)
+instead of keeping the steps since the send. One fragment with no ``mix`` is the loop
+above, to the bit. The settings' defaults live in ``fdp.config`` (``DiLoCoConfig``).
 """
 from __future__ import annotations
 
