@@ -448,6 +448,16 @@ def test_a_restarted_world_keeps_the_schedule_with_a_sync_in_flight(tmp_path, un
         (["outer=diloco", "outer.start_step=-1"], "outer.start_step=-1: expected an integer >= 0"),
         (["outer=diloco", "outer.momentum=1.5"], "outer.momentum=1.5: expected a value in [0, 1)"),
         (["outer=local_sgd", "outer.sync_every=4", "outer.overlap=4"], "outer.overlap=4: expected an integer in [0, outer.sync_every=4)"),
+        (["outer=diloco", "outer.sync_every=4", "outer.fragments=5"], "outer.fragments=5: expected an integer in [1, outer.sync_every=4]"),
+        (["outer=diloco", "outer.fragments=2", "outer.fragment_schedule=random"],
+         "outer.fragment_schedule='random': expected strided or sequential"),
+        (["outer=diloco", "outer.sync_every=16", "outer.fragments=4", "outer.overlap=4"],
+         "outer.overlap=4: expected an integer in [0, 4, the steps between fragment syncs of outer.fragments=4 "
+         "outer.fragment_schedule=strided)"),
+        (["outer=diloco", "outer.fragments=4", "outer.fragment_schedule=sequential", "outer.overlap=1"],
+         "outer.overlap=1: expected an integer in [0, 1, the steps between fragment syncs"),
+        (["outer=local_sgd", "outer.mix=1.5"], "outer.mix=1.5: expected null or a number in [0, 1]"),
+        (["hooks=lowbit", "hooks.format=fp2"], "hooks.format='fp2': expected int8, fp8, int4, fp4"),
     ],
 )
 def test_bad_outer_settings_are_refused_in_one_line(overrides, message):
