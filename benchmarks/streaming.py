@@ -48,7 +48,7 @@ import torch.nn.functional as F  # noqa: E402
 from benchmarks.netsim import projection as P  # noqa: E402
 
 RESULTS = HERE / "results"
-TOLERANCE = 0.01  # "DDP's loss": within 1% of it
+TOLERANCE = 0.02  # reaching DDP's loss: a window mean within 2% of it (slow_links.py's rule)
 
 
 def parse_args():
@@ -68,6 +68,7 @@ def parse_args():
     p.add_argument("--variants", help="comma list of the variants' keys (default: all)")
     p.add_argument("--quick", action="store_true", help="write to a scratch directory")
     p.add_argument("--name", default="streaming")
+    p.add_argument("--reuse", action="store_true", help="tabulate the rows a previous run left in the work directory")
     return p.parse_args()
 
 
@@ -338,7 +339,7 @@ def write(a, summary: dict, out: Path) -> None:
                      f"{row['bytes_total'] / 1e6:.1f} MB | {ratio} | {row['bytes_peak'] / 1e3:.0f} kB | "
                      f"{row['median_step_ms']:.0f} | {reach(row, '100mbit N=2')} | {reach(row, '1gbit N=2')} | "
                      f"{reach(row, '100mbit N=64')} |")
-    lines += ["", "Times to DDP's loss (within 1%) are projected (`benchmarks/netsim/projection.py`) from each step's "
+    lines += ["", f"Times to DDP's loss (a {a.window}-step mean within 2% of it) are projected (`benchmarks/netsim/projection.py`) from each step's "
               f"measured compute and bytes, {a.latency_ms} ms per link; the model against the simulated cluster:", "",
               "| run | rate | variant | measured ms | model ms | model / measured |", "|---|---|---|---|---|---|"]
     for c in summary["checks"]:
@@ -357,7 +358,9 @@ def main() -> None:
     results = {}
     for key in keys:
         t0 = time.perf_counter()
-        results[key] = {"variant": variants(a)[key], "rows": run_side(key, a, work)}
+        saved = Path(work, f"{key}.rank0.json")
+        rows = json.loads(saved.read_text()) if a.reuse and saved.exists() else run_side(key, a, work)
+        results[key] = {"variant": variants(a)[key], "rows": rows}
         rows = results[key]["rows"]
         print(f"{variants(a)[key]['name']}: loss {statistics.mean(r['loss'] for r in rows[-a.window:]):.4f}, "
               f"{sum(r['bytes'] for r in rows) / 1e6:.1f} MB sent, {time.perf_counter() - t0:.0f} s", flush=True)
