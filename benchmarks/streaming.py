@@ -178,7 +178,7 @@ def run_fdp(module, data, a, v) -> list[dict]:
     from fdp.hooks import allreduce, lowbit
     from fdp.outer import check_outer, init_outer_state, make_outer_step
 
-    fm, params, buffers, loss_fn, plan, _ = fdp_fragments(module, data, a, v["fragments"])
+    _, params, buffers, loss_fn, plan, _ = fdp_fragments(module, data, a, v["fragments"])
     spec = check_outer({"name": "diloco", "sync_every": a.sync_every, "start_step": 0, "lr": a.outer_lr,
                         "momentum": a.outer_momentum, "nesterov": True, "overlap": v["overlap"],
                         "fragments": v["fragments"], "fragment_schedule": "strided", "mix": v.get("mix")})
@@ -321,7 +321,8 @@ def write(a, summary: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"args": vars(a), **summary}, indent=1))
     lines = [f"# Streaming DiLoCo against DDP and torchft (char transformer, {a.steps} steps, 2 ranks)", "",
-             f"Command: `python benchmarks/streaming.py {' '.join(sys.argv[1:])}`. H={a.sync_every}, "
+             f"Command: `python benchmarks/streaming.py {' '.join(w for w in sys.argv[1:] if w != '--reuse')}`. "
+             f"H={a.sync_every}, "
              f"outer Nesterov SGD lr={a.outer_lr} momentum={a.outer_momentum}, Adam(1e-3) inside, d_model={a.d_model}, "
              f"{a.layers} layers, {a.batch}x{a.block} tokens per rank and step. DDP's loss (mean of the last "
              f"{a.window} steps): {summary['target']:.4f}.", "",
@@ -330,7 +331,7 @@ def write(a, summary: dict, out: Path) -> None:
              "|---|---|---|---|---|---|---|---|---|---|"]
 
     def reach(row, key):
-        step, seconds = row["to_target"][key]
+        _, seconds = row["to_target"][key]
         return f"{seconds:.1f} s ({row['speedup'][key]:.1f}x)" if seconds else "not reached"
 
     for row in summary["rows"]:
