@@ -10,7 +10,8 @@ sum of its step times up to the first step where its window mean is within 2% of
 target. DDP's own time is taken by the same rule. Variants: fdp ``allreduce`` and
 PowerSGD rank 4 every step; ``local_sgd`` and ``diloco`` with H in {4, 16}; DiLoCo H=16
 with the pseudo-gradient in bf16 or PowerSGD; syncs overlapped with the next D steps
-(``outer.overlap=D``).
+(``outer.overlap=D``); streaming DiLoCo (4 fragments, fp4 outer gradients; against torchft
+and with the time-to-loss model for N nodes in ``benchmarks/streaming.py``).
 
 The default model is ``charmlp`` (``benchmarks/models.py``: a 19.85M-parameter window
 language model on the stdlib text, 32 tokens per rank per step), chosen so that the link
@@ -79,6 +80,10 @@ OUTER = {
     "local SGD H=16 bf16 overlap 8": ("bf16", ["outer=local_sgd", "outer.sync_every=16", "outer.overlap=8"]),
     "DiLoCo H=16 lr=1 m=0.5 bf16 overlap 8": ("bf16", ["outer=diloco", "outer.sync_every=16", "outer.lr=1.0",
                                                        "outer.momentum=0.5", "outer.overlap=8"]),
+    # Streaming DiLoCo: 4 fragments, each sent behind the next step as fp4 codes (hooks=lowbit).
+    "Streaming DiLoCo H=16 F=4 overlap 1 fp4": ("lowbit", ["outer=diloco", "outer.sync_every=16", "outer.lr=1.0",
+                                                           "outer.momentum=0.5", "outer.fragments=4", "outer.overlap=1",
+                                                           "trainer.bucket_cap_mb=5"]),
 }
 QUICK = ["fdp allreduce", "local SGD H=16", "local SGD H=4 bf16", "DiLoCo H=16"]
 

@@ -7,7 +7,7 @@ it in this list; ``tests/test_imports.py`` holds every import to that):
 * ``targets``: models, data, losses, optimizers and hooks named in config by ``_target_``.
 * ``allocator``: this process's memory (glibc's heap tuned for pure steps, free memory handed back).
 * ``_torch``: the one place fdp touches private torch APIs, each with a public fallback.
-* ``plan`` / ``buckets``: the static gradient-bucket plan (values, packing, tracing), its flat buffers, params laid out by it.
+* ``plan`` / ``buckets``: the static gradient-bucket plan (values, packing, tracing, fragments), its flat buffers, params laid out by it.
 * ``comm``: collectives as values (``Comm``, ``Pending``).
 * ``trace``: the Chrome-trace ``Timeline`` of a step.
 * ``streams``: each sample's own random stream (dropout masks that do not depend on the rank or the world size).
@@ -18,7 +18,7 @@ it in this list; ``tests/test_imports.py`` holds every import to that):
 * ``functional``: any ``nn.Module`` as ``apply(params, buffers, *inputs, **named_inputs)``.
 * ``models`` / ``data``: the built-in models and Hugging Face ones from their configs (``hf_model``); datasets,
   batches (any pytree of tensors) and their split over ranks and micro-batches.
-* ``hooks``: gradient-reduction stages (allreduce, fp16, PowerSGD, top-k, int8) composed with ``hooks.chain``.
+* ``hooks``: gradient-reduction stages (allreduce, fp16, PowerSGD, top-k, int8, low-bit codes) composed with ``hooks.chain``.
 * ``slurm`` / ``devices`` / ``interrupt`` / ``launch``: a rank's place in a job; which device it computes on;
   stopping every rank at one step on SIGINT, SIGTERM or SLURM's warning signal; starting and joining a world
   of processes on torch's launchers.
@@ -35,7 +35,7 @@ it in this list; ``tests/test_imports.py`` holds every import to that):
 * ``zero``: ZeRO stages 1, 2 and 3 on that interface (layout, state conversion, the sharded updates, gathering).
 * ``replicas``: one consistent state on every rank (``setup_state``, ``sync_buffers``).
 * ``step``: the pure ``train_step(state, batch) -> (state, metrics)``.
-* ``outer``: local SGD and DiLoCo, an outer loop that syncs every few steps across slow links.
+* ``outer``: local SGD and (streaming) DiLoCo, an outer loop that syncs every few steps across slow links.
 * ``checkpoint``: atomic checkpoints of every rank (``save_checkpoint``, ``load_checkpoint``).
 * ``loop_controls``: when a loop ends before ``max_steps`` (epochs, time, early stopping), its best checkpoints,
   its moving average.

@@ -291,6 +291,14 @@ class Int8Config:
 
 
 @dataclass
+class LowBitConfig:
+    name: str = "lowbit"
+    format: str = "fp4"  # int8, fp8 (e4m3), int4 or fp4 (e2m1)
+    block: int = 64  # entries per scale
+    error_feedback: bool = True
+
+
+@dataclass
 class ChainConfig:
     name: str = "chain"
     stages: List[Any] = field(default_factory=list)
@@ -314,17 +322,17 @@ class LocalSGDConfig:
     sync_every: int = 16  # steps between parameter averages
     start_step: int = 0  # per-step gradient sync up to this step (post-local SGD)
     overlap: int = 0  # inner steps a sync's communication runs behind (applied that many steps late)
+    fragments: int = 1  # the model synced in this many fragments (runs of buckets), each on its own steps
+    fragment_schedule: str = "strided"  # fragments' syncs spread over the period, or sequential: on consecutive steps
+    mix: Optional[float] = None  # None: keep the steps since the send; a: a * local + (1 - a) * synced
 
 
 @dataclass
-class DiLoCoConfig:
+class DiLoCoConfig(LocalSGDConfig):
     name: str = "diloco"
-    sync_every: int = 16
-    start_step: int = 0
     lr: float = 0.7  # the outer optimizer: SGD on the averaged pseudo-gradient
     momentum: float = 0.9
     nesterov: bool = True
-    overlap: int = 0
 
 
 # -- the whole run ---------------------------------------------------------------------
@@ -356,6 +364,7 @@ SCHEMAS = {
         "batched_powersgd": BatchedPowerSGDConfig,
         "topk": TopKConfig,
         "int8": Int8Config,
+        "lowbit": LowBitConfig,
         "chain": ChainConfig,
         "custom": CustomHookConfig,
     },

@@ -21,7 +21,7 @@ TINY = ["trainer.max_steps=2", "trainer.progress=false"]
 # default run directory (outputs/<date>/<time>/) unless the case names one.
 CASES = [
     (["hooks=powersdg"], r"error: hooks=powersdg: expected one of allreduce, batched_powersgd, bf16, fp16, fp16_powersgd, "
-                         r"int8, noop, powersgd, topk \(did you mean hooks=powersgd\?\)"),
+                         r"int8, lowbit, noop, powersgd, topk \(did you mean hooks=powersgd\?\)"),
     (["trainer.max_stpes=5"], r"error: trainer\.max_stpes=5: unknown key; expected a key of trainer \(did you mean "
                               r"trainer\.max_steps\? trainer takes no keys of your own\)"),
     # Keys of one's own only where they reach one's own objects: elsewhere Hydra would add them, and nothing read them.

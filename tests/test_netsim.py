@@ -19,7 +19,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from _paths import pythonpath_first  # noqa: E402
-from benchmarks.netsim import cluster, relay  # noqa: E402
+from benchmarks.netsim import cluster, projection, relay  # noqa: E402
 from benchmarks.netsim.cluster import NetsimError  # noqa: E402
 
 
@@ -31,10 +31,28 @@ def cli(*args: str, path: str | None = None) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60)
 
 
-@pytest.mark.parametrize("module", [cluster, relay])
+@pytest.mark.parametrize("module", [cluster, relay, projection])
 def test_module_examples_hold(module):
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_the_time_to_loss_model_holds_to_the_simulated_clusters_two_node_runs():
+    """The model's step time (compute + a ring allreduce of the 79.4 MB model) against the runs on the
+    simulated cluster at 1 Gbit/s and 100 Mbit/s (results/slow_links*.json): within 15%."""
+    import json
+    import statistics
+
+    for name, rate in (("slow_links", "1gbit"), ("slow_links_100mbit", "100mbit")):
+        rows = {r["variant"]: r for r in json.loads((REPO / "benchmarks" / "results" / f"{name}.json").read_text())["rows"]}
+        compute_ms = rows["local SGD H=16"]["median_ms"]  # a step without a sync
+        synced_ms = statistics.median(ms for i, ms in enumerate(rows["local SGD H=16"]["step_ms_all"], 1) if i % 16 == 0)
+        for measured in (rows["DDP allreduce"]["median_ms"], synced_ms):
+            check = projection.check_against(measured, compute_ms, 4 * 19.85e6, "allreduce", rate)
+            assert 0.85 <= check["ratio"] <= 1.15, (name, check)
+    # N nodes: an allreduce's traffic stays near 2 P, an allgather's grows as (N - 1) P.
+    assert projection.collective_s("allreduce", 1e6, 64, 1e6, 0) < 2
+    assert projection.collective_s("allgather", 1e6, 64, 1e6, 0) == 63
 
 
 @pytest.mark.parametrize("text,bps", [("1gbit", 10**9), ("2.5gbit", 2_500_000_000), ("100mbit", 10**8),

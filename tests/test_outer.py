@@ -1,4 +1,5 @@
 """The outer loop (local SGD, DiLoCo) against plain torch, and resumed in the middle of a period."""
+import dataclasses
 import os
 import signal
 from pathlib import Path
@@ -10,17 +11,24 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from fdp import Comm, adam, functionalize, init_train_state, plan_buckets, sgd
-from fdp.config import ConfigError, compose
+from fdp.config import ConfigError, DiLoCoConfig, LocalSGDConfig, compose
 from fdp.validate import validate
 from fdp.hooks import allreduce
-from fdp.outer import OuterSpec, check_outer, init_outer_state, make_outer_step
-from fdp.plan import pack_into_buckets
+from fdp.outer import check_outer, fragment_offsets, init_outer_state, make_outer_step, sending_fragment
+from fdp.plan import pack_into_buckets, split_fragments
+from fdp.hooks import lowbit
 from fdp import cross_entropy_loss, planner_loss
 from fdp.launch import spawn
 from fdp.trainer import run, train_worker
 from fdp.world import layout_of
 
 STEPS = 8
+
+
+def _outer(name, **settings):
+    """The outer settings of ``name`` with the schema's defaults (``fdp.config``) under ``settings``."""
+    schema = {"local_sgd": LocalSGDConfig, "diloco": DiLoCoConfig}[name]
+    return check_outer(dataclasses.asdict(schema(**settings)))
 
 
 def _module():
@@ -83,7 +91,7 @@ def _torch_gradient_averaging(rank, world):
 
 
 def _local_sgd_every_step(rank, world):
-    spec = check_outer({"name": "local_sgd", "sync_every": 1})
+    spec = _outer("local_sgd", sync_every=1)
     with_momentum, _, _ = _fdp(spec, sgd(0.1, momentum=0.9), rank, donate=False)
     plain, trace, _ = _fdp(spec, sgd(0.1), rank, donate=True)
     return (
@@ -132,7 +140,7 @@ def _torch_diloco(rank, world, sync_every, start_step):
 
 
 def _diloco(rank, world):
-    spec = check_outer({"name": "diloco", "sync_every": 3, "start_step": 2, "lr": 0.7, "momentum": 0.9, "nesterov": True})
+    spec = _outer("diloco", sync_every=3, start_step=2)
     params, trace, state = _fdp(spec, adam(0.01), rank, donate=True)
     return _diff(params, _torch_diloco(rank, world, 3, 2)), trace, state.outer.syncs
 
@@ -188,12 +196,11 @@ def _torch_delayed_outer(rank, world, inner, outer_kwargs, sync_every, start_ste
 
 def _overlapped(rank, world):
     steps = 12
-    diloco = check_outer({"name": "diloco", "sync_every": 3, "start_step": 1, "lr": 0.7, "momentum": 0.9,
-                          "nesterov": True, "overlap": 2})
+    diloco = _outer("diloco", sync_every=3, start_step=1, overlap=2)
     diloco_params, trace, state = _fdp(diloco, adam(0.01), rank, donate=True, steps=steps)
     diloco_reference = _torch_delayed_outer(rank, world, lambda p: torch.optim.Adam(p, lr=0.01),
                                             dict(lr=0.7, momentum=0.9, nesterov=True), 3, 1, 2, steps)
-    local = check_outer({"name": "local_sgd", "sync_every": 4, "overlap": 3})
+    local = _outer("local_sgd", sync_every=4, overlap=3)
     local_params, _, _ = _fdp(local, sgd(0.1, momentum=0.9), rank, donate=False, steps=steps)
     local_reference = _torch_delayed_outer(rank, world, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
                                            dict(lr=1.0), 4, 0, 3, steps)
@@ -209,26 +216,171 @@ def test_an_overlapped_sync_matches_a_plain_torch_delayed_update(run_ranks):
         assert syncs == 3
 
 
+# -- fragments: streaming DiLoCo ----------------------------------------------------------
+def _torch_streaming(rank, world, fragments, sends, overlap, mix, steps):
+    """Streaming DiLoCo written out in torch: each fragment (a list of param names) has its own
+    anchor and Nesterov SGD; ``sends`` maps a step to the fragment sent after it; the sync
+    lands ``overlap`` steps later, keeping the steps since (``mix=None``) or mixing
+    ``mix * local + (1 - mix) * anchor``."""
+    module = _module()
+    named = dict(module.named_parameters())
+    inner = torch.optim.Adam(module.parameters(), lr=0.01)
+    anchors = [[torch.nn.Parameter(named[n].detach().clone()) for n in names] for names in fragments]
+    outers = [torch.optim.SGD(anchor, lr=0.7, momentum=0.9, nesterov=True) for anchor in anchors]
+    in_flight = {}  # landing step -> (fragment, this rank's pseudo-gradient, the average)
+    for step, (x, y) in enumerate(_batches(rank, steps), start=1):
+        inner.zero_grad()
+        F.cross_entropy(module(x), y).backward()
+        inner.step()
+        with torch.no_grad():
+            _land(in_flight.pop(step, None), anchors, outers, fragments, named, mix)
+            if step in sends:
+                f = sends[step]
+                mine = [(a - named[n]).detach() for a, n in zip(anchors[f], fragments[f])]
+                in_flight[step + overlap] = (f, mine, [_mean_(d.clone(), world) for d in mine])
+            _land(in_flight.pop(step, None), anchors, outers, fragments, named, mix)  # overlap=0: at once
+    return dict(module.named_parameters())
+
+
+def _land(sync, anchors, outers, fragments, named, mix):
+    if sync is None:
+        return
+    f, mine, averaged = sync
+    before = [a.detach().clone() for a in anchors[f]]
+    for a, g in zip(anchors[f], averaged):
+        a.grad = g
+    outers[f].step()
+    for name, a, b, d in zip(fragments[f], anchors[f], before, mine):
+        p = named[name]
+        if mix is None:
+            p.add_((a - b) + d)
+        else:
+            p.copy_(mix * p + (1 - mix) * a)
+
+
+def _fragment_names(spec, rank):
+    """The fragments' param names as the plan of ``_fdp`` splits them."""
+    model, params, buffers = functionalize(_module())
+    loss_fn = cross_entropy_loss(model)
+    plan = plan_buckets(planner_loss(loss_fn, buffers), params, _batches(rank, 1)[0], bucket_cap_mb=0.0002,
+                        first_bucket_cap_mb=0.0001)
+    split = split_fragments(plan, spec.fragments)
+    names = [[n for i in buckets for n in plan.buckets[i].names] for buckets in split]
+    return [[n for n in params if n in group] for group in names], [[plan.buckets[i].numel for i in b] for b in split]
+
+
+def _streaming(rank, world):
+    steps, out = 12, {}
+    cases = {
+        # Two fragments spread over the period, each sent behind the next step, progress kept.
+        "strided": (_outer("diloco", sync_every=4, fragments=2, overlap=1), True,
+                    {2: 0, 4: 1, 6: 0, 8: 1, 10: 0, 12: 1}),
+        # Three fragments on consecutive steps, applied at once and mixed half and half.
+        "sequential": (_outer("diloco", sync_every=6, fragments=3, fragment_schedule="sequential", mix=0.5), False,
+                       {4: 0, 5: 1, 6: 2, 10: 0, 11: 1, 12: 2}),
+        # Sent behind two steps and mixed as torchft does (alpha=0: the local steps since are dropped).
+        "mixed": (_outer("diloco", sync_every=6, fragments=2, overlap=2, mix=0.0), True,
+                  {3: 0, 6: 1, 9: 0, 12: 1}),
+    }
+    for name, (spec, donate, sends) in cases.items():
+        params, trace, state = _fdp(spec, adam(0.01), rank, donate=donate, steps=steps)
+        fragments, sizes = _fragment_names(spec, rank)
+        reference = _torch_streaming(rank, world, fragments, sends, spec.overlap, spec.mix, steps)
+        schedule = {s: sending_fragment(spec, s) for s in range(1, steps + 1) if sending_fragment(spec, s) is not None}
+        out[name] = (_diff(params, reference), trace, state.outer.syncs, schedule == sends, fragments, sizes)
+    # 4-bit outer gradients: a fragment's sync sends its buckets' codes and scales only.
+    spec = _outer("diloco", sync_every=4, fragments=2, overlap=1)
+    params, trace, state = _fdp(spec, adam(0.01), rank, donate=True, hook=lowbit("fp4", block=16), steps=steps)
+    out["fp4"] = (trace, {n: a.clone() for n, a in state.outer.anchor.items()}, state.outer.hook_state)
+    return out
+
+
+_STREAMING: list = []  # one 2-rank run shared by the tests below
+
+
+@pytest.fixture
+def streaming(run_ranks):
+    if not _STREAMING:
+        _STREAMING.extend(run_ranks(_streaming))
+    return _STREAMING
+
+
+def test_fragments_are_contiguous_runs_of_buckets_balanced_by_size():
+    plan = pack_into_buckets([(f"w{i}", (n,), "float32", "cpu") for i, n in enumerate([10, 10, 10, 10, 40, 5, 5])],
+                             bucket_cap_mb=16 / 2**20, first_bucket_cap_mb=16 / 2**20)
+    assert [len(b.names) for b in plan.buckets] == [1] * 7
+    assert split_fragments(plan, 2) == (range(0, 4), range(4, 7))  # 40 | 50 entries
+    assert split_fragments(plan, 3) == (range(0, 4), range(4, 5), range(5, 7))  # 40 | 40 | 10: no run over 40
+    assert split_fragments(plan, 7) == tuple(range(i, i + 1) for i in range(7))
+    with pytest.raises(ValueError, match=r"outer.fragments=8: expected an integer in \[1, 7\]"):
+        split_fragments(plan, 8)
+
+
+def test_fragment_offsets_stagger_the_syncs_over_the_period():
+    strided = _outer("diloco", sync_every=16, fragments=4)
+    assert fragment_offsets(strided) == (4, 8, 12, 0)
+    assert [sending_fragment(strided, s) for s in (4, 8, 12, 16, 20, 32)] == [0, 1, 2, 3, 0, 3]
+    sequential = _outer("diloco", sync_every=16, fragments=4, fragment_schedule="sequential", start_step=2)
+    assert [s for s in range(1, 40) if sending_fragment(sequential, s) is not None] == [15, 16, 17, 18, 31, 32, 33, 34]
+    assert fragment_offsets(_outer("diloco", sync_every=16)) == (0,)  # one fragment: DiLoCo's own schedule
+
+
+def test_streaming_fragments_match_a_plain_torch_reference_and_sync_on_their_steps(streaming):
+    for rank in streaming:
+        for name in ("strided", "sequential", "mixed"):
+            diff, trace, syncs, on_schedule, fragments, sizes = rank[name]
+            assert on_schedule, name
+            assert diff < 1e-5, (name, diff)
+            assert len(fragments) == {"strided": 2, "sequential": 3, "mixed": 2}[name] and all(fragments)
+            assert syncs == {"strided": 5, "sequential": 6, "mixed": 3}[name]  # landed by step 12
+        sent = [step for step, (_, b) in enumerate(rank["strided"][1], 1) if b > 0]
+        landed = [step for step, (synced, _) in enumerate(rank["strided"][1], 1) if synced]
+        assert sent == [2, 4, 6, 8, 10, 12] and landed == [3, 5, 7, 9, 11]
+
+
+def test_fp4_outer_gradients_send_each_fragment_alone_and_keep_ranks_agreed(streaming):
+    (trace0, anchor0, hook_state0), (trace1, anchor1, _) = (rank["fp4"] for rank in streaming)
+    assert all(torch.equal(anchor0[n], anchor1[n]) for n in anchor0)  # the same fp32 sum on every rank
+    _, _, _, _, _, sizes = streaming[0]["strided"]
+    # Each sync: one allgather per bucket of its fragment, 4 bits per entry plus an fp32 scale per 16.
+    expected = [sum((n + (-n % 16)) // 2 + 4 * ((n + 15) // 16) for n in part) for part in sizes]
+    assert [b for _, b in trace0 if b > 0] == [b for _, b in trace1 if b > 0] == expected * 3
+    whole = 4 * sum(map(sum, sizes))  # plain DiLoCo's sync: the model in fp32
+    assert max(expected) <= whole / 2 / 4  # at most 1/F of it, with room to spare
+    assert all(state[0].error.dtype == torch.float32 for state in hook_state0)
+
+
 # -- resume in the middle of a period ----------------------------------------------------
 RUN = ["model.hidden=16", "data.global_batch_size=16", "trainer.progress=false", "trainer.eval_every=0",
        "world=local2", "world.backend=gloo", "world.timeout_s=60", "trainer.max_steps=10",
-       "outer=diloco", "outer.sync_every=4", "hooks=powersgd", "hooks.start_iter=1", "hooks.min_compression_rate=1"]
+       "outer=diloco", "outer.sync_every=4"]
+POWERSGD = ["hooks=powersgd", "hooks.start_iter=1", "hooks.min_compression_rate=1"]
 
 
 def _checkpoint(run_dir):
     return torch.load(Path(run_dir) / "checkpoints" / "last.pt", weights_only=True)
 
 
+# Streaming: two fragments (syncs after steps 2, 6, 10 and 4, 8), each sent behind the next step,
+# as fp4 codes with error feedback; small buckets so that the plan has several.
+VARIANTS = {
+    "overlap0": [*POWERSGD, "outer.overlap=0"],
+    "overlap3": [*POWERSGD, "outer.overlap=3"],
+    "streaming": ["outer.fragments=2", "outer.overlap=1", "hooks=lowbit", "hooks.block=16",
+                  "trainer.bucket_cap_mb=0.002", "trainer.first_bucket_cap_mb=0.001"],
+}
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """``uninterrupted(overlap)``: the last checkpoint of the run of RUN without a stop, made once per overlap."""
+    """``uninterrupted(variant)``: the last checkpoint of the run of RUN without a stop, made once per variant."""
     made = {}
 
-    def last_checkpoint(overlap):
-        if overlap not in made:
-            made[overlap] = tmp_path_factory.mktemp(f"whole-overlap{overlap}")
-            run(compose(*RUN, f"outer.overlap={overlap}"), made[overlap])
-        return _checkpoint(made[overlap])
+    def last_checkpoint(variant):
+        if variant not in made:
+            made[variant] = tmp_path_factory.mktemp(f"whole-{variant}")
+            run(compose(*RUN, *VARIANTS[variant]), made[variant])
+        return _checkpoint(made[variant])
 
     return last_checkpoint
 
@@ -244,21 +396,23 @@ def _assert_each_rank_as_uninterrupted(whole, parts):
                 assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), (rank, key)
 
 
-@pytest.mark.parametrize("overlap", [0, 3])
-def test_resume_in_the_middle_of_a_period_is_bit_exact(tmp_path, uninterrupted, overlap):
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_resume_in_the_middle_of_a_period_is_bit_exact(tmp_path, uninterrupted, variant):
     """Stopped after step 6 (syncs at 4 and 8) and resumed: each rank ends as in one uninterrupted run.
 
     With ``overlap=3`` the sync sent after step 4 is still in flight at the stop (applied
-    after step 7): the resumed run sends it again from the checkpoint.
+    after step 7): the resumed run sends it again from the checkpoint. Streaming: fragment
+    0's fp4 sync sent after step 6 is in flight at the stop, with both fragments' outer
+    optimizer states and every bucket's error feedback in the checkpoint.
     """
-    runs = [*RUN, f"outer.overlap={overlap}"]
+    runs = [*RUN, *VARIANTS[variant]]
     run(compose(*runs, "trainer.stop_at=6"), tmp_path)
     halfway = _checkpoint(tmp_path)
     assert halfway["step"] == 6
     # Mid-period the ranks have stepped apart, and each rank's own params were saved.
     assert any(not torch.equal(halfway["ranks"][0]["params"][k], halfway["ranks"][1]["params"][k]) for k in halfway["params"])
     run(compose(*runs, "trainer.resume=true"), tmp_path)
-    _assert_each_rank_as_uninterrupted(uninterrupted(overlap), _checkpoint(tmp_path))
+    _assert_each_rank_as_uninterrupted(uninterrupted(variant), _checkpoint(tmp_path))
 
 
 def _killed_when_saving(cfg, run_dir, step):
@@ -279,11 +433,11 @@ def _killed_when_saving(cfg, run_dir, step):
 def test_a_restarted_world_keeps_the_schedule_with_a_sync_in_flight(tmp_path, uninterrupted):
     """Rank 0 dies at checkpoint 8; the restarted world resumes from checkpoint 6, where the
     sync sent after step 4 is in flight (``overlap=3``), and ends as the uninterrupted run."""
-    cfg = compose(*RUN, "outer.overlap=3", "trainer.checkpoint_every=2", "world.max_restarts=1")
+    cfg = compose(*RUN, *VARIANTS["overlap3"], "trainer.checkpoint_every=2", "world.max_restarts=1")
     validate(cfg, tmp_path)
     results = spawn(_killed_when_saving, (OmegaConf.to_container(cfg, resolve=True), str(tmp_path), 8), layout_of(cfg))
     assert (tmp_path / "killed").read_text() == "8" and results[0]["steps"] == 10
-    _assert_each_rank_as_uninterrupted(uninterrupted(3), _checkpoint(tmp_path))
+    _assert_each_rank_as_uninterrupted(uninterrupted("overlap3"), _checkpoint(tmp_path))
 
 
 # -- refusals --------------------------------------------------------------------------------
@@ -294,6 +448,16 @@ def test_a_restarted_world_keeps_the_schedule_with_a_sync_in_flight(tmp_path, un
         (["outer=diloco", "outer.start_step=-1"], "outer.start_step=-1: expected an integer >= 0"),
         (["outer=diloco", "outer.momentum=1.5"], "outer.momentum=1.5: expected a value in [0, 1)"),
         (["outer=local_sgd", "outer.sync_every=4", "outer.overlap=4"], "outer.overlap=4: expected an integer in [0, outer.sync_every=4)"),
+        (["outer=diloco", "outer.sync_every=4", "outer.fragments=5"], "outer.fragments=5: expected an integer in [1, outer.sync_every=4]"),
+        (["outer=diloco", "outer.fragments=2", "outer.fragment_schedule=random"],
+         "outer.fragment_schedule='random': expected strided or sequential"),
+        (["outer=diloco", "outer.sync_every=16", "outer.fragments=4", "outer.overlap=4"],
+         "outer.overlap=4: expected an integer in [0, 4, the steps between fragment syncs of outer.fragments=4 "
+         "outer.fragment_schedule=strided)"),
+        (["outer=diloco", "outer.fragments=4", "outer.fragment_schedule=sequential", "outer.overlap=1"],
+         "outer.overlap=1: expected an integer in [0, 1, the steps between fragment syncs"),
+        (["outer=local_sgd", "outer.mix=1.5"], "outer.mix=1.5: expected null or a number in [0, 1]"),
+        (["hooks=lowbit", "hooks.format=fp2"], "hooks.format='fp2': expected int8, fp8, int4, fp4"),
     ],
 )
 def test_bad_outer_settings_are_refused_in_one_line(overrides, message):
@@ -304,4 +468,5 @@ def test_bad_outer_settings_are_refused_in_one_line(overrides, message):
 
 def test_an_outer_step_needs_an_outer_schedule():
     with pytest.raises(ValueError, match="outer=none"):
-        make_outer_step(lambda *a: None, sgd(0.1), pack_into_buckets([("w", (2,), "float32", "cpu")]), OuterSpec())
+        make_outer_step(lambda *a: None, sgd(0.1), pack_into_buckets([("w", (2,), "float32", "cpu")]),
+                        check_outer({"name": "none"}))

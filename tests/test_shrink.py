@@ -203,6 +203,27 @@ def test_local_sgd_goes_on_as_a_run_stopped_there_and_resumed_on_two_ranks(local
     assert_close_params(final_params(local_sgd_killed["dir"]), final_params(tmp_path))
 
 
+# Streaming DiLoCo: two fragments sent behind the next step as fp4 codes (each rank's own error feedback).
+STREAMING = ["outer=diloco", "outer.sync_every=4", "outer.fragments=2", "outer.overlap=1", "hooks=lowbit", "hooks.block=16",
+             "trainer.bucket_cap_mb=0.002", "trainer.first_bucket_cap_mb=0.001"]
+
+
+@pytest.fixture(scope="module")
+def streaming_killed(tmp_path_factory):
+    return _interrupted_run(tmp_path_factory, "streaming", signal.SIGKILL, *STREAMING)
+
+
+def test_streaming_diloco_goes_on_as_a_run_stopped_there_and_resumed_on_two_ranks(streaming_killed, tmp_path):
+    """As under local SGD, with fragments: each survivor keeps its fragments' outer states, the sync in
+    flight and its fp4 error feedback, and trains what a run stopped at that step and resumed does."""
+    summary = streaming_killed["summary"]
+    (shrink,) = summary["shrinks"]
+    assert shrink["lost"] == [2] and summary["world"] == 2 and summary["steps"] == STEPS
+    run(compose(*COMMON, *STREAMING, f"trainer.stop_at={shrink['step']}"), tmp_path)
+    run(compose(*COMMON, *STREAMING, "world.nproc_per_node=2", "trainer.resume=true"), tmp_path)
+    assert_close_params(final_params(streaming_killed["dir"]), final_params(tmp_path))
+
+
 # -- fewer than world.min_ranks ------------------------------------------------------------------------
 def test_a_world_under_min_ranks_ends_in_one_line_with_a_checkpoint_to_resume(tmp_path):
     two = ["world.nproc_per_node=2", "world.min_ranks=2"]

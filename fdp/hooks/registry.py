@@ -22,6 +22,7 @@ from fdp.hooks.allreduce import allreduce
 from fdp.hooks.base import Hook, chain
 from fdp.hooks.compress import bf16, bf16_compress, bf16_decompress, fp16, fp16_compress, fp16_decompress
 from fdp.hooks.int8 import int8
+from fdp.hooks.lowbit import lowbit
 from fdp.hooks.noop import noop
 from fdp.hooks.powersgd import batched_powersgd, powersgd
 from fdp.hooks.topk import topk
@@ -41,6 +42,7 @@ HOOKS: dict[str, Callable[..., Hook]] = {
     "batched_powersgd": batched_powersgd,
     "topk": topk,
     "int8": int8,
+    "lowbit": lowbit,
     "noop": noop,
 }
 

@@ -1,0 +1,374 @@
+"""Benchmark: streaming DiLoCo (fragments, overlap, fp4 outer gradients) against DDP and torchft's DiLoCo.
+
+Every side trains the same char transformer (``fdp.models.CharTransformer``) from the same
+init on the same batches (random windows of the Python standard library's sources, a
+seeded stream per rank), two ranks over gloo on this host, Adam(1e-3) inside:
+
+* ``DDP allreduce``: torch's ``DistributedDataParallel``, a gradient allreduce every step;
+* fdp's outer loop (``fdp.outer``): DiLoCo every H steps, and streaming DiLoCo with F
+  fragments, overlap tau and the pseudo-gradient in fp32 or as fp4 codes (``hooks=lowbit``);
+* ``torchft``: torchft 0.2.0's ``DiLoCo`` with the same fragments (the same param sets),
+  ``sync_every=H`` (it syncs one fragment every H / F steps, in order), the same delay
+  and alpha, an outer Nesterov SGD per fragment. Its quantised allreduce
+  (``should_quantize``) runs Triton kernels on CUDA tensors only, so on CPU it is fp32.
+
+Per side: the final loss (mean of the last ``--window`` steps), the bytes each rank sent
+over the run and the most in one step (fdp's ``bytes_sent``; DDP and torchft counted the
+same way: the payload each rank hands to its allreduce), and the median step time here,
+where the network is fast (the overhead of the outer loop's bookkeeping). The time to
+DDP's loss at 100 Mbit/s and 1 Gbit/s comes from the time-to-loss model
+(``benchmarks/netsim/projection.py``): the measured compute time and bytes of every
+step, projected over the link for N = 2..64 nodes, and checked against the two-node runs
+on the simulated cluster in ``results/slow_links*.json``.
+
+    python benchmarks/streaming.py                       # ~15 min on 2 busy cores
+    python benchmarks/streaming.py --steps 64 --quick    # a smoke run, to a scratch directory
+
+Writes ``benchmarks/results/streaming.{md,json}``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from benchmarks.netsim import projection as P  # noqa: E402
+
+RESULTS = HERE / "results"
+TOLERANCE = 0.02  # reaching DDP's loss: a window mean within 2% of it (slow_links.py's rule)
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=384)
+    p.add_argument("--sync-every", type=int, default=16)
+    p.add_argument("--fragments", type=int, default=4)
+    p.add_argument("--overlap", type=int, default=1)
+    p.add_argument("--outer-lr", type=float, default=1.0)
+    p.add_argument("--outer-momentum", type=float, default=0.5)
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
+    p.add_argument("--block", type=int, default=64)
+    p.add_argument("--window", type=int, default=32)
+    p.add_argument("--latency-ms", type=float, default=0.5, help="per link, for the projection")
+    p.add_argument("--variants", help="comma list of the variants' keys (default: all)")
+    p.add_argument("--quick", action="store_true", help="write to a scratch directory")
+    p.add_argument("--name", default="streaming")
+    p.add_argument("--reuse", action="store_true", help="tabulate the rows a previous run left in the work directory")
+    return p.parse_args()
+
+
+def variants(a) -> dict:
+    """name -> settings; ``kind`` is how the projection sends a sync."""
+    h, f, tau = a.sync_every, a.fragments, a.overlap
+    stream = f"F={f} tau={tau}"
+    return {
+        "ddp": {"name": "DDP allreduce", "side": "ddp", "kind": "allreduce"},
+        "diloco": {"name": f"fdp DiLoCo H={h}", "side": "fdp", "kind": "allreduce", "fragments": 1, "overlap": 0},
+        "streaming_fp4": {"name": f"fdp streaming {stream} fp4", "side": "fdp", "kind": "allgather", "fragments": f,
+                          "overlap": tau, "hook": "fp4"},
+        "streaming_fp4_mix0": {"name": f"fdp streaming {stream} fp4 mix=0", "side": "fdp", "kind": "allgather",
+                               "fragments": f, "overlap": tau, "hook": "fp4", "mix": 0.0},
+        "streaming_fp32_mix0": {"name": f"fdp streaming {stream} fp32 mix=0", "side": "fdp", "kind": "allreduce",
+                                "fragments": f, "overlap": tau, "mix": 0.0},
+        "torchft": {"name": f"torchft DiLoCo {stream} alpha=0 fp32", "side": "torchft", "kind": "allreduce",
+                    "fragments": f, "overlap": tau, "mix": 0.0},
+    }
+
+
+# ----------------------------------------------------------------------------- data and model
+def corpus() -> str:
+    """The Python standard library's sources, concatenated in a fixed order (~1 MB)."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    text, files = [], sorted(p for p in root.glob("*.py"))
+    for path in files:
+        text.append(path.read_text(errors="replace"))
+        if sum(map(len, text)) > 1_000_000:
+            break
+    return "".join(text)
+
+
+def batches(rank: int, steps: int, batch: int, block: int) -> tuple[int, list]:
+    text = corpus()
+    chars = sorted(set(text))
+    lookup = {c: i for i, c in enumerate(chars)}
+    data = torch.tensor([lookup[c] for c in text], dtype=torch.long)
+    g = torch.Generator().manual_seed(1000 + rank)
+    out = []
+    for _ in range(steps):
+        starts = torch.randint(0, data.numel() - block - 1, (batch,), generator=g)
+        x = torch.stack([data[s: s + block] for s in starts])
+        y = torch.stack([data[s + 1: s + block + 1] for s in starts])
+        out.append((x, y))
+    return len(chars), out
+
+
+def model(vocab: int, a):
+    from fdp.models import CharTransformer
+
+    torch.manual_seed(0)
+    return CharTransformer(vocab_size=vocab, block_size=a.block, d_model=a.d_model, n_layer=a.layers, n_head=4)
+
+
+# ----------------------------------------------------------------------------- the sides
+def run_ddp(module, data, a) -> list[dict]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(module)
+    opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
+    payload = 4 * sum(p.numel() for p in module.parameters())
+    rows = []
+    for x, y in data:
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = F.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        rows.append({"loss": loss.item(), "step_s": time.perf_counter() - t0, "bytes": payload})
+    # compute alone: the same step without the allreduce, for the projection
+    return _with_compute(rows, module, data, a)
+
+
+def _with_compute(rows, module, data, a):
+    """DDP's rows with the compute seconds of the same steps on a copy, without communication."""
+    import copy
+
+    alone = copy.deepcopy(module)
+    opt = torch.optim.Adam(alone.parameters(), lr=1e-3)
+    for row, (x, y) in zip(rows, data):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        F.cross_entropy(alone(x).flatten(0, 1), y.flatten()).backward()
+        opt.step()
+        row["compute_s"] = time.perf_counter() - t0
+    return rows
+
+
+def fdp_fragments(module, data, a, fragments: int):
+    """The bucket plan fdp's benchmark runs use, and its fragments' param names."""
+    from fdp import functionalize, plan_buckets
+    from fdp.losses import cross_entropy_loss, planner_loss
+    from fdp.plan import split_fragments
+
+    fm, params, buffers = functionalize(module)
+    loss_fn = cross_entropy_loss(fm)
+    plan = plan_buckets(planner_loss(loss_fn, buffers), params, data[0], bucket_cap_mb=0.05, first_bucket_cap_mb=0.05)
+    names = [[n for i in run for n in plan.buckets[i].names] for run in split_fragments(plan, fragments)]
+    return fm, params, buffers, loss_fn, plan, names
+
+
+def run_fdp(module, data, a, v) -> list[dict]:
+    from fdp import Comm, adam, init_train_state
+    from fdp.hooks import allreduce, lowbit
+    from fdp.outer import check_outer, init_outer_state, make_outer_step
+
+    _, params, buffers, loss_fn, plan, _ = fdp_fragments(module, data, a, v["fragments"])
+    spec = check_outer({"name": "diloco", "sync_every": a.sync_every, "start_step": 0, "lr": a.outer_lr,
+                        "momentum": a.outer_momentum, "nesterov": True, "overlap": v["overlap"],
+                        "fragments": v["fragments"], "fragment_schedule": "strided", "mix": v.get("mix")})
+    hook = lowbit("fp4") if v.get("hook") == "fp4" else allreduce()
+    state = init_train_state(params, buffers, adam(1e-3), plan, hook)
+    state = state._replace(outer=init_outer_state(spec, params, plan, hook))
+    step = make_outer_step(loss_fn, adam(1e-3), plan, spec, hook, Comm(), donate=True)
+    rows = []
+    for batch in data:
+        t0 = time.perf_counter()
+        state, m = step(state, batch)
+        rows.append({"loss": float(m["loss"]), "step_s": time.perf_counter() - t0, "bytes": m["bytes_sent"],
+                     "compute_s": m["compute_s"]})
+    return rows
+
+
+def run_torchft(module, data, a, v, rank: int, lighthouse: str, store_port: int) -> list[dict]:
+    from datetime import timedelta
+
+    from torchft import Manager
+    from torchft.local_sgd import DiLoCo
+    from torchft.process_group import ProcessGroupGloo
+
+    *_, names = fdp_fragments(module, data, a, v["fragments"])
+    named = dict(module.named_parameters())
+    fragments = []
+    for group in names:  # the same param sets as fdp's fragments
+        part = torch.nn.Module()
+        for i, n in enumerate(group):
+            part.register_parameter(f"p{i}", named[n])
+        fragments.append(part)
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=True, wait_for_workers=False)
+    manager = Manager(pg=ProcessGroupGloo(), min_replica_size=2, load_state_dict=None, state_dict=None,
+                      replica_id=f"replica{rank}", lighthouse_addr=lighthouse, store_addr="127.0.0.1",
+                      store_port=store_port, rank=0, world_size=1, use_async_quorum=False,
+                      timeout=timedelta(seconds=120), quorum_timeout=timedelta(seconds=120))
+    inner = torch.optim.Adam(module.parameters(), lr=1e-3)
+    outers = [torch.optim.SGD(f.parameters(), lr=a.outer_lr, momentum=a.outer_momentum, nesterov=True) for f in fragments]
+    sizes = [4 * sum(p.numel() for p in f.parameters()) for f in fragments]
+    rows = []
+    with DiLoCo(manager, fragments, inner, outers, sync_every=a.sync_every,
+                fragment_sync_delay=v["overlap"], fragment_update_alpha=v["mix"]) as diloco:
+        for step, (x, y) in enumerate(data, start=1):
+            t0 = time.perf_counter()
+            inner.zero_grad()
+            loss = F.cross_entropy(module(x).flatten(0, 1), y.flatten())
+            loss.backward()
+            sends = step % (a.sync_every // v["fragments"]) == (a.sync_every // v["fragments"]) - v["overlap"]
+            fragment = diloco._current_fragment() if sends else None
+            inner.step()
+            rows.append({"loss": loss.item(), "step_s": time.perf_counter() - t0,
+                         "bytes": sizes[fragment] if fragment is not None else 0})
+    manager.shutdown(wait=False)
+    del store
+    return rows
+
+
+def worker(rank: int, world: int, port: int, key: str, a, lighthouse: str, store_port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    v = variants(a)[key]
+    vocab, data = batches(rank, a.steps, a.batch, a.block)
+    module = model(vocab, a)
+    if v["side"] == "torchft":
+        rows = run_torchft(module, data, a, v, rank, lighthouse, store_port + rank)
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        rows = run_ddp(module, data, a) if v["side"] == "ddp" else run_fdp(module, data, a, v)
+        dist.destroy_process_group()
+    Path(out, f"{key}.rank{rank}.json").write_text(json.dumps(rows))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_side(key: str, a, work: Path) -> list[dict]:
+    lighthouse, server = "", None
+    if variants(a)[key]["side"] == "torchft":
+        from torchft.coordination import LighthouseServer
+
+        server = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=10_000)
+        lighthouse = server.address()
+    try:
+        mp.spawn(worker, args=(2, free_port(), key, a, lighthouse, free_port(), str(work)), nprocs=2)
+    finally:
+        if server is not None:
+            server.shutdown()
+    return json.loads(Path(work, f"{key}.rank0.json").read_text())
+
+
+# ----------------------------------------------------------------------------- the table
+def summarise(a, results: dict) -> dict:
+    ddp = results["ddp"]["rows"]
+    target = statistics.mean(r["loss"] for r in ddp[-a.window:])
+    latency = a.latency_ms / 1e3
+    table = []
+    for key, res in results.items():
+        rows, v = res["rows"], res["variant"]
+        final = statistics.mean(r["loss"] for r in rows[-a.window:])
+        sent = [r["bytes"] for r in rows]
+        compute = [r.get("compute_s", r["step_s"]) for r in rows]
+        row = {"variant": v["name"], "final_loss": final, "vs_ddp_loss": final / target - 1, "bytes_total": sum(sent),
+               "bytes_peak": max(sent), "median_step_ms": 1e3 * statistics.median(r["step_s"] for r in rows),
+               "median_compute_ms": 1e3 * statistics.median(compute), "to_target": {}}
+        for rate in ("100mbit", "1gbit"):
+            for nodes in (2, 8, 64):
+                steps = P.projected_steps(compute, sent, v["kind"], nodes, P.RATES[rate], latency, v.get("overlap", 0))
+                row["to_target"][f"{rate} N={nodes}"] = P.time_to(target, [r["loss"] for r in rows], steps, a.window,
+                                                                   TOLERANCE)
+        table.append(row)
+    ddp_row = table[0]
+    for row in table:
+        row["bytes_vs_ddp"] = ddp_row["bytes_total"] / row["bytes_total"] if row["bytes_total"] else None
+        row["speedup"] = {k: (ddp_row["to_target"][k][1] / s if s else None) for k, (_, s) in row["to_target"].items()}
+    return {"target": target, "rows": table, "checks": netsim_checks()}
+
+
+def netsim_checks() -> list[dict]:
+    """The model's two-node step times beside the simulated cluster's (charmlp, 19.85M fp32 params)."""
+    checks = []
+    for name, rate in (("slow_links", "1gbit"), ("slow_links_100mbit", "100mbit")):
+        path = RESULTS / f"{name}.json"
+        if not path.exists():
+            continue
+        rows = {r["variant"]: r for r in json.loads(path.read_text())["rows"]}
+        outer = rows.get("local SGD H=16")  # its median step has no sync: the compute alone, on that host
+        if "DDP allreduce" in rows and outer:
+            check = P.check_against(rows["DDP allreduce"]["median_ms"], outer["median_ms"], 4 * 19.85e6, "allreduce", rate)
+            checks.append({"run": f"{name}.json", "rate": rate, "variant": "DDP allreduce (every step)", **check})
+            synced = [ms for i, ms in enumerate(outer["step_ms_all"], start=1) if i % 16 == 0]
+            check = P.check_against(statistics.median(synced), outer["median_ms"], 4 * 19.85e6, "allreduce", rate)
+            checks.append({"run": f"{name}.json", "rate": rate, "variant": "local SGD H=16 (a sync step)", **check})
+    return checks
+
+
+def write(a, summary: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"args": vars(a), **summary}, indent=1))
+    lines = [f"# Streaming DiLoCo against DDP and torchft (char transformer, {a.steps} steps, 2 ranks)", "",
+             f"Command: `python benchmarks/streaming.py {' '.join(w for w in sys.argv[1:] if w != '--reuse')}`. "
+             f"H={a.sync_every}, "
+             f"outer Nesterov SGD lr={a.outer_lr} momentum={a.outer_momentum}, Adam(1e-3) inside, d_model={a.d_model}, "
+             f"{a.layers} layers, {a.batch}x{a.block} tokens per rank and step. DDP's loss (mean of the last "
+             f"{a.window} steps): {summary['target']:.4f}.", "",
+             "| variant | final loss | vs DDP | bytes sent per rank | DDP's / its bytes | peak bytes in a step | "
+             "median step ms (fast network) | to DDP's loss at 100 Mbit/s | at 1 Gbit/s | 100 Mbit/s, 64 nodes |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def reach(row, key):
+        _, seconds = row["to_target"][key]
+        return f"{seconds:.1f} s ({row['speedup'][key]:.1f}x)" if seconds else "not reached"
+
+    for row in summary["rows"]:
+        ratio = f"{row['bytes_vs_ddp']:.0f}x" if row["bytes_vs_ddp"] else "-"
+        lines.append(f"| {row['variant']} | {row['final_loss']:.4f} | {100 * row['vs_ddp_loss']:+.2f}% | "
+                     f"{row['bytes_total'] / 1e6:.1f} MB | {ratio} | {row['bytes_peak'] / 1e3:.0f} kB | "
+                     f"{row['median_step_ms']:.0f} | {reach(row, '100mbit N=2')} | {reach(row, '1gbit N=2')} | "
+                     f"{reach(row, '100mbit N=64')} |")
+    lines += ["", f"Times to DDP's loss (a {a.window}-step mean within 2% of it) are projected (`benchmarks/netsim/projection.py`) from each step's "
+              f"measured compute and bytes, {a.latency_ms} ms per link; the model against the simulated cluster:", "",
+              "| run | rate | variant | measured ms | model ms | model / measured |", "|---|---|---|---|---|---|"]
+    for c in summary["checks"]:
+        lines.append(f"| {c['run']} | {c['rate']} | {c['variant']} | {c['measured_ms']:.0f} | {c['model_ms']:.0f} | "
+                     f"{c['ratio']:.2f} |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    a = parse_args()
+    keys = a.variants.split(",") if a.variants else list(variants(a))
+    if keys[0] != "ddp":
+        keys = ["ddp", *[k for k in keys if k != "ddp"]]
+    work = Path(os.environ.get("TMPDIR", "/tmp"), "fdp-streaming")
+    work.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for key in keys:
+        t0 = time.perf_counter()
+        saved = Path(work, f"{key}.rank0.json")
+        rows = json.loads(saved.read_text()) if a.reuse and saved.exists() else run_side(key, a, work)
+        results[key] = {"variant": variants(a)[key], "rows": rows}
+        rows = results[key]["rows"]
+        print(f"{variants(a)[key]['name']}: loss {statistics.mean(r['loss'] for r in rows[-a.window:]):.4f}, "
+              f"{sum(r['bytes'] for r in rows) / 1e6:.1f} MB sent, {time.perf_counter() - t0:.0f} s", flush=True)
+    out = (RESULTS if not a.quick else work) / a.name
+    write(a, summarise(a, results), out)
+    print(f"wrote {out.with_suffix('.md')}")
+
+
+if __name__ == "__main__":
+    main()
