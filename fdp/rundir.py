@@ -6,7 +6,7 @@
       .lock                held by the run that owns the directory (flock), naming it
       train.log            what the run printed: start-up, warnings, the summary, errors
       metrics.jsonl        one JSON object per logged step, and the summary (rank 0)
-      checkpoints/         step_<N>.pt and last.pt (fdp.checkpoint)
+      checkpoints/         step_<N>.pt and last.pt, a copy of the newest (fdp.checkpoint)
       plan.txt, plan.json  the bucket plan, as a table and as JSON
       ranks/rank<N>.txt    each rank's pid and the step it is computing (RankStatus)
       rank<N>.log          what ranks other than 0 log
@@ -46,10 +46,10 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
-from fdp.checkpoint import LAST, CheckpointError
-from fdp.errors import ConfigError
+from fdp.checkpoint import CHECKPOINTS, LAST, CheckpointError, resolve
+from fdp.errors import ConfigError, require
 
 __all__ = [
     "LOCK", "TRAIN_LOG", "CHECKPOINTS", "RUN_LOGGER", "RunDir", "RankStatus", "RunDirInUse", "Ownership", "own_run_dir",
@@ -58,7 +58,6 @@ __all__ = [
 
 LOCK = ".lock"  # held (flock) by the run that owns the directory, and names it
 TRAIN_LOG = "train.log"  # what the run printed, through logging (Hydra's <job name>.log)
-CHECKPOINTS = "checkpoints"
 
 
 class RunDir(NamedTuple):
@@ -106,6 +105,22 @@ class RunDir(NamedTuple):
     def has_run(self) -> bool:
         """Whether a run already wrote here (metrics or checkpoints)."""
         return self.metrics.exists() or self.checkpoints.exists()
+
+    def resume_from(self, resume: Any) -> Path | None:
+        """The checkpoint ``trainer.resume`` starts the run from: ``None`` (false), this run's last (true), or
+        the file a path names (a step file, or a run or checkpoints directory's last: ``fdp.checkpoint.resolve``).
+
+        >>> RunDir(Path("outputs/run")).resume_from(True).as_posix()
+        'outputs/run/checkpoints/last.pt'
+        >>> RunDir(Path("outputs/run")).resume_from("outputs/old/checkpoints/step_00000100.pt").as_posix()
+        'outputs/old/checkpoints/step_00000100.pt'
+        """
+        ok = isinstance(resume, bool) or (isinstance(resume, str) and resume.strip() != "")
+        require(ok, "trainer.resume", resume, "true, false or the path of a checkpoint (a step_<N>.pt file, or a run "
+                "directory for its last.pt)", ConfigError)
+        if resume is False:
+            return None
+        return self.last_checkpoint if resume is True else resolve(Path(resume).expanduser())
 
 
 class RankStatus:

@@ -67,18 +67,19 @@ def _save(run_dir: RunDir, state: TrainState, comm: Comm, cfg: DictConfig, parts
     checkpoint.save_checkpoint(run_dir.checkpoints, state, parts.plan, comm, keep=cfg.trainer.keep_checkpoints, extra=extra)
 
 
-def _resume(cfg: DictConfig, run_dir: RunDir, parts: RunParts, comm: Comm, stage: int) -> TrainState:
+def _resume(cfg: DictConfig, source: Path, parts: RunParts, comm: Comm, stage: int) -> TrainState:
     template = zero.unsharded_template(parts.state, parts.optimizer, parts.plan) if stage else parts.state
-    state = checkpoint.load_checkpoint(run_dir.last_checkpoint, template, parts.plan, comm)
+    state = checkpoint.load_checkpoint(source, template, parts.plan, comm)
+    if comm.rank == 0:
+        log.info(f"resumed from step {state.step} ({source})")
     return zero.shard_state(state, parts.plan, comm, stage, mirror=mirrors(cfg)) if stage else state
 
 
 def _first_state(cfg: DictConfig, run_dir: RunDir, parts: RunParts, comm: Comm) -> TrainState:
-    """The built state, or the last checkpoint's when resuming (asked, or after a restart of the world)."""
+    """The built state, or a checkpoint's: ``trainer.resume``'s, or this run's last after a restart of the world."""
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
-    if cfg.trainer.resume or (restarted and run_dir.last_checkpoint.exists()):
-        return _resume(cfg, run_dir, parts, comm, cfg.trainer.zero_stage)
-    return parts.state
+    source = run_dir.last_checkpoint if restarted and run_dir.last_checkpoint.exists() else run_dir.resume_from(cfg.trainer.resume)
+    return parts.state if source is None else _resume(cfg, source, parts, comm, cfg.trainer.zero_stage)
 
 
 # -- the parts of a worker's run ---------------------------------------------------------------
