@@ -323,14 +323,33 @@ def load_checkpoint(
     of the same run (from ``init_train_state`` or ``fdp.setup_state``): it gives the
     structure of the optimizer and hook states. Rank 0 reads the file with
     ``weights_only=True`` and sends it to the others; a file written with another
-    bucket plan than ``plan`` (another model, dtype or bucket caps) is refused with a
-    ``CheckpointError`` on every rank.
+    bucket plan than ``plan`` (another model, dtype or bucket caps), or a state that does
+    not fit ``like`` on any rank, is refused with the same ``CheckpointError`` on every rank.
     """
     comm = comm or Comm()
     path = resolve(path)
-    payload = [load(path) if comm.rank == 0 else None]
+    payload: list = [None]
+    if comm.rank == 0:
+        try:
+            payload = [load(path)]
+        except CheckpointError as error:
+            payload = [{"refused": str(error)}]
     if comm.world_size > 1:
         dist.broadcast_object_list(payload, src=0, group=comm.group)
-    if payload[0].get("plan_fingerprint") != plan.on_cpu().fingerprint():
-        raise CheckpointError(f"checkpoint {path} was written with another bucket plan (model or bucket caps changed)")
-    return restore(payload[0], like, comm.rank, path)
+    refused, state = payload[0].get("refused"), None
+    if refused is None and payload[0].get("plan_fingerprint") != plan.on_cpu().fingerprint():
+        refused = f"checkpoint {path} was written with another bucket plan (model or bucket caps changed)"
+    if refused is None:
+        try:
+            state = restore(payload[0], like, comm.rank, path)
+        except CheckpointError as error:
+            refused = str(error)
+    if comm.world_size > 1:
+        # A refusal on any rank is every rank's, in the same words: no rank goes on into
+        # collectives that a refusing one has left, and which rank reports it does not matter.
+        seen: list = [None] * comm.world_size
+        dist.all_gather_object(seen, refused, group=comm.group)
+        refused = next((r for r in seen if r is not None), None)
+    if refused is not None:
+        raise CheckpointError(refused)
+    return state
