@@ -103,7 +103,12 @@ class RankLostError(RuntimeError):
 
 
 class RankOutOfMemoryError(RuntimeError):
-    """A rank could not allocate what the run needs; the message names it, where, and the budget."""
+    """A rank could not allocate what the run needs after it saved a checkpoint; the message names it, where,
+    the budget and what to change."""
+
+
+class RunDoesNotFit(ConfigError):
+    """A rank ran out of memory before the run saved anything: refused, as a setting is (the message says which)."""
 
 
 def _signal_name(exitcode: int) -> str | None:

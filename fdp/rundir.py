@@ -305,7 +305,7 @@ def own_run_dir(run_dir: str | Path, say: Callable[[str], None] | None = None) -
         refused = True
         raise
     except BaseException as error:  # a local world's workers refused: the same as refusing here
-        refused = getattr(error, "error_type", None) in ("ConfigError", "CheckpointError", "RunDirInUse")
+        refused = getattr(error, "error_type", None) in ("ConfigError", "CheckpointError", "RunDirInUse", "RunDoesNotFit")
         raise
     finally:
         owned.release(refused=refused)
