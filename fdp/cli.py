@@ -90,10 +90,7 @@ def _bad_value(cause: Any, override: str | None) -> str:
     full_key = str(getattr(cause, "full_key", "") or "")
     key = full_key.rpartition(".")[2]
     expected = _expected_type(getattr(cause, "object_type", None), key) or "a value of the key's type"
-    line = f"{override or full_key}: expected {expected}"
-    if full_key == "trainer.resume":
-        line += " (to continue a run, set hydra.run.dir to its directory and trainer.resume=true)"
-    return line
+    return f"{override or full_key}: expected {expected}"
 
 
 def _missing_option(error: Any) -> str:
