@@ -37,8 +37,8 @@ __all__ = ["hydra_error_line", "main", "train"]
 
 REFUSED, FAILED = 2, 1
 # Failures the run reports in one line: the message says what happened and what to change.
-EXPECTED = ("ConfigError", "CheckpointError", "FloatingPointError", "RankLostError", "RankOutOfMemoryError", "RunDirInUse",
-            "RunDoesNotFit")
+EXPECTED = ("ConfigError", "CheckpointError", "FloatingPointError", "RankLostError", "RankOutOfMemoryError",
+            "RunDirInUse", "RunDoesNotFit")
 REFUSALS = ("ConfigError", "CheckpointError", "RunDirInUse", "RunDoesNotFit")
 
 

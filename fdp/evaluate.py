@@ -38,7 +38,8 @@ def evaluate(
     total_loss, count, correct, scored = 0.0, 0, 0, 0
     for batch in eval_batches(data, batch_size, max_batches, num_workers=num_workers):
         for piece in pieces(batch, fits or batch_size):
-            loss, weight, hits, n = eval_metrics(model, criterion, params, buffers, batch_to_device(piece, device), precision)
+            piece = batch_to_device(piece, device)
+            loss, weight, hits, n = eval_metrics(model, criterion, params, buffers, piece, precision)
             total_loss, count, correct, scored = total_loss + loss, count + weight, correct + hits, scored + n
     metrics = {"test_loss": total_loss / count}
     if scored:

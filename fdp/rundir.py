@@ -161,6 +161,10 @@ class RankStatus:
 _held: dict[str, "Ownership"] = {}  # real path -> this process's ownership of it
 
 
+# What a local world's worker raised that refuses the run (fdp.launch.WorkerFailedError.error_type).
+REFUSED_TYPES = ("ConfigError", "CheckpointError", "RunDirInUse", "RunDoesNotFit")
+
+
 class RunDirInUse(ConfigError):
     """Another live process owns the run directory; the message names it."""
 
@@ -305,7 +309,7 @@ def own_run_dir(run_dir: str | Path, say: Callable[[str], None] | None = None) -
         refused = True
         raise
     except BaseException as error:  # a local world's workers refused: the same as refusing here
-        refused = getattr(error, "error_type", None) in ("ConfigError", "CheckpointError", "RunDirInUse", "RunDoesNotFit")
+        refused = getattr(error, "error_type", None) in REFUSED_TYPES
         raise
     finally:
         owned.release(refused=refused)

@@ -79,7 +79,8 @@ def _resume(cfg: DictConfig, source: Path, parts: RunParts, comm: Comm, stage: i
 def _first_state(cfg: DictConfig, run_dir: RunDir, parts: RunParts, comm: Comm) -> TrainState:
     """The built state, or a checkpoint's: ``trainer.resume``'s, or this run's last after a restart of the world."""
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
-    source = run_dir.last_checkpoint if restarted and run_dir.last_checkpoint.exists() else run_dir.resume_from(cfg.trainer.resume)
+    last = run_dir.last_checkpoint
+    source = last if restarted and last.exists() else run_dir.resume_from(cfg.trainer.resume)
     return parts.state if source is None else _resume(cfg, source, parts, comm, cfg.trainer.zero_stage)
 
 
@@ -209,13 +210,15 @@ def _out_of_memory_message(cfg: DictConfig, rank: int, world: int, phase: Memory
         "data": ("loading the data",
                  "more free memory or a smaller data set (loading it is not counted in world.memory_per_rank_mb)"),
         "build": ("building the model and its train state",
-                  f"more ranks, a higher trainer.zero_stage (now {tc.zero_stage}; 3 shards the params too) or a smaller model"),
+                  (f"more ranks, a higher trainer.zero_stage (now {tc.zero_stage}; 3 shards the params too) "
+                   "or a smaller model")),
         "step": (f"at step {phase.step}",
                  f"a smaller batch per forward (now {batch}), a higher trainer.zero_stage or a smaller model"),
         "evaluation": (f"evaluating after step {phase.step}",
                        f"a smaller batch per forward (evaluation takes training's, {batch}) or a smaller model"),
         "save": (f"saving the checkpoint of step {phase.step}",
-                 f"a larger budget: rank 0 holds the whole state while it writes it (trainer.zero_stage={tc.zero_stage})"),
+                 ("a larger budget: rank 0 holds the whole state while it writes it "
+                  f"(trainer.zero_stage={tc.zero_stage})")),
     }[phase.name]
     return f"rank {rank} ran out of memory {where} ({reason}); the run does not fit {within}: expected {expected}"
 
