@@ -107,14 +107,15 @@ class RunParts(NamedTuple):
     precision: Precision = Precision()
 
 
-def build_run(cfg: DictConfig, comm: Comm, device: torch.device = torch.device("cpu")) -> RunParts:
+def build_run(cfg: DictConfig, comm: Comm, device: torch.device = torch.device("cpu"),
+              data: Dataset | MapData | None = None) -> RunParts:
     """Build model, data, plan, hooks, optimizer and the first train state on this rank, on ``device``.
 
     The weights are made on the CPU from the seed (the same on any device) and moved;
     the plan then records the device from the params, and hook and optimizer state are
-    made where the buckets and params are.
+    made where the buckets and params are. ``data``: the run's data set, when already loaded.
     """
-    data = build_data(cfg.data)
+    data = build_data(cfg.data) if data is None else data
     check_data(cfg, data)
     torch.manual_seed(cfg.seed)
     module = build_module(cfg.model, data)

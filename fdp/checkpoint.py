@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,8 @@ from fdp.comm import Comm
 from fdp.plan import BucketPlan
 from fdp.state import TrainState
 
-LAST = "last.pt"
+LAST = "last.pt"  # a copy of the newest step file
+CHECKPOINTS = "checkpoints"  # a run directory's folder of them (fdp.rundir)
 _STEP_FILE = re.compile(r"step_(\d+)\.pt$")
 
 
@@ -221,23 +223,54 @@ def restore(payload: dict, template: TrainState, rank: int, path: str | os.PathL
     )
 
 
+def _atomic_copy(source: Path, path: Path) -> None:
+    """Copy ``source`` to ``path`` as ``atomic_save`` writes: readers see the old file or the whole new one."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with open(source, "rb") as src, os.fdopen(fd, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 24)
+            dst.flush()
+            os.fsync(dst.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
 def save(directory: str | os.PathLike, payload: dict, keep: int = 2) -> Path:
-    """Save ``payload`` as ``step_<N>.pt`` and ``last.pt`` in ``directory``; keep the newest ``keep`` step files."""
+    """Save ``payload`` as ``step_<N>.pt`` and ``last.pt`` in ``directory``; keep the newest ``keep`` step files.
+
+    ``last.pt`` is a file of its own (a copy, as Lightning's ``last.ckpt``), not a link to
+    the step file: a tool that rewrites one of them in place leaves the other as it was.
+    """
     directory = Path(directory)
     path = atomic_save(payload, directory / f"step_{int(payload['step']):08d}.pt")
-    # last.pt is a hard link swapped in by rename: no second copy of the bytes.
-    tmp = directory / f".{LAST}.link"
-    if tmp.exists():
-        tmp.unlink()
-    os.link(path, tmp)
-    os.replace(tmp, directory / LAST)
+    _atomic_copy(path, directory / LAST)
     _fsync_dir(directory)
     for old in sorted(p for p in directory.iterdir() if _STEP_FILE.search(p.name))[:-keep or None]:
         old.unlink()
     # Temporaries of a writer that was killed mid-save (only one process saves, and it is done).
-    for stale in directory.glob(".step_*.tmp"):
+    for stale in [*directory.glob(".step_*.tmp"), *directory.glob(f".{LAST}.*")]:
         stale.unlink(missing_ok=True)
     return path
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """The checkpoint file ``path`` names: a file itself, or the ``last.pt`` of a checkpoints or run directory.
+
+    >>> import tempfile
+    >>> run = Path(tempfile.mkdtemp())
+    >>> (run / CHECKPOINTS).mkdir()
+    >>> resolve(run) == run / CHECKPOINTS / LAST, resolve(run / "x.pt") == run / "x.pt"
+    (True, True)
+    """
+    path = Path(path)
+    if not path.is_dir():
+        return path
+    if not (path / LAST).exists() and (path / CHECKPOINTS).is_dir():
+        return path / CHECKPOINTS / LAST
+    return path / LAST
 
 
 def save_checkpoint(
@@ -286,20 +319,37 @@ def load_checkpoint(
 ) -> TrainState:
     """This rank's ``TrainState`` from a checkpoint ``save_checkpoint`` wrote; call on every rank.
 
-    ``path`` is a checkpoint file or a directory (its ``last.pt``). ``like`` is a state
+    ``path`` is a checkpoint file or a directory (its ``last.pt``: ``resolve``). ``like`` is a state
     of the same run (from ``init_train_state`` or ``fdp.setup_state``): it gives the
     structure of the optimizer and hook states. Rank 0 reads the file with
     ``weights_only=True`` and sends it to the others; a file written with another
-    bucket plan than ``plan`` (another model, dtype or bucket caps) is refused with a
-    ``CheckpointError`` on every rank.
+    bucket plan than ``plan`` (another model, dtype or bucket caps), or a state that does
+    not fit ``like`` on any rank, is refused with the same ``CheckpointError`` on every rank.
     """
     comm = comm or Comm()
-    path = Path(path)
-    if path.is_dir():
-        path = path / LAST
-    payload = [load(path) if comm.rank == 0 else None]
+    path = resolve(path)
+    payload: list = [None]
+    if comm.rank == 0:
+        try:
+            payload = [load(path)]
+        except CheckpointError as error:
+            payload = [{"refused": str(error)}]
     if comm.world_size > 1:
         dist.broadcast_object_list(payload, src=0, group=comm.group)
-    if payload[0].get("plan_fingerprint") != plan.on_cpu().fingerprint():
-        raise CheckpointError(f"checkpoint {path} was written with another bucket plan (model or bucket caps changed)")
-    return restore(payload[0], like, comm.rank, path)
+    refused, state = payload[0].get("refused"), None
+    if refused is None and payload[0].get("plan_fingerprint") != plan.on_cpu().fingerprint():
+        refused = f"checkpoint {path} was written with another bucket plan (model or bucket caps changed)"
+    if refused is None:
+        try:
+            state = restore(payload[0], like, comm.rank, path)
+        except CheckpointError as error:
+            refused = str(error)
+    if comm.world_size > 1:
+        # A refusal on any rank is every rank's, in the same words: no rank goes on into
+        # collectives that a refusing one has left, and which rank reports it does not matter.
+        seen: list = [None] * comm.world_size
+        dist.all_gather_object(seen, refused, group=comm.group)
+        refused = next((r for r in seen if r is not None), None)
+    if refused is not None:
+        raise CheckpointError(refused)
+    return state

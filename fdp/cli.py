@@ -38,8 +38,9 @@ __all__ = ["hydra_error_line", "main", "train"]
 
 REFUSED, FAILED = 2, 1
 # Failures the run reports in one line: the message says what happened and what to change.
-EXPECTED = ("ConfigError", "CheckpointError", "FloatingPointError", "RankLostError", "RankOutOfMemoryError", "RunDirInUse")
-REFUSALS = ("ConfigError", "CheckpointError", "RunDirInUse")
+EXPECTED = ("ConfigError", "CheckpointError", "FloatingPointError", "RankLostError", "RankOutOfMemoryError",
+            "RunDirInUse", "RunDoesNotFit")
+REFUSALS = ("ConfigError", "CheckpointError", "RunDirInUse", "RunDoesNotFit")
 
 
 # -- Hydra's errors, one line each ------------------------------------------------------------
@@ -80,10 +81,7 @@ def _bad_value(cause: Any, override: str | None) -> str:
     full_key = str(getattr(cause, "full_key", "") or "")
     key = full_key.rpartition(".")[2]
     expected = _expected_type(getattr(cause, "object_type", None), key) or "a value of the key's type"
-    line = f"{override or full_key}: expected {expected}"
-    if full_key == "trainer.resume":
-        line += " (to continue a run, set hydra.run.dir to its directory and trainer.resume=true)"
-    return line
+    return f"{override or full_key}: expected {expected}"
 
 
 def _missing_option(error: Any) -> str:

@@ -192,7 +192,7 @@ class TrainerConfig:
     eval_batches: int = 20
     checkpoint_every: int = 100  # 0: checkpoint only at the end
     keep_checkpoints: int = 2
-    resume: bool = False
+    resume: Any = False  # true: continue hydra.run.dir from its last checkpoint | PATH: start from that checkpoint
     reschedule: bool = False  # resume with another max_steps: stretch the learning-rate schedule over it (else refused)
     bucket_cap_mb: float = 25.0
     first_bucket_cap_mb: float = 1.0

@@ -16,6 +16,7 @@ they take the number of visible GPUs and a probe, so they run (and are tested) a
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -324,14 +325,43 @@ def limit_memory(budget_mib: float, device: torch.device) -> None:
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-    """Whether ``error`` says an allocation failed (a CUDA OOM, torch's CPU allocator, Python's ``MemoryError``).
+    """Whether ``error`` says an allocation failed (a CUDA OOM, torch's CPU allocator, Python's ``MemoryError``,
+    a system call's ``ENOMEM``: opening a file under ``RLIMIT_DATA``).
 
     >>> is_out_of_memory(MemoryError()), is_out_of_memory(RuntimeError("shapes do not match"))
     (True, False)
     """
     if isinstance(error, (MemoryError, getattr(torch, "OutOfMemoryError", MemoryError))):
         return True
+    if isinstance(error, OSError):
+        return error.errno == errno.ENOMEM
     return isinstance(error, RuntimeError) and ("can't allocate memory" in str(error) or "out of memory" in str(error))
+
+
+class MemoryPhase:
+    """Which part of a run this rank is in, for its out-of-memory line: ``data``, ``build``, ``step``,
+    ``evaluation`` or ``save``, the step it is at, and whether this invocation has saved a checkpoint.
+
+    ``with phase("step", 7): ...`` enters a part; one that ends normally hands back the part it was
+    in, one that raises leaves the phase where it failed.
+
+    >>> phase = MemoryPhase()
+    >>> with phase("step", 7):
+    ...     phase.name, phase.step
+    ('step', 7)
+    >>> phase.name
+    'data'
+    """
+
+    def __init__(self):
+        self.name, self.step, self.saved = "data", None, False
+
+    @contextlib.contextmanager
+    def __call__(self, name: str, step: int | None = None) -> Iterator[None]:
+        before = self.name, self.step
+        self.name, self.step = name, step
+        yield
+        self.name, self.step = before
 
 
 # -- tensors on the device ------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from fdp.data import Dataset, MapData, eval_batches
+from fdp.data.batches import pieces
 from fdp.devices import batch_to_device, device_of
 from fdp.functional import FunctionalModel
 from fdp.losses import Criterion, cross_entropy, eval_metrics
@@ -16,8 +17,13 @@ __all__ = ["evaluate"]
 def evaluate(
     model: FunctionalModel, params, buffers, data: Dataset | MapData, max_batches: int, batch_size: int = 256,
     criterion: Criterion = cross_entropy, num_workers: int = 0, precision: Precision = Precision(),
+    fits: int | None = None,
 ) -> dict:
     """Mean loss over (up to ``max_batches`` batches of) the test split, and accuracy where it applies.
+
+    ``fits``: the most samples one forward pass may take (a run passes its training micro-batch,
+    which is known to fit its memory); each batch is evaluated in pieces of that many, with the
+    same result as whole.
 
     Accuracy applies to class scores ``(..., classes)`` for integer targets ``(...)``. Runs on
     the params' device, in ``precision`` (scored in float32).
@@ -31,8 +37,10 @@ def evaluate(
     device = device_of(params)
     total_loss, count, correct, scored = 0.0, 0, 0, 0
     for batch in eval_batches(data, batch_size, max_batches, num_workers=num_workers):
-        loss, weight, hits, n = eval_metrics(model, criterion, params, buffers, batch_to_device(batch, device), precision)
-        total_loss, count, correct, scored = total_loss + loss, count + weight, correct + hits, scored + n
+        for piece in pieces(batch, fits or batch_size):
+            piece = batch_to_device(piece, device)
+            loss, weight, hits, n = eval_metrics(model, criterion, params, buffers, piece, precision)
+            total_loss, count, correct, scored = total_loss + loss, count + weight, correct + hits, scored + n
     metrics = {"test_loss": total_loss / count}
     if scored:
         metrics["test_acc"] = correct / scored

@@ -15,6 +15,10 @@
   launcher waits for them: the first is passed on to the workers, a second one kills
   them at once (``StoppedAtOnce``; the last checkpoint is whole, checkpoints being
   written atomically).
+* A burst of signals is one request (``Burst``): a terminal's Ctrl-C reaches every process
+  of the foreground group, and a wrapper around the run (GNU ``timeout``, ``srun``, a
+  shell ``trap``) relays what it gets to its child, so one key press arrives twice within
+  milliseconds. Only a signal at least ``GRACE_S`` after the first stops at once.
 * ``requeue_job`` asks SLURM to requeue the job (``scontrol requeue``) once the
   checkpoint is written, as Lightning's SLURM environment does for batch jobs.
 """
@@ -41,6 +45,7 @@ __all__ = ["StopSignals", "StoppedAtOnce", "check_requeue_signal", "exit_code", 
 STOP_SIGNALS = ("SIGINT", "SIGTERM")
 CHECK_EVERY_S = 0.1  # how often (in training time) the ranks compare their stop flags
 MAX_CHECK_STEPS = 1000
+GRACE_S = 1.0  # signals within this long of the first are the same request (a group's Ctrl-C relayed by a wrapper)
 _AGENT_SIGNALS = "TORCHELASTIC_SIGNALS_TO_HANDLE"  # read by torch's elastic agent when it starts workers
 _TRACKER_QUIET = "ignore::UserWarning:multiprocessing.resource_tracker"
 # Children of the launcher that are not workers: how multiprocessing starts its helpers.
@@ -92,12 +97,36 @@ def exit_code(signame: str) -> int:
     return 128 + int(signal.Signals[signame])
 
 
+class Burst:
+    """The first stop signal and whether a later one asks to stop at once: one that came ``grace_s`` or more
+    after the first (sooner, it is the same Ctrl-C seen twice: from the terminal and relayed by a wrapper).
+
+    >>> burst = Burst(grace_s=60)
+    >>> burst.see("SIGINT"), burst.see("SIGINT"), burst.first
+    (False, False, 'SIGINT')
+    """
+
+    def __init__(self, grace_s: float = GRACE_S):
+        self.grace_s = grace_s
+        self.first: str | None = None
+        self._at = 0.0
+
+    def see(self, name: str) -> bool:
+        """Note signal ``name``; whether it is a second request (stop at once)."""
+        now = time.monotonic()
+        if self.first is None:
+            self.first, self._at = name, now
+            return False
+        return now - self._at >= self.grace_s
+
+
 class StopSignals:
     """This rank's stop flag, set by a signal handler and agreed on by every rank at step boundaries.
 
-    ``repeat_stops_at_once``: a second signal raises ``StoppedAtOnce`` (a process that is
-    alone; in a local world the launcher escalates instead, and a worker may see one
-    Ctrl-C twice: from the terminal and passed on by the launcher).
+    ``repeat_stops_at_once``: a second signal, ``GRACE_S`` or more after the first (``Burst``),
+    raises ``StoppedAtOnce`` (a process that is alone; in a local world the launcher
+    escalates instead, and a worker may see one Ctrl-C twice: from the terminal and passed
+    on by the launcher).
 
     >>> stop = StopSignals(("SIGTERM",)).install()
     >>> os.kill(os.getpid(), signal.SIGTERM)
@@ -109,6 +138,7 @@ class StopSignals:
     def __init__(self, names: tuple[str, ...] = STOP_SIGNALS, repeat_stops_at_once: bool = False):
         self.names, self.repeat_stops_at_once = tuple(names), repeat_stops_at_once
         self.received: str | None = None
+        self._burst = Burst()
         self._previous: dict[int, object] = {}
         self._group = None
         self._watch: Watch | None = None
@@ -117,9 +147,9 @@ class StopSignals:
 
     def _handle(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
-        if self.received is None:
-            self.received = name
-        elif self.repeat_stops_at_once:
+        again = self._burst.see(name)
+        self.received = self._burst.first
+        if again and self.repeat_stops_at_once:
             self.restore()
             raise StoppedAtOnce(name)
 
@@ -220,10 +250,12 @@ def _send(pids: list[int], number: int) -> None:
 
 
 class Relay:
-    """What the launcher saw: the first signal (passed on to the workers), and a second one that killed them."""
+    """What the launcher saw: the first signal (passed on to the workers), and a second one that killed them
+    (one ``GRACE_S`` or more after the first: ``Burst``)."""
 
-    def __init__(self):
+    def __init__(self, grace_s: float = GRACE_S):
         self.received: str | None = None
+        self._burst = Burst(grace_s)
         self.stopped_at_once: str | None = None
         self.agent_signals = ",".join(_AGENT_DEFAULT)  # the signals torch's agent may still take
         self._lock = threading.RLock()
@@ -232,9 +264,9 @@ class Relay:
     def on_signal(self, number: int, frame=None) -> None:
         with self._lock:
             name = signal.Signals(number).name
-            if self.received is None:
-                self.received = name
-            elif self.stopped_at_once is None:
+            again = self._burst.see(name)
+            self.received = self._burst.first
+            if again and self.stopped_at_once is None:
                 self.stopped_at_once = name
         self.pass_on()
 

@@ -42,6 +42,8 @@ LAUNCHERS = ("none", "elastic", "torchrun", "slurm")
 # Launchers that start one process per rank themselves: the world size is known only there.
 ENV_LAUNCHERS = ("torchrun", "slurm")
 START_METHODS = ("spawn", "fork", "forkserver")
+# Errors every rank raises alike (a checkpoint that does not fit: fdp.checkpoint): reported without a rank.
+AGREED_REFUSALS = ("CheckpointError",)
 
 
 class WorldLayout(NamedTuple):
@@ -89,7 +91,10 @@ class WorkerFailedError(RuntimeError):
         else:
             # "FloatingPointError: non-finite ..." -> "non-finite ... (rank 0)": the worker's own line.
             text = re.sub(r"^[A-Za-z_][\w.]*: ", "", reason.strip().splitlines()[0]) if reason.strip() else ""
-            message = f"{text} (rank {rank})" if text else f"rank {rank} (pid {pid}) exited with code {exitcode}"
+            # A refusal is every rank's, in the same words (fdp.checkpoint.load_checkpoint agrees on it): which
+            # rank the launcher saw first is chance, so it is not named.
+            rank_note = "" if self.error_type in AGREED_REFUSALS else f" (rank {rank})"
+            message = f"{text}{rank_note}" if text else f"rank {rank} (pid {pid}) exited with code {exitcode}"
         super().__init__(message)
 
 
@@ -98,7 +103,12 @@ class RankLostError(RuntimeError):
 
 
 class RankOutOfMemoryError(RuntimeError):
-    """A rank could not allocate what the run needs; the message names it, where, and the budget."""
+    """A rank could not allocate what the run needs after it saved a checkpoint; the message names it, where,
+    the budget and what to change."""
+
+
+class RunDoesNotFit(ConfigError):
+    """A rank ran out of memory before the run saved anything: refused, as a setting is (the message says which)."""
 
 
 def _signal_name(exitcode: int) -> str | None:
@@ -391,7 +401,10 @@ class Heartbeat:
         return self
 
     def stop(self) -> None:
+        """End the beat and wait for it: a beat still in the store when the group is destroyed would outlive it."""
         self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2 * self.interval_s + 5.0)
 
     def _counts(self) -> list[int]:
         return [self._store.add(self.key(r), 0) for r in range(self.world_size)]

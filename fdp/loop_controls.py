@@ -295,6 +295,8 @@ class LoopControls:
         self.patience = early.patience
         self.best_by = Monitor.of(tc.checkpoint_monitor, tc.checkpoint_mode) if tc.checkpoint_monitor else None
         self.keep = tc.keep_best
+        # Checkpoints then hold what an evaluation decides, so the loop evaluates before it saves.
+        self.watches = self.early is not None or self.best_by is not None
         for setting, monitor in (("trainer.early_stopping.monitor", self.early),
                                  ("trainer.checkpoint_monitor", self.best_by)):
             if monitor is not None and not evaluates:

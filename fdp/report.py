@@ -123,8 +123,10 @@ class Report:
 
     def _evaluate(self, state: TrainState) -> dict:
         parts, tc = self.parts, self.cfg.trainer
+        # In pieces no larger than what one forward of training takes: what trains within a memory budget evaluates.
+        micro = max(1, self.cfg.data.global_batch_size // self.comm.world_size // tc.accum_steps)
         return evaluate(parts.model, state.params, state.buffers, parts.data, tc.eval_batches, criterion=parts.criterion,
-                        num_workers=self.cfg.data.get("num_workers", 0), precision=parts.precision)
+                        num_workers=self.cfg.data.get("num_workers", 0), precision=parts.precision, fits=micro)
 
     def summary(self, state: TrainState, device: str, interrupted: str | None = None, stopped: str | None = None) -> dict:
         """The run in one record (the ``fdp: ...`` line rank 0 prints), also written to ``metrics.jsonl``;

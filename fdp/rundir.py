@@ -6,7 +6,7 @@
       .lock                held by the run that owns the directory (flock), naming it
       train.log            what the run printed: start-up, warnings, the summary, errors
       metrics.jsonl        one JSON object per logged step, and the summary (rank 0)
-      checkpoints/         step_<N>.pt and last.pt (fdp.checkpoint); best/ (trainer.keep_best, fdp.loop_controls)
+      checkpoints/         step_<N>.pt and last.pt, a copy of the newest (fdp.checkpoint); best/ (trainer.keep_best)
       plan.txt, plan.json  the bucket plan, as a table and as JSON
       ranks/rank<N>.txt    each rank's pid and the step it is computing (RankStatus)
       rank<N>.log          what ranks other than 0 log
@@ -48,10 +48,10 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
-from fdp.checkpoint import LAST, CheckpointError
-from fdp.errors import ConfigError
+from fdp.checkpoint import CHECKPOINTS, LAST, CheckpointError, resolve
+from fdp.errors import ConfigError, require
 
 __all__ = [
     "LOCK", "TRAIN_LOG", "CHECKPOINTS", "RUN_LOGGER", "RunDir", "RankStatus", "RunDirInUse", "Ownership", "own_run_dir",
@@ -60,7 +60,6 @@ __all__ = [
 
 LOCK = ".lock"  # held (flock) by the run that owns the directory, and names it
 TRAIN_LOG = "train.log"  # what the run printed, through logging (Hydra's <job name>.log)
-CHECKPOINTS = "checkpoints"
 
 
 class RunDir(NamedTuple):
@@ -109,6 +108,22 @@ class RunDir(NamedTuple):
         """Whether a run already wrote here (metrics or checkpoints)."""
         return self.metrics.exists() or self.checkpoints.exists()
 
+    def resume_from(self, resume: Any) -> Path | None:
+        """The checkpoint ``trainer.resume`` starts the run from: ``None`` (false), this run's last (true), or
+        the file a path names (a step file, or a run or checkpoints directory's last: ``fdp.checkpoint.resolve``).
+
+        >>> RunDir(Path("outputs/run")).resume_from(True).as_posix()
+        'outputs/run/checkpoints/last.pt'
+        >>> RunDir(Path("outputs/run")).resume_from("outputs/old/checkpoints/step_00000100.pt").as_posix()
+        'outputs/old/checkpoints/step_00000100.pt'
+        """
+        ok = isinstance(resume, bool) or (isinstance(resume, str) and resume.strip() != "")
+        require(ok, "trainer.resume", resume, "true, false or the path of a checkpoint (a step_<N>.pt file, or a run "
+                "directory for its last.pt)", ConfigError)
+        if resume is False:
+            return None
+        return self.last_checkpoint if resume is True else resolve(Path(resume).expanduser())
+
 
 class RankStatus:
     """``<run dir>/ranks/rank<N>.txt``: ``pid=<pid> step=<step being computed>``, rewritten each step.
@@ -146,6 +161,10 @@ class RankStatus:
 
 # -- one owner -------------------------------------------------------------------------------
 _held: dict[str, "Ownership"] = {}  # real path -> this process's ownership of it
+
+
+# What a local world's worker raised that refuses the run (fdp.launch.WorkerFailedError.error_type).
+REFUSED_TYPES = ("ConfigError", "CheckpointError", "RunDirInUse", "RunDoesNotFit")
 
 
 class RunDirInUse(ConfigError):
@@ -292,7 +311,7 @@ def own_run_dir(run_dir: str | Path, say: Callable[[str], None] | None = None) -
         refused = True
         raise
     except BaseException as error:  # a local world's workers refused: the same as refusing here
-        refused = getattr(error, "error_type", None) in ("ConfigError", "CheckpointError", "RunDirInUse")
+        refused = getattr(error, "error_type", None) in REFUSED_TYPES
         raise
     finally:
         owned.release(refused=refused)

@@ -24,10 +24,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from fdp import checkpoint, compiled, zero
 from fdp.allocator import release_free_memory, tune_allocator
-from fdp.build import RunParts, build_run, display_name, mirrors
+from fdp.build import RunParts, build_data, build_run, display_name, mirrors
 from fdp.comm import Comm
 from fdp.data import check_global_batch, has_test_split, train_batches
-from fdp.devices import batch_to_device, is_out_of_memory, limit_memory
+from fdp.devices import MemoryPhase, batch_to_device, is_out_of_memory, limit_memory
 from fdp.errors import ConfigError
 from fdp.interrupt import StopSignals, stop_signal_names
 from fdp.keeper import LostRank
@@ -35,6 +35,7 @@ from fdp.launch import (
     Heartbeat,
     RankLostError,
     RankOutOfMemoryError,
+    RunDoesNotFit,
     WorkerFailedError,
     init_distributed,
     launch_rank,
@@ -70,18 +71,24 @@ def _save(run_dir: RunDir, state: TrainState, comm: Comm, cfg: DictConfig, parts
                                       extra=extra)
 
 
-def _resume(cfg: DictConfig, run_dir: RunDir, parts: RunParts, comm: Comm, stage: int) -> TrainState:
+def _resume(cfg: DictConfig, source: Path, parts: RunParts, comm: Comm, stage: int) -> TrainState:
     template = zero.unsharded_template(parts.state, parts.optimizer, parts.plan) if stage else parts.state
-    state = checkpoint.load_checkpoint(run_dir.last_checkpoint, template, parts.plan, comm)
+    state = checkpoint.load_checkpoint(source, template, parts.plan, comm)
+    if comm.rank == 0:
+        log.info(f"resumed from step {state.step} ({source})")
     return zero.shard_state(state, parts.plan, comm, stage, mirror=mirrors(cfg)) if stage else state
 
 
-def _first_state(cfg: DictConfig, run_dir: RunDir, parts: RunParts, comm: Comm) -> TrainState:
-    """The built state, or the last checkpoint's when resuming (asked, or after a restart of the world)."""
+def _resume_source(cfg: DictConfig, run_dir: RunDir) -> Path | None:
+    """The checkpoint to start from: ``trainer.resume``'s, or this run's last after a restart of the world; or none."""
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
-    if cfg.trainer.resume or (restarted and run_dir.last_checkpoint.exists()):
-        return _resume(cfg, run_dir, parts, comm, cfg.trainer.zero_stage)
-    return parts.state
+    last = run_dir.last_checkpoint
+    return last if restarted and last.exists() else run_dir.resume_from(cfg.trainer.resume)
+
+
+def _first_state(cfg: DictConfig, source: Path | None, parts: RunParts, comm: Comm) -> TrainState:
+    """The built state, or the checkpoint's at ``source``."""
+    return parts.state if source is None else _resume(cfg, source, parts, comm, cfg.trainer.zero_stage)
 
 
 # -- the parts of a worker's run ---------------------------------------------------------------
@@ -175,20 +182,21 @@ def _rank_worker(cfg: DictConfig, run_dir: str) -> dict:
     layout = layout_of(cfg)
     comm = init_distributed(layout)
     device = layout.device(int(os.environ.get("LOCAL_RANK", 0)))
-    limit_memory(cfg.world.memory_per_rank_mb, device)
     status = RunDir(Path(run_dir))
+    phase = MemoryPhase()
     world = None
     if cfg.world.on_rank_loss == "shrink" and comm.world_size > 1:
         world = ShrinkingWorld(shrink_store(cfg.world.timeout_s), comm.rank, comm.world_size, dist.get_backend(),
                                cfg.world.timeout_s, cfg.world.min_ranks)
         comm = world.comm()
     try:
-        return _train(cfg, status, comm, device, world)
-    except (MemoryError, RuntimeError) as error:
+        return _train(cfg, status, comm, device, world, phase)
+    except (MemoryError, RuntimeError, OSError) as error:
         if not is_out_of_memory(error):
             raise
-        step = RankStatus.read(status, comm.rank).get("step")
-        raise RankOutOfMemoryError(_out_of_memory_message(cfg, comm.rank, step, error)) from None
+        message = _out_of_memory_message(cfg, comm.rank, comm.world_size, phase, error)
+        # Nothing saved yet: the run does not fit (a refusal, rolled back); else it failed, its checkpoints kept.
+        raise (RankOutOfMemoryError if phase.saved else RunDoesNotFit)(message) from None
     finally:
         if world is not None:
             world.close()
@@ -196,14 +204,30 @@ def _rank_worker(cfg: DictConfig, run_dir: str) -> dict:
             dist.destroy_process_group()
 
 
-def _out_of_memory_message(cfg: DictConfig, rank: int, step: int | None, error: BaseException) -> str:
-    where = f"at step {step}" if step else "while building the run"
+def _out_of_memory_message(cfg: DictConfig, rank: int, world: int, phase: MemoryPhase, error: BaseException) -> str:
+    """Which part of the run ran out (``MemoryPhase``) and what to change for it."""
     reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
     reason = re.sub(r"^\[enforce fail at [^\]]*\]\s*(err == 0\.\s*)?", "", reason)
-    budget = cfg.world.memory_per_rank_mb
+    tc, budget = cfg.trainer, cfg.world.memory_per_rank_mb
     within = f"world.memory_per_rank_mb={budget:g}" if budget else "this machine's memory"
-    return (f"rank {rank} ran out of memory {where} ({reason}); the run does not fit {within}: expected more ranks, "
-            f"a higher trainer.zero_stage (now {cfg.trainer.zero_stage}; 3 shards the params too) or a smaller model")
+    micro = max(1, cfg.data.global_batch_size // world // tc.accum_steps)
+    batch = (f"{micro} samples: data.global_batch_size={cfg.data.global_batch_size} over {world} ranks and "
+             f"trainer.accum_steps={tc.accum_steps}")
+    where, expected = {
+        "data": ("loading the data",
+                 "more free memory or a smaller data set (loading it is not counted in world.memory_per_rank_mb)"),
+        "build": ("building the model and its train state",
+                  (f"more ranks, a higher trainer.zero_stage (now {tc.zero_stage}; 3 shards the params too) "
+                   "or a smaller model")),
+        "step": (f"at step {phase.step}",
+                 f"a smaller batch per forward (now {batch}), a higher trainer.zero_stage or a smaller model"),
+        "evaluation": (f"evaluating after step {phase.step}",
+                       f"a smaller batch per forward (evaluation takes training's, {batch}) or a smaller model"),
+        "save": (f"saving the checkpoint of step {phase.step}",
+                 ("a larger budget: rank 0 holds the whole state while it writes it "
+                  f"(trainer.zero_stage={tc.zero_stage})")),
+    }[phase.name]
+    return f"rank {rank} ran out of memory {where} ({reason}); the run does not fit {within}: expected {expected}"
 
 
 class _Loop:
@@ -214,9 +238,9 @@ class _Loop:
     """
 
     def __init__(self, cfg: DictConfig, parts: RunParts, comm: Comm, timeline: Timeline, device: torch.device,
-                 state: TrainState, last_step: int, compile: bool, controls: LoopControls):
+                 state: TrainState, last_step: int, compile: bool, controls: LoopControls, phase: MemoryPhase):
         self.cfg, self.parts, self.timeline, self.device, self.last_step = cfg, parts, timeline, device, last_step
-        self.compile, self.controls = compile, controls
+        self.compile, self.controls, self.phase = compile, controls, phase
         self.state = self.before = state
         self.since = time.perf_counter()
         self.join(comm)
@@ -238,27 +262,40 @@ class _Loop:
         controls.stopped = controls.ended_before()
         while self.state.step < self.last_step and not controls.stopped:
             status.update(self.state.step + 1)
-            self.since = waited = time.perf_counter()  # the data wait: how long the step waited for its batch
-            batch = batch_to_device(next(self.batches), self.device)
-            waited = time.perf_counter() - waited
-            state, metrics = self.train_step(self.state, batch)
+            with self.phase("step", self.state.step + 1):
+                self.since = waited = time.perf_counter()  # the data wait: how long the step waited for its batch
+                batch = batch_to_device(next(self.batches), self.device)
+                waited = time.perf_counter() - waited
+                state, metrics = self.train_step(self.state, batch)
             self.before, self.state = self.state, state
             out_of_time = controls.stepped(state)  # the moving average; max_time, agreed by every rank
             interrupted = stop.agreed()  # every rank, every step: flags are compared every ~0.1 s, no step waits
-            evaluated = report.step(state, {**metrics, "data_wait_s": waited}, stopping=interrupted is not None,
-                                    average=controls.average)
-            verdict = controls.evaluated(state.step, evaluated)  # the same on every rank: rank 0's record
             due = tc.checkpoint_every and state.step % tc.checkpoint_every == 0 or state.step == self.last_step
+            saving = due or interrupted or out_of_time
+            # Saved before the step's report, so an evaluation that does not fit loses no step; a run whose
+            # checkpoints hold what its evaluation decides (early stopping, the best ones) evaluates first.
+            if saving and not controls.watches:
+                self._save(run_dir, state)
+            with self.phase("evaluation", state.step):
+                evaluated = report.step(state, {**metrics, "data_wait_s": waited}, stopping=interrupted is not None,
+                                        average=controls.average)
+            verdict = controls.evaluated(state.step, evaluated)  # the same on every rank: rank 0's record
             controls.stopped = None if state.step == self.last_step else verdict.stop or out_of_time
-            if due or interrupted or controls.stopped or verdict.keep_best:
-                self.train_step.settle()  # no checkpoint of a step whose gradients were not finite
-                written = _save(run_dir, state, self.comm, self.cfg, self.parts, controls.payload(state.step))
-                controls.keep_best(run_dir.checkpoints, written, state.step)
+            if controls.watches and (saving or controls.stopped or verdict.keep_best):
+                controls.keep_best(run_dir.checkpoints, self._save(run_dir, state), state.step)
             if interrupted:
                 return interrupted
         if controls.stopped and self.comm.rank == 0:
             log.info(f"stopped at step {self.state.step}: {controls.stopped}")
         return None
+
+    def _save(self, run_dir: RunDir, state: TrainState) -> Path | None:
+        """Checkpoint ``state`` (its gradients checked finite first), with the loop's own state."""
+        with self.phase("save", state.step):
+            self.train_step.settle()  # no checkpoint of a step whose gradients were not finite
+            written = _save(run_dir, state, self.comm, self.cfg, self.parts, self.controls.payload(state.step))
+        self.phase.saved = True
+        return written
 
     def shrink(self, world: ShrinkingWorld, error: RuntimeError, run_dir: RunDir, report: Report,
                stop: StopSignals) -> None:
@@ -298,7 +335,8 @@ class _Loop:
         self.join(comm)
 
 
-def _train(cfg: DictConfig, run_dir: RunDir, comm: Comm, device: torch.device, world: ShrinkingWorld | None = None) -> dict:
+def _train(cfg: DictConfig, run_dir: RunDir, comm: Comm, device: torch.device, world: ShrinkingWorld | None = None,
+           phase: MemoryPhase | None = None) -> dict:
     rank, world_size, tc = comm.rank, comm.world_size, cfg.trainer
     _setup_logging(run_dir, rank)
     set_matmul_precision(tc.matmul_precision)  # process-wide: set once, before anything runs
@@ -308,21 +346,27 @@ def _train(cfg: DictConfig, run_dir: RunDir, comm: Comm, device: torch.device, w
             check_shrinkable_batch(cfg.data.global_batch_size, world_size, cfg.world.min_ranks, tc.accum_steps)
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    parts = build_run(cfg, comm, device)
-    state = _first_state(cfg, run_dir, parts, comm)
+    phase = phase or MemoryPhase()
+    with phase("data"):
+        data = build_data(cfg.data)
+    limit_memory(cfg.world.memory_per_rank_mb, device)  # from here: what the run adds to the data it loaded
+    with phase("build"):
+        parts = build_run(cfg, comm, device, data)
+        source = _resume_source(cfg, run_dir)
+        state = _first_state(cfg, source, parts, comm)
     release_free_memory()  # what building left free (the whole params, at ZeRO stages that shard them)
     if rank == 0:
         _announce(cfg, run_dir, parts, world_size, device)
     timeline = Timeline(rank) if tc.trace else NullTimeline()
     steps = run_steps(tc.max_steps, tc.max_epochs, parts.data, cfg.data.global_batch_size)
     last_step = min(steps, tc.stop_at or steps)
-    resumed = read_resumed(run_dir.last_checkpoint, comm) if state.step else None
+    resumed = read_resumed(source, comm) if source is not None else None
     controls = LoopControls(tc, comm, parts.plan, state, has_test_split(parts.data), steps, resumed)
     blocked = _not_compiled(cfg)
     choice = compiled.choose(tc.compile, run_dir.path, device.type, last_step - state.step, comm, blocked)
     if rank == 0:
         log.info(choice.message)
-    loop = _Loop(cfg, parts, comm, timeline, device, state, last_step, choice.compile, controls)
+    loop = _Loop(cfg, parts, comm, timeline, device, state, last_step, choice.compile, controls, phase)
     report = Report(cfg, run_dir, parts, comm, state.step, last_step)
     status = RankStatus(run_dir, rank)
     heartbeat = Heartbeat(rank, world_size).start() if world_size > 1 and world is None else None

@@ -192,11 +192,17 @@ def _validate_data_and_model(cfg: Any) -> None:
 
 
 def _validate_run_dir(cfg: Any, run_dir: RunDir) -> None:
-    last = run_dir.last_checkpoint
-    if cfg.trainer.resume:
-        _require(last.is_file(), "trainer.resume", True, f"a checkpoint at {last} (set hydra.run.dir to the run to continue)")
-        check_readable(last)  # a truncated or foreign file fails here, before any worker starts
-        _as_config_key("trainer.max_steps", lambda _: check_resumed_schedule(saved_config(last), _container(cfg)),
+    source = run_dir.resume_from(cfg.trainer.resume)
+    if cfg.trainer.resume is True:
+        _require(source.is_file(), "trainer.resume", True,
+                 f"a checkpoint at {source} (set hydra.run.dir to the run to continue)")
+    elif source is not None:
+        _require(source.is_file(), "trainer.resume", cfg.trainer.resume,
+                 "true, false or the path of a checkpoint (a step_<N>.pt file, or a run directory for its last.pt); "
+                 f"{source} does not exist")
+    if source is not None:
+        check_readable(source)  # a truncated or foreign file fails here, before any worker starts
+        _as_config_key("trainer.max_steps", lambda _: check_resumed_schedule(saved_config(source), _container(cfg)),
                        cfg.trainer.max_steps)
     else:
         _require(not run_dir.has_run(), "hydra.run.dir", str(run_dir.path),

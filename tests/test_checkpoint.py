@@ -101,6 +101,50 @@ def test_resume_is_bit_identical_with_adam_and_a_schedule(tmp_path):
         assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
 
 
+def test_last_is_a_file_of_its_own_and_a_hard_linked_last_still_loads(tmp_path):
+    """Rewriting last.pt in place (a tool converting it, a user's torch.save) leaves the step file as it was; a
+    directory whose last.pt is a hard link to its step file (as written before) loads and is unlinked by the next save."""
+    for step in (1, 2):
+        checkpoint.save(tmp_path, {"step": step, "params": {"w": torch.full((3,), float(step))}})
+    last, step_file = tmp_path / checkpoint.LAST, tmp_path / "step_00000002.pt"
+    assert last.read_bytes() == step_file.read_bytes() and last.stat().st_ino != step_file.stat().st_ino
+    with open(last, "r+b") as f:  # in place, as torch.save(obj, "last.pt") opens it
+        torch.save({"step": 99, "params": {}}, f)
+    assert checkpoint.load(step_file)["step"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt", "step_00000001.pt", "step_00000002.pt"]
+    old = tmp_path / "old"
+    checkpoint.atomic_save({"step": 5, "params": {"w": torch.ones(3)}}, old / "step_00000005.pt")
+    (old / checkpoint.LAST).hardlink_to(old / "step_00000005.pt")
+    assert checkpoint.load(checkpoint.resolve(old))["step"] == 5
+    checkpoint.save(old, {"step": 6, "params": {"w": torch.zeros(3)}})
+    assert checkpoint.load(old / "step_00000005.pt")["step"] == 5 and checkpoint.load(old / checkpoint.LAST)["step"] == 6
+    assert (old / "step_00000005.pt").stat().st_nlink == 1
+
+
+def test_resume_from_a_chosen_checkpoint_file_starts_there_and_says_so(tmp_path, capsys):
+    """trainer.resume=PATH (Lightning's ckpt_path): another run's step file starts a new run directory at that
+    step, and it ends bit-identical to the run the file came from; a missing file is refused in one line."""
+    common = ["model.hidden=16", "trainer.checkpoint_every=3", "trainer.eval_every=0", "trainer.max_steps=6"]
+    straight = tmp_path / "straight"
+    run(make_cfg(*common), straight)
+    chosen = straight / "checkpoints" / "step_00000003.pt"
+    capsys.readouterr()
+    run(make_cfg(*common, f"trainer.resume={chosen}"), tmp_path / "branch")
+    assert f"resumed from step 3 ({chosen})" in capsys.readouterr().out
+    a, b = (torch.load(d / "checkpoints" / "last.pt", weights_only=True) for d in (straight, tmp_path / "branch"))
+    assert a["step"] == b["step"] == 6
+    assert all(torch.equal(a["params"][name], b["params"][name]) for name in a["params"])
+    run(make_cfg(*common, "trainer.max_steps=6", f"trainer.resume={straight}"), tmp_path / "from_dir")  # its last.pt
+    assert "resumed from step 6" in capsys.readouterr().out
+    missing = tmp_path / "nope" / "step_00000003.pt"
+    with pytest.raises(ConfigError) as refused:
+        run(make_cfg(*common, f"trainer.resume={missing}"), tmp_path / "refused")
+    assert str(refused.value) == (
+        f"trainer.resume='{missing}': expected true, false or the path of a checkpoint (a step_<N>.pt file, or a run "
+        f"directory for its last.pt); {missing} does not exist")
+    assert not (tmp_path / "refused").exists()
+
+
 def _tensors(tree):
     from torch.utils import _pytree as pytree
 

@@ -32,8 +32,11 @@ CASES = [
     (["trainer.devices=2"], r"error: trainer\.devices=2: unknown key; expected a key of trainer \(did you mean world\.devices\? "
                             r"trainer takes no keys of your own\)"),
     (["optim.lr=abc"], r"error: optim\.lr=abc: expected a number"),
-    (["trainer.resume=/some/file.pt"], r"error: trainer\.resume=/some/file\.pt: expected true or false \(to continue a run, "
-                                       r"set hydra\.run\.dir to its directory and trainer\.resume=true\)"),
+    (["trainer.resume=/some/file.pt"], r"error: trainer\.resume='/some/file\.pt': expected true, false or the path of a "
+                                       r"checkpoint \(a step_<N>\.pt file, or a run directory for its last\.pt\); "
+                                       r"/some/file\.pt does not exist"),
+    (["trainer.resume=5"], r"error: trainer\.resume=5: expected true, false or the path of a checkpoint \(a step_<N>\.pt "
+                           r"file, or a run directory for its last\.pt\)"),
     (["hooks=powersgd", "hooks.rank=four"], r"error: hooks\.rank=four: expected an integer"),
     (["+trainer.max_steps=3"], r"error: \+trainer\.max_steps=3: expected a new key, but trainer\.max_steps exists "
                                r"\(set it without the \+: trainer\.max_steps=3\)"),

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fdp.interrupt import StopSignals, check_requeue_signal, exit_code, requeue_job
+from fdp.interrupt import GRACE_S, Burst, StopSignals, StoppedAtOnce, check_requeue_signal, exit_code, requeue_job
 from fdp.rundir import RankStatus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,11 +30,13 @@ LONG = ["model.hidden=16", "data.global_batch_size=16", "trainer.max_steps=10000
         "trainer.checkpoint_every=0", "trainer.log_every=1", "trainer.progress=false"]
 
 
-def start(run_dir, *overrides, env=None):
-    """The recipe in a session of its own (so the test can signal its process group as a terminal's Ctrl-C does)."""
+def start(run_dir, *overrides, env=None, wrapper=()):
+    """The recipe in a session of its own (so the test can signal its process group as a terminal's Ctrl-C does),
+    under ``wrapper`` (a command that runs it as its child: ``timeout``, ``srun``)."""
     tag = uuid.uuid4().hex
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FDP_TEST_TAG": tag, **(env or {})}
-    proc = subprocess.Popen([sys.executable, str(ROOT / "recipes" / "train.py"), *LONG, *overrides, f"hydra.run.dir={run_dir}"],
+    command = [*wrapper, sys.executable, str(ROOT / "recipes" / "train.py"), *LONG, *overrides, f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(command,
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     proc.tag = tag
     return proc
@@ -130,7 +132,7 @@ def test_a_second_signal_stops_a_stuck_local_world_at_once(tmp_path):
     wait_training(proc, tmp_path, ranks=(0, 1), steps=7)
     os.kill(RankStatus.read(tmp_path, 1)["pid"], signal.SIGSTOP)
     os.kill(proc.pid, signal.SIGTERM)
-    time.sleep(0.5)
+    time.sleep(GRACE_S + 0.3)  # a second signal sooner would be the same request (test_a_burst_of_signals...)
     assert proc.poll() is None  # waiting for a step boundary that cannot come
     os.kill(proc.pid, signal.SIGINT)
     out, err = finish(proc, timeout=60)
@@ -138,6 +140,50 @@ def test_a_second_signal_stops_a_stuck_local_world_at_once(tmp_path):
     step = checkpoint_step(tmp_path)
     assert step % 5 == 0 and lines(err) == [
         f"fdp: stopped at once by a second SIGINT; the last checkpoint is step {step} ({tmp_path}/checkpoints/last.pt)"]
+
+
+@pytest.mark.parametrize("world", ["single", "local2"])
+def test_ctrl_c_through_a_relaying_wrapper_is_one_request(tmp_path, world):
+    """setsid timeout -s KILL 300 python recipes/train.py ... and Ctrl-C (SIGINT to the whole group): the
+    launcher and every rank get the signal from the terminal and again from timeout, which relays it to its
+    child and to its group. That burst is one request: every try stops at a step boundary with a checkpoint
+    and the one interrupted line (exit 130), never 'stopped at once'."""
+    overrides = ["world=local2", "world.backend=gloo", "world.timeout_s=30"] if world == "local2" else []
+    ranks = (0, 1) if world == "local2" else (0,)
+    for attempt in range(3 if world == "single" else 2):
+        run_dir = tmp_path / str(attempt)
+        proc = start(run_dir, *overrides, wrapper=("timeout", "-s", "KILL", "300"))
+        wait_training(proc, run_dir, ranks=ranks)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = finish(proc)
+        assert proc.returncode == 130, (attempt, err[-3000:])
+        step = checkpoint_step(run_dir)
+        assert lines(err) == [interrupted_line(step, "SIGINT", run_dir)], attempt
+        assert [RankStatus.read(run_dir, r)["step"] for r in ranks] == [step] * len(ranks)
+
+
+def test_a_burst_of_signals_is_one_request_and_a_later_one_stops_at_once():
+    """Signals within GRACE_S of the first are the same request; one after it is a second (stop at once)."""
+    for _ in range(20):
+        stop = StopSignals(("SIGUSR2",), repeat_stops_at_once=True).install()
+        try:
+            for _ in range(3):  # the terminal's, the wrapper's to its child, the wrapper's to its group
+                os.kill(os.getpid(), signal.SIGUSR2)
+            assert stop.agreed() == "SIGUSR2"
+        finally:
+            stop.restore()
+    stop = StopSignals(("SIGUSR2",), repeat_stops_at_once=True).install()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR2)
+        time.sleep(GRACE_S)
+        with pytest.raises(StoppedAtOnce):
+            os.kill(os.getpid(), signal.SIGUSR2)
+    finally:
+        stop.restore()
+    burst = Burst(grace_s=0.2)
+    assert [burst.see("SIGTERM"), burst.see("SIGINT")] == [False, False] and burst.first == "SIGTERM"
+    time.sleep(0.2)
+    assert burst.see("SIGINT")
 
 
 def _fake_scontrol(bin_dir: Path, record: Path) -> None:
@@ -176,13 +222,11 @@ def test_slurms_warning_signal_stops_both_tasks_checkpoints_and_requeues_the_job
 
 
 def test_stop_signals_and_requeue_in_one_process(tmp_path):
-    """The pieces on their own: a handled signal is a flag, a second one stops at once; requeue's command."""
-    stop = StopSignals(("SIGUSR2",), repeat_stops_at_once=True).install()
+    """The pieces on their own: a handled signal is a flag; requeue's command."""
+    stop = StopSignals(("SIGUSR2",)).install()
     try:
         os.kill(os.getpid(), signal.SIGUSR2)
         assert stop.agreed() == "SIGUSR2"
-        with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGUSR2)
     finally:
         stop.restore()
     assert signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL

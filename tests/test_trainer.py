@@ -134,3 +134,67 @@ def test_own_hook_and_optimizer_from_config_resume_exactly_at_zero_stage_two(tmp
         assert counts == [int(t) for t in a["ranks"][rank]["hook_state"]]
         assert counts[0::2] == [10] * (len(counts) // 2) and 0 < sum(counts[1::2])
     assert whole["steps"] == 10
+def _recipe(run_dir, *overrides):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "recipes" / "train.py"),
+                           "trainer.progress=false", *overrides, f"hydra.run.dir={run_dir}"],
+                          env=env, capture_output=True, text=True, timeout=240)
+
+
+def test_a_memory_budget_counts_what_the_run_adds_and_an_overrun_names_its_phase(tmp_path):
+    """world.memory_per_rank_mb=300 and an MLP whose state takes ~110 MiB: the data loaded before the budget
+    does not count, the final evaluation takes training's batch (8 samples, not 256 at once), and the run ends
+    with its checkpoint and test metrics. A budget nothing fits is refused in one line naming the part that
+    ran out and what to change (exit 2, no run directory left)."""
+    common = ["model.hidden=131072", "model.depth=1", "optim=sgd", "data.global_batch_size=8", "trainer.max_steps=2",
+              "trainer.eval_every=0"]
+    done = _recipe(tmp_path / "fits", *common, "world.memory_per_rank_mb=300")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "test_acc=" in done.stdout and (tmp_path / "fits" / "checkpoints" / "step_00000002.pt").exists()
+    refused = _recipe(tmp_path / "refused", *common, "world.memory_per_rank_mb=1")
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    (line,) = [text for text in refused.stderr.splitlines() if text.strip()]
+    assert line.startswith("error: rank 0 ran out of memory building the model and its train state ("), line
+    assert line.endswith("); the run does not fit world.memory_per_rank_mb=1: expected more ranks, a higher "
+                         "trainer.zero_stage (now 0; 3 shards the params too) or a smaller model"), line
+    assert not (tmp_path / "refused").exists()
+
+
+def test_evaluation_in_pieces_gives_the_whole_batches_result():
+    from fdp import functionalize
+    from fdp.data import load_digits
+    from fdp.evaluate import evaluate
+
+    torch.manual_seed(0)
+    model, params, buffers = functionalize(torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(),
+                                                               torch.nn.Linear(32, 10)))
+    whole = evaluate(model, params, buffers, load_digits(), max_batches=2)
+    assert evaluate(model, params, buffers, load_digits(), max_batches=2, fits=7) == pytest.approx(whole, rel=1e-6)
+
+
+def test_out_of_memory_lines_name_the_phase_and_what_to_change():
+    from fdp.devices import MemoryPhase
+    from fdp.trainer import _out_of_memory_message
+
+    cfg = make_cfg("world.memory_per_rank_mb=500", "data.global_batch_size=64", "trainer.accum_steps=2")
+    phase = MemoryPhase()
+    expected = {
+        "data": "loading the data (MemoryError); the run does not fit world.memory_per_rank_mb=500: expected more "
+                "free memory or a smaller data set (loading it is not counted in world.memory_per_rank_mb)",
+        "step": "at step 7 (MemoryError); the run does not fit world.memory_per_rank_mb=500: expected a smaller "
+                "batch per forward (now 16 samples: data.global_batch_size=64 over 2 ranks and trainer.accum_steps=2), "
+                "a higher trainer.zero_stage or a smaller model",
+        "evaluation": "evaluating after step 7 (MemoryError); the run does not fit world.memory_per_rank_mb=500: "
+                      "expected a smaller batch per forward (evaluation takes training's, 16 samples: "
+                      "data.global_batch_size=64 over 2 ranks and trainer.accum_steps=2) or a smaller model",
+        "save": "saving the checkpoint of step 7 (MemoryError); the run does not fit world.memory_per_rank_mb=500: "
+                "expected a larger budget: rank 0 holds the whole state while it writes it (trainer.zero_stage=0)",
+    }
+    for name, text in expected.items():
+        with pytest.raises(MemoryError):
+            with phase(name, 7):
+                raise MemoryError
+        assert _out_of_memory_message(cfg, 1, 2, phase, MemoryError()) == f"rank 1 ran out of memory {text}"

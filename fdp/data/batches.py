@@ -167,6 +167,19 @@ def split_micro_batches(batch: Any, accum_steps: int) -> list:
     return [_rows(batch, i * micro, (i + 1) * micro) for i in range(accum_steps)]
 
 
+def pieces(batch: Any, size: int) -> list:
+    """``batch`` in consecutive pieces of at most ``size`` samples (the batch itself when it is no larger).
+
+    >>> [p[0].tolist() for p in pieces((torch.arange(5), torch.arange(5)), 2)]
+    [[0, 1], [2, 3], [4]]
+    """
+    batch = as_batch(batch)
+    total = batch_size(batch)
+    if total <= size:
+        return [batch]
+    return [_rows(batch, start, min(start + size, total)) for start in range(0, total, size)]
+
+
 def _tensors(batch: Any) -> bool:
     # The common (inputs, targets) pair of tensors skips the pytree walks: 6 instead of 16 us per split.
     return type(batch) is tuple and all(isinstance(t, Tensor) for t in batch)
