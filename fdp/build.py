@@ -13,6 +13,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from fdp import zero
+from fdp.allocator import tune_allocator
 from fdp.comm import Comm
 from fdp.config import DATA_SETTINGS
 from fdp.errors import ConfigError
@@ -31,19 +32,15 @@ from fdp.functional import FunctionalModel, functionalize
 from fdp.hooks import Hook
 from fdp.hooks.hierarchical import check_node_size, hierarchical, node_comms
 from fdp.hooks.registry import build_hook
-from fdp.launch import (
-    broadcast_from_rank0,
-    check_same_plan,
-)
 from fdp.losses import Criterion, build_loss, cross_entropy, make_loss_fn, planner_loss
 from fdp.models import count_parameters
 from fdp.optim import GradientTransformation, build_optimizer
 from fdp.outer import check_outer, init_outer_state
 from fdp.plan import BucketPlan, plan_buckets
 from fdp.precision import Precision, check_precision
-from fdp.replicas import rank_seed, setup_state
 from fdp.state import TrainState
 from fdp.targets import build, classes_setting, label
+from fdp.update import Update
 
 
 # -- building the pieces from config ------------------------------------------------------
@@ -102,6 +99,7 @@ class RunParts(NamedTuple):
     num_params: int
     criterion: Criterion = cross_entropy
     precision: Precision = Precision()
+    update: Update | None = None  # the ZeRO stage's update (fdp.zero.update_for): the state's whole life
 
 
 def build_run(cfg: DictConfig, comm: Comm, device: torch.device = torch.device("cpu")) -> RunParts:
@@ -109,8 +107,11 @@ def build_run(cfg: DictConfig, comm: Comm, device: torch.device = torch.device("
 
     The weights are made on the CPU from the seed (the same on any device) and moved;
     the plan then records the device from the params, and hook and optimizer state are
-    made where the buckets and params are.
+    made where the buckets and params are. The allocator is tuned for the stage first
+    (``fdp.allocator``: once per process, before the model is built).
     """
+    stage = zero.stage_rules(cfg.trainer.zero_stage)
+    tune_allocator(sharded_params=stage.shards_params)
     data = build_data(cfg.data)
     check_data(cfg, data)
     torch.manual_seed(cfg.seed)
@@ -137,20 +138,13 @@ def build_run(cfg: DictConfig, comm: Comm, device: torch.device = torch.device("
     if cfg.world.hierarchical:
         hook = _hierarchical(hook, cfg, comm)
     optimizer = build_optimizer(OmegaConf.to_container(cfg.optim), cfg.trainer.max_steps)
-    if cfg.trainer.zero_stage:  # the optimizer state is built for this rank's slices only
-        check_same_plan(plan, comm)
-        params, buffers = broadcast_from_rank0(params, comm), broadcast_from_rank0(buffers, comm)
-        state = zero.init_state(params, buffers, optimizer, plan, comm, hook, seed=rank_seed(cfg.seed, comm.rank),
-                                stage=cfg.trainer.zero_stage, mirror=mirrors(cfg))
-    else:
-        state = setup_state(params, buffers, optimizer, plan, hook, comm, seed=cfg.seed, precision=precision)
+    # A world that may shrink keeps, where the state is sharded, the next rank's slices too (fdp.zero.mirror).
+    update = zero.update_for(stage.number, optimizer, plan, comm, model=model,
+                             reshard_after_forward=cfg.trainer.reshard_after_forward,
+                             mirror=cfg.world.on_rank_loss == "shrink" and stage.shards_optimizer)
+    state = update.first_state(params, buffers, hook, comm, seed=cfg.seed, precision=precision)
     state = state._replace(outer=init_outer_state(check_outer(OmegaConf.to_container(cfg.outer)), state.params, plan, hook))
-    return RunParts(model, data, plan, hook, optimizer, state, num_params, criterion, precision)
-
-
-def mirrors(cfg: DictConfig) -> bool:
-    """Whether each rank keeps the next rank's slices of a ZeRO stage-1 state (a world that may shrink)."""
-    return cfg.world.on_rank_loss == "shrink" and cfg.trainer.zero_stage == 1
+    return RunParts(model, data, plan, hook, optimizer, state, num_params, criterion, precision, update)
 
 
 def _hierarchical(hook: Hook, cfg: DictConfig, comm: Comm) -> Hook:

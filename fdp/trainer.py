@@ -23,8 +23,8 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from fdp import checkpoint, compiled, zero
-from fdp.allocator import release_free_memory, tune_allocator
-from fdp.build import RunParts, build_run, display_name, mirrors
+from fdp.allocator import release_free_memory
+from fdp.build import RunParts, build_run, display_name
 from fdp.comm import Comm
 from fdp.data import check_global_batch, train_batches
 from fdp.devices import batch_to_device, is_out_of_memory, limit_memory
@@ -61,23 +61,22 @@ log = logging.getLogger("fdp")
 
 # -- checkpoints of the run -----------------------------------------------------------------
 def _save(run_dir: RunDir, state: TrainState, comm: Comm, cfg: DictConfig, parts: RunParts) -> None:
-    if cfg.trainer.zero_stage:  # saved whole (by rank 0), so that any world size and stage can resume it
-        state = zero.gather_state(state, parts.plan, comm, to=0)
+    state = parts.update.to_checkpoint(state, comm)  # whole, so that any world size and stage can resume it
     extra = {"config": OmegaConf.to_yaml(cfg)}
     checkpoint.save_checkpoint(run_dir.checkpoints, state, parts.plan, comm, keep=cfg.trainer.keep_checkpoints, extra=extra)
 
 
-def _resume(cfg: DictConfig, run_dir: RunDir, parts: RunParts, comm: Comm, stage: int) -> TrainState:
-    template = zero.unsharded_template(parts.state, parts.optimizer, parts.plan) if stage else parts.state
+def _resume(cfg: DictConfig, run_dir: RunDir, parts: RunParts, comm: Comm) -> TrainState:
+    template = parts.update.checkpoint_template(parts.state)
     state = checkpoint.load_checkpoint(run_dir.last_checkpoint, template, parts.plan, comm)
-    return zero.shard_state(state, parts.plan, comm, stage, mirror=mirrors(cfg)) if stage else state
+    return parts.update.from_checkpoint(state, comm)
 
 
 def _first_state(cfg: DictConfig, run_dir: RunDir, parts: RunParts, comm: Comm) -> TrainState:
     """The built state, or the last checkpoint's when resuming (asked, or after a restart of the world)."""
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
     if cfg.trainer.resume or (restarted and run_dir.last_checkpoint.exists()):
-        return _resume(cfg, run_dir, parts, comm, cfg.trainer.zero_stage)
+        return _resume(cfg, run_dir, parts, comm)
     return parts.state
 
 
@@ -100,8 +99,7 @@ def _make_step(cfg: DictConfig, parts: RunParts, comm: Comm, timeline: Timeline,
         # donate: the loop never looks at a state again once it has the next (but a world that
         # shrinks may go back to it: fdp.shrink)
         accum_steps=tc.accum_steps, schedule=tc.schedule, nonfinite=tc.nonfinite, timeline=timeline, donate=donate,
-        sync_buffers=tc.sync_buffers, precision=parts.precision, compile=compile, zero_stage=tc.zero_stage,
-        model=parts.model, reshard_after_forward=tc.reshard_after_forward,
+        sync_buffers=tc.sync_buffers, precision=parts.precision, compile=compile, update=parts.update,
         # Dropout masks by sample, the same on any number of ranks (fdp.streams), or each rank's generator.
         sample_seed=cfg.seed if wants_sample_streams(tc.sample_streams, cfg.world.on_rank_loss) else None,
     )
@@ -112,10 +110,11 @@ def _make_step(cfg: DictConfig, parts: RunParts, comm: Comm, timeline: Timeline,
     return make_outer_step(loss_fn, parts.optimizer, parts.plan, outer, parts.hook, comm, **options)
 
 
-def _not_compiled(cfg: DictConfig) -> str | None:
+def _not_compiled(cfg: DictConfig, parts: RunParts) -> str | None:
     """Why this run's step cannot compile (what ``trainer.compile=auto`` says), or ``None``."""
-    if cfg.trainer.zero_stage == 3:
-        return "trainer.zero_stage=3 gathers params in module hooks, which do not compile"
+    refusal = parts.update.refuses_compile()
+    if refusal:
+        return refusal
     if wants_sample_streams(cfg.trainer.sample_streams, cfg.world.on_rank_loss):
         return "per-sample random streams (trainer.sample_streams) run in a dispatch mode, which does not compile"
     return None
@@ -168,7 +167,6 @@ train_worker.handles_stop_signals = True  # fdp.launch.spawn: it installs fdp.in
 
 
 def _rank_worker(cfg: DictConfig, run_dir: str) -> dict:
-    tune_allocator(sharded_params=cfg.trainer.zero_stage == 3)
     layout = layout_of(cfg)
     comm = init_distributed(layout)
     device = layout.device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -200,7 +198,7 @@ def _out_of_memory_message(cfg: DictConfig, rank: int, step: int | None, error: 
     budget = cfg.world.memory_per_rank_mb
     within = f"world.memory_per_rank_mb={budget:g}" if budget else "this machine's memory"
     return (f"rank {rank} ran out of memory {where} ({reason}); the run does not fit {within}: expected more ranks, "
-            f"a higher trainer.zero_stage (now {cfg.trainer.zero_stage}; 3 shards the params too) or a smaller model")
+            "a higher trainer.zero_stage (3 shards the params too) or a smaller model")
 
 
 class _Loop:
@@ -260,13 +258,12 @@ class _Loop:
         step = world.agree_on_step(self.state.step, comm)
         if self.state.step != step:  # this rank finished the step its peers dropped: back to the one before
             self.state = self.before
-        if self.cfg.trainer.zero_stage:
-            try:
-                self.state = zero.reshard_survivors(self.state, self.parts.plan, tuple(sorted(members)), world.members, comm)
-            except zero.LostSlices as lost_slices:
-                raise RankLostError(f"rank {', '.join(map(str, sorted(members - set(world.members))))} lost at step "
-                                    f"{step + 1}: {lost_slices}; continue from the last checkpoint "
-                                    "(trainer.resume=true)") from None
+        try:
+            self.state = self.parts.update.reshard(self.state, tuple(sorted(members)), world.members, comm)
+        except zero.LostSlices as lost_slices:
+            raise RankLostError(f"rank {', '.join(map(str, sorted(members - set(world.members))))} lost at step "
+                                f"{step + 1}: {lost_slices}; continue from the last checkpoint "
+                                "(trainer.resume=true)") from None
         self.before = self.state
         shrink = Shrink(step, lost, comm.world_size, time.perf_counter() - self.since)
         report.shrunk(comm, shrink.record())
@@ -301,7 +298,7 @@ def _train(cfg: DictConfig, run_dir: RunDir, comm: Comm, device: torch.device, w
         _announce(cfg, run_dir, parts, world_size, device)
     timeline = Timeline(rank) if tc.trace else NullTimeline()
     last_step = min(tc.max_steps, tc.stop_at or tc.max_steps)
-    blocked = _not_compiled(cfg)
+    blocked = _not_compiled(cfg, parts)
     choice = compiled.choose(tc.compile, run_dir.path, device.type, last_step - state.step, comm, blocked)
     if rank == 0:
         log.info(choice.message)

@@ -6,7 +6,7 @@ from fdp.hooks.int8 import Int8State, int8, int8_compress, int8_decompress, int8
 from fdp.hooks.hierarchical import NodeComms, hierarchical, node_comms
 from fdp.hooks.noop import noop
 from fdp.hooks.powersgd import PowerSGDState, batched_powersgd, powersgd
-from fdp.hooks.registry import HOOKS, build_hook
+from fdp.hooks.registry import HOOKS, build_hook, shardable_hooks
 from fdp.hooks.topk import TopKState, topk
 
 __all__ = [
@@ -15,5 +15,5 @@ __all__ = [
     "hierarchical", "node_comms", "NodeComms",
     "noop", "powersgd", "batched_powersgd", "PowerSGDState", "topk", "TopKState",
     "int8", "int8_compress", "int8_sum", "int8_decompress", "Int8State",
-    "HOOKS", "build_hook",
+    "HOOKS", "build_hook", "shardable_hooks",
 ]
