@@ -374,7 +374,7 @@ def _run(cfg: DictConfig, run_dir: str | Path) -> dict:
 def _lost_message(run_dir: RunDir, error: WorkerFailedError) -> str:
     step = RankStatus.read(run_dir, error.rank).get("step")
     at = f" at step {step}" if step else " before step 1"
-    steps = sorted(int(m.group(1)) for p in run_dir.checkpoints.glob("step_*.pt") if (m := re.search(r"(\d+)", p.name)))
+    steps = list(checkpoint.step_files(run_dir.checkpoints))
     resume = (f"the last checkpoint is step {steps[-1]} (continue with trainer.resume=true, or set "
               "world.max_restarts to restart from it automatically)") if steps else "there is no checkpoint yet"
     return f"rank {error.rank} was lost{at}: process {error.pid} was killed by {error.signal}; the other ranks were stopped; {resume}"
