@@ -117,8 +117,8 @@ class GradReducer:
 
     def __init__(
         self, loss_fn: LossFn, plan: BucketPlan, hook: Hook, comm: Comm, schedule: str = "after",
-        timeline: Timeline = NullTimeline(), compile: bool = False, release_buffers: bool = False, gather: Any = NullGather(),
-        flat_params: bool = True,
+        timeline: Timeline = NullTimeline(), compile: bool = False, release_buffers: bool = False,
+        gather: Any = NullGather(), flat_params: bool = True,
     ):
         schedule = resolve_schedule(schedule, comm.world_size)
         if compile:

@@ -253,7 +253,8 @@ def make_train_step(
                                    cuda_rng, loss_scale, state.outer, step_update.mirror)
         if state_mib is None:  # what this rank holds between steps (params, optimizer state, bucket buffers): fixed
             state_mib = state_nbytes(new_state, reducer.flats) / 2**20
-        return new_state, _metrics(t0, computed, step_update, new_state, state.loss_scale, loss_scale, skipped, state_mib)
+        return new_state, _metrics(t0, computed, step_update, new_state, state.loss_scale, loss_scale, skipped,
+                                   state_mib)
 
     return TrainStep(train_step, verdicts.settle)
 

@@ -37,7 +37,8 @@ from fdp.buckets import slot_views
 from fdp.checks import check_same_replicas, check_state_against_plan
 from fdp.comm import Comm
 from fdp.functional import Buffers, Params
-from fdp.hooks import Hook, shardable_hooks, stage_name
+from fdp.hooks import Hook, shardable_hooks
+from fdp.hooks import stage_name as hook_label  # the hooks call each hook of a chain a stage
 from fdp.optim import GradientTransformation, apply_gradients, supports_inplace, takes_sum_across
 from fdp.plan import BucketPlan
 from fdp.reduce import NullGather
@@ -73,7 +74,7 @@ class Stage(NamedTuple):
         """Why this stage cannot reduce through ``hook`` (what a hook needs is declared on it: ``Hook.shardable``)."""
         if not self.scatters or hook.shardable:
             return None
-        return (f"hooks {stage_name(hook)!r} need the whole reduced bucket, which stage {self.number} scatters; "
+        return (f"hooks {hook_label(hook)!r} need the whole reduced bucket, which stage {self.number} scatters; "
                 f"expected hooks {', '.join(shardable_hooks())} (or zero_stage=1)")
 
     def refuses_optimizer(self, optimizer: GradientTransformation) -> str | None:
@@ -84,7 +85,9 @@ class Stage(NamedTuple):
 
     def refuses_compile(self) -> str | None:
         """Why this stage's step cannot run under ``torch.compile``."""
-        return f"ZeRO stage {self.number} gathers params in module hooks, which do not compile" if self.shards_params else None
+        if not self.shards_params:
+            return None
+        return f"ZeRO stage {self.number} gathers params in module hooks, which do not compile"
 
     def refuses_mirror(self) -> str | None:
         """Why this stage cannot keep the next rank's slices (``TrainState.mirror``), and so cannot lose a rank."""
