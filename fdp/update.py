@@ -62,7 +62,7 @@ class Stage(NamedTuple):
     >>> STAGES[3].refuses_compile()
     'ZeRO stage 3 gathers params in module hooks, which do not compile'
     >>> STAGES[1].refuses_mirror() is None, STAGES[2].refuses_mirror()
-    (True, 'ZeRO stage 2 keeps no whole reduced gradient to step a copy of the next rank's slices with')
+    (True, "ZeRO stage 2 keeps no whole reduced gradient to step a copy of the next rank's slices with")
     """
 
     number: int

@@ -101,7 +101,9 @@ class _ShardedStep(SliceStep):
         owner = self.owner
         bucket = owner.plan.buckets[index]
         start, stop = self.ranges[index]
-        if owner.stage == 2 and buffer.numel() == stop - start:  # this rank's slice of the sum
+        # A scattering chain hands back this rank's slice of the sum (for a bucket of one element, a slice as
+        # long as the bucket: taken as the slice, which a chain's sum_bucket gives); one that sends nothing, the whole.
+        if owner.rules.scatters and buffer.numel() == stop - start:
             grad = buffer
             self.flags[index] = finite_flag(grad)
         elif buffer.numel() == bucket.numel:  # the whole bucket (stage 1, or a chain that sends nothing)
