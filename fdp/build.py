@@ -107,11 +107,9 @@ def build_run(cfg: DictConfig, comm: Comm, device: torch.device = torch.device("
 
     The weights are made on the CPU from the seed (the same on any device) and moved;
     the plan then records the device from the params, and hook and optimizer state are
-    made where the buckets and params are. The allocator is tuned for the stage first
-    (``fdp.allocator``: once per process, before the model is built).
+    made where the buckets and params are.
     """
-    stage = zero.stage_rules(cfg.trainer.zero_stage)
-    tune_allocator(sharded_params=stage.shards_params)
+    stage = stage_of(cfg)
     data = build_data(cfg.data)
     check_data(cfg, data)
     torch.manual_seed(cfg.seed)
@@ -145,6 +143,17 @@ def build_run(cfg: DictConfig, comm: Comm, device: torch.device = torch.device("
     state = update.first_state(params, buffers, hook, comm, seed=cfg.seed, precision=precision)
     state = state._replace(outer=init_outer_state(check_outer(OmegaConf.to_container(cfg.outer)), state.params, plan, hook))
     return RunParts(model, data, plan, hook, optimizer, state, num_params, criterion, precision, update)
+
+
+def stage_of(cfg: DictConfig) -> zero.Stage:
+    """What the run's ZeRO stage shards (``fdp.update.Stage``): the one place a run reads its stage."""
+    return zero.stage_rules(cfg.trainer.zero_stage)
+
+
+def tune_allocator_for(cfg: DictConfig) -> None:
+    """This process's heap tuned for the run's stage (``fdp.allocator``): first thing in a worker, before anything
+    is allocated (a stage that gathers its params keeps large blocks out of the heap)."""
+    tune_allocator(sharded_params=stage_of(cfg).shards_params)
 
 
 def _hierarchical(hook: Hook, cfg: DictConfig, comm: Comm) -> Hook:

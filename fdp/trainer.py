@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fdp import checkpoint, compiled, zero
 from fdp.allocator import release_free_memory
-from fdp.build import RunParts, build_run, display_name
+from fdp.build import RunParts, build_run, display_name, tune_allocator_for
 from fdp.comm import Comm
 from fdp.data import check_global_batch, train_batches
 from fdp.devices import batch_to_device, is_out_of_memory, limit_memory
@@ -167,6 +167,7 @@ train_worker.handles_stop_signals = True  # fdp.launch.spawn: it installs fdp.in
 
 
 def _rank_worker(cfg: DictConfig, run_dir: str) -> dict:
+    tune_allocator_for(cfg)
     layout = layout_of(cfg)
     comm = init_distributed(layout)
     device = layout.device(int(os.environ.get("LOCAL_RANK", 0)))

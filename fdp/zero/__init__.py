@@ -53,7 +53,7 @@ from fdp.zero.params import ParamShardedUpdate
 from fdp.zero.sharded import ShardedUpdate
 
 __all__ = [
-    "ZERO_STAGES", "check_zero_stage", "stage_rules", "check_hook_for_stage", "update_for", "make_update", "scatters",
+    "ZERO_STAGES", "Stage", "check_zero_stage", "stage_rules", "check_hook_for_stage", "update_for", "make_update", "scatters",
     "shard_range", "shard_key", "padded_slice", "init_state", "shard_state", "gather_state", "whole_params",
     "unsharded_template", "is_sharded", "params_sharded", "state_nbytes", "ShardedUpdate", "ParamShardedUpdate",
     "LostSlices", "reshard_survivors",
