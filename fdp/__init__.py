@@ -31,9 +31,9 @@ it in this list; ``tests/test_imports.py`` holds every import to that):
 * ``checks``: what a Python caller hands the train step, checked with errors naming the argument.
 * ``state``: ``TrainState``, the whole training state as one value.
 * ``verdicts``: each step's finiteness verdict, read without stalling the device.
+* ``replicas``: one consistent state on every rank (``setup_state``, ``sync_buffers``).
 * ``update``: reduced buckets to new params: the one interface of every ZeRO stage, and stage 0.
 * ``zero``: ZeRO stages 1, 2 and 3 on that interface (layout, state conversion, the sharded updates, gathering).
-* ``replicas``: one consistent state on every rank (``setup_state``, ``sync_buffers``).
 * ``step``: the pure ``train_step(state, batch) -> (state, metrics)``.
 * ``outer``: local SGD and (streaming) DiLoCo, an outer loop that syncs every few steps across slow links.
 * ``checkpoint``: atomic checkpoints of every rank (``save_checkpoint``, ``load_checkpoint``).

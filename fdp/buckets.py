@@ -192,13 +192,14 @@ def lay_out(plan: BucketPlan, params: Mapping[str, torch.Tensor]) -> dict[str, t
     return {name: views.get(name, value) for name, value in params.items()}
 
 
-def flat_buffers(plan: BucketPlan, params: Mapping[str, torch.Tensor], checked: bool = False) -> tuple[torch.Tensor, ...] | None:
+def flat_buffers(plan: BucketPlan, params: Mapping[str, torch.Tensor],
+                 known_laid_out: bool = False) -> tuple[torch.Tensor, ...] | None:
     """The flat tensors (one per bucket, ``bucket.numel`` long) that ``params`` are views of; ``None`` if they are not.
 
     Params are views of a bucket's buffer when each lies in one storage at its slot's
     offset, contiguous, in the bucket's dtype, as ``lay_out`` (or ``fdp.zero``) leaves
     them. The buffers returned share that storage (writing to them writes the params).
-    ``checked=True`` skips the look at every tensor, for params already found laid out.
+    ``known_laid_out=True`` skips the look at every tensor, for params already found laid out.
 
     >>> from fdp.plan import pack_into_buckets
     >>> plan = pack_into_buckets([("w", (2,), "float32", "cpu")])
@@ -214,7 +215,7 @@ def flat_buffers(plan: BucketPlan, params: Mapping[str, torch.Tensor], checked: 
         if base < 0 or storage.nbytes() < (base + bucket.numel) * first.element_size() or first.dtype != bucket.torch_dtype:
             return None
         start = storage.data_ptr()
-        for name, shape, stride, offset in () if checked else zip(names, shapes, strides, offsets):
+        for name, shape, stride, offset in () if known_laid_out else zip(names, shapes, strides, offsets):
             p = params[name]
             if (p.untyped_storage().data_ptr() != start or p.storage_offset() != base + offset
                     or p.shape != shape or p.stride() != stride or p.dtype != first.dtype):

@@ -13,6 +13,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from fdp import zero
+from fdp.allocator import tune_allocator
 from fdp.comm import Comm
 from fdp.config import DATA_SETTINGS
 from fdp.errors import ConfigError
@@ -32,10 +33,6 @@ from fdp.functional import FunctionalModel, functionalize
 from fdp.hooks import Hook
 from fdp.hooks.hierarchical import check_node_size, hierarchical, node_comms
 from fdp.hooks.registry import build_hook
-from fdp.launch import (
-    broadcast_from_rank0,
-    check_same_plan,
-)
 from fdp.loop_controls import run_steps
 from fdp.losses import Criterion, build_loss, cross_entropy, make_loss_fn, planner_loss
 from fdp.models import count_parameters
@@ -43,9 +40,9 @@ from fdp.optim import GradientTransformation, build_optimizer, embedding_names
 from fdp.outer import check_outer, init_outer_state
 from fdp.plan import BucketPlan, plan_buckets
 from fdp.precision import Precision, check_precision
-from fdp.replicas import rank_seed, setup_state
 from fdp.state import TrainState
 from fdp.targets import build, classes_setting, label
+from fdp.update import Update
 
 
 # -- building the pieces from config ------------------------------------------------------
@@ -105,6 +102,7 @@ class RunParts(NamedTuple):
     num_params: int
     criterion: Criterion = cross_entropy
     precision: Precision = Precision()
+    update: Update | None = None  # the ZeRO stage's update (fdp.zero.update_for): the state's whole life
 
 
 def build_run(cfg: DictConfig, comm: Comm, device: torch.device = torch.device("cpu"),
@@ -115,6 +113,7 @@ def build_run(cfg: DictConfig, comm: Comm, device: torch.device = torch.device("
     the plan then records the device from the params, and hook and optimizer state are
     made where the buckets and params are. ``data``: the run's data set, when already loaded.
     """
+    stage = stage_of(cfg)
     data = build_data(cfg.data) if data is None else data
     check_data(cfg, data)
     torch.manual_seed(cfg.seed)
@@ -150,20 +149,24 @@ def build_run(cfg: DictConfig, comm: Comm, device: torch.device = torch.device("
     # The schedule spans the run: max_steps, or fewer where trainer.max_epochs ends it sooner.
     steps = run_steps(cfg.trainer.max_steps, cfg.trainer.max_epochs, data, cfg.data.global_batch_size)
     optimizer = build_optimizer(OmegaConf.to_container(cfg.optim), steps, embeddings=embeddings)
-    if cfg.trainer.zero_stage:  # the optimizer state is built for this rank's slices only
-        check_same_plan(plan, comm)
-        params, buffers = broadcast_from_rank0(params, comm), broadcast_from_rank0(buffers, comm)
-        state = zero.init_state(params, buffers, optimizer, plan, comm, hook, seed=rank_seed(cfg.seed, comm.rank),
-                                stage=cfg.trainer.zero_stage, mirror=mirrors(cfg))
-    else:
-        state = setup_state(params, buffers, optimizer, plan, hook, comm, seed=cfg.seed, precision=precision)
+    # A world that may shrink keeps, where the state is sharded, the next rank's slices too (fdp.zero.mirror).
+    update = zero.update_for(stage.number, optimizer, plan, comm, model=model,
+                             reshard_after_forward=cfg.trainer.reshard_after_forward,
+                             mirror=cfg.world.on_rank_loss == "shrink" and stage.shards_optimizer)
+    state = update.first_state(params, buffers, hook, comm, seed=cfg.seed, precision=precision)
     state = state._replace(outer=init_outer_state(check_outer(OmegaConf.to_container(cfg.outer)), state.params, plan, hook))
-    return RunParts(model, data, plan, hook, optimizer, state, num_params, criterion, precision)
+    return RunParts(model, data, plan, hook, optimizer, state, num_params, criterion, precision, update)
 
 
-def mirrors(cfg: DictConfig) -> bool:
-    """Whether each rank keeps the next rank's slices of a ZeRO stage-1 state (a world that may shrink)."""
-    return cfg.world.on_rank_loss == "shrink" and cfg.trainer.zero_stage == 1
+def stage_of(cfg: DictConfig) -> zero.Stage:
+    """What the run's ZeRO stage shards (``fdp.update.Stage``): the one place a run reads its stage."""
+    return zero.stage_rules(cfg.trainer.zero_stage)
+
+
+def tune_allocator_for(cfg: DictConfig) -> None:
+    """This process's heap tuned for the run's stage (``fdp.allocator``): first thing in a worker, before anything
+    is allocated (a stage that gathers its params keeps large blocks out of the heap)."""
+    tune_allocator(sharded_params=stage_of(cfg).shards_params)
 
 
 def _hierarchical(hook: Hook, cfg: DictConfig, comm: Comm) -> Hook:

@@ -57,7 +57,7 @@ class Reduction:
         self._running: dict[int, tuple[Any, Any]] = {}  # bucket index -> (generator, pending collective)
         self._ready: list[tuple[int, GradBucket]] = []  # finished, not yet handed back
         self._new_states: list[Any] = [None] * len(plan.buckets)
-        self._stage: dict[int, int] = {}  # bucket index -> collectives issued so far
+        self._issued: dict[int, int] = {}  # bucket index -> collectives issued so far
         self._round: list[int] = []  # chains still to resume in this round, in plan order
         self._wait_s = 0.0
         self.started = 0
@@ -103,7 +103,7 @@ class Reduction:
             self._wait_s += time.perf_counter() - t0
             if index in self._round:
                 self._round.remove(index)
-            self._timeline.collective_end(index, self._stage[index])
+            self._timeline.collective_end(index, self._issued[index])
             self._advance(index, run, value)
 
     def poll(self) -> None:
@@ -145,7 +145,7 @@ class Reduction:
 
     def _resume(self, index: int, run, value) -> None:
         self._round.remove(index)
-        self._timeline.collective_end(index, self._stage[index])
+        self._timeline.collective_end(index, self._issued[index])
         self._advance(index, run, value)
 
     def _handed_back(self) -> Iterator[tuple[int, GradBucket]]:
@@ -168,5 +168,5 @@ class Reduction:
             self._finished(index, finished.value)
             return
         self._running[index] = (run, pending)
-        stage = self._stage[index] = self._stage.get(index, 0) + 1
-        self._timeline.collective_begin(index, stage)
+        issued = self._issued[index] = self._issued.get(index, 0) + 1
+        self._timeline.collective_begin(index, issued)

@@ -47,6 +47,17 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used; the message names the file and the reason."""
 
 
+def step_files(directory: str | os.PathLike) -> dict[int, Path]:
+    """The step checkpoints in ``directory``, by step, in step order: the one place their names are read.
+
+    >>> step_files("/nonexistent")
+    {}
+    """
+    directory = Path(directory)
+    found = {int(m.group(1)): p for p in directory.glob("step_*.pt") if (m := _STEP_FILE.search(p.name))}
+    return dict(sorted(found.items()))
+
+
 def _fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
@@ -248,7 +259,7 @@ def save(directory: str | os.PathLike, payload: dict, keep: int = 2) -> Path:
     path = atomic_save(payload, directory / f"step_{int(payload['step']):08d}.pt")
     _atomic_copy(path, directory / LAST)
     _fsync_dir(directory)
-    for old in sorted(p for p in directory.iterdir() if _STEP_FILE.search(p.name))[:-keep or None]:
+    for old in list(step_files(directory).values())[:-keep or None]:
         old.unlink()
     # Temporaries of a writer that was killed mid-save (only one process saves, and it is done).
     for stale in [*directory.glob(".step_*.tmp"), *directory.glob(f".{LAST}.*")]:

@@ -124,6 +124,15 @@ class Comm:
         work = _all_gather_flat(out, tensor.contiguous().view(-1), group=self.group, async_op=True)
         return self._pending(out.view(world, *tensor.shape), work)
 
+    def sum_bucket(self, tensor: torch.Tensor) -> Pending:
+        """``allreduce`` of a bucket's values (a hook's name for it: a ZeRO comm reduce-scatters it instead,
+        ``fdp.zero.scatter``)."""
+        return self.allreduce(tensor)
+
+    def gather_bucket(self, tensor: torch.Tensor) -> Pending:
+        """``allgather`` of a bucket's values, whose parts the hook sums (a ZeRO comm all-to-alls them instead)."""
+        return self.allgather(tensor)
+
     def gather(self, tensor: torch.Tensor, dst: int = 0) -> Pending:
         """Every rank's ``tensor``, stacked on rank ``dst`` (shape ``(world_size, *tensor.shape)``); ``None`` elsewhere.
 

@@ -21,7 +21,7 @@ import math
 import numbers
 from typing import Any
 
-__all__ = ["ConfigError", "expected", "require", "check_bool", "check_int", "check_real"]
+__all__ = ["ConfigError", "expected", "require", "one_of", "check_choice", "check_bool", "check_int", "check_real"]
 
 
 class ConfigError(ValueError):
@@ -46,6 +46,29 @@ def require(ok: bool, setting: str, value: Any, what: str, error: type[Exception
     """
     if not ok:
         raise error(expected(setting, value, what))
+
+
+def one_of(choices: Any) -> str:
+    """The choices of a setting as a refusal lists them, from the tuple that states them.
+
+    >>> one_of(("auto", "after", "overlap")), one_of((0, 1))
+    ('auto, after or overlap', '0 or 1')
+    """
+    names = [str(choice) for choice in choices]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+def check_choice(setting: str, value: Any, choices: Any) -> Any:
+    """``value`` if it is one of ``choices`` (a bool is not the integer it equals); refused naming them all.
+
+    >>> check_choice("nonfinite", "ignore", ("raise", "skip"))
+    Traceback (most recent call last):
+    ...
+    ValueError: nonfinite='ignore': expected raise or skip
+    """
+    ok = not isinstance(value, bool) or any(isinstance(choice, bool) for choice in choices)
+    require(ok and value in choices, setting, value, one_of(choices))
+    return value
 
 
 def check_bool(setting: str, value: Any) -> bool:

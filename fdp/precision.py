@@ -33,7 +33,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from fdp._torch import tree_map
-from fdp.errors import require
+from fdp.errors import check_choice
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 MATMUL_PRECISIONS = ("highest", "high", "medium")
@@ -213,7 +213,7 @@ def check_precision(precision: str, device: str = "cpu") -> Precision:
     ...
     ValueError: precision='fp8': expected 32-true, bf16-mixed, 16-mixed or bf16-true
     """
-    require(precision in PRECISIONS, "precision", precision, f"{', '.join(PRECISIONS[:-1])} or {PRECISIONS[-1]}")
+    check_choice("precision", precision, PRECISIONS)
     value = Precision(precision)
     dtype = value.autocast_dtype
     if dtype is not None and not autocast_supported(device, dtype):
@@ -241,8 +241,7 @@ def check_matmul_precision(matmul_precision: str) -> str:
     >>> check_matmul_precision("high")
     'high'
     """
-    require(matmul_precision in MATMUL_PRECISIONS, "matmul_precision", matmul_precision, "highest, high or medium")
-    return matmul_precision
+    return check_choice("matmul_precision", matmul_precision, MATMUL_PRECISIONS)
 
 
 def set_matmul_precision(matmul_precision: str) -> None:

@@ -23,6 +23,7 @@ from torch.func import grad_and_value as func_grad_and_value
 from fdp import buckets as bucket_buffers
 from fdp._torch import HAS_DISABLE_FUNCTORCH, disable_functorch, foreach
 from fdp.comm import Comm
+from fdp.errors import check_choice
 from fdp.compiled import compile_grad, compiled_schedule
 from fdp.functional import grad_and_value
 from fdp.chains import Reduction
@@ -31,6 +32,31 @@ from fdp.plan import BucketPlan
 from fdp.trace import NullTimeline, Timeline
 
 SCHEDULES = ("auto", "after", "overlap")
+
+
+class NullGather:
+    """Params that are whole already: nothing to gather (what ``fdp.trace.NullTimeline`` is to a timeline).
+
+    The reducer's other gather is ZeRO stage 3's ``fdp.zero.gather.ParamGather``, which
+    materialises each bucket's params while forward and backward read them. ``gathers``
+    says whether the params are released bucket by bucket as their gradients complete
+    (their gradients then start as soon as they are in, and their buffers are released).
+
+    >>> gather = NullGather()
+    >>> gather.wrap_loss(len) is len, gather.gathers
+    (True, False)
+    """
+
+    gathers = False
+
+    def wrap_loss(self, loss_fn: Callable) -> Callable:
+        return loss_fn
+
+    def grads_done(self, index: int) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
 
 
 def resolve_schedule(schedule: str, world_size: int) -> str:
@@ -47,8 +73,7 @@ def resolve_schedule(schedule: str, world_size: int) -> str:
     >>> resolve_schedule("auto", 1), resolve_schedule("auto", 2), resolve_schedule("after", 2)
     ('after', 'overlap', 'after')
     """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule={schedule!r}: expected auto, after or overlap")
+    check_choice("schedule", schedule, SCHEDULES)
     if schedule == "overlap" and not HAS_DISABLE_FUNCTORCH:
         raise ValueError("schedule='overlap': this torch cannot leave torch.func from a hook; expected after")
     if schedule == "auto":
@@ -92,17 +117,17 @@ class GradReducer:
 
     def __init__(
         self, loss_fn: LossFn, plan: BucketPlan, hook: Hook, comm: Comm, schedule: str = "after",
-        timeline: Timeline = NullTimeline(), compile: bool = False, release_buffers: bool = False, gather: Any = None,
-        flat_params: bool = True,
+        timeline: Timeline = NullTimeline(), compile: bool = False, release_buffers: bool = False,
+        gather: Any = NullGather(), flat_params: bool = True,
     ):
         schedule = resolve_schedule(schedule, comm.world_size)
         if compile:
             schedule = compiled_schedule(schedule)
-        if gather is not None:  # the params are released bucket by bucket as their gradients complete
+        if gather.gathers:  # the params are released bucket by bucket as their gradients complete
             schedule = resolve_schedule("overlap", world_size=2)
         self.plan, self.hook, self.comm, self.schedule, self.timeline = plan, hook, comm, schedule, timeline
-        self.release_buffers, self.gather = release_buffers or gather is not None, gather
-        self.loss_fn = self._marking_forward_end(gather.wrap_loss(loss_fn) if gather is not None else loss_fn)
+        self.release_buffers, self.gather = release_buffers or gather.gathers, gather
+        self.loss_fn = self._marking_forward_end(gather.wrap_loss(loss_fn))
         self.flats = bucket_buffers.allocate(plan, zeroed=not self.release_buffers)
         # Views, made while the buffers have memory: they stay views of them when it is released and given back.
         self._table = _slot_table(plan, self.flats)
@@ -153,8 +178,7 @@ class GradReducer:
             losses.append(loss)
         while reduction.started < len(self.plan.buckets):
             self._start_next(reduction)
-        if self.gather is not None:
-            self.gather.stop()  # every gradient is in: no whole params are needed any more
+        self.gather.stop()  # every gradient is in: no whole params are needed any more
         return Backward(reduction, losses, buffers)
 
     def _start_next(self, reduction: Reduction) -> None:
@@ -163,10 +187,9 @@ class GradReducer:
         flat = self.flats[index]
         if self.release_buffers:  # a bucket no gradient reached this step holds zeros
             bucket_buffers.regrow(flat, zero=True)
-        if self.gather is not None:
-            self.gather.grads_done(index)
-            if index >= 2:  # at most three buckets' gradients in flight at once, the same on every rank
-                reduction.complete(index - 2)
+        self.gather.grads_done(index)
+        if self.gather.gathers and index >= 2:  # at most three buckets' gradients in flight, the same on every rank
+            reduction.complete(index - 2)
         reduction.start(flat)
 
     def flat_params(self, params) -> tuple[torch.Tensor, ...] | None:
@@ -183,7 +206,7 @@ class GradReducer:
                 return None
             self._seen_flat = (tuple(params), [weakref.ref(value) for value in values])
         self._keys = self._seen_flat[0]
-        return bucket_buffers.flat_buffers(self.plan, params, checked=True)
+        return bucket_buffers.flat_buffers(self.plan, params, known_laid_out=True)
 
     def laid_out(self, params) -> dict:
         """``params`` laid out one flat buffer per bucket where this reducer hands them over so (a copy if need be)."""
@@ -306,7 +329,7 @@ class GradReducer:
         flat = self.flats[bucket]
         # With parameter sharding autograd's own copy of the gradient is not kept: a
         # zero-strided scalar takes its place in what torch.func returns.
-        placeholder = torch.zeros((), dtype=view_of.dtype, device=view_of.device) if self.gather is not None else None
+        placeholder = torch.zeros((), dtype=view_of.dtype, device=view_of.device) if self.gather.gathers else None
 
         def on_grad_ready(grad):
             # Copied with autograd on, a gradient that carries a graph (torch.func.grad's

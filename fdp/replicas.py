@@ -2,8 +2,9 @@
 
 * ``setup_state``: the first ``TrainState``, consistent on every rank: the ranks' bucket
   plans, seeds and buffers are compared (a difference stops every rank, named), rank 0's
-  params and buffers become everyone's, and each rank's RNG (dropout) is derived from
-  the one seed. What the trainer does before step 1, for Python callers.
+  params and buffers become everyone's (``agreed_start``), and each rank's RNG (dropout)
+  is derived from the one seed. What the trainer does before step 1 (through each ZeRO
+  stage's ``fdp.update.Update.first_state``), for Python callers.
 * ``sync_buffers``: buffers that training updates (BatchNorm running statistics) across
   ranks, once per step before the forward (``make_train_step(..., sync_buffers=...)``).
   Gradients are averaged, so params stay identical; buffers are updated from each rank's
@@ -26,12 +27,13 @@ import torch
 import torch.distributed as dist
 
 from fdp.comm import Comm, wait_watched
+from fdp.errors import check_choice
 from fdp.functional import Buffers, Params
 from fdp.launch import broadcast_from_rank0, check_same_plan
 from fdp.plan import BucketPlan
 from fdp.state import init_train_state
 
-__all__ = ["BUFFER_SYNC", "check_sync_buffers", "rank_seed", "setup_state", "sync_buffers"]
+__all__ = ["BUFFER_SYNC", "agreed_start", "check_sync_buffers", "rank_seed", "setup_state", "sync_buffers"]
 
 BUFFER_SYNC = ("broadcast", "average", "local")
 
@@ -69,6 +71,23 @@ def _check_same_seed_and_buffers(seed: int, buffers: Buffers, comm: Comm) -> Non
             raise ValueError(f"buffers differ between rank 0 and rank {rank} (different models?): {names[:5]}")
 
 
+def agreed_start(params: Params, buffers: Buffers, plan: BucketPlan, comm: Comm, seed: int) -> tuple[Params, Buffers]:
+    """Rank 0's ``params`` and ``buffers`` on every rank of ``comm``, once their plans, seeds and buffers agree.
+
+    A difference in the plans, the seeds or the buffers' shapes raises on every rank,
+    naming it (checked before any broadcast: mismatched shapes would hang or corrupt).
+    The inputs are left untouched.
+
+    >>> from fdp.plan import pack_into_buckets
+    >>> plan = pack_into_buckets([("w", (2,), "float32", "cpu")])
+    >>> agreed_start({"w": torch.ones(2)}, {}, plan, Comm(), seed=0)[0]["w"]
+    tensor([1., 1.])
+    """
+    check_same_plan(plan, comm)
+    _check_same_seed_and_buffers(seed, buffers, comm)
+    return broadcast_from_rank0(params, comm), broadcast_from_rank0(buffers, comm)
+
+
 def setup_state(
     params: Params,
     buffers: Buffers,
@@ -95,9 +114,7 @@ def setup_state(
     0
     """
     comm = comm or Comm()
-    check_same_plan(plan, comm)
-    _check_same_seed_and_buffers(seed, buffers, comm)
-    params, buffers = broadcast_from_rank0(params, comm), broadcast_from_rank0(buffers, comm)
+    params, buffers = agreed_start(params, buffers, plan, comm, seed)
     return init_train_state(params, buffers, optimizer, plan, hook, seed=rank_seed(seed, comm.rank), precision=precision)
 
 
@@ -110,9 +127,7 @@ def _groups(buffers: Buffers) -> dict[tuple, list[str]]:
 
 def check_sync_buffers(how: str) -> str:
     """How buffers agree across ranks: ``broadcast`` rank 0's (DDP's default), ``average``, or keep them ``local``."""
-    if how not in BUFFER_SYNC:
-        raise ValueError(f"sync_buffers={how!r}: expected broadcast, average or local")
-    return how
+    return check_choice("sync_buffers", how, BUFFER_SYNC)
 
 
 def sync_buffers(buffers: Buffers, comm: Comm, how: str = "broadcast") -> Buffers:

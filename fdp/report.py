@@ -32,9 +32,9 @@ class Report:
     def __init__(self, cfg: DictConfig, run_dir: RunDir, parts: RunParts, comm: Comm, first_step: int, last_step: int):
         self.cfg, self.run_dir, self.parts, self.comm = cfg, run_dir, parts, comm
         self.last_step = last_step
-        is_zero = comm.rank == 0
-        self.log = self._open_log(resume=first_step > 0) if is_zero else None
-        self.bar = progress(last_step, first_step, enabled=cfg.trainer.progress and is_zero)
+        is_rank0 = comm.rank == 0
+        self.log = self._open_log(resume=first_step > 0) if is_rank0 else None
+        self.bar = progress(last_step, first_step, enabled=cfg.trainer.progress and is_rank0)
         self.times, self.skipped, self.last_eval, self.record = StepTimes(), 0, {}, {}
         self.started = time.perf_counter()
         self.shrinks: list[dict] = []  # each time the world went on without a lost rank (fdp.shrink)

@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from fdp._torch import live_groups
 from fdp.comm import Comm
-from fdp.errors import require
+from fdp.errors import check_choice
 from fdp.keeper import LostRank, keep
 from fdp.launch import ENV_LAUNCHERS, Heartbeat, RankLostError
 from fdp.slurm import job_world
@@ -69,8 +69,7 @@ def check_on_rank_loss(value: str) -> str:
     ...
     ValueError: on_rank_loss='ignore': expected restart or shrink
     """
-    require(value in ON_RANK_LOSS, "on_rank_loss", value, "restart or shrink")
-    return value
+    return check_choice("on_rank_loss", value, ON_RANK_LOSS)
 
 
 def check_shrinkable_batch(global_batch_size: int, world_size: int, min_ranks: int, accum_steps: int = 1) -> None:

@@ -20,12 +20,12 @@ from fdp.comm import Comm
 from fdp.data import split_micro_batches
 from fdp.data.batches import batch_size
 from fdp.devices import device_of, rng_scope
-from fdp._torch import HAS_DISABLE_FUNCTORCH
-from fdp.errors import check_bool, require
+from fdp.errors import check_bool, check_choice, require
 from fdp.functional import FunctionalModel
-from fdp.hooks import Hook, allreduce, checked
+from fdp.hooks import Hook, allreduce
+from fdp.hooks import checked as with_result_checks
 from fdp.losses import weigh_micro_batches
-from fdp.optim import GradientTransformation, current_lr, takes_sum_across
+from fdp.optim import GradientTransformation, current_lr
 from fdp.plan import BucketPlan
 from fdp.precision import Precision, scaled_micro_batches, unscale, unscaled_loss, update_loss_scale
 from fdp.reduce import GradReducer, resolve_schedule
@@ -33,7 +33,8 @@ from fdp.state import TrainState, state_nbytes
 from fdp.streams import SampleStreams
 from fdp.trace import NullTimeline, Timeline
 from fdp.verdicts import DeferredVerdicts
-from fdp.zero import check_hook_for_stage, check_zero_stage, make_update, scatters
+from fdp.update import Update
+from fdp.zero import check_hook_for_stage, check_zero_stage, update_for
 
 __all__ = ["NONFINITE", "StepOptions", "TrainStep", "check_nonfinite", "make_train_step"]
 
@@ -48,12 +49,11 @@ def check_nonfinite(nonfinite: str) -> str:
     ...
     ValueError: nonfinite='ignore': expected raise or skip
     """
-    require(nonfinite in NONFINITE, "nonfinite", nonfinite, "raise or skip")
-    return nonfinite
+    return check_choice("nonfinite", nonfinite, NONFINITE)
 
 
 class StepOptions(NamedTuple):
-    """How a train step runs; every field is checked once, by the module that uses it (``checked()``).
+    """How a train step runs; every field is checked once, by the module that uses it (``resolved()``).
 
     * ``accum_steps``: micro-batches per step; their gradients are accumulated in the
       bucket buffers and reduced once.
@@ -83,6 +83,9 @@ class StepOptions(NamedTuple):
     * ``reshard_after_forward``: stage 3 releases each bucket's params after the forward
       and gathers them again for backward (``False``: keeps them from the forward to
       their last gradient: more memory, half the gathers).
+    * ``update``: an ``fdp.update.Update`` already made for this run (``fdp.zero.update_for``,
+      as ``fdp.build`` makes it), in place of ``zero_stage``, ``model`` and
+      ``reshard_after_forward``.
     * ``timeline``: an ``fdp.trace.Timeline`` to record spans into.
     * ``sample_seed``: dropout and the forward's other batch-shaped random ops draw each
       sample's values from its own stream, keyed by this seed, the step and the sample's
@@ -102,14 +105,15 @@ class StepOptions(NamedTuple):
     zero_stage: int = 0
     model: FunctionalModel | None = None
     reshard_after_forward: bool = True
+    update: Update | None = None
     timeline: Timeline | None = None
     sample_seed: int | None = None
     batch_rank: int | None = None
 
-    def checked(self) -> "StepOptions":
+    def resolved(self) -> "StepOptions":
         """These options with their defaults filled in; a ``ValueError`` naming the first bad one.
 
-        >>> StepOptions(accum_steps=0).checked()
+        >>> StepOptions(accum_steps=0).resolved()
         Traceback (most recent call last):
         ...
         ValueError: accum_steps=0: expected an integer >= 1
@@ -124,10 +128,13 @@ class StepOptions(NamedTuple):
             value = getattr(self, name)
             whole = isinstance(value, int) and not isinstance(value, bool) and (least is None or value >= least)
             require(value is None or whole, name, value, "None or an integer" + (" >= 0" if least is not None else ""))
-        if self.zero_stage == 3:
-            require(not self.compile, "compile", self.compile, "False with zero_stage=3 (its gathers run in hooks)")
-            require(HAS_DISABLE_FUNCTORCH, "zero_stage", 3, "0, 1 or 2: this torch cannot leave torch.func from a hook")
+        require(self.update is None or isinstance(self.update, Update), "update", self.update,
+                "None or an fdp.update.Update (fdp.zero.update_for)", TypeError)
+        require(self.update is None or self.zero_stage in (0, self.update.stage), "zero_stage", self.zero_stage,
+                f"{self.update.stage if self.update else 0} (the stage of the update given) or 0")
         return self._replace(precision=self.precision or Precision(), timeline=self.timeline or NullTimeline())
+
+    checked = resolved  # the name before "checked" came to mean one thing
 
 
 class TrainStep(NamedTuple):
@@ -138,11 +145,16 @@ class TrainStep(NamedTuple):
     before keeping a state for good (a checkpoint, the end of a run).
     """
 
-    step: Callable[[TrainState, Any], tuple[TrainState, dict]]
+    run: Callable[[TrainState, Any], tuple[TrainState, dict]]
     settle: Callable[[], None]
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
-        return self.step(state, batch)
+        return self.run(state, batch)
+
+    @property
+    def step(self) -> Callable[[TrainState, Any], tuple[TrainState, dict]]:
+        """``run``, by the name it had before ``step`` came to mean the step's number alone."""
+        return self.run
 
 
 def make_train_step(
@@ -168,43 +180,45 @@ def make_train_step(
     >>> loss_fn = cross_entropy_loss(model)
     >>> batch = (torch.randn(8, 4), torch.randint(0, 3, (8,)))
     >>> plan = plan_buckets(planner_loss(loss_fn, buffers), params, batch)
-    >>> step = make_train_step(loss_fn, sgd(0.1), plan)
-    >>> state, metrics = step(init_train_state(params, buffers, sgd(0.1), plan), batch)
+    >>> train_step = make_train_step(loss_fn, sgd(0.1), plan)
+    >>> state, metrics = train_step(init_train_state(params, buffers, sgd(0.1), plan), batch)
     >>> state.step
     1
     """
     checks.check_step_arguments(loss_fn, optimizer, plan, hook, comm)
-    opts = StepOptions(**options).checked()
-    comm, hook = comm or Comm(), checked(hook or allreduce())
-    check_hook_for_stage(opts.zero_stage, hook)
-    if opts.zero_stage:
-        require(takes_sum_across(optimizer), "optimizer", optimizer.update,
-                "an update that takes sum_across= to step a shard of the gradients (ZeRO)", TypeError)
+    opts = StepOptions(**options).resolved()
+    comm, hook = comm or Comm(), with_result_checks(hook or allreduce())
+    stage_update = opts.update or update_for(opts.zero_stage, optimizer, plan, comm, model=opts.model,
+                                     reshard_after_forward=opts.reshard_after_forward)
+    check_hook_for_stage(stage_update.stage, hook)
+    refusal = stage_update.refuses_optimizer(optimizer)
+    require(not refusal, "optimizer", optimizer.update, f"another optimizer ({refusal})", TypeError)
+    refusal = stage_update.refuses_compile() if opts.compile else None
+    require(not refusal, "compile", opts.compile, f"False ({refusal})")
     early = opts.donate and opts.nonfinite == "raise"
-    update = make_update(opts.zero_stage, optimizer, plan, comm, opts.timeline, opts.donate, early, opts.model,
-                         opts.reshard_after_forward)
+    update = stage_update.for_step(comm, opts.timeline, opts.donate, early)
     streams = SampleStreams(opts.sample_seed) if opts.sample_seed is not None else None
     batch_rank = comm.rank if opts.batch_rank is None else opts.batch_rank
     forward_loss = streams.wrap(loss_fn) if streams else loss_fn
     reducer = GradReducer(opts.precision.wrap(forward_loss), plan, hook, update.reduction_comm(comm), opts.schedule,
-                          opts.timeline, compile=opts.compile, release_buffers=scatters(opts.zero_stage),
+                          opts.timeline, compile=opts.compile, release_buffers=update.release_buffers,
                           gather=update.gather, flat_params=update.flat_params)
     verdicts = DeferredVerdicts()
-    checked_state, state_mib = False, None
+    state_verified, state_mib = False, None
 
     def train_step(state: TrainState, batch: Any) -> tuple[TrainState, dict]:
-        nonlocal checked_state, state_mib
+        nonlocal state_verified, state_mib
         t0 = time.perf_counter()
         number = state.step + 1
         opts.timeline.start_step(number)
-        if not checked_state:
+        if not state_verified:
             update.check_state(state)  # the params it steps, and that the ranks start from the same ones
             checks.check_hook_states(state.hook_state, hook, plan)
             if opts.donate:  # params as one flat buffer per bucket, where the reducer hands them over so
                 state = state._replace(params=reducer.laid_out(state.params))
-            checked_state = True
+            state_verified = True
         state = state._replace(buffers=replicas.sync_buffers(state.buffers, comm, opts.sync_buffers))
-        step = update.begin(state, reducer.flats)
+        step_update = update.begin(state, reducer.flats)
         with rng_scope(state.rng, state.cuda_rng, device_of(state.params)) as rng_states:
             micro_batches = split_micro_batches(batch, opts.accum_steps)
             if streams is not None:
@@ -212,18 +226,18 @@ def make_train_step(
                               device_of(state.params))
             micro_batches = weigh_micro_batches(loss_fn, micro_batches, comm)
             micro_batches = scaled_micro_batches(micro_batches, state.loss_scale)
-            computed = reducer.backward(step.params, state.buffers, micro_batches, state.hook_state)
+            computed = reducer.backward(step_update.params, state.buffers, micro_batches, state.hook_state)
             rng, cuda_rng = rng_states()
         for index, bucket in computed.reduction.finished():
-            step.reduced(index, unscale(bucket.buffer, state.loss_scale, bucket.owned))
+            step_update.reduced(index, unscale(bucket.buffer, state.loss_scale, bucket.owned))
 
         # Reduced gradients agree on every rank, so every rank takes the same branch.
         # Skipping needs the verdict now (the step's one host synchronisation); raising
         # can read it later, so the host goes on queueing work for the device.
-        ok = step.verdict()
+        ok = step_update.verdict()
         skipped = False
         if opts.nonfinite == "raise" and state.loss_scale is None:
-            verdicts.record(ok, _explain(number, step))
+            verdicts.record(ok, _explain(number, step_update))
         else:
             skipped = not bool(ok.all())
         loss_scale = None if state.loss_scale is None else update_loss_scale(
@@ -234,22 +248,23 @@ def make_train_step(
             buffers = computed.buffers if state.loss_scale is not None else state.buffers
             new_state = state._replace(step=number, buffers=buffers, rng=rng, cuda_rng=cuda_rng, loss_scale=loss_scale)
         else:
-            params, opt_state = step.finish()
+            params, opt_state = step_update.finish()
             new_state = TrainState(number, params, computed.buffers, opt_state, computed.reduction.hook_states, rng,
-                                   cuda_rng, loss_scale, state.outer, step.mirror)
+                                   cuda_rng, loss_scale, state.outer, step_update.mirror)
         if state_mib is None:  # what this rank holds between steps (params, optimizer state, bucket buffers): fixed
             state_mib = state_nbytes(new_state, reducer.flats) / 2**20
-        return new_state, _metrics(t0, computed, step, new_state, state.loss_scale, loss_scale, skipped, state_mib)
+        return new_state, _metrics(t0, computed, step_update, new_state, state.loss_scale, loss_scale, skipped,
+                                   state_mib)
 
     return TrainStep(train_step, verdicts.settle)
 
 
-def _explain(number: int, step: Any) -> Callable[[bool], FloatingPointError]:
-    """The error for step ``number``'s non-finite gradient, made only when there is one."""
+def _explain(number: int, step_update: Any) -> Callable[[bool], FloatingPointError]:
+    """The error for step ``number``'s non-finite gradient, stage_update only when there is one."""
 
     def explain(late: bool) -> FloatingPointError:
         return FloatingPointError(
-            f"non-finite gradient at step {number} in {step.nonfinite_where(late)} "
+            f"non-finite gradient at step {number} in {step_update.nonfinite_where(late)} "
             "(set trainer.nonfinite=skip to skip such steps)"
         )
 
@@ -261,10 +276,10 @@ def _mean_loss(losses: list[torch.Tensor]) -> torch.Tensor:
     return losses[0].detach() if len(losses) == 1 else torch.stack([loss.detach() for loss in losses]).mean()
 
 
-def _metrics(t0: float, computed: Any, step: Any, new_state: TrainState, scale_before: Any, scale_after: Any,
+def _metrics(t0: float, computed: Any, step_update: Any, new_state: TrainState, scale_before: Any, scale_after: Any,
              skipped: bool, state_mib: float) -> dict:
     stats = computed.reduction.stats()
-    wait_s = stats.wait_s + step.wait_s
+    wait_s = stats.wait_s + step_update.wait_s
     elapsed = time.perf_counter() - t0
     metrics = {
         "loss": unscaled_loss(_mean_loss(computed.losses), scale_before),

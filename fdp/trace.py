@@ -79,11 +79,11 @@ class Timeline:
     def bucket_end(self, bucket: int) -> None:
         self._async("e", f"bucket {bucket}", bucket, "bucket", {})
 
-    def collective_begin(self, bucket: int, stage: int) -> None:
-        self._async("b", f"collective {stage}", bucket, "bucket", {})
+    def collective_begin(self, bucket: int, number: int) -> None:
+        self._async("b", f"collective {number}", bucket, "bucket", {})
 
-    def collective_end(self, bucket: int, stage: int) -> None:
-        self._async("e", f"collective {stage}", bucket, "bucket", {})
+    def collective_end(self, bucket: int, number: int) -> None:
+        self._async("e", f"collective {number}", bucket, "bucket", {})
 
     def gather_begin(self, bucket: int) -> None:
         """ZeRO stage 3: bucket ``bucket``'s params start their all-gather."""

@@ -23,8 +23,8 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from fdp import checkpoint, compiled, zero
-from fdp.allocator import release_free_memory, tune_allocator
-from fdp.build import RunParts, build_data, build_run, display_name, mirrors
+from fdp.allocator import release_free_memory
+from fdp.build import RunParts, build_data, build_run, display_name, tune_allocator_for
 from fdp.comm import Comm
 from fdp.data import check_global_batch, has_test_split, train_batches
 from fdp.devices import MemoryPhase, batch_to_device, is_out_of_memory, limit_memory
@@ -64,19 +64,18 @@ log = logging.getLogger("fdp")
 # -- checkpoints of the run -----------------------------------------------------------------
 def _save(run_dir: RunDir, state: TrainState, comm: Comm, cfg: DictConfig, parts: RunParts,
           extra: dict | None = None) -> Path | None:
-    if cfg.trainer.zero_stage:  # saved whole (by rank 0), so that any world size and stage can resume it
-        state = zero.gather_state(state, parts.plan, comm, to=0)
+    state = parts.update.to_checkpoint(state, comm)  # whole, so that any world size and stage can resume it
     extra = {"config": OmegaConf.to_yaml(cfg), **(extra or {})}
     return checkpoint.save_checkpoint(run_dir.checkpoints, state, parts.plan, comm, keep=cfg.trainer.keep_checkpoints,
                                       extra=extra)
 
 
-def _resume(cfg: DictConfig, source: Path, parts: RunParts, comm: Comm, stage: int) -> TrainState:
-    template = zero.unsharded_template(parts.state, parts.optimizer, parts.plan) if stage else parts.state
+def _resume(source: Path, parts: RunParts, comm: Comm) -> TrainState:
+    template = parts.update.checkpoint_template(parts.state)
     state = checkpoint.load_checkpoint(source, template, parts.plan, comm)
     if comm.rank == 0:
         log.info(f"resumed from step {state.step} ({source})")
-    return zero.shard_state(state, parts.plan, comm, stage, mirror=mirrors(cfg)) if stage else state
+    return parts.update.from_checkpoint(state, comm)
 
 
 def _resume_source(cfg: DictConfig, run_dir: RunDir) -> Path | None:
@@ -86,9 +85,9 @@ def _resume_source(cfg: DictConfig, run_dir: RunDir) -> Path | None:
     return last if restarted and last.exists() else run_dir.resume_from(cfg.trainer.resume)
 
 
-def _first_state(cfg: DictConfig, source: Path | None, parts: RunParts, comm: Comm) -> TrainState:
+def _first_state(source: Path | None, parts: RunParts, comm: Comm) -> TrainState:
     """The built state, or the checkpoint's at ``source``."""
-    return parts.state if source is None else _resume(cfg, source, parts, comm, cfg.trainer.zero_stage)
+    return parts.state if source is None else _resume(source, parts, comm)
 
 
 # -- the parts of a worker's run ---------------------------------------------------------------
@@ -110,8 +109,7 @@ def _make_step(cfg: DictConfig, parts: RunParts, comm: Comm, timeline: Timeline,
         # donate: the loop never looks at a state again once it has the next (but a world that
         # shrinks may go back to it: fdp.shrink)
         accum_steps=tc.accum_steps, schedule=tc.schedule, nonfinite=tc.nonfinite, timeline=timeline, donate=donate,
-        sync_buffers=tc.sync_buffers, precision=parts.precision, compile=compile, zero_stage=tc.zero_stage,
-        model=parts.model, reshard_after_forward=tc.reshard_after_forward,
+        sync_buffers=tc.sync_buffers, precision=parts.precision, compile=compile, update=parts.update,
         # Dropout masks by sample, the same on any number of ranks (fdp.streams), or each rank's generator.
         sample_seed=cfg.seed if wants_sample_streams(tc.sample_streams, cfg.world.on_rank_loss) else None,
     )
@@ -122,10 +120,11 @@ def _make_step(cfg: DictConfig, parts: RunParts, comm: Comm, timeline: Timeline,
     return make_outer_step(loss_fn, parts.optimizer, parts.plan, outer, parts.hook, comm, **options)
 
 
-def _not_compiled(cfg: DictConfig) -> str | None:
+def _not_compiled(cfg: DictConfig, parts: RunParts) -> str | None:
     """Why this run's step cannot compile (what ``trainer.compile=auto`` says), or ``None``."""
-    if cfg.trainer.zero_stage == 3:
-        return "trainer.zero_stage=3 gathers params in module hooks, which do not compile"
+    refusal = parts.update.refuses_compile()
+    if refusal:
+        return refusal
     if wants_sample_streams(cfg.trainer.sample_streams, cfg.world.on_rank_loss):
         return "per-sample random streams (trainer.sample_streams) run in a dispatch mode, which does not compile"
     return None
@@ -178,7 +177,7 @@ train_worker.handles_stop_signals = True  # fdp.launch.spawn: it installs fdp.in
 
 
 def _rank_worker(cfg: DictConfig, run_dir: str) -> dict:
-    tune_allocator(sharded_params=cfg.trainer.zero_stage == 3)
+    tune_allocator_for(cfg)
     layout = layout_of(cfg)
     comm = init_distributed(layout)
     device = layout.device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -311,13 +310,12 @@ class _Loop:
         if self.state.step != step:  # this rank finished the step its peers dropped: back to the one before
             self.state = self.before
             self.controls.back()
-        if self.cfg.trainer.zero_stage:
-            try:
-                self.state = zero.reshard_survivors(self.state, self.parts.plan, tuple(sorted(members)), world.members, comm)
-            except zero.LostSlices as lost_slices:
-                raise RankLostError(f"rank {', '.join(map(str, sorted(members - set(world.members))))} lost at step "
-                                    f"{step + 1}: {lost_slices}; continue from the last checkpoint "
-                                    "(trainer.resume=true)") from None
+        try:
+            self.state = self.parts.update.reshard(self.state, tuple(sorted(members)), world.members, comm)
+        except zero.LostSlices as lost_slices:
+            raise RankLostError(f"rank {', '.join(map(str, sorted(members - set(world.members))))} lost at step "
+                                f"{step + 1}: {lost_slices}; continue from the last checkpoint "
+                                "(trainer.resume=true)") from None
         self.before = self.state
         shrink = Shrink(step, lost, comm.world_size, time.perf_counter() - self.since)
         report.shrunk(comm, shrink.record())
@@ -353,7 +351,7 @@ def _train(cfg: DictConfig, run_dir: RunDir, comm: Comm, device: torch.device, w
     with phase("build"):
         parts = build_run(cfg, comm, device, data)
         source = _resume_source(cfg, run_dir)
-        state = _first_state(cfg, source, parts, comm)
+        state = _first_state(source, parts, comm)
     release_free_memory()  # what building left free (the whole params, at ZeRO stages that shard them)
     if rank == 0:
         _announce(cfg, run_dir, parts, world_size, device)
@@ -362,7 +360,7 @@ def _train(cfg: DictConfig, run_dir: RunDir, comm: Comm, device: torch.device, w
     last_step = min(steps, tc.stop_at or steps)
     resumed = read_resumed(source, comm) if source is not None else None
     controls = LoopControls(tc, comm, parts.plan, state, has_test_split(parts.data), steps, resumed)
-    blocked = _not_compiled(cfg)
+    blocked = _not_compiled(cfg, parts)
     choice = compiled.choose(tc.compile, run_dir.path, device.type, last_step - state.step, comm, blocked)
     if rank == 0:
         log.info(choice.message)
@@ -440,7 +438,7 @@ def _run(cfg: DictConfig, run_dir: str | Path) -> dict:
 def _lost_message(run_dir: RunDir, error: WorkerFailedError) -> str:
     step = RankStatus.read(run_dir, error.rank).get("step")
     at = f" at step {step}" if step else " before step 1"
-    steps = sorted(int(m.group(1)) for p in run_dir.checkpoints.glob("step_*.pt") if (m := re.search(r"(\d+)", p.name)))
+    steps = list(checkpoint.step_files(run_dir.checkpoints))
     resume = (f"the last checkpoint is step {steps[-1]} (continue with trainer.resume=true, or set "
               "world.max_restarts to restart from it automatically)") if steps else "there is no checkpoint yet"
     return f"rank {error.rank} was lost{at}: process {error.pid} was killed by {error.signal}; the other ranks were stopped; {resume}"

@@ -29,18 +29,81 @@ forward sees (stage 3 gathers them bucket by bucket), what each rank steps
 """
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from fdp.buckets import slot_views
 from fdp.checks import check_same_replicas, check_state_against_plan
 from fdp.comm import Comm
-from fdp.optim import GradientTransformation, apply_gradients, supports_inplace
+from fdp.functional import Buffers, Params
+from fdp.hooks import Hook, shardable_hooks
+from fdp.hooks import stage_name as hook_label  # the hooks call each hook of a chain a stage
+from fdp.optim import GradientTransformation, apply_gradients, supports_inplace, takes_sum_across
 from fdp.plan import BucketPlan
+from fdp.reduce import NullGather
+from fdp.replicas import setup_state
+from fdp.state import TrainState
 from fdp.trace import NullTimeline, Timeline
 
-__all__ = ["Update", "StepUpdate", "ReplicatedUpdate", "bucket_norm", "finite_flag", "global_norm", "describe_bucket"]
+__all__ = ["STAGES", "Stage", "Update", "StepUpdate", "ReplicatedUpdate", "bucket_norm", "finite_flag", "global_norm",
+           "describe_bucket"]
+
+
+class Stage(NamedTuple):
+    """What a ZeRO stage shards, and so what it accepts: each rule stated once, here.
+
+    ``shards_optimizer``: each rank keeps the optimizer state of its slices alone;
+    ``scatters``: the reduction hands each rank only its slice of a bucket, and the
+    bucket buffers are released between steps; ``shards_params``: between steps a rank
+    holds only its slices of the params, gathered in module hooks while they are read.
+    Each ``refuses_*`` gives the reason a stage cannot take something (a phrase the
+    caller puts after the setting it names), or ``None``.
+
+    >>> STAGES[3].refuses_compile()
+    'ZeRO stage 3 gathers params in module hooks, which do not compile'
+    >>> STAGES[1].refuses_mirror() is None, STAGES[2].refuses_mirror()
+    (True, "ZeRO stage 2 keeps no whole reduced gradient to step a copy of the next rank's slices with")
+    """
+
+    number: int
+    shards_optimizer: bool
+    scatters: bool
+    shards_params: bool
+
+    def refuses_hook(self, hook: Hook) -> str | None:
+        """Why this stage cannot reduce through ``hook`` (what a hook needs is declared on it: ``Hook.shardable``)."""
+        if not self.scatters or hook.shardable:
+            return None
+        return (f"hooks {hook_label(hook)!r} need the whole reduced bucket, which stage {self.number} scatters; "
+                f"expected hooks {', '.join(shardable_hooks())} (or zero_stage=1)")
+
+    def refuses_optimizer(self, optimizer: GradientTransformation) -> str | None:
+        """Why this stage cannot step with ``optimizer``: a shard of the gradients needs cross-rank sums."""
+        if not self.shards_optimizer:
+            return None
+        if optimizer.by_name:  # a weight-decay mask by parameter name
+            return ("the optimizer exempts params from weight decay by name, which ZeRO's flat slices of buckets do "
+                    "not keep; expected zero_stage=0 (or optim.decay_filter=all)")
+        if takes_sum_across(optimizer):
+            return None
+        return f"ZeRO stage {self.number} steps a shard of the gradients, which needs an update that takes sum_across="
+
+    def refuses_compile(self) -> str | None:
+        """Why this stage's step cannot run under ``torch.compile``."""
+        if not self.shards_params:
+            return None
+        return f"ZeRO stage {self.number} gathers params in module hooks, which do not compile"
+
+    def refuses_mirror(self) -> str | None:
+        """Why this stage cannot keep the next rank's slices (``TrainState.mirror``), and so cannot lose a rank."""
+        if not self.scatters:  # stage 0 holds everything; stage 1 steps the mirror from its whole reduced gradient
+            return None
+        return f"ZeRO stage {self.number} keeps no whole reduced gradient to step a copy of the next rank's slices with"
+
+
+STAGES = (Stage(0, False, False, False), Stage(1, True, False, False), Stage(2, True, True, False),
+          Stage(3, True, True, True))
 
 
 class StepUpdate(Protocol):
@@ -75,27 +138,94 @@ class StepUpdate(Protocol):
         """Where a non-finite gradient was seen, for the error (``late``: read a step later)."""
 
 
-class Update(Protocol):
-    """The update of every step of one train step function (see the module docstring).
+class Update:
+    """The update of one ZeRO stage: every step of a train step function, and its state's whole life.
 
-    ``flat_params``: whether the params it steps may be laid out one flat buffer per
-    bucket and so cross ``torch.func`` (``fdp.buckets.lay_out``); sharded params keep
-    ZeRO's own layout. ``gather``: what materialises sharded params while forward and
-    backward read them (ZeRO stage 3's ``ParamGather``, handed to the ``GradReducer``);
-    ``None`` where the params are whole.
+    Made once from the stage (``fdp.zero.update_for``); the train step, the trainer and
+    the build ask it, never the stage's number:
+
+    * each step: ``reduction_comm`` (what the hook chain reduces over), ``gather`` (what
+      materialises sharded params while forward and backward read them, handed to the
+      ``GradReducer``; a ``NullGather`` where the params are whole), ``release_buffers``
+      (the reducer releases each bucket buffer once its chain is done), ``flat_params``
+      (whether the params it steps may be laid out one flat buffer per bucket and so
+      cross ``torch.func``, ``fdp.buckets.lay_out``; sharded params keep ZeRO's own
+      layout), ``check_state`` (the first step's) and ``begin``;
+    * the state: ``first_state`` (the same on every rank, checked), ``to_checkpoint``,
+      ``checkpoint_template`` and ``from_checkpoint`` (a checkpoint holds the whole state,
+      which any stage and world size resumes), ``reshard`` after ranks were lost;
+    * what it accepts: ``refuses_hook``, ``refuses_optimizer``, ``refuses_compile``
+      (``rules``: the stage's ``Stage``).
+
+    ``for_step(comm, timeline, donate, early)`` is the same update for one train step
+    function: the comm of its world, where it records spans, whether it may update a
+    donated state in place, and whether an elementwise optimizer may step each bucket
+    as soon as its reduction is done.
     """
 
-    flat_params: bool
-    gather: Any
+    stage: int = 0
+    flat_params = True
+    gather: Any = NullGather()
+    optimizer: GradientTransformation
+    plan: BucketPlan
+    comm: Comm
+
+    @property
+    def rules(self) -> Stage:
+        return STAGES[self.stage]
+
+    @property
+    def release_buffers(self) -> bool:
+        return self.rules.scatters
+
+    def refuses_hook(self, hook: Hook) -> str | None:
+        return self.rules.refuses_hook(hook)
+
+    def refuses_optimizer(self, optimizer: GradientTransformation) -> str | None:
+        return self.rules.refuses_optimizer(optimizer)
+
+    def refuses_compile(self) -> str | None:
+        return self.rules.refuses_compile()
+
+    def for_step(self, comm: Comm, timeline: Timeline | None = None, donate: bool = False,
+                 early: bool = False) -> "Update":
+        raise NotImplementedError
 
     def reduction_comm(self, comm: Comm) -> Any:
         """The comm the hook chain reduces over."""
+        return comm
 
     def check_state(self, state: Any) -> None:
         """Refuse, in one line, a state this update cannot step, or one the ranks do not share (the first step)."""
+        raise NotImplementedError
 
     def begin(self, state: Any, grad_buffers: tuple[torch.Tensor, ...]) -> StepUpdate:
         """The update of one step from ``state``; ``grad_buffers`` are the reducer's bucket buffers."""
+        raise NotImplementedError
+
+    def first_state(self, params: Params, buffers: Buffers, hook: Hook | None, comm: Comm, seed: int = 0,
+                    precision: Any = None) -> TrainState:
+        """The state before step 1, the same on every rank of ``comm``: their plans, seeds and buffers
+        compared, rank 0's params and buffers taken (``fdp.replicas.agreed_start``)."""
+        raise NotImplementedError
+
+    def to_checkpoint(self, state: TrainState, comm: Comm) -> TrainState:
+        """What a checkpoint of ``state`` holds: the whole state, on the rank that writes it (a collective)."""
+        return state
+
+    def checkpoint_template(self, state: TrainState) -> TrainState:
+        """A state of the structure ``to_checkpoint`` gives, to restore a checkpoint into (nothing large allocated)."""
+        return state
+
+    def from_checkpoint(self, whole: TrainState, comm: Comm) -> TrainState:
+        """This rank's state from a checkpoint's whole one (made at any stage and world size)."""
+        return whole
+
+    def reshard(self, state: TrainState, old_members: tuple[int, ...], new_members: tuple[int, ...],
+                comm: Comm) -> TrainState:
+        """``state``, made for the world ``old_members``, for the ranks left (``new_members``, whose world is
+        ``comm``) after ranks were lost (a collective)."""
+        return state
 
 
 def bucket_norm(flat: torch.Tensor) -> torch.Tensor:
@@ -137,7 +267,7 @@ def describe_bucket(plan: BucketPlan, index: int) -> str:
     return f"bucket {index} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
 
 
-class ReplicatedUpdate:
+class ReplicatedUpdate(Update):
     """ZeRO stage 0: every rank holds every parameter and steps it with the whole reduced gradient.
 
     ``early=True`` (a donated state whose step is never skipped) lets an elementwise
@@ -145,9 +275,6 @@ class ReplicatedUpdate:
     the moment its reduction is done, while later buckets are still on the wire; otherwise
     the optimizer steps once every bucket is in (global-norm clipping needs them all).
     """
-
-    flat_params = True
-    gather = None
 
     def __init__(self, optimizer: GradientTransformation, plan: BucketPlan, comm: Comm | None = None,
                  timeline: Timeline | None = None, donate: bool = False, early: bool = False):
@@ -157,12 +284,17 @@ class ReplicatedUpdate:
         self.timeline = timeline or NullTimeline()
         self._per_bucket: bool | None = None  # decided on the first step: params keep their device and dtype
 
-    def reduction_comm(self, comm: Comm) -> Comm:
-        return comm
+    def for_step(self, comm: Comm, timeline: Timeline | None = None, donate: bool = False,
+                 early: bool = False) -> "ReplicatedUpdate":
+        return ReplicatedUpdate(self.optimizer, self.plan, comm, timeline, donate, early)
 
     def check_state(self, state: Any) -> None:
         check_state_against_plan(state, self.plan)
         check_same_replicas(state.params, state.buffers, self.comm, fresh=state.step == 0)
+
+    def first_state(self, params: Params, buffers: Buffers, hook: Hook | None, comm: Comm, seed: int = 0,
+                    precision: Any = None) -> TrainState:
+        return setup_state(params, buffers, self.optimizer, self.plan, hook, comm, seed=seed, precision=precision)
 
     def begin(self, state: Any, grad_buffers: tuple[torch.Tensor, ...]) -> "_ReplicatedStep":
         if self._per_bucket is None:

@@ -25,7 +25,7 @@ from fdp.compiled import check_compile
 from fdp.config import SCHEMAS
 from fdp.data import check_global_batch, check_micro_batches
 from fdp.devices import BACKENDS
-from fdp.errors import ConfigError, require
+from fdp.errors import ConfigError, one_of, require
 from fdp.hooks import build_hook
 from fdp.hooks.hierarchical import check_node_size
 from fdp.interrupt import check_requeue_signal
@@ -44,7 +44,7 @@ from fdp.shrink import check_on_rank_loss, check_shrinkable_batch
 from fdp.streams import check_sample_streams, wants_sample_streams
 from fdp.step import check_nonfinite
 from fdp.targets import locate
-from fdp.zero import check_hook_for_stage, check_optimizer_for_stage, check_zero_stage
+from fdp.zero import ZERO_STAGES, check_hook_for_stage, check_optimizer_for_stage, check_zero_stage, stage_rules
 
 __all__ = ["validate"]
 
@@ -121,9 +121,10 @@ def _validate_trainer(cfg: Any) -> None:
         _require(cfg.outer.name == "none", "trainer.zero_stage", t.zero_stage,
                  f"0 with outer={cfg.outer.name} (an outer loop keeps whole optimizer states)")
         _require(not cfg.world.hierarchical, "trainer.zero_stage", t.zero_stage, "0 with world.hierarchical=true")
-    if t.zero_stage == 3:
+    refusal = stage_rules(t.zero_stage).refuses_compile()
+    if refusal:
         _require(t.compile is not True, "trainer.compile", t.compile,
-                 "auto or false with trainer.zero_stage=3 (its gathers run in module hooks)")
+                 f"auto or false with trainer.zero_stage={t.zero_stage} ({refusal})")
     optimizer = _as_config_key("optim", lambda spec: build_optimizer(spec, t.max_steps), _container(cfg.optim))
     _as_config_key("trainer.zero_stage", lambda stage: check_optimizer_for_stage(stage, optimizer), t.zero_stage)
     _as_config_key("trainer.loggers", lambda names: check_loggers(names, t.tensorboard), list(t.loggers))
@@ -163,8 +164,9 @@ def _validate_shrink(cfg: Any) -> None:
     """What a world that shrinks in place cannot do (yet): each refused in one line."""
     w, t, why = cfg.world, cfg.trainer, "with world.on_rank_loss=shrink"
     _require(w.max_restarts == 0, "world.max_restarts", w.max_restarts, f"0 {why} (a lost rank shrinks the world instead)")
-    _require(t.zero_stage <= 1, "trainer.zero_stage", t.zero_stage,
-             f"0 or 1 {why} (stages 2 and 3 keep no copy of a lost rank's gradient and parameter slices)")
+    keeping = [stage for stage in ZERO_STAGES if stage_rules(stage).refuses_mirror() is None]
+    _require(t.zero_stage in keeping, "trainer.zero_stage", t.zero_stage,
+             f"{one_of(keeping)} {why} ({stage_rules(t.zero_stage).refuses_mirror()})")
     _require(not w.hierarchical, "world.hierarchical", w.hierarchical, f"false {why} (the nodes are fixed)")
 
 

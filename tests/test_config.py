@@ -59,3 +59,33 @@ def test_the_optimizer_registry_builds_what_the_config_names():
     updates, _ = opt.update({"w": torch.tensor([30.0, 40.0])}, opt.init(params), params)
     # Clipped to norm 1, then Adam's first step is -lr * sign(grad).
     assert torch.allclose(updates["w"], torch.tensor([-0.5, -0.5]))
+
+
+def _schema_of(path, node) -> type:
+    """The schema a conf/ YAML file extends: its ``<name>_schema`` default, or the group's field of ``Config``."""
+    from fdp.config import Config
+
+    group = path.parent.name
+    extended = [d for d in node.get("defaults", []) if isinstance(d, str) and d.endswith("_schema")]
+    if extended:
+        return SCHEMAS[group][extended[0].removesuffix("_schema")]
+    return next(f for f in dataclasses.fields(Config) if f.name == group).default_factory
+
+
+def _restated(path) -> list[str]:
+    import yaml
+
+    node = yaml.safe_load(path.read_text()) or {}
+    defaults = {f.name: f.default for f in dataclasses.fields(_schema_of(path, node))
+                if f.default is not dataclasses.MISSING}
+    return [f"{path.parent.name}/{path.name}: {key}: {value!r}" for key, value in node.items()
+            if key != "defaults" and key in defaults and value == defaults[key] and type(value) is type(defaults[key])]
+
+
+def test_each_conf_file_carries_only_real_overrides_of_its_schema():
+    """A default is stated once, in its schema: a YAML value equal to it would be a second statement."""
+    from fdp.config import CONF_DIR
+
+    files = sorted(p for p in CONF_DIR.glob("*/*.yaml"))
+    assert len(files) > 20
+    assert [line for path in files for line in _restated(path)] == []

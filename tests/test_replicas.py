@@ -88,6 +88,15 @@ def _on_two_ranks(rank: int, world: int) -> dict:
         out["seed_error"] = None
     except ValueError as error:
         out["seed_error"] = str(error)
+    # The first state of every ZeRO stage is made through the same check (fdp.update.Update.first_state).
+    out["stage_seed_errors"] = {}
+    for stage in (1, 2, 3):
+        update = fdp.zero.update_for(stage, fdp.sgd(LR), plan, comm, model=model)
+        try:
+            update.first_state(params, buffers, None, comm, seed=rank)
+            out["stage_seed_errors"][stage] = None
+        except ValueError as error:
+            out["stage_seed_errors"][stage] = str(error)
     return out
 
 
@@ -150,6 +159,12 @@ def test_setup_state_refuses_ranks_with_different_seeds_on_every_rank(two_ranks)
         message = result["seed_error"]
         assert message is not None and "\n" not in message
         assert message.startswith("seed differs between ranks (rank 0: 0, rank 1: 1)")
+
+
+def test_every_zero_stage_s_first_state_refuses_ranks_with_different_seeds(two_ranks):
+    for result in two_ranks:
+        for stage, message in result["stage_seed_errors"].items():
+            assert message is not None and message.startswith("seed differs between ranks (rank 0: 0, rank 1: 1)"), stage
 
 
 def test_sync_buffers_on_a_world_of_one_returns_the_buffers_as_they_are():

@@ -206,6 +206,51 @@ def test_stages_two_and_three_take_the_shardable_hooks_and_low_precision(run_ran
                 assert diff <= (2e-2 if name == "bf16-true" else 1e-5), (name, stage, diff)
 
 
+class _Gained(torch.nn.Module):
+    """``MODEL``'s MLP times a learnt one-element gain: with a small cap, a bucket of one element."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = MLP(*MODEL)
+        self.gain = torch.nn.Parameter(torch.full((1,), 1.5))
+
+    def forward(self, x):
+        return self.net(x) * self.gain
+
+
+def _int8_with_a_one_element_bucket(rank, world):
+    """Ten int8 steps at stages 0 and 2 of a model whose gain is a bucket of one element: the largest difference.
+
+    int8 gathers each bucket's 1-element maximum: a comm that took any tensor as long as a bucket for that
+    bucket would reduce-scatter the maxima too, and the ranks would round with different scales.
+    """
+    from fdp.hooks import int8
+
+    finals, sizes = {}, None
+    for stage in (0, 2):
+        torch.manual_seed(0)
+        model, params, buffers = functionalize(_Gained())
+        loss_fn = cross_entropy_loss(model)
+        batches = _batches(rank, world, 1)[:10]
+        plan = plan_buckets(planner_loss(loss_fn, buffers), params, batches[0], bucket_cap_mb=4 / 2**20,
+                            first_bucket_cap_mb=4 / 2**20)
+        sizes = sorted(b.numel for b in plan.buckets)
+        comm, hook = Comm(), int8()
+        step = make_train_step(loss_fn, adam(1e-2), plan, hook, comm, donate=True, zero_stage=stage, model=model)
+        state = (zero.init_state(params, buffers, adam(1e-2), plan, comm, hook, stage=stage) if stage
+                 else init_train_state(params, buffers, adam(1e-2), plan, hook))
+        for batch in batches:
+            state, _ = step(state, batch)
+        finals[stage] = zero.whole_params(state, plan, comm)
+    return sizes, max((finals[2][n] - finals[0][n]).abs().max().item() for n in finals[0])
+
+
+def test_int8_at_stage_two_with_a_one_element_bucket_equals_stage_zero(run_ranks):
+    for sizes, diff in run_ranks(_int8_with_a_one_element_bucket):
+        assert sizes[0] == 1  # the gain's bucket
+        assert diff <= 1e-5, diff
+
+
 def _save_at_stage_three(rank, world, directory):
     """Three stage-3 steps on 2 ranks, then a checkpoint: the whole params it should hold."""
     from fdp.checkpoint import save_checkpoint

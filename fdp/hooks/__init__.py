@@ -7,7 +7,7 @@ from fdp.hooks.lowbit import LowBitState, lowbit, lowbit_compress, lowbit_decomp
 from fdp.hooks.hierarchical import NodeComms, hierarchical, node_comms
 from fdp.hooks.noop import noop
 from fdp.hooks.powersgd import PowerSGDState, batched_powersgd, powersgd
-from fdp.hooks.registry import HOOKS, build_hook
+from fdp.hooks.registry import HOOKS, build_hook, shardable_hooks
 from fdp.hooks.topk import TopKState, topk
 
 __all__ = [
@@ -17,5 +17,5 @@ __all__ = [
     "noop", "powersgd", "batched_powersgd", "PowerSGDState", "topk", "TopKState",
     "int8", "int8_compress", "int8_sum", "int8_decompress", "Int8State",
     "lowbit", "lowbit_compress", "lowbit_sum", "lowbit_decompress", "LowBitState",
-    "HOOKS", "build_hook",
+    "HOOKS", "build_hook", "shardable_hooks",
 ]

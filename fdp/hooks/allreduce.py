@@ -16,12 +16,12 @@ def allreduce() -> Hook:
         expect_floating(grads, "allreduce")
         world = comm.world_size
         if world == 1:  # the same path (and the same collective) as many ranks, without the no-op division
-            summed = yield comm.allreduce(grads.buffer)
+            summed = yield comm.sum_bucket(grads.buffer)
             return grads._replace(buffer=summed)
         # Dividing first keeps the sum in range for low-precision buckets. The collective
         # writes into its input, so a buffer the chain does not own is divided into a copy.
         buffer = grads.buffer.div_(world) if grads.owned else grads.buffer / world
-        summed = yield comm.allreduce(buffer)
+        summed = yield comm.sum_bucket(buffer)
         return grads._replace(buffer=summed, owned=True)
 
     return stateless(apply, shardable=True)

@@ -85,9 +85,10 @@ class Hook(NamedTuple):
 
     ``shardable`` declares that the stage also works when each rank receives only its
     slice of the reduced bucket, as ZeRO stages 2 and 3 reduce-scatter it (``fdp.zero``):
-    its whole-bucket collectives are sums (``comm.allreduce``) or gathers whose parts it
-    sums (``comm.allgather`` followed by a sum, as ``int8_sum``), and everything after
-    them is elementwise. Stages that need the whole reduced bucket (PowerSGD's
+    its collectives of the bucket's values are sums (``comm.sum_bucket``) or gathers whose
+    parts it sums (``comm.gather_bucket`` followed by a sum, as ``int8_sum``), named as
+    such so that a sharding comm knows them from its other collectives (a scale, a
+    maximum), and everything after them is elementwise. Stages that need the whole reduced bucket (PowerSGD's
     projections, top-k's positions) leave it ``False``, the default for a stage that
     does not say.
     """

@@ -90,7 +90,7 @@ def int8_sum() -> Hook:
                 f"hook int8_sum got bucket {grads.index} as {grads.buffer.dtype}: expected int8 "
                 "(put int8_compress() before it)"
             )
-        gathered = yield comm.allgather(grads.buffer)
+        gathered = yield comm.gather_bucket(grads.buffer)
         return grads._replace(buffer=gathered.sum(0, dtype=torch.int32), owned=True)
 
     return stateless(int8_sum, shardable=True)

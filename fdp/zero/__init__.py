@@ -12,11 +12,15 @@ steps only that slice:
   bucket's params are all-gathered while forward and backward read them
   (``fdp.zero.gather``, ``fdp.zero.params``).
 
-Each stage is an ``fdp.update.Update`` (``make_update``); the train step is the same for
-all. In a world that may shrink, stage 1 also keeps the next rank's slices of the
-optimizer state (``TrainState.mirror``), and ``reshard_survivors`` splits the state
-again over the ranks left (``fdp.zero.mirror``). Checkpoints hold the whole state (``gather_state``), so any world size and any
-stage can resume them (``shard_state``; ``fdp.zero.convert``).
+Each stage is an ``fdp.update.Update``, made once from the stage's number by
+``update_for``: the train step is the same for all, and the trainer asks the update, not
+the number, how the state starts, what a checkpoint holds (the whole state,
+``gather_state``, so any world size and stage can resume it: ``shard_state``;
+``fdp.zero.convert``), and how it goes on after ranks were lost. In a world that may
+shrink, stage 1 also keeps the next rank's slices of the optimizer state
+(``TrainState.mirror``), and ``reshard_survivors`` splits the state again over the ranks
+left (``fdp.zero.mirror``). What each stage accepts is stated once, in
+``fdp.update.STAGES``.
 
 >>> check_zero_stage(1)
 1
@@ -26,13 +30,14 @@ from __future__ import annotations
 from typing import Any
 
 from fdp.comm import Comm
+from fdp.errors import check_choice
 from fdp.functional import FunctionalModel
-from fdp.hooks import Hook, stage_name
+from fdp.hooks import Hook
 from fdp.optim import GradientTransformation
 from fdp.plan import BucketPlan
 from fdp.state import state_nbytes
 from fdp.trace import Timeline
-from fdp.update import ReplicatedUpdate
+from fdp.update import STAGES, ReplicatedUpdate, Stage, Update
 from fdp.zero.convert import (
     gather_state,
     init_state,
@@ -42,21 +47,19 @@ from fdp.zero.convert import (
     unsharded_template,
     whole_params,
 )
-from fdp.zero.layout import shard_key, shard_range
+from fdp.zero.layout import padded_slice, shard_key, shard_range
 from fdp.zero.mirror import LostSlices, reshard_survivors
 from fdp.zero.params import ParamShardedUpdate
 from fdp.zero.sharded import ShardedUpdate
 
 __all__ = [
-    "ZERO_STAGES", "check_zero_stage", "check_hook_for_stage", "check_optimizer_for_stage", "make_update", "scatters",
-    "shard_range", "shard_key", "init_state",
-    "shard_state", "gather_state", "whole_params", "unsharded_template", "is_sharded", "params_sharded", "state_nbytes",
-    "ShardedUpdate", "ParamShardedUpdate", "LostSlices", "reshard_survivors",
+    "ZERO_STAGES", "Stage", "check_zero_stage", "stage_rules", "check_hook_for_stage", "check_optimizer_for_stage", "update_for", "make_update", "scatters",
+    "shard_range", "shard_key", "padded_slice", "init_state", "shard_state", "gather_state", "whole_params",
+    "unsharded_template", "is_sharded", "params_sharded", "state_nbytes", "ShardedUpdate", "ParamShardedUpdate",
+    "LostSlices", "reshard_survivors",
 ]
 
-ZERO_STAGES = (0, 1, 2, 3)
-# Stages whose reduction hands each rank its slice of the bucket alone.
-_SCATTERING = (2, 3)
+ZERO_STAGES = tuple(stage.number for stage in STAGES)
 
 
 def check_zero_stage(stage: Any) -> int:
@@ -67,9 +70,16 @@ def check_zero_stage(stage: Any) -> int:
     ...
     ValueError: zero_stage=4: expected 0, 1, 2 or 3
     """
-    if isinstance(stage, bool) or stage not in ZERO_STAGES:
-        raise ValueError(f"zero_stage={stage!r}: expected 0, 1, 2 or 3")
-    return stage
+    return check_choice("zero_stage", stage, ZERO_STAGES)
+
+
+def stage_rules(stage: int) -> Stage:
+    """What stage ``stage`` shards and accepts (``fdp.update.Stage``), for a check made before any update exists.
+
+    >>> stage_rules(3).shards_params
+    True
+    """
+    return STAGES[check_zero_stage(stage)]
 
 
 def check_hook_for_stage(stage: int, hook: Hook) -> None:
@@ -78,21 +88,18 @@ def check_hook_for_stage(stage: int, hook: Hook) -> None:
     What a hook needs is declared once, on the hook (``Hook.shardable``).
 
     >>> from fdp.hooks import powersgd
-    >>> check_hook_for_stage(2, powersgd())
+    >>> check_hook_for_stage(2, powersgd())  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    ValueError: zero_stage=2: hooks 'powersgd' need the whole reduced bucket, which stage 2 scatters; expected hooks allreduce, fp16, bf16, int8 or noop (or zero_stage=1)
+    ValueError: zero_stage=2: hooks 'powersgd' need the whole reduced bucket, which stage 2 scatters; expected hooks ...
     """
-    if stage in _SCATTERING and not hook.shardable:
-        raise ValueError(
-            f"zero_stage={stage}: hooks {stage_name(hook)!r} need the whole reduced bucket, which stage {stage} scatters; "
-            "expected hooks allreduce, fp16, bf16, int8 or noop (or zero_stage=1)"
-        )
+    reason = stage_rules(stage).refuses_hook(hook)
+    if reason:
+        raise ValueError(f"zero_stage={stage}: {reason}")
 
 
 def check_optimizer_for_stage(stage: int, optimizer: GradientTransformation) -> None:
-    """Refuse an optimizer whose step depends on parameter names (``by_name``: a weight-decay mask) at a ZeRO stage,
-    which steps flat slices of buckets that mix parameters.
+    """Refuse, naming the stage, an optimizer the stage cannot step (``Stage.refuses_optimizer``).
 
     >>> from fdp.optim import adamw, decay_rule
     >>> check_optimizer_for_stage(1, adamw(1e-3, decay_mask=decay_rule("weights")))
@@ -100,11 +107,9 @@ def check_optimizer_for_stage(stage: int, optimizer: GradientTransformation) -> 
     ...
     ValueError: zero_stage=1: the optimizer exempts params from weight decay by name, which ZeRO's flat slices of buckets do not keep; expected zero_stage=0 (or optim.decay_filter=all)
     """
-    if stage and optimizer.by_name:
-        raise ValueError(
-            f"zero_stage={stage}: the optimizer exempts params from weight decay by name, which ZeRO's flat slices "
-            "of buckets do not keep; expected zero_stage=0 (or optim.decay_filter=all)"
-        )
+    reason = stage_rules(stage).refuses_optimizer(optimizer)
+    if reason:
+        raise ValueError(f"zero_stage={stage}: {reason}")
 
 
 def scatters(stage: int) -> bool:
@@ -113,24 +118,36 @@ def scatters(stage: int) -> bool:
     >>> [scatters(stage) for stage in ZERO_STAGES]
     [False, False, True, True]
     """
-    return stage in _SCATTERING
+    return stage_rules(stage).scatters
 
 
-def make_update(
+def update_for(
     stage: int, optimizer: GradientTransformation, plan: BucketPlan, comm: Comm, timeline: Timeline | None = None,
     donate: bool = False, early: bool = False, model: FunctionalModel | None = None,
-    reshard_after_forward: bool = True,
-) -> Any:
-    """The ``fdp.update.Update`` of ZeRO stage ``stage`` (0 is the replicated update).
+    reshard_after_forward: bool = True, mirror: bool = False,
+) -> Update:
+    """The ``fdp.update.Update`` of ZeRO stage ``stage`` (0 is the replicated update): the one place a stage's
+    number becomes its update.
 
     ``early`` allows an elementwise optimizer to step each bucket as soon as its
     reduction is done (see ``fdp.update.ReplicatedUpdate``). Stage 3 gathers the params
-    of ``model`` bucket by bucket (``fdp.zero.gather``).
+    of ``model`` bucket by bucket (``fdp.zero.gather``). ``mirror``: the states it makes
+    keep the next rank's slices too (stage 1, a world that may shrink; stage 0 holds
+    everything already).
+
+    >>> from fdp import sgd
+    >>> from fdp.plan import pack_into_buckets
+    >>> update = update_for(1, sgd(0.1), pack_into_buckets([("w", (3,), "float32", "cpu")]), Comm())
+    >>> update.stage, update.release_buffers, update.refuses_compile()
+    (1, False, None)
     """
     check_zero_stage(stage)
     check_optimizer_for_stage(stage, optimizer)
     if stage == 0:
         return ReplicatedUpdate(optimizer, plan, comm, timeline, donate, early)
     if stage == 3:
-        return ParamShardedUpdate(optimizer, plan, comm, model, reshard_after_forward, timeline, donate, early)
-    return ShardedUpdate(optimizer, plan, comm, stage, timeline, donate, early)
+        return ParamShardedUpdate(optimizer, plan, comm, model, reshard_after_forward, timeline, donate, early, mirror)
+    return ShardedUpdate(optimizer, plan, comm, stage, timeline, donate, early, mirror)
+
+
+make_update = update_for  # the name before the update owned its state's life

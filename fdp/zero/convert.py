@@ -32,6 +32,7 @@ from fdp.hooks import Hook, allreduce, init_hook_states
 from fdp.optim import GradientTransformation
 from fdp.plan import BucketPlan
 from fdp.state import TrainState
+from fdp.update import STAGES
 from fdp.zero.layout import check_names, flats_of, padded_flat, param_views, shard_key, shard_keys, shard_range
 
 __all__ = ["init_state", "shard_state", "gather_state", "whole_params", "unsharded_template", "is_sharded", "params_sharded"]
@@ -107,8 +108,10 @@ def init_state(
 
 
 def _mirrors(mirror: bool, stage: int, world: int) -> bool:
-    if mirror and stage != 1:
-        raise ValueError(f"mirror=True: expected zero_stage=1 (stage {stage} keeps no whole reduced gradient)")
+    reason = STAGES[stage].refuses_mirror() if mirror else None
+    if reason:
+        keeping = " or ".join(str(s.number) for s in STAGES if s.shards_optimizer and s.refuses_mirror() is None)
+        raise ValueError(f"mirror=True: expected zero_stage={keeping} ({reason})")
     return mirror and world > 1
 
 

@@ -90,6 +90,8 @@ class ParamGather:
     ``stop()``.
     """
 
+    gathers = True  # what tells it from the reducer's ``NullGather``
+
     def __init__(self, model: FunctionalModel, plan: BucketPlan, comm: Comm, reshard_after_forward: bool = True,
                  timeline: Timeline | None = None):
         self.plan, self.comm, self.reshard = plan, comm, reshard_after_forward

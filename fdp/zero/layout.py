@@ -21,7 +21,10 @@ from fdp._torch import storage_alias
 from fdp.buckets import slot_views
 from fdp.plan import Bucket, BucketPlan
 
-__all__ = ["shard_numel", "shard_range", "shard_key", "shard_keys", "padded_flat", "flats_of", "param_views", "check_names"]
+__all__ = [
+    "shard_numel", "shard_range", "shard_key", "shard_keys", "padded_slice", "padded_flat", "flats_of", "param_views",
+    "check_names",
+]
 
 
 def shard_numel(bucket: Bucket, world: int) -> int:
@@ -57,6 +60,20 @@ def shard_key(index: int) -> str:
 def shard_keys(plan: BucketPlan) -> list[str]:
     """Every bucket's slice key, in plan order."""
     return [shard_key(b.index) for b in plan.buckets]
+
+
+def padded_slice(flat: torch.Tensor, start: int, stop: int, copy: bool = False) -> torch.Tensor:
+    """A rank's slice ``[start, stop)`` of a bucket's flat tensor, zero past its end (the last slices' padding).
+
+    A view where the slice lies inside ``flat`` and ``copy`` is false; otherwise memory of its own.
+
+    >>> padded_slice(torch.arange(1.0, 6.0), 3, 6)
+    tensor([4., 5., 0.])
+    """
+    piece = flat[start:stop]
+    if piece.numel() == stop - start:
+        return piece.clone() if copy else piece
+    return torch.cat([piece, piece.new_zeros(stop - start - piece.numel())])
 
 
 def padded_flat(bucket: Bucket, world: int, values: Mapping[str, torch.Tensor]) -> torch.Tensor:

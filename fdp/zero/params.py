@@ -13,41 +13,55 @@ from typing import Any
 
 import torch
 
+from fdp._torch import HAS_DISABLE_FUNCTORCH
 from fdp.checks import check_same_replicas
 from fdp.comm import Comm
 from fdp.errors import require
 from fdp.functional import FunctionalModel
 from fdp.optim import GradientTransformation, apply_gradients
 from fdp.plan import BucketPlan
-from fdp.trace import NullTimeline, Timeline
+from fdp.trace import Timeline
 from fdp.zero.convert import is_sharded, params_sharded
 from fdp.zero.gather import ParamGather
-from fdp.zero.layout import shard_key, shard_range
+from fdp.zero.layout import padded_slice, shard_key, shard_range
 from fdp.zero.scatter import ScatterComm
 from fdp.zero.slice_step import SliceStep
+from fdp.zero.sliced import SlicedUpdate
 
 __all__ = ["ParamShardedUpdate"]
 
 
-class ParamShardedUpdate:
+class ParamShardedUpdate(SlicedUpdate):
     """The ``fdp.update.Update`` of ZeRO stage 3 (see the module docstring).
 
     ``model`` is the ``FunctionalModel`` the loss runs: its modules' hooks gather each
-    bucket before its params are read. ``gather`` is handed to the ``GradReducer``.
+    bucket before its params are read. ``gather`` is handed to the ``GradReducer``; it is
+    made (and the hooks registered) when first asked for, by the train step.
     """
 
     flat_params = False
 
     def __init__(self, optimizer: GradientTransformation, plan: BucketPlan, comm: Comm, model: FunctionalModel | None,
                  reshard_after_forward: bool = True, timeline: Timeline | None = None, donate: bool = False,
-                 early: bool = False):
+                 early: bool = False, mirror: bool = False):
         require(isinstance(model, FunctionalModel), "model", model,
                 "the FunctionalModel the loss runs (fdp.functionalize), which zero_stage=3 gathers bucket by bucket",
                 TypeError)
-        self.optimizer, self.plan, self.comm = optimizer, plan, comm
-        self.timeline = timeline or NullTimeline()
-        self.donate, self.early = donate, early
-        self.gather = ParamGather(model, plan, comm, reshard_after_forward, self.timeline)
+        require(HAS_DISABLE_FUNCTORCH, "zero_stage", 3, "0, 1 or 2: this torch cannot leave torch.func from a hook")
+        super().__init__(optimizer, plan, comm, 3, timeline, donate, early, mirror)
+        self.model, self.reshard_after_forward = model, reshard_after_forward
+        self._gather: ParamGather | None = None
+
+    @property
+    def gather(self) -> ParamGather:
+        if self._gather is None:
+            self._gather = ParamGather(self.model, self.plan, self.comm, self.reshard_after_forward, self.timeline)
+        return self._gather
+
+    def for_step(self, comm: Comm, timeline: Timeline | None = None, donate: bool = False,
+                 early: bool = False) -> "ParamShardedUpdate":
+        return ParamShardedUpdate(self.optimizer, self.plan, comm, self.model, self.reshard_after_forward, timeline,
+                                  donate, early, self.mirror)
 
     def reduction_comm(self, comm: Comm) -> Any:
         return ScatterComm(comm, self.plan)
@@ -82,7 +96,7 @@ class _ParamShardedStep(SliceStep):
         bucket = owner.plan.buckets[index]
         start, stop = shard_range(bucket, self.rank, self.world)
         if buffer.numel() == bucket.numel and buffer.numel() != stop - start:  # a chain that sent nothing
-            buffer = torch.nn.functional.pad(buffer[start : min(stop, bucket.numel)], (0, max(0, stop - bucket.numel)))
+            buffer = padded_slice(buffer, start, stop)
         require(buffer.numel() == stop - start, f"zero_stage=3: bucket {index}'s reduced gradient", buffer.numel(),
                 f"this rank's slice of {stop - start} elements")
         self.take(index, buffer, buffer)

@@ -26,31 +26,33 @@ from fdp.checks import check_same_replicas, check_state_against_plan
 from fdp.comm import Comm, Pending
 from fdp.optim import GradientTransformation, apply_gradients
 from fdp.plan import BucketPlan
-from fdp.trace import NullTimeline, Timeline
+from fdp.trace import Timeline
 from fdp.zero.convert import is_sharded
-from fdp.zero.layout import flats_of, param_views, shard_key, shard_range
+from fdp.zero.layout import flats_of, padded_slice, param_views, shard_key, shard_range
 from fdp.zero.scatter import ScatterComm
 from fdp.zero.slice_step import SliceStep
+from fdp.zero.sliced import SlicedUpdate
 
 __all__ = ["ShardedUpdate"]
 
 
-class ShardedUpdate:
+class ShardedUpdate(SlicedUpdate):
     """The ``fdp.update.Update`` of ZeRO stages 1 and 2 (see the module docstring)."""
 
     flat_params = False
-    gather = None
 
     def __init__(self, optimizer: GradientTransformation, plan: BucketPlan, comm: Comm, stage: int,
-                 timeline: Timeline | None = None, donate: bool = False, early: bool = False):
+                 timeline: Timeline | None = None, donate: bool = False, early: bool = False, mirror: bool = False):
         if stage not in (1, 2):
             raise ValueError(f"stage={stage!r}: expected 1 or 2 (stage 0 is fdp.update.ReplicatedUpdate)")
-        self.optimizer, self.plan, self.comm, self.stage = optimizer, plan, comm, stage
-        self.timeline = timeline or NullTimeline()
-        self.donate, self.early = donate, early
+        super().__init__(optimizer, plan, comm, stage, timeline, donate, early, mirror)
+
+    def for_step(self, comm: Comm, timeline: Timeline | None = None, donate: bool = False,
+                 early: bool = False) -> "ShardedUpdate":
+        return ShardedUpdate(self.optimizer, self.plan, comm, self.stage, timeline, donate, early, self.mirror)
 
     def reduction_comm(self, comm: Comm) -> Any:
-        return ScatterComm(comm, self.plan) if self.stage == 2 else comm
+        return ScatterComm(comm, self.plan) if self.rules.scatters else comm
 
     def check_state(self, state: Any) -> None:
         check_state_against_plan(state, self.plan)
@@ -60,9 +62,10 @@ class ShardedUpdate:
                 f"zero_stage={self.stage}: the optimizer state is not sharded; "
                 "build the state with fdp.zero.init_state or fdp.zero.shard_state"
             )
-        if state.mirror and self.stage != 1:
-            raise ValueError(f"zero_stage={self.stage}: a mirror of the next rank's slices needs the whole reduced "
-                             "gradient, which only stage 1 keeps; expected a state without one (mirror=False)")
+        reason = self.rules.refuses_mirror() if state.mirror else None
+        if reason:
+            raise ValueError(f"zero_stage={self.stage}: a state with a mirror of the next rank's slices ({reason}); "
+                             "expected one without (mirror=False)")
 
     def begin(self, state: Any, grad_buffers: tuple[torch.Tensor, ...]) -> "_ShardedStep":
         # A mirror steps from the params the step began with: no slice is stepped (and gathered) early.
@@ -74,7 +77,7 @@ class ShardedUpdate:
 
 class _ShardedStep(SliceStep):
     def __init__(self, owner: ShardedUpdate, state: Any, grad_buffers: tuple[torch.Tensor, ...], per_bucket: bool):
-        super().__init__(owner, sliced=owner.stage == 2)
+        super().__init__(owner, sliced=owner.rules.scatters)
         self.state, self.grad_buffers, self.per_bucket = state, grad_buffers, per_bucket
         plan = owner.plan
         # A step that may not touch ``state`` (donate=False) works on copies of the params.
@@ -99,11 +102,13 @@ class _ShardedStep(SliceStep):
         owner = self.owner
         bucket = owner.plan.buckets[index]
         start, stop = self.ranges[index]
-        if owner.stage == 2 and buffer.numel() == stop - start:  # this rank's slice of the sum
+        # A scattering chain hands back this rank's slice of the sum (for a bucket of one element, a slice as
+        # long as the bucket: taken as the slice, which a chain's sum_bucket gives); one that sends nothing, the whole.
+        if owner.rules.scatters and buffer.numel() == stop - start:
             grad = buffer
             self.take(index, grad, grad)
         elif buffer.numel() == bucket.numel:  # the whole bucket (stage 1, or a chain that sends nothing)
-            grad = _padded(buffer, start, stop, bucket.numel)
+            grad = padded_slice(buffer, start, stop)
             self.take(index, buffer, grad if self.sliced else buffer)  # each rank counts its slice where they add up
         else:
             raise ValueError(
@@ -111,7 +116,7 @@ class _ShardedStep(SliceStep):
                 f"of {bucket.numel}; expected the whole bucket or this rank's slice of {stop - start}"
             )
         if self.mirror_ranges:
-            self.mirror_grads[shard_key(index)] = _padded(buffer, *self.mirror_ranges[index], bucket.numel)
+            self.mirror_grads[shard_key(index)] = padded_slice(buffer[: bucket.numel], *self.mirror_ranges[index])
         if self.per_bucket:
             with owner.timeline.span("optimizer", bucket=index):
                 self.opt_state = owner.optimizer.update_inplace(
@@ -164,10 +169,3 @@ class _ShardedStep(SliceStep):
                                     sum_across=lambda tensor: next(sums))
         return mirror
 
-
-def _padded(buffer: torch.Tensor, start: int, stop: int, numel: int) -> torch.Tensor:
-    """``buffer[start:stop]`` of a bucket's whole reduced gradient, zero-padded where it runs past the bucket."""
-    grad = buffer[start : min(stop, numel)]
-    if grad.numel() != stop - start:
-        grad = torch.cat([grad, grad.new_zeros(stop - start - grad.numel())])
-    return grad
