@@ -20,7 +20,7 @@ TINY = ["trainer.max_steps=2", "trainer.progress=false"]
 # (overrides, the one line on stderr). Each runs from its own empty directory, with Hydra's
 # default run directory (outputs/<date>/<time>/) unless the case names one.
 CASES = [
-    (["hooks=powersdg"], r"error: hooks=powersdg: expected one of allreduce, batched_powersgd, bf16, fp16, fp16_powersgd, "
+    (["hooks=powersdg"], r"error: hooks=powersdg: expected one of allreduce, batched_powersgd, bf16, custom, fp16, fp16_powersgd, "
                          r"int8, lowbit, noop, powersgd, topk \(did you mean hooks=powersgd\?\)"),
     (["trainer.max_stpes=5"], r"error: trainer\.max_stpes=5: unknown key; expected a key of trainer \(did you mean "
                               r"trainer\.max_steps\? trainer takes no keys of your own\)"),
