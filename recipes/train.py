@@ -43,7 +43,7 @@ def save_hydra_files(cfg: DictConfig, run_dir: str | Path) -> None:
 
 @hydra.main(config_path="../conf", config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
-    status = cli.train(cfg, HydraConfig.get().runtime.output_dir, save_hydra_files)
+    status = cli.run_from_shell(cfg, HydraConfig.get().runtime.output_dir, save_hydra_files)
     if status:
         sys.exit(status)
 
