@@ -304,7 +304,8 @@ def _train(cfg: DictConfig, run_dir: RunDir, comm: Comm, device: torch.device, w
     return summary
 
 
-def _start(cfg: DictConfig, run_dir: RunDir, comm: Comm, device: torch.device, world: ShrinkingWorld | None):
+def _start(cfg: DictConfig, run_dir: RunDir, comm: Comm, device: torch.device,
+           world: ShrinkingWorld | None) -> tuple[_Loop, Report, compiled.CompileChoice]:
     """This rank up to its first step: the run's pieces, its first state, the step, the report."""
     rank, world_size, tc = comm.rank, comm.world_size, cfg.trainer
     _setup_logging(run_dir, rank)

@@ -37,7 +37,8 @@ def test_each_launcher_answers_from_its_environment():
     assert [k.fixed_processes(3, 4) for k in (none, elastic, torchrun, slurm)] == [None, 3, 4, 4]
     assert none.for_processes(1) is none and none.for_processes(2) is elastic
     # Who starts the processes, who forms a group, who keeps a lost rank's process to the end.
-    assert [(k.spawned, k.starts_ranks, k.joins_group, k.lost_rank_stays) for k in (none, elastic, torchrun, slurm)] == [
+    answers = [(k.spawned, k.starts_ranks, k.joins_group, k.lost_rank_stays) for k in (none, elastic, torchrun, slurm)]
+    assert answers == [
         (False, False, False, False), (True, False, True, False), (False, True, True, True), (False, True, True, True)]
     # The environment torch's rendezvous reads: SLURM's made into torch's variables.
     assert slurm.environ(SLURM)["RANK"] == "3" and slurm.environ(SLURM)["MASTER_ADDR"] == "gpu07"
@@ -98,7 +99,7 @@ def test_a_new_launcher_is_one_class_and_one_registry_entry(monkeypatch):
 
 
 def _names_compared(tree: ast.AST, source: str) -> list[str]:
-    """``launcher == "slurm"``-like comparisons in a module: a launcher's name against an expression naming a launcher."""
+    """``launcher == "slurm"``-like comparisons: a launcher's name against an expression naming a launcher."""
     found = []
     for node in ast.walk(tree):
         if not isinstance(node, ast.Compare):
@@ -126,7 +127,7 @@ def test_no_module_but_the_launchers_compares_a_launchers_name():
             compared[str(path.relative_to(package))] = found
     assert compared == {}
     # The finder finds what it looks for.
-    source = 'if cfg.world.launcher in ("torchrun", "slurm") or layout.launcher != "elastic" or outer.name == "none": pass'
+    source = 'if w.launcher in ("torchrun", "slurm") or layout.launcher != "elastic" or outer.name == "none": pass'
     assert len(_names_compared(ast.parse(source), source)) == 2
     source = 'ok = w.launcher in LAUNCHERS and launcher == "none"'
     assert len(_names_compared(ast.parse(source), source)) == 2
