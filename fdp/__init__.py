@@ -1,5 +1,28 @@
 """fdp: pure-functional data-parallel training on PyTorch.
 
+One word per idea:
+
+* **bucket**: parameters packed into one flat buffer whose gradients are reduced together (``plan``).
+* **slice**: one rank's equal, zero-padded part of a bucket's flat layout (``zero.layout``).
+* **share**: one rank's part of the global batch (its samples), or of a state gathered to or read from a checkpoint.
+* **stage**: a ZeRO stage (0-3), what the update shards: nothing, optimizer state, gradients, params.
+* **hook**: one stage of gradient reduction on a bucket (allreduce, fp16, PowerSGD, ...; ``hooks``).
+* **chain**: hooks run in order on a bucket (``hooks.chain``), or optimizers composed in order
+  (``fdp.chain``, i.e. ``optim.chain``); the package a name comes from says which.
+* **update**: reduced buckets to new params and optimizer state, one per ZeRO stage (``update``, ``zero``).
+* **step**: one ``train_step(state, batch) -> (state, metrics)``; ``state.step`` counts them.
+* **launcher**: what starts the ranks (``world.launcher``: none, elastic, torchrun, slurm), one class
+  each (``launchers``).
+* **world**: the ranks training together (its size, layout and process group; ``world`` resolves a
+  config's on this machine); a world may shrink when a rank is lost.
+* **rank**: one process of a world, computing on one device.
+* **run**: one training from a config to its summary, in one run directory. The entry chain:
+  shell ``main`` (``recipes/train.py``) → ``cli.run_from_shell``, or ``trainer.run`` from Python;
+  both start the run once (``startup.start_run``) → ``trainer.run_ranks`` → per rank
+  ``trainer.run_rank`` → its loop over the steps.
+* **status**: a rank's ``RankStatus`` (its pid and the step it is on, ``ranks/rank<N>.txt``); the run's
+  directory is a ``RunDir``.
+
 The modules, one concept each, from the ground up (a module imports only modules above
 it in this list; ``tests/test_imports.py`` holds every import to that):
 
@@ -19,7 +42,8 @@ it in this list; ``tests/test_imports.py`` holds every import to that):
 * ``models`` / ``data``: the built-in models and Hugging Face ones from their configs (``hf_model``); datasets,
   batches (any pytree of tensors) and their split over ranks and micro-batches.
 * ``hooks``: gradient-reduction stages (allreduce, fp16, PowerSGD, top-k, int8, low-bit codes) composed with ``hooks.chain``.
-* ``slurm`` / ``devices`` / ``interrupt`` / ``launch``: a rank's place in a job; which device it computes on;
+* ``slurm`` / ``launchers`` / ``devices`` / ``interrupt`` / ``launch``: a rank's place in a job; what started
+  the ranks, one class per launcher (``Launcher``, ``register_launcher``); which device it computes on;
   stopping every rank at one step on SIGINT, SIGTERM or SLURM's warning signal; starting and joining a world
   of processes on torch's launchers.
 * ``keeper`` / ``shrink``: a rank kept by the process its launcher watches, so it can be lost alone; a world that
@@ -43,8 +67,9 @@ it in this list; ``tests/test_imports.py`` holds every import to that):
   its test metrics, its directory's files, its one owner and its ``train.log``.
 * ``config`` / ``keys`` / ``validate``: typed config schemas; the keys each node takes (keys of one's own only
   where they reach one's own objects); a config refused before anything runs.
-* ``world`` / ``build`` / ``report`` / ``trainer``: a config's world on this machine, a run's pieces,
-  what it reports, and the run loop.
+* ``world`` / ``startup`` / ``build`` / ``report`` / ``trainer``: a config's world on this machine, a run's
+  one start-up (world resolved, config validated once, directory owned), its pieces, what it reports, and
+  the run loop.
 * ``cli`` / ``sweep``: the shell entry's one-line endings (Hydra's errors, refusals, interruptions, exit statuses);
   a Hydra sweep checked whole before its first job, run to its end and summed up in a table.
 """
@@ -64,6 +89,7 @@ from fdp.keeper import LostRank
 from fdp.launch import WorldLayout, broadcast_from_rank0, check_same_plan, init_distributed, spawn
 from fdp.loggers import CsvLog, MlflowLog
 from fdp.loop_controls import LoopControls, Monitor, run_steps
+from fdp.launchers import Launcher, launcher_of, register_launcher
 from fdp.losses import TokenCrossEntropy, build_loss, cross_entropy_loss, logits_of, make_loss_fn, planner_loss
 from fdp.models import hf_model
 from fdp.optim import (
@@ -112,4 +138,5 @@ __all__ = [
     "TokenCrossEntropy", "logits_of", "model_inputs", "hf_model", "check_first_batch", "LostRank", "SampleStreams",
     "decay_rule", "embedding_names", "warmup_constant_schedule", "warmup_linear_schedule", "wsd_schedule",
     "Ema", "ema", "CsvLog", "MlflowLog", "LoopControls", "Monitor", "run_steps",
+    "Launcher", "launcher_of", "register_launcher",
 ]

@@ -8,10 +8,11 @@ hint. It does so the way Hydra documents: with ``HYDRA_FULL_ERROR=1`` Hydra re-r
 what it caught, and ``hydra_error_line`` translates it. A user who sets
 ``HYDRA_FULL_ERROR=1`` themselves gets Hydra's full trace, as Hydra promises.
 
-``train(cfg, run_dir, save_config)`` is what the recipe does with a composed config:
-own the run directory (``fdp.rundir``), validate, train, and end with one line and an
-exit status: 0 done, 2 refused (nothing left behind), 1 failed, ``128 + signal``
-interrupted (130 for SIGINT, 143 for SIGTERM).
+``run_from_shell(cfg, run_dir, save_config)`` is what the recipe does with a composed
+config: start the run as the Python API does (``fdp.startup.start_run``: the world
+resolved, the config validated once, the run directory owned), write its config files,
+train, and end with one line and an exit status: 0 done, 2 refused (nothing left behind),
+1 failed, ``128 + signal`` interrupted (130 for SIGINT, 143 for SIGTERM).
 """
 from __future__ import annotations
 
@@ -30,11 +31,12 @@ from fdp.checkpoint import LAST, CheckpointError
 from fdp.errors import ConfigError
 from fdp.interrupt import StoppedAtOnce, exit_code, requeue_job, stop_signal_names
 from fdp.keys import unknown_key_line
-from fdp.launch import RankLostError, RankOutOfMemoryError, WorkerFailedError, launch_rank
+from fdp.launch import RankLostError, RankOutOfMemoryError, WorkerFailedError
+from fdp.launchers import launcher_of
 from fdp.metrics import summary_line
-from fdp.rundir import CHECKPOINTS, own_run_dir, run_log
+from fdp.rundir import CHECKPOINTS, run_log
 
-__all__ = ["hydra_error_line", "main", "train"]
+__all__ = ["hydra_error_line", "main", "run_from_shell", "train"]
 
 REFUSED, FAILED = 2, 1
 # Failures the run reports in one line: the message says what happened and what to change.
@@ -191,38 +193,35 @@ def _interrupted_line(summary: dict, run_dir: Path, extra: str = "") -> str:
             f"{run_dir / CHECKPOINTS / LAST}; resume with trainer.resume=true hydra.run.dir={run_dir}{extra}")
 
 
-def train(cfg: Any, run_dir: str | Path, save_config: Callable[[Any, Path], None]) -> int:
-    """Own ``run_dir``, validate ``cfg``, write its config files (``save_config``), train; the exit status.
+def run_from_shell(cfg: Any, run_dir: str | Path, save_config: Callable[[Any, Path], None]) -> int:
+    """Start the run (``fdp.startup.start_run``), write its config files (``save_config``), train; the exit status.
 
     Every outcome ends in one line: the summary (stdout), ``error: ...`` (stderr) or
     ``fdp: interrupted ...``. What a started run prints goes to ``<run dir>/train.log`` too;
     a refused run leaves the directory as it found it (and none at all if it was new).
     """
+    # Only for a run: translating Hydra's errors does not need them.
     from fdp.precision import slow_precision_note
-    from fdp.trainer import run  # only for a run: translating Hydra's errors does not need it
-    from fdp.validate import validate
-    from fdp.world import resolve_world
+    from fdp.startup import owns_run_dir, start_run
+    from fdp.trainer import run_ranks
 
     run_dir = Path(run_dir)
     summary: dict = {}
     try:
-        rank = launch_rank(cfg.world.launcher)
-        owner = rank == 0  # under torchrun and SLURM every rank runs this; rank 0 owns the directory
-        if cfg.world.launcher == "slurm":  # a signal SLURM sends during start-up is held for the loop's handler
-            held = stop_signal_names("slurm", cfg.world.requeue_signal)
+        kind = launcher_of(cfg.world.launcher)
+        owner = owns_run_dir(cfg)  # under torchrun and SLURM every rank runs this; rank 0 owns the directory
+        if kind.held_at_start(cfg.world.requeue_signal):  # a signal sent during start-up waits for the loop's handler
+            held = stop_signal_names(kind.name, cfg.world.requeue_signal)
             signal.pthread_sigmask(signal.SIG_BLOCK, [signal.Signals[name] for name in held])
-        cfg = resolve_world(cfg)  # the devices, processes and backend this machine gives the run
-        validate(cfg)  # a mistake in the settings is told first, whoever owns the directory
         with run_log(run_dir if owner else None) as log:
             try:
-                with own_run_dir(run_dir, say=log.warning) if owner else contextlib.nullcontext():
-                    validate(cfg, run_dir)  # what the directory holds: a run to resume, or none
+                with start_run(cfg, run_dir, say=log.warning) as cfg:
                     if owner:
                         save_config(cfg, run_dir)
                         note = slow_precision_note(cfg.trainer.precision, cfg.world.accelerator)
                         if note:
                             log.warning(note)
-                    summary = run(cfg, run_dir)
+                    summary = run_ranks(cfg, run_dir)
             except StoppedAtOnce as stop:
                 log.error(f"fdp: stopped at once by a second {stop.signame}; {_last_checkpoint(run_dir)}")
                 return exit_code(stop.signame)
@@ -240,7 +239,7 @@ def train(cfg: Any, run_dir: str | Path, save_config: Callable[[Any, Path], None
                 return FAILED
             if summary.get("interrupted"):
                 requeued = ""
-                if cfg.world.launcher == "slurm" and summary["interrupted"] == cfg.world.requeue_signal and owner:
+                if owner and kind.requeues(summary["interrupted"], cfg.world.requeue_signal):
                     requeued = f"; {requeue_job()}"
                 log.warning(_interrupted_line(summary, run_dir, requeued))
                 return exit_code(summary["interrupted"])
@@ -254,3 +253,6 @@ def train(cfg: Any, run_dir: str | Path, save_config: Callable[[Any, Path], None
             run_dir.rmdir()  # the one Hydra made for a run refused before it took it, if empty
         print(f"error: {error}", file=sys.stderr, flush=True)  # refused: nothing was written for it
         return REFUSED
+
+
+train = run_from_shell  # its earlier name

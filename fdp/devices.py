@@ -29,6 +29,7 @@ import torch
 from fdp._torch import tree_map
 from fdp.data.batches import as_batch
 from fdp.errors import ConfigError
+from fdp.launchers import launcher_of
 
 ACCELERATORS = ("auto", "cpu", "gpu")
 BACKENDS = ("auto", "gloo", "nccl")
@@ -150,8 +151,9 @@ def place(
     if backend not in BACKENDS:
         raise ConfigError(f"world.backend={backend!r}: expected one of {BACKENDS}")
     wanted = parse_devices(devices)
+    kind = launcher_of(launcher)
     # Processes the world itself fixes; None: as many as the devices give (world=single).
-    fixed = local_world_size if launcher in ("torchrun", "slurm") else (nproc_per_node if launcher == "elastic" else None)
+    fixed = kind.fixed_processes(nproc_per_node, local_world_size)
     if accelerator == "gpu" and visible == 0:
         raise ConfigError(f"world.accelerator=gpu: expected a CUDA GPU, {_visible_text(0)} to torch {torch.__version__}")
     if accelerator == "cpu" or (accelerator == "auto" and visible == 0):
@@ -162,29 +164,23 @@ def place(
         procs = fixed or nproc_per_node
         if wanted != "auto":
             if fixed is not None and wanted != fixed:
-                raise ConfigError(f"world.devices={wanted}: expected {fixed}, the number of processes {_world_name(launcher)} starts")
+                raise ConfigError(f"world.devices={wanted}: expected {fixed}, the number of processes {kind.starter} starts")
             procs = wanted
-        launcher = "elastic" if launcher == "none" and procs > 1 else launcher
         cpu_devices = [torch.device("cpu")] * procs
-        return Placement("cpu", (), procs, launcher, resolve_backend(backend, cpu_devices))
+        return Placement("cpu", (), procs, kind.for_processes(procs).name, resolve_backend(backend, cpu_devices))
     ids, unusable = _select_gpus(wanted, devices, fixed, visible, probe)
     if fixed is not None and len(ids) != fixed:
         raise ConfigError(
-            f"world.devices={_shown(devices)}: expected {fixed} GPUs, one for each process {_world_name(launcher)} "
+            f"world.devices={_shown(devices)}: expected {fixed} GPUs, one for each process {kind.starter} "
             f"starts (got {len(ids)}; {_visible_text(visible)})"
         )
     procs = len(ids)
-    launcher = "elastic" if launcher == "none" and procs > 1 else launcher
     gpu_devices = [torch.device("cuda", i) for i in ids]
-    return Placement("gpu", ids, procs, launcher, resolve_backend(backend, gpu_devices), unusable)
+    return Placement("gpu", ids, procs, kind.for_processes(procs).name, resolve_backend(backend, gpu_devices), unusable)
 
 
 def _shown(devices: Any) -> str:
     return str(list(devices)) if isinstance(devices, (list, tuple)) or _is_sequence(devices) else str(devices)
-
-
-def _world_name(launcher: str) -> str:
-    return launcher if launcher in ("torchrun", "slurm") else "the world (world.nproc_per_node)"
 
 
 def _select_gpus(wanted, devices, fixed: int | None, visible: int, probe: Probe | None):

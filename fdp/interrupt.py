@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from fdp.comm import Watch, wait_watched
+from fdp.launchers import launcher_of
 
 __all__ = ["StopSignals", "StoppedAtOnce", "check_requeue_signal", "exit_code", "relay_to_workers", "requeue_job",
            "stop_signal_names"]
@@ -84,8 +85,7 @@ def stop_signal_names(launcher: str, requeue_signal: str) -> tuple[str, ...]:
     >>> stop_signal_names("slurm", "SIGUSR1"), stop_signal_names("none", "SIGUSR1")
     (('SIGINT', 'SIGTERM', 'SIGUSR1'), ('SIGINT', 'SIGTERM'))
     """
-    extra = (requeue_signal,) if launcher == "slurm" and requeue_signal != "none" else ()
-    return STOP_SIGNALS + extra
+    return STOP_SIGNALS + launcher_of(launcher).requeue_signals(requeue_signal)
 
 
 def exit_code(signame: str) -> int:

@@ -34,13 +34,10 @@ from fdp.comm import Comm
 from fdp.devices import device_of_rank, resolve_backend, use_device
 from fdp.errors import ConfigError
 from fdp.interrupt import StoppedAtOnce, relay_to_workers
+from fdp.launchers import Launcher, launcher_of
 from fdp.plan import BucketPlan
-from fdp.slurm import job_world
 
 LOOPBACK = "127.0.0.1"
-LAUNCHERS = ("none", "elastic", "torchrun", "slurm")
-# Launchers that start one process per rank themselves: the world size is known only there.
-ENV_LAUNCHERS = ("torchrun", "slurm")
 START_METHODS = ("spawn", "fork", "forkserver")
 # Errors every rank raises alike (a checkpoint that does not fit: fdp.checkpoint): reported without a rank.
 AGREED_REFUSALS = ("CheckpointError",)
@@ -62,6 +59,11 @@ class WorldLayout(NamedTuple):
     @property
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
+
+    @property
+    def kind(self) -> Launcher:
+        """The launcher that starts this world's ranks (``fdp.launchers``)."""
+        return launcher_of(self.launcher)
 
     def device(self, local_rank: int) -> torch.device:
         """The device local rank ``local_rank`` computes on.
@@ -271,11 +273,10 @@ def init_distributed(layout: WorldLayout) -> Comm:
     >>> init_distributed(WorldLayout()).world_size
     1
     """
-    job = job_world(os.environ) if layout.launcher == "slurm" else None
-    if job is not None:
-        os.environ.update(job.environ())
+    kind = layout.kind
+    os.environ.update(kind.environ(os.environ))
     use_device(layout.device(int(os.environ.get("LOCAL_RANK", 0))))
-    if layout.launcher == "none":
+    if not kind.joins_group:
         refuse_world_of_one(
             "init_distributed(WorldLayout(launcher='none'))",
             "use WorldLayout('elastic', nproc_per_node=N) in workers started by fdp.spawn, or WorldLayout('torchrun') "
@@ -283,7 +284,7 @@ def init_distributed(layout: WorldLayout) -> Comm:
         )
         return Comm()
     backend = resolve_backend(layout.backend, [layout.device(r) for r in range(layout.nproc_per_node)])
-    if layout.launcher == "elastic" or (job is not None and job.local):
+    if kind.local_only(os.environ):
         # A local world talks over loopback only; gloo (and NCCL's bootstrap) would
         # otherwise listen on the address the hostname resolves to, often the LAN's.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
@@ -304,7 +305,7 @@ def init_distributed(layout: WorldLayout) -> Comm:
             rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     expected = int(os.environ.get("WORLD_SIZE", layout.world_size))
-    if layout.launcher == "elastic" and expected != layout.world_size:
+    if kind.spawned and expected != layout.world_size:
         raise RuntimeError(f"world has {expected} processes, layout expects {layout.world_size}")
     return Comm()
 
@@ -315,11 +316,7 @@ def launch_rank(launcher: str) -> int:
     >>> launch_rank("none")
     0
     """
-    if launcher == "slurm":
-        return job_world(os.environ).rank
-    if launcher == "torchrun":
-        return int(os.environ.get("RANK", 0))
-    return 0
+    return launcher_of(launcher).rank_before_joining(os.environ)
 
 
 def launched_world_size() -> int:

@@ -18,7 +18,7 @@
 >>> RunDir("outputs/run").last_checkpoint.as_posix()
 'outputs/run/checkpoints/last.pt'
 
-One owner: ``own_run_dir(run_dir)`` is held for the whole of a run (the recipe, ``fdp.trainer.run``):
+One owner: ``own_run_dir(run_dir)`` is held for the whole of a run (taken once, by ``fdp.startup.start_run``):
 
 * It takes an exclusive ``flock`` on ``<run dir>/.lock`` and writes ``pid=<pid> host=<host>``
   into it. A second run that finds the lock held is refused in one line naming the
@@ -33,7 +33,7 @@ One owner: ``own_run_dir(run_dir)`` is held for the whole of a run (the recipe, 
   it refused to continue.
 
 Ownership is per process and re-entrant: a nested ``own_run_dir`` of a directory this
-process already owns is a no-op, so the recipe and ``fdp.trainer.run`` can both ask.
+process already owns is a no-op (a caller holding the directory around ``fdp.trainer.run``).
 """
 from __future__ import annotations
 

@@ -50,8 +50,8 @@ from fdp._torch import live_groups
 from fdp.comm import Comm
 from fdp.errors import check_choice
 from fdp.keeper import LostRank, keep
-from fdp.launch import ENV_LAUNCHERS, Heartbeat, RankLostError
-from fdp.slurm import job_world
+from fdp.launch import Heartbeat, RankLostError
+from fdp.launchers import Launched, launcher_of
 
 __all__ = ["ON_RANK_LOSS", "Shrink", "ShrinkingWorld", "check_on_rank_loss", "check_shrinkable_batch", "keep_rank",
            "launched_world", "shrink_store"]
@@ -109,23 +109,13 @@ END_KEY = "end"  # the run's summary, set by the last world's rank 0
 _HEARTBEATS = "heartbeat"  # where the ranks' heartbeats count, by launch rank
 
 
-class Launched(NamedTuple):
-    """This process's rank and world size as its launcher started it (before any shrink)."""
-
-    rank: int
-    world_size: int
-
-
 def launched_world(launcher: str) -> Launched:
     """The rank and world size the launcher gave this process (``rank 0 of 1`` outside a launched world).
 
     >>> launched_world("none").world_size >= 1
     True
     """
-    if launcher == "slurm":
-        job = job_world(os.environ)
-        return Launched(job.rank, job.world_size)
-    return Launched(int(os.environ.get("RANK", 0) or 0), int(os.environ.get("WORLD_SIZE", 1) or 1))
+    return launcher_of(launcher).launched(os.environ)
 
 
 def keep_rank(entry: Callable[..., Any], *args: Any, launcher: str, timeout_s: float) -> Any:
@@ -136,9 +126,9 @@ def keep_rank(entry: Callable[..., Any], *args: Any, launcher: str, timeout_s: f
     rank stays until the run ends and returns its summary (the process of rank 0 owns
     the run directory and prints it); under ``fdp.spawn`` it returns ``LostRank``.
     """
-    me = launched_world(launcher)
-    if launcher == "slurm":
-        os.environ.update(job_world(os.environ).environ())
+    kind = launcher_of(launcher)
+    me = kind.launched(os.environ)
+    os.environ.update(kind.environ(os.environ))
     held = None
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         if me.rank == 0:
@@ -162,7 +152,7 @@ def keep_rank(entry: Callable[..., Any], *args: Any, launcher: str, timeout_s: f
         return _wait_for_end(store(), me.world_size, timeout_s)
 
     try:
-        return keep(entry, *args, rank=me.rank, fenced=fenced, after_loss=until_the_end if launcher in ENV_LAUNCHERS else None)
+        return keep(entry, *args, rank=me.rank, fenced=fenced, after_loss=until_the_end if kind.lost_rank_stays else None)
     finally:
         del held
 

@@ -1,11 +1,19 @@
 """From a config to a trained, logged and checkpointed run, on one process or many.
 
-``main(cfg, run_dir)`` is what ``recipes/train.py`` calls: ``run`` validates the config,
-starts the workers of a local world with the elastic launcher (or runs in this process),
-and each one runs ``train_worker``: join the world, build the run's pieces
-(``fdp.build``), resume or start, and loop over the steps (``_train``, ``_Loop``). Under
-``world.on_rank_loss=shrink`` a lost rank does not end the loop: the survivors regroup and
-go on from the last step they all completed (``_Loop.shrink``, ``fdp.shrink``).
+The entry chain, one name per step:
+
+* ``run(cfg, run_dir)``, the Python API (the shell entry, ``fdp.cli.run_from_shell``, does the same
+  with one line and an exit status at the end): start the run (``fdp.startup.start_run``: the world
+  resolved, the config validated once, the directory owned), then ``run_ranks``;
+* ``run_ranks``: this process's ranks: a local world's workers started with the elastic launcher
+  (``fdp.spawn``), or the one rank a launcher started here;
+* ``run_rank``: one rank, in its own process (kept by a keeper under ``world.on_rank_loss=shrink``,
+  ``fdp.keeper``): join the world, then ``_train``;
+* ``_train``: ``_start`` (build the run's pieces, ``fdp.build``; resume or start), the loop's
+  resources (stop signals, heartbeat, the rank's status, the timeline) in one ``ExitStack``, and
+  ``_loop`` over the steps (``_Loop``). Under ``world.on_rank_loss=shrink`` a lost rank does not end
+  the loop: the survivors regroup and go on from the last step they all completed
+  (``_Loop.shrink``, ``fdp.shrink``).
 """
 from __future__ import annotations
 
@@ -38,25 +46,24 @@ from fdp.launch import (
     RunDoesNotFit,
     WorkerFailedError,
     init_distributed,
-    launch_rank,
     spawn,
 )
+from fdp.launchers import launcher_of
 from fdp.loop_controls import LoopControls, read_resumed, run_steps
 from fdp.losses import make_loss_fn
-from fdp.metrics import summary_line
 from fdp.outer import check_outer, make_outer_step
 from fdp.precision import set_matmul_precision
 from fdp.report import Report
-from fdp.rundir import RankStatus, RunDir, own_run_dir, train_log_handler
+from fdp.rundir import RankStatus, RunDir, train_log_handler
 from fdp.shrink import Shrink, ShrinkingWorld, check_shrinkable_batch, keep_rank, launched_world, shrink_store
 from fdp.state import TrainState
 from fdp.step import TrainStep, make_train_step
 from fdp.streams import wants_sample_streams
 from fdp.trace import NullTimeline, Timeline
-from fdp.validate import validate
-from fdp.world import layout_of, resolve_world
+from fdp.startup import start_run
+from fdp.world import layout_of
 
-__all__ = ["main", "run", "train_worker"]
+__all__ = ["run", "run_rank", "run_ranks", "train_worker"]
 
 log = logging.getLogger("fdp")
 
@@ -159,8 +166,8 @@ def _setup_logging(run_dir: RunDir, rank: int) -> None:
     log.propagate = False
 
 
-# -- the worker -------------------------------------------------------------------------------
-def train_worker(cfg: DictConfig, run_dir: str) -> dict | LostRank:
+# -- a rank -----------------------------------------------------------------------------------
+def run_rank(cfg: DictConfig, run_dir: str) -> dict | LostRank:
     """Train on this rank until ``trainer.max_steps``; return the summary (rank 0's is the one printed).
 
     Under ``world.on_rank_loss=shrink`` this process keeps the rank as its child
@@ -169,19 +176,21 @@ def train_worker(cfg: DictConfig, run_dir: str) -> dict | LostRank:
     """
     cfg = OmegaConf.create(cfg) if not isinstance(cfg, DictConfig) else cfg
     if cfg.world.on_rank_loss == "shrink" and launched_world(cfg.world.launcher).world_size > 1:
-        return keep_rank(_rank_worker, cfg, run_dir, launcher=cfg.world.launcher, timeout_s=cfg.world.timeout_s)
-    return _rank_worker(cfg, run_dir)
+        return keep_rank(_join_and_train, cfg, run_dir, launcher=cfg.world.launcher, timeout_s=cfg.world.timeout_s)
+    return _join_and_train(cfg, run_dir)
 
 
-train_worker.handles_stop_signals = True  # fdp.launch.spawn: it installs fdp.interrupt's handlers itself
+run_rank.handles_stop_signals = True  # fdp.launch.spawn: it installs fdp.interrupt's handlers itself
+train_worker = run_rank  # its earlier name
 
 
-def _rank_worker(cfg: DictConfig, run_dir: str) -> dict:
+def _join_and_train(cfg: DictConfig, run_dir: str) -> dict:
+    """Join the world, train this rank in it (``_train``), leave it."""
     tune_allocator_for(cfg)
     layout = layout_of(cfg)
     comm = init_distributed(layout)
     device = layout.device(int(os.environ.get("LOCAL_RANK", 0)))
-    status = RunDir(Path(run_dir))
+    directory = RunDir(Path(run_dir))
     phase = MemoryPhase()
     world = None
     if cfg.world.on_rank_loss == "shrink" and comm.world_size > 1:
@@ -189,7 +198,7 @@ def _rank_worker(cfg: DictConfig, run_dir: str) -> dict:
                                cfg.world.timeout_s, cfg.world.min_ranks)
         comm = world.comm()
     try:
-        return _train(cfg, status, comm, device, world, phase)
+        return _train(cfg, directory, comm, device, world, phase)
     except (MemoryError, RuntimeError, OSError) as error:
         if not is_out_of_memory(error):
             raise
@@ -335,6 +344,27 @@ class _Loop:
 
 def _train(cfg: DictConfig, run_dir: RunDir, comm: Comm, device: torch.device, world: ShrinkingWorld | None = None,
            phase: MemoryPhase | None = None) -> dict:
+    """This rank's run in the world of ``comm``: its start, the loop with its resources, its summary."""
+    loop, report, choice = _start(cfg, run_dir, comm, device, world, phase or MemoryPhase())
+    with contextlib.ExitStack() as resources:  # released in the reverse order: stop signals first, status last
+        status = resources.enter_context(contextlib.closing(RankStatus(run_dir, comm.rank)))
+        heartbeat = resources.enter_context(_heartbeat(comm, world))
+        resources.callback(loop.timeline.save, run_dir.trace(comm.rank))
+        resources.enter_context(_closing(loop.controls))
+        stop = resources.enter_context(_stop_signals(cfg, comm))
+        interrupted = _loop(loop, run_dir, report, status, stop, heartbeat, world)
+    rows = report.times.rows
+    if comm.rank == 0 and rows:  # what this invocation measured, for the next one's trainer.compile=auto
+        compiled.write_record(run_dir.path, choice, rows[0]["step_s"], report.times.median("step_s"))
+    summary = report.summary(loop.state, device.type, interrupted, loop.controls.stopped_by)
+    if world is not None:
+        world.finish(summary)
+    return summary
+
+
+def _start(cfg: DictConfig, run_dir: RunDir, comm: Comm, device: torch.device, world: ShrinkingWorld | None,
+           phase: MemoryPhase) -> tuple[_Loop, Report, compiled.CompileChoice]:
+    """This rank up to its first step: the data, the run's pieces, its first state, the step, the report."""
     rank, world_size, tc = comm.rank, comm.world_size, cfg.trainer
     _setup_logging(run_dir, rank)
     set_matmul_precision(tc.matmul_precision)  # process-wide: set once, before anything runs
@@ -344,7 +374,6 @@ def _train(cfg: DictConfig, run_dir: RunDir, comm: Comm, device: torch.device, w
             check_shrinkable_batch(cfg.data.global_batch_size, world_size, cfg.world.min_ranks, tc.accum_steps)
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    phase = phase or MemoryPhase()
     with phase("data"):
         data = build_data(cfg.data)
     limit_memory(cfg.world.memory_per_rank_mb, device)  # from here: what the run adds to the data it loaded
@@ -366,64 +395,89 @@ def _train(cfg: DictConfig, run_dir: RunDir, comm: Comm, device: torch.device, w
         log.info(choice.message)
     loop = _Loop(cfg, parts, comm, timeline, device, state, last_step, choice.compile, controls, phase)
     report = Report(cfg, run_dir, parts, comm, state.step, last_step)
-    status = RankStatus(run_dir, rank)
-    heartbeat = Heartbeat(rank, world_size).start() if world_size > 1 and world is None else None
-    # fdp.interrupt: SIGINT/SIGTERM (and SLURM's requeue signal) stop every rank after the same step.
-    stop = StopSignals(stop_signal_names(cfg.world.launcher, cfg.world.requeue_signal),
-                       repeat_stops_at_once=cfg.world.launcher == "none").install().join(world_size, comm.watch)
+    return loop, report, choice
+
+
+@contextlib.contextmanager
+def _heartbeat(comm: Comm, world: ShrinkingWorld | None):
+    """This rank's heartbeat in a world of several that does not shrink (a shrinking world beats its own)."""
+    heartbeat = Heartbeat(comm.rank, comm.world_size).start() if comm.world_size > 1 and world is None else None
     try:
-        while True:
-            try:
-                interrupted = loop.run(run_dir, report, status, stop)
-                break
-            except RuntimeError as error:
-                if world is not None:
-                    loop.shrink(world, error, run_dir, report, stop)
-                    continue
-                lost = _lost_rank_error(error, heartbeat, rank, status.step) if world_size > 1 else None
-                if lost is None:
-                    raise
-                raise lost from error
-        stop.close()
-        controls.close()
+        yield heartbeat
     finally:
-        stop.close(finished=False)
-        controls.close(finished=False)
-        timeline.save(run_dir.trace(rank))
         if heartbeat is not None:
             heartbeat.stop()
-        status.close()
-    rows = report.times.rows
-    if rank == 0 and rows:  # what this invocation measured, for the next one's trainer.compile=auto
-        compiled.write_record(run_dir.path, choice, rows[0]["step_s"], report.times.median("step_s"))
-    summary = report.summary(loop.state, device.type, interrupted, controls.stopped_by)
-    if world is not None:
-        world.finish(summary)
-    return summary
+
+
+@contextlib.contextmanager
+def _stop_signals(cfg: DictConfig, comm: Comm):
+    """fdp.interrupt: SIGINT/SIGTERM (and the launcher's requeue signal) stop every rank after the same step."""
+    kind = launcher_of(cfg.world.launcher)
+    stop = StopSignals(stop_signal_names(kind.name, cfg.world.requeue_signal),
+                       repeat_stops_at_once=kind.alone).install().join(comm.world_size, comm.watch)
+    try:
+        yield stop
+        stop.close()
+    finally:
+        stop.close(finished=False)
+
+
+@contextlib.contextmanager
+def _closing(controls: LoopControls):
+    """The loop controls' own resources (``max_time``'s group): closed as finished, or abandoned on an error."""
+    try:
+        yield controls
+        controls.close()
+    finally:
+        controls.close(finished=False)
+
+
+def _loop(loop: _Loop, run_dir: RunDir, report: Report, status: RankStatus, stop: StopSignals,
+          heartbeat: Heartbeat | None, world: ShrinkingWorld | None) -> str | None:
+    """Train to the last step (or the step a stop signal ends on, returned), going on without lost ranks
+    in a world that shrinks; a lost rank elsewhere ends the run with a ``RankLostError`` naming it."""
+    while True:
+        try:
+            return loop.run(run_dir, report, status, stop)
+        except RuntimeError as error:
+            if world is not None:
+                loop.shrink(world, error, run_dir, report, stop)
+                continue
+            comm = loop.comm
+            lost = _lost_rank_error(error, heartbeat, comm.rank, status.step) if comm.world_size > 1 else None
+            if lost is None:
+                raise
+            raise lost from error
 
 
 # -- the run ----------------------------------------------------------------------------------
 def run(cfg: DictConfig, run_dir: str | Path) -> dict:
     """Validate ``cfg`` and train it in ``run_dir`` on the world it names; return rank 0's summary.
 
-    The run owns ``run_dir`` while it lasts (``fdp.rundir.own_run_dir``; under torchrun and
+    The run owns ``run_dir`` while it lasts (``fdp.startup.start_run``; under torchrun and
     SLURM rank 0 holds it).
+
+    Example::
+
+        from fdp.config import compose
+        summary = run(compose("world=local2", "trainer.max_steps=20"), "outputs/run1")
     """
-    owner = launch_rank(cfg.world.launcher) == 0
-    with own_run_dir(run_dir) if owner else contextlib.nullcontext():
-        return _run(cfg, run_dir)
+    with start_run(cfg, run_dir) as resolved:
+        return run_ranks(resolved, run_dir)
 
 
-def _run(cfg: DictConfig, run_dir: str | Path) -> dict:
-    cfg = resolve_world(cfg)
-    validate(cfg, run_dir)
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
+def run_ranks(cfg: DictConfig, run_dir: str | Path) -> dict:
+    """Train the ranks of a started run (``start_run``'s config) that this process runs; rank 0's summary.
+
+    A local world's ranks are started here (``fdp.spawn``); a rank another launcher started
+    (or a world of one) trains in this process.
+    """
     layout = layout_of(cfg)
-    if layout.launcher != "elastic":
-        return train_worker(cfg, str(run_dir))
+    if not layout.kind.spawned:
+        return run_rank(cfg, str(run_dir))
     container = OmegaConf.to_container(cfg, resolve=True)
     try:
-        results = spawn(train_worker, (container, str(run_dir)), layout)
+        results = spawn(run_rank, (container, str(run_dir)), layout)
     except WorkerFailedError as error:
         if error.signal is None:
             raise  # the worker's own one-line error
@@ -442,11 +496,3 @@ def _lost_message(run_dir: RunDir, error: WorkerFailedError) -> str:
     resume = (f"the last checkpoint is step {steps[-1]} (continue with trainer.resume=true, or set "
               "world.max_restarts to restart from it automatically)") if steps else "there is no checkpoint yet"
     return f"rank {error.rank} was lost{at}: process {error.pid} was killed by {error.signal}; the other ranks were stopped; {resume}"
-
-
-def main(cfg: DictConfig, run_dir: str | Path) -> dict:
-    """Run and print the one-line summary (what ``recipes/train.py`` does)."""
-    summary = run(cfg, run_dir)
-    if int(os.environ.get("RANK", 0)) == 0:
-        print(summary_line(summary), flush=True)
-    return summary

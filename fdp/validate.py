@@ -30,7 +30,7 @@ from fdp.hooks import build_hook
 from fdp.hooks.hierarchical import check_node_size
 from fdp.interrupt import check_requeue_signal
 from fdp.keys import check_keys
-from fdp.launch import ENV_LAUNCHERS, LAUNCHERS
+from fdp.launchers import launcher_of
 from fdp.loggers import check_loggers
 from fdp.loop_controls import check_loop_settings
 from fdp.optim import build_optimizer, check_resumed_schedule
@@ -46,7 +46,7 @@ from fdp.step import check_nonfinite
 from fdp.targets import locate
 from fdp.zero import ZERO_STAGES, check_hook_for_stage, check_optimizer_for_stage, check_zero_stage, stage_rules
 
-__all__ = ["validate"]
+__all__ = ["validate", "validate_run_dir"]
 
 
 def _require(ok: bool, setting: str, value: Any, what: str) -> None:
@@ -88,7 +88,12 @@ def validate(cfg: Any, run_dir: Any = None) -> None:
     _validate_world(cfg)
     _validate_data_and_model(cfg)
     if run_dir is not None:
-        _validate_run_dir(cfg, RunDir(Path(run_dir)))
+        validate_run_dir(cfg, run_dir)
+
+
+def validate_run_dir(cfg: Any, run_dir: Any) -> None:
+    """Refuse a run whose directory does not hold what ``cfg`` needs: a run to resume, or none."""
+    _validate_run_dir(cfg, RunDir(Path(run_dir)))
 
 
 def _validate_trainer(cfg: Any) -> None:
@@ -134,7 +139,7 @@ def _validate_trainer(cfg: Any) -> None:
 
 def _validate_world(cfg: Any) -> None:
     w, t, d = cfg.world, cfg.trainer, cfg.data
-    _require(w.launcher in LAUNCHERS, "world.launcher", w.launcher, f"one of {LAUNCHERS}")
+    kind = _as_config_key("world.launcher", launcher_of, w.launcher)
     _require(w.backend in BACKENDS, "world.backend", w.backend, f"one of {BACKENDS}")
     _require(w.nproc_per_node >= 1, "world.nproc_per_node", w.nproc_per_node, "an integer >= 1")
     _require(w.nnodes >= 1, "world.nnodes", w.nnodes, "an integer >= 1")
@@ -147,7 +152,7 @@ def _validate_world(cfg: Any) -> None:
     if w.on_rank_loss == "shrink":
         _validate_shrink(cfg)
     _require(d.global_batch_size >= 1, "data.global_batch_size", d.global_batch_size, "an integer >= 1")
-    if w.launcher in ENV_LAUNCHERS:  # there the world size is known only to the launched processes
+    if kind.starts_ranks:  # there the world size is known only to the launched processes
         return
     world = w.nnodes * w.nproc_per_node
     per_rank = _as_config_key("data.global_batch_size", lambda size: check_global_batch(size, world), d.global_batch_size)

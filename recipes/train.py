@@ -45,7 +45,7 @@ def save_hydra_files(cfg: DictConfig, run_dir: str | Path) -> None:
 @hydra.main(config_path="../conf", config_name="config", version_base=None)
 def main(cfg: DictConfig) -> int:
     hydra_cfg = HydraConfig.get()
-    status = cli.train(cfg, hydra_cfg.runtime.output_dir, save_hydra_files)
+    status = cli.run_from_shell(cfg, hydra_cfg.runtime.output_dir, save_hydra_files)
     # A sweep goes on after a job that failed (fdp.sweep sums them up and ends with the worst status),
     # but not after a stop signal: Ctrl-C stops the sweep.
     if status and (hydra_cfg.mode != RunMode.MULTIRUN or status >= 128):
