@@ -13,6 +13,7 @@ it in this list; ``tests/test_imports.py`` holds every import to that):
 * ``precision``: autocast, bf16 weights and the dynamic loss scale (``LossScale``) of mixed precision.
 * ``optim``: optax-style optimizers, ``(init, update)`` pairs composed with ``chain``, and their registry.
 * ``functional``: any ``nn.Module`` as ``apply(params, buffers, *inputs, **named_inputs)``.
+* ``remat``: activation checkpointing under ``torch.func`` (chosen modules' activations recomputed in backward).
 * ``targets``: models, data and losses named in config by ``_target_``.
 * ``models`` / ``data``: the built-in models and Hugging Face ones from their configs (``hf_model``); datasets,
   batches (any pytree of tensors) and their split over ranks and micro-batches.

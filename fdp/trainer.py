@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from fdp import checkpoint, compiled, zero
+from fdp import checkpoint, compiled, remat, zero
 from fdp.allocator import release_free_memory, tune_allocator
 from fdp.build import RunParts, build_run, display_name, mirrors
 from fdp.comm import Comm
@@ -104,6 +104,8 @@ def _make_step(cfg: DictConfig, parts: RunParts, comm: Comm, timeline: Timeline,
         model=parts.model, reshard_after_forward=tc.reshard_after_forward,
         # Dropout masks by sample, the same on any number of ranks (fdp.streams), or each rank's generator.
         sample_seed=cfg.seed if wants_sample_streams(tc.sample_streams, cfg.world.on_rank_loss) else None,
+        checkpoint_modules=remat.from_config(tc.activation_checkpointing, tc.activation_checkpointing_policy,
+                                             tc.activation_checkpointing_k, parts.model.module),
     )
     loss_fn = make_loss_fn(parts.model, parts.criterion)
     outer = check_outer(OmegaConf.to_container(cfg.outer))
