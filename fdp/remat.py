@@ -274,8 +274,13 @@ def _recomputing_forward(module: nn.Module, forward: Callable) -> Callable:
             own[i] = tensor.detach().clone()
         leaves, spec = tree_flatten((args, kwargs))
         places = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        call = _Call(forward, slots, where, live, len(own), leaves, places, spec)
-        outputs = _Recompute.apply(call, *own, *[leaves[i] for i in places])
+        inputs = [*own, *(leaves[i] for i in places)]
+        # What the transform differentiates (params, activations; not buffers, integer inputs).
+        wanted = [i for i, t in enumerate(inputs) if t.requires_grad and t.is_floating_point() and i not in live]
+        if not wanted:
+            return forward(*args, **kwargs)
+        call = _Call(forward, slots, where, live, len(own), leaves, places, spec, wanted)
+        outputs = _Recompute.apply(call, *inputs)
         return call.rebuild(outputs)
 
     return checkpointed_forward
@@ -284,7 +289,8 @@ def _recomputing_forward(module: nn.Module, forward: Callable) -> Callable:
 class _Call:
     """One call of a checkpointed module: how to run it on a list of tensors, and what it must replay."""
 
-    def __init__(self, forward, slots, where, live, n_own, leaves, places, spec):
+    def __init__(self, forward, slots, where, live, n_own, leaves, places, spec, wanted):
+        self.wanted = wanted  # the inputs that get gradients
         self.forward, self.slots, self.where, self.live, self.buffers = forward, slots, where, live, set(live)
         self.n_own, self.leaves, self.places, self.spec = n_own, list(leaves), places, spec
         for i in places:
@@ -345,23 +351,34 @@ class _Call:
             finally:
                 _recomputing -= 1
 
-    def gradients(self, saved: tuple, grad_outputs: tuple, needed: tuple) -> tuple:
-        """The gradients of the saved inputs (``None`` where not ``needed``), the forward run again under ``vjp``."""
-        wanted = [i for i, need in enumerate(needed) if need and saved[i].is_floating_point()
-                  and i not in self.buffers]
-        def again(*chosen):
+    def traced(self, tensors: tuple, live: bool = False) -> tuple[tuple, Callable]:
+        """The module's outputs on ``tensors`` and their pullback to the inputs that need gradients (``wanted``).
+
+        The forward and its recomputation both run this way, under ``vjp``, so that they
+        pick the same kernels: some (attention with dropout in bf16) take another path
+        where no gradient is recorded, and would then give other numbers than the
+        recomputation differentiates.
+        """
+        wanted = self.wanted
+
+        def forward(*chosen):
             # Buffers run on copies, made inside the transform (which refuses to mutate a tensor from outside):
             # a forward that updates them in place (BatchNorm) did so once already.
-            tensors = [t.clone() if i in self.buffers else t for i, t in enumerate(saved)]
+            given = [t.clone() if i in self.buffers else t for i, t in enumerate(tensors)]
             for i, tensor in zip(wanted, chosen):
-                tensors[i] = tensor
-            return self.run(tuple(tensors))
+                given[i] = tensor
+            return self.run(tuple(given), live)
 
-        with self.replayed(), torch.enable_grad():
-            _, pullback = vjp(again, *[saved[i] for i in wanted])
+        with torch.enable_grad():
+            return vjp(forward, *[tensors[i] for i in wanted])
+
+    def gradients(self, saved: tuple, grad_outputs: tuple) -> tuple:
+        """The gradients of the saved inputs (``None`` for those that need none), the forward run again."""
+        with self.replayed():
+            _, pullback = self.traced(saved)
         grads = pullback(tuple(grad_outputs))
         out: list[Any] = [None] * len(saved)
-        for i, grad in zip(wanted, grads):
+        for i, grad in zip(self.wanted, grads):
             out[i] = grad
         return tuple(out)
 
@@ -371,10 +388,9 @@ class _Recompute(torch.autograd.Function):
 
     @staticmethod
     def forward(call: _Call, *tensors: torch.Tensor) -> tuple:
-        with torch.no_grad():
-            out = call.run(tensors, live=True)
+        out, _ = call.traced(tensors, live=True)  # the pullback is dropped: what it saved goes with it
         call.live = {}  # the module's buffers are not needed again
-        return out
+        return tuple(t.detach() for t in out)
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: Any) -> None:
@@ -384,4 +400,4 @@ class _Recompute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_outputs: torch.Tensor) -> tuple:
-        return (None, *ctx.call.gradients(ctx.saved_tensors, grad_outputs, ctx.needs_input_grad[1:]))
+        return (None, *ctx.call.gradients(ctx.saved_tensors, grad_outputs))
