@@ -202,7 +202,9 @@ def _out_of_memory_message(cfg: DictConfig, rank: int, step: int | None, error: 
     budget = cfg.world.memory_per_rank_mb
     within = f"world.memory_per_rank_mb={budget:g}" if budget else "this machine's memory"
     return (f"rank {rank} ran out of memory {where} ({reason}); the run does not fit {within}: expected more ranks, "
-            f"a higher trainer.zero_stage (now {cfg.trainer.zero_stage}; 3 shards the params too) or a smaller model")
+            f"a higher trainer.zero_stage (now {cfg.trainer.zero_stage}; 3 shards the params too), "
+            + ("" if cfg.trainer.activation_checkpointing != "none" else "trainer.activation_checkpointing=blocks ")
+            + "or a smaller model")
 
 
 class _Loop:

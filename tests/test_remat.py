@@ -69,6 +69,25 @@ def test_gradients_equal_bit_for_bit_with_dropout_and_the_forward_runs_again(per
     assert not torch.equal(other, plain[1]) or per_sample
 
 
+def test_a_hugging_face_gpt2_checkpoints_its_blocks_bit_for_bit():
+    from fdp.models import hf_model
+
+    torch.manual_seed(0)  # GPT-2's configs drop out 0.1 (attention, residuals, embeddings)
+    module = hf_model("transformers.GPT2LMHeadModel", vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2)
+    model, params, buffers = functionalize(module)
+    loss_fn = cross_entropy_loss(model)
+    batch = _tokens(2)
+    blocks = remat.select(module, "blocks")
+    assert [type(b).__name__ for b in blocks] == ["GPT2Block", "GPT2Block"]
+    results = []
+    for fn in (loss_fn, remat.checkpointed(loss_fn, blocks)):
+        torch.manual_seed(3)
+        results.append(grad_and_value(fn)(params, buffers, batch))
+    (plain, (loss, _)), (checkpointed, (loss_ck, _)) = results
+    assert torch.equal(loss, loss_ck)
+    assert all(torch.equal(plain[name], checkpointed[name]) for name in plain)
+
+
 def test_buffers_update_once_and_the_module_is_itself_again_after_the_call():
     module = ConvNet(width=4)
     model, params, buffers = functionalize(module)
