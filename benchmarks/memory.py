@@ -251,6 +251,8 @@ def main() -> None:
     parser.add_argument("--no-search", action="store_true", help="skip the largest-batch search")
     parser.add_argument("--search-variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
                         help="the variants whose largest batch is searched (each try is a launch)")
+    parser.add_argument("--search-only", action="store_true",
+                        help="only the largest-batch search, its table in memory_batch.md (alongside a measuring run)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
@@ -265,16 +267,20 @@ def main() -> None:
     }
     t0 = time.time()
 
+    name = "memory_batch" if args.search_only else "memory"
+
     def write() -> str:
         meta.update(load_after=os.getloadavg()[0], wall_s=round(time.time() - t0))
-        table = _table(rows, meta)
+        table = _batch_table(rows, meta) if args.search_only else _table(rows, meta)
         if not args.quick:  # after every row: a run cut short keeps what it measured
             RESULTS.mkdir(exist_ok=True)
-            (RESULTS / "memory.md").write_text(table)
-            (RESULTS / "memory.json").write_text(json.dumps({"meta": meta, "models": MODELS, "rows": rows}, indent=1))
+            (RESULTS / f"{name}.md").write_text(table)
+            (RESULTS / f"{name}.json").write_text(json.dumps({"meta": meta, "models": MODELS, "rows": rows}, indent=1))
         return table
 
-    for model_name in args.models:
+    if args.search_only:
+        rows += [{"model": m, "variant": v} for m in args.models for v in args.variants]
+    for model_name in [] if args.search_only else args.models:
         for variant in args.variants:
             ranks = _launch(model_name, variant, MODELS[model_name]["batch"], warmup, steps)
             row = {"model": model_name, "variant": variant, "ranks": len(ranks),
@@ -287,7 +293,7 @@ def main() -> None:
     for variant in args.search_variants if search else ():
         for row in [r for r in rows if r["variant"] == variant]:
             row["largest_batch"] = largest_batch(row["model"], variant, args.budget_mb, MODELS[row["model"]]["batch"])
-            print(_line(row, rows), flush=True)
+            print(row, flush=True)
             write()
     print(write())
 
@@ -311,6 +317,28 @@ def _line(row: dict, rows: list[dict]) -> str:
             f"{spec['batch']} x {spec['seq']} tokens)")
     return (f"| {name} | {row['variant']} | {row['ranks']} | {row['steady_mib']:.0f} | {row['peak_mib']:.0f} | {ratio} | "
             f"{vs_plain} | {row['ms']:.0f} | {time_vs_plain} | {batch if batch is not None else '-'} | {batch_vs_plain} |")
+
+
+def _batch_table(rows: list[dict], meta: dict) -> str:
+    lines = [
+        f"# The largest batch under world.memory_per_rank_mb={meta['budget_mb']:g} ({meta['date']})",
+        "",
+        f"torch {meta['torch']}, {meta['cpus']} CPU cores shared with other jobs (load {meta['load_before']:.1f} before, "
+        f"{meta['load_after']:.1f} after); on {meta['device']}. Sequences per rank whose steps run under the budget "
+        "(fdp.devices.limit_memory from before the model is built; doubling from the measured batch, then bisecting to "
+        f"within a quarter; a fresh launch of 1 warm-up + 1 step per try). Wall {meta['wall_s']} s.",
+        "",
+        "| model | variant | largest batch | vs without checkpointing |",
+        "|---|---|---:|---:|",
+    ]
+    for row in rows:
+        if "largest_batch" not in row:
+            continue
+        plain = _reference(row, rows, row["variant"].replace(" + checkpointing", ""))
+        ratio = (f"{row['largest_batch'] / plain['largest_batch']:.2f}" if plain is not row and plain
+                 and plain.get("largest_batch") else "-")
+        lines.append(f"| {row['model']} | {row['variant']} | {row['largest_batch']} | {ratio} |")
+    return "\n".join(lines) + "\n"
 
 
 def _table(rows: list[dict], meta: dict) -> str:
