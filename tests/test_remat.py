@@ -129,6 +129,29 @@ def test_select_modes_and_refusals():
         remat.select(nn.Linear(2, 2), "blocks", setting="activation_checkpointing_policy")
 
 
+def test_the_config_settings_are_checked_before_anything_runs():
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    from fdp.config import register_configs
+    from fdp.validate import validate
+
+    register_configs()
+
+    def cfg(*overrides):
+        conf = str(Path(__file__).resolve().parents[1] / "conf")
+        with initialize_config_dir(config_dir=conf, version_base=None):
+            return compose("config", overrides=list(overrides))
+
+    with pytest.raises(ConfigError, match=r"^trainer.activation_checkpointing='all': expected none, blocks or every_k$"):
+        validate(cfg("trainer.activation_checkpointing=all"))
+    with pytest.raises(ConfigError, match=r"^trainer.activation_checkpointing_k=0: expected an integer >= 1$"):
+        validate(cfg("trainer.activation_checkpointing=every_k", "trainer.activation_checkpointing_k=0"))
+    validate(cfg("model=charlm", "data=stdlib_text", "trainer.activation_checkpointing=every_k",
+                 "trainer.activation_checkpointing_policy=[_Block]"))
+
+
 def _train(rank, world, stage, checkpoint, sample_seed, accum):
     module = _char_transformer()
     model, params, buffers = functionalize(module)
