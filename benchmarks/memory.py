@@ -242,6 +242,37 @@ def largest_batch(model_name: str, variant: str, budget_mb: float, start: int, l
     return low
 
 
+def interleaved_times(model_name: str, steps: int) -> dict:
+    """fdp's step with and without checkpointing, alternated in one process (one rank): median ms of each.
+
+    Separate launches on a shared machine meet different load; alternating the two steps
+    on the same model and batch puts the same load on both.
+    """
+    from fdp import adam, cross_entropy_loss, functionalize, init_train_state, make_train_step, plan_buckets, planner_loss
+    from fdp.allocator import tune_allocator
+
+    tune_allocator()
+    torch.set_num_threads(1)
+    spec = MODELS[model_name]
+    batch = _batch(spec, spec["batch"], 0)
+    module = _module(spec)
+    model, params, buffers = functionalize(module, keep_module_weights=False)
+    loss_fn = cross_entropy_loss(model)
+    plan = plan_buckets(planner_loss(loss_fn, buffers), params, batch)
+    sides = {}
+    for name, modules in (("without", ()), ("with", "blocks")):
+        step = make_train_step(loss_fn, adam(LR), plan, model=model, checkpoint_modules=modules)
+        sides[name] = [step, init_train_state(params, buffers, adam(LR), plan), []]
+    for i in range(steps + 1):
+        for name in (("without", "with") if i % 2 else ("with", "without")):
+            step, state, times = sides[name]
+            t0 = time.perf_counter()
+            sides[name][1], _ = step(state, batch)
+            if i:  # the first is a warm-up
+                times.append(time.perf_counter() - t0)
+    return {name: 1e3 * statistics.median(side[2]) for name, side in sides.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -253,6 +284,8 @@ def main() -> None:
                         help="the variants whose largest batch is searched (each try is a launch)")
     parser.add_argument("--search-only", action="store_true",
                         help="only the largest-batch search, its table in memory_batch.md (alongside a measuring run)")
+    parser.add_argument("--time", action="store_true",
+                        help="only fdp's step time with and without checkpointing, alternated in one process (memory_time.md)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
@@ -278,6 +311,19 @@ def main() -> None:
             (RESULTS / f"{name}.json").write_text(json.dumps({"meta": meta, "models": MODELS, "rows": rows}, indent=1))
         return table
 
+    if args.time:
+        lines = ["| model | step ms without checkpointing | with | ratio |", "|---|---:|---:|---:|"]
+        for model_name in args.models:
+            ms = interleaved_times(model_name, args.steps)
+            lines.append(f"| {model_name} | {ms['without']:.0f} | {ms['with']:.0f} | {ms['with'] / ms['without']:.2f} |")
+            print(lines[-1], flush=True)
+        head = (f"# fdp's step time with and without activation checkpointing ({meta['date']})\n\n"
+                f"One process, fdp stage 0, Adam, the models of memory.md at their batch; the two steps alternated "
+                f"(order flipped every round) for {args.steps} rounds after one warm-up, medians. torch {meta['torch']}, "
+                f"{meta['cpus']} CPU cores shared with other jobs (load {meta['load_before']:.1f} before, "
+                f"{os.getloadavg()[0]:.1f} after).\n\n")
+        (RESULTS / "memory_time.md").write_text(head + "\n".join(lines) + "\n")
+        return
     if args.search_only:
         rows += [{"model": m, "variant": v} for m in args.models for v in args.variants]
     for model_name in [] if args.search_only else args.models:

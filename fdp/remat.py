@@ -12,7 +12,8 @@ saved-tensor hooks, which ``torch.func.vjp`` refuses). Here a module's call is o
 ``autograd.Function`` of the new style, which ``torch.func`` transforms: its inputs are
 the module's own tensors (params and buffers, as the transform's wrappers hand them in)
 and the tensors of its arguments; it saves only those, and its backward runs the module
-again under ``torch.func.vjp``.
+again under ``torch.func.vjp``. The forward runs under ``vjp`` too (its pullback dropped at
+once), so both pick the same kernels.
 
 The recomputed forward is the forward, bit for bit: it draws the same random numbers
 (the generators' states, CPU and CUDA, are taken before the forward and restored for
