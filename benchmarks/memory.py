@@ -27,7 +27,8 @@ What is measured, per variant (the larger rank):
   the model is built), found by doubling the batch and then bisecting, each try a fresh
   launch of two steps.
 
-    python benchmarks/memory.py [--quick] [--models charlm gpt2] [--budget-mb 1000] [--no-search] [--search-variants ...]
+    python benchmarks/memory.py [--quick] [--models charlm gpt2] [--budget-mb 1000] [--no-search]
+                                [--search-variants ...] [--search-only] [--time]
 
 Writes ``benchmarks/results/memory.md`` and ``memory.json`` (``--quick``: 1 warm-up and 2
 timed steps per variant, no batch search, prints only).
@@ -80,7 +81,8 @@ def _module(spec: dict):
     if spec["kind"] == "charlm":
         from fdp.models import CharTransformer
 
-        return CharTransformer(spec["vocab"], spec["seq"], spec["d_model"], spec["n_layer"], spec["n_head"], dropout=0.1)
+        return CharTransformer(spec["vocab"], spec["seq"], spec["d_model"], spec["n_layer"], spec["n_head"],
+                               dropout=0.1)
     from fdp.models import hf_model
 
     return hf_model("transformers.GPT2LMHeadModel", vocab_size=spec["vocab"], n_positions=spec["seq"],
@@ -98,7 +100,9 @@ def _logits(out):
 
 
 def _device() -> torch.device:
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
 
 
 def _torch_step(spec: dict, batch, ddp: bool):
@@ -122,7 +126,8 @@ def _torch_step(spec: dict, batch, ddp: bool):
 
 
 def _fdp_step(spec: dict, batch, stage: int, checkpoint: bool, comm):
-    from fdp import adam, cross_entropy_loss, functionalize, init_train_state, make_train_step, plan_buckets, planner_loss, zero
+    from fdp import (adam, cross_entropy_loss, functionalize, init_train_state, make_train_step, plan_buckets,
+                     planner_loss, zero)
     from fdp.comm import Comm
 
     module = _module(spec).to(_device())
@@ -248,7 +253,8 @@ def interleaved_times(model_name: str, steps: int) -> dict:
     Separate launches on a shared machine meet different load; alternating the two steps
     on the same model and batch puts the same load on both.
     """
-    from fdp import adam, cross_entropy_loss, functionalize, init_train_state, make_train_step, plan_buckets, planner_loss
+    from fdp import (adam, cross_entropy_loss, functionalize, init_train_state, make_train_step, plan_buckets,
+                     planner_loss)
     from fdp.allocator import tune_allocator
 
     tune_allocator()
@@ -285,7 +291,8 @@ def main() -> None:
     parser.add_argument("--search-only", action="store_true",
                         help="only the largest-batch search, its table in memory_batch.md (alongside a measuring run)")
     parser.add_argument("--time", action="store_true",
-                        help="only fdp's step time with and without checkpointing, alternated in one process (memory_time.md)")
+                        help="only fdp's step time with and without checkpointing, alternated in one process "
+                             "(memory_time.md)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
@@ -315,11 +322,13 @@ def main() -> None:
         lines = ["| model | step ms without checkpointing | with | ratio |", "|---|---:|---:|---:|"]
         for model_name in args.models:
             ms = interleaved_times(model_name, args.steps)
-            lines.append(f"| {model_name} | {ms['without']:.0f} | {ms['with']:.0f} | {ms['with'] / ms['without']:.2f} |")
+            ratio = ms["with"] / ms["without"]
+            lines.append(f"| {model_name} | {ms['without']:.0f} | {ms['with']:.0f} | {ratio:.2f} |")
             print(lines[-1], flush=True)
         head = (f"# fdp's step time with and without activation checkpointing ({meta['date']})\n\n"
                 f"One process, fdp stage 0, Adam, the models of memory.md at their batch; the two steps alternated "
-                f"(order flipped every round) for {args.steps} rounds after one warm-up, medians. torch {meta['torch']}, "
+                f"(order flipped every round) for {args.steps} rounds after one warm-up, medians. "
+                f"torch {meta['torch']}, "
                 f"{meta['cpus']} CPU cores shared with other jobs (load {meta['load_before']:.1f} before, "
                 f"{os.getloadavg()[0]:.1f} after).\n\n")
         (RESULTS / "memory_time.md").write_text(head + "\n".join(lines) + "\n")
@@ -361,15 +370,17 @@ def _line(row: dict, rows: list[dict]) -> str:
     spec = MODELS[row["model"]]
     name = (f"{row['model']} (d {spec['d_model']}, {spec['n_layer']} layers, vocab {spec['vocab']}, "
             f"{spec['batch']} x {spec['seq']} tokens)")
-    return (f"| {name} | {row['variant']} | {row['ranks']} | {row['steady_mib']:.0f} | {row['peak_mib']:.0f} | {ratio} | "
-            f"{vs_plain} | {row['ms']:.0f} | {time_vs_plain} | {batch if batch is not None else '-'} | {batch_vs_plain} |")
+    shown = batch if batch is not None else "-"
+    return (f"| {name} | {row['variant']} | {row['ranks']} | {row['steady_mib']:.0f} | {row['peak_mib']:.0f} | "
+            f"{ratio} | {vs_plain} | {row['ms']:.0f} | {time_vs_plain} | {shown} | {batch_vs_plain} |")
 
 
 def _batch_table(rows: list[dict], meta: dict) -> str:
     lines = [
         f"# The largest batch under world.memory_per_rank_mb={meta['budget_mb']:g} ({meta['date']})",
         "",
-        f"torch {meta['torch']}, {meta['cpus']} CPU cores shared with other jobs (load {meta['load_before']:.1f} before, "
+        f"torch {meta['torch']}, {meta['cpus']} CPU cores shared with other jobs "
+        f"(load {meta['load_before']:.1f} before, "
         f"{meta['load_after']:.1f} after); on {meta['device']}. Sequences per rank whose steps run under the budget "
         "(fdp.devices.limit_memory from before the model is built; doubling from the measured batch, then bisecting to "
         f"within a quarter; a fresh launch of 1 warm-up + 1 step per try). Wall {meta['wall_s']} s.",
@@ -390,13 +401,15 @@ def _batch_table(rows: list[dict], meta: dict) -> str:
 def _table(rows: list[dict], meta: dict) -> str:
     where = ("peak allocated GPU memory over what was allocated before the step" if meta["device"] == "cuda" else
              "peak RSS during the step (VmHWM) over the RSS before it, after malloc_trim")
-    search = (f"`largest batch`: sequences per rank whose steps run under world.memory_per_rank_mb={meta['budget_mb']:g} "
+    search = ("`largest batch`: sequences per rank whose steps run under "
+              f"world.memory_per_rank_mb={meta['budget_mb']:g} "
               "(fdp.devices.limit_memory from before the model is built; doubling, then bisecting to within a quarter; "
               "a fresh launch per try)." if meta["budget_mb"] else "No largest-batch search in this run.")
     lines = [
         f"# A step's peak memory over its steady state ({meta['date']})",
         "",
-        f"torch {meta['torch']}, Python {meta['python']}, {meta['machine']}, {meta['cpus']} CPU cores shared with other "
+        f"torch {meta['torch']}, Python {meta['python']}, {meta['machine']}, {meta['cpus']} CPU cores shared "
+        "with other "
         f"jobs (load {meta['load_before']:.1f} before, {meta['load_after']:.1f} after); on {meta['device']}; gloo on "
         f"loopback, 1 torch thread per rank. Each row a fresh launch: {meta['warmup']} warm-up + {meta['steps']} timed "
         f"steps, medians; the larger rank. Adam lr {LR}, dropout 0.1, training mode. Wall {meta['wall_s']} s.",
