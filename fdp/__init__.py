@@ -39,6 +39,7 @@ it in this list; ``tests/test_imports.py`` holds every import to that):
   schedules and weight-decay rules, and their registry.
 * ``ema``: an exponential moving average of the params as an ``(init, update)`` pair.
 * ``functional``: any ``nn.Module`` as ``apply(params, buffers, *inputs, **named_inputs)``.
+* ``remat``: activation checkpointing under ``torch.func`` (chosen modules' activations recomputed in backward).
 * ``models`` / ``data``: the built-in models and Hugging Face ones from their configs (``hf_model``); datasets,
   batches (any pytree of tensors) and their split over ranks and micro-batches.
 * ``hooks``: gradient-reduction stages (allreduce, fp16, PowerSGD, top-k, int8, low-bit codes) composed with ``hooks.chain``.

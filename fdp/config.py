@@ -205,6 +205,11 @@ class TrainerConfig:
     compile: Any = "auto"  # auto | true | false: torch.compile the gradient computation (auto: on a GPU, when the run repays the compile)
     zero_stage: int = 0  # 0 | 1 (shard optimizer state over ranks) | 2 (and reduced gradients) | 3 (and params)
     sample_streams: Any = "auto"  # auto | true | false: dropout masks per sample, alike on any world (auto: if it may shrink)
+    # none | blocks | every_k: modules whose activations backward recomputes (fdp.remat): the repeated blocks, or
+    # the classes named in the policy ([Block]); every_k: every k-th of them
+    activation_checkpointing: str = "none"
+    activation_checkpointing_policy: List[str] = field(default_factory=list)
+    activation_checkpointing_k: int = 2
     reshard_after_forward: bool = True  # zero_stage=3: release each bucket's params after forward, gather again for backward
     trace: bool = False  # write a Chrome trace per rank to <run dir>/trace/ (for short diagnostic runs)
     tensorboard: bool = False  # the same as "tensorboard" in loggers

@@ -15,7 +15,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from fdp import checks, replicas
+from fdp import checks, remat, replicas
 from fdp.comm import Comm
 from fdp.data import split_micro_batches
 from fdp.data.batches import batch_size
@@ -91,6 +91,9 @@ class StepOptions(NamedTuple):
       sample's values from its own stream, keyed by this seed, the step and the sample's
       index in the global batch (``fdp.streams``), so they do not depend on the world size;
       ``None``: from the state's generators (``TrainState.rng``, each rank's own).
+    * ``checkpoint_modules``: modules whose activations backward recomputes instead of
+      keeping them from the forward (``fdp.remat``): the modules themselves, their
+      classes or class names (found in ``model``), or ``"blocks"`` (the model's repeated blocks).
     * ``batch_rank``: which share of the global batch this rank's batch is (its first
       sample is number ``batch_rank * len(batch)``); ``None``: ``comm``'s rank.
     """
@@ -109,6 +112,7 @@ class StepOptions(NamedTuple):
     timeline: Timeline | None = None
     sample_seed: int | None = None
     batch_rank: int | None = None
+    checkpoint_modules: Any = ()
 
     def resolved(self) -> "StepOptions":
         """These options with their defaults filled in; a ``ValueError`` naming the first bad one.
@@ -200,6 +204,8 @@ def make_train_step(
     streams = SampleStreams(opts.sample_seed) if opts.sample_seed is not None else None
     batch_rank = comm.rank if opts.batch_rank is None else opts.batch_rank
     forward_loss = streams.wrap(loss_fn) if streams else loss_fn
+    if opts.checkpoint_modules:
+        forward_loss = remat.checkpointed(forward_loss, remat.modules_of(opts.checkpoint_modules, opts.model))
     reducer = GradReducer(opts.precision.wrap(forward_loss), plan, hook, update.reduction_comm(comm), opts.schedule,
                           opts.timeline, compile=opts.compile, release_buffers=update.release_buffers,
                           gather=update.gather, flat_params=update.flat_params)
@@ -283,7 +289,7 @@ def _metrics(t0: float, computed: Any, step_update: Any, new_state: TrainState, 
     elapsed = time.perf_counter() - t0
     metrics = {
         "loss": unscaled_loss(_mean_loss(computed.losses), scale_before),
-        "grad_norm": step.grad_norm(),  # of the reduced gradient, before clipping: the same on every rank
+        "grad_norm": step_update.grad_norm(),  # of the reduced gradient, before clipping: the same on every rank
         "lr": current_lr(new_state.opt_state),
         "skipped": int(skipped),
         "step_s": elapsed,

@@ -28,13 +28,15 @@ True
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
 
 from fdp._torch import TorchDispatchMode
 
-__all__ = ["SampleStreams", "uniform", "RANDOM_OPS", "check_sample_streams", "wants_sample_streams"]
+__all__ = ["SampleStreams", "uniform", "RANDOM_OPS", "check_sample_streams", "wants_sample_streams", "position",
+           "replaying"]
 
 SETTINGS = ("auto", True, False)
 _M32 = 0xFFFFFFFF
@@ -115,12 +117,23 @@ _OTHER_RANDOM = {
 }
 
 
+_ACTIVE: list["_PerSample"] = []  # the forwards running on per-sample streams, innermost last
+
+
 class _PerSample(TorchDispatchMode):
     """The forward of one micro-batch: batch-shaped random ops draw from each sample's stream."""
 
-    def __init__(self, keys: torch.Tensor):
+    def __init__(self, keys: torch.Tensor, drawn: int = 0):
         super().__init__()
-        self.keys, self.batch, self.drawn = keys, len(keys), 0
+        self.keys, self.batch, self.drawn = keys, len(keys), drawn
+
+    def __enter__(self):
+        _ACTIVE.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _ACTIVE.pop()
+        return super().__exit__(*exc)
 
     def _op_keys(self, number: int, device: torch.device) -> torch.Tensor:
         """The keys of the forward's random op ``number`` (each sample's key, split by the op's number)."""
@@ -232,6 +245,32 @@ class SampleStreams:
             return out
 
         return on_sample_streams
+
+
+def position() -> tuple[torch.Tensor, int] | None:
+    """Where the forward running now is in its samples' streams (their keys, the next op's number), or ``None``.
+
+    Activation checkpointing (``fdp.remat``) takes it before a module's forward and
+    replays the module's random ops from it (``replaying``) when backward runs it again.
+
+    >>> position() is None
+    True
+    """
+    return (_ACTIVE[-1].keys, _ACTIVE[-1].drawn) if _ACTIVE else None
+
+
+def replaying(at: tuple[torch.Tensor, int] | None) -> Any:
+    """A context whose random ops draw from the streams at ``at`` (``position()``'s), as they did there.
+
+    >>> streams = SampleStreams(seed=1)
+    >>> dropout = streams.wrap(lambda x: (position(), torch.nn.functional.dropout(x, 0.5, training=True)))
+    >>> streams.begin(step=1, first=0, sizes=[3])
+    >>> at, mask = dropout(torch.ones(3, 5))
+    >>> with replaying(at):
+    ...     torch.equal(torch.nn.functional.dropout(torch.ones(3, 5), 0.5, training=True), mask)
+    True
+    """
+    return contextlib.nullcontext() if at is None else _PerSample(*at)
 
 
 def check_sample_streams(value: Any) -> bool | str:

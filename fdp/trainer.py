@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from fdp import checkpoint, compiled, zero
+from fdp import checkpoint, compiled, remat, zero
 from fdp.allocator import release_free_memory
 from fdp.build import RunParts, build_data, build_run, display_name, tune_allocator_for
 from fdp.comm import Comm
@@ -119,6 +119,8 @@ def _make_step(cfg: DictConfig, parts: RunParts, comm: Comm, timeline: Timeline,
         sync_buffers=tc.sync_buffers, precision=parts.precision, compile=compile, update=parts.update,
         # Dropout masks by sample, the same on any number of ranks (fdp.streams), or each rank's generator.
         sample_seed=cfg.seed if wants_sample_streams(tc.sample_streams, cfg.world.on_rank_loss) else None,
+        checkpoint_modules=remat.from_config(tc.activation_checkpointing, tc.activation_checkpointing_policy,
+                                             tc.activation_checkpointing_k, parts.model.module),
     )
     loss_fn = make_loss_fn(parts.model, parts.criterion)
     outer = check_outer(OmegaConf.to_container(cfg.outer))
@@ -221,6 +223,8 @@ def _out_of_memory_message(cfg: DictConfig, rank: int, world: int, phase: Memory
     micro = max(1, cfg.data.global_batch_size // world // tc.accum_steps)
     batch = (f"{micro} samples: data.global_batch_size={cfg.data.global_batch_size} over {world} ranks and "
              f"trainer.accum_steps={tc.accum_steps}")
+    # Recomputing activations in backward (fdp.remat) keeps a step's peak lower, where it is not on yet.
+    remat_hint = "" if tc.activation_checkpointing != "none" else "trainer.activation_checkpointing=blocks, "
     where, expected = {
         "data": ("loading the data",
                  "more free memory or a smaller data set (loading it is not counted in world.memory_per_rank_mb)"),
@@ -228,7 +232,8 @@ def _out_of_memory_message(cfg: DictConfig, rank: int, world: int, phase: Memory
                   (f"more ranks, a higher trainer.zero_stage (now {tc.zero_stage}; 3 shards the params too) "
                    "or a smaller model")),
         "step": (f"at step {phase.step}",
-                 f"a smaller batch per forward (now {batch}), a higher trainer.zero_stage or a smaller model"),
+                 f"a smaller batch per forward (now {batch}), {remat_hint}a higher trainer.zero_stage or a smaller "
+                 "model"),
         "evaluation": (f"evaluating after step {phase.step}",
                        f"a smaller batch per forward (evaluation takes training's, {batch}) or a smaller model"),
         "save": (f"saving the checkpoint of step {phase.step}",

@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 from omegaconf import OmegaConf
 
+from fdp import remat
 from fdp.checkpoint import check_readable, saved_config
 from fdp.compiled import check_compile
 from fdp.config import SCHEMAS
@@ -114,6 +115,8 @@ def _validate_trainer(cfg: Any) -> None:
     _as_config_key("trainer.compile", lambda value: check_compile(value, device), t.compile)
     _as_config_key("trainer.zero_stage", check_zero_stage, t.zero_stage)
     _as_config_key("trainer.sample_streams", check_sample_streams, t.sample_streams)
+    _as_config_key("trainer.activation_checkpointing", remat.check_mode, t.activation_checkpointing)
+    _as_config_key("trainer.activation_checkpointing_k", remat.check_k, t.activation_checkpointing_k)
     if wants_sample_streams(t.sample_streams, cfg.world.on_rank_loss):
         _require(t.compile is not True, "trainer.compile", t.compile,
                  "auto or false with per-sample streams (trainer.sample_streams, on with world.on_rank_loss=shrink): "

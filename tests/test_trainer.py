@@ -186,7 +186,7 @@ def test_out_of_memory_lines_name_the_phase_and_what_to_change():
                 "free memory or a smaller data set (loading it is not counted in world.memory_per_rank_mb)",
         "step": "at step 7 (MemoryError); the run does not fit world.memory_per_rank_mb=500: expected a smaller "
                 "batch per forward (now 16 samples: data.global_batch_size=64 over 2 ranks and trainer.accum_steps=2), "
-                "a higher trainer.zero_stage or a smaller model",
+                "trainer.activation_checkpointing=blocks, a higher trainer.zero_stage or a smaller model",
         "evaluation": "evaluating after step 7 (MemoryError); the run does not fit world.memory_per_rank_mb=500: "
                       "expected a smaller batch per forward (evaluation takes training's, 16 samples: "
                       "data.global_batch_size=64 over 2 ranks and trainer.accum_steps=2) or a smaller model",

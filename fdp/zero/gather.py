@@ -40,6 +40,7 @@ from fdp.buckets import regrow, release
 from fdp.comm import Comm, Pending
 from fdp.functional import FunctionalModel
 from fdp.plan import BucketPlan
+from fdp.remat import recomputing
 from fdp.trace import NullTimeline, Timeline
 from fdp.zero.layout import param_views, shard_key, shard_numel, shard_range
 
@@ -176,12 +177,15 @@ class ParamGather:
 
     # -- hook events ----------------------------------------------------------------------
     def _pre_hook(self, module: nn.Module, args: Any) -> None:
-        if self._active:
+        if self._active and recomputing():  # a checkpointed module's forward again, in backward (fdp.remat)
+            for bucket in self._holders.get(id(module), ()):
+                self.ensure(bucket)
+        elif self._active:
             self._stack.append(id(module))
             self._event(module, "pre")
 
     def _post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not self._active:
+        if not self._active or recomputing():
             return
         self._stack.pop()
         self._event(module, "post")
