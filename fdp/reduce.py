@@ -30,33 +30,9 @@ from fdp.chains import Reduction
 from fdp.hooks.base import Hook
 from fdp.plan import BucketPlan
 from fdp.trace import NullTimeline, Timeline
+from fdp.update import NullGather
 
 SCHEDULES = ("auto", "after", "overlap")
-
-
-class NullGather:
-    """Params that are whole already: nothing to gather (what ``fdp.trace.NullTimeline`` is to a timeline).
-
-    The reducer's other gather is ZeRO stage 3's ``fdp.zero.gather.ParamGather``, which
-    materialises each bucket's params while forward and backward read them. ``gathers``
-    says whether the params are released bucket by bucket as their gradients complete
-    (their gradients then start as soon as they are in, and their buffers are released).
-
-    >>> gather = NullGather()
-    >>> gather.wrap_loss(len) is len, gather.gathers
-    (True, False)
-    """
-
-    gathers = False
-
-    def wrap_loss(self, loss_fn: Callable) -> Callable:
-        return loss_fn
-
-    def grads_done(self, index: int) -> None:
-        pass
-
-    def stop(self) -> None:
-        pass
 
 
 def resolve_schedule(schedule: str, world_size: int) -> str:

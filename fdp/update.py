@@ -41,12 +41,11 @@ from fdp.hooks import Hook, shardable_hooks
 from fdp.hooks import stage_name as hook_label  # the hooks call each hook of a chain a stage
 from fdp.optim import GradientTransformation, apply_gradients, supports_inplace, takes_sum_across
 from fdp.plan import BucketPlan
-from fdp.reduce import NullGather
 from fdp.replicas import setup_state
 from fdp.state import TrainState
 from fdp.trace import NullTimeline, Timeline
 
-__all__ = ["STAGES", "Stage", "Update", "StepUpdate", "ReplicatedUpdate", "bucket_norm", "finite_flag", "global_norm",
+__all__ = ["STAGES", "Stage", "NullGather", "Update", "StepUpdate", "ReplicatedUpdate", "bucket_norm", "finite_flag", "global_norm",
            "describe_bucket"]
 
 
@@ -104,6 +103,31 @@ class Stage(NamedTuple):
 
 STAGES = (Stage(0, False, False, False), Stage(1, True, False, False), Stage(2, True, True, False),
           Stage(3, True, True, True))
+
+
+class NullGather:
+    """Params that are whole already: nothing to gather (what ``fdp.trace.NullTimeline`` is to a timeline).
+
+    The reducer's other gather is ZeRO stage 3's ``fdp.zero.gather.ParamGather``, which
+    materialises each bucket's params while forward and backward read them. ``gathers``
+    says whether the params are released bucket by bucket as their gradients complete
+    (their gradients then start as soon as they are in, and their buffers are released).
+
+    >>> gather = NullGather()
+    >>> gather.wrap_loss(len) is len, gather.gathers
+    (True, False)
+    """
+
+    gathers = False
+
+    def wrap_loss(self, loss_fn: Callable) -> Callable:
+        return loss_fn
+
+    def grads_done(self, index: int) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
 
 
 class StepUpdate(Protocol):
