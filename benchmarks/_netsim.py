@@ -385,7 +385,7 @@ def ddp_run(model: str, variant: str, steps: int, out_dir: Path, timeout_s: floa
 def _compose(overrides: list[str]):
     from hydra import compose, initialize_config_dir
 
-    from fdp.config import register_configs
+    from fdp.run.config import register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
@@ -427,8 +427,8 @@ def ddp_worker(args) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from fdp.data import global_batch, shard
-    from fdp.allocator import tune_allocator
-    from fdp.build import build_data, build_module
+    from fdp.dist.allocator import tune_allocator
+    from fdp.run.build import build_data, build_module
 
     tune_allocator()  # as fdp's trainer does in every rank
     cfg = _compose(args.overrides)

@@ -1,13 +1,13 @@
 """Time lost per lost rank: restarting the world from its last checkpoint against shrinking it in place.
 
-The same run, four ways: fdp's trainer (``fdp.trainer.run``, what the recipe runs) on a
+The same run, four ways: fdp's trainer (``fdp.run.trainer.run``, what the recipe runs) on a
 local world of 3 gloo ranks, a char transformer with dropout, Adam, a checkpoint every
 25 steps; once rank 2 starts step 40 (15 steps after the last checkpoint) it is sent
 
 * ``SIGKILL`` (a dead rank) or ``SIGSTOP`` (a hung one), under
 * ``world.on_rank_loss=restart`` with ``world.max_restarts=1`` (torchelastic's model: every
   process is stopped and started again, and the world resumes from the last checkpoint),
-  or ``world.on_rank_loss=shrink`` (the survivors go on with 2 ranks, ``fdp.shrink``).
+  or ``world.on_rank_loss=shrink`` (the survivors go on with 2 ranks, ``fdp.dist.shrink``).
 
 Time lost: from the signal until the world is back where it was, i.e. rank 0 has
 completed step 40 (it starts step 41: ``<run dir>/ranks/rank0.txt``, polled every
@@ -34,9 +34,9 @@ from pathlib import Path
 
 import torch
 
-from fdp.config import compose
-from fdp.rundir import RankStatus
-from fdp.trainer import run
+from fdp.run.config import compose
+from fdp.run.rundir import RankStatus
+from fdp.run.trainer import run
 
 RESULTS = Path(__file__).resolve().parent / "results" / "elastic.md"
 STEPS, EVERY, AT, VICTIM = 80, 25, 40, 2

@@ -56,7 +56,7 @@ SIDES = ("fdp stage 0", "fdp stage 1", "fdp stage 2", "fdp stage 3", "FSDP2")
 
 
 def _module(spec: dict):
-    from fdp.models import CharTransformer
+    from fdp.model.builtin import CharTransformer
 
     torch.manual_seed(0)
     return CharTransformer(spec["vocab"], spec["seq"], spec["d_model"], spec["n_layer"], spec["n_head"])
@@ -77,7 +77,8 @@ def _nbytes(tensors) -> int:
 
 
 def _fdp(spec: dict, stage: int, comm, warmup: int, steps: int) -> dict:
-    from fdp import adam, cross_entropy_loss, functionalize, init_train_state, make_train_step, plan_buckets, planner_loss, zero
+    from fdp import adam, cross_entropy_loss, functionalize, init_train_state, make_train_step, plan_buckets, planner_loss
+    from fdp.update import zero
     from fdp.comm import Comm
 
     batch = _batch(spec, comm.rank)
@@ -145,7 +146,7 @@ def _count_collectives() -> list[int]:
 
 
 def _timed(step, state, warmup: int, steps: int, n_params: int, measure) -> dict:
-    from fdp.allocator import release_free_memory
+    from fdp.dist.allocator import release_free_memory
 
     release_free_memory()  # the whole model both sides built before sharding it (fdp's trainer does the same)
     dist.barrier()
@@ -163,8 +164,8 @@ def _timed(step, state, warmup: int, steps: int, n_params: int, measure) -> dict
 
 
 def worker(spec: dict, side: str, world: int, warmup: int, steps: int) -> dict:
-    from fdp.allocator import tune_allocator
-    from fdp.launch import WorldLayout, init_distributed
+    from fdp.dist.allocator import tune_allocator
+    from fdp.dist.launch import WorldLayout, init_distributed
 
     # fdp's trainer's allocator policy; FSDP2 gathers and frees params like stage 3 and gets its policy.
     tune_allocator(sharded_params=side in ("fdp stage 3", "FSDP2"))
@@ -177,7 +178,7 @@ def worker(spec: dict, side: str, world: int, warmup: int, steps: int) -> dict:
 
 
 def _run(spec: dict, side: str, world: int, warmup: int, steps: int) -> list[dict]:
-    from fdp.launch import WorldLayout, spawn
+    from fdp.dist.launch import WorldLayout, spawn
 
     layout = WorldLayout("elastic", nproc_per_node=world, backend="gloo", timeout_s=1200)
     results = spawn(worker, (spec, side, world, warmup, steps), layout)

@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch.func import grad_and_value
 
-from fdp.functional import functionalize
-from fdp.functional import grad_and_value as fdp_grad_and_value
-from fdp.models import MLP, CharTransformer, ConvNet
+from fdp.model.functional import functionalize
+from fdp.model.functional import grad_and_value as fdp_grad_and_value
+from fdp.model.builtin import MLP, CharTransformer, ConvNet
 
 RESULTS = Path(__file__).parent / "results" / "func_overhead.md"
 
@@ -80,7 +80,7 @@ def torch_costs(reps: int = 30) -> list[tuple[str, float, str]]:
             x = x * 1.0001
         return x.sum()
 
-    def after_transform(f, primal, aux=None):  # what fdp.functional.grad_and_value does
+    def after_transform(f, primal, aux=None):  # what fdp.model.functional.grad_and_value does
         if aux is None:
             value, backward = vjp(f, primal)
         else:
@@ -168,7 +168,7 @@ def main():
         "",
         f"torch {torch.__version__}, 1 thread, {reps} alternating repetitions, medians; load average {load:.2f} on 2 cores.",
         "",
-        "`torch.func` is `grad_and_value` over `functional_call`; fdp's is `fdp.functional.grad_and_value` "
+        "`torch.func` is `grad_and_value` over `functional_call`; fdp's is `fdp.model.functional.grad_and_value` "
         "(`torch.func.vjp`, its backward run once the transform is left), over the same params tree.",
         "",
         "| model | eager ms | torch.func ms | ratio | difference ms | fdp's (vjp) ms | ratio |",

@@ -59,7 +59,7 @@ GOALS = {"charlm25m": 1.00, "small": 1.10}  # fdp/DDP step time, world of 1
 
 
 def _module(spec: dict, device: torch.device):
-    from fdp.models import CharTransformer
+    from fdp.model.builtin import CharTransformer
 
     torch.manual_seed(0)
     return CharTransformer(spec["vocab"], spec["seq"], spec["d_model"], spec["n_layer"], spec["n_head"]).to(device)
@@ -101,8 +101,8 @@ def _build(variant: str, spec: dict, batch, device: torch.device, world: int):
 
 def _build_fdp(spec: dict, batch, device: torch.device, world: int):
     from fdp.comm import Comm
-    from fdp.devices import to_device
-    from fdp.functional import functionalize
+    from fdp.dist.devices import to_device
+    from fdp.model.functional import functionalize
     from fdp.hooks import allreduce
     from fdp.optim import adamw
     from fdp.plan import plan_buckets
@@ -114,7 +114,7 @@ def _build_fdp(spec: dict, batch, device: torch.device, world: int):
     plan = plan_buckets(planner_loss(loss_fn, buffers), params, batch, bucket_cap_mb=BUCKET_CAP_MB,
                         first_bucket_cap_mb=FIRST_BUCKET_CAP_MB)
     optimizer = adamw(LR)
-    schedule = "overlap" if world > 1 else "after"  # what fdp.trainer.schedule_for picks
+    schedule = "overlap" if world > 1 else "after"  # what fdp.run.trainer.schedule_for picks
     train_step = make_train_step(loss_fn, optimizer, plan, allreduce(), Comm(), schedule=schedule, donate=True)
     state = [init_train_state(params, buffers, optimizer, plan, allreduce())]
 
@@ -127,7 +127,7 @@ def _build_fdp(spec: dict, batch, device: torch.device, world: int):
 
 def worker(layout, models: list[str], variants: list[str], reps: int, warmup: int, steps: int) -> dict:
     """One rank: every model and variant in rotating blocks; step intervals from CUDA events."""
-    from fdp.launch import init_distributed
+    from fdp.dist.launch import init_distributed
 
     comm = init_distributed(layout)  # NCCL process group (DDP needs one even for a world of 1); the rank's GPU current
     rank, world = comm.rank, comm.world_size
@@ -170,7 +170,7 @@ def _quantile(xs: list[float], q: float) -> float:
 
 
 def _run_world(world: int, models: list[str], variants: list[str], args) -> dict:
-    from fdp.launch import WorldLayout, spawn
+    from fdp.dist.launch import WorldLayout, spawn
 
     layout = WorldLayout("elastic", nproc_per_node=world, backend="nccl", timeout_s=900.0,
                          accelerator="gpu", device_ids=tuple(range(world)))

@@ -6,7 +6,7 @@ autograd's bookkeeping, the optimizer's loop over tensors. The structures are th
 
 * ``charlm100``: ``gpu.py``'s 25M char transformer (8 layers, 100 tensors), d_model 8, batch 1 x 8;
 * ``small28``: ``gpu.py``'s small char transformer (2 layers, 28 tensors), same widths;
-* ``convnet``: ``fdp.models.ConvNet`` with BatchNorm (8 tensors, 6 buffers), width 2, batch 2;
+* ``convnet``: ``fdp.model.builtin.ConvNet`` with BatchNorm (8 tensors, 6 buffers), width 2, batch 2;
 * ``mlp500``: 249 hidden Linear layers of width 4 (500 tensors), batch 2.
 
 Variants, each stepping with AdamW through torch's fused kernel, one bucket cap of 25 MiB
@@ -19,7 +19,7 @@ Variants, each stepping with AdamW through torch's fused kernel, one bucket cap 
 * ``fdp compiled``: the same with ``compile=True`` (one rank; its compile time apart).
 
 A world of 1 (eager, DDP, fdp, fdp compiled) and one of 2 processes (DDP, fdp), each a
-launch of ``fdp.launch.spawn``. Variants run in alternating blocks (the order rotates each
+launch of ``fdp.dist.launch.spawn``. Variants run in alternating blocks (the order rotates each
 repetition); each step is timed alone (``perf_counter``); medians of rank 0's steps.
 Then, on one rank, the breakdown of fdp's step, from counters around the functions that
 do each part (the rest is the step's own code: metrics, RNG, micro-batches, checks) and
@@ -67,7 +67,7 @@ def _use_fdp(path: Path) -> None:
 
 def module_for(spec: dict):
     import torch
-    from fdp.models import MLP, CharTransformer, ConvNet
+    from fdp.model.builtin import MLP, CharTransformer, ConvNet
 
     torch.manual_seed(0)
     if spec["kind"] == "charlm":
@@ -122,7 +122,7 @@ def _torch_step(module, batch, parts: dict | None = None):
 
 def _fdp_step(spec: dict, batch, world: int, compile: bool, optimizer=None):
     from fdp.comm import Comm
-    from fdp.functional import functionalize
+    from fdp.model.functional import functionalize
     from fdp.hooks import allreduce
     from fdp.optim import adamw
     from fdp.plan import plan_buckets
@@ -159,21 +159,21 @@ def build(variant: str, spec: dict, batch, world: int, parts: dict | None = None
 # (module, attribute, part): the functions that do each part of fdp's step. A name this
 # fdp lacks (an older checkout) is skipped; its time falls to "rest of the step".
 TIMED = [
-    ("fdp.functional", "FunctionalModel.apply", "forward (functional call)"),
-    ("fdp.functional", "swap_into", "reparametrisation"),
-    ("fdp.functional", "swap_back", "reparametrisation"),
-    ("fdp.reduce", "GradReducer.backward", "gradient (torch.func)"),
-    ("fdp.reduce", "GradReducer._store", "bucket copies"),
-    ("fdp.reduce", "GradReducer._store_flat", "bucket copies"),
-    ("fdp.reduce", "_write", "bucket copies"),
-    ("fdp.reduce", "GradReducer.grad_views", "gradient views"),
-    ("fdp.update", "slot_views", "gradient views"),
-    ("fdp.buckets", "views_in", "param views of the flat buffers"),
-    ("fdp.chains", "Reduction.start", "hook chains (start)"),
-    ("fdp.chains", "Reduction._resume", "hook chains (resume)"),
-    ("fdp.update", "finite_flag", "finiteness flags"),
-    ("fdp.verdicts", "DeferredVerdicts.record", "finiteness flags"),
-    ("fdp.update", "apply_gradients", "optimizer"),
+    ("fdp.model.functional", "FunctionalModel.apply", "forward (functional call)"),
+    ("fdp.model.functional", "swap_into", "reparametrisation"),
+    ("fdp.model.functional", "swap_back", "reparametrisation"),
+    ("fdp.step.reduce", "GradReducer.backward", "gradient (torch.func)"),
+    ("fdp.step.reduce", "GradReducer._store", "bucket copies"),
+    ("fdp.step.reduce", "GradReducer._store_flat", "bucket copies"),
+    ("fdp.step.reduce", "_write", "bucket copies"),
+    ("fdp.step.reduce", "GradReducer.grad_views", "gradient views"),
+    ("fdp.update.base", "slot_views", "gradient views"),
+    ("fdp.plan.buckets", "views_in", "param views of the flat buffers"),
+    ("fdp.step.chains", "Reduction.start", "hook chains (start)"),
+    ("fdp.step.chains", "Reduction._resume", "hook chains (resume)"),
+    ("fdp.update.base", "finite_flag", "finiteness flags"),
+    ("fdp.step.verdicts", "DeferredVerdicts.record", "finiteness flags"),
+    ("fdp.update.base", "apply_gradients", "optimizer"),
 ]
 # part -> the part it runs inside of (whose time it is taken out of)
 NESTED = {"reparametrisation": "forward (functional call)", "forward (functional call)": "gradient (torch.func)",
@@ -274,7 +274,7 @@ def _aten_ops(step) -> int:
 
 def worker(layout, structures: list[str], variants: list[str], reps: int, steps: int, warmup: int, breakdown_steps: int) -> dict:
     import torch
-    from fdp.launch import init_distributed
+    from fdp.dist.launch import init_distributed
 
     comm = init_distributed(layout)
     torch.set_num_threads(1)
@@ -312,7 +312,7 @@ def worker(layout, structures: list[str], variants: list[str], reps: int, steps:
 
 
 def _run_world(world: int, structures, variants, args) -> dict:
-    from fdp.launch import WorldLayout, spawn
+    from fdp.dist.launch import WorldLayout, spawn
 
     layout = WorldLayout("elastic", nproc_per_node=world, backend="gloo", timeout_s=900.0)
     import importlib

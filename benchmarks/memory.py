@@ -4,7 +4,7 @@ Both sides in one run, each variant in a fresh launch of its own processes (so i
 is its own): eager torch (one process, ``loss.backward()`` and ``torch.optim.Adam``),
 torch's ``DistributedDataParallel`` (2 ranks), fdp's ``make_train_step`` at ZeRO stages
 0 to 3 (2 ranks, ``donate=True`` and the ``overlap`` schedule, as fdp's trainer runs it),
-and fdp with activation checkpointing (``checkpoint_modules="blocks"``, ``fdp.remat``) at
+and fdp with activation checkpointing (``checkpoint_modules="blocks"``, ``fdp.model.remat``) at
 stages 0 and 3. Two models, each in training mode with dropout 0.1: fdp's char
 transformer and a Hugging Face GPT-2 built from its config (``transformers.GPT2LMHeadModel``,
 nothing downloaded); sizes in ``MODELS``. Adam (lr 1e-3) everywhere, the same weights and
@@ -22,7 +22,7 @@ What is measured, per variant (the larger rank):
   ``/proc/self/clear_refs``): the median over the timed steps.
 * ``step ms``: the median step time (rank 0).
 * ``largest batch``: the most sequences per rank whose steps run under
-  ``world.memory_per_rank_mb`` (``--budget-mb``; ``fdp.devices.limit_memory``, what fdp's
+  ``world.memory_per_rank_mb`` (``--budget-mb``; ``fdp.dist.devices.limit_memory``, what fdp's
   trainer applies: on the CPU a limit on the process's data segment counted from before
   the model is built), found by doubling the batch and then bisecting, each try a fresh
   launch of two steps.
@@ -57,7 +57,7 @@ from benchmarks._proc import reset_peak, status_mib  # noqa: E402
 RESULTS = REPO / "benchmarks" / "results"
 LR = 1e-3
 MODELS = {
-    # fdp.models.CharTransformer: ~1.2M parameters; a step's activations (attention with dropout over 256
+    # fdp.model.builtin.CharTransformer: ~1.2M parameters; a step's activations (attention with dropout over 256
     # tokens, the 4x MLP) are several times its state, as on a GPU at a real model's batch.
     "charlm": {"kind": "charlm", "vocab": 256, "seq": 256, "d_model": 128, "n_layer": 6, "n_head": 4, "batch": 8},
     # transformers.GPT2LMHeadModel from a config: GPT-2's structure (n_embd 768, 12 layers, vocab 50257 at
@@ -79,11 +79,11 @@ VARIANTS = {  # name: (ranks, zero stage or None for torch, checkpoint the block
 def _module(spec: dict):
     torch.manual_seed(0)
     if spec["kind"] == "charlm":
-        from fdp.models import CharTransformer
+        from fdp.model.builtin import CharTransformer
 
         return CharTransformer(spec["vocab"], spec["seq"], spec["d_model"], spec["n_layer"], spec["n_head"],
                                dropout=0.1)
-    from fdp.models import hf_model
+    from fdp.model.builtin import hf_model
 
     return hf_model("transformers.GPT2LMHeadModel", vocab_size=spec["vocab"], n_positions=spec["seq"],
                     n_embd=spec["d_model"], n_layer=spec["n_layer"], n_head=spec["n_head"])
@@ -152,7 +152,7 @@ def _fdp_step(spec: dict, batch, stage: int, checkpoint: bool, comm):
 
 def _held_mib(device: torch.device) -> float:
     """What the process holds now: allocated GPU memory, or RSS once glibc has handed back what is free."""
-    from fdp.allocator import release_free_memory
+    from fdp.dist.allocator import release_free_memory
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -172,12 +172,12 @@ def _peak_mib(device: torch.device) -> float:
 
 def worker(model_name: str, variant: str, batch_size: int, warmup: int, steps: int, budget_mb: float) -> dict:
     """One rank: build the variant, warm up, and measure each timed step's peak over what it held before it."""
-    from fdp.allocator import tune_allocator
-    from fdp.devices import limit_memory
+    from fdp.dist.allocator import tune_allocator
+    from fdp.dist.devices import limit_memory
 
     ranks, stage, checkpoint = VARIANTS[variant]
     tune_allocator(sharded_params=stage == 3)  # fdp's trainer's allocator policy, the torch sides under it too
-    from fdp.launch import WorldLayout, init_distributed
+    from fdp.dist.launch import WorldLayout, init_distributed
 
     comm = init_distributed(WorldLayout("elastic", nproc_per_node=ranks, backend="gloo", timeout_s=600))
     torch.set_num_threads(1)
@@ -206,7 +206,7 @@ def worker(model_name: str, variant: str, batch_size: int, warmup: int, steps: i
 
 
 def _launch(model_name: str, variant: str, batch: int, warmup: int, steps: int, budget_mb: float = 0.0) -> list[dict]:
-    from fdp.launch import WorldLayout, spawn
+    from fdp.dist.launch import WorldLayout, spawn
 
     ranks = VARIANTS[variant][0]
     layout = WorldLayout("elastic", nproc_per_node=ranks, backend="gloo", timeout_s=600)
@@ -215,13 +215,13 @@ def _launch(model_name: str, variant: str, batch: int, warmup: int, steps: int, 
 
 
 def _fits(model_name: str, variant: str, batch: int, budget_mb: float) -> bool:
-    from fdp.launch import WorkerFailedError
+    from fdp.dist.launch import WorkerFailedError
 
     try:
         _launch(model_name, variant, batch, warmup=1, steps=1, budget_mb=budget_mb)
         return True
     except WorkerFailedError as error:
-        from fdp.devices import is_out_of_memory
+        from fdp.dist.devices import is_out_of_memory
 
         if is_out_of_memory(RuntimeError(str(error))) or "MemoryError" in str(error):
             return False
@@ -256,7 +256,7 @@ def interleaved_times(model_name: str, steps: int) -> dict:
     """
     from fdp import (adam, cross_entropy_loss, functionalize, init_train_state, make_train_step, plan_buckets,
                      planner_loss)
-    from fdp.allocator import tune_allocator
+    from fdp.dist.allocator import tune_allocator
 
     tune_allocator()
     torch.set_num_threads(1)
@@ -383,7 +383,7 @@ def _batch_table(rows: list[dict], meta: dict) -> str:
         f"torch {meta['torch']}, {meta['cpus']} CPU cores shared with other jobs "
         f"(load {meta['load_before']:.1f} before, "
         f"{meta['load_after']:.1f} after); on {meta['device']}. Sequences per rank whose steps run under the budget "
-        "(fdp.devices.limit_memory from before the model is built; doubling from the measured batch, then bisecting to "
+        "(fdp.dist.devices.limit_memory from before the model is built; doubling from the measured batch, then bisecting to "
         f"within a quarter; a fresh launch of 1 warm-up + 1 step per try). Wall {meta['wall_s']} s.",
         "",
         "| model | variant | largest batch | vs without checkpointing |",
@@ -404,7 +404,7 @@ def _table(rows: list[dict], meta: dict) -> str:
              "peak RSS during the step (VmHWM) over the RSS before it, after malloc_trim")
     search = ("`largest batch`: sequences per rank whose steps run under "
               f"world.memory_per_rank_mb={meta['budget_mb']:g} "
-              "(fdp.devices.limit_memory from before the model is built; doubling, then bisecting to within a quarter; "
+              "(fdp.dist.devices.limit_memory from before the model is built; doubling, then bisecting to within a quarter; "
               "a fresh launch per try)." if meta["budget_mb"] else "No largest-batch search in this run.")
     lines = [
         f"# A step's peak memory over its steady state ({meta['date']})",

@@ -13,7 +13,7 @@ MSE of the output, example batch of 2 rows; timed per ``trace`` mode of
 packing step alone.
 
 Packing: ~25M float32 parameters as 24 ``Linear(1024, 1024)`` (48 tensors), plus the
-10,000-tensor tree, per step: ``fdp.buckets.pack`` + ``unpack`` into buffers allocated once,
+10,000-tensor tree, per step: ``fdp.plan.buckets.pack`` + ``unpack`` into buffers allocated once,
 against ``flat = torch.cat([g.reshape(-1) ...]); flat.split(numels)`` + ``view`` (a new
 flat buffer every step, what a plan-less implementation does). A third row packs with
 ``torch.cat(..., out=buffer)`` instead of fdp's cached slot aliases + ``_foreach_copy_``.
@@ -46,7 +46,7 @@ def _child_plan(args: dict) -> dict:
     import torch
     from torch import nn
 
-    from fdp.functional import functionalize
+    from fdp.model.functional import functionalize
     from fdp.plan import gradient_ready_order, pack_into_buckets, plan_buckets
 
     torch.set_num_threads(1)
@@ -91,7 +91,7 @@ def _child_plan(args: dict) -> dict:
 def _child_pack(args: dict) -> dict:
     import torch
 
-    from fdp.buckets import allocate, pack, unpack
+    from fdp.plan.buckets import allocate, pack, unpack
     from fdp.plan import pack_into_buckets
 
     torch.set_num_threads(1)
@@ -224,7 +224,7 @@ def main() -> None:
         res = {impl: _run_child("pack", dict(**shape, impl=impl, repeats=pack_repeats)) for impl in ("naive", "fdp", "cat_out")}
         labels = {
             "naive": "naive `torch.cat` + `split`/`view` (new flat each step)",
-            "fdp": "`fdp.buckets.pack` + `unpack` (cached aliases, `_foreach_copy_`)",
+            "fdp": "`fdp.plan.buckets.pack` + `unpack` (cached aliases, `_foreach_copy_`)",
             "cat_out": "alternative: `torch.cat(out=buffer)` + `unpack`",
         }
         for impl, r in res.items():

@@ -26,8 +26,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fdp
-from fdp.models import CharTransformer
-from fdp.precision import Precision, check_precision
+from fdp.model.builtin import CharTransformer
+from fdp.model.precision import Precision, check_precision
 
 SIZES = {  # vocab, block, d_model, n_layer, n_head, batch
     "tiny": (64, 64, 64, 2, 4, 8),

@@ -4,7 +4,7 @@ Under ``world.on_rank_loss=shrink`` the trainer runs the step with ``donate=Fals
 state before a step stays intact, so the survivors can go back to it; ``donate=True``
 updates params and optimizer state in place with torch's fused kernels), ZeRO stage 1
 also steps the next rank's slices of the optimizer state (``TrainState.mirror``), and
-dropout draws each sample's masks from its own stream (``fdp.streams``; on in every run
+dropout draws each sample's masks from its own stream (``fdp.model.streams``; on in every run
 of the trainer, so it is measured against each rank's generator, ``sample_seed=None``).
 
 Gloo ranks (two unless ``--ranks``) train a char transformer (dropout 0.1, Adam) with ``make_train_step``,
@@ -34,10 +34,10 @@ import torch
 import torch.distributed as dist
 
 import fdp
-from fdp import zero
+from fdp.update import zero
 from fdp.data import global_batch, load_stdlib_text, shard
-from fdp.launch import WorldLayout, init_distributed, spawn
-from fdp.models import CharTransformer
+from fdp.dist.launch import WorldLayout, init_distributed, spawn
+from fdp.model.builtin import CharTransformer
 
 RESULTS = Path(__file__).resolve().parent / "results" / "shrink_overhead.md"
 VARIANTS = {  # name: (zero stage, donate, mirror, sample streams)

@@ -1,4 +1,4 @@
-"""What agreeing on a stop flag after every step costs (fdp.interrupt.StopSignals.agreed).
+"""What agreeing on a stop flag after every step costs (fdp.dist.interrupt.StopSignals.agreed).
 
 Two gloo ranks train a small MLP (the step of the recipe's default run: a few ms, where a
 per-step cost shows most) three ways, interleaved in one run:
@@ -7,7 +7,7 @@ per-step cost shows most) three ways, interleaved in one run:
 * ``blocking``: the step, then a blocking all-reduce (max) of a one-element flag;
 * ``pipelined``: the step, then an all-reduce started after step ``s`` and read after
   step ``s + 1``, every step (what a first version did);
-* ``fdp``: the step, then ``StopSignals.agreed()`` (what ``fdp.trainer`` does): a
+* ``fdp``: the step, then ``StopSignals.agreed()`` (what ``fdp.run.trainer`` does): a
   pipelined all-reduce about every ``CHECK_EVERY_S`` seconds of training;
 * ``none again``: the step alone once more, for the noise between two identical runs.
 
@@ -29,8 +29,8 @@ import torch.distributed as dist
 from torch import nn
 
 import fdp
-from fdp.interrupt import StopSignals
-from fdp.launch import WorldLayout, init_distributed, spawn
+from fdp.dist.interrupt import StopSignals
+from fdp.dist.launch import WorldLayout, init_distributed, spawn
 
 RESULTS = Path(__file__).resolve().parent / "results" / "stop_flag.md"
 WAYS = ("none", "blocking", "pipelined", "fdp", "none again")  # the last: the noise floor
@@ -84,7 +84,7 @@ def main() -> None:
     load = os.getloadavg()[0]
     rows = [f"| {way} | {ms[way]:.3f} | {ms[way] / ms['none']:.3f} |" for way in WAYS]
     table = "\n".join([
-        "# Stop-flag agreement per step (fdp.interrupt)", "",
+        "# Stop-flag agreement per step (fdp.dist.interrupt)", "",
         f"2 gloo ranks, one thread each, MLP 64-{args.hidden}-10, batch 32 per rank, {args.steps} steps x "
         f"{args.rounds} interleaved rounds (median); torch {torch.__version__}; load average {load:.1f} at the end.", "",
         "| way | ms per step | / none |", "|---|---|---|", *rows, "",

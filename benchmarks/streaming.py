@@ -1,11 +1,11 @@
 """Benchmark: streaming DiLoCo (fragments, overlap, fp4 outer gradients) against DDP and torchft's DiLoCo.
 
-Every side trains the same char transformer (``fdp.models.CharTransformer``) from the same
+Every side trains the same char transformer (``fdp.model.builtin.CharTransformer``) from the same
 init on the same batches (random windows of the Python standard library's sources, a
 seeded stream per rank), two ranks over gloo on this host, Adam(1e-3) inside:
 
 * ``DDP allreduce``: torch's ``DistributedDataParallel``, a gradient allreduce every step;
-* fdp's outer loop (``fdp.outer``): DiLoCo every H steps, and streaming DiLoCo with F
+* fdp's outer loop (``fdp.step.outer``): DiLoCo every H steps, and streaming DiLoCo with F
   fragments, overlap tau and the pseudo-gradient in fp32 or as fp4 codes (``hooks=lowbit``);
 * ``torchft``: torchft 0.2.0's ``DiLoCo`` with the same fragments (the same param sets),
   ``sync_every=H`` (it syncs one fragment every H / F steps, in order), the same delay
@@ -120,7 +120,7 @@ def batches(rank: int, steps: int, batch: int, block: int) -> tuple[int, list]:
 
 
 def model(vocab: int, a):
-    from fdp.models import CharTransformer
+    from fdp.model.builtin import CharTransformer
 
     torch.manual_seed(0)
     return CharTransformer(vocab_size=vocab, block_size=a.block, d_model=a.d_model, n_layer=a.layers, n_head=4)
@@ -163,7 +163,7 @@ def _with_compute(rows, module, data, a):
 def fdp_fragments(module, data, a, fragments: int):
     """The bucket plan fdp's benchmark runs use, and its fragments' param names."""
     from fdp import functionalize, plan_buckets
-    from fdp.losses import cross_entropy_loss, planner_loss
+    from fdp.model.losses import cross_entropy_loss, planner_loss
     from fdp.plan import split_fragments
 
     fm, params, buffers = functionalize(module)
@@ -176,7 +176,7 @@ def fdp_fragments(module, data, a, fragments: int):
 def run_fdp(module, data, a, v) -> list[dict]:
     from fdp import Comm, adam, init_train_state
     from fdp.hooks import allreduce, lowbit
-    from fdp.outer import check_outer, init_outer_state, make_outer_step
+    from fdp.step.outer import check_outer, init_outer_state, make_outer_step
 
     _, params, buffers, loss_fn, plan, _ = fdp_fragments(module, data, a, v["fragments"])
     spec = check_outer({"name": "diloco", "sync_every": a.sync_every, "start_step": 0, "lr": a.outer_lr,

@@ -4,7 +4,7 @@ Two models: an MLP of ~25M parameters (24 x Linear(1024, 1024) + ReLU, a 10-way 
 batch 32 per rank) and a ``CharTransformer`` of ~16M (d_model 512, 5 layers, 8 heads,
 vocab 256; batch 4 x 64 tokens per rank). Random inputs, a fixed batch per rank.
 
-Both sides: 2 ranks started by ``fdp.launch.spawn`` (PyTorch's elastic launcher), gloo,
+Both sides: 2 ranks started by ``fdp.dist.launch.spawn`` (PyTorch's elastic launcher), gloo,
 one torch thread per rank, SGD(lr 0.01, momentum 0.9), bucket caps 25 MiB (first 1 MiB),
 a mean allreduce. A step is everything: forward, backward, reduction, optimizer.
 
@@ -38,7 +38,7 @@ jobs on the machine falls on all of them alike. Reported per variant:
   100-200 MiB); ``--quick`` reports the in-process figure (median over blocks);
 * how much CPU other processes took during the run (``/proc/stat`` minus the ranks' own).
 
-``fdp.allocator.tune_allocator()`` runs in each rank first, as fdp's trainer does; it is
+``fdp.dist.allocator.tune_allocator()`` runs in each rank first, as fdp's trainer does; it is
 process-wide, so DDP runs under it too (``--allocator default`` leaves glibc alone).
 
     python benchmarks/vs_ddp.py [--quick] [--hooks] [--allocator tuned|default]
@@ -119,7 +119,7 @@ def _own_cpu_s() -> float:
 
 def module_for(spec: dict):
     """The model a spec names, seeded: the same weights on every rank and every side."""
-    from fdp.models import MLP, CharTransformer
+    from fdp.model.builtin import MLP, CharTransformer
 
     torch.manual_seed(0)
     if spec["kind"] == "mlp":
@@ -188,7 +188,7 @@ def _fdp_hook(name: str):
 
 def _build_fdp(spec: dict, batch, schedule: str, hook_name: str):
     from fdp.comm import Comm
-    from fdp.functional import functionalize
+    from fdp.model.functional import functionalize
     from fdp.optim import sgd
     from fdp.plan import plan_buckets
     from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
@@ -223,7 +223,7 @@ def _build(variant: str, spec: dict, batch):
 
 def _fdp_default_schedule() -> str:
     """The schedule fdp's trainer picks for these 2 ranks (``trainer.schedule=auto``)."""
-    from fdp.reduce import resolve_schedule
+    from fdp.step.reduce import resolve_schedule
 
     return resolve_schedule("auto", world_size=2)
 
@@ -239,8 +239,8 @@ def worker(
     With ``budget_s``, each model gets an equal share of it, and a repetition after the first
     starts only if the last one would still fit (rank 0 decides, so the ranks agree).
     """
-    from fdp.allocator import tune_allocator
-    from fdp.launch import WorldLayout, init_distributed
+    from fdp.dist.allocator import tune_allocator
+    from fdp.dist.launch import WorldLayout, init_distributed
 
     if allocator == "tuned":
         tune_allocator()
@@ -317,8 +317,8 @@ def _measure_model(
 
 def rss_worker(model_name: str, variant: str, warmup: int, steps: int, allocator: str) -> tuple[float, float]:
     """One rank of a fresh launch that runs one variant: (RSS before building it, peak RSS of its timed steps)."""
-    from fdp.allocator import tune_allocator
-    from fdp.launch import WorldLayout, init_distributed
+    from fdp.dist.allocator import tune_allocator
+    from fdp.dist.launch import WorldLayout, init_distributed
 
     if allocator == "tuned":
         tune_allocator()
@@ -339,7 +339,7 @@ def rss_worker(model_name: str, variant: str, warmup: int, steps: int, allocator
 
 
 def _run_models(models: list[str], variants: list[str], args) -> dict:
-    from fdp.launch import WorldLayout, spawn
+    from fdp.dist.launch import WorldLayout, spawn
 
     layout = WorldLayout("elastic", nproc_per_node=2, backend="gloo", timeout_s=600.0)
     res = spawn(
@@ -354,7 +354,7 @@ def _fresh_rss(results: dict, variants: list[str], args) -> None:
     Memory the variants leave behind in a shared process (glibc's heap, caches) shifts the
     next one's RSS by ~100-200 MiB; the in-process figures stay in the JSON.
     """
-    from fdp.launch import WorldLayout, spawn
+    from fdp.dist.launch import WorldLayout, spawn
 
     layout = WorldLayout("elastic", nproc_per_node=2, backend="gloo", timeout_s=600.0)
     for m in results:

@@ -6,7 +6,7 @@ batch 4 x 64 tokens per rank). Random inputs, a fixed batch per rank. Adam (lr 1
 ``donate=True`` and the schedule fdp's trainer picks (``overlap``), bucket caps 25 MiB
 (first 1 MiB), gloo on loopback, one torch thread per rank.
 
-Every (model, world, stage) runs in a fresh launch of its ranks (``fdp.launch.spawn``), so
+Every (model, world, stage) runs in a fresh launch of its ranks (``fdp.dist.launch.spawn``), so
 its memory is its own: build, warm up, time some steps. Reported per row:
 
 * ``state_mib``: what the step's metrics say this rank holds between steps (params,
@@ -69,14 +69,14 @@ STAGES = (0, 1, 2)
 
 def worker(model_name: str, stage: int, world: int, warmup: int, steps: int) -> dict:
     """One rank of a launch that builds one (model, stage) and times it."""
-    from fdp import zero
+    from fdp.update import zero
     from fdp.comm import Comm
-    from fdp.functional import functionalize
-    from fdp.allocator import tune_allocator
-    from fdp.launch import WorldLayout, init_distributed
+    from fdp.model.functional import functionalize
+    from fdp.dist.allocator import tune_allocator
+    from fdp.dist.launch import WorldLayout, init_distributed
     from fdp.optim import adam
     from fdp.plan import plan_buckets
-    from fdp.reduce import resolve_schedule
+    from fdp.step.reduce import resolve_schedule
     from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
 
     tune_allocator()
@@ -120,7 +120,7 @@ def worker(model_name: str, stage: int, world: int, warmup: int, steps: int) -> 
 
 
 def _run(model_name: str, stage: int, world: int, warmup: int, steps: int) -> list[dict]:
-    from fdp.launch import WorldLayout, spawn
+    from fdp.dist.launch import WorldLayout, spawn
 
     layout = WorldLayout("elastic", nproc_per_node=world, backend="gloo", timeout_s=600)
     results = spawn(worker, (model_name, stage, world, warmup, steps), layout)

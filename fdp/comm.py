@@ -26,7 +26,7 @@ def wait_watched(work: Any, watch: Watch | None) -> None:
 
     A rank whose collective waits on a live peer (which waits on a lost one) would
     otherwise learn of the loss only at the collective's timeout; the first rank to see
-    it says so where ``watch`` looks (``fdp.shrink``), and the wait ends at once. Only
+    it says so where ``watch`` looks (``fdp.dist.shrink``), and the wait ends at once. Only
     for gloo: NCCL's timed wait blocks the host until the device is done.
 
     >>> wait_watched(None, None)
@@ -80,7 +80,7 @@ class Comm:
     ``bytes_sent`` counts the payload this rank contributes (the tensor handed to each
     collective), the figure a compression ratio is taken against.
 
-    ``watch``: asked while a collective waits (``wait_watched``); ``fdp.shrink`` sets it.
+    ``watch``: asked while a collective waits (``wait_watched``); ``fdp.dist.shrink`` sets it.
 
     >>> comm = Comm()            # no process group: a world of one
     >>> comm.allreduce(torch.ones(3)).wait()
@@ -126,7 +126,7 @@ class Comm:
 
     def sum_bucket(self, tensor: torch.Tensor) -> Pending:
         """``allreduce`` of a bucket's values (a hook's name for it: a ZeRO comm reduce-scatters it instead,
-        ``fdp.zero.scatter``)."""
+        ``fdp.update.zero.scatter``)."""
         return self.allreduce(tensor)
 
     def gather_bucket(self, tensor: torch.Tensor) -> Pending:

@@ -1,13 +1,13 @@
 """Objects named in a config by a dotted path (``_target_``), built with Hydra's ``instantiate``.
 
 The built-in models and datasets are named the same way (``conf/model/mlp.yaml`` has
-``_target_: fdp.models.MLP``), so a user's own class or function takes the one path the
+``_target_: fdp.model.builtin.MLP``), so a user's own class or function takes the one path the
 built-ins take. Besides the settings of its config node, a target is offered arguments
 that only the run knows (the model gets ``in_features``, ``num_classes``, ... from the
 data); it receives those its signature names and that the config does not set. Every
 failure is a ``ConfigError`` of one line naming the setting.
 
->>> build("model", {"name": "mlp", "_target_": "fdp.models.MLP", "hidden": 8, "depth": 1},
+>>> build("model", {"name": "mlp", "_target_": "fdp.model.builtin.MLP", "hidden": 8, "depth": 1},
 ...       offered={"in_features": 4, "out_features": 3, "vocab_size": 7})
 MLP(
   (net): Sequential(
@@ -40,12 +40,12 @@ def _first_line(error: BaseException) -> str:
 def locate(setting: str, path: Any) -> Any:
     """The object at the dotted ``path`` (``my_pkg.models.Net``); errors name ``setting``.
 
-    >>> locate("model._target_", "fdp.models.MLP").__name__
+    >>> locate("model._target_", "fdp.model.builtin.MLP").__name__
     'MLP'
-    >>> locate("model._target_", "fdp.models.ResNet")
+    >>> locate("model._target_", "fdp.model.builtin.ResNet")
     Traceback (most recent call last):
         ...
-    fdp.errors.ConfigError: model._target_='fdp.models.ResNet': module fdp.models has no attribute 'ResNet'
+    fdp.errors.ConfigError: model._target_='fdp.model.builtin.ResNet': module fdp.model.builtin has no attribute 'ResNet'
     """
     if not isinstance(path, str) or not _DOTTED.fullmatch(path):
         raise ConfigError(f"{setting}={path!r}: expected a dotted path to a class or function, such as my_pkg.models.Net")
@@ -108,7 +108,7 @@ def classes_setting(node: Mapping) -> str:
     target names (``num_classes`` if none: torchvision's models take it through ``**kwargs``),
     with Hydra's ``+`` where the node does not have the key yet.
 
-    >>> classes_setting({"name": "mlp", "_target_": "fdp.models.MLP", "hidden": 8})
+    >>> classes_setting({"name": "mlp", "_target_": "fdp.model.builtin.MLP", "hidden": 8})
     '+model.out_features'
     >>> classes_setting({"name": "custom", "_target_": "torch.nn.Linear", "out_features": 5})
     'model.out_features'

@@ -10,10 +10,10 @@ directory), and a mistake ends in one ``error:`` line with exit status 2, as a r
 import json
 import sys
 
-from fdp import cli
-from fdp.build import build_run, display_name
+from fdp.run import cli
+from fdp.run.build import build_run, display_name
 from fdp.comm import Comm
-from fdp.config import compose
+from fdp.run.config import compose
 from fdp.errors import ConfigError
 
 JSON = "plan_json"  # this recipe's own setting, not a key of the run's config
@@ -32,8 +32,8 @@ def _split(argv: list[str]) -> tuple[list[str], str | None]:
 
 
 def main() -> None:
-    from fdp.validate import validate
-    from fdp.world import resolve_world
+    from fdp.run.validate import validate
+    from fdp.run.world import resolve_world
 
     overrides, json_path = _split(sys.argv[1:])
     cfg = compose(*overrides)  # Hydra's own errors: one line from cli.main

@@ -7,8 +7,8 @@
     PYTHONPATH=. python recipes/train.py model=custom model._target_=my_pkg.models.Net +model.width=256 \
         data=custom data._target_=my_pkg.data.make      # your own model and data (README)
 
-Every setting is in conf/ and fdp/config.py; the logic lives in fdp/trainer.py, and how a run
-ends (one line, an exit status) in fdp/cli.py.
+Every setting is in conf/ and fdp/run/config.py; the logic lives in fdp/run/trainer.py, and how a run
+ends (one line, an exit status) in fdp/run/cli.py.
 """
 import sys
 from pathlib import Path
@@ -18,8 +18,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from fdp import cli
-from fdp.config import register_configs
+from fdp.run import cli
+from fdp.run.config import register_configs
 
 register_configs()
 
@@ -28,7 +28,7 @@ def save_hydra_files(cfg: DictConfig, run_dir: str | Path) -> None:
     """What Hydra's ``output_subdir`` would hold, written only once the config is valid.
 
     A resumed run keeps the files of the invocations before it: each resume writes its
-    own ``.hydra/resume-<N>/`` (and a refused one removes its own again: ``fdp.rundir``).
+    own ``.hydra/resume-<N>/`` (and a refused one removes its own again: ``fdp.run.rundir``).
     """
     hydra_cfg = HydraConfig.get()
     out = Path(run_dir) / ".hydra"
@@ -46,7 +46,7 @@ def save_hydra_files(cfg: DictConfig, run_dir: str | Path) -> None:
 def main(cfg: DictConfig) -> int:
     hydra_cfg = HydraConfig.get()
     status = cli.run_from_shell(cfg, hydra_cfg.runtime.output_dir, save_hydra_files)
-    # A sweep goes on after a job that failed (fdp.sweep sums them up and ends with the worst status),
+    # A sweep goes on after a job that failed (fdp.run.sweep sums them up and ends with the worst status),
     # but not after a stop signal: Ctrl-C stops the sweep.
     if status and (hydra_cfg.mode != RunMode.MULTIRUN or status >= 128):
         sys.exit(status)

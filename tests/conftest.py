@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import fdp.world
-from fdp.launch import WorldLayout, init_distributed, spawn
+import fdp.run.world
+from fdp.dist.launch import WorldLayout, init_distributed, spawn
 
 torch.set_num_threads(1)
 
@@ -56,7 +56,7 @@ def _cpu_unless_marked_gpu(request):
         return
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("CUDA_VISIBLE_DEVICES", "")
-        patch.setattr(fdp.world, "visible_gpus", lambda: 0)
+        patch.setattr(fdp.run.world, "visible_gpus", lambda: 0)
         yield
 
 

@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from fdp.buckets import allocate, pack, slot_views, unpack
-from fdp.functional import functionalize
+from fdp.plan.buckets import allocate, pack, slot_views, unpack
+from fdp.model.functional import functionalize
 from fdp.plan import pack_into_buckets, plan_buckets
 
 torch.set_num_threads(1)
@@ -188,14 +188,14 @@ def test_real_model_grads_round_trip_through_buffers():
 def test_docstring_examples_run():
     import doctest
 
-    import fdp.buckets
+    import fdp.plan.buckets
 
-    result = doctest.testmod(fdp.buckets)
+    result = doctest.testmod(fdp.plan.buckets)
     assert result.attempted > 10 and result.failed == 0
 
 
 def test_lay_out_keeps_names_order_and_values_in_one_buffer_per_bucket():
-    from fdp.buckets import flat_buffers, lay_out
+    from fdp.plan.buckets import flat_buffers, lay_out
 
     plan = pack_into_buckets(
         [("b", (3,), "float32", "cpu"), ("w", (2, 3), "float32", "cpu"), ("s", (), "float32", "cpu")], bucket_cap_mb=1e-5,
@@ -215,7 +215,7 @@ def test_lay_out_keeps_names_order_and_values_in_one_buffer_per_bucket():
 
 
 def test_flat_buffers_refuse_params_not_laid_out_as_the_plan_says():
-    from fdp.buckets import flat_buffers, lay_out
+    from fdp.plan.buckets import flat_buffers, lay_out
 
     plan = pack_into_buckets([("a", (2,), "float32", "cpu"), ("b", (2, 2), "float32", "cpu")])
     laid = lay_out(plan, {"a": torch.ones(2), "b": torch.ones(2, 2)})
@@ -227,7 +227,7 @@ def test_flat_buffers_refuse_params_not_laid_out_as_the_plan_says():
 
 
 def test_views_in_split_a_bucket_and_their_gradient_is_the_flat_one():
-    from fdp.buckets import views_in
+    from fdp.plan.buckets import views_in
 
     plan = pack_into_buckets([("b", (2,), "float32", "cpu"), ("w", (2, 3), "float32", "cpu"), ("s", (), "float32", "cpu")])
     flat = torch.arange(9.0, requires_grad=True)

@@ -9,11 +9,11 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from fdp import checkpoint
-from fdp.config import ConfigError, register_configs
-from fdp.models import MLP
+from fdp.run import checkpoint
+from fdp.run.config import ConfigError, register_configs
+from fdp.model.builtin import MLP
 from fdp.optim import warmup_cosine_schedule
-from fdp.trainer import run
+from fdp.run.trainer import run
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 register_configs()

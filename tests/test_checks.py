@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import fdp
-from fdp.checks import check_world
+from fdp.state.checks import check_world
 from fdp.hooks import allreduce, powersgd, topk
 
 
@@ -156,7 +156,7 @@ def test_ranks_that_start_from_different_params_are_refused_at_the_first_step(ru
 
 
 def test_a_fingerprint_sees_one_bit_and_the_order_of_elements():
-    from fdp.checks import fingerprint
+    from fdp.state.checks import fingerprint
 
     x = torch.randn(3000)
     flipped = x.clone()

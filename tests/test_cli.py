@@ -1,6 +1,6 @@
 """Mistakes Hydra catches, through the real shell entry: one ``error:`` line naming the key
 and what was expected (the closest valid name for a misspelling), exit status 2, and no
-run directory left behind (fdp.cli, fdp.rundir)."""
+run directory left behind (fdp.run.cli, fdp.run.rundir)."""
 from __future__ import annotations
 
 import os
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from fdp.cli import hydra_error_line
-from fdp.config import compose
+from fdp.run.cli import hydra_error_line
+from fdp.run.config import compose
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["trainer.max_steps=2", "trainer.progress=false"]
@@ -113,8 +113,8 @@ def test_hydra_errors_translate_in_process(overrides, expected):
     ("+seeds=1", "seeds: unknown key; expected a key of the config (did you mean seed?)"),
 ])
 def test_a_key_of_ones_own_is_refused_where_nothing_reads_it(override, expected):
-    from fdp.config import ConfigError
-    from fdp.validate import validate
+    from fdp.run.config import ConfigError
+    from fdp.run.validate import validate
 
     with pytest.raises(ConfigError) as caught:
         validate(compose(override))

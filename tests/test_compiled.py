@@ -9,11 +9,11 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from _paths import pythonpath_first
-from fdp import compiled
-from fdp.compiled import CompileChoice, CompileCosts, check_compile, costs_from, decide_compile
-from fdp.config import ConfigError, register_configs
-from fdp.validate import validate
-from fdp.trainer import run
+from fdp.step import compiled
+from fdp.step.compiled import CompileChoice, CompileCosts, check_compile, costs_from, decide_compile
+from fdp.run.config import ConfigError, register_configs
+from fdp.run.validate import validate
+from fdp.run.trainer import run
 
 REPO = Path(__file__).resolve().parents[1]
 register_configs()
@@ -87,7 +87,7 @@ def test_a_run_logs_its_choice_once_and_records_its_step_time(tmp_path, capsys):
 _COMPILE_ONCE = """
 import sys, torch
 from torch._dynamo.utils import counters
-from fdp.compiled import choose, compile_grad
+from fdp.step.compiled import choose, compile_grad
 choice = choose(True, sys.argv[1], "cpu", planned_steps=1)
 grad = compile_grad(torch.func.grad_and_value(lambda w, x: (x @ w).square().mean()))
 grad(torch.ones(3, 2), torch.ones(4, 3))

@@ -4,8 +4,8 @@ import inspect
 
 import pytest
 
-from fdp.config import SCHEMAS, ConfigError, compose
-from fdp.validate import validate
+from fdp.run.config import SCHEMAS, ConfigError, compose
+from fdp.run.validate import validate
 from fdp.hooks import HOOKS
 from fdp.optim import OPTIMIZERS, build_optimizer
 from fdp.optim.registry import SHARED_SETTINGS
@@ -63,7 +63,7 @@ def test_the_optimizer_registry_builds_what_the_config_names():
 
 def _schema_of(path, node) -> type:
     """The schema a conf/ YAML file extends: its ``<name>_schema`` default, or the group's field of ``Config``."""
-    from fdp.config import Config
+    from fdp.run.config import Config
 
     group = path.parent.name
     extended = [d for d in node.get("defaults", []) if isinstance(d, str) and d.endswith("_schema")]
@@ -84,7 +84,7 @@ def _restated(path) -> list[str]:
 
 def test_each_conf_file_carries_only_real_overrides_of_its_schema():
     """A default is stated once, in its schema: a YAML value equal to it would be a second statement."""
-    from fdp.config import CONF_DIR
+    from fdp.run.config import CONF_DIR
 
     files = sorted(p for p in CONF_DIR.glob("*/*.yaml"))
     assert len(files) > 20

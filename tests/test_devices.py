@@ -8,9 +8,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import fdp.world
-from fdp.config import ConfigError, compose
-from fdp.devices import (
+import fdp.run.world
+from fdp.run.config import ConfigError, compose
+from fdp.dist.devices import (
     Placement,
     batch_to_device,
     parse_devices,
@@ -160,17 +160,17 @@ def test_nccl_without_a_gpu_per_rank_is_refused():
 
 # -- the trainer on a faked machine ------------------------------------------------------------
 def test_trainer_resolves_the_world_once_for_its_workers(monkeypatch):
-    monkeypatch.setattr(fdp.world, "visible_gpus", lambda: 2)
-    monkeypatch.setattr(fdp.world, "probe_gpus", lambda ids: {})
-    resolved = fdp.world.resolve_world(compose())
+    monkeypatch.setattr(fdp.run.world, "visible_gpus", lambda: 2)
+    monkeypatch.setattr(fdp.run.world, "probe_gpus", lambda ids: {})
+    resolved = fdp.run.world.resolve_world(compose())
     world = resolved.world
     assert (world.accelerator, list(world.devices), world.launcher, world.nproc_per_node, world.backend) == (
         "gpu", [0, 1], "elastic", 2, "nccl",
     )
     # What a worker makes of the resolved config: the same placement, its own GPU.
-    layout = fdp.world.layout_of(resolved)
+    layout = fdp.run.world.layout_of(resolved)
     assert layout.world_size == 2 and layout.device(1) == CUDA1 and layout.backend == "nccl"
-    local2 = fdp.world.resolve_world(compose("world=local2", "world.accelerator=cpu"))
+    local2 = fdp.run.world.resolve_world(compose("world=local2", "world.accelerator=cpu"))
     assert (local2.world.accelerator, local2.world.launcher, local2.world.nproc_per_node) == ("cpu", "elastic", 2)
 
 

@@ -2,7 +2,7 @@
 import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from fdp.ema import averaged_as, ema
+from fdp.optim.ema import averaged_as, ema
 
 
 def test_the_average_follows_torchs_exponential_moving_average_over_training_steps():

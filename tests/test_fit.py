@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fdp.config import ConfigError
-from fdp.fit import Names, check_first_batch
-from fdp.functional import functionalize
-from fdp.losses import TokenCrossEntropy, cross_entropy, mse
+from fdp.run.config import ConfigError
+from fdp.model.fit import Names, check_first_batch
+from fdp.model.functional import functionalize
+from fdp.model.losses import TokenCrossEntropy, cross_entropy, mse
 
 NAMES = Names("model._target_='my.Net'", "data._target_='my.data'", "loss=cross_entropy", "+model.num_classes")
 BATCH = (torch.randn(8, 4), torch.tensor([0, 1, 2, 3, 4, 5, 6, 7]))
@@ -92,7 +92,7 @@ def test_losses_of_ones_own_and_regression_are_not_held_to_classes():
 
 
 def _charlm(vocab):
-    from fdp.models import CharTransformer
+    from fdp.model.builtin import CharTransformer
 
     torch.manual_seed(0)
     return CharTransformer(vocab_size=vocab, block_size=8, d_model=16, n_layer=1, n_head=2)
@@ -148,9 +148,9 @@ class Checkpointed(nn.Module):
 
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_torch_utils_checkpoint_in_a_model_is_one_line_naming_the_setting_to_use(reentrant, recwarn):
-    from fdp.build import build_run
+    from fdp.run.build import build_run
     from fdp.comm import Comm
-    from fdp.config import compose
+    from fdp.run.config import compose
 
     cfg = compose("model=custom", f"model._target_={__name__}.Checkpointed", f"+model.use_reentrant={str(reentrant).lower()}")
     with pytest.raises(ConfigError) as caught:

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 from torch.func import grad_and_value
 
-from fdp.functional import functionalize
+from fdp.model.functional import functionalize
 
 
 class _Tied(nn.Module):
@@ -91,7 +91,7 @@ def test_tied_weights_follow_the_one_tensor_given_for_them():
 
 def test_grad_and_value_through_vjp_equals_torch_func_s_bit_for_bit():
     """Same grads, loss and aux (BatchNorm's new statistics) as torch.func.grad_and_value."""
-    from fdp.functional import grad_and_value as vjp_grad_and_value
+    from fdp.model.functional import grad_and_value as vjp_grad_and_value
 
     torch.manual_seed(0)
     model, params, buffers = functionalize(_Tied())

@@ -17,13 +17,13 @@ import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
 import fdp
-from fdp import checkpoint
-from fdp.config import compose
+from fdp.run import checkpoint
+from fdp.run.config import compose
 from fdp.data import global_batch, load_dataset, shard
-from fdp.devices import batch_to_device, to_device
+from fdp.dist.devices import batch_to_device, to_device
 from fdp.hooks import allreduce
-from fdp.models import build_model
-from fdp.trainer import run
+from fdp.model.builtin import build_model
+from fdp.run.trainer import run
 
 pytestmark = pytest.mark.gpu
 
@@ -163,7 +163,7 @@ def _small_charlm(nonfinite: str = "raise", zero_stage: int = 0):
     assert len(plan) > 1
     optimizer = fdp.adamw(1e-3)
     if zero_stage:
-        state = fdp.zero.init_state(params, buffers, optimizer, plan, fdp.Comm(), stage=zero_stage)
+        state = fdp.update.zero.init_state(params, buffers, optimizer, plan, fdp.Comm(), stage=zero_stage)
     else:
         state = fdp.init_train_state(params, buffers, optimizer, plan)
     train_step = fdp.make_train_step(loss_fn, optimizer, plan, donate=True, nonfinite=nonfinite, zero_stage=zero_stage,
@@ -181,7 +181,7 @@ def test_zero_stage_three_on_the_gpu_equals_stage_zero():
         train_step, state, batch, plan = _small_charlm(zero_stage=stage)
         for _ in range(5):
             state, _ = train_step(state, batch)
-        finals[stage] = fdp.zero.whole_params(state, plan, fdp.Comm())
+        finals[stage] = fdp.update.zero.whole_params(state, plan, fdp.Comm())
     for name, p in finals[0].items():
         torch.testing.assert_close(finals[3][name], p, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
 

@@ -18,9 +18,9 @@ transformers = pytest.importorskip("transformers")
 from _examples import example_command, train_example  # noqa: E402
 from fdp.comm import Comm  # noqa: E402
 from fdp.data import shard, split_micro_batches  # noqa: E402
-from fdp.functional import functionalize  # noqa: E402
-from fdp.losses import TokenCrossEntropy, make_loss_fn  # noqa: E402
-from fdp.models import hf_model  # noqa: E402
+from fdp.model.functional import functionalize  # noqa: E402
+from fdp.model.losses import TokenCrossEntropy, make_loss_fn  # noqa: E402
+from fdp.model.builtin import hf_model  # noqa: E402
 from fdp.optim import adam  # noqa: E402
 from fdp.plan import plan_buckets  # noqa: E402
 from fdp import init_train_state, make_train_step, planner_loss  # noqa: E402
@@ -139,8 +139,8 @@ def _in_process(run_dir, *overrides):
     """The README's command minus its world, run in this process (one rank)."""
     from hydra import compose, initialize_config_dir
 
-    from fdp.config import register_configs
-    from fdp.trainer import run
+    from fdp.run.config import register_configs
+    from fdp.run.trainer import run
 
     register_configs()
     args = [a for a in example_command("hf_text") if not a.startswith("world=")]
@@ -161,7 +161,7 @@ def test_hf_example_trains_on_two_processes_as_on_one_and_resumes_bit_exactly(tm
     """
     monkeypatch.syspath_prepend(str(EXAMPLES))
     line, records = train_example("hf_text", tmp_path / "two", *SHORT)
-    assert "model=fdp.models.hf_model world=2" in line and records[-1]["steps"] == 8
+    assert "model=fdp.model.builtin.hf_model world=2" in line and records[-1]["steps"] == 8
     assert 0.0 < records[-1]["test_acc"] < 1.0  # read from the ModelOutput's logits, shifted as the loss scores them
     one = _in_process(tmp_path / "one")
     two = _params(tmp_path / "two")

@@ -3,11 +3,11 @@ import pytest
 import torch
 
 from fdp import Comm
-from fdp.config import ConfigError, compose
-from fdp.validate import validate
+from fdp.run.config import ConfigError, compose
+from fdp.run.validate import validate
 from fdp.hooks import allreduce, build_hook, hierarchical, node_comms
 from fdp.plan import pack_into_buckets
-from fdp.chains import Reduction
+from fdp.step.chains import Reduction
 from fdp.hooks.base import init_hook_states
 
 

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from fdp.buckets import unpack
+from fdp.plan.buckets import unpack
 from fdp.comm import Comm
 from fdp.hooks import (
     HOOKS,
@@ -46,7 +46,7 @@ from fdp.hooks import (
 )
 from fdp.hooks.lowbit import decode, encode
 from fdp.plan import pack_into_buckets
-from fdp.chains import Reduction
+from fdp.step.chains import Reduction
 
 torch.set_num_threads(1)
 
@@ -971,8 +971,8 @@ def test_a_custom_hook_that_does_not_import_or_returns_no_hook_is_refused_in_one
 
 
 def test_a_custom_hook_s_shardable_declaration_decides_zero_stages_two_and_three(my_project):
-    from fdp.config import ConfigError, compose
-    from fdp.validate import validate
+    from fdp.run.config import ConfigError, compose
+    from fdp.run.validate import validate
 
     base = ["world=local2", "hooks=custom"]
     for stage in (2, 3):  # declared shardable: accepted

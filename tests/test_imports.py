@@ -25,7 +25,7 @@ def _imports(modules: dict[str, Path]) -> dict[str, set[str]]:
     """The fdp modules each module imports, wherever the import statement stands (functions included).
 
     ``from fdp.hooks import chain`` imports the package ``fdp.hooks``; ``from fdp import zero``
-    the module ``fdp.zero``. The implicit import of a module's parent packages is not counted:
+    the module ``fdp.update.zero``. The implicit import of a module's parent packages is not counted:
     it is how Python finds the module, not a use of the package.
     """
     edges: dict[str, set[str]] = {name: set() for name in modules}

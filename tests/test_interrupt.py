@@ -1,4 +1,4 @@
-"""Stopping a run with a signal: real signals to real recipe processes (fdp.interrupt).
+"""Stopping a run with a signal: real signals to real recipe processes (fdp.dist.interrupt).
 
 Each run is the tiny MLP on digits with a step budget it never reaches; the test waits
 until the ranks are training (``ranks/rank<N>.txt``), signals them as a terminal, a
@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fdp.interrupt import GRACE_S, Burst, StopSignals, StoppedAtOnce, check_requeue_signal, exit_code, requeue_job
-from fdp.rundir import RankStatus
+from fdp.dist.interrupt import GRACE_S, Burst, StopSignals, StoppedAtOnce, check_requeue_signal, exit_code, requeue_job
+from fdp.run.rundir import RankStatus
 
 ROOT = Path(__file__).resolve().parents[1]
 LONG = ["model.hidden=16", "data.global_batch_size=16", "trainer.max_steps=1000000", "trainer.eval_every=0",

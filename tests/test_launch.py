@@ -9,9 +9,9 @@ import textwrap
 import pytest
 import torch
 
-from fdp.config import ConfigError, compose
-from fdp.launch import WorldLayout, init_distributed, spawn
-from fdp.world import layout_of
+from fdp.run.config import ConfigError, compose
+from fdp.dist.launch import WorldLayout, init_distributed, spawn
+from fdp.run.world import layout_of
 
 # Everything below runs in `python -c`: `train` and `fail` live in __main__, which a spawned
 # worker could not import.
@@ -21,7 +21,7 @@ SCRIPT = textwrap.dedent("""
     import fdp
     from fdp.data import global_batch, load_digits, shard
     from fdp.hooks import allreduce
-    from fdp.launch import WorkerFailedError
+    from fdp.dist.launch import WorkerFailedError
 
     data = load_digits(seed=0)
     torch.matmul(torch.randn(256, 256), torch.randn(256, 256))  # the parent's thread pool is up before the fork

@@ -1,5 +1,5 @@
-"""fdp.launchers: each launcher answers what depends on how the ranks were started, a new one is
-one class and one registry entry, and no module but fdp.launchers compares a launcher's name."""
+"""fdp.dist.launchers: each launcher answers what depends on how the ranks were started, a new one is
+one class and one registry entry, and no module but fdp.dist.launchers compares a launcher's name."""
 from __future__ import annotations
 
 import ast
@@ -10,14 +10,14 @@ from typing import Mapping
 import pytest
 
 import fdp
-from fdp.config import compose
+from fdp.run.config import compose
 from fdp.errors import ConfigError
-from fdp.interrupt import stop_signal_names
-from fdp.launch import launch_rank
-from fdp.launchers import LAUNCHERS, Launched, Launcher, launcher_of, register_launcher
-from fdp.shrink import launched_world
-from fdp.validate import validate
-from fdp.world import layout_of, placement_of
+from fdp.dist.interrupt import stop_signal_names
+from fdp.dist.launch import launch_rank
+from fdp.dist.launchers import LAUNCHERS, Launched, Launcher, launcher_of, register_launcher
+from fdp.dist.shrink import launched_world
+from fdp.run.validate import validate
+from fdp.run.world import layout_of, placement_of
 
 TORCHRUN = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
 SLURM = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
@@ -81,7 +81,7 @@ class OpenMPI(Launcher):
 
 
 def test_a_new_launcher_is_one_class_and_one_registry_entry(monkeypatch):
-    monkeypatch.setattr(fdp.launchers, "LAUNCHERS", dict(LAUNCHERS))  # registered for this test only
+    monkeypatch.setattr(fdp.dist.launchers, "LAUNCHERS", dict(LAUNCHERS))  # registered for this test only
     register_launcher(OpenMPI)
     for name, value in {"OMPI_COMM_WORLD_RANK": "6", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
                         "OMPI_COMM_WORLD_LOCAL_RANK": "2"}.items():

@@ -4,12 +4,12 @@ import sys
 
 import pytest
 
-from fdp.config import compose
+from fdp.run.config import compose
 from fdp.errors import ConfigError
-from fdp.loggers import CsvLog, check_loggers, mlflow_uri
-from fdp.metrics import read_metrics
-from fdp.trainer import run
-from fdp.validate import validate
+from fdp.run.loggers import CsvLog, check_loggers, mlflow_uri
+from fdp.run.metrics import read_metrics
+from fdp.run.trainer import run
+from fdp.run.validate import validate
 
 SMALL = ["model=mlp", "model.hidden=32", "trainer.progress=false", "data.global_batch_size=32", "trainer.eval_batches=2"]
 

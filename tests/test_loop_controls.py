@@ -10,10 +10,10 @@ import torch
 from torch.utils.data import TensorDataset
 
 from fdp.comm import Comm
-from fdp.config import compose
+from fdp.run.config import compose
 from fdp.data import StepSampler, as_map_data, load_digits
 from fdp.errors import ConfigError
-from fdp.loop_controls import (
+from fdp.run.loop_controls import (
     Deadline,
     Monitor,
     Stopping,
@@ -21,10 +21,10 @@ from fdp.loop_controls import (
     run_steps,
     stopping_update,
 )
-from fdp.metrics import read_metrics
-from fdp.rundir import RankStatus
-from fdp.trainer import run
-from fdp.validate import validate
+from fdp.run.metrics import read_metrics
+from fdp.run.rundir import RankStatus
+from fdp.run.trainer import run
+from fdp.run.validate import validate
 
 SMALL = ["model=mlp", "model.hidden=32", "trainer.progress=false", "data.global_batch_size=16",
          "trainer.bucket_cap_mb=0.01", "trainer.first_bucket_cap_mb=0.005", "trainer.eval_batches=2"]

@@ -6,11 +6,11 @@ import torch
 import torch.nn.functional as F
 
 from fdp.comm import Comm
-from fdp.config import ConfigError
+from fdp.run.config import ConfigError
 from fdp.data import split_micro_batches
-from fdp.functional import functionalize
+from fdp.model.functional import functionalize
 from fdp import cross_entropy_loss
-from fdp.losses import (
+from fdp.model.losses import (
     TokenCrossEntropy,
     UnreadableOutput,
     batch_metrics,
@@ -40,13 +40,13 @@ def test_mse_refuses_shapes_that_would_broadcast():
 
 
 def test_build_loss_binds_settings_and_refuses_unknown_ones():
-    smoothed = build_loss({"name": "cross_entropy", "_target_": "fdp.losses.cross_entropy", "label_smoothing": 0.2})
+    smoothed = build_loss({"name": "cross_entropy", "_target_": "fdp.model.losses.cross_entropy", "label_smoothing": 0.2})
     logits, targets = torch.randn(8, 4), torch.randint(0, 4, (8,))
     assert torch.equal(smoothed(logits, targets), F.cross_entropy(logits, targets, label_smoothing=0.2))
     custom = build_loss({"name": "custom", "_target_": "torch.nn.functional.huber_loss", "delta": 0.5})
     assert torch.equal(custom(logits, logits + 1), F.huber_loss(logits, logits + 1, delta=0.5))
     with pytest.raises(ConfigError) as caught:
-        build_loss({"name": "mse", "_target_": "fdp.losses.mse", "margin": 1.0})
+        build_loss({"name": "mse", "_target_": "fdp.model.losses.mse", "margin": 1.0})
     assert str(caught.value) == "loss=mse: got an unexpected keyword argument 'margin'"
     with pytest.raises(ConfigError, match=r"^loss\._target_='torch\.nn\.functional\.nothing': module torch\.nn\.functional has no attribute"):
         build_loss({"name": "custom", "_target_": "torch.nn.functional.nothing"})
@@ -132,7 +132,7 @@ def test_a_weighted_micro_batch_with_no_counted_token_adds_nothing():
 
 
 def test_build_loss_builds_a_loss_class_with_its_settings():
-    built = build_loss({"name": "causal_lm", "_target_": "fdp.losses.TokenCrossEntropy", "shift": 1, "ignore_index": -1})
+    built = build_loss({"name": "causal_lm", "_target_": "fdp.model.losses.TokenCrossEntropy", "shift": 1, "ignore_index": -1})
     assert isinstance(built, TokenCrossEntropy) and (built.shift, built.ignore_index) == (1, -1)
     smoothed = build_loss({"name": "custom", "_target_": "torch.nn.CrossEntropyLoss", "label_smoothing": 0.2})
     logits, targets = torch.randn(8, 4), torch.randint(0, 4, (8,))
@@ -140,4 +140,4 @@ def test_build_loss_builds_a_loss_class_with_its_settings():
     with pytest.raises(ConfigError, match=r"^loss\._target_='torch\.nn\.CrossEntropyLoss': .*unexpected keyword argument 'shift'"):
         build_loss({"name": "custom", "_target_": "torch.nn.CrossEntropyLoss", "shift": 1})
     with pytest.raises(ConfigError, match=r"^loss=causal_lm: shift=-1: expected an integer >= 0"):
-        build_loss({"name": "causal_lm", "_target_": "fdp.losses.TokenCrossEntropy", "shift": -1})
+        build_loss({"name": "causal_lm", "_target_": "fdp.model.losses.TokenCrossEntropy", "shift": -1})

@@ -5,10 +5,10 @@ import sys
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from fdp.config import ConfigError, compose
-from fdp.validate import validate
-from fdp.metrics import MetricsLog, read_metrics
-from fdp.trainer import run
+from fdp.run.config import ConfigError, compose
+from fdp.run.validate import validate
+from fdp.run.metrics import MetricsLog, read_metrics
+from fdp.run.trainer import run
 
 SMALL = ["model.hidden=16", "data.global_batch_size=16", "trainer.progress=false", "trainer.max_steps=6",
          "trainer.log_every=2", "trainer.eval_every=4"]

@@ -4,8 +4,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import grad_and_value
 
-from fdp.functional import functionalize
-from fdp.models import MLP, CharTransformer, ConvNet, build_model, count_parameters
+from fdp.model.functional import functionalize
+from fdp.model.builtin import MLP, CharTransformer, ConvNet, build_model, count_parameters
 
 torch.set_num_threads(1)
 

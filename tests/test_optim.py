@@ -362,9 +362,9 @@ def test_state_round_trips_through_torch_save(name, tmp_path):
 
 def test_the_adamw_preset_warms_up_over_a_tenth_of_any_run():
     """optim=adamw once warmed up over a fixed 30 steps, refusing every shorter run (a 20-step smoke test)."""
-    from fdp.config import compose
+    from fdp.run.config import compose
     from fdp.optim import build_optimizer
-    from fdp.validate import validate
+    from fdp.run.validate import validate
 
     params = {"w": torch.zeros(3)}
     for max_steps, warmup in ((20, 2), (300, 30)):
@@ -585,8 +585,8 @@ def test_a_custom_optimizer_that_is_not_importable_or_no_optimizer_is_refused_in
 
 
 def test_a_decay_rule_by_name_is_refused_at_zero_stages():
-    from fdp.config import ConfigError, compose
-    from fdp.validate import validate
+    from fdp.run.config import ConfigError, compose
+    from fdp.run.validate import validate
 
     validate(compose("world=local2", "optim=adamw", "optim.decay_filter=weights"))
     with pytest.raises(ConfigError, match=r"^trainer\.zero_stage=1: the optimizer exempts params from weight decay "
@@ -606,11 +606,11 @@ def test_resuming_another_length_is_refused_for_every_schedule_that_spans_the_ru
 
 
 def test_a_run_built_from_config_exempts_the_model_s_embeddings_tied_head_included():
-    """``optim.decay_filter=weights`` through ``fdp.build``: the charlm's token and position embeddings (the head is
+    """``optim.decay_filter=weights`` through ``fdp.run.build``: the charlm's token and position embeddings (the head is
     tied to the first) and its norms and biases take no weight decay, its linear weights do."""
-    from fdp.build import build_run
+    from fdp.run.build import build_run
     from fdp.comm import Comm
-    from fdp.config import compose
+    from fdp.run.config import compose
 
     cfg = compose("model=charlm", "data=stdlib_text", "model.d_model=16", "model.n_layer=1", "model.n_head=2",
                   "data.block_size=8", "data.max_chars=4000", "optim=adamw", "optim.lr_schedule=constant",

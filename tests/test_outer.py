@@ -11,22 +11,22 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from fdp import Comm, adam, functionalize, init_train_state, plan_buckets, sgd
-from fdp.config import ConfigError, DiLoCoConfig, LocalSGDConfig, compose
-from fdp.validate import validate
+from fdp.run.config import ConfigError, DiLoCoConfig, LocalSGDConfig, compose
+from fdp.run.validate import validate
 from fdp.hooks import allreduce
-from fdp.outer import check_outer, fragment_offsets, init_outer_state, make_outer_step, sending_fragment
+from fdp.step.outer import check_outer, fragment_offsets, init_outer_state, make_outer_step, sending_fragment
 from fdp.plan import pack_into_buckets, split_fragments
 from fdp.hooks import lowbit
 from fdp import cross_entropy_loss, planner_loss
-from fdp.launch import spawn
-from fdp.trainer import run, train_worker
-from fdp.world import layout_of
+from fdp.dist.launch import spawn
+from fdp.run.trainer import run, train_worker
+from fdp.run.world import layout_of
 
 STEPS = 8
 
 
 def _outer(name, **settings):
-    """The outer settings of ``name`` with the schema's defaults (``fdp.config``) under ``settings``."""
+    """The outer settings of ``name`` with the schema's defaults (``fdp.run.config``) under ``settings``."""
     schema = {"local_sgd": LocalSGDConfig, "diloco": DiLoCoConfig}[name]
     return check_outer(dataclasses.asdict(schema(**settings)))
 

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from _paths import pythonpath_first
-from fdp.functional import functionalize
+from fdp.model.functional import functionalize
 from fdp.plan import Bucket, BucketPlan, ParamSlot, gradient_ready_order, pack_into_buckets, plan_buckets
 
 torch.set_num_threads(1)

@@ -12,16 +12,16 @@ import pytest
 import torch
 from torch import nn
 
-from fdp import checkpoint
+from fdp.run import checkpoint
 from fdp.comm import Comm
-from fdp.config import ConfigError, compose
-from fdp.validate import validate
+from fdp.run.config import ConfigError, compose
+from fdp.run.validate import validate
 from fdp.data import global_batch, load_digits, shard
-from fdp.functional import functionalize
-from fdp.models import MLP
+from fdp.model.functional import functionalize
+from fdp.model.builtin import MLP
 from fdp.optim import adam, sgd
 from fdp.plan import plan_buckets
-from fdp.precision import LossScale, Precision, check_precision, init_loss_scale, update_loss_scale
+from fdp.model.precision import LossScale, Precision, check_precision, init_loss_scale, update_loss_scale
 from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
 
 TOL = 1e-5
@@ -128,7 +128,7 @@ def test_16_mixed_matches_grad_scaler_with_overflow_skips_and_growth():
 
 def test_16_mixed_keeps_the_batchnorm_statistics_of_skipped_steps_as_grad_scaler_does():
     """GradScaler skips the optimizer step, not the forward: BatchNorm's running statistics count every batch."""
-    from fdp.models import ConvNet
+    from fdp.model.builtin import ConvNet
 
     torch.manual_seed(0)
     module = ConvNet(width=4)
@@ -248,7 +248,7 @@ def test_loss_scale_round_trips_through_a_weights_only_checkpoint(tmp_path):
 
 
 def test_16_mixed_run_resumes_bit_exact(tmp_path):
-    from fdp.trainer import run
+    from fdp.run.trainer import run
 
     common = ["trainer.precision=16-mixed", "optim=adamw", "optim.warmup_steps=2", "model.hidden=32", "trainer.checkpoint_every=5",
               "trainer.eval_every=0", "trainer.progress=false", "trainer.max_steps=10"]

@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from _examples import train_example
-from fdp.config import SCHEMAS, register_configs
+from fdp.run.config import SCHEMAS, register_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"

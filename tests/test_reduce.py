@@ -7,13 +7,13 @@ from torch import nn
 
 from fdp.comm import Comm
 from fdp.data import global_batch, load_digits, shard
-from fdp.functional import functionalize
+from fdp.model.functional import functionalize
 from fdp.hooks import Hook, allreduce
-from fdp.models import ConvNet, MLP
+from fdp.model.builtin import ConvNet, MLP
 from fdp.optim import sgd
 from fdp.plan import pack_into_buckets, plan_buckets
-from fdp.launch import check_same_plan
-from fdp.chains import Reduction
+from fdp.dist.launch import check_same_plan
+from fdp.step.chains import Reduction
 from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
 
 STEPS = 20

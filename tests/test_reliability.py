@@ -30,19 +30,19 @@ from omegaconf import OmegaConf
 
 from _paths import pythonpath_first
 from _procs import alive
-from fdp import checkpoint
+from fdp.run import checkpoint
 from fdp.comm import Comm
-from fdp.config import ConfigError, register_configs
-from fdp.validate import validate
+from fdp.run.config import ConfigError, register_configs
+from fdp.run.validate import validate
 from fdp.data import load_digits, shard_dataset
-from fdp.functional import functionalize
-from fdp.launch import RankLostError, WorkerFailedError, WorldLayout, init_distributed, loopback_interface, spawn
+from fdp.model.functional import functionalize
+from fdp.dist.launch import RankLostError, WorkerFailedError, WorldLayout, init_distributed, loopback_interface, spawn
 from fdp.optim import sgd
 from fdp.plan import plan_buckets
 from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
-from fdp.rundir import RankStatus
-from fdp.trainer import run, train_worker
-from fdp.world import layout_of
+from fdp.run.rundir import RankStatus
+from fdp.run.trainer import run, train_worker
+from fdp.run.world import layout_of
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -412,8 +412,8 @@ TRIPLES = ["data=custom", "data._target_=torch.utils.data.random_split", "+data.
            "{_target_:torch.zeros,_args_:[10]},{_target_:torch.zeros,_args_:[10]}]}"]
 CHARLM = ["model=charlm", "data=stdlib_text", "model.d_model=16", "model.n_layer=1", "model.n_head=2", "data.block_size=8"]
 # (overrides, where it is refused, what the first line of the error must say). Where:
-# "compose" = Hydra refuses the override; "validate" = fdp.config.validate before anything
-# runs; "run" = fdp.trainer.run once the data or the checkpoint is loaded. "{run_dir}" is
+# "compose" = Hydra refuses the override; "validate" = fdp.run.config.validate before anything
+# runs; "run" = fdp.run.trainer.run once the data or the checkpoint is loaded. "{run_dir}" is
 # the previous run's directory, which must be left exactly as it was.
 BAD_INPUTS = [
     (["trainer.bucket_cap_mb=0"], "validate", r"^trainer\.bucket_cap_mb=0\.0: expected a size in MiB > 0$"),
@@ -490,7 +490,7 @@ BAD_INPUTS = [
      "run", r"^model\._target_='torchvision\.models\.resnet18' does not fit data\._target_='vision\.data\.make' with "
             r"loss=cross_entropy: the model outputs 1000 class scores but data\._target_='vision\.data\.make' has 10 classes; "
             r"expected \+model\.num_classes=10$"),
-    (["model=custom", "model._target_=fdp.models.hf_model", "+model.model_class=transformers.GPT2LMHeadModel", "+model.n_layer=1",
+    (["model=custom", "model._target_=fdp.model.builtin.hf_model", "+model.model_class=transformers.GPT2LMHeadModel", "+model.n_layer=1",
       "+model.n_embd=16", "+model.n_head=2", "+model.n_positions=32", "data=custom", "data._target_=hf_text.data.make",
       "data.global_batch_size=4", "loss=custom", "loss._target_=torch.nn.functional.cross_entropy"], "run",
      r"^loss\._target_='torch\.nn\.functional\.cross_entropy' cannot read what the model returns, a "
@@ -546,7 +546,7 @@ RECIPE_CASES = [
     # Valid config, refused once the checkpoint is read: .hydra/ of the previous run is kept.
     (["trainer.resume=true", "model.hidden=32"], 2, r"error: checkpoint .*/last\.pt was written with another bucket plan .*"),
     (["trainer.resume=true", "hydra.run.dir={corrupt}"], 2, r"error: checkpoint .*/last\.pt is unreadable \(truncated or corrupted\?\): .*"),
-    # Hydra's own errors, one line naming the key and what was expected (fdp.cli).
+    # Hydra's own errors, one line naming the key and what was expected (fdp.run.cli).
     (["trainer.max_stpes=5"], 2, r"error: trainer\.max_stpes=5: unknown key; expected a key of trainer \(did you mean trainer\.max_steps\? .*\)"),
     (["model.name=resnet"], 2, r"error: model\.name='resnet': unknown model; known models: charlm, convnet, custom, mlp"),
     (["data.name=mnist"], 2, r"error: data\.name='mnist': unknown dataset; known datasets: custom, digits, stdlib_text"),

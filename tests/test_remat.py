@@ -1,17 +1,21 @@
-"""Activation checkpointing (fdp.remat): the same numbers as without it, the forward run again, refusals."""
+"""Activation checkpointing (fdp.model.remat): the same numbers as without it, the forward run again, refusals."""
 import pytest
 import torch
 from torch import nn
 
-from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss, remat, zero
+from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
+
+from fdp.model import remat
+
+from fdp.update import zero
 from fdp.comm import Comm
 from fdp.errors import ConfigError
-from fdp.functional import functionalize, grad_and_value
-from fdp.models import CharTransformer, ConvNet
+from fdp.model.functional import functionalize, grad_and_value
+from fdp.model.builtin import CharTransformer, ConvNet
 from fdp.optim import adam
 from fdp.plan import plan_buckets
-from fdp.streams import SampleStreams
-from fdp.zero.gather import ParamGather
+from fdp.model.streams import SampleStreams
+from fdp.update.zero.gather import ParamGather
 
 STEPS = 4
 
@@ -70,7 +74,7 @@ def test_gradients_equal_bit_for_bit_with_dropout_and_the_forward_runs_again(per
 
 
 def test_a_hugging_face_gpt2_checkpoints_its_blocks_bit_for_bit():
-    from fdp.models import hf_model
+    from fdp.model.builtin import hf_model
 
     torch.manual_seed(0)  # GPT-2's configs drop out 0.1 (attention, residuals, embeddings)
     module = hf_model("transformers.GPT2LMHeadModel", vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2)
@@ -134,8 +138,8 @@ def test_the_config_settings_are_checked_before_anything_runs():
 
     from hydra import compose, initialize_config_dir
 
-    from fdp.config import register_configs
-    from fdp.validate import validate
+    from fdp.run.config import register_configs
+    from fdp.run.validate import validate
 
     register_configs()
 

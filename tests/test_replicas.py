@@ -13,7 +13,7 @@ from torch import nn
 
 import fdp
 from fdp.comm import Comm
-from fdp.replicas import rank_seed
+from fdp.state.replicas import rank_seed
 
 torch.set_num_threads(1)
 
@@ -88,10 +88,10 @@ def _on_two_ranks(rank: int, world: int) -> dict:
         out["seed_error"] = None
     except ValueError as error:
         out["seed_error"] = str(error)
-    # The first state of every ZeRO stage is made through the same check (fdp.update.Update.first_state).
+    # The first state of every ZeRO stage is made through the same check (fdp.update.base.Update.first_state).
     out["stage_seed_errors"] = {}
     for stage in (1, 2, 3):
-        update = fdp.zero.update_for(stage, fdp.sgd(LR), plan, comm, model=model)
+        update = fdp.update.zero.update_for(stage, fdp.sgd(LR), plan, comm, model=model)
         try:
             update.first_state(params, buffers, None, comm, seed=rank)
             out["stage_seed_errors"][stage] = None

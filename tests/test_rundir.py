@@ -1,4 +1,4 @@
-"""A run directory has one owner (fdp.rundir): a second run is refused naming the first,
+"""A run directory has one owner (fdp.run.rundir): a second run is refused naming the first,
 a dead run's lock is taken over saying so, and a refused run adds nothing to a directory."""
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fdp.config import ConfigError
-from fdp.rundir import LOCK, RunDirInUse, own_run_dir, owner_of
-from fdp.rundir import RankStatus
+from fdp.run.config import ConfigError
+from fdp.run.rundir import LOCK, RunDirInUse, own_run_dir, owner_of
+from fdp.run.rundir import RankStatus
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.hidden=16", "data.global_batch_size=16", "trainer.eval_every=0", "trainer.progress=false"]
@@ -95,10 +95,10 @@ def test_a_resume_refused_on_two_ranks_is_one_line_every_time_and_changes_nothin
 def test_ownership_in_one_process_is_reentrant_and_a_refusal_rolls_back(tmp_path):
     run_dir = tmp_path / "run"
     with own_run_dir(run_dir) as outer:
-        with own_run_dir(run_dir) as inner:  # the recipe and fdp.trainer.run both ask
+        with own_run_dir(run_dir) as inner:  # the recipe and fdp.run.trainer.run both ask
             assert inner is outer
         assert (run_dir / LOCK).exists()  # still held by the outer block
-        other = subprocess.run([sys.executable, "-c", f"from fdp.rundir import own_run_dir\nwith own_run_dir({str(run_dir)!r}): pass"],
+        other = subprocess.run([sys.executable, "-c", f"from fdp.run.rundir import own_run_dir\nwith own_run_dir({str(run_dir)!r}): pass"],
                                capture_output=True, text=True, timeout=120, env={**os.environ})
         assert "RunDirInUse" in other.stderr and f"pid {os.getpid()} on" in other.stderr
     assert not run_dir.joinpath(LOCK).exists()

@@ -1,4 +1,4 @@
-"""A world that loses a rank and goes on in place (world.on_rank_loss=shrink, fdp.shrink, fdp.keeper).
+"""A world that loses a rank and goes on in place (world.on_rank_loss=shrink, fdp.dist.shrink, fdp.dist.keeper).
 
 Three gloo ranks train a tiny character transformer with dropout under Adam; rank 2 is
 SIGKILLed (or SIGSTOPped) from outside once it starts step 30 of 60, through the pid in
@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from _procs import alive
-from fdp.config import ConfigError, compose
-from fdp.launch import WorkerFailedError
-from fdp.rundir import RankStatus
-from fdp.shrink import ShrinkingWorld, check_shrinkable_batch, shrink_store
-from fdp.trainer import run
-from fdp.validate import validate
+from fdp.run.config import ConfigError, compose
+from fdp.dist.launch import WorkerFailedError
+from fdp.run.rundir import RankStatus
+from fdp.dist.shrink import ShrinkingWorld, check_shrinkable_batch, shrink_store
+from fdp.run.trainer import run
+from fdp.run.validate import validate
 
 
 STEPS, KILL_AT, TIMEOUT_S = 60, 30, 5

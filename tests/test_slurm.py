@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fdp.config import ConfigError
-from fdp.launch import LOOPBACK, launch_rank
-from fdp.slurm import JobWorld, expand_nodelist, job_world, port_for_job, slurm_world
+from fdp.run.config import ConfigError
+from fdp.dist.launch import LOOPBACK, launch_rank
+from fdp.dist.slurm import JobWorld, expand_nodelist, job_world, port_for_job, slurm_world
 
 
 def _free_port() -> int:

@@ -1,4 +1,4 @@
-"""fdp.startup: the shell entry and the Python API start a run the same way, once: the world resolved
+"""fdp.run.startup: the shell entry and the Python API start a run the same way, once: the world resolved
 once, the config validated once, the run directory checked and owned once."""
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-import fdp.rundir
-import fdp.validate
-import fdp.world
-from fdp.config import compose
+import fdp.run.rundir
+import fdp.run.validate
+import fdp.run.world
+from fdp.run.config import compose
 from fdp.errors import ConfigError
-from fdp.rundir import owner_of
-from fdp.startup import start_run
-from fdp.trainer import run
+from fdp.run.rundir import owner_of
+from fdp.run.startup import start_run
+from fdp.run.trainer import run
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["trainer.max_steps=2", "trainer.progress=false", "trainer.eval_batches=1"]
@@ -37,11 +37,11 @@ def counted(monkeypatch):
 
         monkeypatch.setattr(owner, name, wrapper)
 
-    count(fdp.validate, "_validate_trainer", "settings validated")  # every validate() runs it
-    count(fdp.validate, "_validate_run_dir", "directory checked")
-    count(fdp.world, "resolve_world", "world resolved")
-    count(fdp.startup, "resolve_world", "world resolved")
-    count(fdp.rundir.Ownership, "release", "directory owned")  # once per own_run_dir, nested or not
+    count(fdp.run.validate, "_validate_trainer", "settings validated")  # every validate() runs it
+    count(fdp.run.validate, "_validate_run_dir", "directory checked")
+    count(fdp.run.world, "resolve_world", "world resolved")
+    count(fdp.run.startup, "resolve_world", "world resolved")
+    count(fdp.run.rundir.Ownership, "release", "directory owned")  # once per own_run_dir, nested or not
     return counts
 
 
@@ -51,7 +51,7 @@ ONCE = {"settings validated": 1, "directory checked": 1, "world resolved": 1, "d
 def test_a_shell_run_starts_once(counted, tmp_path, monkeypatch):
     """Through the real shell entry, in this process: recipes/train.py as ``python recipes/train.py`` runs it."""
     run_dir = tmp_path / "run"
-    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")  # restored afterwards (fdp.cli.main sets it)
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")  # restored afterwards (fdp.run.cli.main sets it)
     monkeypatch.setattr(sys, "argv", [str(ROOT / "recipes" / "train.py"), *TINY, f"hydra.run.dir={run_dir}"])
     runpy.run_path(str(ROOT / "recipes" / "train.py"), run_name="__main__")
     assert dict(counted) == ONCE

@@ -1,4 +1,4 @@
-"""Each sample's random stream (fdp.streams): masks that depend on the sample, not on the rank or the micro-batch."""
+"""Each sample's random stream (fdp.model.streams): masks that depend on the sample, not on the rank or the micro-batch."""
 from __future__ import annotations
 
 import pytest
@@ -7,15 +7,15 @@ import torch.nn.functional as F
 
 from fdp import adam, functionalize, make_train_step, plan_buckets, planner_loss
 from fdp.comm import Comm
-from fdp.config import compose
+from fdp.run.config import compose
 from fdp.errors import ConfigError
 from fdp.data import global_batch, load_stdlib_text, shard
-from fdp.losses import cross_entropy_loss
-from fdp.models import CharTransformer
-from fdp.replicas import setup_state
-from fdp.streams import SampleStreams, wants_sample_streams
-from fdp.trainer import run
-from fdp.validate import validate
+from fdp.model.losses import cross_entropy_loss
+from fdp.model.builtin import CharTransformer
+from fdp.state.replicas import setup_state
+from fdp.model.streams import SampleStreams, wants_sample_streams
+from fdp.run.trainer import run
+from fdp.run.validate import validate
 
 SEED = 11
 

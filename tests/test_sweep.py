@@ -1,4 +1,4 @@
-"""A sweep from the shell (fdp.sweep): refused whole before its first job, run to its end past a job that fails,
+"""A sweep from the shell (fdp.run.sweep): refused whole before its first job, run to its end past a job that fails,
 and ended by a table of its jobs with the worst exit status."""
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ import sys
 import pytest
 import torch
 
-from fdp.config import ConfigError
+from fdp.run.config import ConfigError
 from fdp.targets import build, locate
 
 
@@ -95,7 +95,7 @@ def test_build_refuses_rejected_arguments_naming_the_node(user_package):
     assert _one_line(caught) == ("model._target_='userpkg.good.Net': Net.__init__() got an unexpected keyword argument "
                                  "'depth' (called with depth=3, in_features=5, num_classes=2)")
     with pytest.raises(ConfigError) as caught:  # a built-in is named by its option
-        build("model", {"name": "mlp", "_target_": "fdp.models.MLP", "hidden": 4, "depth": -1},
+        build("model", {"name": "mlp", "_target_": "fdp.model.builtin.MLP", "hidden": 4, "depth": -1},
               {"in_features": 5, "out_features": 2})
     assert _one_line(caught) == "model=mlp: depth=-1: expected an integer >= 0"
 

@@ -4,8 +4,8 @@ from collections import Counter
 
 import pytest
 
-from fdp.config import compose
-from fdp.trainer import run
+from fdp.run.config import compose
+from fdp.run.trainer import run
 
 STEPS = 3
 

@@ -4,8 +4,8 @@ import torch
 from torch import nn
 
 from fdp.data import global_batch, load_digits
-from fdp.functional import functionalize
-from fdp.models import ConvNet, MLP
+from fdp.model.functional import functionalize
+from fdp.model.builtin import ConvNet, MLP
 from fdp.optim import adam, sgd
 from fdp.plan import plan_buckets
 from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
@@ -127,7 +127,7 @@ def test_nonfinite_skip_keeps_params_and_counts():
 
 
 def _tied_lm():
-    from fdp.models import CharTransformer
+    from fdp.model.builtin import CharTransformer
 
     return CharTransformer(vocab_size=16, block_size=8, d_model=8, n_layer=2, n_head=2)  # a tied head
 
@@ -139,8 +139,8 @@ def _tied_lm():
 @pytest.mark.parametrize("schedule", ["after", "overlap"])
 def test_params_laid_out_flat_step_as_separate_tensors_do_bit_for_bit(make, batch, schedule):
     """The state's params are one flat buffer per bucket; the step crosses torch.func with those."""
-    from fdp.buckets import flat_buffers
-    from fdp.reduce import GradReducer
+    from fdp.plan.buckets import flat_buffers
+    from fdp.step.reduce import GradReducer
 
     torch.manual_seed(0)
     module, example = make(), batch()
@@ -184,7 +184,7 @@ def test_params_laid_out_flat_step_as_separate_tensors_do_bit_for_bit(make, batc
 
 def test_a_donated_state_not_laid_out_is_laid_out_once_then_stepped_in_place():
     torch.manual_seed(0)
-    from fdp.buckets import flat_buffers
+    from fdp.plan.buckets import flat_buffers
 
     module, batch = MLP(8, 8, 2, 3), (torch.randn(4, 8), torch.randint(0, 3, (4,)))
     model, params, buffers = functionalize(module)

@@ -8,8 +8,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from _paths import pythonpath_first
-from fdp.config import register_configs
-from fdp.trainer import run
+from fdp.run.config import register_configs
+from fdp.run.trainer import run
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -166,7 +166,7 @@ def test_a_memory_budget_counts_what_the_run_adds_and_an_overrun_names_its_phase
 def test_evaluation_in_pieces_gives_the_whole_batches_result():
     from fdp import functionalize
     from fdp.data import load_digits
-    from fdp.evaluate import evaluate
+    from fdp.run.evaluate import evaluate
 
     torch.manual_seed(0)
     model, params, buffers = functionalize(torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(),
@@ -176,8 +176,8 @@ def test_evaluation_in_pieces_gives_the_whole_batches_result():
 
 
 def test_out_of_memory_lines_name_the_phase_and_what_to_change():
-    from fdp.devices import MemoryPhase
-    from fdp.trainer import _out_of_memory_message
+    from fdp.dist.devices import MemoryPhase
+    from fdp.run.trainer import _out_of_memory_message
 
     cfg = make_cfg("world.memory_per_rank_mb=500", "data.global_batch_size=64", "trainer.accum_steps=2")
     phase = MemoryPhase()

@@ -9,18 +9,18 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from fdp import zero
+from fdp.update import zero
 from fdp.comm import Comm
-from fdp.config import ConfigError, register_configs
-from fdp.validate import validate
-from fdp.functional import functionalize
+from fdp.run.config import ConfigError, register_configs
+from fdp.run.validate import validate
+from fdp.model.functional import functionalize
 from fdp.hooks import noop, topk
-from fdp.models import MLP, CharTransformer
+from fdp.model.builtin import MLP, CharTransformer
 from fdp.optim import adam, chain, clip_by_global_norm
 from fdp.plan import pack_into_buckets, plan_buckets
 from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
-from fdp.launch import WorkerFailedError
-from fdp.trainer import run
+from fdp.dist.launch import WorkerFailedError
+from fdp.run.trainer import run
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 register_configs()
@@ -171,7 +171,7 @@ def test_stage_three_equals_torch_fsdp2(run_ranks):
 def _hooks_and_precision(rank, world):
     """Ten steps with int8 and bf16 reduction, and in bf16-mixed and bf16-true precision, at stages 0, 2 and 3."""
     from fdp.hooks import bf16, int8
-    from fdp.precision import Precision
+    from fdp.model.precision import Precision
 
     out = {}
     for name, options in (("int8", {"hook": int8()}), ("bf16", {"hook": bf16()}),
@@ -253,7 +253,7 @@ def test_int8_at_stage_two_with_a_one_element_bucket_equals_stage_zero(run_ranks
 
 def _save_at_stage_three(rank, world, directory):
     """Three stage-3 steps on 2 ranks, then a checkpoint: the whole params it should hold."""
-    from fdp.checkpoint import save_checkpoint
+    from fdp.run.checkpoint import save_checkpoint
 
     loss_fn, params, buffers, batches, plan, model = _model_and_plan(rank, world, 1)
     comm = Comm()
@@ -268,7 +268,7 @@ def _save_at_stage_three(rank, world, directory):
 
 def test_a_stage_three_checkpoint_restores_whole_params_bit_for_bit(run_ranks, tmp_path):
     """Saved from 2 ranks at stage 3; loaded into a one-process stage-0 state and into a stage-3 one of 1 rank."""
-    from fdp.checkpoint import load_checkpoint
+    from fdp.run.checkpoint import load_checkpoint
     from fdp.plan import BucketPlan
 
     saved, layout = run_ranks(_save_at_stage_three, tmp_path)[0]
@@ -505,7 +505,7 @@ def test_a_run_that_does_not_fit_a_rank_fails_at_stage_zero_and_trains_at_stage_
     assert summary["steps"] == 3
 
 
-# -- the mirror of the next rank's slices (a world that may shrink, fdp.shrink) ----------------------------
+# -- the mirror of the next rank's slices (a world that may shrink, fdp.dist.shrink) ----------------------------
 def _mirrored_steps(rank, world):
     """Stage 1 with a mirror, clipped Adam (a cross-rank norm): each rank's opt state and mirror after 6 steps."""
     loss_fn, params, buffers, batches, plan, _ = _model_and_plan(rank, world, 1)

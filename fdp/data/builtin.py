@@ -21,7 +21,7 @@ class Dataset(NamedTuple):
     token ``i`` and ``block_size`` the window length T.
     ``targets_shifted`` says that a sample's targets are already its inputs shifted by
     one (the next tokens), so a loss that shifts them again (``loss=causal_lm``) would
-    score each position against the token two ahead: ``fdp.fit`` refuses that pair.
+    score each position against the token two ahead: ``fdp.model.fit`` refuses that pair.
 
     >>> data = load_digits()
     >>> data.name, data.num_classes, data.is_text

@@ -84,7 +84,7 @@ class Hook(NamedTuple):
     """A gradient-reduction stage: ``init(bucket) -> state``, ``apply(state, grads, comm) -> (grads, state)``.
 
     ``shardable`` declares that the stage also works when each rank receives only its
-    slice of the reduced bucket, as ZeRO stages 2 and 3 reduce-scatter it (``fdp.zero``):
+    slice of the reduced bucket, as ZeRO stages 2 and 3 reduce-scatter it (``fdp.update.zero``):
     its collectives of the bucket's values are sums (``comm.sum_bucket``) or gathers whose
     parts it sums (``comm.gather_bucket`` followed by a sum, as ``int8_sum``), named as
     such so that a sharding comm knows them from its other collectives (a scale, a
@@ -275,7 +275,7 @@ def init_hook_states(hook: Hook, plan) -> tuple:
 def run_hook(hook: Hook, state: Any, grads: GradBucket, comm: Comm) -> tuple[GradBucket, Any]:
     """Run one bucket through ``hook`` to the end, waiting on each collective in turn.
 
-    The runtime keeps many buckets in flight instead (``fdp.reduce``); this is for tests,
+    The runtime keeps many buckets in flight instead (``fdp.step.reduce``); this is for tests,
     notebooks and single buckets.
     """
     result = hook.apply(state, grads, comm)

@@ -1,6 +1,6 @@
 """Low-bit quantisation with per-block scales, fp32 accumulation and error feedback.
 
-Made for the outer gradients of DiLoCo (``fdp.outer``), which are sent rarely and are
+Made for the outer gradients of DiLoCo (``fdp.step.outer``), which are sent rarely and are
 worth compressing hard: ``lowbit(format)`` is the chain of three stages,
 
 * ``lowbit_compress(format, block, error_feedback)``: ``x = gradient + error``, cut into

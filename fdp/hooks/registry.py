@@ -2,7 +2,7 @@
 
 A spec is a mapping with a ``name`` and that hook's settings, or a chain of specs, given
 either as ``{"chain": [spec, ...]}`` or as ``{"name": "chain", "stages": [spec, ...]}``
-(the form of ``fdp.config.ChainConfig``). A bare string is a hook with default settings.
+(the form of ``fdp.run.config.ChainConfig``). A bare string is a hook with default settings.
 ``{"name": "custom", "_target_": "my_pkg.hooks.make", ...}`` is a user's own hook: the
 factory ``_target_`` names (``fdp.targets``) is called with the other keys and must return
 a ``Hook`` (a chain is one); it declares ``shardable`` itself.

@@ -117,7 +117,7 @@ def plan_buckets(
     shapes are taken from ``params`` itself, whatever device the trace ran on. ``trace``
     is as in :func:`gradient_ready_order`; packing is :func:`pack_into_buckets`.
 
-    >>> from fdp.functional import functionalize
+    >>> from fdp.model.functional import functionalize
     >>> model, params, buffers = functionalize(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)))
     >>> loss_fn = lambda p, x: model.apply(p, buffers, x)[0].sum()
     >>> plan = plan_buckets(loss_fn, params, torch.randn(3, 4))

@@ -114,7 +114,7 @@ class Bucket:
     @functools.cached_property
     def _layout(self) -> tuple[list[str], list[int], list[tuple[int, ...]], list[tuple[int, ...]], list[int]]:
         # Names, numels, shapes, contiguous strides and offsets as plain lists, computed once
-        # per bucket: fdp.buckets packs every step and must not re-walk the slots in Python.
+        # per bucket: fdp.plan.buckets packs every step and must not re-walk the slots in Python.
         # (cached_property writes the instance __dict__ directly, so it works on a frozen
         # dataclass and takes no part in eq/hash.)
         names = [s.name for s in self.slots]

@@ -1,0 +1,1 @@
+"""The world of processes: launching, joining, devices, stop signals, keepers and shrinking worlds."""

@@ -1,0 +1,179 @@
+"""From a config to the pieces of a run on this rank: data, model, loss, plan, hooks, optimizer, first state.
+
+``build_run(cfg, comm, device)`` is what each worker calls before step 1 (``fdp.run.trainer``
+then loops). Every piece is built from its config group: ``_target_`` nodes through
+``fdp.targets``, hooks and optimizers through their registries.
+"""
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from fdp.update import zero
+from fdp.dist.allocator import tune_allocator
+from fdp.comm import Comm
+from fdp.run.config import DATA_SETTINGS
+from fdp.errors import ConfigError
+from fdp.data import (
+    Dataset,
+    MapData,
+    as_map_data,
+    model_arguments,
+    num_train_samples,
+    targets_shifted,
+    train_batches,
+)
+from fdp.data.batches import batch_size, head
+from fdp.dist.devices import batch_to_device, to_device
+from fdp.model.fit import Names, check_first_batch, untransformable
+from fdp.model.functional import FunctionalModel, functionalize
+from fdp.hooks import Hook
+from fdp.hooks.hierarchical import check_node_size, hierarchical, node_comms
+from fdp.hooks.registry import build_hook
+from fdp.run.loop_controls import run_steps
+from fdp.model.losses import Criterion, build_loss, cross_entropy, make_loss_fn, planner_loss
+from fdp.model.builtin import count_parameters
+from fdp.optim import GradientTransformation, build_optimizer, embedding_names
+from fdp.step.outer import check_outer, init_outer_state
+from fdp.plan import BucketPlan, plan_buckets
+from fdp.model.precision import Precision, check_precision
+from fdp.state.train_state import TrainState
+from fdp.targets import build, classes_setting, label
+from fdp.update.base import Update
+
+
+# -- building the pieces from config ------------------------------------------------------
+def build_data(cfg: DictConfig) -> Dataset | MapData:
+    """The data ``data._target_`` returns: an in-memory ``Dataset`` (built-ins) or ``(train, test)`` torch Datasets."""
+    node = OmegaConf.to_container(cfg, resolve=True)
+    # e.g. max_chars too small for two splits of block_size + 1: "data=stdlib_text: max_chars=..."
+    returned = build("data", node, skip=DATA_SETTINGS)
+    if isinstance(returned, Dataset):
+        return returned
+    try:
+        return as_map_data(str(cfg.get("_target_")), returned)
+    except ValueError as error:
+        raise ConfigError(f"{label('data', node)}: {error}") from None
+
+
+def check_data(cfg: DictConfig, data: Dataset | MapData) -> None:
+    """The settings ``validate`` cannot check without the data: every rank refuses them alike."""
+    gbs = cfg.data.global_batch_size
+    n = num_train_samples(data)
+    if not (isinstance(data, Dataset) and data.is_text) and gbs > n:
+        raise ConfigError(f"data.global_batch_size={gbs}: expected at most the {n} training samples of {display_name(cfg.data)}")
+
+
+def build_module(cfg: DictConfig, data: Dataset | MapData) -> torch.nn.Module:
+    """The model ``model._target_`` names, given what the data decides where its signature asks for it."""
+    module = build("model", OmegaConf.to_container(cfg, resolve=True), offered=model_arguments(data))
+    if not isinstance(module, torch.nn.Module):
+        raise ConfigError(f"{label('model', cfg)}: returned a {type(module).__name__}; expected a torch.nn.Module")
+    if next(module.parameters(), None) is None:  # nothing to train: refused here, not deep in the planner
+        raise ConfigError(f"{label('model', cfg)}: built a module without parameters ({type(module).__name__}); expected a model with parameters to train")
+    return module
+
+
+def display_name(node: DictConfig) -> str:
+    """A built-in's name, or the dotted path of a custom target (for logs and summaries)."""
+    return str(node.get("_target_")) if node.name == "custom" else node.name
+
+
+def check_fit(cfg: DictConfig, model: FunctionalModel, criterion: Criterion, params, buffers, batch, data: Dataset | MapData) -> None:
+    """Run the model and the loss on the first batch: a model/data/loss that do not fit is refused before step 1."""
+    node = OmegaConf.to_container(cfg.model, resolve=True)
+    names = Names(label("model", cfg.model), label("data", cfg.data), label("loss", cfg.loss), classes_setting(node))
+    check_first_batch(model, criterion, params, buffers, batch, names, model_arguments(data)["num_classes"],
+                      targets_shifted(data))
+
+
+class RunParts(NamedTuple):
+    """Everything a worker builds before step 1."""
+
+    model: FunctionalModel
+    data: Dataset | MapData
+    plan: BucketPlan
+    hook: Hook
+    optimizer: GradientTransformation
+    state: TrainState
+    num_params: int
+    criterion: Criterion = cross_entropy
+    precision: Precision = Precision()
+    update: Update | None = None  # the ZeRO stage's update (fdp.update.zero.update_for): the state's whole life
+
+
+def build_run(cfg: DictConfig, comm: Comm, device: torch.device = torch.device("cpu"),
+              data: Dataset | MapData | None = None) -> RunParts:
+    """Build model, data, plan, hooks, optimizer and the first train state on this rank, on ``device``.
+
+    The weights are made on the CPU from the seed (the same on any device) and moved;
+    the plan then records the device from the params, and hook and optimizer state are
+    made where the buckets and params are. ``data``: the run's data set, when already loaded.
+    """
+    stage = stage_of(cfg)
+    data = build_data(cfg.data) if data is None else data
+    check_data(cfg, data)
+    torch.manual_seed(cfg.seed)
+    module = build_module(cfg.model, data)
+    num_params = count_parameters(module)
+    embeddings = embedding_names(module)  # for optim.decay_filter=weights; the module gives up its weights next
+    model, params, buffers = functionalize(module, keep_module_weights=False)  # the state holds the weights
+    precision = check_precision(cfg.trainer.precision, device.type)
+    params, buffers = to_device(params, device), to_device(buffers, device)
+    params, buffers = precision.cast(params), precision.cast(buffers)  # bf16-true: the plan's buckets follow
+    criterion = build_loss(OmegaConf.to_container(cfg.loss, resolve=True))
+    loss_fn = make_loss_fn(model, criterion)
+    example = next(train_batches(data, cfg.data.global_batch_size, cfg.seed, comm.rank, comm.world_size, 0, 1))
+    example = batch_to_device(precision.cast(head(example, max(1, batch_size(example) // cfg.trainer.accum_steps))), device)
+    check_fit(cfg, model, criterion, params, buffers, example, data)
+    try:  # the first gradient of the run: what torch.func cannot run in the model fails here
+        plan = plan_buckets(
+            planner_loss(loss_fn, buffers),
+            params,
+            example,
+            bucket_cap_mb=cfg.trainer.bucket_cap_mb,
+            first_bucket_cap_mb=cfg.trainer.first_bucket_cap_mb,
+            allow_unused=cfg.trainer.allow_unused,
+        )
+    except RuntimeError as error:
+        refusal = untransformable(error, label("model", cfg.model))
+        if refusal is None:
+            raise
+        raise refusal from None
+    hook = build_hook(OmegaConf.to_container(cfg.hooks))
+    if cfg.world.hierarchical:
+        hook = _hierarchical(hook, cfg, comm)
+    # The schedule spans the run: max_steps, or fewer where trainer.max_epochs ends it sooner.
+    steps = run_steps(cfg.trainer.max_steps, cfg.trainer.max_epochs, data, cfg.data.global_batch_size)
+    optimizer = build_optimizer(OmegaConf.to_container(cfg.optim), steps, embeddings=embeddings)
+    # A world that may shrink keeps, where the state is sharded, the next rank's slices too (fdp.update.zero.mirror).
+    update = zero.update_for(stage.number, optimizer, plan, comm, model=model,
+                             reshard_after_forward=cfg.trainer.reshard_after_forward,
+                             mirror=cfg.world.on_rank_loss == "shrink" and stage.shards_optimizer)
+    state = update.first_state(params, buffers, hook, comm, seed=cfg.seed, precision=precision)
+    state = state._replace(outer=init_outer_state(check_outer(OmegaConf.to_container(cfg.outer)), state.params, plan, hook))
+    return RunParts(model, data, plan, hook, optimizer, state, num_params, criterion, precision, update)
+
+
+def stage_of(cfg: DictConfig) -> zero.Stage:
+    """What the run's ZeRO stage shards (``fdp.update.base.Stage``): the one place a run reads its stage."""
+    return zero.stage_rules(cfg.trainer.zero_stage)
+
+
+def tune_allocator_for(cfg: DictConfig) -> None:
+    """This process's heap tuned for the run's stage (``fdp.dist.allocator``): first thing in a worker, before anything
+    is allocated (a stage that gathers its params keeps large blocks out of the heap)."""
+    tune_allocator(sharded_params=stage_of(cfg).shards_params)
+
+
+def _hierarchical(hook: Hook, cfg: DictConfig, comm: Comm) -> Hook:
+    """``hook`` run across nodes only (``world.hierarchical``); a node is one launch's processes."""
+    node_size = cfg.world.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world.nproc_per_node))
+    try:
+        nodes = check_node_size(comm.world_size, node_size)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    return hierarchical(hook, node_comms(node_size), nodes)

@@ -1,0 +1,366 @@
+"""Atomic, self-describing checkpoints of the whole train state.
+
+A checkpoint is a plain dict of tensors, numbers, strings, lists and dicts, so
+``torch.load(path, weights_only=True)`` reads it without unpickling any code. Its
+``params`` entry maps parameter names to tensors. Structured state (optimizer and hook
+NamedTuples) is stored as flat lists of leaves and rebuilt against the live state's
+structure, which also checks that the run being resumed is the same kind of run. The
+optimizer state's leaves are stored with their paths (``[1].mu['fc.weight']``) and
+matched by path, so a state whose parameters come in another order (a ZeRO stage 3 run
+keeps them in plan order) restores into any other.
+
+Tensors are saved on the CPU and restored onto the devices of the live state, so a run
+on GPUs resumes on the CPU and the reverse, and on another number of GPUs.
+
+Files are written to a temporary name in the same directory, flushed to disk and then
+renamed, so a crash mid-write leaves the previous checkpoint intact.
+
+``save_checkpoint`` and ``load_checkpoint`` are the whole of it for a ``TrainState`` on
+any number of ranks (the trainer uses them too): every rank's share is gathered to rank
+0, which writes; on loading rank 0 reads and every rank takes its own share. What
+differs between ranks is stored per rank: the hook state (error feedback), the RNG, and
+buffers where a rank's differ from rank 0's (``sync_buffers="local"``).
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fdp._torch import tree_flatten, tree_paths, tree_unflatten
+from fdp.comm import Comm
+from fdp.plan import BucketPlan
+from fdp.state.train_state import TrainState
+
+LAST = "last.pt"  # a copy of the newest step file
+CHECKPOINTS = "checkpoints"  # a run directory's folder of them (fdp.run.rundir)
+_STEP_FILE = re.compile(r"step_(\d+)\.pt$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message names the file and the reason."""
+
+
+def step_files(directory: str | os.PathLike) -> dict[int, Path]:
+    """The step checkpoints in ``directory``, by step, in step order: the one place their names are read.
+
+    >>> step_files("/nonexistent")
+    {}
+    """
+    directory = Path(directory)
+    found = {int(m.group(1)): p for p in directory.glob("step_*.pt") if (m := _STEP_FILE.search(p.name))}
+    return dict(sorted(found.items()))
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_save(payload: dict, path: str | os.PathLike) -> Path:
+    """Write ``payload`` to ``path`` so that readers see the old file or the new one, never half.
+
+    >>> import tempfile
+    >>> atomic_save({"step": 3}, Path(tempfile.mkdtemp()) / "fdp-example.pt").name
+    'fdp-example.pt'
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def load(path: str | os.PathLike, mmap: bool = False) -> dict:
+    """Read a checkpoint written by ``save``; any defect is a ``CheckpointError`` naming the file.
+
+    ``mmap=True`` maps the tensors' bytes instead of reading them (see ``check_readable``).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as e:  # torch raises many kinds for a truncated or foreign file
+        # The first sentence: torch's longer messages go on to speculate about causes.
+        reason = str(e).strip().splitlines()[0].split(". ")[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"checkpoint {path} is unreadable (truncated or corrupted?): {reason}") from None
+    if not isinstance(payload, dict) or "step" not in payload or "params" not in payload:
+        raise CheckpointError(f"checkpoint {path} is not an fdp checkpoint (no 'step'/'params' entries)")
+    return payload
+
+
+def check_readable(path: str | os.PathLike) -> None:
+    """Raise ``CheckpointError`` unless ``path`` is a whole fdp checkpoint; cheap (tensors are mapped, not read)."""
+    try:
+        load(path, mmap=True)
+    except CheckpointError:
+        load(path)  # the plain reader names the defect better (mmap refuses non-zip files first)
+
+
+def saved_config(path: str | os.PathLike) -> dict | None:
+    """The run config a checkpoint was written with (its ``config`` entry, as the trainer saves it), or ``None``.
+
+    Cheap: the tensors are mapped, not read.
+    """
+    from omegaconf import OmegaConf
+
+    text = load(path, mmap=True).get("config")
+    return OmegaConf.to_container(OmegaConf.create(text), resolve=False) if isinstance(text, str) else None
+
+
+def _on_host(value: Any) -> Any:
+    return value.detach().cpu() if isinstance(value, torch.Tensor) else value
+
+
+def _like(value: Any, template: Any) -> Any:
+    """``value`` on the device of ``template`` (when both are tensors)."""
+    if isinstance(value, torch.Tensor) and isinstance(template, torch.Tensor):
+        return value.to(template.device)
+    return value
+
+
+def _leaves(tree: Any) -> list:
+    return [_on_host(leaf) for leaf in tree_flatten(tree)[0]]
+
+
+def _rebuild(template: Any, leaves: list, what: str, path: Path, paths: list[str] | None = None) -> Any:
+    template_leaves, spec = tree_flatten(template)
+    if spec.num_leaves != len(leaves):
+        raise CheckpointError(
+            f"checkpoint {path}: {what} has {len(leaves)} entries, this run expects {spec.num_leaves} "
+            "(different optimizer, hooks or bucket plan?)"
+        )
+    if paths is not None:  # matched by path, whatever order the saving run kept its parameters in
+        by_path = dict(zip(paths, leaves))
+        wanted = tree_paths(template)
+        missing = [p for p in wanted if p not in by_path]
+        if missing:
+            raise CheckpointError(
+                f"checkpoint {path}: {what} has no entry {missing[0]} (different optimizer or model?)"
+            )
+        leaves = [by_path[p] for p in wanted]
+    return tree_unflatten([_like(v, t) for v, t in zip(leaves, template_leaves)], spec)
+
+
+def state_payload(state: TrainState, per_rank: list[dict], extra: dict | None = None) -> dict:
+    """The dict saved for ``state``, every tensor on the CPU; ``per_rank`` holds each rank's ``rank_payload``."""
+    return {
+        "step": state.step,
+        "params": {name: _on_host(t) for name, t in state.params.items()},
+        "buffers": {name: _on_host(t) for name, t in state.buffers.items()},
+        "opt_state": _leaves(state.opt_state),
+        "opt_state_paths": tree_paths(state.opt_state),
+        "loss_scale": _leaves(state.loss_scale),  # decided after the reduction: the same on every rank
+        "ranks": per_rank,
+        **(extra or {}),
+    }
+
+
+def rank_payload(state: TrainState) -> dict:
+    """What may differ between ranks and is saved for each: hook state (error feedback), RNGs, buffers.
+
+    ``save_checkpoint`` keeps only the buffers that differ from rank 0's. Under an outer
+    loop (``fdp.step.outer``) ranks step apart between syncs, so each rank's params and
+    optimizer state are saved too, with its outer state.
+    """
+    mine = {
+        "hook_state": _leaves(state.hook_state), "rng": state.rng, "cuda_rng": state.cuda_rng,
+        "buffers": {name: _on_host(b) for name, b in state.buffers.items()},
+    }
+    if state.outer:
+        mine.update(params={name: _on_host(p) for name, p in state.params.items()}, opt_state=_leaves(state.opt_state),
+                    opt_state_paths=tree_paths(state.opt_state), outer=_leaves(state.outer))
+    return mine
+
+
+def _differing_buffers(per_rank: list[dict], reference: dict) -> list[dict]:
+    # Buffers equal to rank 0's (all of them unless sync_buffers="local") are stored once.
+    return [
+        {**mine, "buffers": {n: b for n, b in mine.get("buffers", {}).items() if not torch.equal(b, _on_host(reference[n]))}}
+        for mine in per_rank
+    ]
+
+
+def restore(payload: dict, template: TrainState, rank: int, path: str | os.PathLike = "checkpoint") -> TrainState:
+    """Rebuild the ``TrainState`` of ``rank`` from ``payload``, shaped like ``template`` and on its devices.
+
+    The CUDA generator state carries over only from a GPU run to a GPU run; otherwise
+    the template's (seeded) one is kept.
+    """
+    path = Path(path)
+    ranks = payload["ranks"]
+    missing = sorted(set(template.params) ^ set(payload["params"]))
+    if missing:
+        raise CheckpointError(f"checkpoint {path}: parameters differ from this model's: {missing[:5]}")
+    # A world larger than the one that saved: the new ranks start their hook state and RNG fresh.
+    mine = ranks[rank] if rank < len(ranks) else {"hook_state": _leaves(template.hook_state), "rng": template.rng}
+    saved_cuda_rng = mine.get("cuda_rng")
+    both_on_gpu = saved_cuda_rng is not None and saved_cuda_rng.numel() and template.cuda_rng.numel()
+    own_buffers = mine.get("buffers", {})
+    # Under an outer loop each rank saved its own params and optimizer state (with their paths).
+    source = mine if "opt_state" in mine else payload
+    shared = {"params": mine.get("params", payload["params"]), "opt_state": source["opt_state"],
+              "opt_state_paths": source.get("opt_state_paths")}
+    return TrainState(
+        step=int(payload["step"]),
+        params={name: _like(shared["params"][name], t) for name, t in template.params.items()},
+        buffers={name: _like(own_buffers.get(name, payload["buffers"][name]), t) for name, t in template.buffers.items()},
+        opt_state=_rebuild(template.opt_state, shared["opt_state"], "optimizer state", path, shared["opt_state_paths"]),
+        hook_state=_rebuild(template.hook_state, mine["hook_state"], "hook state", path),
+        rng=mine["rng"],
+        cuda_rng=saved_cuda_rng if both_on_gpu else template.cuda_rng,
+        loss_scale=_rebuild(template.loss_scale, payload.get("loss_scale", []), "loss scale", path),
+        outer=_rebuild(template.outer, mine.get("outer", []), "outer state (outer loop)", path),
+    )
+
+
+def _atomic_copy(source: Path, path: Path) -> None:
+    """Copy ``source`` to ``path`` as ``atomic_save`` writes: readers see the old file or the whole new one."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with open(source, "rb") as src, os.fdopen(fd, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 24)
+            dst.flush()
+            os.fsync(dst.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def save(directory: str | os.PathLike, payload: dict, keep: int = 2) -> Path:
+    """Save ``payload`` as ``step_<N>.pt`` and ``last.pt`` in ``directory``; keep the newest ``keep`` step files.
+
+    ``last.pt`` is a file of its own (a copy, as Lightning's ``last.ckpt``), not a link to
+    the step file: a tool that rewrites one of them in place leaves the other as it was.
+    """
+    directory = Path(directory)
+    path = atomic_save(payload, directory / f"step_{int(payload['step']):08d}.pt")
+    _atomic_copy(path, directory / LAST)
+    _fsync_dir(directory)
+    for old in list(step_files(directory).values())[:-keep or None]:
+        old.unlink()
+    # Temporaries of a writer that was killed mid-save (only one process saves, and it is done).
+    for stale in [*directory.glob(".step_*.tmp"), *directory.glob(f".{LAST}.*")]:
+        stale.unlink(missing_ok=True)
+    return path
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """The checkpoint file ``path`` names: a file itself, or the ``last.pt`` of a checkpoints or run directory.
+
+    >>> import tempfile
+    >>> run = Path(tempfile.mkdtemp())
+    >>> (run / CHECKPOINTS).mkdir()
+    >>> resolve(run) == run / CHECKPOINTS / LAST, resolve(run / "x.pt") == run / "x.pt"
+    (True, True)
+    """
+    path = Path(path)
+    if not path.is_dir():
+        return path
+    if not (path / LAST).exists() and (path / CHECKPOINTS).is_dir():
+        return path / CHECKPOINTS / LAST
+    return path / LAST
+
+
+def save_checkpoint(
+    directory: str | os.PathLike,
+    state: TrainState,
+    plan: BucketPlan,
+    comm: Comm | None = None,
+    keep: int = 2,
+    extra: dict | None = None,
+) -> Path | None:
+    """Save ``state`` of every rank as ``step_<N>.pt`` and ``last.pt`` in ``directory``; call on every rank.
+
+    Rank 0 writes (atomically; the newest ``keep`` step files are kept) and returns the
+    path; other ranks return ``None``. The file records ``plan``'s fingerprint, which
+    ``load_checkpoint`` checks, and any ``extra`` entries (plain values: the file loads
+    with ``weights_only=True``).
+
+    >>> import tempfile
+    >>> from fdp import functionalize, plan_buckets, planner_loss, cross_entropy_loss, sgd, init_train_state
+    >>> model, params, buffers = functionalize(torch.nn.Linear(4, 3))
+    >>> batch = (torch.randn(8, 4), torch.randint(0, 3, (8,)))
+    >>> plan = plan_buckets(planner_loss(cross_entropy_loss(model), buffers), params, batch)
+    >>> state = init_train_state(params, buffers, sgd(0.1), plan)
+    >>> directory = tempfile.mkdtemp()
+    >>> save_checkpoint(directory, state, plan).name
+    'step_00000000.pt'
+    >>> load_checkpoint(directory, state, plan).step
+    0
+    """
+    comm = comm or Comm()
+    mine = rank_payload(state)
+    per_rank = [mine]
+    if comm.world_size > 1:
+        per_rank = [None] * comm.world_size if comm.rank == 0 else None
+        dist.gather_object(mine, per_rank, dst=0, group=comm.group)
+    if comm.rank != 0:
+        return None
+    payload = state_payload(
+        state, _differing_buffers(per_rank, state.buffers), {**(extra or {}), "plan_fingerprint": plan.on_cpu().fingerprint()}
+    )
+    return save(directory, payload, keep=keep)
+
+
+def load_checkpoint(
+    path: str | os.PathLike, like: TrainState, plan: BucketPlan, comm: Comm | None = None
+) -> TrainState:
+    """This rank's ``TrainState`` from a checkpoint ``save_checkpoint`` wrote; call on every rank.
+
+    ``path`` is a checkpoint file or a directory (its ``last.pt``: ``resolve``). ``like`` is a state
+    of the same run (from ``init_train_state`` or ``fdp.setup_state``): it gives the
+    structure of the optimizer and hook states. Rank 0 reads the file with
+    ``weights_only=True`` and sends it to the others; a file written with another
+    bucket plan than ``plan`` (another model, dtype or bucket caps), or a state that does
+    not fit ``like`` on any rank, is refused with the same ``CheckpointError`` on every rank.
+    """
+    comm = comm or Comm()
+    path = resolve(path)
+    payload: list = [None]
+    if comm.rank == 0:
+        try:
+            payload = [load(path)]
+        except CheckpointError as error:
+            payload = [{"refused": str(error)}]
+    if comm.world_size > 1:
+        dist.broadcast_object_list(payload, src=0, group=comm.group)
+    refused, state = payload[0].get("refused"), None
+    if refused is None and payload[0].get("plan_fingerprint") != plan.on_cpu().fingerprint():
+        refused = f"checkpoint {path} was written with another bucket plan (model or bucket caps changed)"
+    if refused is None:
+        try:
+            state = restore(payload[0], like, comm.rank, path)
+        except CheckpointError as error:
+            refused = str(error)
+    if comm.world_size > 1:
+        # A refusal on any rank is every rank's, in the same words: no rank goes on into
+        # collectives that a refusing one has left, and which rank reports it does not matter.
+        seen: list = [None] * comm.world_size
+        dist.all_gather_object(seen, refused, group=comm.group)
+        refused = next((r for r in seen if r is not None), None)
+    if refused is not None:
+        raise CheckpointError(refused)
+    return state

@@ -1,0 +1,405 @@
+"""Typed schemas behind the Hydra configs in ``conf/``.
+
+Every YAML file in ``conf/`` extends one of these dataclasses, so an unknown key or a
+value of the wrong type fails when the config is composed, with a message naming the
+key. Range checks that a type cannot express live in ``fdp.run.validate``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig
+
+from fdp.errors import ConfigError  # noqa: F401  (where callers of the config layer have long found it)
+
+
+# -- model -----------------------------------------------------------------------------
+# Every model is built by Hydra's instantiate from its ``_target_``; the trainer adds the
+# arguments the data decides (in_features, num_classes, vocab_size, ...) where the target
+# takes them (fdp.targets.build). ``custom`` is a user's own class or function: its
+# arguments are added on the command line (``+model.width=256``).
+@dataclass
+class MLPConfig:
+    name: str = "mlp"
+    _target_: str = "fdp.model.builtin.MLP"
+    hidden: int = 256
+    depth: int = 2
+
+
+@dataclass
+class ConvNetConfig:
+    name: str = "convnet"
+    _target_: str = "fdp.model.builtin.ConvNet"
+    width: int = 32
+
+
+@dataclass
+class CharLMConfig:
+    name: str = "charlm"
+    _target_: str = "fdp.model.builtin.CharTransformer"
+    d_model: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    dropout: float = 0.0
+
+
+@dataclass
+class CustomModelConfig:
+    name: str = "custom"
+    _target_: str = MISSING
+
+
+# -- data ------------------------------------------------------------------------------
+# A built-in target returns an in-memory fdp.data.Dataset; a custom one returns
+# (train, test), map-style torch Datasets of (input, target) items read through a DataLoader.
+@dataclass
+class DigitsConfig:
+    name: str = "digits"
+    _target_: str = "fdp.data.load_digits"
+    global_batch_size: int = 64
+    test_fraction: float = 0.2
+
+
+@dataclass
+class StdlibTextConfig:
+    name: str = "stdlib_text"
+    _target_: str = "fdp.data.load_stdlib_text"
+    global_batch_size: int = 32
+    block_size: int = 64
+    max_chars: int = 1_000_000
+    test_fraction: float = 0.1
+
+
+@dataclass
+class CustomDataConfig:
+    name: str = "custom"
+    _target_: str = MISSING
+    global_batch_size: int = 64
+    num_workers: int = 0  # DataLoader worker processes per rank (0: load in the training process)
+
+
+# Settings of fdp, not arguments of a data target.
+DATA_SETTINGS = ("name", "global_batch_size", "num_workers")
+
+
+# -- loss ------------------------------------------------------------------------------
+@dataclass
+class CrossEntropyConfig:
+    name: str = "cross_entropy"
+    _target_: str = "fdp.model.losses.cross_entropy"
+
+
+@dataclass
+class MSEConfig:
+    name: str = "mse"
+    _target_: str = "fdp.model.losses.mse"
+
+
+@dataclass
+class CausalLMLossConfig:  # next-token cross-entropy over every counted token of the global batch
+    name: str = "causal_lm"
+    _target_: str = "fdp.model.losses.TokenCrossEntropy"
+    shift: int = 1  # labels are the input ids (Hugging Face's convention): position t predicts t + 1
+    ignore_index: int = -100  # targets not counted (padding)
+    label_smoothing: float = 0.0
+
+
+@dataclass
+class MaskedLMLossConfig(CausalLMLossConfig):
+    name: str = "masked_lm"
+    shift: int = 0
+
+
+@dataclass
+class CustomLossConfig:
+    name: str = "custom"
+    _target_: str = MISSING  # a function (outputs, targets) -> scalar
+
+
+# -- optimizer -------------------------------------------------------------------------
+@dataclass
+class OptimShared:  # the settings every optimizer takes (fdp.optim.registry)
+    lr: float = 1e-3
+    lr_schedule: str = "constant"  # constant | warmup_constant | warmup_linear | warmup_cosine | wsd
+    warmup_steps: int = 0
+    warmup_ratio: float = 0.0  # where warmup_steps is 0: warm up over this fraction of trainer.max_steps
+    end_lr: float = 0.0  # the rate at trainer.max_steps of the decaying schedules
+    decay_fraction: float = 0.1  # wsd: the last fraction of the run, over which the rate decays
+    decay_filter: Any = "all"  # all | weights (not biases, norms, embeddings) | [names exempt from weight decay]
+    clip_norm: Optional[float] = None
+
+
+@dataclass
+class OptimBase(OptimShared):
+    weight_decay: float = 0.0
+
+
+@dataclass
+class SGDConfig(OptimBase):
+    name: str = "sgd"
+    lr: float = 0.1
+    momentum: float = 0.9
+    dampening: float = 0.0
+    nesterov: bool = False
+
+
+@dataclass
+class AdamConfig(OptimBase):
+    name: str = "adam"
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+
+
+@dataclass
+class AdamWConfig(AdamConfig):
+    name: str = "adamw"
+    weight_decay: float = 0.01
+
+
+@dataclass
+class CustomOptimConfig(OptimShared):
+    name: str = "custom"
+    _target_: str = MISSING  # a factory returning an fdp.optim.GradientTransformation
+
+
+# -- trainer and world -----------------------------------------------------------------
+@dataclass
+class EarlyStoppingConfig:
+    monitor: str = ""  # a metric of the evaluations (test_loss, test_acc, ema_test_loss, loss...); "": no early stopping
+    patience: int = 3  # evaluations without improvement before the run stops
+    mode: str = "auto"  # auto | min | max (auto: max for an accuracy, min otherwise)
+    min_delta: float = 0.0  # the least change that counts as an improvement
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 300  # the length of the run (schedules span it)
+    max_epochs: int = 0  # end after this many passes over the training data, if sooner than max_steps (0: off)
+    max_time: Any = 0  # end (with a checkpoint) after this much training time: seconds or DD:HH:MM:SS (0: off)
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
+    checkpoint_monitor: str = ""  # keep the keep_best best checkpoints by this metric in checkpoints/best/ ("": off)
+    checkpoint_mode: str = "auto"  # auto | min | max, as early_stopping.mode
+    keep_best: int = 1
+    ema_decay: float = 0.0  # a moving average of the params, evaluated as ema_<metric> and checkpointed (0: off)
+    stop_at: int = 0  # end this invocation early at this step, to resume later (0: run to max_steps)
+    accum_steps: int = 1
+    log_every: int = 10
+    eval_every: int = 100  # 0: evaluate only at the end
+    eval_batches: int = 20
+    checkpoint_every: int = 100  # 0: checkpoint only at the end
+    keep_checkpoints: int = 2
+    resume: Any = False  # true: continue hydra.run.dir from its last checkpoint | PATH: start from that checkpoint
+    reschedule: bool = False  # resume with another max_steps: stretch the learning-rate schedule over it (else refused)
+    bucket_cap_mb: float = 25.0
+    first_bucket_cap_mb: float = 1.0
+    allow_unused: bool = False
+    schedule: str = "auto"  # auto | after | overlap: when bucket reductions start (auto: overlap on more than one process)
+    nonfinite: str = "raise"  # raise | skip
+    sync_buffers: str = "broadcast"  # broadcast | average | local: buffers (BatchNorm statistics) across ranks
+    precision: str = "32-true"  # 32-true | bf16-mixed | 16-mixed | bf16-true (Lightning's names)
+    matmul_precision: str = "highest"  # highest | high | medium: torch.set_float32_matmul_precision
+    compile: Any = "auto"  # auto | true | false: torch.compile the gradient computation (auto: on a GPU, when the run repays the compile)
+    zero_stage: int = 0  # 0 | 1 (shard optimizer state over ranks) | 2 (and reduced gradients) | 3 (and params)
+    sample_streams: Any = "auto"  # auto | true | false: dropout masks per sample, alike on any world (auto: if it may shrink)
+    # none | blocks | every_k: modules whose activations backward recomputes (fdp.model.remat): the repeated blocks, or
+    # the classes named in the policy ([Block]); every_k: every k-th of them
+    activation_checkpointing: str = "none"
+    activation_checkpointing_policy: List[str] = field(default_factory=list)
+    activation_checkpointing_k: int = 2
+    reshard_after_forward: bool = True  # zero_stage=3: release each bucket's params after forward, gather again for backward
+    trace: bool = False  # write a Chrome trace per rank to <run dir>/trace/ (for short diagnostic runs)
+    tensorboard: bool = False  # the same as "tensorboard" in loggers
+    loggers: List[str] = field(default_factory=list)  # tensorboard | csv | mlflow, beside metrics.jsonl (rank 0)
+    progress: bool = True
+
+
+@dataclass
+class WorldConfig:
+    name: str = "single"
+    launcher: str = "none"  # none | elastic | torchrun | slurm
+    nnodes: int = 1
+    nproc_per_node: int = 1
+    backend: str = "auto"  # auto | gloo | nccl (auto: NCCL when every rank has a GPU of its own)
+    accelerator: str = "auto"  # auto | cpu | gpu (auto: the GPUs when there are any)
+    devices: Any = "auto"  # auto | N | -1 | "0,2" | [0,2]: see fdp.dist.devices
+    timeout_s: float = 300.0
+    max_restarts: int = 0
+    on_rank_loss: str = "restart"  # restart: a lost rank ends the world (max_restarts restarts it) | shrink: the rest go on
+    min_ranks: int = 1  # on_rank_loss=shrink: end the run (with a checkpoint) when fewer ranks remain
+    memory_per_rank_mb: float = 0.0  # what each rank may allocate once started (0: no limit), as a GPU's memory bounds it
+    hierarchical: bool = False  # reduce inside each node, run the hook chain across nodes only, share inside the node
+    node_size: int = 0  # processes per node for hierarchical (0: the processes of one launch)
+    requeue_signal: str = "SIGUSR1"  # world=slurm: stop, checkpoint and requeue the job on it (sbatch --signal=USR1@90); none: off
+
+
+# -- hooks -----------------------------------------------------------------------------
+@dataclass
+class AllreduceConfig:
+    name: str = "allreduce"
+
+
+@dataclass
+class Fp16Config:
+    name: str = "fp16"
+
+
+@dataclass
+class Bf16Config:
+    name: str = "bf16"
+
+
+@dataclass
+class NoopConfig:
+    name: str = "noop"
+
+
+@dataclass
+class PowerSGDConfig:
+    name: str = "powersgd"
+    rank: int = 1
+    start_iter: int = 10
+    min_compression_rate: float = 2.0
+    error_feedback: bool = True
+    warm_start: bool = True
+    orthogonalization_epsilon: float = 0.0
+    seed: int = 0
+    batch_same_shape: bool = False
+
+
+@dataclass
+class BatchedPowerSGDConfig:
+    name: str = "batched_powersgd"
+    rank: int = 1
+    start_iter: int = 10
+    error_feedback: bool = True
+    warm_start: bool = True
+    orthogonalization_epsilon: float = 0.0
+    seed: int = 0
+
+
+@dataclass
+class TopKConfig:
+    name: str = "topk"
+    ratio: float = 0.01
+    error_feedback: bool = True
+    k: Optional[int] = None  # entries sent per bucket; None: ceil(ratio * numel)
+
+
+@dataclass
+class Int8Config:
+    name: str = "int8"
+    error_feedback: bool = True
+
+
+@dataclass
+class LowBitConfig:
+    name: str = "lowbit"
+    format: str = "fp4"  # int8, fp8 (e4m3), int4 or fp4 (e2m1)
+    block: int = 64  # entries per scale
+    error_feedback: bool = True
+
+
+@dataclass
+class ChainConfig:
+    name: str = "chain"
+    stages: List[Any] = field(default_factory=list)
+
+
+@dataclass
+class CustomHookConfig:
+    name: str = "custom"
+    _target_: str = MISSING  # a factory returning an fdp.hooks.Hook (a chain is one)
+
+
+# -- outer loop (fdp.step.outer) -------------------------------------------------------------
+@dataclass
+class OuterNoneConfig:
+    name: str = "none"
+
+
+@dataclass
+class LocalSGDConfig:
+    name: str = "local_sgd"
+    sync_every: int = 16  # steps between parameter averages
+    start_step: int = 0  # per-step gradient sync up to this step (post-local SGD)
+    overlap: int = 0  # inner steps a sync's communication runs behind (applied that many steps late)
+    fragments: int = 1  # the model synced in this many fragments (runs of buckets), each on its own steps
+    fragment_schedule: str = "strided"  # fragments' syncs spread over the period, or sequential: on consecutive steps
+    mix: Optional[float] = None  # None: keep the steps since the send; a: a * local + (1 - a) * synced
+
+
+@dataclass
+class DiLoCoConfig(LocalSGDConfig):
+    name: str = "diloco"
+    lr: float = 0.7  # the outer optimizer: SGD on the averaged pseudo-gradient
+    momentum: float = 0.9
+    nesterov: bool = True
+
+
+# -- the whole run ---------------------------------------------------------------------
+@dataclass
+class Config:
+    model: Any = MISSING
+    data: Any = MISSING
+    loss: Any = MISSING
+    optim: Any = MISSING
+    hooks: Any = MISSING
+    outer: Any = MISSING
+    world: WorldConfig = field(default_factory=WorldConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    seed: int = 0
+
+
+SCHEMAS = {
+    "model": {"mlp": MLPConfig, "convnet": ConvNetConfig, "charlm": CharLMConfig, "custom": CustomModelConfig},
+    "data": {"digits": DigitsConfig, "stdlib_text": StdlibTextConfig, "custom": CustomDataConfig},
+    "loss": {"cross_entropy": CrossEntropyConfig, "mse": MSEConfig, "causal_lm": CausalLMLossConfig, "masked_lm": MaskedLMLossConfig,
+             "custom": CustomLossConfig},
+    "optim": {"sgd": SGDConfig, "adam": AdamConfig, "adamw": AdamWConfig, "custom": CustomOptimConfig},
+    "hooks": {
+        "allreduce": AllreduceConfig,
+        "fp16": Fp16Config,
+        "bf16": Bf16Config,
+        "noop": NoopConfig,
+        "powersgd": PowerSGDConfig,
+        "batched_powersgd": BatchedPowerSGDConfig,
+        "topk": TopKConfig,
+        "int8": Int8Config,
+        "lowbit": LowBitConfig,
+        "chain": ChainConfig,
+        "custom": CustomHookConfig,
+    },
+    "world": {"world": WorldConfig},
+    "outer": {"none": OuterNoneConfig, "local_sgd": LocalSGDConfig, "diloco": DiLoCoConfig},
+}
+
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+
+
+def compose(*overrides: str, config_dir: str | Path = CONF_DIR) -> DictConfig:
+    """The run config for ``overrides``, as ``recipes/train.py`` would see it (from Python or a notebook).
+
+    >>> cfg = compose("model=convnet", "trainer.max_steps=50")
+    >>> cfg.model.name, cfg.trainer.max_steps
+    ('convnet', 50)
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+        return hydra_compose("config", overrides=list(overrides))
+
+
+def register_configs() -> None:
+    """Register the schemas with Hydra; YAML files extend them as ``<name>_schema``."""
+    store = ConfigStore.instance()
+    store.store(name="config_schema", node=Config)
+    for group, schemas in SCHEMAS.items():
+        for name, schema in schemas.items():
+            store.store(group=group, name=f"{name}_schema", node=schema)

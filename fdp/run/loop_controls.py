@@ -1,0 +1,433 @@
+"""When a run ends before ``max_steps``, which checkpoints it keeps as its best, and its moving average.
+
+* ``trainer.max_epochs``: the run's length in passes over the training data
+  (``run_steps``); the learning-rate schedule spans it.
+* ``trainer.max_time``: training time (counted across resumes) after which every rank
+  stops at the same step boundary with a checkpoint, as after a stop signal. Rank 0's
+  clock decides; its verdict reaches the others through a small all-reduce of its own,
+  read one step later, so no step waits for it (``Deadline``).
+* ``trainer.early_stopping``: stop once a monitored metric of the evaluations has not
+  improved for ``patience`` evaluations. Rank 0 evaluates; every rank receives its record
+  (``fdp.run.report``) and updates the same small value, so all decide alike.
+* ``trainer.checkpoint_monitor`` / ``trainer.keep_best``: the ``keep_best`` best
+  checkpoints by that metric, copied to ``checkpoints/best/step=<N>-<metric>=<value>.pt``
+  (atomically) beside the newest ones.
+* ``trainer.ema_decay``: a moving average of the params (``fdp.optim.ema``), evaluated as
+  ``ema_<metric>`` and saved whole in each checkpoint (``ema``).
+
+What these decide with (the stopping counter, the best values so far, the training time,
+the average) is saved in every checkpoint (``loop``, ``ema``), so a resumed run goes on
+exactly as the uninterrupted one would.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from fdp.update import zero
+from fdp.run.checkpoint import load
+from fdp.comm import Comm
+from fdp.data import Dataset, MapData, num_train_samples
+from fdp.optim.ema import check_ema_decay, ema
+from fdp.errors import ConfigError, require
+from fdp.plan import BucketPlan
+from fdp.state.train_state import TrainState
+
+__all__ = ["LoopControls", "Monitor", "check_loop_settings", "check_max_time", "check_mode", "ranked", "read_resumed",
+           "run_steps", "steps_per_epoch", "stopping_update"]
+
+BEST = "best"
+MODES = ("auto", "min", "max")
+_BEST_FILE = re.compile(r"^step=(\d+)-.*\.pt$")
+
+
+# -- the run's length -------------------------------------------------------------------------
+def steps_per_epoch(data: Dataset | MapData, global_batch_size: int) -> float:
+    """Steps of ``global_batch_size`` samples in one pass over the training data.
+
+    A text stream's pass is as many tokens as its characters (each step reads
+    ``global_batch_size`` windows of ``block_size``).
+
+    >>> from fdp.data import load_digits
+    >>> steps_per_epoch(load_digits(), 64)
+    22.46875
+    """
+    n = num_train_samples(data)
+    if isinstance(data, Dataset) and data.is_text:
+        return n / (global_batch_size * data.block_size)
+    return n / global_batch_size
+
+
+def run_steps(max_steps: int, max_epochs: int, data: Dataset | MapData, global_batch_size: int) -> int:
+    """The run's last step: ``max_steps``, or fewer where ``max_epochs`` passes end sooner.
+
+    A pass ends with the step that reads its last sample (that batch fills up from the
+    next pass's order, as every batch crossing a pass does: ``fdp.data.global_batch``).
+
+    >>> from fdp.data import load_digits
+    >>> run_steps(300, 2, load_digits(), 64)  # 2 * 1438 samples: 44.9 steps
+    45
+    """
+    if not max_epochs:
+        return max_steps
+    return min(max_steps, max(1, math.ceil(max_epochs * steps_per_epoch(data, global_batch_size) - 1e-9)))
+
+
+def check_max_time(value: Any) -> float:
+    """``max_time`` in seconds: a number, or ``[[DD:]HH:]MM:SS`` (Lightning's form); 0: no limit.
+
+    >>> check_max_time("00:01:30:00"), check_max_time(90), check_max_time(0)
+    (5400.0, 90.0, 0.0)
+    >>> check_max_time("1h")
+    Traceback (most recent call last):
+    ...
+    ValueError: max_time='1h': expected seconds >= 0 or DD:HH:MM:SS (e.g. 00:12:00:00 for 12 hours)
+    """
+    what = "seconds >= 0 or DD:HH:MM:SS (e.g. 00:12:00:00 for 12 hours)"
+    if isinstance(value, str) and ":" in value:
+        parts = value.split(":")
+        require(len(parts) <= 4 and all(p.strip().isdigit() for p in parts), "max_time", value, what)
+        return float(sum(int(p) * unit for p, unit in zip(reversed(parts), (1, 60, 3600, 86400))))
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = -1.0
+    require(not isinstance(value, bool) and math.isfinite(seconds) and seconds >= 0, "max_time", value, what)
+    return seconds
+
+
+def check_loop_settings(tc: Any, on_rank_loss: str = "stop", outer: str = "none") -> None:
+    """The settings of ``trainer`` (``tc``) this module uses, each refused in one line naming its key.
+
+    >>> from fdp.run.config import compose
+    >>> check_loop_settings(compose("trainer.early_stopping.patience=0").trainer)
+    Traceback (most recent call last):
+    ...
+    fdp.errors.ConfigError: trainer.early_stopping.patience=0: expected an integer >= 1
+    """
+    def check(ok: bool, key: str, value: Any, what: str) -> None:
+        require(ok, f"trainer.{key}", value, what, ConfigError)
+
+    def named(key: str, rule: Any, value: Any) -> None:  # the rule names the setting as ``key``
+        try:
+            rule(value)
+        except ValueError as error:
+            raise ConfigError(f"trainer.{error}") from None
+
+    check(tc.max_epochs >= 0, "max_epochs", tc.max_epochs, "an integer >= 0 (0: max_steps alone)")
+    named("max_time", check_max_time, tc.max_time)
+    check(not check_max_time(tc.max_time) or on_rank_loss != "shrink", "max_time", tc.max_time,
+          "0 with world.on_rank_loss=shrink (its clock is not carried to a new world)")
+    named("ema_decay", check_ema_decay, tc.ema_decay)
+    check(not tc.ema_decay or outer == "none", "ema_decay", tc.ema_decay,
+          f"0 with outer={outer} (its ranks' params differ between syncs: no one average to keep)")
+    early = tc.early_stopping
+    check(early.mode in MODES, "early_stopping.mode", early.mode, "auto, min or max")
+    check(early.patience >= 1, "early_stopping.patience", early.patience, "an integer >= 1")
+    check(early.min_delta >= 0, "early_stopping.min_delta", early.min_delta, "a number >= 0")
+    check(not early.monitor or tc.eval_every > 0, "early_stopping.monitor", early.monitor,
+          "'' with trainer.eval_every=0 (it decides at evaluations: set trainer.eval_every)")
+    check(tc.checkpoint_mode in MODES, "checkpoint_mode", tc.checkpoint_mode, "auto, min or max")
+    check(tc.keep_best >= 1, "keep_best", tc.keep_best, "an integer >= 1")
+
+
+# -- a monitored metric -------------------------------------------------------------------------
+def check_mode(mode: str) -> str:
+    """``mode``: ``auto`` (max for an accuracy, min otherwise), ``min`` or ``max``."""
+    require(mode in MODES, "mode", mode, "auto, min or max")
+    return mode
+
+
+class Monitor(NamedTuple):
+    """A metric of the evaluations and which way is better (``min_delta``: the least change that counts).
+
+    >>> Monitor.of("test_acc").mode, Monitor.of("test_loss").mode
+    ('max', 'min')
+    >>> Monitor.of("test_loss", min_delta=0.1).better(0.95, 1.0)
+    False
+    """
+
+    name: str
+    mode: str
+    min_delta: float = 0.0
+
+    @staticmethod
+    def of(name: str, mode: str = "auto", min_delta: float = 0.0) -> Monitor:
+        if check_mode(mode) == "auto":
+            mode = "max" if re.search(r"acc|accuracy|f1|auc", name) else "min"
+        return Monitor(name, mode, min_delta)
+
+    def better(self, value: float, than: float | None) -> bool:
+        """Whether ``value`` improves on ``than`` (anything improves on ``None``; NaN never does)."""
+        if math.isnan(value):
+            return False
+        if than is None:
+            return True
+        return value < than - self.min_delta if self.mode == "min" else value > than + self.min_delta
+
+    def read(self, record: dict, setting: str) -> float:
+        """The metric from an evaluation's ``record``; a name it lacks is refused naming ``setting``."""
+        value = record.get(self.name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            known = sorted(k for k, v in record.items() if isinstance(v, float) and k != "lr")
+            raise ConfigError(f"{setting}={self.name!r}: expected a metric of the evaluations: {', '.join(known)}")
+        return float(value)
+
+
+class Stopping(NamedTuple):
+    """Early stopping's state: the best value so far and the evaluations since it improved."""
+
+    best: float | None = None
+    waited: int = 0
+
+
+def stopping_update(stopping: Stopping, value: float, monitor: Monitor) -> Stopping:
+    """The state after one more evaluation.
+
+    >>> s = Stopping()
+    >>> for loss in (1.0, 0.9, 0.95, 0.91):
+    ...     s = stopping_update(s, loss, Monitor.of("test_loss"))
+    >>> s
+    Stopping(best=0.9, waited=2)
+    """
+    if monitor.better(value, stopping.best):
+        return Stopping(value, 0)
+    return Stopping(stopping.best, stopping.waited + 1)
+
+
+def ranked(best: tuple, value: float, step: int, keep: int, monitor: Monitor) -> tuple[tuple, bool]:
+    """``best`` (``(value, step)`` pairs, best first) with this evaluation ranked in, at most ``keep``; and
+    whether it made the cut.
+
+    >>> best, kept = ranked(((0.5, 10), (0.7, 20)), 0.6, 30, 2, Monitor.of("test_loss"))
+    >>> best, kept
+    (((0.5, 10), (0.6, 30)), True)
+    """
+    if math.isnan(value):
+        return best, False
+    entries = list(best)
+    ahead = (lambda v: value < v) if monitor.mode == "min" else (lambda v: value > v)  # a tie ranks after
+    position = next((i for i, (v, _) in enumerate(entries) if ahead(v)), len(entries))
+    entries.insert(position, (value, step))
+    entries = entries[:keep]
+    return tuple(entries), position < keep
+
+
+class Verdict(NamedTuple):
+    """What an evaluation decided: copy this step's checkpoint to the best ones; stop (why)."""
+
+    keep_best: bool = False
+    stop: str | None = None
+
+
+# -- max_time -----------------------------------------------------------------------------------
+class Deadline:
+    """Rank 0's training clock against ``max_time``, agreed by every rank at the same step.
+
+    Each step every rank all-reduces (max) rank 0's verdict on a gloo group of its own and
+    reads the one issued a step before (long done by then): no step waits, and all ranks
+    stop after the same step, one step after rank 0's clock ran out.
+    """
+
+    def __init__(self, limit_s: float, elapsed_s: float, comm: Comm):
+        self.limit_s, self.before_s, self.started = limit_s, elapsed_s, time.perf_counter()
+        self.rank, self._group, self._pending = comm.rank, None, None
+        if limit_s and comm.world_size > 1:
+            from fdp._torch import group_timeout
+
+            ranks = dist.get_process_group_ranks(comm.group) if comm.group is not None else list(range(comm.world_size))
+            self._group = dist.new_group(ranks, timeout=group_timeout(), backend="gloo")
+
+    def elapsed_s(self) -> float:
+        """Training time so far, the invocations before this one included."""
+        return self.before_s + time.perf_counter() - self.started
+
+    def passed(self) -> bool:
+        """Whether every rank stops after this step (call on every rank after every step)."""
+        if not self.limit_s:
+            return False
+        mine = self.rank == 0 and self.elapsed_s() >= self.limit_s
+        if self._group is None:
+            return mine
+        verdict = False
+        if self._pending is not None:
+            work, flag = self._pending
+            work.wait()
+            verdict = bool(flag.item())
+        flag = torch.tensor([int(mine)], dtype=torch.int32)
+        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True), flag)
+        return verdict
+
+    def close(self, finished: bool = True) -> None:
+        if self._pending is not None and finished:
+            self._pending[0].wait()
+        self._pending = None
+        if self._group is not None:
+            with contextlib.suppress(Exception):  # the world may be gone (a lost rank): nothing left to release
+                dist.destroy_process_group(self._group)
+            self._group = None
+
+
+# -- the loop's controls ---------------------------------------------------------------------------
+class LoopControls:
+    """Everything above for one rank's loop: call ``stepped`` after each step, ``evaluated`` after each
+    evaluation, ``payload`` for each checkpoint (on every rank), ``keep_best`` with the file it wrote.
+
+    ``resumed``: the ``loop`` and ``ema`` entries of the checkpoint the run resumes from (``read_resumed``);
+    ``end_step``: the run's last step (``run_steps``), whatever step this invocation stops at.
+    """
+
+    def __init__(self, tc: Any, comm: Comm, plan: BucketPlan, state: TrainState, evaluates: bool,
+                 end_step: int, resumed: dict | None = None):
+        self.comm, self.plan, self.stage = comm, plan, tc.zero_stage
+        self.eval_every, self.end_step = tc.eval_every, end_step
+        early = tc.early_stopping
+        self.early = Monitor.of(early.monitor, early.mode, early.min_delta) if early.monitor else None
+        self.patience = early.patience
+        self.best_by = Monitor.of(tc.checkpoint_monitor, tc.checkpoint_mode) if tc.checkpoint_monitor else None
+        self.keep = tc.keep_best
+        # Checkpoints then hold what an evaluation decides, so the loop evaluates before it saves.
+        self.watches = self.early is not None or self.best_by is not None
+        for setting, monitor in (("trainer.early_stopping.monitor", self.early),
+                                 ("trainer.checkpoint_monitor", self.best_by)):
+            if monitor is not None and not evaluates:
+                raise ConfigError(f"{setting}={monitor.name!r}: expected data with a test split to evaluate on")
+        loop = (resumed or {}).get("loop") or {}
+        self.stopping = Stopping(loop.get("stopping_best"), int(loop.get("stopping_waited", 0)))
+        self.best = tuple((float(v), int(s)) for v, s in loop.get("best", ()))
+        self.deadline_s = check_max_time(tc.max_time)
+        self.deadline = Deadline(self.deadline_s, float(loop.get("elapsed_s", 0.0)), comm)
+        self.ema = ema(tc.ema_decay) if tc.ema_decay else None
+        self.average = self._resumed_average((resumed or {}).get("ema"), state) if self.ema else None
+        self._before = self.average  # the average of the step before (a world that shrinks may go back to it)
+        self.stopped: str | None = None  # why the loop ended early (a line for the log)
+
+    def _resumed_average(self, saved: dict | None, state: TrainState) -> dict:
+        if saved is None:  # a new run, or one that turns the average on when resumed
+            return self.ema.init(state.params)
+        if self.stage == 3:  # this rank's slices of the whole average
+            whole = TrainState(0, saved, {}, (), (), state.rng)
+            return self.ema.init(zero.shard_state(whole, self.plan, self.comm, stage=3).params)
+        return self.ema.init({name: saved[name].to(p.device) for name, p in state.params.items()})
+
+    def ended_before(self) -> str | None:
+        """Why a resumed run has nothing left to do (it had stopped early), or ``None``."""
+        if self.early is not None and self.stopping.waited >= self.patience:
+            return self._early_stop_line()
+        if self.deadline_s and self.deadline.before_s >= self.deadline_s:
+            return f"max_time={self.deadline_s:g} s already spent ({self.deadline.before_s:.1f} s)"
+        return None
+
+    def stepped(self, state: TrainState) -> str | None:
+        """After each step on every rank: update the average; why to stop now (max_time), or ``None``."""
+        if self.ema is not None:
+            self._before, self.average = self.average, self.ema.update(self.average, state.params)
+        if self.deadline.passed():
+            return f"max_time={self.deadline_s:g} s reached after {self.deadline.elapsed_s():.1f} s of training"
+        return None
+
+    def back(self) -> None:
+        """Undo the last step's update of the average (the world went back to the step before: ``fdp.dist.shrink``)."""
+        self.average = self._before
+
+    @property
+    def stopped_by(self) -> str | None:
+        """The setting that ended the run before its last step (the summary's ``stopped``), or ``None``."""
+        if not self.stopped:
+            return None
+        return "early_stopping" if self.stopped.startswith("early stopping") else "max_time"
+
+    def evaluated(self, step: int, record: dict | None) -> Verdict:
+        """After each step: with an evaluation's ``record`` (the same on every rank), rank it and decide.
+
+        Only the evaluations every run of these settings makes count: not the one closing an
+        invocation that stops early to be resumed (``trainer.stop_at``), or a resumed run would
+        decide on one evaluation more than the uninterrupted one.
+        """
+        scheduled = self.eval_every and step % self.eval_every == 0 or step == self.end_step
+        if record is None or not scheduled:
+            return Verdict()
+        keep = False
+        if self.best_by is not None:
+            value = self.best_by.read(record, "trainer.checkpoint_monitor")
+            self.best, keep = ranked(self.best, value, step, self.keep, self.best_by)
+        stop = None
+        if self.early is not None:
+            self.stopping = stopping_update(self.stopping, self.early.read(record, "trainer.early_stopping.monitor"),
+                                            self.early)
+            if self.stopping.waited >= self.patience:
+                stop = self._early_stop_line()
+        return Verdict(keep, stop)
+
+    def _early_stop_line(self) -> str:
+        return (f"early stopping: {self.early.name} has not improved on {self.stopping.best:.6g} for "
+                f"{self.stopping.waited} evaluations (trainer.early_stopping.patience={self.patience})")
+
+    def payload(self, step: int) -> dict:
+        """The checkpoint's entries for the loop (call on every rank: at stage 3 the average is gathered)."""
+        out: dict[str, Any] = {"loop": {
+            "step": step, "elapsed_s": self.deadline.elapsed_s(), "stopping_best": self.stopping.best,
+            "stopping_waited": self.stopping.waited, "best": [list(entry) for entry in self.best],
+            "monitor": self.best_by.name if self.best_by else None,
+        }}
+        if self.average is not None:
+            average = self.average
+            if zero.params_sharded(average, self.plan):
+                holder = TrainState(step, average, {}, (), (), torch.empty(0))
+                average = zero.gather_state(holder, self.plan, self.comm, to=0).params
+            out["ema"] = {name: t.detach().cpu() for name, t in average.items()}
+        return out
+
+    def keep_best(self, checkpoints: Path, written: Path | None, step: int) -> None:
+        """Rank 0: copy ``written`` (this step's checkpoint) among the best; drop those ranked out."""
+        if written is None or self.best_by is None:
+            return
+        directory = Path(checkpoints) / BEST
+        value = {s: v for v, s in self.best}.get(step)
+        if value is not None:
+            _atomic_copy(written, directory / f"step={step}-{self.best_by.name}={value:.6g}.pt")
+        kept = {s for _, s in self.best}
+        for old in directory.iterdir() if directory.is_dir() else ():  # none yet: no evaluation has ranked
+            match = _BEST_FILE.match(old.name)
+            if match and int(match.group(1)) not in kept:
+                old.unlink()
+
+    def close(self, finished: bool = True) -> None:
+        self.deadline.close(finished)
+
+
+def read_resumed(path: Path, comm: Comm) -> dict:
+    """The ``loop`` and ``ema`` entries of the checkpoint at ``path`` (rank 0 reads; every rank gets them)."""
+    box = [None]
+    if comm.rank == 0:
+        payload = load(path, mmap=True)
+        box = [{key: payload.get(key) for key in ("loop", "ema")}]
+        if box[0]["ema"] is not None:
+            box[0]["ema"] = {name: t.clone() for name, t in box[0]["ema"].items()}  # off the mapped file
+    if comm.world_size > 1:
+        dist.broadcast_object_list(box, group=comm.group, group_src=0)
+    return box[0]
+
+
+def _atomic_copy(source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp"
+    with open(source, "rb") as src, open(tmp, "wb") as dst:
+        shutil.copyfileobj(src, dst, 16 << 20)
+        dst.flush()
+        os.fsync(dst.fileno())
+    os.replace(tmp, target)
+    fd = os.open(target.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

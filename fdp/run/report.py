@@ -1,0 +1,166 @@
+"""What a run reports while it trains: a record per logged step, evaluations, the bar and the summary.
+
+``Report`` turns each step's metrics (``fdp.step.train_step``) into the records ``metrics.jsonl``
+holds (rank 0 writes them; every rank computes the same world-mean loss), evaluates on
+the test split when due, and sums the run up at its end.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+from fdp.update import zero
+from fdp.run.build import RunParts, display_name
+from fdp.comm import Comm
+from fdp.data import has_test_split
+from fdp.optim.ema import averaged_as
+from fdp.run.evaluate import evaluate
+from fdp.run.loggers import check_loggers, open_loggers
+from fdp.run.metrics import MetricsLog, StepTimes, progress
+from fdp.run.rundir import RunDir
+from fdp.state.train_state import TrainState
+
+__all__ = ["Report"]
+
+
+class Report:
+    """The metrics of one rank's run (see the module docstring)."""
+
+    def __init__(self, cfg: DictConfig, run_dir: RunDir, parts: RunParts, comm: Comm, first_step: int, last_step: int):
+        self.cfg, self.run_dir, self.parts, self.comm = cfg, run_dir, parts, comm
+        self.last_step = last_step
+        is_rank0 = comm.rank == 0
+        self.log = self._open_log(resume=first_step > 0) if is_rank0 else None
+        self.bar = progress(last_step, first_step, enabled=cfg.trainer.progress and is_rank0)
+        self.times, self.skipped, self.last_eval, self.record = StepTimes(), 0, {}, {}
+        self.started = time.perf_counter()
+        self.shrinks: list[dict] = []  # each time the world went on without a lost rank (fdp.dist.shrink)
+
+    def shrunk(self, comm: Comm, record: dict) -> None:
+        """The world went on without a lost rank from step ``record["step"]``: note it (a line of
+        ``metrics.jsonl``, and the summary); the new world's rank 0 writes the records from here on."""
+        self.comm = comm
+        if comm.rank == 0 and self.log is None:
+            self.log = self._open_log(resume=True)
+        self.shrinks.append(record)
+        if self.log:
+            self.log.write({"shrink": True, **record})
+
+    def _open_log(self, resume: bool) -> MetricsLog:
+        tc = self.cfg.trainer
+        names = check_loggers(tc.loggers, tc.tensorboard)
+        settings = OmegaConf.to_container(self.cfg, resolve=True)
+        return MetricsLog(self.run_dir.path, resume=resume, loggers=open_loggers(names, self.run_dir.path, resume, settings))
+
+    def step(self, state: TrainState, metrics: dict, stopping: bool = False, average: dict | None = None) -> dict | None:
+        """Count a step; on a logged one (and the last, ``stopping`` early included), write its record
+        and the evaluation when due (not on a run stopping early: it should stop at once).
+
+        ``average``: the params' moving average (``fdp.optim.ema``), evaluated too (``ema_test_loss``...).
+        Returns the record of a step that evaluated, rank 0's on every rank, else ``None``.
+        """
+        tc, number = self.cfg.trainer, state.step
+        self.times.add(metrics)
+        self.skipped += metrics["skipped"]
+        self.bar.update(1)
+        done = number == self.last_step
+        if number % tc.log_every and not done and not stopping:
+            return
+        self.record = self._record(number, metrics)
+        if (tc.eval_every and number % tc.eval_every == 0 or done and not stopping) and has_test_split(self.parts.data):
+            # Every rank takes part (ZeRO stage 3 gathers the params); rank 0 evaluates.
+            params = zero.whole_params(state, self.parts.plan, self.comm)
+            averaged = zero.whole_params(state._replace(params=average), self.parts.plan, self.comm) \
+                if average is not None else None
+            if self.comm.rank == 0:
+                self.last_eval = self._evaluate(state._replace(params=params))
+                if averaged is not None:
+                    on_average = self._evaluate(state._replace(params=averaged_as(averaged, params)))
+                    self.last_eval.update({f"ema_{k}": v for k, v in on_average.items()})
+                self.record.update(self.last_eval)
+            evaluated = self._from_rank0(self.record)
+        else:
+            evaluated = None
+        self.bar.set_postfix(loss=f"{self.record['loss']:.4f}", samples_s=f"{self.record['samples_per_s']:.0f}")
+        if self.log:
+            self.log.write(self.record)
+        return evaluated
+
+    def _from_rank0(self, record: dict) -> dict:
+        """Rank 0's record on every rank: what it evaluated, for decisions every rank must make alike."""
+        if self.comm.world_size == 1:
+            return dict(record)
+        box = [record if self.comm.rank == 0 else None]
+        dist.broadcast_object_list(box, group=self.comm.group, group_src=0)
+        return box[0]
+
+    def _record(self, number: int, m: dict) -> dict:
+        loss, world = m["loss"].clone(), self.comm.world_size
+        if world > 1:
+            loss = self.comm.allreduce(loss / world).wait()
+        gbs = self.cfg.data.global_batch_size
+        record = {
+            "step": number,
+            "loss": loss.item(),
+            "lr": m["lr"],
+            "grad_norm": m["grad_norm"].item(),
+            "samples_per_s": gbs / m["step_s"],
+            "step_ms": 1e3 * m["step_s"],
+            "compute_ms": 1e3 * m["compute_s"],
+            "comm_wait_ms": 1e3 * m["comm_wait_s"],
+            "data_wait_ms": 1e3 * m["data_wait_s"],
+            "bytes_sent": m["bytes_sent"],
+            "compression": self.parts.plan.nbytes / m["bytes_sent"] if m["bytes_sent"] else None,
+            "skipped_steps": self.skipped,
+            "state_mib": m["state_mib"],
+        }
+        if "loss_scale" in m:
+            record["loss_scale"] = m["loss_scale"].item()
+        return record
+
+    def _evaluate(self, state: TrainState) -> dict:
+        parts, tc = self.parts, self.cfg.trainer
+        # In pieces no larger than what one forward of training takes: what trains within a memory budget evaluates.
+        micro = max(1, self.cfg.data.global_batch_size // self.comm.world_size // tc.accum_steps)
+        return evaluate(parts.model, state.params, state.buffers, parts.data, tc.eval_batches, criterion=parts.criterion,
+                        num_workers=self.cfg.data.get("num_workers", 0), precision=parts.precision, fits=micro)
+
+    def summary(self, state: TrainState, device: str, interrupted: str | None = None, stopped: str | None = None) -> dict:
+        """The run in one record (the ``fdp: ...`` line rank 0 prints), also written to ``metrics.jsonl``;
+        ``interrupted``: the signal that stopped it early; ``stopped``: the setting that ended it before
+        its last step (``max_time``, ``early_stopping``: ``fdp.run.loop_controls``)."""
+        self.bar.close()
+        times, gbs = self.times, self.cfg.data.global_batch_size
+        rows = times.rows
+        sent = times.median("bytes_sent") if rows else 0
+        summary = {
+            "model": display_name(self.cfg.model),
+            "world": self.comm.world_size,
+            "device": device,
+            "steps": state.step,
+            "loss": self.record.get("loss"),
+            **self.last_eval,
+            "wall_s": time.perf_counter() - self.started,
+            "step_ms": 1e3 * times.median("step_s"),
+            "compute_ms": 1e3 * times.median("compute_s"),
+            "comm_wait_ms": 1e3 * times.median("comm_wait_s"),
+            "data_wait_ms": 1e3 * times.mean("data_wait_s"),  # every step's: a loader's start-up stall counts
+            "bytes_per_step": int(sent),
+            # Under an outer loop most steps send nothing: the mean is what a sync every H steps costs.
+            "mean_bytes_per_step": int(sum(r["bytes_sent"] for r in rows) / len(rows)) if rows else 0,
+            "compression": self.parts.plan.nbytes / sent if sent else None,
+            "samples_per_s": gbs / times.median("step_s"),
+            "skipped_steps": self.skipped,
+            "state_mib": self.record.get("state_mib"),
+            "run_dir": str(self.run_dir.path),
+            **({"shrinks": self.shrinks} if self.shrinks else {}),
+            **({"interrupted": interrupted} if interrupted else {}),
+            **({"stopped": stopped} if stopped else {}),
+        }
+        if self.log:
+            self.log.write({"summary": True, **summary})
+            self.log.close()
+        return summary

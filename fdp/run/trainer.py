@@ -1,0 +1,509 @@
+"""From a config to a trained, logged and checkpointed run, on one process or many.
+
+The entry chain, one name per step:
+
+* ``run(cfg, run_dir)``, the Python API (the shell entry, ``fdp.run.cli.run_from_shell``, does the same
+  with one line and an exit status at the end): start the run (``fdp.run.startup.start_run``: the world
+  resolved, the config validated once, the directory owned), then ``run_ranks``;
+* ``run_ranks``: this process's ranks: a local world's workers started with the elastic launcher
+  (``fdp.spawn``), or the one rank a launcher started here;
+* ``run_rank``: one rank, in its own process (kept by a keeper under ``world.on_rank_loss=shrink``,
+  ``fdp.dist.keeper``): join the world, then ``_train``;
+* ``_train``: ``_start`` (build the run's pieces, ``fdp.run.build``; resume or start), the loop's
+  resources (stop signals, heartbeat, the rank's status, the timeline) in one ``ExitStack``, and
+  ``_loop`` over the steps (``_Loop``). Under ``world.on_rank_loss=shrink`` a lost rank does not end
+  the loop: the survivors regroup and go on from the last step they all completed
+  (``_Loop.shrink``, ``fdp.dist.shrink``).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+from fdp.run import checkpoint
+
+from fdp.step import compiled
+
+from fdp.model import remat
+
+from fdp.update import zero
+from fdp.dist.allocator import release_free_memory
+from fdp.run.build import RunParts, build_data, build_run, display_name, tune_allocator_for
+from fdp.comm import Comm
+from fdp.data import check_global_batch, has_test_split, train_batches
+from fdp.dist.devices import MemoryPhase, batch_to_device, is_out_of_memory, limit_memory
+from fdp.errors import ConfigError
+from fdp.dist.interrupt import StopSignals, stop_signal_names
+from fdp.dist.keeper import LostRank
+from fdp.dist.launch import (
+    Heartbeat,
+    RankLostError,
+    RankOutOfMemoryError,
+    RunDoesNotFit,
+    WorkerFailedError,
+    init_distributed,
+    spawn,
+)
+from fdp.dist.launchers import launcher_of
+from fdp.run.loop_controls import LoopControls, read_resumed, run_steps
+from fdp.model.losses import make_loss_fn
+from fdp.step.outer import check_outer, make_outer_step
+from fdp.model.precision import set_matmul_precision
+from fdp.run.report import Report
+from fdp.run.rundir import RankStatus, RunDir, train_log_handler
+from fdp.dist.shrink import Shrink, ShrinkingWorld, check_shrinkable_batch, keep_rank, launched_world, shrink_store
+from fdp.state.train_state import TrainState
+from fdp.step.train_step import TrainStep, make_train_step
+from fdp.model.streams import wants_sample_streams
+from fdp.trace import NullTimeline, Timeline
+from fdp.run.startup import start_run
+from fdp.run.world import layout_of
+
+__all__ = ["run", "run_rank", "run_ranks", "train_worker"]
+
+log = logging.getLogger("fdp")
+
+
+# -- checkpoints of the run -----------------------------------------------------------------
+def _save(run_dir: RunDir, state: TrainState, comm: Comm, cfg: DictConfig, parts: RunParts,
+          extra: dict | None = None) -> Path | None:
+    state = parts.update.to_checkpoint(state, comm)  # whole, so that any world size and stage can resume it
+    extra = {"config": OmegaConf.to_yaml(cfg), **(extra or {})}
+    return checkpoint.save_checkpoint(run_dir.checkpoints, state, parts.plan, comm, keep=cfg.trainer.keep_checkpoints,
+                                      extra=extra)
+
+
+def _resume(source: Path, parts: RunParts, comm: Comm) -> TrainState:
+    template = parts.update.checkpoint_template(parts.state)
+    state = checkpoint.load_checkpoint(source, template, parts.plan, comm)
+    if comm.rank == 0:
+        log.info(f"resumed from step {state.step} ({source})")
+    return parts.update.from_checkpoint(state, comm)
+
+
+def _resume_source(cfg: DictConfig, run_dir: RunDir) -> Path | None:
+    """The checkpoint to start from: ``trainer.resume``'s, or this run's last after a restart of the world; or none."""
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+    last = run_dir.last_checkpoint
+    return last if restarted and last.exists() else run_dir.resume_from(cfg.trainer.resume)
+
+
+def _first_state(source: Path | None, parts: RunParts, comm: Comm) -> TrainState:
+    """The built state, or the checkpoint's at ``source``."""
+    return parts.state if source is None else _resume(source, parts, comm)
+
+
+# -- the parts of a worker's run ---------------------------------------------------------------
+def _announce(cfg: DictConfig, run_dir: RunDir, parts: RunParts, world: int, device: torch.device) -> None:
+    plan = parts.plan
+    run_dir.plan_table.write_text(f"{plan}\nfingerprint: {plan.fingerprint()}\n")
+    run_dir.plan_json.write_text(json.dumps(plan.to_dict(), indent=1))
+    log.info(
+        f"{display_name(cfg.model)}: {parts.num_params:,} parameters in {len(plan)} buckets "
+        f"({plan.nbytes / 2**20:.2f} MiB, plan {plan.fingerprint()[:12]}, see plan.txt), world {world} on {device}"
+        + (f" over {dist.get_backend()}" if dist.is_initialized() else "")
+    )
+
+
+def _make_step(cfg: DictConfig, parts: RunParts, comm: Comm, timeline: Timeline, compile: bool,
+               donate: bool = True) -> TrainStep:
+    tc = cfg.trainer
+    options = dict(
+        # donate: the loop never looks at a state again once it has the next (but a world that
+        # shrinks may go back to it: fdp.dist.shrink)
+        accum_steps=tc.accum_steps, schedule=tc.schedule, nonfinite=tc.nonfinite, timeline=timeline, donate=donate,
+        sync_buffers=tc.sync_buffers, precision=parts.precision, compile=compile, update=parts.update,
+        # Dropout masks by sample, the same on any number of ranks (fdp.model.streams), or each rank's generator.
+        sample_seed=cfg.seed if wants_sample_streams(tc.sample_streams, cfg.world.on_rank_loss) else None,
+        checkpoint_modules=remat.from_config(tc.activation_checkpointing, tc.activation_checkpointing_policy,
+                                             tc.activation_checkpointing_k, parts.model.module),
+    )
+    loss_fn = make_loss_fn(parts.model, parts.criterion)
+    outer = check_outer(OmegaConf.to_container(cfg.outer))
+    if outer.name == "none":
+        return make_train_step(loss_fn, parts.optimizer, parts.plan, parts.hook, comm, **options)
+    return make_outer_step(loss_fn, parts.optimizer, parts.plan, outer, parts.hook, comm, **options)
+
+
+def _not_compiled(cfg: DictConfig, parts: RunParts) -> str | None:
+    """Why this run's step cannot compile (what ``trainer.compile=auto`` says), or ``None``."""
+    refusal = parts.update.refuses_compile()
+    if refusal:
+        return refusal
+    if wants_sample_streams(cfg.trainer.sample_streams, cfg.world.on_rank_loss):
+        return "per-sample random streams (trainer.sample_streams) run in a dispatch mode, which does not compile"
+    return None
+
+
+def _lost_rank_error(error: RuntimeError, heartbeat: Heartbeat | None, rank: int, step: int) -> RankLostError | None:
+    """After a failed collective: a ``RankLostError`` naming the ranks that stopped answering, if any."""
+    lost = heartbeat.silent_ranks() if heartbeat is not None else None
+    if not lost:
+        return None
+    # Gloo prefixes its messages with its source location: "[.../pair.cc:537] Read error ...".
+    reason = re.sub(r"^\[[^\]]*\]\s*", "", (str(error).strip().splitlines() or [""])[0])
+    names = ", ".join(map(str, lost))
+    return RankLostError(
+        f"rank {names} was lost at step {step}: it stopped answering (killed, hung or unreachable); "
+        f"the collective on rank {rank} failed with: {reason}"
+    )
+
+
+def _setup_logging(run_dir: RunDir, rank: int) -> None:
+    handler: logging.Handler
+    if rank == 0:
+        handler = logging.StreamHandler(sys.stdout)
+    else:
+        handler = logging.FileHandler(run_dir.rank_log(rank))
+    handler.setFormatter(logging.Formatter(f"[rank{rank}] %(message)s"))
+    for old in log.handlers:
+        old.close()
+    # What rank 0 prints also goes to Hydra's <run dir>/train.log (fdp.run.rundir).
+    log.handlers[:] = [handler, train_log_handler(run_dir.path, f"[rank{rank}] ")] if rank == 0 else [handler]
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+# -- a rank -----------------------------------------------------------------------------------
+def run_rank(cfg: DictConfig, run_dir: str) -> dict | LostRank:
+    """Train on this rank until ``trainer.max_steps``; return the summary (rank 0's is the one printed).
+
+    Under ``world.on_rank_loss=shrink`` this process keeps the rank as its child
+    (``fdp.dist.keeper``) and returns ``LostRank`` for a rank the world went on without
+    (under ``torchrun`` and SLURM, the run's summary once the others are done).
+    """
+    cfg = OmegaConf.create(cfg) if not isinstance(cfg, DictConfig) else cfg
+    if cfg.world.on_rank_loss == "shrink" and launched_world(cfg.world.launcher).world_size > 1:
+        return keep_rank(_join_and_train, cfg, run_dir, launcher=cfg.world.launcher, timeout_s=cfg.world.timeout_s)
+    return _join_and_train(cfg, run_dir)
+
+
+run_rank.handles_stop_signals = True  # fdp.dist.launch.spawn: it installs fdp.dist.interrupt's handlers itself
+train_worker = run_rank  # its earlier name
+
+
+def _join_and_train(cfg: DictConfig, run_dir: str) -> dict:
+    """Join the world, train this rank in it (``_train``), leave it."""
+    tune_allocator_for(cfg)
+    layout = layout_of(cfg)
+    comm = init_distributed(layout)
+    device = layout.device(int(os.environ.get("LOCAL_RANK", 0)))
+    directory = RunDir(Path(run_dir))
+    phase = MemoryPhase()
+    world = None
+    if cfg.world.on_rank_loss == "shrink" and comm.world_size > 1:
+        world = ShrinkingWorld(shrink_store(cfg.world.timeout_s), comm.rank, comm.world_size, dist.get_backend(),
+                               cfg.world.timeout_s, cfg.world.min_ranks)
+        comm = world.comm()
+    try:
+        return _train(cfg, directory, comm, device, world, phase)
+    except (MemoryError, RuntimeError, OSError) as error:
+        if not is_out_of_memory(error):
+            raise
+        message = _out_of_memory_message(cfg, comm.rank, comm.world_size, phase, error)
+        # Nothing saved yet: the run does not fit (a refusal, rolled back); else it failed, its checkpoints kept.
+        raise (RankOutOfMemoryError if phase.saved else RunDoesNotFit)(message) from None
+    finally:
+        if world is not None:
+            world.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _out_of_memory_message(cfg: DictConfig, rank: int, world: int, phase: MemoryPhase, error: BaseException) -> str:
+    """Which part of the run ran out (``MemoryPhase``) and what to change for it."""
+    reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    reason = re.sub(r"^\[enforce fail at [^\]]*\]\s*(err == 0\.\s*)?", "", reason)
+    tc, budget = cfg.trainer, cfg.world.memory_per_rank_mb
+    within = f"world.memory_per_rank_mb={budget:g}" if budget else "this machine's memory"
+    micro = max(1, cfg.data.global_batch_size // world // tc.accum_steps)
+    batch = (f"{micro} samples: data.global_batch_size={cfg.data.global_batch_size} over {world} ranks and "
+             f"trainer.accum_steps={tc.accum_steps}")
+    # Recomputing activations in backward (fdp.model.remat) keeps a step's peak lower, where it is not on yet.
+    remat_hint = "" if tc.activation_checkpointing != "none" else "trainer.activation_checkpointing=blocks, "
+    where, expected = {
+        "data": ("loading the data",
+                 "more free memory or a smaller data set (loading it is not counted in world.memory_per_rank_mb)"),
+        "build": ("building the model and its train state",
+                  (f"more ranks, a higher trainer.zero_stage (now {tc.zero_stage}; 3 shards the params too) "
+                   "or a smaller model")),
+        "step": (f"at step {phase.step}",
+                 f"a smaller batch per forward (now {batch}), {remat_hint}a higher trainer.zero_stage or a smaller "
+                 "model"),
+        "evaluation": (f"evaluating after step {phase.step}",
+                       f"a smaller batch per forward (evaluation takes training's, {batch}) or a smaller model"),
+        "save": (f"saving the checkpoint of step {phase.step}",
+                 ("a larger budget: rank 0 holds the whole state while it writes it "
+                  f"(trainer.zero_stage={tc.zero_stage})")),
+    }[phase.name]
+    return f"rank {rank} ran out of memory {where} ({reason}); the run does not fit {within}: expected {expected}"
+
+
+class _Loop:
+    """The training loop of one world: what depends on its ranks, and where the loop stands.
+
+    ``state`` is the newest state this rank completed, ``before`` the one before it (kept
+    for a world that shrinks: the step is pure there), ``since`` when the step in flight began.
+    """
+
+    def __init__(self, cfg: DictConfig, parts: RunParts, comm: Comm, timeline: Timeline, device: torch.device,
+                 state: TrainState, last_step: int, compile: bool, controls: LoopControls, phase: MemoryPhase):
+        self.cfg, self.parts, self.timeline, self.device, self.last_step = cfg, parts, timeline, device, last_step
+        self.compile, self.controls, self.phase = compile, controls, phase
+        self.state = self.before = state
+        self.since = time.perf_counter()
+        self.join(comm)
+
+    def join(self, comm: Comm) -> None:
+        """The step function and this rank's batches for the world of ``comm``, from ``state`` on."""
+        cfg = self.cfg
+        self.comm = comm
+        self.train_step = _make_step(cfg, self.parts, comm, self.timeline, self.compile,
+                                     donate=cfg.world.on_rank_loss != "shrink")
+        self.batches = train_batches(self.parts.data, cfg.data.global_batch_size, cfg.seed, comm.rank, comm.world_size,
+                                     self.state.step, self.last_step, cfg.data.get("num_workers", 0),
+                                     pin_memory=self.device.type == "cuda")
+
+    def run(self, run_dir: RunDir, report: Report, status: RankStatus, stop: StopSignals) -> str | None:
+        """Train to the last step, or to the step a stop signal ends on (returned); ``controls.stopped``
+        says why a run ended before its last step without one (``fdp.run.loop_controls``)."""
+        tc, controls = self.cfg.trainer, self.controls
+        controls.stopped = controls.ended_before()
+        while self.state.step < self.last_step and not controls.stopped:
+            status.update(self.state.step + 1)
+            with self.phase("step", self.state.step + 1):
+                self.since = waited = time.perf_counter()  # the data wait: how long the step waited for its batch
+                batch = batch_to_device(next(self.batches), self.device)
+                waited = time.perf_counter() - waited
+                state, metrics = self.train_step(self.state, batch)
+            self.before, self.state = self.state, state
+            out_of_time = controls.stepped(state)  # the moving average; max_time, agreed by every rank
+            interrupted = stop.agreed()  # every rank, every step: flags are compared every ~0.1 s, no step waits
+            due = tc.checkpoint_every and state.step % tc.checkpoint_every == 0 or state.step == self.last_step
+            saving = due or interrupted or out_of_time
+            # Saved before the step's report, so an evaluation that does not fit loses no step; a run whose
+            # checkpoints hold what its evaluation decides (early stopping, the best ones) evaluates first.
+            if saving and not controls.watches:
+                self._save(run_dir, state)
+            with self.phase("evaluation", state.step):
+                evaluated = report.step(state, {**metrics, "data_wait_s": waited}, stopping=interrupted is not None,
+                                        average=controls.average)
+            verdict = controls.evaluated(state.step, evaluated)  # the same on every rank: rank 0's record
+            controls.stopped = None if state.step == self.last_step else verdict.stop or out_of_time
+            if controls.watches and (saving or controls.stopped or verdict.keep_best):
+                controls.keep_best(run_dir.checkpoints, self._save(run_dir, state), state.step)
+            if interrupted:
+                return interrupted
+        if controls.stopped and self.comm.rank == 0:
+            log.info(f"stopped at step {self.state.step}: {controls.stopped}")
+        return None
+
+    def _save(self, run_dir: RunDir, state: TrainState) -> Path | None:
+        """Checkpoint ``state`` (its gradients checked finite first), with the loop's own state."""
+        with self.phase("save", state.step):
+            self.train_step.settle()  # no checkpoint of a step whose gradients were not finite
+            written = _save(run_dir, state, self.comm, self.cfg, self.parts, self.controls.payload(state.step))
+        self.phase.saved = True
+        return written
+
+    def shrink(self, world: ShrinkingWorld, error: RuntimeError, run_dir: RunDir, report: Report,
+               stop: StopSignals) -> None:
+        """Go on without the ranks that stopped answering (``fdp.dist.shrink``); re-raise ``error`` if none did."""
+        silent = world.silent()
+        if not silent:  # every rank still beats: not a lost rank
+            raise error
+        world.report_broken()  # the others' collectives may wait on a live peer: they end now
+        members = set(world.members)
+        comm = world.regroup(silent)
+        lost = tuple(sorted(members - set(world.members)))
+        step = world.agree_on_step(self.state.step, comm)
+        if self.state.step != step:  # this rank finished the step its peers dropped: back to the one before
+            self.state = self.before
+            self.controls.back()
+        try:
+            self.state = self.parts.update.reshard(self.state, tuple(sorted(members)), world.members, comm)
+        except zero.LostSlices as lost_slices:
+            raise RankLostError(f"rank {', '.join(map(str, sorted(members - set(world.members))))} lost at step "
+                                f"{step + 1}: {lost_slices}; continue from the last checkpoint "
+                                "(trainer.resume=true)") from None
+        self.before = self.state
+        shrink = Shrink(step, lost, comm.world_size, time.perf_counter() - self.since)
+        report.shrunk(comm, shrink.record())
+        gone = sorted(r for record in report.shrinks for r in record["lost"])
+        log.info(f"rank {', '.join(map(str, lost))} lost: going on from step {step} on {comm.world_size} ranks "
+                 f"({shrink.seconds_lost:.1f} s lost)")
+        if comm.world_size < self.cfg.world.min_ranks:
+            _save(run_dir, self.state, comm, self.cfg, self.parts)
+            raise RankLostError(
+                f"rank {', '.join(map(str, gone))} lost by step {step + 1}: {comm.world_size} left, fewer than "
+                f"world.min_ranks={self.cfg.world.min_ranks}; the last checkpoint is step {step} "
+                "(continue with trainer.resume=true)"
+            )
+        stop.rejoin(comm.world_size, comm.watch)
+        self.join(comm)
+
+
+def _train(cfg: DictConfig, run_dir: RunDir, comm: Comm, device: torch.device, world: ShrinkingWorld | None = None,
+           phase: MemoryPhase | None = None) -> dict:
+    """This rank's run in the world of ``comm``: its start, the loop with its resources, its summary."""
+    loop, report, choice = _start(cfg, run_dir, comm, device, world, phase or MemoryPhase())
+    with contextlib.ExitStack() as resources:  # released in the reverse order: stop signals first, status last
+        status = resources.enter_context(contextlib.closing(RankStatus(run_dir, comm.rank)))
+        heartbeat = resources.enter_context(_heartbeat(comm, world))
+        resources.callback(loop.timeline.save, run_dir.trace(comm.rank))
+        resources.enter_context(_closing(loop.controls))
+        stop = resources.enter_context(_stop_signals(cfg, comm))
+        interrupted = _loop(loop, run_dir, report, status, stop, heartbeat, world)
+    rows = report.times.rows
+    if comm.rank == 0 and rows:  # what this invocation measured, for the next one's trainer.compile=auto
+        compiled.write_record(run_dir.path, choice, rows[0]["step_s"], report.times.median("step_s"))
+    summary = report.summary(loop.state, device.type, interrupted, loop.controls.stopped_by)
+    if world is not None:
+        world.finish(summary)
+    return summary
+
+
+def _start(cfg: DictConfig, run_dir: RunDir, comm: Comm, device: torch.device, world: ShrinkingWorld | None,
+           phase: MemoryPhase) -> tuple[_Loop, Report, compiled.CompileChoice]:
+    """This rank up to its first step: the data, the run's pieces, its first state, the step, the report."""
+    rank, world_size, tc = comm.rank, comm.world_size, cfg.trainer
+    _setup_logging(run_dir, rank)
+    set_matmul_precision(tc.matmul_precision)  # process-wide: set once, before anything runs
+    try:
+        check_global_batch(cfg.data.global_batch_size, world_size)  # under torchrun the world is known only here
+        if world is not None:
+            check_shrinkable_batch(cfg.data.global_batch_size, world_size, cfg.world.min_ranks, tc.accum_steps)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    with phase("data"):
+        data = build_data(cfg.data)
+    limit_memory(cfg.world.memory_per_rank_mb, device)  # from here: what the run adds to the data it loaded
+    with phase("build"):
+        parts = build_run(cfg, comm, device, data)
+        source = _resume_source(cfg, run_dir)
+        state = _first_state(source, parts, comm)
+    release_free_memory()  # what building left free (the whole params, at ZeRO stages that shard them)
+    if rank == 0:
+        _announce(cfg, run_dir, parts, world_size, device)
+    timeline = Timeline(rank) if tc.trace else NullTimeline()
+    steps = run_steps(tc.max_steps, tc.max_epochs, parts.data, cfg.data.global_batch_size)
+    last_step = min(steps, tc.stop_at or steps)
+    resumed = read_resumed(source, comm) if source is not None else None
+    controls = LoopControls(tc, comm, parts.plan, state, has_test_split(parts.data), steps, resumed)
+    blocked = _not_compiled(cfg, parts)
+    choice = compiled.choose(tc.compile, run_dir.path, device.type, last_step - state.step, comm, blocked)
+    if rank == 0:
+        log.info(choice.message)
+    loop = _Loop(cfg, parts, comm, timeline, device, state, last_step, choice.compile, controls, phase)
+    report = Report(cfg, run_dir, parts, comm, state.step, last_step)
+    return loop, report, choice
+
+
+@contextlib.contextmanager
+def _heartbeat(comm: Comm, world: ShrinkingWorld | None):
+    """This rank's heartbeat in a world of several that does not shrink (a shrinking world beats its own)."""
+    heartbeat = Heartbeat(comm.rank, comm.world_size).start() if comm.world_size > 1 and world is None else None
+    try:
+        yield heartbeat
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
+
+
+@contextlib.contextmanager
+def _stop_signals(cfg: DictConfig, comm: Comm):
+    """fdp.dist.interrupt: SIGINT/SIGTERM (and the launcher's requeue signal) stop every rank after the same step."""
+    kind = launcher_of(cfg.world.launcher)
+    stop = StopSignals(stop_signal_names(kind.name, cfg.world.requeue_signal),
+                       repeat_stops_at_once=kind.alone).install().join(comm.world_size, comm.watch)
+    try:
+        yield stop
+        stop.close()
+    finally:
+        stop.close(finished=False)
+
+
+@contextlib.contextmanager
+def _closing(controls: LoopControls):
+    """The loop controls' own resources (``max_time``'s group): closed as finished, or abandoned on an error."""
+    try:
+        yield controls
+        controls.close()
+    finally:
+        controls.close(finished=False)
+
+
+def _loop(loop: _Loop, run_dir: RunDir, report: Report, status: RankStatus, stop: StopSignals,
+          heartbeat: Heartbeat | None, world: ShrinkingWorld | None) -> str | None:
+    """Train to the last step (or the step a stop signal ends on, returned), going on without lost ranks
+    in a world that shrinks; a lost rank elsewhere ends the run with a ``RankLostError`` naming it."""
+    while True:
+        try:
+            return loop.run(run_dir, report, status, stop)
+        except RuntimeError as error:
+            if world is not None:
+                loop.shrink(world, error, run_dir, report, stop)
+                continue
+            comm = loop.comm
+            lost = _lost_rank_error(error, heartbeat, comm.rank, status.step) if comm.world_size > 1 else None
+            if lost is None:
+                raise
+            raise lost from error
+
+
+# -- the run ----------------------------------------------------------------------------------
+def run(cfg: DictConfig, run_dir: str | Path) -> dict:
+    """Validate ``cfg`` and train it in ``run_dir`` on the world it names; return rank 0's summary.
+
+    The run owns ``run_dir`` while it lasts (``fdp.run.startup.start_run``; under torchrun and
+    SLURM rank 0 holds it).
+
+    Example::
+
+        from fdp.run.config import compose
+        summary = run(compose("world=local2", "trainer.max_steps=20"), "outputs/run1")
+    """
+    with start_run(cfg, run_dir) as resolved:
+        return run_ranks(resolved, run_dir)
+
+
+def run_ranks(cfg: DictConfig, run_dir: str | Path) -> dict:
+    """Train the ranks of a started run (``start_run``'s config) that this process runs; rank 0's summary.
+
+    A local world's ranks are started here (``fdp.spawn``); a rank another launcher started
+    (or a world of one) trains in this process.
+    """
+    layout = layout_of(cfg)
+    if not layout.kind.spawned:
+        return run_rank(cfg, str(run_dir))
+    container = OmegaConf.to_container(cfg, resolve=True)
+    try:
+        results = spawn(run_rank, (container, str(run_dir)), layout)
+    except WorkerFailedError as error:
+        if error.signal is None:
+            raise  # the worker's own one-line error
+        raise RankLostError(_lost_message(RunDir(Path(run_dir)), error)) from error
+    # A world that shrank: the summary of the first rank still there (rank 0 of the last world).
+    kept = [results[rank] for rank in sorted(results) if not isinstance(results[rank], LostRank)]
+    if not kept:
+        raise RankLostError(f"every rank was lost: {', '.join(f'rank {r.rank} {r.how}' for r in results.values())}")
+    return kept[0]
+
+
+def _lost_message(run_dir: RunDir, error: WorkerFailedError) -> str:
+    step = RankStatus.read(run_dir, error.rank).get("step")
+    at = f" at step {step}" if step else " before step 1"
+    steps = list(checkpoint.step_files(run_dir.checkpoints))
+    resume = (f"the last checkpoint is step {steps[-1]} (continue with trainer.resume=true, or set "
+              "world.max_restarts to restart from it automatically)") if steps else "there is no checkpoint yet"
+    return f"rank {error.rank} was lost{at}: process {error.pid} was killed by {error.signal}; the other ranks were stopped; {resume}"

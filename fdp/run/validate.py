@@ -1,0 +1,238 @@
+"""A config refused before anything is built or written, each error naming one setting.
+
+The typed schemas (``fdp.run.config``) already refuse unknown keys and wrong types. What a
+type cannot say (a range, a combination) is checked by the module that uses the
+setting, where its rule is stated once; ``validate`` calls those rules and names the
+setting by its config key: a module says ``schedule='x': expected ...``, the run says
+``trainer.schedule='x': expected ...``.
+
+>>> from fdp.run.config import compose
+>>> validate(compose("trainer.accum_steps=0"))
+Traceback (most recent call last):
+...
+fdp.errors.ConfigError: trainer.accum_steps=0: expected an integer >= 1
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from omegaconf import OmegaConf
+
+from fdp.model import remat
+from fdp.run.checkpoint import check_readable, saved_config
+from fdp.step.compiled import check_compile
+from fdp.run.config import SCHEMAS
+from fdp.data import check_global_batch, check_micro_batches
+from fdp.dist.devices import BACKENDS
+from fdp.errors import ConfigError, one_of, require
+from fdp.hooks import build_hook
+from fdp.hooks.hierarchical import check_node_size
+from fdp.dist.interrupt import check_requeue_signal
+from fdp.run.keys import check_keys
+from fdp.dist.launchers import launcher_of
+from fdp.run.loggers import check_loggers
+from fdp.run.loop_controls import check_loop_settings
+from fdp.optim import build_optimizer, check_resumed_schedule
+from fdp.step.outer import check_outer
+from fdp.plan.values import check_cap
+from fdp.model.precision import check_matmul_precision, check_precision
+from fdp.step.reduce import resolve_schedule
+from fdp.state.replicas import check_sync_buffers
+from fdp.run.rundir import RunDir
+from fdp.dist.shrink import check_on_rank_loss, check_shrinkable_batch
+from fdp.model.streams import check_sample_streams, wants_sample_streams
+from fdp.step.train_step import check_nonfinite
+from fdp.targets import locate
+from fdp.update.zero import ZERO_STAGES, check_hook_for_stage, check_optimizer_for_stage, check_zero_stage, stage_rules
+
+__all__ = ["validate", "validate_run_dir"]
+
+
+def _require(ok: bool, setting: str, value: Any, what: str) -> None:
+    require(ok, setting, value, what, ConfigError)
+
+
+def _as_config_key(key: str, check: Callable[[Any], Any], value: Any) -> Any:
+    """Run the check of the module that uses a setting, with its message naming the config key.
+
+    Modules name a setting as their Python argument (``schedule='x': expected ...``); the
+    registries already give the group's path (``hooks.rank=0: expected ...``).
+    """
+    try:
+        return check(value)
+    except ValueError as error:
+        message, group, arg = str(error), *key.rpartition(".")[::2]
+        if group and message.startswith(arg):
+            message = f"{group}.{message}"
+        raise ConfigError(message) from None
+
+
+def _container(node: Any) -> Any:
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+
+
+def _device(world: Any) -> str:
+    """The device type the run computes on: the resolved world's, else where ``auto`` will resolve."""
+    resolved = {"cpu": "cpu", "gpu": "cuda"}.get(world.accelerator)
+    return resolved or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def validate(cfg: Any, run_dir: Any = None) -> None:
+    """Refuse a config before anything is built or written; each error names one setting."""
+    check_keys(cfg)  # +trainer.x=1 is composed by Hydra, yet nothing would read it
+    for group in ("model", "data", "loss"):
+        if cfg.get(group) is not None:
+            _check_target(group, cfg[group])
+    _validate_trainer(cfg)
+    _validate_world(cfg)
+    _validate_data_and_model(cfg)
+    if run_dir is not None:
+        validate_run_dir(cfg, run_dir)
+
+
+def validate_run_dir(cfg: Any, run_dir: Any) -> None:
+    """Refuse a run whose directory does not hold what ``cfg`` needs: a run to resume, or none."""
+    _validate_run_dir(cfg, RunDir(Path(run_dir)))
+
+
+def _validate_trainer(cfg: Any) -> None:
+    t, device = cfg.trainer, _device(cfg.world)
+    for key in ("max_steps", "accum_steps", "log_every", "keep_checkpoints"):
+        _require(t[key] >= 1, f"trainer.{key}", t[key], "an integer >= 1")
+    for key in ("eval_every", "checkpoint_every", "stop_at"):
+        _require(t[key] >= 0, f"trainer.{key}", t[key], "an integer >= 0")
+    # The run always evaluates at its end: zero batches would average over nothing.
+    _require(t.eval_batches >= 1, "trainer.eval_batches", t.eval_batches, "an integer >= 1")
+    for key in ("bucket_cap_mb", "first_bucket_cap_mb"):
+        _as_config_key(f"trainer.{key}", lambda value, key=key: check_cap(key, value), t[key])
+    _as_config_key("trainer.schedule", lambda value: resolve_schedule(value, world_size=1), t.schedule)
+    _as_config_key("trainer.nonfinite", check_nonfinite, t.nonfinite)
+    _as_config_key("trainer.sync_buffers", check_sync_buffers, t.sync_buffers)
+    _as_config_key("trainer.precision", lambda value: check_precision(value, device), t.precision)
+    _as_config_key("trainer.matmul_precision", check_matmul_precision, t.matmul_precision)
+    _as_config_key("trainer.compile", lambda value: check_compile(value, device), t.compile)
+    _as_config_key("trainer.zero_stage", check_zero_stage, t.zero_stage)
+    _as_config_key("trainer.sample_streams", check_sample_streams, t.sample_streams)
+    _as_config_key("trainer.activation_checkpointing", remat.check_mode, t.activation_checkpointing)
+    _as_config_key("trainer.activation_checkpointing_k", remat.check_k, t.activation_checkpointing_k)
+    if wants_sample_streams(t.sample_streams, cfg.world.on_rank_loss):
+        _require(t.compile is not True, "trainer.compile", t.compile,
+                 "auto or false with per-sample streams (trainer.sample_streams, on with world.on_rank_loss=shrink): "
+                 "their dispatch mode does not compile")
+    hook = _as_config_key("hooks", build_hook, _container(cfg.hooks))
+    _as_config_key("trainer.zero_stage", lambda stage: check_hook_for_stage(stage, hook), t.zero_stage)
+    if t.zero_stage:  # combinations whose state does not shard (yet): refused, not silently unsharded
+        _require(t.precision != "16-mixed", "trainer.zero_stage", t.zero_stage,
+                 "0 with trainer.precision=16-mixed (the loss scale is not sharded)")
+        _require(cfg.outer.name == "none", "trainer.zero_stage", t.zero_stage,
+                 f"0 with outer={cfg.outer.name} (an outer loop keeps whole optimizer states)")
+        _require(not cfg.world.hierarchical, "trainer.zero_stage", t.zero_stage, "0 with world.hierarchical=true")
+    refusal = stage_rules(t.zero_stage).refuses_compile()
+    if refusal:
+        _require(t.compile is not True, "trainer.compile", t.compile,
+                 f"auto or false with trainer.zero_stage={t.zero_stage} ({refusal})")
+    optimizer = _as_config_key("optim", lambda spec: build_optimizer(spec, t.max_steps), _container(cfg.optim))
+    _as_config_key("trainer.zero_stage", lambda stage: check_optimizer_for_stage(stage, optimizer), t.zero_stage)
+    _as_config_key("trainer.loggers", lambda names: check_loggers(names, t.tensorboard), list(t.loggers))
+    check_loop_settings(t, cfg.world.on_rank_loss, cfg.outer.name)
+    _as_config_key("outer", check_outer, _container(cfg.outer))
+
+
+def _validate_world(cfg: Any) -> None:
+    w, t, d = cfg.world, cfg.trainer, cfg.data
+    kind = _as_config_key("world.launcher", launcher_of, w.launcher)
+    _require(w.backend in BACKENDS, "world.backend", w.backend, f"one of {BACKENDS}")
+    _require(w.nproc_per_node >= 1, "world.nproc_per_node", w.nproc_per_node, "an integer >= 1")
+    _require(w.nnodes >= 1, "world.nnodes", w.nnodes, "an integer >= 1")
+    _require(w.timeout_s > 0, "world.timeout_s", w.timeout_s, "seconds > 0")
+    _require(w.max_restarts >= 0, "world.max_restarts", w.max_restarts, "an integer >= 0")
+    _require(w.memory_per_rank_mb >= 0, "world.memory_per_rank_mb", w.memory_per_rank_mb, "MiB >= 0 (0: no limit)")
+    _as_config_key("world.requeue_signal", check_requeue_signal, w.requeue_signal)
+    _as_config_key("world.on_rank_loss", check_on_rank_loss, w.on_rank_loss)
+    _require(w.min_ranks >= 1, "world.min_ranks", w.min_ranks, "an integer >= 1")
+    if w.on_rank_loss == "shrink":
+        _validate_shrink(cfg)
+    _require(d.global_batch_size >= 1, "data.global_batch_size", d.global_batch_size, "an integer >= 1")
+    if kind.starts_ranks:  # there the world size is known only to the launched processes
+        return
+    world = w.nnodes * w.nproc_per_node
+    per_rank = _as_config_key("data.global_batch_size", lambda size: check_global_batch(size, world), d.global_batch_size)
+    _as_config_key("trainer.accum_steps", lambda accum: check_micro_batches(per_rank, accum), t.accum_steps)
+    if w.hierarchical:  # under torchrun the world is known only at run time: the worker checks it
+        _as_config_key("world.node_size", lambda size: check_node_size(world, size), w.node_size or w.nproc_per_node)
+    if w.on_rank_loss == "shrink":
+        _require(w.min_ranks <= world, "world.min_ranks", w.min_ranks, f"at most the world's {world} ranks")
+        _as_config_key("data.global_batch_size", lambda size: check_shrinkable_batch(size, world, w.min_ranks, t.accum_steps),
+                       d.global_batch_size)
+
+
+def _validate_shrink(cfg: Any) -> None:
+    """What a world that shrinks in place cannot do (yet): each refused in one line."""
+    w, t, why = cfg.world, cfg.trainer, "with world.on_rank_loss=shrink"
+    _require(w.max_restarts == 0, "world.max_restarts", w.max_restarts, f"0 {why} (a lost rank shrinks the world instead)")
+    keeping = [stage for stage in ZERO_STAGES if stage_rules(stage).refuses_mirror() is None]
+    _require(t.zero_stage in keeping, "trainer.zero_stage", t.zero_stage,
+             f"{one_of(keeping)} {why} ({stage_rules(t.zero_stage).refuses_mirror()})")
+    _require(not w.hierarchical, "world.hierarchical", w.hierarchical, f"false {why} (the nodes are fixed)")
+
+
+def _validate_data_and_model(cfg: Any) -> None:
+    d, m = cfg.data, cfg.model
+    if "test_fraction" in d:
+        _require(0.0 < d.test_fraction < 1.0, "data.test_fraction", d.test_fraction, "a fraction in (0, 1)")
+    if "num_workers" in d:
+        _require(d.num_workers >= 0, "data.num_workers", d.num_workers, "an integer >= 0")
+    if d.name == "stdlib_text":
+        _require(d.block_size >= 1, "data.block_size", d.block_size, "an integer >= 1")
+        _require(d.max_chars >= 1, "data.max_chars", d.max_chars, "an integer >= 1")
+    text_model, text_data = m.name == "charlm", d.name == "stdlib_text"
+    if "custom" not in (m.name, d.name):  # a custom side is checked on the first batch instead
+        _require(text_model == text_data, "data", d.name,
+                 "stdlib_text for model=charlm" if text_model else f"digits for model={m.name}")
+    sizes = {"mlp": ("hidden",), "convnet": ("width",), "charlm": ("d_model", "n_layer", "n_head")}.get(m.name, ())
+    for key in sizes:
+        _require(m[key] >= 1, f"model.{key}", m[key], "an integer >= 1")
+    if m.name == "mlp":
+        _require(m.depth >= 0, "model.depth", m.depth, "an integer >= 0")
+    if text_model:
+        _require(m.d_model % m.n_head == 0, "model.n_head", m.n_head, f"a divisor of model.d_model={m.d_model}")
+        _require(0.0 <= m.dropout < 1.0, "model.dropout", m.dropout, "a probability in [0, 1)")
+
+
+def _validate_run_dir(cfg: Any, run_dir: RunDir) -> None:
+    source = run_dir.resume_from(cfg.trainer.resume)
+    if cfg.trainer.resume is True:
+        _require(source.is_file(), "trainer.resume", True,
+                 f"a checkpoint at {source} (set hydra.run.dir to the run to continue)")
+    elif source is not None:
+        _require(source.is_file(), "trainer.resume", cfg.trainer.resume,
+                 "true, false or the path of a checkpoint (a step_<N>.pt file, or a run directory for its last.pt); "
+                 f"{source} does not exist")
+    if source is not None:
+        check_readable(source)  # a truncated or foreign file fails here, before any worker starts
+        _as_config_key("trainer.max_steps", lambda _: check_resumed_schedule(saved_config(source), _container(cfg)),
+                       cfg.trainer.max_steps)
+    else:
+        _require(not run_dir.has_run(), "hydra.run.dir", str(run_dir.path),
+                 "a directory without a previous run (or set trainer.resume=true to continue it)")
+
+
+_KINDS = {
+    "model": ("model", "models", "my_pkg.models.Net"),
+    "data": ("dataset", "datasets", "my_pkg.data.make"),
+    "loss": ("loss", "losses", "my_pkg.losses.loss"),
+}
+
+
+def _check_target(group: str, node: Any) -> None:
+    """``<group>.name`` is a registered option and ``<group>._target_`` imports."""
+    one, many, example = _KINDS[group]
+    known = SCHEMAS[group]
+    if node.get("name") not in known:
+        raise ConfigError(f"{group}.name={node.get('name')!r}: unknown {one}; known {many}: {', '.join(sorted(known))}")
+    if OmegaConf.is_config(node) and OmegaConf.is_missing(node, "_target_"):
+        raise ConfigError(f"{group}._target_: missing; {group}={node.name} needs the dotted path to a class or function "
+                          f"(e.g. {group}._target_={example})")
+    locate(f"{group}._target_", node.get("_target_"))

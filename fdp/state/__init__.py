@@ -1,0 +1,1 @@
+"""fdp.state.train_state."""

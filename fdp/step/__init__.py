@@ -1,0 +1,1 @@
+"""fdp.step.train_step."""

@@ -1,0 +1,515 @@
+"""Training across slow links: ranks step on their own and sync every few steps.
+
+Per-step data parallelism reduces every gradient; across nodes on ordinary Ethernet that
+reduction sets the pace. The outer loop here trades it for a sync every ``sync_every``
+steps (local SGD; DiLoCo, Douillard et al. 2023):
+
+* between syncs each rank runs the ordinary train step on its own gradients, with no
+  communication at all (its ``Comm`` is a world of one);
+* at a sync, the pseudo-gradient ``anchor - params`` (``anchor``: the params every rank
+  agreed on at the last sync) goes through the same bucket plan and hook chain as
+  gradients do (so ``hooks=bf16`` or ``hooks=powersgd`` compress it, with their own
+  state), and an outer optimizer steps the anchor with it; every rank restarts from the
+  new anchor.
+
+``local_sgd`` is the outer step ``anchor - mean(anchor - params)``, the mean of the
+params (SGD with rate 1, no momentum); ``diloco`` is Nesterov SGD, by default with rate
+0.7 and momentum 0.9. ``start_step=K`` keeps per-step gradient sync for the first K
+steps (post-local SGD). The anchor, the outer optimizer state and the pseudo-gradient's
+hook states live in ``TrainState.outer``; the schedule follows ``TrainState.step``, so a
+run resumed from a checkpoint in the middle of a period goes on exactly as it would have.
+Each rank's inner optimizer state stays its own, as in DiLoCo.
+
+``overlap=D`` hides a sync's communication behind the next ``D`` inner steps (a delayed
+outer update, as in overlapped local SGD and streaming DiLoCo): the pseudo-gradient is
+sent after step ``s`` and each rank trains on meanwhile; after step ``s + D`` the outer
+optimizer steps the anchor with the average, and each rank keeps what it learned since
+``s`` on top of it (``params += new_anchor - params_at_s``). The pseudo-gradient in
+flight is part of the state (``OuterState.in_flight``), so a checkpoint taken inside
+those ``D`` steps resumes bit-exactly: the resumed run sends it again.
+
+``fragments=F`` is streaming DiLoCo (Douillard et al. 2025): the plan's buckets are cut
+into F contiguous runs balanced by size (``fdp.plan.split_fragments``), each with its own
+outer optimizer state, and fragment f syncs after the steps ``s`` with
+``(s - start_step - offset_f) % sync_every == 0`` (``fragment_offsets``), so one sync
+moves 1/F of the model; ``overlap`` then applies to each fragment's sync. ``mix=a``
+lands a sync as ``a * local + (1 - a) * new anchor`` (the paper's and torchft's alpha)
+instead of keeping the steps since the send. One fragment with no ``mix`` is the loop
+above, to the bit. The settings' defaults live in ``fdp.run.config`` (``DiLoCoConfig``).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from fdp._torch import foreach
+from fdp.plan.buckets import allocate, slot_views
+from fdp.comm import Comm
+from fdp.model.functional import Params
+from fdp.hooks import Hook, allreduce
+from fdp.optim import GradientTransformation, apply_gradients, apply_updates, sgd
+from fdp.plan import BucketPlan, fragment_plan, split_fragments
+from fdp.hooks import init_hook_states
+from fdp.step.chains import Reduction
+from fdp.state.train_state import TrainState
+from fdp.step.train_step import TrainStep, make_train_step
+
+OUTER = ("none", "local_sgd", "diloco")
+SCHEDULES = ("strided", "sequential")
+# What outer=local_sgd is (the mean of the params), not a default: it has no such settings.
+_LOCAL_SGD = {"lr": 1.0, "momentum": 0.0, "nesterov": False}
+# The settings each outer loop reads; their defaults live in fdp.run.config's schemas.
+_SETTINGS = {
+    "none": (),
+    "local_sgd": ("sync_every", "start_step", "overlap", "fragments", "fragment_schedule", "mix"),
+    "diloco": ("sync_every", "start_step", "lr", "momentum", "nesterov", "overlap", "fragments", "fragment_schedule", "mix"),
+}
+
+
+class OuterSpec(NamedTuple):
+    """The outer loop's settings (``conf/outer/*.yaml``, defaults in ``fdp.run.config``); ``name="none"`` syncs every step.
+
+    ``fragments``: the model is synced in that many fragments (runs of buckets), each on
+    its own steps, as ``fragment_schedule`` staggers them; ``overlap``: the inner steps a
+    sync's communication runs behind (Streaming DiLoCo's tau); ``mix``: ``None`` keeps each
+    rank's steps since the send on top of the new anchor, a number ``a`` sets the params to
+    ``a * local + (1 - a) * new anchor`` (Streaming DiLoCo's and torchft's alpha).
+    """
+
+    name: str
+    sync_every: int
+    start_step: int
+    lr: float
+    momentum: float
+    nesterov: bool
+    overlap: int
+    fragments: int
+    fragment_schedule: str
+    mix: float | None
+
+
+class OuterState(NamedTuple):
+    """What the outer loop carries from sync to sync (``TrainState.outer``).
+
+    ``anchor``: the params at each fragment's last sync, the same on every rank;
+    ``opt_state``: one outer optimizer state per fragment; ``hook_state``: one state per
+    bucket for the pseudo-gradient's hook chain; ``syncs``: fragment syncs landed so far;
+    ``in_flight``: under ``overlap``, this rank's pseudo-gradient of the last sync started
+    (its fragment's entries; empty without ``overlap``).
+    """
+
+    anchor: Params
+    opt_state: tuple
+    hook_state: tuple
+    syncs: int
+    in_flight: Params = {}
+
+
+def check_outer(spec: dict | OuterSpec) -> OuterSpec:
+    """The outer settings as an ``OuterSpec``; a ``ValueError`` naming the first bad one.
+
+    ``spec`` is the config's ``outer`` group as a dict (every setting its loop reads, as
+    ``fdp.run.config.compose("outer=diloco").outer`` has them).
+
+    >>> from fdp.run.config import compose
+    >>> from omegaconf import OmegaConf
+    >>> check_outer(OmegaConf.to_container(compose("outer=diloco", "outer.fragments=4").outer)).fragments
+    4
+    >>> check_outer({"name": "local_sgd", "sync_every": 0})
+    Traceback (most recent call last):
+    ValueError: outer.start_step: missing; expected the settings sync_every, start_step, overlap, fragments, \
+fragment_schedule, mix (fdp.run.config.LocalSGDConfig has them)
+    """
+    if isinstance(spec, OuterSpec):
+        spec = spec._asdict()
+    spec = dict(spec)
+    name = spec.get("name", "none")
+    if name not in OUTER:
+        raise ValueError(f"outer={name!r}: expected none, local_sgd or diloco")
+    if name == "none":
+        return OuterSpec("none", 1, 0, 1.0, 0.0, False, 0, 1, "strided", None)
+    settings = _SETTINGS[name]
+    for key in settings:
+        if key not in spec:
+            schema = "LocalSGDConfig" if name == "local_sgd" else "DiLoCoConfig"
+            raise ValueError(f"outer.{key}: missing; expected the settings {', '.join(settings)} "
+                             f"(fdp.run.config.{schema} has them)")
+    if name == "local_sgd":
+        if any(spec.get(key, value) != value for key, value in _LOCAL_SGD.items()):
+            raise ValueError("outer=local_sgd: averages the params (lr=1, momentum=0); "
+                             "expected outer=diloco for other outer lr or momentum")
+        spec = {**spec, **_LOCAL_SGD}
+    spec = OuterSpec(**spec)
+    if spec.sync_every < 1:
+        raise ValueError(f"outer.sync_every={spec.sync_every!r}: expected an integer >= 1")
+    if spec.start_step < 0:
+        raise ValueError(f"outer.start_step={spec.start_step!r}: expected an integer >= 0")
+    if not (isinstance(spec.fragments, int) and 1 <= spec.fragments <= spec.sync_every):
+        raise ValueError(f"outer.fragments={spec.fragments!r}: expected an integer in [1, outer.sync_every={spec.sync_every}]")
+    if spec.fragment_schedule not in SCHEDULES:
+        raise ValueError(f"outer.fragment_schedule={spec.fragment_schedule!r}: expected strided or sequential")
+    gap = _sync_gap(spec)
+    if not 0 <= spec.overlap < gap:
+        where = (f"outer.sync_every={spec.sync_every}" if spec.fragments == 1 else
+                 f"{gap}, the steps between fragment syncs of outer.fragments={spec.fragments} "
+                 f"outer.fragment_schedule={spec.fragment_schedule}")
+        raise ValueError(f"outer.overlap={spec.overlap!r}: expected an integer in [0, {where})")
+    if spec.mix is not None and not (isinstance(spec.mix, (int, float)) and 0 <= spec.mix <= 1):
+        raise ValueError(f"outer.mix={spec.mix!r}: expected null or a number in [0, 1]")
+    if not spec.lr > 0:
+        raise ValueError(f"outer.lr={spec.lr!r}: expected a rate > 0")
+    if not 0 <= spec.momentum < 1:
+        raise ValueError(f"outer.momentum={spec.momentum!r}: expected a value in [0, 1)")
+    if spec.nesterov and spec.momentum == 0:
+        raise ValueError("outer.nesterov=true: expected outer.momentum > 0")
+    return spec
+
+
+def fragment_offsets(spec: OuterSpec) -> tuple[int, ...]:
+    """Each fragment's offset: fragment ``f`` syncs after the steps ``s`` (past ``start_step``)
+    with ``(s - start_step - offset_f) % sync_every == 0``.
+
+    ``strided`` spreads the fragments evenly over the period, ``sequential`` puts them on
+    consecutive steps; either way the last fragment syncs at the end of each period, and
+    one fragment is plain DiLoCo's schedule.
+
+    >>> fragment_offsets(OuterSpec("diloco", 16, 0, 0.7, 0.9, True, 0, 4, "strided", None))
+    (4, 8, 12, 0)
+    >>> fragment_offsets(OuterSpec("diloco", 16, 0, 0.7, 0.9, True, 0, 4, "sequential", None))
+    (13, 14, 15, 0)
+    """
+    h, f = spec.sync_every, spec.fragments
+    if spec.fragment_schedule == "sequential":
+        return tuple((h - f + 1 + i) % h for i in range(f))
+    return tuple((i + 1) * h // f % h for i in range(f))
+
+
+def _sync_gap(spec: OuterSpec) -> int:
+    """The fewest steps between two fragment syncs (``sync_every`` for one fragment)."""
+    offsets = sorted(fragment_offsets(spec))
+    return min((b - a) % spec.sync_every or spec.sync_every for a, b in zip(offsets, offsets[1:] + offsets[:1]))
+
+
+def outer_optimizer(spec: OuterSpec) -> GradientTransformation:
+    """The optimizer that steps the anchor with the averaged pseudo-gradient.
+
+    >>> outer_optimizer(OuterSpec("diloco", 16, 0, 0.7, 0.9, True, 0, 1, "strided", None)).elementwise
+    True
+    """
+    return sgd(spec.lr, momentum=spec.momentum, nesterov=spec.nesterov)
+
+
+def init_outer_state(spec: OuterSpec, params: Params, plan: BucketPlan, hook: Hook | None = None) -> Any:
+    """``TrainState.outer`` before step 1: ``()`` for ``none``, else an ``OuterState``.
+
+    ``params`` must already be the same on every rank (broadcast from rank 0).
+
+    >>> from fdp.plan import pack_into_buckets
+    >>> plan = pack_into_buckets([("w", (2,), "float32", "cpu")])
+    >>> spec = OuterSpec("local_sgd", 4, 0, 1.0, 0.0, False, 0, 1, "strided", None)
+    >>> outer = init_outer_state(spec, {"w": torch.ones(2)}, plan)
+    >>> outer.anchor["w"].tolist(), outer.syncs
+    ([1.0, 1.0], 0)
+    """
+    spec = check_outer(spec)
+    if spec.name == "none":
+        return ()
+    anchor = {name: p.detach().clone() for name, p in params.items()}
+    in_flight = {name: torch.zeros_like(p) for name, p in anchor.items()} if spec.overlap else {}
+    opt = outer_optimizer(spec)
+    opt_state = tuple(opt.init({name: anchor[name] for name in names}) for names in _fragment_names(plan, spec, anchor))
+    return OuterState(anchor, opt_state, init_hook_states(hook or allreduce(), plan), 0, in_flight)
+
+
+def _fragment_names(plan: BucketPlan, spec: OuterSpec, anchor: Params) -> list[list[str]]:
+    """Each fragment's param names, in the anchor's order."""
+    fragments = split_fragments(plan, spec.fragments)
+    where = {name: f for f, buckets in enumerate(fragments) for i in buckets for name in plan.buckets[i].names}
+    missing = [name for name in anchor if name not in where]
+    if missing:
+        raise ValueError(f"params {missing[:3]} are not in the bucket plan: expected the plan of these params")
+    return [[name for name in anchor if where[name] == f] for f in range(len(fragments))]
+
+
+def sending_fragment(spec: OuterSpec, step: int) -> int | None:
+    """The fragment whose pseudo-gradient is sent after step ``step`` (counted from 1), or ``None``.
+
+    >>> spec = OuterSpec("diloco", 4, 2, 0.7, 0.9, True, 0, 2, "strided", None)
+    >>> [(s, sending_fragment(spec, s)) for s in range(1, 13) if sending_fragment(spec, s) is not None]
+    [(4, 0), (6, 1), (8, 0), (10, 1), (12, 0)]
+    """
+    if step <= spec.start_step:
+        return None
+    phase = (step - spec.start_step) % spec.sync_every
+    for fragment, offset in enumerate(fragment_offsets(spec)):
+        if phase == offset:
+            return fragment
+    return None
+
+
+def is_sync_step(spec: OuterSpec, step: int) -> bool:
+    """Whether step ``step`` (counted from 1) ends by sending a pseudo-gradient (of some fragment).
+
+    >>> [s for s in range(1, 13) if is_sync_step(OuterSpec("diloco", 4, 2, 0.7, 0.9, True, 0, 1, "strided", None), s)]
+    [6, 10]
+    """
+    return sending_fragment(spec, step) is not None
+
+
+def landing_fragment(spec: OuterSpec, step: int) -> int | None:
+    """The fragment whose sync is applied after step ``step`` (``overlap`` steps after it was sent), or ``None``.
+
+    >>> [s for s in range(1, 13) if landing_fragment(OuterSpec("diloco", 4, 2, 0.7, 0.9, True, 1, 1, "strided", None), s)
+    ...  is not None]
+    [7, 11]
+    """
+    return sending_fragment(spec, step - spec.overlap)
+
+
+class _Alone(Comm):
+    """A world of one inside a larger one: every collective completes at once, unsent."""
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    @property
+    def rank(self) -> int:
+        return 0
+
+
+def make_outer_step(
+    loss_fn: Callable,
+    optimizer: GradientTransformation,
+    plan: BucketPlan,
+    spec: OuterSpec,
+    hook: Hook | None = None,
+    comm: Comm | None = None,
+    donate: bool = False,
+    **step_options,
+) -> TrainStep:
+    """Build ``step(state, batch) -> (new_state, metrics)`` (a ``TrainStep``) with the outer loop of ``spec``.
+
+    ``state.outer`` must come from ``init_outer_state``. Up to ``spec.start_step`` the
+    step is ``make_train_step``'s (gradients reduced through ``hook`` every step); after
+    it, each rank steps alone, and every ``spec.sync_every`` steps the pseudo-gradient is
+    reduced through ``hook`` over ``plan`` and the outer optimizer moves every rank to
+    the new anchor (``spec.overlap`` steps later, with each rank's progress since kept).
+    ``step_options`` (the other fields of ``fdp.step.train_step.StepOptions``) go to
+    ``make_train_step``; ``donate`` as there. Every rank must build its step at the same
+    point (with ``overlap``, the syncs get a process group of their own).
+
+    >>> from fdp import functionalize, init_train_state, plan_buckets, sgd
+    >>> from fdp.model.losses import cross_entropy_loss, planner_loss
+    >>> model, params, buffers = functionalize(torch.nn.Linear(4, 3))
+    >>> loss_fn = cross_entropy_loss(model)
+    >>> batch = (torch.randn(8, 4), torch.randint(0, 3, (8,)))
+    >>> plan = plan_buckets(planner_loss(loss_fn, buffers), params, batch)
+    >>> spec = OuterSpec("diloco", 2, 0, 0.7, 0.9, True, 0, 1, "strided", None)
+    >>> state = init_train_state(params, buffers, sgd(0.1), plan)
+    >>> state = state._replace(outer=init_outer_state(spec, params, plan))
+    >>> step = make_outer_step(loss_fn, sgd(0.1), plan, spec)
+    >>> for _ in range(4):
+    ...     state, metrics = step(state, batch)
+    >>> state.step, state.outer.syncs, metrics["synced"]
+    (4, 2, 1)
+    """
+    spec = check_outer(spec)
+    if spec.name == "none":
+        raise ValueError("outer=none: expected local_sgd or diloco for an outer step (use make_train_step)")
+    hook, comm = hook or allreduce(), comm or Comm()
+    synced = make_train_step(loss_fn, optimizer, plan, hook, comm, donate=donate, **step_options) if spec.start_step else None
+    # Each rank steps alone on its share of the global batch: its samples keep their global numbers.
+    local = make_train_step(loss_fn, optimizer, plan, allreduce(), _Alone(), donate=donate,
+                            **{"batch_rank": comm.rank, **step_options})
+    local_hook_states = init_hook_states(allreduce(), plan)
+    # A sync in flight across steps gets a group of its own: the collectives issued
+    # meanwhile (a logged loss, a checkpoint's gather) then cannot cross its own.
+    sync = _Sync(plan, spec, hook, comm.on_own_group() if spec.overlap else comm, outer_optimizer(spec), donate)
+    flight: tuple[Params, Reduction] | None = None  # the sync on the wire: (its OuterState.in_flight, reduction)
+
+    def step(state: TrainState, batch: tuple) -> tuple[TrainState, dict]:
+        nonlocal flight
+        if not isinstance(state.outer, OuterState) or len(state.outer.opt_state) != spec.fragments:
+            raise ValueError(f"state.outer: expected the OuterState of init_outer_state with outer.fragments={spec.fragments}")
+        number = state.step + 1
+        if number <= spec.start_step:
+            new_state, metrics = synced(state, batch)
+            outer = state.outer
+            if number == spec.start_step:  # per-step sync ends here: the outer loop starts from these params
+                outer = outer._replace(anchor={name: p.detach().clone() for name, p in new_state.params.items()})
+            return new_state._replace(outer=outer), {**metrics, "synced": 1}
+        # The local step keeps no chain state; the configured chain's state is kept for later.
+        new_state, metrics = local(state._replace(hook_state=local_hook_states), batch)
+        new_state = new_state._replace(hook_state=state.hook_state, outer=state.outer)
+        t0, wait_s, sent, count, landed = time.perf_counter(), 0.0, 0, 0, 0
+        ours = flight is not None and flight[0] is state.outer.in_flight
+        landing = landing_fragment(spec, number) if spec.overlap else None
+        if landing is not None:
+            # Sent `overlap` steps ago by this step function or, for a resumed (or
+            # replayed) state, sent again now from the state: the same values either way.
+            reduction = flight[1] if ours else sync.launch(landing, state.outer, state.outer.in_flight)
+            new_state, wait_s, sent, count = sync.land(landing, new_state, reduction, delayed=True)
+            flight, landed = None, 1
+        elif ours:
+            flight[1].poll()
+        sending = sending_fragment(spec, number)
+        if sending is not None:
+            if spec.overlap:
+                in_flight = sync.pseudo_gradient(sending, new_state.outer, new_state.params)
+                flight = (in_flight, sync.launch(sending, new_state.outer, in_flight))
+                new_state = new_state._replace(outer=new_state.outer._replace(in_flight=in_flight))
+            else:
+                reduction = sync.launch_from(sending, new_state.outer, new_state.params)
+                new_state, wait_s, sent, count = sync.land(sending, new_state, reduction, delayed=False)
+                landed = 1
+        # What the sync's own group sent this step: a sync sent, or the next round of one polled on.
+        more_sent, more_count = sync.comm.take_counters() if spec.overlap else (0, 0)
+        step_s = metrics["step_s"] + time.perf_counter() - t0
+        comm_wait_s = metrics["comm_wait_s"] + wait_s
+        return new_state, {
+            **metrics, "step_s": step_s, "comm_wait_s": comm_wait_s, "compute_s": step_s - comm_wait_s,
+            "bytes_sent": metrics["bytes_sent"] + sent + more_sent, "collectives": metrics["collectives"] + count + more_count,
+            "synced": landed,
+        }
+
+    def settle() -> None:  # read the last step's finiteness verdict, whichever inner step took it
+        for inner in (synced, local):
+            if inner is not None:
+                inner.settle()
+
+    return TrainStep(step, settle)
+
+
+class _Fragment(NamedTuple):
+    """One fragment's part of the sync: its buckets, their plan, scratch buffers and param views."""
+
+    buckets: range
+    plan: BucketPlan
+    flats: list
+    names: list  # param names, bucket by bucket, as the views
+    targets: list  # views of the params' slots in ``flats``
+
+
+class _Sync:
+    """Sends fragments' pseudo-gradients through the plan and hook chain, and steps the anchor with them."""
+
+    def __init__(self, plan: BucketPlan, spec: OuterSpec, hook: Hook, comm: Comm, outer_opt: GradientTransformation,
+                 donate: bool):
+        self.hook, self.comm, self.outer_opt, self.donate, self.mix = hook, comm, outer_opt, donate, spec.mix
+        flats = allocate(plan)  # scratch the reduction works in, refilled at every sync
+        self.fragments = []
+        for buckets in split_fragments(plan, spec.fragments):
+            views = [slot_views(plan.buckets[i], flats[i]) for i in buckets]
+            self.fragments.append(_Fragment(
+                buckets, fragment_plan(plan, buckets), [flats[i] for i in buckets],
+                [name for bucket_views in views for name in bucket_views],
+                [view for bucket_views in views for view in bucket_views.values()],
+            ))
+
+    def pseudo_gradient(self, fragment: int, outer: OuterState, params: Params) -> Params:
+        """``outer.in_flight`` with the fragment's entries set to ``anchor - params``
+        (in ``outer.in_flight``'s tensors when the state is donated)."""
+        names = self.fragments[fragment].names
+        anchor, current = [outer.anchor[n] for n in names], [params[n] for n in names]
+        if self.donate:
+            out = [outer.in_flight[n] for n in names]
+            foreach.copy_(out, anchor)
+            foreach.add_(out, current, alpha=-1.0)
+        else:
+            out = foreach.add(anchor, current, alpha=-1.0)
+        return {**outer.in_flight, **dict(zip(names, out))}
+
+    def launch_from(self, fragment: int, outer: OuterState, params: Params) -> Reduction:
+        """Start reducing the fragment's ``outer.anchor - params``, computed in the bucket buffers."""
+        part = self.fragments[fragment]
+        foreach.copy_(part.targets, [outer.anchor[name] for name in part.names])
+        foreach.add_(part.targets, [params[name] for name in part.names], alpha=-1.0)
+        return self._start(part, outer)
+
+    def launch(self, fragment: int, outer: OuterState, pseudo: Params) -> Reduction:
+        """Start reducing the fragment's entries of the pseudo-gradient ``pseudo``."""
+        part = self.fragments[fragment]
+        foreach.copy_(part.targets, [pseudo[name] for name in part.names])
+        return self._start(part, outer)
+
+    def _start(self, part: _Fragment, outer: OuterState) -> Reduction:
+        states = tuple(outer.hook_state[i] for i in part.buckets)
+        reduction = Reduction(self.hook, self.comm, states, part.plan)
+        for flat in part.flats:
+            reduction.start(flat)
+        return reduction
+
+    def land(self, fragment: int, state: TrainState, reduction: Reduction,
+             delayed: bool) -> tuple[TrainState, float, int, int]:
+        """Step the fragment's anchor with its reduced pseudo-gradient; move its params to it.
+
+        ``delayed``: the sync was sent ``overlap`` steps ago (from ``state.outer.in_flight``);
+        each rank keeps its steps since then on top of the new anchor, or (with ``mix``)
+        mixes its params now with the new anchor.
+        Returns the new state, the seconds blocked, and the bytes and collectives sent.
+        """
+        outer: OuterState = state.outer
+        part = self.fragments[fragment]
+        reduced: dict[str, torch.Tensor] = {}
+        for index, bucket in reduction.finished():
+            reduced.update(slot_views(part.plan.buckets[index], bucket.buffer))
+        names = [name for name in outer.anchor if name in reduced]
+        pseudo = {name: reduced[name] for name in names}
+        # Reduced values are the same on every rank, so every rank raises alike.
+        if not bool(torch.isfinite(torch.stack([g.sum(dtype=torch.float32) for g in pseudo.values()])).all()):
+            raise FloatingPointError(f"non-finite pseudo-gradient at the outer sync after step {state.step}")
+        stats = reduction.stats()
+        anchor_part = {n: outer.anchor[n] for n in names}
+        local = [state.params[n] for n in names]
+        if delayed and self.mix is None:
+            updates, opt_state = self.outer_opt.update(pseudo, outer.opt_state[fragment], anchor_part)
+            new_anchor = apply_updates(anchor_part, updates)
+            # new anchor - params when sent = updates + this rank's pseudo-gradient: small
+            # values, added before they meet the params, to lose the least to rounding.
+            correction = foreach.add([updates[n] for n in names], [outer.in_flight[n] for n in names])
+            if self.donate:
+                foreach.add_(local, correction)
+                moved = local
+            else:
+                moved = foreach.add(local, correction)
+        else:
+            new_anchor, opt_state = apply_gradients(self.outer_opt, pseudo, outer.opt_state[fragment], anchor_part,
+                                                    donate=self.donate)
+            landed = [new_anchor[n] for n in names]
+            if self.mix:  # a * local + (1 - a) * anchor, as Streaming DiLoCo mixes
+                moved = foreach.mul(local, self.mix)
+                foreach.add_(moved, landed, alpha=1.0 - self.mix)
+                if self.donate:
+                    foreach.copy_(local, moved)
+                    moved = local
+            elif self.donate:  # the params are this loop's to overwrite: no new tensors
+                foreach.copy_(local, landed)
+                moved = local
+            else:
+                moved = [t.clone() for t in landed]
+        params = {**state.params, **dict(zip(names, moved))}
+        anchor = {**outer.anchor, **new_anchor}
+        opt_states = outer.opt_state[:fragment] + (opt_state,) + outer.opt_state[fragment + 1:]
+        hook_state = list(outer.hook_state)
+        for i, new in zip(part.buckets, reduction.hook_states):
+            hook_state[i] = new
+        t0 = time.perf_counter()
+        buffers = _averaged(state.buffers, self.comm)
+        wait_s = stats.wait_s + time.perf_counter() - t0
+        sent, count = self.comm.take_counters()
+        new_outer = OuterState(anchor, opt_states, tuple(hook_state), outer.syncs + 1, outer.in_flight)
+        new_state = state._replace(params=params, buffers=buffers, outer=new_outer)
+        return new_state, wait_s, stats.bytes_sent + sent, stats.collectives + count
+
+
+def _averaged(buffers: dict, comm: Comm) -> dict:
+    """Floating-point buffers (running statistics) averaged over ranks; the others as they are."""
+    world = comm.world_size
+    if world == 1:
+        return buffers
+    floating = [name for name, b in buffers.items() if b.is_floating_point()]
+    pending = {name: comm.allreduce(buffers[name] / world) for name in floating}
+    return {name: pending[name].wait() if name in pending else b for name, b in buffers.items()}

@@ -1,0 +1,1 @@
+"""fdp.update.base."""

@@ -1,0 +1,118 @@
+"""ZeRO stage 3: params sharded too. Each rank keeps its slice of every bucket and nothing whole.
+
+``TrainState.params`` holds ``{"bucket<i>": slice}`` (``fdp.update.zero.convert``), the
+optimizer state the same slices' state. A step gathers each bucket's params while the
+forward and backward need them (``fdp.update.zero.gather.ParamGather``), the hook chain
+reduce-scatters each bucket's gradient as soon as it is complete (``ScatterComm``, as at
+stage 2), and each rank steps its slices with its slices of the gradient. Nothing is
+all-gathered after the optimizer: the next step's forward gathers what it reads.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fdp._torch import HAS_DISABLE_FUNCTORCH
+from fdp.state.checks import check_same_replicas
+from fdp.comm import Comm
+from fdp.errors import require
+from fdp.model.functional import FunctionalModel
+from fdp.optim import GradientTransformation, apply_gradients
+from fdp.plan import BucketPlan
+from fdp.trace import Timeline
+from fdp.update.zero.convert import is_sharded, params_sharded
+from fdp.update.zero.gather import ParamGather
+from fdp.update.zero.layout import padded_slice, shard_key, shard_range
+from fdp.update.zero.scatter import ScatterComm
+from fdp.update.zero.slice_step import SliceStep
+from fdp.update.zero.sliced import SlicedUpdate
+
+__all__ = ["ParamShardedUpdate"]
+
+
+class ParamShardedUpdate(SlicedUpdate):
+    """The ``fdp.update.base.Update`` of ZeRO stage 3 (see the module docstring).
+
+    ``model`` is the ``FunctionalModel`` the loss runs: its modules' hooks gather each
+    bucket before its params are read. ``gather`` is handed to the ``GradReducer``; it is
+    made (and the hooks registered) when first asked for, by the train step.
+    """
+
+    flat_params = False
+
+    def __init__(self, optimizer: GradientTransformation, plan: BucketPlan, comm: Comm, model: FunctionalModel | None,
+                 reshard_after_forward: bool = True, timeline: Timeline | None = None, donate: bool = False,
+                 early: bool = False, mirror: bool = False):
+        require(isinstance(model, FunctionalModel), "model", model,
+                "the FunctionalModel the loss runs (fdp.functionalize), which zero_stage=3 gathers bucket by bucket",
+                TypeError)
+        require(HAS_DISABLE_FUNCTORCH, "zero_stage", 3, "0, 1 or 2: this torch cannot leave torch.func from a hook")
+        super().__init__(optimizer, plan, comm, 3, timeline, donate, early, mirror)
+        self.model, self.reshard_after_forward = model, reshard_after_forward
+        self._gather: ParamGather | None = None
+
+    @property
+    def gather(self) -> ParamGather:
+        if self._gather is None:
+            self._gather = ParamGather(self.model, self.plan, self.comm, self.reshard_after_forward, self.timeline)
+        return self._gather
+
+    def for_step(self, comm: Comm, timeline: Timeline | None = None, donate: bool = False,
+                 early: bool = False) -> "ParamShardedUpdate":
+        return ParamShardedUpdate(self.optimizer, self.plan, comm, self.model, self.reshard_after_forward, timeline,
+                                  donate, early, self.mirror)
+
+    def reduction_comm(self, comm: Comm) -> Any:
+        return ScatterComm(comm, self.plan)
+
+    def check_state(self, state: Any) -> None:
+        if not (params_sharded(state.params, self.plan) and is_sharded(state.opt_state, self.plan)):
+            raise ValueError(
+                "zero_stage=3: state.params are not this rank's slices by bucket; build the state with "
+                "fdp.update.zero.init_state(..., stage=3) or fdp.update.zero.shard_state(..., stage=3)"
+            )
+        check_same_replicas({}, state.buffers, self.comm, fresh=state.step == 0)  # the params are slices: each its own
+
+    def begin(self, state: Any, grad_buffers: tuple[torch.Tensor, ...]) -> "_ParamShardedStep":
+        self.gather.start(state.params)
+        # An elementwise optimizer without an in-place form (a user's own) steps once every slice is in.
+        per_bucket = (self.early and state.loss_scale is None and self.optimizer.elementwise
+                      and self.optimizer.update_inplace is not None)
+        return _ParamShardedStep(self, state, per_bucket)
+
+
+class _ParamShardedStep(SliceStep):
+    def __init__(self, owner: ParamShardedUpdate, state: Any, per_bucket: bool):
+        super().__init__(owner, sliced=True)
+        self.state, self.per_bucket, self.mirror = state, per_bucket, state.mirror
+        self.params = owner.gather.views
+        self.grads: dict[str, torch.Tensor] = {}
+        self.opt_state = state.opt_state
+
+    def reduced(self, index: int, buffer: torch.Tensor) -> None:
+        """Take this rank's slice of bucket ``index``'s reduced gradient; step it now where allowed."""
+        owner = self.owner
+        bucket = owner.plan.buckets[index]
+        start, stop = shard_range(bucket, self.rank, self.world)
+        if buffer.numel() == bucket.numel and buffer.numel() != stop - start:  # a chain that sent nothing
+            buffer = padded_slice(buffer, start, stop)
+        require(buffer.numel() == stop - start, f"zero_stage=3: bucket {index}'s reduced gradient", buffer.numel(),
+                f"this rank's slice of {stop - start} elements")
+        self.take(index, buffer, buffer)
+        key = shard_key(index)
+        if self.per_bucket:  # donated: the slice is stepped in place
+            with owner.timeline.span("optimizer", bucket=index):
+                self.opt_state = owner.optimizer.update_inplace({key: buffer}, self.state.opt_state, {key: self.state.params[key]})
+        else:
+            self.grads[key] = buffer
+
+    def finish(self) -> tuple[dict, Any]:
+        """Step the slices not stepped yet; ``(params, opt_state)``, the params this rank's slices."""
+        owner = self.owner
+        if self.per_bucket:
+            return self.state.params, self.opt_state
+        with owner.timeline.span("optimizer"):
+            return apply_gradients(owner.optimizer, self.grads, self.state.opt_state, self.state.params,
+                                   donate=owner.donate, sum_across=self._sum_across)
+

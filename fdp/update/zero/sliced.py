@@ -1,0 +1,65 @@
+"""What the update of every ZeRO stage (1, 2 and 3) does the same with its state's life.
+
+The first state is made as stage 0 makes it (the ranks' plans, seeds and buffers
+compared, rank 0's params and buffers taken), then sharded for the stage without ever
+building the whole optimizer state (``fdp.update.zero.convert.init_state``). A checkpoint holds
+the whole state, gathered to rank 0 (``gather_state``), so that any stage and world size
+resumes it (``shard_state``). After ranks were lost only stage 1, whose ranks each keep
+the next rank's slices (``mirror``), can go on (``fdp.update.zero.mirror``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from fdp.comm import Comm
+from fdp.model.functional import Buffers, Params
+from fdp.hooks import Hook
+from fdp.optim import GradientTransformation
+from fdp.plan import BucketPlan
+from fdp.state.replicas import agreed_start, rank_seed
+from fdp.state.train_state import TrainState
+from fdp.trace import NullTimeline, Timeline
+from fdp.update.base import Update
+from fdp.update.zero.convert import gather_state, init_state, shard_state, unsharded_template
+from fdp.update.zero.mirror import reshard_survivors
+
+__all__ = ["SlicedUpdate"]
+
+
+class SlicedUpdate(Update):
+    """The state's life at ZeRO stages 1 to 3 (see the module docstring); the steps are the subclasses'.
+
+    ``mirror``: the state keeps the next rank's slices of the optimizer state too
+    (``TrainState.mirror``, a world that may shrink), where the stage can
+    (``Stage.refuses_mirror``).
+    """
+
+    def __init__(self, optimizer: GradientTransformation, plan: BucketPlan, comm: Comm, stage: int,
+                 timeline: Timeline | None = None, donate: bool = False, early: bool = False, mirror: bool = False):
+        self.optimizer, self.plan, self.comm, self.stage = optimizer, plan, comm, stage
+        self.timeline = timeline or NullTimeline()
+        self.donate, self.early = donate, early
+        self.mirror = mirror  # refused, where the stage cannot keep one, by the state it makes
+
+    def first_state(self, params: Params, buffers: Buffers, hook: Hook | None, comm: Comm, seed: int = 0,
+                    precision: Any = None) -> TrainState:
+        params, buffers = agreed_start(params, buffers, self.plan, comm, seed)
+        return init_state(params, buffers, self.optimizer, self.plan, comm, hook, seed=rank_seed(seed, comm.rank),
+                          stage=self.stage, mirror=self.mirror)
+
+    def to_checkpoint(self, state: TrainState, comm: Comm) -> TrainState:
+        return gather_state(state, self.plan, comm, to=0)
+
+    def checkpoint_template(self, state: TrainState) -> TrainState:
+        return unsharded_template(state, self.optimizer, self.plan)
+
+    def from_checkpoint(self, whole: TrainState, comm: Comm) -> TrainState:
+        return shard_state(whole, self.plan, comm, self.stage, mirror=self.mirror)
+
+    def reshard(self, state: TrainState, old_members: tuple[int, ...], new_members: tuple[int, ...],
+                comm: Comm) -> TrainState:
+        reason = self.rules.refuses_mirror()
+        if reason:
+            raise ValueError(f"zero_stage={self.stage}: cannot go on without a lost rank ({reason})")
+        return reshard_survivors(state, self.plan, old_members, new_members, comm)
+
