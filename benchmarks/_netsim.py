@@ -19,6 +19,7 @@ each rank ``os.cpu_count() // LOCAL_WORLD_SIZE`` torch threads, so the ranks are
 with ``LOCAL_WORLD_SIZE`` = the number of ranks on this host (1 thread each on 2 cores);
 the DDP worker sets the same number of threads.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,16 +61,36 @@ MODELS = {
     "mlp": ["model=mlp", "data=digits", "model.hidden=1024", "model.depth=25", "data.global_batch_size=64"],
     # A window char LM (benchmarks/models.py): 19.85M params, 32 tokens per rank; its step is mostly the link's.
     "charmlp": [
-        "model=custom", "model._target_=benchmarks.models.CharMLP", "+model.hidden=3000", "+model.depth=3",
-        "+model.context=16", "data=stdlib_text", "data.block_size=32", "data.global_batch_size=2", "data.test_fraction=0.002",
+        "model=custom",
+        "model._target_=benchmarks.models.CharMLP",
+        "+model.hidden=3000",
+        "+model.depth=3",
+        "+model.context=16",
+        "data=stdlib_text",
+        "data.block_size=32",
+        "data.global_batch_size=2",
+        "data.test_fraction=0.002",
     ],
     "transformer": [
-        "model=charlm", "data=stdlib_text", "model.d_model=512", "model.n_layer=5", "model.n_head=8",
-        "data.global_batch_size=8", "data.block_size=64", "data.test_fraction=0.002",
+        "model=charlm",
+        "data=stdlib_text",
+        "model.d_model=512",
+        "model.n_layer=5",
+        "model.n_head=8",
+        "data.global_batch_size=8",
+        "data.block_size=64",
+        "data.test_fraction=0.002",
     ],
 }
-COMMON = ["optim=adam", "optim.lr=0.001", "trainer.log_every=1", "trainer.eval_every=0", "trainer.eval_batches=1",
-          "trainer.checkpoint_every=0", "trainer.progress=false"]
+COMMON = [
+    "optim=adam",
+    "optim.lr=0.001",
+    "trainer.log_every=1",
+    "trainer.eval_every=0",
+    "trainer.eval_batches=1",
+    "trainer.checkpoint_every=0",
+    "trainer.progress=false",
+]
 
 # hook name -> (fdp recipe overrides, DDP hook spec or None when torch has no such hook)
 POWERSGD_START = 2  # plain averaging for steps 1-2 (the untimed warm-up), compression from step 3
@@ -77,7 +98,7 @@ POWERSGD_START = 2  # plain averaging for steps 1-2 (the untimed warm-up), compr
 
 def hook_overrides(variant: str) -> list[str]:
     if variant.startswith("powersgd"):
-        return ["hooks=powersgd", f"hooks.rank={int(variant[len('powersgd'):])}", f"hooks.start_iter={POWERSGD_START}"]
+        return ["hooks=powersgd", f"hooks.rank={int(variant[len('powersgd') :])}", f"hooks.start_iter={POWERSGD_START}"]
     return [f"hooks={variant}"]
 
 
@@ -127,9 +148,13 @@ class LoadMeter:
         return False
 
     def as_dict(self) -> dict:
-        return {"load_start": round(self.load0, 2), "load_end": round(self.load1, 2),
-                "others_cores": round(self.others_cores, 2), "own_cores": round(self.own_cores, 2),
-                "wall_s": round(self.wall, 1)}
+        return {
+            "load_start": round(self.load0, 2),
+            "load_end": round(self.load1, 2),
+            "others_cores": round(self.others_cores, 2),
+            "own_cores": round(self.own_cores, 2),
+            "wall_s": round(self.wall, 1),
+        }
 
 
 # ----------------------------------------------------------------------------- stopping
@@ -201,8 +226,9 @@ def _kill_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
         proc.wait()
 
 
-def run_ranks(argv: list[str], logs: list[Path], timeout_s: float, netsim: bool, extra_env: dict | None = None,
-              per_node: int = 1) -> list[int]:
+def run_ranks(
+    argv: list[str], logs: list[Path], timeout_s: float, netsim: bool, extra_env: dict | None = None, per_node: int = 1
+) -> list[int]:
     """Run ``argv`` once per rank (``len(logs)`` ranks); return the exit codes.
 
     ``netsim``: rank K runs in node K // ``per_node`` with torchrun's env; otherwise ``argv``
@@ -216,8 +242,9 @@ def run_ranks(argv: list[str], logs: list[Path], timeout_s: float, netsim: bool,
     try:
         for k, log in enumerate(logs[:world]):
             path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
-            env = dict(os.environ, PYTHONUNBUFFERED="1", TORCH_CPP_LOG_LEVEL="ERROR", PYTHONPATH=path,
-                       **(extra_env or {}))
+            env = dict(
+                os.environ, PYTHONUNBUFFERED="1", TORCH_CPP_LOG_LEVEL="ERROR", PYTHONPATH=path, **(extra_env or {})
+            )
             if netsim:
                 node, local = divmod(k, per_node)
                 env.update(node_env(node, world, port))
@@ -228,8 +255,17 @@ def run_ranks(argv: list[str], logs: list[Path], timeout_s: float, netsim: bool,
                 cmd = list(argv)
             f = open(log, "w")
             files.append(f)
-            procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    cwd=REPO,
+                    env=env,
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            )
         deadline = time.monotonic() + timeout_s
         codes = []
         for p in procs:
@@ -244,7 +280,7 @@ def run_ranks(argv: list[str], logs: list[Path], timeout_s: float, netsim: bool,
                 time.sleep(2.0)
                 for q in procs:
                     _kill_group(q)
-                codes += [q.wait() for q in procs[len(codes):]]
+                codes += [q.wait() for q in procs[len(codes) :]]
                 break
         return codes
     finally:
@@ -326,14 +362,27 @@ def parse_fdp_log(log: Path) -> dict:
 
 
 # ----------------------------------------------------------------------------- fdp through the recipe
-def fdp_run(model: str, variant: str, steps: int, run_dir: Path, netsim: bool, timeout_s: float,
-            extra: list[str] | None = None, world: int = 2, per_node: int = 1) -> dict:
+def fdp_run(
+    model: str,
+    variant: str,
+    steps: int,
+    run_dir: Path,
+    netsim: bool,
+    timeout_s: float,
+    extra: list[str] | None = None,
+    world: int = 2,
+    per_node: int = 1,
+) -> dict:
     """``recipes/train.py`` on ``world`` ranks (``per_node`` in each simulated node); per-step metrics from ``metrics.jsonl``."""
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     overrides = [
         "world=torchrun" if netsim else f"world=local{world}",
-        *MODELS[model], *COMMON, *hook_overrides(variant), f"trainer.max_steps={steps}",
-        *(extra or []), f"hydra.run.dir={shown(run_dir)}",  # the ranks run in REPO
+        *MODELS[model],
+        *COMMON,
+        *hook_overrides(variant),
+        f"trainer.max_steps={steps}",
+        *(extra or []),
+        f"hydra.run.dir={shown(run_dir)}",  # the ranks run in REPO
     ]
     argv = [PYTHON, str(REPO / "recipes" / "train.py"), *overrides]
     logs = [run_dir.parent / f"{run_dir.name}.rank{k}.log" for k in range(world)]
@@ -362,13 +411,29 @@ def _drop_checkpoints(run_dir: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- DDP
-def ddp_run(model: str, variant: str, steps: int, out_dir: Path, timeout_s: float, world: int = 2,
-            bucket_cap_mb: float | None = None) -> dict:
+def ddp_run(
+    model: str,
+    variant: str,
+    steps: int,
+    out_dir: Path,
+    timeout_s: float,
+    world: int = 2,
+    bucket_cap_mb: float | None = None,
+) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / f"ddp-{model}-{variant}.json"
     out.unlink(missing_ok=True)
-    argv = [PYTHON, str(Path(__file__).resolve()), "ddp-worker", "--variant", variant, "--steps", str(steps),
-            "--out", str(out)]
+    argv = [
+        PYTHON,
+        str(Path(__file__).resolve()),
+        "ddp-worker",
+        "--variant",
+        variant,
+        "--steps",
+        str(steps),
+        "--out",
+        str(out),
+    ]
     if bucket_cap_mb:
         argv += ["--bucket-cap-mb", str(bucket_cap_mb)]
     argv += ["--", *MODELS[model], *COMMON, f"trainer.max_steps={steps}"]
@@ -404,8 +469,11 @@ def _ddp_hook(ddp, variant: str):
     elif variant == "noop":
         ddp.register_comm_hook(None, debugging_hooks.noop_hook)
     elif variant.startswith("powersgd"):
-        state = P.PowerSGDState(process_group=None, matrix_approximation_rank=int(variant[len("powersgd"):]),
-                                start_powerSGD_iter=POWERSGD_START)
+        state = P.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=int(variant[len("powersgd") :]),
+            start_powerSGD_iter=POWERSGD_START,
+        )
 
         def powersgd_waiting(state, bucket):
             # torch's powerSGD_hook races on gloo with more than one bucket (the ranks interleave
@@ -476,8 +544,11 @@ def ddp_worker(args) -> None:
         real_all_reduce(mean_loss)  # not counted, not timed (fdp logs its loss the same way)
         rows.append({"step": step + 1, "loss": mean_loss.item(), "step_ms": 1e3 * elapsed, "bytes_sent": nbytes})
         if rank == 0:
-            print(f"ddp {args.variant} step {step + 1}: {1e3 * elapsed:.0f} ms loss {mean_loss.item():.4f} "
-                  f"bytes {nbytes}", flush=True)
+            print(
+                f"ddp {args.variant} step {step + 1}: {1e3 * elapsed:.0f} ms loss {mean_loss.item():.4f} "
+                f"bytes {nbytes}",
+                flush=True,
+            )
     buckets = None
     try:
         buckets = len(ddp.reducer._get_zeros_like_grad_buckets())

@@ -1,4 +1,5 @@
 """What ``/proc`` says of this process that the memory benchmarks read: RSS and its peak."""
+
 from __future__ import annotations
 
 import re

@@ -24,6 +24,7 @@ below that all give about one bucket per weight.
 Writes ``benchmarks/results/bucket_size.{md,json,png}`` after every run (``--quick``: beside
 its logs in ``benchmarks/runs/bucket_size/<date-time>/`` unless ``--write``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,10 +65,16 @@ def parse_args():
     p.add_argument("--networks", help="comma list of loopback and netsim rates, e.g. loopback,1gbit")
     p.add_argument("--schedules", help="comma list of after,overlap (default both; --quick after)")
     p.add_argument("--steps", type=int, help="steps per run (default 12; --quick 6)")
-    p.add_argument("--reps", type=int, help="repetitions of every run, the caps' order reversed each time "
-                   "(default 2; --quick 1); the table merges the timed steps of all")
+    p.add_argument(
+        "--reps",
+        type=int,
+        help="repetitions of every run, the caps' order reversed each time "
+        "(default 2; --quick 1); the table merges the timed steps of all",
+    )
     p.add_argument("--timeout", type=float, default=900)
-    p.add_argument("--force", action="store_true", help="rebuild the simulated cluster even if its fdpsim-* namespaces exist")
+    p.add_argument(
+        "--force", action="store_true", help="rebuild the simulated cluster even if its fdpsim-* namespaces exist"
+    )
     p.add_argument("--write", action="store_true", help="with --quick: write into benchmarks/results")
     p.add_argument("--out", help="results directory (default benchmarks/results)")
     a = p.parse_args()
@@ -84,8 +91,10 @@ def _cap(c: float) -> str:
 
 
 def merged(raw: dict) -> dict:
-    return {net: {sch: {c: N.merge_reps(rs) for c, rs in caps.items()} for sch, caps in schs.items()}
-            for net, schs in raw.items()}
+    return {
+        net: {sch: {c: N.merge_reps(rs) for c, rs in caps.items()} for sch, caps in schs.items()}
+        for net, schs in raw.items()
+    }
 
 
 def write_report(raw: dict, meta: dict, out_dir: Path) -> None:
@@ -113,8 +122,16 @@ def write_report(raw: dict, meta: dict, out_dir: Path) -> None:
     ]
     for c in caps:
         key = _cap(c)
-        buckets = next((r.get("buckets") for net in results.values() for sch in net.values()
-                        for k, r in sch.items() if k == key and r.get("buckets")), "")
+        buckets = next(
+            (
+                r.get("buckets")
+                for net in results.values()
+                for sch in net.values()
+                for k, r in sch.items()
+                if k == key and r.get("buckets")
+            ),
+            "",
+        )
         cells = []
         for net, sch in cols:
             r = results.get(net, {}).get(sch, {}).get(key)
@@ -125,10 +142,14 @@ def write_report(raw: dict, meta: dict, out_dir: Path) -> None:
             else:
                 cells.append(f"{r['median_ms']:.0f} ({r['q1_ms']:.0f}-{r['q3_ms']:.0f})")
         lines.append(f"| {key} | {buckets} | " + " | ".join(cells) + " |")
-    lines += ["", "Load during the runs (1-min load average at run start→end, CPU cores other processes took), "
-              "and fdp's median communication wait per step:", "",
-              "| network | schedule | load range | others' cores (median) | comm wait ms (min-max over caps) |",
-              "|---|---|---|---:|---|"]
+    lines += [
+        "",
+        "Load during the runs (1-min load average at run start→end, CPU cores other processes took), "
+        "and fdp's median communication wait per step:",
+        "",
+        "| network | schedule | load range | others' cores (median) | comm wait ms (min-max over caps) |",
+        "|---|---|---|---:|---|",
+    ]
     import statistics
 
     for net, sch in cols:
@@ -138,19 +159,26 @@ def write_report(raw: dict, meta: dict, out_dir: Path) -> None:
         loads = [r["load"]["load_start"] for r in rs] + [r["load"]["load_end"] for r in rs]
         others = statistics.median(r["load"]["others_cores"] for r in rs)
         waits = [r["comm_wait_ms"] for r in rs if "comm_wait_ms" in r]
-        lines.append(f"| {net} | {sch} | {min(loads):.1f}-{max(loads):.1f} | {others:.2f} | "
-                     f"{min(waits):.0f}-{max(waits):.0f} |")
+        lines.append(
+            f"| {net} | {sch} | {min(loads):.1f}-{max(loads):.1f} | {others:.2f} | {min(waits):.0f}-{max(waits):.0f} |"
+        )
     for net, sch in cols:
         rs = {c: r for c, r in results.get(net, {}).get(sch, {}).items() if "median_ms" in r}
         if len(rs) >= 2:
             best = min(rs, key=lambda c: rs[c]["median_ms"])
             worst = max(rs, key=lambda c: rs[c]["median_ms"])
-            lines.append(f"\n{net} {sch}: fastest at {best} MiB ({rs[best]['median_ms']:.0f} ms), slowest at {worst} MiB "
-                         f"({rs[worst]['median_ms']:.0f} ms): {rs[worst]['median_ms'] / rs[best]['median_ms']:.2f}x.")
+            lines.append(
+                f"\n{net} {sch}: fastest at {best} MiB ({rs[best]['median_ms']:.0f} ms), slowest at {worst} MiB "
+                f"({rs[worst]['median_ms']:.0f} ms): {rs[worst]['median_ms'] / rs[best]['median_ms']:.2f}x."
+            )
     if meta.get("notes"):
         lines += ["", "## Notes", ""] + [f"- {n}" for n in meta["notes"]]
-    lines += ["", f"Load average (1 min) at start {meta['load_start']:.2f}; at the last write {os.getloadavg()[0]:.2f}. "
-              f"Elapsed {meta.get('elapsed_s', 0):.0f} s. Every step's time is in `bucket_size.json`.", ""]
+    lines += [
+        "",
+        f"Load average (1 min) at start {meta['load_start']:.2f}; at the last write {os.getloadavg()[0]:.2f}. "
+        f"Elapsed {meta.get('elapsed_s', 0):.0f} s. Every step's time is in `bucket_size.json`.",
+        "",
+    ]
     (out_dir / "bucket_size.md").write_text("\n".join(lines))
 
 
@@ -179,8 +207,15 @@ def plot(raw: dict, meta: dict, out_dir: Path) -> None:
             if sch == meta["schedules"][0]:
                 for c, r in rs:
                     if r.get("buckets"):
-                        ax.text(c, 0.02, str(r["buckets"]), transform=ax.get_xaxis_transform(), ha="center",
-                                fontsize=7, color="gray")
+                        ax.text(
+                            c,
+                            0.02,
+                            str(r["buckets"]),
+                            transform=ax.get_xaxis_transform(),
+                            ha="center",
+                            fontsize=7,
+                            color="gray",
+                        )
         ax.set_xscale("log")
         ax.set_xlabel("bucket cap (MiB, log); gray numbers: buckets in the plan")
         ax.set_ylabel("median step ms (IQR bars)")
@@ -200,16 +235,24 @@ def main() -> None:
     out_dir = Path(args.out) if args.out else (work if args.quick and not args.write else N.RESULTS)
     meta = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
         "command": "python " + " ".join([f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]]),
-        "steps": args.steps, "reps": args.reps, "schedules": args.schedules, "caps": args.caps,
-        "load_start": os.getloadavg()[0], "work_dir": N.shown(work), "notes": [],
+        "steps": args.steps,
+        "reps": args.reps,
+        "schedules": args.schedules,
+        "caps": args.caps,
+        "load_start": os.getloadavg()[0],
+        "work_dir": N.shown(work),
+        "notes": [],
     }
     order = interleave(args.caps)
     total = len(args.networks) * len(order) * len(args.schedules) * args.reps
     print(f"bucket_size: {total} runs; logs in {work}; results -> {out_dir}", flush=True)
     results: dict = {}
     t0, done = time.perf_counter(), 0
+
     def save() -> None:
         if results:
             write_report(results, meta, out_dir)
@@ -233,17 +276,30 @@ def main() -> None:
                         done += 1
                         tag = f"[{done}/{total}] {network} cap {cap:g} MiB schedule={sch} rep {rep + 1}"
                         print(f"{tag} ...", flush=True)
-                        extra = [f"trainer.bucket_cap_mb={cap:g}", f"trainer.first_bucket_cap_mb={cap:g}",
-                                 f"trainer.schedule={sch}"]
+                        extra = [
+                            f"trainer.bucket_cap_mb={cap:g}",
+                            f"trainer.first_bucket_cap_mb={cap:g}",
+                            f"trainer.schedule={sch}",
+                        ]
                         try:
                             with N.LoadMeter() as lm:
-                                r = N.fdp_run("mlp", "allreduce", args.steps, work / f"{network}-{sch}-cap{cap:g}-rep{rep}",
-                                              netsim, args.timeout, extra=extra)
+                                r = N.fdp_run(
+                                    "mlp",
+                                    "allreduce",
+                                    args.steps,
+                                    work / f"{network}-{sch}-cap{cap:g}-rep{rep}",
+                                    netsim,
+                                    args.timeout,
+                                    extra=extra,
+                                )
                             r["load"] = lm.as_dict()
-                            print(f"{tag}: {r['median_ms']:.0f} ms/step (IQR {r['q1_ms']:.0f}-{r['q3_ms']:.0f}), "
-                                  f"{r.get('buckets')} buckets, comm wait {r.get('comm_wait_ms', 0):.0f} ms, "
-                                  f"load {lm.load0:.1f}→{lm.load1:.1f}, others {lm.others_cores:.2f} cores, "
-                                  f"{lm.wall:.0f} s", flush=True)
+                            print(
+                                f"{tag}: {r['median_ms']:.0f} ms/step (IQR {r['q1_ms']:.0f}-{r['q3_ms']:.0f}), "
+                                f"{r.get('buckets')} buckets, comm wait {r.get('comm_wait_ms', 0):.0f} ms, "
+                                f"load {lm.load0:.1f}→{lm.load1:.1f}, others {lm.others_cores:.2f} cores, "
+                                f"{lm.wall:.0f} s",
+                                flush=True,
+                            )
                         except (RuntimeError, TimeoutError) as error:
                             r = {"error": str(error)}
                             print(f"{tag}: FAILED: {error}", flush=True)

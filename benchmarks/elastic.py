@@ -21,6 +21,7 @@ checkpoint and the 15 steps since it. A shrink pays detection, the heartbeat che
 
     python -m benchmarks.elastic [--timeout 10] [--repeat 1]   # from the repo root; ~3 min
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,10 +42,24 @@ from fdp.run.trainer import run
 RESULTS = Path(__file__).resolve().parent / "results" / "elastic.md"
 STEPS, EVERY, AT, VICTIM = 80, 25, 40, 2
 RUN = [
-    "model=charlm", "data=stdlib_text", "model.d_model=64", "model.n_layer=2", "model.n_head=4", "model.dropout=0.1",
-    "data.block_size=32", "data.max_chars=50000", "data.global_batch_size=24", "optim=adam", "optim.lr=1e-3",
-    "trainer.eval_every=0", "trainer.progress=false", f"trainer.max_steps={STEPS}", f"trainer.checkpoint_every={EVERY}",
-    "world=local4", "world.nproc_per_node=3", "world.backend=gloo",
+    "model=charlm",
+    "data=stdlib_text",
+    "model.d_model=64",
+    "model.n_layer=2",
+    "model.n_head=4",
+    "model.dropout=0.1",
+    "data.block_size=32",
+    "data.max_chars=50000",
+    "data.global_batch_size=24",
+    "optim=adam",
+    "optim.lr=1e-3",
+    "trainer.eval_every=0",
+    "trainer.progress=false",
+    f"trainer.max_steps={STEPS}",
+    f"trainer.checkpoint_every={EVERY}",
+    "world=local4",
+    "world.nproc_per_node=3",
+    "world.backend=gloo",
 ]
 MODES = {"restart": ["world.on_rank_loss=restart", "world.max_restarts=1"], "shrink": ["world.on_rank_loss=shrink"]}
 
@@ -86,13 +101,19 @@ def _once(mode: str, sig: signal.Signals, timeout_s: float) -> dict:
         if watch.victim and _alive(watch.victim["pid"]):
             os.kill(watch.victim["pid"], signal.SIGKILL)
     shrinks = summary.get("shrinks", [])
-    return {"lost_s": watch.lost_s, "wall_s": time.monotonic() - started, "world": summary["world"],
-            "reported_s": shrinks[0]["seconds_lost"] if shrinks else None}
+    return {
+        "lost_s": watch.lost_s,
+        "wall_s": time.monotonic() - started,
+        "world": summary["world"],
+        "reported_s": shrinks[0]["seconds_lost"] if shrinks else None,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--timeout", type=float, default=10.0, help="world.timeout_s (how long a hung rank takes to see)")
+    parser.add_argument(
+        "--timeout", type=float, default=10.0, help="world.timeout_s (how long a hung rank takes to see)"
+    )
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -101,29 +122,40 @@ def main() -> None:
         measured = {}
         for mode in MODES:
             runs = [_once(mode, sig, args.timeout) for _ in range(args.repeat)]
-            measured[mode] = {key: statistics.median(r[key] for r in runs) if runs[0][key] is not None else None
-                              for key in runs[0]}
+            measured[mode] = {
+                key: statistics.median(r[key] for r in runs) if runs[0][key] is not None else None for key in runs[0]
+            }
             print(sig.name, mode, measured[mode], flush=True)
         ratio = measured["restart"]["lost_s"] / measured["shrink"]["lost_s"]
         ratios.append(ratio)
         for mode in MODES:
             m = measured[mode]
             reported = f"{m['reported_s']:.1f}" if m["reported_s"] is not None else "-"
-            rows.append(f"| {sig.name} | {mode} | {m['lost_s']:.1f} | {reported} | {m['world']:.0f} | {m['wall_s']:.1f} |")
+            rows.append(
+                f"| {sig.name} | {mode} | {m['lost_s']:.1f} | {reported} | {m['world']:.0f} | {m['wall_s']:.1f} |"
+            )
         rows.append(f"| {sig.name} | restart / shrink | {ratio:.1f}x | | | |")
     load = os.getloadavg()[0]
-    table = "\n".join([
-        "# Time lost per lost rank: restart against shrink (benchmarks/elastic.py)", "",
-        f"3 gloo ranks of a local world (`world=local4 world.nproc_per_node=3`), char transformer d_model 64 x 2 "
-        f"layers, dropout 0.1, Adam, global batch 24, {STEPS} steps, a checkpoint every {EVERY}; rank {VICTIM} is "
-        f"signalled as it starts step {AT}; `world.timeout_s={args.timeout:g}`; median of {args.repeat}; torch "
-        f"{torch.__version__}; {time.strftime('%Y-%m-%d')}; load average {load:.1f} at the end (2-core machine).", "",
-        f"Time lost: from the signal until rank 0 has completed step {AT} again. Reported: the shrink's own "
-        "`seconds_lost` (from the start of the dropped step until the smaller world starts it again).", "",
-        "| signal | on_rank_loss | time lost (s) | reported (s) | final world | wall (s) |", "|---|---|---|---|---|---|",
-        *rows, "",
-        f"`python -m benchmarks.elastic --timeout {args.timeout:g} --repeat {args.repeat}`", "",
-    ])
+    table = "\n".join(
+        [
+            "# Time lost per lost rank: restart against shrink (benchmarks/elastic.py)",
+            "",
+            f"3 gloo ranks of a local world (`world=local4 world.nproc_per_node=3`), char transformer d_model 64 x 2 "
+            f"layers, dropout 0.1, Adam, global batch 24, {STEPS} steps, a checkpoint every {EVERY}; rank {VICTIM} is "
+            f"signalled as it starts step {AT}; `world.timeout_s={args.timeout:g}`; median of {args.repeat}; torch "
+            f"{torch.__version__}; {time.strftime('%Y-%m-%d')}; load average {load:.1f} at the end (2-core machine).",
+            "",
+            f"Time lost: from the signal until rank 0 has completed step {AT} again. Reported: the shrink's own "
+            "`seconds_lost` (from the start of the dropped step until the smaller world starts it again).",
+            "",
+            "| signal | on_rank_loss | time lost (s) | reported (s) | final world | wall (s) |",
+            "|---|---|---|---|---|---|",
+            *rows,
+            "",
+            f"`python -m benchmarks.elastic --timeout {args.timeout:g} --repeat {args.repeat}`",
+            "",
+        ]
+    )
     print(table)
     args.out.write_text(table)
 

@@ -27,6 +27,7 @@ step time <= 1.0x FSDP2 and <= 1.3x stage 0.
 
 Writes ``benchmarks/results/fsdp.md`` and ``fsdp.json`` (``--quick``: a ~7M model, prints only).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,7 +55,6 @@ BUCKET_CAP_MB, FIRST_BUCKET_CAP_MB = 25.0, 1.0
 SIDES = ("fdp stage 0", "fdp stage 1", "fdp stage 2", "fdp stage 3", "FSDP2")
 
 
-
 def _module(spec: dict):
     from fdp.model.builtin import CharTransformer
 
@@ -77,24 +77,47 @@ def _nbytes(tensors) -> int:
 
 
 def _fdp(spec: dict, stage: int, comm, warmup: int, steps: int) -> dict:
-    from fdp import adam, cross_entropy_loss, functionalize, init_train_state, make_train_step, plan_buckets, planner_loss
-    from fdp.update import zero
+    from fdp import (
+        adam,
+        cross_entropy_loss,
+        functionalize,
+        init_train_state,
+        make_train_step,
+        plan_buckets,
+        planner_loss,
+    )
     from fdp.comm import Comm
+    from fdp.update import zero
 
     batch = _batch(spec, comm.rank)
     model, params, buffers = functionalize(_module(spec), keep_module_weights=False)
     n_params = sum(p.numel() for p in params.values())
     loss_fn = cross_entropy_loss(model)
-    plan = plan_buckets(planner_loss(loss_fn, buffers), params, batch, bucket_cap_mb=BUCKET_CAP_MB,
-                        first_bucket_cap_mb=FIRST_BUCKET_CAP_MB)
+    plan = plan_buckets(
+        planner_loss(loss_fn, buffers),
+        params,
+        batch,
+        bucket_cap_mb=BUCKET_CAP_MB,
+        first_bucket_cap_mb=FIRST_BUCKET_CAP_MB,
+    )
     optimizer = adam(LR)
-    step = make_train_step(loss_fn, optimizer, plan, comm=Comm(), schedule="overlap", donate=True, zero_stage=stage,
-                           model=model)
-    state = (zero.init_state(params, buffers, optimizer, plan, comm, stage=stage) if stage
-             else init_train_state(params, buffers, optimizer, plan))
+    step = make_train_step(
+        loss_fn, optimizer, plan, comm=Comm(), schedule="overlap", donate=True, zero_stage=stage, model=model
+    )
+    state = (
+        zero.init_state(params, buffers, optimizer, plan, comm, stage=stage)
+        if stage
+        else init_train_state(params, buffers, optimizer, plan)
+    )
     del params, buffers
-    return _timed(lambda s: step(s, batch), state, warmup, steps, n_params,
-                  lambda m, s: (m["state_mib"], m["bytes_sent"], float(m["loss"])))
+    return _timed(
+        lambda s: step(s, batch),
+        state,
+        warmup,
+        steps,
+        n_params,
+        lambda m, s: (m["state_mib"], m["bytes_sent"], float(m["loss"])),
+    )
 
 
 def _fsdp2(spec: dict, comm, warmup: int, steps: int) -> dict:
@@ -121,8 +144,12 @@ def _fsdp2(spec: dict, comm, warmup: int, steps: int) -> dict:
     def held(m, _):
         local = [p.to_local() for p in module.parameters()]
         grads = [p.grad.to_local() for p in module.parameters() if p.grad is not None]
-        moments = [v.to_local() if hasattr(v, "to_local") else v for s in optimizer.state.values() for v in s.values()
-                   if isinstance(v, torch.Tensor) and v.dim() > 0]
+        moments = [
+            v.to_local() if hasattr(v, "to_local") else v
+            for s in optimizer.state.values()
+            for v in s.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        ]
         return _nbytes([*local, *grads, *moments]) / 2**20, m["bytes_sent"], float(m["loss"])
 
     return _timed(step, None, warmup, steps, n_params, held)
@@ -159,8 +186,15 @@ def _timed(step, state, warmup: int, steps: int, n_params: int, measure) -> dict
         state, m = step(state)
         times.append(m["step_s"])
     state_mib, bytes_sent, loss = measure(m, state)
-    return {"params": n_params, "state_mib": state_mib, "ms": [1e3 * t for t in times], "bytes_sent": bytes_sent,
-            "timed_peak_mib": status_mib("VmHWM"), "warm_peak_mib": warm_peak, "loss": loss}
+    return {
+        "params": n_params,
+        "state_mib": state_mib,
+        "ms": [1e3 * t for t in times],
+        "bytes_sent": bytes_sent,
+        "timed_peak_mib": status_mib("VmHWM"),
+        "warm_peak_mib": warm_peak,
+        "loss": loss,
+    }
 
 
 def worker(spec: dict, side: str, world: int, warmup: int, steps: int) -> dict:
@@ -192,9 +226,13 @@ def _summary(row: dict, rows: list[dict]) -> dict:
     ranks = row["ranks"]
     ms = statistics.median(ranks[0]["ms"])
     out = {
-        "params_m": ranks[0]["params"] / 1e6, "state_mib": max(r["state_mib"] for r in ranks),
-        "timed_peak": max(r["timed_peak_mib"] for r in ranks), "warm_peak": max(r["warm_peak_mib"] for r in ranks),
-        "base": max(r["base_mib"] for r in ranks), "ms": ms, "mb_sent": ranks[0]["bytes_sent"] / 2**20,
+        "params_m": ranks[0]["params"] / 1e6,
+        "state_mib": max(r["state_mib"] for r in ranks),
+        "timed_peak": max(r["timed_peak_mib"] for r in ranks),
+        "warm_peak": max(r["warm_peak_mib"] for r in ranks),
+        "base": max(r["base_mib"] for r in ranks),
+        "ms": ms,
+        "mb_sent": ranks[0]["bytes_sent"] / 2**20,
         "loss": ranks[0]["loss"],
     }
     for key, side in (("vs_stage0", "fdp stage 0"), ("vs_fsdp2", "FSDP2")):
@@ -216,9 +254,11 @@ def _ratios(s: dict, key: str) -> str:
 
 def _line(row: dict, rows: list[dict]) -> str:
     s = _summary(row, rows)
-    return (f"{row['side']} on {row['world']} ranks: state {s['state_mib']:.0f} MiB, peak RSS {s['timed_peak']:.0f} MiB "
-            f"(incl. build {s['warm_peak']:.0f}), step {s['ms']:.0f} ms, sent {s['mb_sent']:.0f} MiB, loss {s['loss']:.4f}; "
-            f"vs stage 0 {_ratios(s, 'vs_stage0')}, vs FSDP2 {_ratios(s, 'vs_fsdp2')}")
+    return (
+        f"{row['side']} on {row['world']} ranks: state {s['state_mib']:.0f} MiB, peak RSS {s['timed_peak']:.0f} MiB "
+        f"(incl. build {s['warm_peak']:.0f}), step {s['ms']:.0f} ms, sent {s['mb_sent']:.0f} MiB, loss {s['loss']:.4f}; "
+        f"vs stage 0 {_ratios(s, 'vs_stage0')}, vs FSDP2 {_ratios(s, 'vs_fsdp2')}"
+    )
 
 
 def _table(rows: list[dict], meta: dict) -> str:
@@ -249,7 +289,6 @@ def _table(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a ~7M model, 1 warm-up + 2 timed steps, print only")
@@ -271,9 +310,17 @@ def main() -> None:
             rows.append(row)
             print(_line(row, rows), flush=True)
     meta = {
-        "date": datetime.date.today().isoformat(), "torch": torch.__version__, "python": platform.python_version(),
-        "machine": platform.machine(), "cpus": os.cpu_count(), "load_before": load_before, "load_after": os.getloadavg()[0],
-        "wall_s": time.perf_counter() - t0, "warmup": warmup, "steps": steps, "spec": spec,
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "load_before": load_before,
+        "load_after": os.getloadavg()[0],
+        "wall_s": time.perf_counter() - t0,
+        "warmup": warmup,
+        "steps": steps,
+        "spec": spec,
     }
     table = _table(rows, meta)
     print(table)

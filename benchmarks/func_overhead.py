@@ -5,6 +5,7 @@
 Both sides alternate in one process (one torch thread); prints each median and the ratio
 and writes benchmarks/results/func_overhead.md.
 """
+
 import argparse
 import datetime
 import os
@@ -16,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch.func import grad_and_value
 
+from fdp.model.builtin import MLP, CharTransformer, ConvNet
 from fdp.model.functional import functionalize
 from fdp.model.functional import grad_and_value as fdp_grad_and_value
-from fdp.model.builtin import MLP, CharTransformer, ConvNet
 
 RESULTS = Path(__file__).parent / "results" / "func_overhead.md"
 
@@ -26,7 +27,11 @@ RESULTS = Path(__file__).parent / "results" / "func_overhead.md"
 def cases():
     yield "mlp (digits default)", MLP(64, 256, 2, 10), (torch.randn(64, 64), torch.randint(0, 10, (64,)))
     yield "convnet (digits default)", ConvNet(), (torch.randn(64, 1, 8, 8), torch.randint(0, 10, (64,)))
-    yield "charlm (default)", CharTransformer(101, 64, 128, 4, 4), (torch.randint(0, 101, (32, 64)), torch.randint(0, 101, (32, 64)))
+    yield (
+        "charlm (default)",
+        CharTransformer(101, 64, 128, 4, 4),
+        (torch.randint(0, 101, (32, 64)), torch.randint(0, 101, (32, 64))),
+    )
     yield "mlp 25M", MLP(1024, 1024, 24, 10), (torch.randn(32, 1024), torch.randint(0, 10, (32,)))
 
 
@@ -157,8 +162,11 @@ def main():
             vjp_after.append(timed(fdp_step, batch))
         e, f, v = (statistics.median(ts) * 1e3 for ts in (eager, func, vjp_after))
         rows.append((name, e, f, f / e, f - e, v, v / e))
-        print(f"{name:26s} eager {e:8.2f} ms   torch.func {f:8.2f} ms   ratio {f / e:.2f}   (+{f - e:.2f} ms)   "
-              f"fdp's vjp {v:8.2f} ms   ratio {v / e:.2f}", flush=True)
+        print(
+            f"{name:26s} eager {e:8.2f} ms   torch.func {f:8.2f} ms   ratio {f / e:.2f}   (+{f - e:.2f} ms)   "
+            f"fdp's vjp {v:8.2f} ms   ratio {v / e:.2f}",
+            flush=True,
+        )
     costs = torch_costs(10 if args.quick else 30)
     for what, us, unit in costs:
         print(f"{what}: {us:.2f} {unit}", flush=True)

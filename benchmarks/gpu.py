@@ -32,6 +32,7 @@ Without CUDA it stops at once with one line. The full run writes
 ``benchmarks/results/gpu.md``; the last line printed is ``fdp/ddp step time: X`` (the
 25M model, world of 1).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -93,26 +94,33 @@ def _build(variant: str, spec: dict, batch, device: torch.device, world: int):
         from torch.nn.parallel import DistributedDataParallel
 
         ddp = DistributedDataParallel(
-            _module(spec, device), device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=BUCKET_CAP_MB
+            _module(spec, device),
+            device_ids=[device.index] if device.type == "cuda" else None,
+            bucket_cap_mb=BUCKET_CAP_MB,
         )
         return _torch_step(ddp, batch)
     return _build_fdp(spec, batch, device, world)
 
 
 def _build_fdp(spec: dict, batch, device: torch.device, world: int):
+    from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
     from fdp.comm import Comm
     from fdp.dist.devices import to_device
-    from fdp.model.functional import functionalize
     from fdp.hooks import allreduce
+    from fdp.model.functional import functionalize
     from fdp.optim import adamw
     from fdp.plan import plan_buckets
-    from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
 
     model, params, buffers = functionalize(_module(spec, device), keep_module_weights=False)
     params, buffers = to_device(params, device), to_device(buffers, device)
     loss_fn = cross_entropy_loss(model)
-    plan = plan_buckets(planner_loss(loss_fn, buffers), params, batch, bucket_cap_mb=BUCKET_CAP_MB,
-                        first_bucket_cap_mb=FIRST_BUCKET_CAP_MB)
+    plan = plan_buckets(
+        planner_loss(loss_fn, buffers),
+        params,
+        batch,
+        bucket_cap_mb=BUCKET_CAP_MB,
+        first_bucket_cap_mb=FIRST_BUCKET_CAP_MB,
+    )
     optimizer = adamw(LR)
     schedule = "overlap" if world > 1 else "after"  # what fdp.run.trainer.schedule_for picks
     train_step = make_train_step(loss_fn, optimizer, plan, allreduce(), Comm(), schedule=schedule, donate=True)
@@ -141,7 +149,7 @@ def worker(layout, models: list[str], variants: list[str], reps: int, warmup: in
         times = {v: [] for v in variants}
         wall = {v: [] for v in variants}
         for rep in range(reps):
-            order = variants[rep % len(variants):] + variants[: rep % len(variants)]
+            order = variants[rep % len(variants) :] + variants[: rep % len(variants)]
             for v in order:
                 for _ in range(warmup):
                     built[v]()
@@ -155,8 +163,12 @@ def worker(layout, models: list[str], variants: list[str], reps: int, warmup: in
                 torch.cuda.synchronize()
                 wall[v].append(1e3 * (time.perf_counter() - t0) / steps)
                 times[v] += [a.elapsed_time(b) for a, b in zip(events, events[1:])]
-        out[m] = {"times": times, "wall": wall, "first_loss": first_loss,
-                  "params": sum(p.numel() for p in _module(spec, torch.device("cpu")).parameters())}
+        out[m] = {
+            "times": times,
+            "wall": wall,
+            "first_loss": first_loss,
+            "params": sum(p.numel() for p in _module(spec, torch.device("cpu")).parameters()),
+        }
         del built
         torch.cuda.empty_cache()
     return out
@@ -172,8 +184,14 @@ def _quantile(xs: list[float], q: float) -> float:
 def _run_world(world: int, models: list[str], variants: list[str], args) -> dict:
     from fdp.dist.launch import WorldLayout, spawn
 
-    layout = WorldLayout("elastic", nproc_per_node=world, backend="nccl", timeout_s=900.0,
-                         accelerator="gpu", device_ids=tuple(range(world)))
+    layout = WorldLayout(
+        "elastic",
+        nproc_per_node=world,
+        backend="nccl",
+        timeout_s=900.0,
+        accelerator="gpu",
+        device_ids=tuple(range(world)),
+    )
     worker_fn = worker
     if __name__ == "__main__":  # the launcher pickles the entry by module name
         import importlib
@@ -187,18 +205,30 @@ def _rows(world: int, results: dict) -> list[dict]:
     for m, r in results.items():
         med = {v: statistics.median(ts) for v, ts in r["times"].items()}
         for v, ts in r["times"].items():
-            rows.append({
-                "model": m, "params": r["params"], "world": world, "variant": v, "n": len(ts),
-                "median_ms": med[v], "q1_ms": _quantile(ts, 0.25), "q3_ms": _quantile(ts, 0.75),
-                "wall_ms": statistics.mean(r["wall"][v]), "first_loss": r["first_loss"][v],
-                "vs_ddp": med[v] / med["ddp"], "vs_eager": med[v] / med["eager"] if "eager" in med else None,
-            })
+            rows.append(
+                {
+                    "model": m,
+                    "params": r["params"],
+                    "world": world,
+                    "variant": v,
+                    "n": len(ts),
+                    "median_ms": med[v],
+                    "q1_ms": _quantile(ts, 0.25),
+                    "q3_ms": _quantile(ts, 0.75),
+                    "wall_ms": statistics.mean(r["wall"][v]),
+                    "first_loss": r["first_loss"][v],
+                    "vs_ddp": med[v] / med["ddp"],
+                    "vs_eager": med[v] / med["eager"] if "eager" in med else None,
+                }
+            )
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="2 repetitions of 2 warm-up + 5 timed steps; no table written")
+    parser.add_argument(
+        "--quick", action="store_true", help="2 repetitions of 2 warm-up + 5 timed steps; no table written"
+    )
     parser.add_argument("--reps", type=int, default=4)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per block")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps before each block")
@@ -224,16 +254,26 @@ def main() -> None:
         )
     print("\n".join(lines))
     ratios = {r["model"]: r["vs_ddp"] for r in rows if r["variant"] == "fdp" and r["world"] == 1}
-    goals = [f"{m}: fdp/ddp {ratios[m]:.2f} (goal <= {g:.2f}: {'met' if ratios[m] <= g else 'not met'})" for m, g in GOALS.items()]
+    goals = [
+        f"{m}: fdp/ddp {ratios[m]:.2f} (goal <= {g:.2f}: {'met' if ratios[m] <= g else 'not met'})"
+        for m, g in GOALS.items()
+    ]
     print("\n".join(goals))
     if not args.quick:
         device = torch.cuda.get_device_name(0)
-        meta = (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {gpus} x {device}; torch {torch.__version__}, "
-                f"CUDA {torch.version.cuda}; fp32; {args.reps} repetitions x ({args.warmup} warm-up + {args.steps} timed steps) per variant")
+        meta = (
+            f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {gpus} x {device}; torch {torch.__version__}, "
+            f"CUDA {torch.version.cuda}; fp32; {args.reps} repetitions x ({args.warmup} warm-up + {args.steps} timed steps) per variant"
+        )
         RESULTS.mkdir(parents=True, exist_ok=True)
         (RESULTS / "gpu.md").write_text(
-            "# fdp vs eager PyTorch vs DDP on GPUs\n\n`python benchmarks/gpu.py`: " + meta + "\n\n"
-            + "\n".join(lines) + "\n\n" + "\n".join(f"- {g}" for g in goals) + "\n"
+            "# fdp vs eager PyTorch vs DDP on GPUs\n\n`python benchmarks/gpu.py`: "
+            + meta
+            + "\n\n"
+            + "\n".join(lines)
+            + "\n\n"
+            + "\n".join(f"- {g}" for g in goals)
+            + "\n"
         )
     print(f"fdp/ddp step time: {ratios['charlm25m']:.2f}")
 

@@ -33,6 +33,7 @@ issues (profiler events named ``aten::``).
 writes ``benchmarks/results/host_cost.{md,json}``; the last line printed is
 ``fdp/eager host time: X`` (the worst structure, one rank).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,6 +68,7 @@ def _use_fdp(path: Path) -> None:
 
 def module_for(spec: dict):
     import torch
+
     from fdp.model.builtin import MLP, CharTransformer, ConvNet
 
     torch.manual_seed(0)
@@ -86,7 +88,9 @@ def batch_for(spec: dict, rank: int):
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     if spec["kind"] == "convnet":
         return torch.randn(spec["batch"], 1, 8, 8, generator=g), torch.randint(0, 10, (spec["batch"],), generator=g)
-    return torch.randn(spec["batch"], spec["width"], generator=g), torch.randint(0, spec["width"], (spec["batch"],), generator=g)
+    return torch.randn(spec["batch"], spec["width"], generator=g), torch.randint(
+        0, spec["width"], (spec["batch"],), generator=g
+    )
 
 
 def _loss(logits, y):
@@ -113,7 +117,12 @@ def _torch_step(module, batch, parts: dict | None = None):
         opt.step()
         if parts is not None:
             t4 = clock()
-            for name, dt in (("zero_grad", t1 - t0), ("forward", t2 - t1), ("backward", t3 - t2), ("optimizer", t4 - t3)):
+            for name, dt in (
+                ("zero_grad", t1 - t0),
+                ("forward", t2 - t1),
+                ("backward", t3 - t2),
+                ("optimizer", t4 - t3),
+            ):
                 parts[name] += dt
         return loss.detach()
 
@@ -121,20 +130,27 @@ def _torch_step(module, batch, parts: dict | None = None):
 
 
 def _fdp_step(spec: dict, batch, world: int, compile: bool, optimizer=None):
+    from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
     from fdp.comm import Comm
-    from fdp.model.functional import functionalize
     from fdp.hooks import allreduce
+    from fdp.model.functional import functionalize
     from fdp.optim import adamw
     from fdp.plan import plan_buckets
-    from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
 
     model, params, buffers = functionalize(module_for(spec), keep_module_weights=False)
     loss_fn = cross_entropy_loss(model)
-    plan = plan_buckets(planner_loss(loss_fn, buffers), params, batch, bucket_cap_mb=BUCKET_CAP_MB,
-                        first_bucket_cap_mb=FIRST_BUCKET_CAP_MB)
+    plan = plan_buckets(
+        planner_loss(loss_fn, buffers),
+        params,
+        batch,
+        bucket_cap_mb=BUCKET_CAP_MB,
+        first_bucket_cap_mb=FIRST_BUCKET_CAP_MB,
+    )
     optimizer = optimizer or adamw(LR)
     schedule = "overlap" if world > 1 and not compile else "after"  # what the trainer picks
-    train_step = make_train_step(loss_fn, optimizer, plan, allreduce(), Comm(), schedule=schedule, donate=True, compile=compile)
+    train_step = make_train_step(
+        loss_fn, optimizer, plan, allreduce(), Comm(), schedule=schedule, donate=True, compile=compile
+    )
     state = [init_train_state(params, buffers, optimizer, plan, allreduce())]
 
     def step():
@@ -176,9 +192,13 @@ TIMED = [
     ("fdp.update.base", "apply_gradients", "optimizer"),
 ]
 # part -> the part it runs inside of (whose time it is taken out of)
-NESTED = {"reparametrisation": "forward (functional call)", "forward (functional call)": "gradient (torch.func)",
-          "param views of the flat buffers": "gradient (torch.func)", "bucket copies": "gradient (torch.func)",
-          "hook chains (start)": "gradient (torch.func)"}
+NESTED = {
+    "reparametrisation": "forward (functional call)",
+    "forward (functional call)": "gradient (torch.func)",
+    "param views of the flat buffers": "gradient (torch.func)",
+    "bucket copies": "gradient (torch.func)",
+    "hook chains (start)": "gradient (torch.func)",
+}
 
 
 def _timed(fn, part: str, acc: dict):
@@ -272,8 +292,11 @@ def _aten_ops(step) -> int:
 # ------------------------------------------------------------------------------- ranks
 
 
-def worker(layout, structures: list[str], variants: list[str], reps: int, steps: int, warmup: int, breakdown_steps: int) -> dict:
+def worker(
+    layout, structures: list[str], variants: list[str], reps: int, steps: int, warmup: int, breakdown_steps: int
+) -> dict:
     import torch
+
     from fdp.dist.launch import init_distributed
 
     comm = init_distributed(layout)
@@ -292,7 +315,7 @@ def worker(layout, structures: list[str], variants: list[str], reps: int, steps:
         first_loss = {v: built[v]().item() for v in variants}
         times = {v: [] for v in variants}
         for rep in range(reps):
-            order = variants[rep % len(variants):] + variants[: rep % len(variants)]
+            order = variants[rep % len(variants) :] + variants[: rep % len(variants)]
             for v in order:
                 for _ in range(warmup):
                     built[v]()
@@ -300,11 +323,17 @@ def worker(layout, structures: list[str], variants: list[str], reps: int, steps:
                     t0, c0 = time.perf_counter(), time.process_time()
                     built[v]()
                     times[v].append((time.perf_counter() - t0, time.process_time() - c0))
-        result = {"times": times, "first_loss": first_loss, "first_step_s": compile_s,
-                  "tensors": sum(1 for _ in module_for(spec).parameters())}
+        result = {
+            "times": times,
+            "first_loss": first_loss,
+            "first_step_s": compile_s,
+            "tensors": sum(1 for _ in module_for(spec).parameters()),
+        }
         if world == 1 and breakdown_steps:
-            result["breakdown"] = {"fdp": _fdp_breakdown(spec, batch, breakdown_steps),
-                                   "eager": _eager_breakdown(spec, batch, breakdown_steps)}
+            result["breakdown"] = {
+                "fdp": _fdp_breakdown(spec, batch, breakdown_steps),
+                "eager": _eager_breakdown(spec, batch, breakdown_steps),
+            }
             result["aten_ops"] = {v: _aten_ops(built[v]) for v in ("eager", "fdp") if v in built}
         out[name] = result
         del built
@@ -333,9 +362,14 @@ def summarise(one: dict, two: dict) -> dict:
         # CPU time (the process's, all its threads) is the host's work; the wall time adds waits and other jobs.
         med = {v: 1e3 * statistics.median(cpu for _, cpu in ts) for v, ts in timed.items()}
         wall = {v: 1e3 * statistics.median(w for w, _ in ts) for v, ts in timed.items()}
-        row = {"tensors": one[name]["tensors"], "ms": med, "wall_ms": wall,
-               "fdp/eager": med["fdp 1"] / med["eager 1"], "fdp/ddp 1": med["fdp 1"] / med["ddp 1"],
-               "wall fdp/eager": wall["fdp 1"] / wall["eager 1"]}
+        row = {
+            "tensors": one[name]["tensors"],
+            "ms": med,
+            "wall_ms": wall,
+            "fdp/eager": med["fdp 1"] / med["eager 1"],
+            "fdp/ddp 1": med["fdp 1"] / med["ddp 1"],
+            "wall fdp/eager": wall["fdp 1"] / wall["eager 1"],
+        }
         if "fdp 2" in med:
             row["fdp/ddp 2"] = med["fdp 2"] / med["ddp 2"]
             row["wall fdp/ddp 2"] = wall["fdp 2"] / wall["ddp 2"]
@@ -353,8 +387,10 @@ def _fmt(x) -> str:
 
 
 def markdown(rows: dict, meta: str, before: dict | None) -> str:
-    head = ("| structure | tensors | eager | DDP (1) | fdp (1) | fdp/eager (1) | fdp/DDP (1) | DDP (2) | fdp (2) "
-            "| fdp/DDP (2) | fdp compiled | compiled/eager | wall: fdp/eager (1) | wall: fdp/DDP (2) |")
+    head = (
+        "| structure | tensors | eager | DDP (1) | fdp (1) | fdp/eager (1) | fdp/DDP (1) | DDP (2) | fdp (2) "
+        "| fdp/DDP (2) | fdp compiled | compiled/eager | wall: fdp/eager (1) | wall: fdp/DDP (2) |"
+    )
     lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, r in rows.items():
         ms = r["ms"]
@@ -362,40 +398,80 @@ def markdown(rows: dict, meta: str, before: dict | None) -> str:
             f"| {name} | {r['tensors']} | {ms['eager 1']:.2f} | {ms['ddp 1']:.2f} | {ms['fdp 1']:.2f} | {r['fdp/eager']:.2f} | "
             f"{r['fdp/ddp 1']:.2f} | {_fmt(ms.get('ddp 2'))} | {_fmt(ms.get('fdp 2'))} | {_fmt(r.get('fdp/ddp 2'))} | "
             f"{_fmt(ms.get('fdp compiled 1'))} | {_fmt(r.get('compiled/eager'))} | {_fmt(r.get('wall fdp/eager'))} | "
-            f"{_fmt(r.get('wall fdp/ddp 2'))} |")
-    out = ["# Host time per step on the CPU: fdp, eager PyTorch and DDP at tiny widths", "", meta, "",
-           "CPU milliseconds per step (the process's CPU time, all its threads: the host's work, which other jobs on the "
-           "machine inflate far less than the wall time); ratios of those; the last two columns are ratios of wall times.",
-           "", *lines, ""]
+            f"{_fmt(r.get('wall fdp/ddp 2'))} |"
+        )
+    out = [
+        "# Host time per step on the CPU: fdp, eager PyTorch and DDP at tiny widths",
+        "",
+        meta,
+        "",
+        "CPU milliseconds per step (the process's CPU time, all its threads: the host's work, which other jobs on the "
+        "machine inflate far less than the wall time); ratios of those; the last two columns are ratios of wall times.",
+        "",
+        *lines,
+        "",
+    ]
     if before:
-        out += ["Before (the same script on the fdp of the `--before` run):", "",
-                "| structure | fdp/eager (1) before | after | fdp/DDP (2) before | after | fdp ms (1) before | after |",
-                "|---|---:|---:|---:|---:|---:|---:|"]
+        out += [
+            "Before (the same script on the fdp of the `--before` run):",
+            "",
+            "| structure | fdp/eager (1) before | after | fdp/DDP (2) before | after | fdp ms (1) before | after |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
         for name, r in rows.items():
             b = before["rows"].get(name)
             if b:
-                out.append(f"| {name} | {b['fdp/eager']:.2f} | {r['fdp/eager']:.2f} | {_fmt(b.get('fdp/ddp 2'))} | "
-                           f"{_fmt(r.get('fdp/ddp 2'))} | {b['ms']['fdp 1']:.2f} | {r['ms']['fdp 1']:.2f} |")
+                out.append(
+                    f"| {name} | {b['fdp/eager']:.2f} | {r['fdp/eager']:.2f} | {_fmt(b.get('fdp/ddp 2'))} | "
+                    f"{_fmt(r.get('fdp/ddp 2'))} | {b['ms']['fdp 1']:.2f} | {r['ms']['fdp 1']:.2f} |"
+                )
         out += ["", f"Before: {before['meta']}", ""]
     parts = sorted({p for r in rows.values() if r["breakdown"] for p in r["breakdown"]["fdp"]} - {"total"})
     if parts:
-        out += ["Where fdp's step spends its host time (microseconds per step, one rank; counters around the functions "
-                "that do each part; medians over the steps; the total is their sum):", "",
-                "| part | " + " | ".join(rows) + " |", "|---|" + "---:|" * len(rows)]
+        out += [
+            "Where fdp's step spends its host time (microseconds per step, one rank; counters around the functions "
+            "that do each part; medians over the steps; the total is their sum):",
+            "",
+            "| part | " + " | ".join(rows) + " |",
+            "|---|" + "---:|" * len(rows),
+        ]
         for p in [*parts, "total"]:
-            out.append(f"| {p} | " + " | ".join(f"{r['breakdown']['fdp'].get(p, 0.0):.0f}" for r in rows.values()) + " |")
-        out += ["", "Eager PyTorch's step, the same way:", "", "| part | " + " | ".join(rows) + " |", "|---|" + "---:|" * len(rows)]
+            out.append(
+                f"| {p} | " + " | ".join(f"{r['breakdown']['fdp'].get(p, 0.0):.0f}" for r in rows.values()) + " |"
+            )
+        out += [
+            "",
+            "Eager PyTorch's step, the same way:",
+            "",
+            "| part | " + " | ".join(rows) + " |",
+            "|---|" + "---:|" * len(rows),
+        ]
         for p in ["zero_grad", "forward", "backward", "optimizer", "rest of the step", "total"]:
-            out.append(f"| {p} | " + " | ".join(f"{r['breakdown']['eager'].get(p, 0.0):.0f}" for r in rows.values()) + " |")
-        out += ["", "aten ops per step (profiler events named `aten::`): "
-                + "; ".join(f"{n} eager {r['aten_ops']['eager']}, fdp {r['aten_ops']['fdp']}" for n, r in rows.items() if r["aten_ops"]), ""]
-    out += ["What of this is torch.func's own, reproduced in plain torch: `func_overhead.md` (`python benchmarks/func_overhead.py`).", ""]
+            out.append(
+                f"| {p} | " + " | ".join(f"{r['breakdown']['eager'].get(p, 0.0):.0f}" for r in rows.values()) + " |"
+            )
+        out += [
+            "",
+            "aten ops per step (profiler events named `aten::`): "
+            + "; ".join(
+                f"{n} eager {r['aten_ops']['eager']}, fdp {r['aten_ops']['fdp']}"
+                for n, r in rows.items()
+                if r["aten_ops"]
+            ),
+            "",
+        ]
+    out += [
+        "What of this is torch.func's own, reproduced in plain torch: `func_overhead.md` (`python benchmarks/func_overhead.py`).",
+        "",
+    ]
     return "\n".join(out)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="2 repetitions of 10 steps, no compiled variant; prints only")
+    parser.add_argument(
+        "--quick", action="store_true", help="2 repetitions of 10 steps, no compiled variant; prints only"
+    )
     parser.add_argument("--no-compile", action="store_true", help="leave out fdp compiled")
     parser.add_argument("--reps", type=int, default=6)
     parser.add_argument("--steps", type=int, default=30, help="timed steps per block")
@@ -403,7 +479,9 @@ def main() -> None:
     parser.add_argument("--breakdown-steps", type=int, default=200)
     parser.add_argument("--structures", default=",".join(STRUCTURES))
     parser.add_argument("--fdp", type=Path, default=REPO, help="the checkout whose fdp is measured")
-    parser.add_argument("--out", type=Path, default=None, help="JSON to write (default: results/host_cost.json on a full run)")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="JSON to write (default: results/host_cost.json on a full run)"
+    )
     parser.add_argument("--before", type=Path, default=None, help="an earlier run's JSON, shown beside this one")
     args = parser.parse_args()
     _use_fdp(args.fdp.resolve())
@@ -419,11 +497,13 @@ def main() -> None:
     two = _run_world(2, structures, ["ddp", "fdp"], args)
     rows = summarise(one, two)
     load_after = os.getloadavg()
-    meta = (f"`python benchmarks/host_cost.py{' --no-compile' if args.no_compile and not args.quick else ''}`: "
-            f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; torch {torch.__version__}, 1 thread per rank; "
-            f"fdp from `{os.path.relpath(args.fdp.resolve(), REPO)}`; {args.reps} repetitions x ({args.warmup} warm-up + "
-            f"{args.steps} timed steps) per variant, medians; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after "
-            f"({os.cpu_count()} cores); {time.perf_counter() - t0:.0f} s")
+    meta = (
+        f"`python benchmarks/host_cost.py{' --no-compile' if args.no_compile and not args.quick else ''}`: "
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; torch {torch.__version__}, 1 thread per rank; "
+        f"fdp from `{os.path.relpath(args.fdp.resolve(), REPO)}`; {args.reps} repetitions x ({args.warmup} warm-up + "
+        f"{args.steps} timed steps) per variant, medians; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after "
+        f"({os.cpu_count()} cores); {time.perf_counter() - t0:.0f} s"
+    )
     before = json.loads(args.before.read_text()) if args.before else None
     text = markdown(rows, meta, before)
     print(text)

@@ -15,6 +15,7 @@ and writes the table to ``benchmarks/results/loader_workers.md``.
 
     PYTHONPATH=examples python -m benchmarks.loader_workers   # from the repo root
 """
+
 from __future__ import annotations
 
 import os
@@ -72,15 +73,21 @@ def main() -> None:
     layout = WorldLayout("elastic", nproc_per_node=2, backend="gloo", timeout_s=300)
     results = spawn(_rank, (layout,), layout)
     seconds = {way: max(results[r][way] for r in results) for way in ("default", "fdp")}
-    table = "\n".join([
-        "# DataLoader workers in a local world's ranks", "",
-        f"2 gloo ranks, examples/my_project data, num_workers={WORKERS}: {STEPS} training batches and {EVALS} "
-        f"evaluations of the test split (rank 0), seconds spent reading (the slower rank); torch {torch.__version__}; "
-        f"load average {os.getloadavg()[0]:.1f} at the end.", "",
-        "| way | seconds | / fdp |", "|---|---|---|",
-        f"| default (spawned workers, a test loader per evaluation) | {seconds['default']:.2f} | {seconds['default'] / seconds['fdp']:.1f} |",
-        f"| fdp (forked workers, one persistent test loader) | {seconds['fdp']:.2f} | 1.0 |", "",
-    ])
+    table = "\n".join(
+        [
+            "# DataLoader workers in a local world's ranks",
+            "",
+            f"2 gloo ranks, examples/my_project data, num_workers={WORKERS}: {STEPS} training batches and {EVALS} "
+            f"evaluations of the test split (rank 0), seconds spent reading (the slower rank); torch {torch.__version__}; "
+            f"load average {os.getloadavg()[0]:.1f} at the end.",
+            "",
+            "| way | seconds | / fdp |",
+            "|---|---|---|",
+            f"| default (spawned workers, a test loader per evaluation) | {seconds['default']:.2f} | {seconds['default'] / seconds['fdp']:.1f} |",
+            f"| fdp (forked workers, one persistent test loader) | {seconds['fdp']:.2f} | 1.0 |",
+            "",
+        ]
+    )
     print(table)
     RESULTS.write_text(table)
 

@@ -33,6 +33,7 @@ What is measured, per variant (the larger rank):
 Writes ``benchmarks/results/memory.md`` and ``memory.json`` (``--quick``: 1 warm-up and 2
 timed steps per variant, no batch search, prints only).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -81,12 +82,19 @@ def _module(spec: dict):
     if spec["kind"] == "charlm":
         from fdp.model.builtin import CharTransformer
 
-        return CharTransformer(spec["vocab"], spec["seq"], spec["d_model"], spec["n_layer"], spec["n_head"],
-                               dropout=0.1)
+        return CharTransformer(
+            spec["vocab"], spec["seq"], spec["d_model"], spec["n_layer"], spec["n_head"], dropout=0.1
+        )
     from fdp.model.builtin import hf_model
 
-    return hf_model("transformers.GPT2LMHeadModel", vocab_size=spec["vocab"], n_positions=spec["seq"],
-                    n_embd=spec["d_model"], n_layer=spec["n_layer"], n_head=spec["n_head"])
+    return hf_model(
+        "transformers.GPT2LMHeadModel",
+        vocab_size=spec["vocab"],
+        n_positions=spec["seq"],
+        n_embd=spec["d_model"],
+        n_layer=spec["n_layer"],
+        n_head=spec["n_head"],
+    )
 
 
 def _batch(spec: dict, batch: int, rank: int):
@@ -126,8 +134,16 @@ def _torch_step(spec: dict, batch, ddp: bool):
 
 
 def _fdp_step(spec: dict, batch, stage: int, checkpoint: bool, comm):
-    from fdp import (adam, cross_entropy_loss, functionalize, init_train_state, make_train_step, plan_buckets,
-                     planner_loss, zero)
+    from fdp import (
+        adam,
+        cross_entropy_loss,
+        functionalize,
+        init_train_state,
+        make_train_step,
+        plan_buckets,
+        planner_loss,
+        zero,
+    )
     from fdp.comm import Comm
 
     module = _module(spec).to(_device())
@@ -136,10 +152,22 @@ def _fdp_step(spec: dict, batch, stage: int, checkpoint: bool, comm):
     # Planning traces one backward without checkpointing: on one sample, so that its peak is not the step's.
     plan = plan_buckets(planner_loss(loss_fn, buffers), params, tuple(t[:1] for t in batch))
     optimizer = adam(LR)
-    train_step = make_train_step(loss_fn, optimizer, plan, comm=Comm(), schedule="overlap", donate=True,
-                                 zero_stage=stage, model=model, checkpoint_modules="blocks" if checkpoint else ())
-    state = (zero.init_state(params, buffers, optimizer, plan, comm, stage=stage) if stage
-             else init_train_state(params, buffers, optimizer, plan))
+    train_step = make_train_step(
+        loss_fn,
+        optimizer,
+        plan,
+        comm=Comm(),
+        schedule="overlap",
+        donate=True,
+        zero_stage=stage,
+        model=model,
+        checkpoint_modules="blocks" if checkpoint else (),
+    )
+    state = (
+        zero.init_state(params, buffers, optimizer, plan, comm, stage=stage)
+        if stage
+        else init_train_state(params, buffers, optimizer, plan)
+    )
     del params, buffers
 
     def step(state):
@@ -201,8 +229,12 @@ def worker(model_name: str, variant: str, batch_size: int, warmup: int, steps: i
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-    return {"steady_mib": statistics.median(held), "peak_mib": statistics.median(peaks),
-            "ms": 1e3 * statistics.median(times), "device": device.type}
+    return {
+        "steady_mib": statistics.median(held),
+        "peak_mib": statistics.median(peaks),
+        "ms": 1e3 * statistics.median(times),
+        "device": device.type,
+    }
 
 
 def _launch(model_name: str, variant: str, batch: int, warmup: int, steps: int, budget_mb: float = 0.0) -> list[dict]:
@@ -254,8 +286,15 @@ def interleaved_times(model_name: str, steps: int) -> dict:
     Separate launches on a shared machine meet different load; alternating the two steps
     on the same model and batch puts the same load on both.
     """
-    from fdp import (adam, cross_entropy_loss, functionalize, init_train_state, make_train_step, plan_buckets,
-                     planner_loss)
+    from fdp import (
+        adam,
+        cross_entropy_loss,
+        functionalize,
+        init_train_state,
+        make_train_step,
+        plan_buckets,
+        planner_loss,
+    )
     from fdp.dist.allocator import tune_allocator
 
     tune_allocator()
@@ -271,7 +310,7 @@ def interleaved_times(model_name: str, steps: int) -> dict:
         step = make_train_step(loss_fn, adam(LR), plan, model=model, checkpoint_modules=modules)
         sides[name] = [step, init_train_state(params, buffers, adam(LR), plan), []]
     for i in range(steps + 1):
-        for name in (("without", "with") if i % 2 else ("with", "without")):
+        for name in ("without", "with") if i % 2 else ("with", "without"):
             step, state, times = sides[name]
             t0 = time.perf_counter()
             sides[name][1], _ = step(state, batch)
@@ -287,13 +326,23 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--budget-mb", type=float, default=1000.0, help="world.memory_per_rank_mb for the batch search")
     parser.add_argument("--no-search", action="store_true", help="skip the largest-batch search")
-    parser.add_argument("--search-variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
-                        help="the variants whose largest batch is searched (each try is a launch)")
-    parser.add_argument("--search-only", action="store_true",
-                        help="only the largest-batch search, its table in memory_batch.md (alongside a measuring run)")
-    parser.add_argument("--time", action="store_true",
-                        help="only fdp's step time with and without checkpointing, alternated in one process "
-                             "(memory_time.md)")
+    parser.add_argument(
+        "--search-variants",
+        nargs="+",
+        default=list(VARIANTS),
+        choices=list(VARIANTS),
+        help="the variants whose largest batch is searched (each try is a launch)",
+    )
+    parser.add_argument(
+        "--search-only",
+        action="store_true",
+        help="only the largest-batch search, its table in memory_batch.md (alongside a measuring run)",
+    )
+    parser.add_argument(
+        "--time",
+        action="store_true",
+        help="only fdp's step time with and without checkpointing, alternated in one process (memory_time.md)",
+    )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
@@ -301,9 +350,15 @@ def main() -> None:
     search = not (args.quick or args.no_search)
     rows = []
     meta = {
-        "date": datetime.date.today().isoformat(), "torch": torch.__version__, "python": platform.python_version(),
-        "machine": platform.machine(), "cpus": os.cpu_count(), "device": "cuda" if torch.cuda.is_available() else "cpu",
-        "warmup": warmup, "steps": steps, "budget_mb": args.budget_mb if search else None,
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "warmup": warmup,
+        "steps": steps,
+        "budget_mb": args.budget_mb if search else None,
         "load_before": os.getloadavg()[0],
     }
     t0 = time.time()
@@ -326,12 +381,14 @@ def main() -> None:
             ratio = ms["with"] / ms["without"]
             lines.append(f"| {model_name} | {ms['without']:.0f} | {ms['with']:.0f} | {ratio:.2f} |")
             print(lines[-1], flush=True)
-        head = (f"# fdp's step time with and without activation checkpointing ({meta['date']})\n\n"
-                f"One process, fdp stage 0, Adam, the models of memory.md at their batch; the two steps alternated "
-                f"(order flipped every round) for {args.steps} rounds after one warm-up, medians. "
-                f"torch {meta['torch']}, "
-                f"{meta['cpus']} CPU cores shared with other jobs (load {meta['load_before']:.1f} before, "
-                f"{os.getloadavg()[0]:.1f} after).\n\n")
+        head = (
+            f"# fdp's step time with and without activation checkpointing ({meta['date']})\n\n"
+            f"One process, fdp stage 0, Adam, the models of memory.md at their batch; the two steps alternated "
+            f"(order flipped every round) for {args.steps} rounds after one warm-up, medians. "
+            f"torch {meta['torch']}, "
+            f"{meta['cpus']} CPU cores shared with other jobs (load {meta['load_before']:.1f} before, "
+            f"{os.getloadavg()[0]:.1f} after).\n\n"
+        )
         (RESULTS / "memory_time.md").write_text(head + "\n".join(lines) + "\n")
         return
     if args.search_only:
@@ -339,9 +396,15 @@ def main() -> None:
     for model_name in [] if args.search_only else args.models:
         for variant in args.variants:
             ranks = _launch(model_name, variant, MODELS[model_name]["batch"], warmup, steps)
-            row = {"model": model_name, "variant": variant, "ranks": len(ranks),
-                   "steady_mib": max(r["steady_mib"] for r in ranks), "peak_mib": max(r["peak_mib"] for r in ranks),
-                   "ms": ranks[0]["ms"], "device": ranks[0]["device"]}
+            row = {
+                "model": model_name,
+                "variant": variant,
+                "ranks": len(ranks),
+                "steady_mib": max(r["steady_mib"] for r in ranks),
+                "peak_mib": max(r["peak_mib"] for r in ranks),
+                "ms": ranks[0]["ms"],
+                "device": ranks[0]["device"],
+            }
             rows.append(row)
             print(_line(row, rows), flush=True)
             write()
@@ -362,18 +425,23 @@ def _line(row: dict, rows: list[dict]) -> str:
     eager = _reference(row, rows, "eager torch")
     plain = _reference(row, rows, row["variant"].replace(" + checkpointing", ""))
     ratio = f"{row['peak_mib'] / eager['peak_mib']:.2f}" if eager and eager["peak_mib"] > 0 else "-"
-    vs_plain = (f"{row['peak_mib'] / plain['peak_mib']:.2f}" if plain and plain is not row and plain["peak_mib"] > 0
-                else "-")
+    vs_plain = (
+        f"{row['peak_mib'] / plain['peak_mib']:.2f}" if plain and plain is not row and plain["peak_mib"] > 0 else "-"
+    )
     time_vs_plain = f"{row['ms'] / plain['ms']:.2f}" if plain and plain is not row else "-"
     batch = row.get("largest_batch")
     plain_batch = plain.get("largest_batch") if plain and plain is not row else None
     batch_vs_plain = f"{batch / plain_batch:.2f}" if batch and plain_batch else "-"
     spec = MODELS[row["model"]]
-    name = (f"{row['model']} (d {spec['d_model']}, {spec['n_layer']} layers, vocab {spec['vocab']}, "
-            f"{spec['batch']} x {spec['seq']} tokens)")
+    name = (
+        f"{row['model']} (d {spec['d_model']}, {spec['n_layer']} layers, vocab {spec['vocab']}, "
+        f"{spec['batch']} x {spec['seq']} tokens)"
+    )
     shown = batch if batch is not None else "-"
-    return (f"| {name} | {row['variant']} | {row['ranks']} | {row['steady_mib']:.0f} | {row['peak_mib']:.0f} | "
-            f"{ratio} | {vs_plain} | {row['ms']:.0f} | {time_vs_plain} | {shown} | {batch_vs_plain} |")
+    return (
+        f"| {name} | {row['variant']} | {row['ranks']} | {row['steady_mib']:.0f} | {row['peak_mib']:.0f} | "
+        f"{ratio} | {vs_plain} | {row['ms']:.0f} | {time_vs_plain} | {shown} | {batch_vs_plain} |"
+    )
 
 
 def _batch_table(rows: list[dict], meta: dict) -> str:
@@ -393,19 +461,29 @@ def _batch_table(rows: list[dict], meta: dict) -> str:
         if "largest_batch" not in row:
             continue
         plain = _reference(row, rows, row["variant"].replace(" + checkpointing", ""))
-        ratio = (f"{row['largest_batch'] / plain['largest_batch']:.2f}" if plain is not row and plain
-                 and plain.get("largest_batch") else "-")
+        ratio = (
+            f"{row['largest_batch'] / plain['largest_batch']:.2f}"
+            if plain is not row and plain and plain.get("largest_batch")
+            else "-"
+        )
         lines.append(f"| {row['model']} | {row['variant']} | {row['largest_batch']} | {ratio} |")
     return "\n".join(lines) + "\n"
 
 
 def _table(rows: list[dict], meta: dict) -> str:
-    where = ("peak allocated GPU memory over what was allocated before the step" if meta["device"] == "cuda" else
-             "peak RSS during the step (VmHWM) over the RSS before it, after malloc_trim")
-    search = ("`largest batch`: sequences per rank whose steps run under "
-              f"world.memory_per_rank_mb={meta['budget_mb']:g} "
-              "(fdp.dist.devices.limit_memory from before the model is built; doubling, then bisecting to within a quarter; "
-              "a fresh launch per try)." if meta["budget_mb"] else "No largest-batch search in this run.")
+    where = (
+        "peak allocated GPU memory over what was allocated before the step"
+        if meta["device"] == "cuda"
+        else "peak RSS during the step (VmHWM) over the RSS before it, after malloc_trim"
+    )
+    search = (
+        "`largest batch`: sequences per rank whose steps run under "
+        f"world.memory_per_rank_mb={meta['budget_mb']:g} "
+        "(fdp.dist.devices.limit_memory from before the model is built; doubling, then bisecting to within a quarter; "
+        "a fresh launch per try)."
+        if meta["budget_mb"]
+        else "No largest-batch search in this run."
+    )
     lines = [
         f"# A step's peak memory over its steady state ({meta['date']})",
         "",

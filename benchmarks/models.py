@@ -3,6 +3,7 @@
 They are ordinary ``nn.Module``s: the recipe passes what the data decides (``vocab_size``,
 ``block_size``) and the command line the rest (``+model.hidden=...``).
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,8 +27,9 @@ class CharMLP(nn.Module):
     torch.Size([2, 16, 50])
     """
 
-    def __init__(self, vocab_size: int, block_size: int, context: int = 16, embed: int = 32, hidden: int = 2048,
-                 depth: int = 3):
+    def __init__(
+        self, vocab_size: int, block_size: int, context: int = 16, embed: int = 32, hidden: int = 2048, depth: int = 3
+    ):
         super().__init__()
         for name, value in (("context", context), ("embed", embed), ("hidden", hidden), ("depth", depth)):
             if value < 1:

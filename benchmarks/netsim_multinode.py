@@ -28,6 +28,7 @@ after every run; ``--quick`` writes them beside its logs, in
 ``benchmarks/runs/netsim_multinode/<date-time>/``, unless ``--write``. The network is taken
 down at the end, on an error, on Ctrl-C and on SIGTERM/SIGHUP.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,11 +48,27 @@ import _netsim as N  # noqa: E402
 RATES = ["1gbit", "100mbit"]
 FDP_VARIANTS = ["noop", "allreduce", "fp16", "powersgd1", "powersgd4", "topk"]
 UNCOMPRESSED = {"allreduce", "fp16"}
-GOAL_VARIANTS = {"noop", "allreduce", "powersgd4"}  # repeated --goal-reps times at 1 Gbit/s  # ~100 MB / 50 MB a step: few steps at 100 Mbit
-LABELS = {"noop": "noop", "allreduce": "allreduce", "fp16": "fp16", "powersgd1": "PowerSGD r1",
-          "powersgd4": "PowerSGD r4", "topk": "top-k 1%"}
-TORCH_HOOK = {"noop": "noop_hook", "allreduce": "allreduce_hook", "fp16": "fp16_compress_hook",
-              "powersgd1": "powerSGD_hook r1 (+wait)", "powersgd4": "powerSGD_hook r4 (+wait)", "topk": "none in torch"}
+GOAL_VARIANTS = {
+    "noop",
+    "allreduce",
+    "powersgd4",
+}  # repeated --goal-reps times at 1 Gbit/s  # ~100 MB / 50 MB a step: few steps at 100 Mbit
+LABELS = {
+    "noop": "noop",
+    "allreduce": "allreduce",
+    "fp16": "fp16",
+    "powersgd1": "PowerSGD r1",
+    "powersgd4": "PowerSGD r4",
+    "topk": "top-k 1%",
+}
+TORCH_HOOK = {
+    "noop": "noop_hook",
+    "allreduce": "allreduce_hook",
+    "fp16": "fp16_compress_hook",
+    "powersgd1": "powerSGD_hook r1 (+wait)",
+    "powersgd4": "powerSGD_hook r4 (+wait)",
+    "topk": "none in torch",
+}
 
 
 def parse_args():
@@ -61,15 +78,21 @@ def parse_args():
     p.add_argument("--models", help="comma list of mlp,transformer")
     p.add_argument("--variants", help=f"comma list of {','.join(FDP_VARIANTS)}")
     p.add_argument("--steps", type=int, help="steps per run (default 20; --quick 6)")
-    p.add_argument("--steps-uncompressed", type=int,
-                   help="steps for allreduce/fp16 below 1 Gbit/s (default 6; --quick 4)")
+    p.add_argument(
+        "--steps-uncompressed", type=int, help="steps for allreduce/fp16 below 1 Gbit/s (default 6; --quick 4)"
+    )
     p.add_argument("--reps", type=int, default=1, help="repeat every run, in rotated order (default 1)")
-    p.add_argument("--goal-reps", type=int,
-                   help="repetitions of the runs the goals compare (1 Gbit/s: noop, allreduce, PowerSGD r4, both "
-                        "sides), interleaved with the others (default 3; --quick 1)")
+    p.add_argument(
+        "--goal-reps",
+        type=int,
+        help="repetitions of the runs the goals compare (1 Gbit/s: noop, allreduce, PowerSGD r4, both "
+        "sides), interleaved with the others (default 3; --quick 1)",
+    )
     p.add_argument("--no-ddp", action="store_true")
     p.add_argument("--timeout", type=float, default=1200, help="seconds per run")
-    p.add_argument("--force", action="store_true", help="rebuild the simulated cluster even if its fdpsim-* namespaces exist")
+    p.add_argument(
+        "--force", action="store_true", help="rebuild the simulated cluster even if its fdpsim-* namespaces exist"
+    )
     p.add_argument("--write", action="store_true", help="with --quick: write into benchmarks/results")
     p.add_argument("--out", help="results directory (default benchmarks/results)")
     p.add_argument("--name", default="netsim_multinode", help="stem of the result files (default netsim_multinode)")
@@ -144,6 +167,7 @@ def goals(results: dict, rate: str = "1gbit") -> list[str]:
         p4, noop, ar = fdp.get("powersgd4"), fdp.get("noop"), fdp.get("allreduce")
         d_ar = ddp.get("allreduce")
         ok = lambda r: r is not None and "median_ms" in r  # noqa: E731
+
         def paired(a: dict, b: dict) -> str:
             # the same ratio within each repetition (runs of one repetition are close in time)
             ra, rb = a.get("rep_medians_ms", []), b.get("rep_medians_ms", [])
@@ -153,33 +177,50 @@ def goals(results: dict, rate: str = "1gbit") -> list[str]:
 
         if ok(p4) and ok(noop):
             x = p4["median_ms"] / noop["median_ms"]
-            lines.append(f"- {model} @ {rate}: fdp PowerSGD r4 / fdp no-comm step = {p4['median_ms']:.0f} / "
-                         f"{noop['median_ms']:.0f} ms = **{x:.2f}x** (goal ≤ 1.5x: {'met' if x <= 1.5 else 'NOT met'}"
-                         f"{paired(p4, noop)})")
+            lines.append(
+                f"- {model} @ {rate}: fdp PowerSGD r4 / fdp no-comm step = {p4['median_ms']:.0f} / "
+                f"{noop['median_ms']:.0f} ms = **{x:.2f}x** (goal ≤ 1.5x: {'met' if x <= 1.5 else 'NOT met'}"
+                f"{paired(p4, noop)})"
+            )
         if ok(p4) and ok(d_ar):
             x = d_ar["median_ms"] / p4["median_ms"]
-            bound = f"; the ceiling with zero-cost communication is DDP allreduce / fdp no-comm = " \
-                    f"{d_ar['median_ms'] / noop['median_ms']:.2f}x" if ok(noop) else ""
-            lines.append(f"- {model} @ {rate}: DDP allreduce / fdp PowerSGD r4 = {d_ar['median_ms']:.0f} / "
-                         f"{p4['median_ms']:.0f} ms = **{x:.2f}x** faster (goal ≥ 5x: {'met' if x >= 5 else 'NOT met'}"
-                         f"{bound}{paired(d_ar, p4)})")
+            bound = (
+                f"; the ceiling with zero-cost communication is DDP allreduce / fdp no-comm = "
+                f"{d_ar['median_ms'] / noop['median_ms']:.2f}x"
+                if ok(noop)
+                else ""
+            )
+            lines.append(
+                f"- {model} @ {rate}: DDP allreduce / fdp PowerSGD r4 = {d_ar['median_ms']:.0f} / "
+                f"{p4['median_ms']:.0f} ms = **{x:.2f}x** faster (goal ≥ 5x: {'met' if x >= 5 else 'NOT met'}"
+                f"{bound}{paired(d_ar, p4)})"
+            )
         if ok(p4) and ok(ar) and p4["steps"] == ar["steps"]:
             d = (p4["loss_final"] - ar["loss_final"]) / ar["loss_final"]
             d5 = (p4["loss_last5"] - ar["loss_last5"]) / ar["loss_last5"]
-            lines.append(f"- {model} @ {rate}: loss after {p4['steps']} steps, fdp PowerSGD r4 vs fdp allreduce: "
-                         f"{p4['loss_final']:.4f} vs {ar['loss_final']:.4f} = **{100 * d:+.2f}%** "
-                         f"(mean of the last 5 steps {100 * d5:+.2f}%) (goal within ±2%: "
-                         f"{'met' if abs(d) <= 0.02 else 'NOT met'})")
+            lines.append(
+                f"- {model} @ {rate}: loss after {p4['steps']} steps, fdp PowerSGD r4 vs fdp allreduce: "
+                f"{p4['loss_final']:.4f} vs {ar['loss_final']:.4f} = **{100 * d:+.2f}%** "
+                f"(mean of the last 5 steps {100 * d5:+.2f}%) (goal within ±2%: "
+                f"{'met' if abs(d) <= 0.02 else 'NOT met'})"
+            )
         if ok(ar):
             moved = abs(ar["losses"][0] - ar["losses"][-1]) / ar["losses"][0]
-            lines.append(f"- {model} @ {rate}: fdp allreduce training loss step 1 → {ar['steps']}: "
-                         f"{ar['losses'][0]:.4f} → {ar['losses'][-1]:.4f} (how far training moved in the run"
-                         + ("; under 1%: the loss barely moved, so the loss comparison above says little for this model)"
-                            if moved < 0.01 else ")"))
+            lines.append(
+                f"- {model} @ {rate}: fdp allreduce training loss step 1 → {ar['steps']}: "
+                f"{ar['losses'][0]:.4f} → {ar['losses'][-1]:.4f} (how far training moved in the run"
+                + (
+                    "; under 1%: the loss barely moved, so the loss comparison above says little for this model)"
+                    if moved < 0.01
+                    else ")"
+                )
+            )
         if ok(ar) and ok(d_ar) and ar["steps"] == d_ar["steps"]:
             same = max(abs(a - b) for a, b in zip(ar["losses"], d_ar["losses"]))
-            lines.append(f"- {model} @ {rate}: fdp allreduce vs DDP allreduce, largest per-step loss difference "
-                         f"over {ar['steps']} steps: {same:.2e}")
+            lines.append(
+                f"- {model} @ {rate}: fdp allreduce vs DDP allreduce, largest per-step loss difference "
+                f"over {ar['steps']} steps: {same:.2e}"
+            )
     return lines
 
 
@@ -219,7 +260,11 @@ def write_report(results: dict, meta: dict, out_dir: Path) -> None:
                 f, d = fdp.get(v), ddp.get(v)
                 if not f and not d:
                     continue
-                ratio = f"{d['median_ms'] / f['median_ms']:.2f}" if f and d and "median_ms" in f and "median_ms" in d else ""
+                ratio = (
+                    f"{d['median_ms'] / f['median_ms']:.2f}"
+                    if f and d and "median_ms" in f and "median_ms" in d
+                    else ""
+                )
                 vs_floor = f"{f['median_ms'] / floor:.2f}" if f and floor and "median_ms" in f else ""
                 wait = f"{f['comm_wait_ms']:.0f}" if f and "comm_wait_ms" in f else ""
                 steps = (f or d).get("steps", "")
@@ -245,16 +290,25 @@ def write_report(results: dict, meta: dict, out_dir: Path) -> None:
         "no-comm row and the PowerSGD rows, whose communication wait is only tens of ms. The runs share 2 cores "
         "with other jobs: compare rows of similar load, and the per-repetition ratios.",
     ]
-    failures = [f"- {rate} {model} {side} {v}: {r[-1]['error'].splitlines()[0]}"
-                for rate, models in results.items() for model, sides in models.items()
-                for side, vs in sides.items() for v, r in vs.items() if r and "error" in r[-1]]
+    failures = [
+        f"- {rate} {model} {side} {v}: {r[-1]['error'].splitlines()[0]}"
+        for rate, models in results.items()
+        for model, sides in models.items()
+        for side, vs in sides.items()
+        for v, r in vs.items()
+        if r and "error" in r[-1]
+    ]
     if failures:
         lines += ["", "## Failed runs", ""] + failures
     if meta.get("notes"):
         lines += ["", "## Notes", ""] + [f"- {n}" for n in meta["notes"]]
-    lines += ["", f"Load average (1 min) at start {meta['load_start']:.2f}; now {os.getloadavg()[0]:.2f}. "
-              f"Elapsed {meta.get('elapsed_s', 0):.0f} s. Per-run details (every step's time and loss, "
-              f"compute/comm-wait split, load) are in `{name}.json`.", ""]
+    lines += [
+        "",
+        f"Load average (1 min) at start {meta['load_start']:.2f}; now {os.getloadavg()[0]:.2f}. "
+        f"Elapsed {meta.get('elapsed_s', 0):.0f} s. Per-run details (every step's time and loss, "
+        f"compute/comm-wait split, load) are in `{name}.json`.",
+        "",
+    ]
     (out_dir / f"{name}.md").write_text("\n".join(lines))
 
 
@@ -290,8 +344,7 @@ def plot(results: dict, meta: dict, out_dir: Path) -> None:
                     ax.text(x + 0.2, b, f"{b:.0f}", ha="center", va="bottom", fontsize=7)
             if "noop" in fdp and "median_ms" in fdp["noop"]:
                 ax.axhline(fdp["noop"]["median_ms"], color="tab:blue", ls="--", lw=0.8)
-                ax.axhline(1.5 * fdp["noop"]["median_ms"], color="tab:green", ls=":", lw=0.8,
-                           label="1.5 × fdp no-comm")
+                ax.axhline(1.5 * fdp["noop"]["median_ms"], color="tab:green", ls=":", lw=0.8, label="1.5 × fdp no-comm")
             ax.set_xticks(list(xs))
             ax.set_xticklabels([LABELS[v] for v in vs], rotation=20, fontsize=8)
             ax.set_yscale("log")
@@ -390,14 +443,19 @@ def main() -> None:
                                 else:
                                     r = N.ddp_run(model, v, steps, work / name, args.timeout)
                             r["load"] = lm.as_dict()
-                            print(f"{tag}: {r['median_ms']:.0f} ms/step (IQR {r['q1_ms']:.0f}-{r['q3_ms']:.0f}), "
-                                  f"{r['bytes_per_step'] / 1e6:.2f} MB/step, loss {r['loss_final']:.4f}, "
-                                  f"load {lm.load0:.1f}→{lm.load1:.1f}, others {lm.others_cores:.2f} cores, "
-                                  f"{lm.wall:.0f} s", flush=True)
+                            print(
+                                f"{tag}: {r['median_ms']:.0f} ms/step (IQR {r['q1_ms']:.0f}-{r['q3_ms']:.0f}), "
+                                f"{r['bytes_per_step'] / 1e6:.2f} MB/step, loss {r['loss_final']:.4f}, "
+                                f"load {lm.load0:.1f}→{lm.load1:.1f}, others {lm.others_cores:.2f} cores, "
+                                f"{lm.wall:.0f} s",
+                                flush=True,
+                            )
                         except (RuntimeError, TimeoutError) as error:
                             r = {"error": str(error), "steps": steps}
                             print(f"{tag}: FAILED: {error}", flush=True)
-                        results.setdefault(rate, {}).setdefault(model, {}).setdefault(side, {}).setdefault(v, []).append(r)
+                        results.setdefault(rate, {}).setdefault(model, {}).setdefault(side, {}).setdefault(
+                            v, []
+                        ).append(r)
                         meta["elapsed_s"] = time.perf_counter() - t_start
                         write_report(results, meta, out_dir)
                 plot(results, meta, out_dir)

@@ -6,6 +6,7 @@ Prints the table and writes it to ``benchmarks/results/optim_foreach.md``.
 
     python -m benchmarks.optim_foreach [--threads 1] [--device cpu]   # from the repo root
 """
+
 from __future__ import annotations
 
 import argparse
@@ -77,11 +78,15 @@ def main() -> None:
             ("sgd momentum", fo.sgd(1e-2, momentum=0.9), _loop_sgd(1e-2, 0.9)),
         ):
             _, state = opt.update(grads, opt.init(params), params)  # count 1: the full code path
-            for a, b in zip(opt.update(grads, state, params)[0].values(), loop_update(grads, state, params)[0].values()):
+            for a, b in zip(
+                opt.update(grads, state, params)[0].values(), loop_update(grads, state, params)[0].values()
+            ):
                 assert torch.equal(a, b), "loop reference diverged from fdp.optim"
             t_foreach, t_loop = _time_pair(
                 [lambda: opt.update(grads, state, params), lambda: loop_update(grads, state, params)],
-                args.repeats, inner)
+                args.repeats,
+                inner,
+            )
             rows.append((name, numel, t_foreach * 1e6, t_loop * 1e6, t_loop / t_foreach))
 
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU, {args.threads} thread(s)"

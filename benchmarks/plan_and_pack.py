@@ -18,6 +18,7 @@ against ``flat = torch.cat([g.reshape(-1) ...]); flat.split(numels)`` + ``view``
 flat buffer every step, what a plan-less implementation does). A third row packs with
 ``torch.cat(..., out=buffer)`` instead of fdp's cached slot aliases + ``_foreach_copy_``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -91,8 +92,8 @@ def _child_plan(args: dict) -> dict:
 def _child_pack(args: dict) -> dict:
     import torch
 
-    from fdp.plan.buckets import allocate, pack, unpack
     from fdp.plan import pack_into_buckets
+    from fdp.plan.buckets import allocate, pack, unpack
 
     torch.set_num_threads(1)
     shapes = []
@@ -147,7 +148,11 @@ def _run_child(task: str, args: dict) -> dict:
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, __file__, "--child", task, json.dumps(args)],
-        capture_output=True, text=True, env=env, cwd=REPO, timeout=900,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=900,
     )
     if proc.returncode != 0:
         raise RuntimeError(f"child {task} {args} failed:\n{proc.stderr[-3000:]}")
@@ -180,18 +185,20 @@ def main() -> None:
 
     emit("# Bucket planning and packing")
     emit()
-    emit(f"{'QUICK run, not the reference figures. ' if quick else ''}"
-         f"{platform.machine()}, {os.cpu_count()} CPU cores shared with other jobs, torch threads = 1, "
-         f"Python {platform.python_version()}. Each figure comes from a fresh subprocess.")
+    emit(
+        f"{'QUICK run, not the reference figures. ' if quick else ''}"
+        f"{platform.machine()}, {os.cpu_count()} CPU cores shared with other jobs, torch threads = 1, "
+        f"Python {platform.python_version()}. Each figure comes from a fresh subprocess."
+    )
     emit()
     emit(f"## Planning: `nn.Sequential` of {plan_layers:,} `Linear(4, 4)` ({2 * plan_layers:,} tensors), batch of 2")
     emit()
     emit("| what | path | first call (s) | best of later calls (s) |")
     emit("|---|---|---:|---:|")
     rows = [
-        ("`plan_buckets(...)` (default, trace=\"auto\")", "plan_buckets"),
-        ("`gradient_ready_order(trace=\"meta\")`", "meta"),
-        ("`gradient_ready_order(trace=\"real\")`", "real"),
+        ('`plan_buckets(...)` (default, trace="auto")', "plan_buckets"),
+        ('`gradient_ready_order(trace="meta")`', "meta"),
+        ('`gradient_ready_order(trace="real")`', "real"),
         ("`pack_into_buckets` alone (given the order)", "pack_only"),
         ("floor: one `torch.func.grad` of the loss, no hooks", "grad_floor"),
     ]
@@ -206,22 +213,35 @@ def main() -> None:
             path = {"meta": "meta", "real": "real", "pack_only": "-", "grad_floor": "real"}[mode]
         emit(f"| {label} | {path} | {r['first_s']:.3f} | {r['best_s']:.3f} |")
     emit()
-    emit(f"Meta path used by the default: {'yes' if meta_ok is True else meta_ok}. Goal: < 0.5 s for 10,000 tensors. "
-         f"Not included above: the first `torch.func` transform of a process imports `torch._dynamo` "
-         f"({min(imports):.1f}-{max(imports):.1f} s here), which the training step pays anyway; each child "
-         f"warms it up on a toy function first.")
+    emit(
+        f"Meta path used by the default: {'yes' if meta_ok is True else meta_ok}. Goal: < 0.5 s for 10,000 tensors. "
+        f"Not included above: the first `torch.func` transform of a process imports `torch._dynamo` "
+        f"({min(imports):.1f}-{max(imports):.1f} s here), which the training step pays anyway; each child "
+        f"warms it up on a toy function first."
+    )
     emit()
     n_params = big["layers"] * (big["width"] ** 2 + big["width"])
     emit("## pack + unpack per step, float32, default caps (25 MiB, first 1 MiB)")
     emit()
-    emit("| tree | implementation | median ms/step | best ms/step | peak extra RSS per step (MiB) | buffers held (MiB) | speed-up vs naive (median / best) |")
+    emit(
+        "| tree | implementation | median ms/step | best ms/step | peak extra RSS per step (MiB) | buffers held (MiB) | speed-up vs naive (median / best) |"
+    )
     emit("|---|---|---:|---:|---:|---:|---:|")
     trees = [
-        (f"{big['layers']} x Linear({big['width']}, {big['width']}): {n_params / 1e6:.1f}M params, {2 * big['layers']} tensors", big),
-        (f"{plan_layers:,} x Linear(4, 4): {plan_layers * 20:,} params, {2 * plan_layers:,} tensors", dict(layers=plan_layers, width=4)),
+        (
+            f"{big['layers']} x Linear({big['width']}, {big['width']}): {n_params / 1e6:.1f}M params, {2 * big['layers']} tensors",
+            big,
+        ),
+        (
+            f"{plan_layers:,} x Linear(4, 4): {plan_layers * 20:,} params, {2 * plan_layers:,} tensors",
+            dict(layers=plan_layers, width=4),
+        ),
     ]
     for tree_label, shape in trees:
-        res = {impl: _run_child("pack", dict(**shape, impl=impl, repeats=pack_repeats)) for impl in ("naive", "fdp", "cat_out")}
+        res = {
+            impl: _run_child("pack", dict(**shape, impl=impl, repeats=pack_repeats))
+            for impl in ("naive", "fdp", "cat_out")
+        }
         labels = {
             "naive": "naive `torch.cat` + `split`/`view` (new flat each step)",
             "fdp": "`fdp.plan.buckets.pack` + `unpack` (cached aliases, `_foreach_copy_`)",
@@ -230,13 +250,17 @@ def main() -> None:
         for impl, r in res.items():
             ratio_med = res["naive"]["median_ms"] / r["median_ms"]
             ratio_min = res["naive"]["min_ms"] / r["min_ms"]
-            emit(f"| {tree_label} ({r['buckets']} buckets) | {labels[impl]} | {r['median_ms']:.2f} | {r['min_ms']:.2f} | "
-                 f"{r['peak_extra_mib']:.1f} | {r['persistent_mib']:.1f} | {ratio_med:.2f}x / {ratio_min:.2f}x |")
+            emit(
+                f"| {tree_label} ({r['buckets']} buckets) | {labels[impl]} | {r['median_ms']:.2f} | {r['min_ms']:.2f} | "
+                f"{r['peak_extra_mib']:.1f} | {r['persistent_mib']:.1f} | {ratio_med:.2f}x / {ratio_min:.2f}x |"
+            )
     emit()
-    emit("Peak extra RSS is the high-water mark during the timed steps over the resident size just before "
-         "them, with the previous step's result kept alive (as a training loop does). fdp's buffers are "
-         "allocated once before the timed steps (column 'buffers held'); the naive copy allocates a new "
-         "flat tensor every step. Times vary by tens of percent on this shared machine.")
+    emit(
+        "Peak extra RSS is the high-water mark during the timed steps over the resident size just before "
+        "them, with the previous step's result kept alive (as a training loop does). fdp's buffers are "
+        "allocated once before the timed steps (column 'buffers held'); the naive copy allocates a new "
+        "flat tensor every step. Times vary by tens of percent on this shared machine."
+    )
     if not quick:
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         RESULTS.write_text("\n".join(lines) + "\n")

@@ -11,6 +11,7 @@ loss after the last step (same init, same batches on every row). ``32-true+tf32`
 float32 with ``torch.set_float32_matmul_precision("high")``. Runs on CUDA where there is
 one, else on CPU; writes benchmarks/results/precision_<device>.md (not with --quick).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -127,7 +128,12 @@ def count_casts() -> list[str]:
 
     torch.manual_seed(0)
     cases = [
-        ("char transformer (small)", CharTransformer(101, 128, 256, 4, 4), torch.randint(0, 101, (2, 128)), torch.randint(0, 101, (2, 128))),
+        (
+            "char transformer (small)",
+            CharTransformer(101, 128, 256, 4, 4),
+            torch.randint(0, 101, (2, 128)),
+            torch.randint(0, 101, (2, 128)),
+        ),
         ("one Linear applied 4 times", Reused(), torch.randn(8, 16), torch.randint(0, 16, (8,))),
     ]
     bf16 = Precision("bf16-mixed")
@@ -153,7 +159,9 @@ def _init_world(device):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
+    )
 
 
 def main():
@@ -163,7 +171,9 @@ def main():
     parser.add_argument("--precisions", default=None, help="comma-separated; 32-true+tf32 is float32 with TF32 matmuls")
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--casts", action="store_true", help="only count autocast's casts, eager against grad_and_value")
+    parser.add_argument(
+        "--casts", action="store_true", help="only count autocast's casts, eager against grad_and_value"
+    )
     args = parser.parse_args()
     if args.casts:
         print("\n".join(count_casts()))
@@ -208,16 +218,30 @@ def main():
                 r["warmup_s"] += time.perf_counter() - t0
     rows = []
     for r in runs:
-        rows.append({"precision": r["precision"], "variant": r["variant"], "ms": statistics.median(r["times"]) * 1e3,
-                     "loss": r["loss"], "setup_s": r["warmup_s"]})
-        print(f"{r['precision']:14s} {r['variant']:13s} {rows[-1]['ms']:9.2f} ms/step  loss {r['loss']:.4f}  (warm-up {r['warmup_s']:.1f} s)", flush=True)
+        rows.append(
+            {
+                "precision": r["precision"],
+                "variant": r["variant"],
+                "ms": statistics.median(r["times"]) * 1e3,
+                "loss": r["loss"],
+                "setup_s": r["warmup_s"],
+            }
+        )
+        print(
+            f"{r['precision']:14s} {r['variant']:13s} {rows[-1]['ms']:9.2f} ms/step  loss {r['loss']:.4f}  (warm-up {r['warmup_s']:.1f} s)",
+            flush=True,
+        )
     del runs
     dist.destroy_process_group()
     ddp_ms = {r["precision"]: r["ms"] for r in rows if r["variant"] == "DDP"}
     fp32 = next((r["ms"] for r in rows if r["precision"] == "32-true" and r["variant"] == "torch eager"), None)
     params = sum(p.numel() for p in CharTransformer(vocab, block, d_model, n_layer, n_head).parameters())
     load = os.getloadavg()
-    hw = torch.cuda.get_device_name() if device.type == "cuda" else f"{os.cpu_count()} CPU cores, {torch.get_num_threads()} torch threads"
+    hw = (
+        torch.cuda.get_device_name()
+        if device.type == "cuda"
+        else f"{os.cpu_count()} CPU cores, {torch.get_num_threads()} torch threads"
+    )
     lines = [
         f"# Step time per precision, fdp against torch and DDP ({datetime.date.today()}, {device.type})",
         "",
@@ -233,7 +257,9 @@ def main():
     for r in rows:
         vs_ddp = r["ms"] / ddp_ms[r["precision"]] if r["precision"] in ddp_ms else float("nan")
         vs_fp32 = r["ms"] / fp32 if fp32 else float("nan")
-        lines.append(f"| {r['precision']} | {r['variant']} | {r['ms']:.2f} | {vs_ddp:.2f} | {vs_fp32:.2f} | {r['loss']:.4f} | {r['setup_s']:.1f} |")
+        lines.append(
+            f"| {r['precision']} | {r['variant']} | {r['ms']:.2f} | {vs_ddp:.2f} | {vs_fp32:.2f} | {r['loss']:.4f} | {r['setup_s']:.1f} |"
+        )
     if device.type == "cpu":
         lines += ["", "Autocast's casts in one forward + backward (`--casts`):", "", *count_casts()]
     text = "\n".join(lines) + "\n"

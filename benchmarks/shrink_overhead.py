@@ -22,6 +22,7 @@ slower rank):
     python -m benchmarks.shrink_overhead --d-model 8 --block 8 --batch 2 --steps 30 --ranks 1 \
         --out benchmarks/results/shrink_overhead_tiny_1rank.md
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,10 +35,10 @@ import torch
 import torch.distributed as dist
 
 import fdp
-from fdp.update import zero
 from fdp.data import global_batch, load_stdlib_text, shard
 from fdp.dist.launch import WorldLayout, init_distributed, spawn
 from fdp.model.builtin import CharTransformer
+from fdp.update import zero
 
 RESULTS = Path(__file__).resolve().parent / "results" / "shrink_overhead.md"
 VARIANTS = {  # name: (zero stage, donate, mirror, sample streams)
@@ -63,8 +64,16 @@ def _rank(steps: int, rounds: int, d_model: int, block: int, batch: int, layout:
     optimizer = fdp.adam(1e-3)
     runs = {}
     for name, (stage, donate, mirror, streams) in VARIANTS.items():
-        step = fdp.make_train_step(loss_fn, optimizer, plan, comm=comm, donate=donate, zero_stage=stage,
-                                   sample_seed=0 if streams else None, schedule="overlap")
+        step = fdp.make_train_step(
+            loss_fn,
+            optimizer,
+            plan,
+            comm=comm,
+            donate=donate,
+            zero_stage=stage,
+            sample_seed=0 if streams else None,
+            schedule="overlap",
+        )
         if stage:
             state = zero.init_state(params, buffers, optimizer, plan, comm, stage=stage, mirror=mirror)
         else:
@@ -97,20 +106,37 @@ def main() -> None:
     layout = WorldLayout("elastic", nproc_per_node=args.ranks, backend="gloo", timeout_s=300)
     results = spawn(_rank, (args.steps, args.rounds, args.d_model, args.block, args.batch, layout), layout)
     ms = {name: max(results[r][name] for r in results) for name in VARIANTS}
-    base = {"stage 0 pure": "stage 0 donate", "stage 1 pure": "stage 1 donate", "stage 1 pure + mirror": "stage 1 donate",
-            "stage 0 donate, rank generators": "stage 0 donate", "stage 0 donate again": "stage 0 donate"}
-    rows = [f"| {name} | {ms[name]:.1f} | " + (f"{ms[name] / ms[base[name]]:.3f} (/ {base[name]})" if name in base else "")
-            + " |" for name in VARIANTS]
+    base = {
+        "stage 0 pure": "stage 0 donate",
+        "stage 1 pure": "stage 1 donate",
+        "stage 1 pure + mirror": "stage 1 donate",
+        "stage 0 donate, rank generators": "stage 0 donate",
+        "stage 0 donate again": "stage 0 donate",
+    }
+    rows = [
+        f"| {name} | {ms[name]:.1f} | "
+        + (f"{ms[name] / ms[base[name]]:.3f} (/ {base[name]})" if name in base else "")
+        + " |"
+        for name in VARIANTS
+    ]
     load = os.getloadavg()[0]
-    table = "\n".join([
-        "# What a shrinkable world costs per step while nothing is lost (benchmarks/shrink_overhead.py)", "",
-        f"{args.ranks} gloo rank{'s' if args.ranks > 1 else ''}, one thread each, char transformer d_model {args.d_model} x 2 layers, block {args.block}, dropout 0.1, "
-        f"Adam, global batch {args.batch}; {args.steps} steps x {args.rounds} interleaved rounds (median, the slower rank); "
-        f"torch {torch.__version__}; {time.strftime('%Y-%m-%d')}; load average {load:.1f} at the end (2-core machine).", "",
-        "| variant | ms per step | ratio |", "|---|---|---|", *rows, "",
-        f"`python -m benchmarks.shrink_overhead --steps {args.steps} --rounds {args.rounds} --d-model {args.d_model} "
-        f"--block {args.block} --batch {args.batch} --ranks {args.ranks}`", "",
-    ])
+    table = "\n".join(
+        [
+            "# What a shrinkable world costs per step while nothing is lost (benchmarks/shrink_overhead.py)",
+            "",
+            f"{args.ranks} gloo rank{'s' if args.ranks > 1 else ''}, one thread each, char transformer d_model {args.d_model} x 2 layers, block {args.block}, dropout 0.1, "
+            f"Adam, global batch {args.batch}; {args.steps} steps x {args.rounds} interleaved rounds (median, the slower rank); "
+            f"torch {torch.__version__}; {time.strftime('%Y-%m-%d')}; load average {load:.1f} at the end (2-core machine).",
+            "",
+            "| variant | ms per step | ratio |",
+            "|---|---|---|",
+            *rows,
+            "",
+            f"`python -m benchmarks.shrink_overhead --steps {args.steps} --rounds {args.rounds} --d-model {args.d_model} "
+            f"--block {args.block} --batch {args.batch} --ranks {args.ranks}`",
+            "",
+        ]
+    )
     print(table)
     args.out.write_text(table)
 

@@ -31,6 +31,7 @@ beside what a ring moves in theory (``HIERARCHICAL``: for two nodes 1.5 S flat a
 Writes ``benchmarks/results/slow_links.{md,json,png}`` (``--quick`` to a scratch directory
 unless ``--write``). Needs root; the network is taken down at the end and on any exit.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,6 +46,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import _netsim as N  # noqa: E402
+
 from benchmarks.netsim.cluster import IFNAME  # noqa: E402
 
 TOLERANCE = 0.02
@@ -65,8 +67,14 @@ OUTER = {
     "DiLoCo H=16 bf16": ("bf16", ["outer=diloco", "outer.sync_every=16"]),
     "DiLoCo H=16 PowerSGD r4": ("powersgd4", ["outer=diloco", "outer.sync_every=16"]),
     # Outer settings for a short period: a smaller momentum than the paper's (made for H in the hundreds).
-    "DiLoCo H=16 lr=1 m=0.5": ("allreduce", ["outer=diloco", "outer.sync_every=16", "outer.lr=1.0", "outer.momentum=0.5"]),
-    "DiLoCo H=16 lr=1 m=0.5 bf16": ("bf16", ["outer=diloco", "outer.sync_every=16", "outer.lr=1.0", "outer.momentum=0.5"]),
+    "DiLoCo H=16 lr=1 m=0.5": (
+        "allreduce",
+        ["outer=diloco", "outer.sync_every=16", "outer.lr=1.0", "outer.momentum=0.5"],
+    ),
+    "DiLoCo H=16 lr=1 m=0.5 bf16": (
+        "bf16",
+        ["outer=diloco", "outer.sync_every=16", "outer.lr=1.0", "outer.momentum=0.5"],
+    ),
     # The sync's communication behind the next D inner steps (outer.overlap=D), applied D steps late.
     "local SGD H=4 bf16 overlap 3": ("bf16", ["outer=local_sgd", "outer.sync_every=4", "outer.overlap=3"]),
     "local SGD H=8 bf16 overlap 4": ("bf16", ["outer=local_sgd", "outer.sync_every=8", "outer.overlap=4"]),
@@ -78,12 +86,23 @@ OUTER = {
     "local SGD H=16 int8 overlap 1": ("int8", ["outer=local_sgd", "outer.sync_every=16", "outer.overlap=1"]),
     "local SGD H=16 bf16 overlap 4": ("bf16", ["outer=local_sgd", "outer.sync_every=16", "outer.overlap=4"]),
     "local SGD H=16 bf16 overlap 8": ("bf16", ["outer=local_sgd", "outer.sync_every=16", "outer.overlap=8"]),
-    "DiLoCo H=16 lr=1 m=0.5 bf16 overlap 8": ("bf16", ["outer=diloco", "outer.sync_every=16", "outer.lr=1.0",
-                                                       "outer.momentum=0.5", "outer.overlap=8"]),
+    "DiLoCo H=16 lr=1 m=0.5 bf16 overlap 8": (
+        "bf16",
+        ["outer=diloco", "outer.sync_every=16", "outer.lr=1.0", "outer.momentum=0.5", "outer.overlap=8"],
+    ),
     # Streaming DiLoCo: 4 fragments, each sent behind the next step as fp4 codes (hooks=lowbit).
-    "Streaming DiLoCo H=16 F=4 overlap 1 fp4": ("lowbit", ["outer=diloco", "outer.sync_every=16", "outer.lr=1.0",
-                                                           "outer.momentum=0.5", "outer.fragments=4", "outer.overlap=1",
-                                                           "trainer.bucket_cap_mb=5"]),
+    "Streaming DiLoCo H=16 F=4 overlap 1 fp4": (
+        "lowbit",
+        [
+            "outer=diloco",
+            "outer.sync_every=16",
+            "outer.lr=1.0",
+            "outer.momentum=0.5",
+            "outer.fragments=4",
+            "outer.overlap=1",
+            "trainer.bucket_cap_mb=5",
+        ],
+    ),
 }
 QUICK = ["fdp allreduce", "local SGD H=16", "local SGD H=4 bf16", "DiLoCo H=16"]
 
@@ -94,7 +113,9 @@ def parse_args():
     p.add_argument("--rates", default="1gbit")
     p.add_argument("--model", default="charmlp", choices=sorted(N.MODELS))
     p.add_argument("--steps", type=int, default=320, help="DDP steps (the target is DDP's loss there)")
-    p.add_argument("--factor", type=float, default=2.0, help="steps of the outer-loop variants, as a multiple of --steps")
+    p.add_argument(
+        "--factor", type=float, default=2.0, help="steps of the outer-loop variants, as a multiple of --steps"
+    )
     p.add_argument("--window", type=int, default=32, help="losses averaged for the target and for reaching it")
     p.add_argument("--variants", help="comma list of: " + ", ".join(OUTER))
     p.add_argument("--hierarchical", action="store_true", help="also 2 x 2 processes: hierarchical vs flat allreduce")
@@ -106,7 +127,7 @@ def parse_args():
 
 
 def smoothed(losses: list[float], window: int) -> list[float]:
-    return [statistics.mean(losses[max(0, i + 1 - window): i + 1]) for i in range(len(losses))]
+    return [statistics.mean(losses[max(0, i + 1 - window) : i + 1]) for i in range(len(losses))]
 
 
 def time_to(target: float, losses: list[float], step_ms: list[float], window: int) -> tuple[int | None, float | None]:
@@ -121,8 +142,12 @@ def time_to(target: float, losses: list[float], step_ms: list[float], window: in
 
 def node_tx_bytes(net, node: int) -> int:
     """Bytes node ``node`` has sent on its link so far (the kernel's counter inside its namespace)."""
-    out = subprocess.run(net.command(node, ["cat", f"/sys/class/net/{IFNAME}/statistics/tx_bytes"]),
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        net.command(node, ["cat", f"/sys/class/net/{IFNAME}/statistics/tx_bytes"]),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return int(out)
 
 
@@ -143,13 +168,24 @@ def hierarchical_rows(net, rate: str, work: Path, timeout_s: float) -> list[dict
     rows = []
     for name, hook, extra, ring_model in HIERARCHICAL:
         before = node_tx_bytes(net, 0)
-        summary = N.fdp_run("mlp", hook, steps, work / f"2x2-{rate}-{len(rows)}", True, timeout_s, extra=extra, world=4,
-                            per_node=2)
+        summary = N.fdp_run(
+            "mlp", hook, steps, work / f"2x2-{rate}-{len(rows)}", True, timeout_s, extra=extra, world=4, per_node=2
+        )
         sent = node_tx_bytes(net, 0) - before
-        rows.append({"rate": rate, "variant": name, "median_ms": summary["median_ms"], "ring_model": ring_model,
-                     "link_bytes_per_step": sent / steps, "bytes_sent_rank0": summary["bytes_per_step"]})
-        print(f"  2x2 {name}: {summary['median_ms']:.0f} ms/step, {sent / steps / 1e6:.1f} MB/step leave node 0",
-              flush=True)
+        rows.append(
+            {
+                "rate": rate,
+                "variant": name,
+                "median_ms": summary["median_ms"],
+                "ring_model": ring_model,
+                "link_bytes_per_step": sent / steps,
+                "bytes_sent_rank0": summary["bytes_per_step"],
+            }
+        )
+        print(
+            f"  2x2 {name}: {summary['median_ms']:.0f} ms/step, {sent / steps / 1e6:.1f} MB/step leave node 0",
+            flush=True,
+        )
     return rows
 
 
@@ -158,44 +194,61 @@ def caveats(results: dict) -> list[str]:
     notes = []
     for r in results["rows"]:
         if r["variant"] == "DDP allreduce" and r["steps_to_target"] and r["steps_to_target"] <= r["steps"] // 2:
-            notes.append(f"{r['rate']}: DDP was within 2% of its step-{r['steps']} loss already at step {r['steps_to_target']}: "
-                         "the loss has flattened, so the target rewards step time more than progress per step")
+            notes.append(
+                f"{r['rate']}: DDP was within 2% of its step-{r['steps']} loss already at step {r['steps_to_target']}: "
+                "the loss has flattened, so the target rewards step time more than progress per step"
+            )
     by_name = {(r["rate"], r["variant"]): r for r in results["rows"]}
     for r in results["rows"]:
         base = by_name.get((r["rate"], r["variant"].split(" overlap ")[0]))
         if " overlap " in r["variant"] and base:
-            notes.append(f"{r['rate']} {r['variant']}: median step {r['median_ms']:.0f} ms, {base['median_ms']:.0f} ms without "
-                         "overlap in this run: a sync in flight takes CPU from the steps that hide it (the simulated nodes "
-                         "share this host's cores; see sync_cpu.md)")
+            notes.append(
+                f"{r['rate']} {r['variant']}: median step {r['median_ms']:.0f} ms, {base['median_ms']:.0f} ms without "
+                "overlap in this run: a sync in flight takes CPU from the steps that hide it (the simulated nodes "
+                "share this host's cores; see sync_cpu.md)"
+            )
     load = results["meta"].get("load") or {}
     if load.get("others_cores", 0) > 0.5:
-        notes.append(f"other processes took {load['others_cores']} of the host's cores during the run (this benchmark "
-                     f"{load.get('own_cores')}): steps were CPU-bound, and the link's share of a step is understated")
+        notes.append(
+            f"other processes took {load['others_cores']} of the host's cores during the run (this benchmark "
+            f"{load.get('own_cores')}): steps were CPU-bound, and the link's share of a step is understated"
+        )
     return notes
 
 
 def write(results: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=1))
-    lines = [f"# Time to DDP's loss across a slow link ({results['meta']['model']})", "",
-             f"Command: `{results['meta']['command']}`. Host load: {results['meta'].get('load')}.", "",
-             "| rate | variant | steps run | median step ms | loss target | steps to target | s to target | speed-up vs DDP |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Time to DDP's loss across a slow link ({results['meta']['model']})",
+        "",
+        f"Command: `{results['meta']['command']}`. Host load: {results['meta'].get('load')}.",
+        "",
+        "| rate | variant | steps run | median step ms | loss target | steps to target | s to target | speed-up vs DDP |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in results["rows"]:
         speedup = f"{r['speedup']:.2f}x" if r.get("speedup") else "not reached"
         reached = r["steps_to_target"] if r["steps_to_target"] else "-"
         seconds = f"{r['s_to_target']:.1f}" if r["s_to_target"] else "-"
-        lines.append(f"| {r['rate']} | {r['variant']} | {r['steps']} | {r['median_ms']:.0f} | {r['target']:.4f} | "
-                     f"{reached} | {seconds} | {speedup} |")
+        lines.append(
+            f"| {r['rate']} | {r['variant']} | {r['steps']} | {r['median_ms']:.0f} | {r['target']:.4f} | "
+            f"{reached} | {seconds} | {speedup} |"
+        )
     if results["hierarchical"]:
         flat = next(r for r in results["hierarchical"] if r["variant"] == "flat allreduce")
-        lines += ["", "| rate | 2 nodes x 2 processes | median step ms | bytes leaving node 0 per step | vs flat allreduce | "
-                      "ring model (x gradient bytes S) | fdp bytes_sent (rank 0) |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| rate | 2 nodes x 2 processes | median step ms | bytes leaving node 0 per step | vs flat allreduce | "
+            "ring model (x gradient bytes S) | fdp bytes_sent (rank 0) |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for r in results["hierarchical"]:
-            lines.append(f"| {r['rate']} | {r['variant']} | {r['median_ms']:.0f} | {r['link_bytes_per_step'] / 1e6:.1f} MB | "
-                         f"{r['link_bytes_per_step'] / flat['link_bytes_per_step']:.2f}x | {r['ring_model']:.2f} S | "
-                         f"{r['bytes_sent_rank0'] / 1e6:.1f} MB |")
+            lines.append(
+                f"| {r['rate']} | {r['variant']} | {r['median_ms']:.0f} | {r['link_bytes_per_step'] / 1e6:.1f} MB | "
+                f"{r['link_bytes_per_step'] / flat['link_bytes_per_step']:.2f}x | {r['ring_model']:.2f} S | "
+                f"{r['bytes_sent_rank0'] / 1e6:.1f} MB |"
+            )
     lines += ["", *[f"- {note}" for note in [*results["meta"]["notes"], *caveats(results)]]]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     try:
@@ -209,9 +262,18 @@ def write(results: dict, out: Path) -> None:
         for ax, rate in zip(axes[0], rates):
             for r in (r for r in results["rows"] if r["rate"] == rate):
                 wall = [sum(r["step_ms_all"][: i + 1]) / 1e3 for i in range(len(r["step_ms_all"]))]
-                ax.plot(wall, smoothed(r["losses"], results["meta"]["window"]), label=r["variant"], lw=2.5 if r["variant"].startswith("DDP") else 1.2)
+                ax.plot(
+                    wall,
+                    smoothed(r["losses"], results["meta"]["window"]),
+                    label=r["variant"],
+                    lw=2.5 if r["variant"].startswith("DDP") else 1.2,
+                )
             ax.axhline(results["rows"][0]["target"] * (1 + TOLERANCE), color="grey", ls=":", lw=1)
-            ax.set(title=f"{results['meta']['model']} at {rate}", xlabel="seconds in steps (sum of step times)", ylabel=f"training loss (mean of {results['meta']['window']} steps)")
+            ax.set(
+                title=f"{results['meta']['model']} at {rate}",
+                xlabel="seconds in steps (sum of step times)",
+                ylabel=f"training loss (mean of {results['meta']['window']} steps)",
+            )
             ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(out.with_suffix(".png"), dpi=110)
@@ -230,37 +292,81 @@ def main() -> None:
     steps = min(args.steps, 96) if args.quick else args.steps
     out = (N.RESULTS if (args.write or not args.quick) else N.work_dir("slow_links-results")) / args.name
     work = N.work_dir("slow_links")
-    meta = {"model": args.model, "command": " ".join(["python benchmarks/slow_links.py", *sys.argv[1:]]),
-            "ddp_steps": steps, "factor": args.factor, "window": args.window, "notes": []}
+    meta = {
+        "model": args.model,
+        "command": " ".join(["python benchmarks/slow_links.py", *sys.argv[1:]]),
+        "ddp_steps": steps,
+        "factor": args.factor,
+        "window": args.window,
+        "notes": [],
+    }
     results = {"meta": meta, "rows": [], "hierarchical": []}
     started = time.perf_counter()
-    with N.keeping_partial_results("slow_links", meta, started, lambda: write(results, out)), N.LoadMeter() as load, \
-            N.Cluster(nodes=2, force=args.force) as net:
+    with (
+        N.keeping_partial_results("slow_links", meta, started, lambda: write(results, out)),
+        N.LoadMeter() as load,
+        N.Cluster(nodes=2, force=args.force) as net,
+    ):
         for rate in rates:
             print(net.up(rate), flush=True)
             ddp = N.ddp_run(args.model, "allreduce", steps, work / f"ddp-{rate}", args.timeout)
-            target = statistics.mean(ddp["losses"][-args.window:])
+            target = statistics.mean(ddp["losses"][-args.window :])
             # DDP itself is held to the same rule: its first step within 2% of its own final loss.
             ddp_steps, ddp_s = time_to(target, ddp["losses"], ddp["step_ms_all"], args.window)
-            results["rows"].append({"rate": rate, "variant": "DDP allreduce", "steps": steps, "median_ms": ddp["median_ms"],
-                                    "target": target, "steps_to_target": ddp_steps, "s_to_target": ddp_s, "speedup": 1.0,
-                                    "losses": ddp["losses"], "step_ms_all": ddp["step_ms_all"]})
-            print(f"{rate} DDP allreduce: {ddp['median_ms']:.0f} ms/step, loss {target:.4f} after {steps} steps, "
-                  f"within 2% at step {ddp_steps} ({ddp_s:.1f} s)", flush=True)
+            results["rows"].append(
+                {
+                    "rate": rate,
+                    "variant": "DDP allreduce",
+                    "steps": steps,
+                    "median_ms": ddp["median_ms"],
+                    "target": target,
+                    "steps_to_target": ddp_steps,
+                    "s_to_target": ddp_s,
+                    "speedup": 1.0,
+                    "losses": ddp["losses"],
+                    "step_ms_all": ddp["step_ms_all"],
+                }
+            )
+            print(
+                f"{rate} DDP allreduce: {ddp['median_ms']:.0f} ms/step, loss {target:.4f} after {steps} steps, "
+                f"within 2% at step {ddp_steps} ({ddp_s:.1f} s)",
+                flush=True,
+            )
             for name in names:
                 hook, extra = OUTER[name]
                 outer_loop = any(o.startswith("outer=") for o in extra)
                 run_steps = int(steps * args.factor) if outer_loop else steps  # per-step sync: DDP's own math
-                r = N.fdp_run(args.model, hook, run_steps, work / f"{rate}-{name.replace(' ', '_').replace('=', '')}", True, args.timeout,
-                              extra=extra)
+                r = N.fdp_run(
+                    args.model,
+                    hook,
+                    run_steps,
+                    work / f"{rate}-{name.replace(' ', '_').replace('=', '')}",
+                    True,
+                    args.timeout,
+                    extra=extra,
+                )
                 reached, seconds = time_to(target, r["losses"], r["step_ms_all"], args.window)
-                results["rows"].append({"rate": rate, "variant": name, "steps": run_steps, "median_ms": r["median_ms"],
-                                        "target": target, "steps_to_target": reached, "s_to_target": seconds,
-                                        "speedup": ddp_s / seconds if seconds else None,
-                                        "losses": r["losses"], "step_ms_all": r["step_ms_all"]})
-                print(f"{rate} {name}: {r['median_ms']:.0f} ms/step; target "
-                      + (f"at step {reached} ({seconds:.1f} s, {ddp_s / seconds:.2f}x DDP)" if seconds else "not reached"),
-                      flush=True)
+                results["rows"].append(
+                    {
+                        "rate": rate,
+                        "variant": name,
+                        "steps": run_steps,
+                        "median_ms": r["median_ms"],
+                        "target": target,
+                        "steps_to_target": reached,
+                        "s_to_target": seconds,
+                        "speedup": ddp_s / seconds if seconds else None,
+                        "losses": r["losses"],
+                        "step_ms_all": r["step_ms_all"],
+                    }
+                )
+                print(
+                    f"{rate} {name}: {r['median_ms']:.0f} ms/step; target "
+                    + (
+                        f"at step {reached} ({seconds:.1f} s, {ddp_s / seconds:.2f}x DDP)" if seconds else "not reached"
+                    ),
+                    flush=True,
+                )
             if args.hierarchical:
                 results["hierarchical"] += hierarchical_rows(net, rate, work, args.timeout)
     meta["load"] = load.as_dict()

@@ -16,6 +16,7 @@ writes the table to ``benchmarks/results/stop_flag.md``.
 
     python -m benchmarks.stop_flag [--steps 200] [--rounds 7]   # from the repo root
 """
+
 from __future__ import annotations
 
 import argparse
@@ -83,12 +84,19 @@ def main() -> None:
     ms = {way: max(results[r][way] for r in results) for way in WAYS}  # the slower rank's
     load = os.getloadavg()[0]
     rows = [f"| {way} | {ms[way]:.3f} | {ms[way] / ms['none']:.3f} |" for way in WAYS]
-    table = "\n".join([
-        "# Stop-flag agreement per step (fdp.dist.interrupt)", "",
-        f"2 gloo ranks, one thread each, MLP 64-{args.hidden}-10, batch 32 per rank, {args.steps} steps x "
-        f"{args.rounds} interleaved rounds (median); torch {torch.__version__}; load average {load:.1f} at the end.", "",
-        "| way | ms per step | / none |", "|---|---|---|", *rows, "",
-    ])
+    table = "\n".join(
+        [
+            "# Stop-flag agreement per step (fdp.dist.interrupt)",
+            "",
+            f"2 gloo ranks, one thread each, MLP 64-{args.hidden}-10, batch 32 per rank, {args.steps} steps x "
+            f"{args.rounds} interleaved rounds (median); torch {torch.__version__}; load average {load:.1f} at the end.",
+            "",
+            "| way | ms per step | / none |",
+            "|---|---|---|",
+            *rows,
+            "",
+        ]
+    )
     print(table)
     RESULTS.write_text(table)
 

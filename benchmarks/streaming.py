@@ -26,6 +26,7 @@ on the simulated cluster in ``results/slow_links*.json``.
 
 Writes ``benchmarks/results/streaming.{md,json}``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -79,14 +80,39 @@ def variants(a) -> dict:
     return {
         "ddp": {"name": "DDP allreduce", "side": "ddp", "kind": "allreduce"},
         "diloco": {"name": f"fdp DiLoCo H={h}", "side": "fdp", "kind": "allreduce", "fragments": 1, "overlap": 0},
-        "streaming_fp4": {"name": f"fdp streaming {stream} fp4", "side": "fdp", "kind": "allgather", "fragments": f,
-                          "overlap": tau, "hook": "fp4"},
-        "streaming_fp4_mix0": {"name": f"fdp streaming {stream} fp4 mix=0", "side": "fdp", "kind": "allgather",
-                               "fragments": f, "overlap": tau, "hook": "fp4", "mix": 0.0},
-        "streaming_fp32_mix0": {"name": f"fdp streaming {stream} fp32 mix=0", "side": "fdp", "kind": "allreduce",
-                                "fragments": f, "overlap": tau, "mix": 0.0},
-        "torchft": {"name": f"torchft DiLoCo {stream} alpha=0 fp32", "side": "torchft", "kind": "allreduce",
-                    "fragments": f, "overlap": tau, "mix": 0.0},
+        "streaming_fp4": {
+            "name": f"fdp streaming {stream} fp4",
+            "side": "fdp",
+            "kind": "allgather",
+            "fragments": f,
+            "overlap": tau,
+            "hook": "fp4",
+        },
+        "streaming_fp4_mix0": {
+            "name": f"fdp streaming {stream} fp4 mix=0",
+            "side": "fdp",
+            "kind": "allgather",
+            "fragments": f,
+            "overlap": tau,
+            "hook": "fp4",
+            "mix": 0.0,
+        },
+        "streaming_fp32_mix0": {
+            "name": f"fdp streaming {stream} fp32 mix=0",
+            "side": "fdp",
+            "kind": "allreduce",
+            "fragments": f,
+            "overlap": tau,
+            "mix": 0.0,
+        },
+        "torchft": {
+            "name": f"torchft DiLoCo {stream} alpha=0 fp32",
+            "side": "torchft",
+            "kind": "allreduce",
+            "fragments": f,
+            "overlap": tau,
+            "mix": 0.0,
+        },
     }
 
 
@@ -113,8 +139,8 @@ def batches(rank: int, steps: int, batch: int, block: int) -> tuple[int, list]:
     out = []
     for _ in range(steps):
         starts = torch.randint(0, data.numel() - block - 1, (batch,), generator=g)
-        x = torch.stack([data[s: s + block] for s in starts])
-        y = torch.stack([data[s + 1: s + block + 1] for s in starts])
+        x = torch.stack([data[s : s + block] for s in starts])
+        y = torch.stack([data[s + 1 : s + block + 1] for s in starts])
         out.append((x, y))
     return len(chars), out
 
@@ -179,9 +205,20 @@ def run_fdp(module, data, a, v) -> list[dict]:
     from fdp.step.outer import check_outer, init_outer_state, make_outer_step
 
     _, params, buffers, loss_fn, plan, _ = fdp_fragments(module, data, a, v["fragments"])
-    spec = check_outer({"name": "diloco", "sync_every": a.sync_every, "start_step": 0, "lr": a.outer_lr,
-                        "momentum": a.outer_momentum, "nesterov": True, "overlap": v["overlap"],
-                        "fragments": v["fragments"], "fragment_schedule": "strided", "mix": v.get("mix")})
+    spec = check_outer(
+        {
+            "name": "diloco",
+            "sync_every": a.sync_every,
+            "start_step": 0,
+            "lr": a.outer_lr,
+            "momentum": a.outer_momentum,
+            "nesterov": True,
+            "overlap": v["overlap"],
+            "fragments": v["fragments"],
+            "fragment_schedule": "strided",
+            "mix": v.get("mix"),
+        }
+    )
     hook = lowbit("fp4") if v.get("hook") == "fp4" else allreduce()
     state = init_train_state(params, buffers, adam(1e-3), plan, hook)
     state = state._replace(outer=init_outer_state(spec, params, plan, hook))
@@ -190,8 +227,14 @@ def run_fdp(module, data, a, v) -> list[dict]:
     for batch in data:
         t0 = time.perf_counter()
         state, m = step(state, batch)
-        rows.append({"loss": float(m["loss"]), "step_s": time.perf_counter() - t0, "bytes": m["bytes_sent"],
-                     "compute_s": m["compute_s"]})
+        rows.append(
+            {
+                "loss": float(m["loss"]),
+                "step_s": time.perf_counter() - t0,
+                "bytes": m["bytes_sent"],
+                "compute_s": m["compute_s"],
+            }
+        )
     return rows
 
 
@@ -211,16 +254,36 @@ def run_torchft(module, data, a, v, rank: int, lighthouse: str, store_port: int)
             part.register_parameter(f"p{i}", named[n])
         fragments.append(part)
     store = dist.TCPStore("127.0.0.1", store_port, is_master=True, wait_for_workers=False)
-    manager = Manager(pg=ProcessGroupGloo(), min_replica_size=2, load_state_dict=None, state_dict=None,
-                      replica_id=f"replica{rank}", lighthouse_addr=lighthouse, store_addr="127.0.0.1",
-                      store_port=store_port, rank=0, world_size=1, use_async_quorum=False,
-                      timeout=timedelta(seconds=120), quorum_timeout=timedelta(seconds=120))
+    manager = Manager(
+        pg=ProcessGroupGloo(),
+        min_replica_size=2,
+        load_state_dict=None,
+        state_dict=None,
+        replica_id=f"replica{rank}",
+        lighthouse_addr=lighthouse,
+        store_addr="127.0.0.1",
+        store_port=store_port,
+        rank=0,
+        world_size=1,
+        use_async_quorum=False,
+        timeout=timedelta(seconds=120),
+        quorum_timeout=timedelta(seconds=120),
+    )
     inner = torch.optim.Adam(module.parameters(), lr=1e-3)
-    outers = [torch.optim.SGD(f.parameters(), lr=a.outer_lr, momentum=a.outer_momentum, nesterov=True) for f in fragments]
+    outers = [
+        torch.optim.SGD(f.parameters(), lr=a.outer_lr, momentum=a.outer_momentum, nesterov=True) for f in fragments
+    ]
     sizes = [4 * sum(p.numel() for p in f.parameters()) for f in fragments]
     rows = []
-    with DiLoCo(manager, fragments, inner, outers, sync_every=a.sync_every,
-                fragment_sync_delay=v["overlap"], fragment_update_alpha=v["mix"]) as diloco:
+    with DiLoCo(
+        manager,
+        fragments,
+        inner,
+        outers,
+        sync_every=a.sync_every,
+        fragment_sync_delay=v["overlap"],
+        fragment_update_alpha=v["mix"],
+    ) as diloco:
         for step, (x, y) in enumerate(data, start=1):
             t0 = time.perf_counter()
             inner.zero_grad()
@@ -229,8 +292,13 @@ def run_torchft(module, data, a, v, rank: int, lighthouse: str, store_port: int)
             sends = step % (a.sync_every // v["fragments"]) == (a.sync_every // v["fragments"]) - v["overlap"]
             fragment = diloco._current_fragment() if sends else None
             inner.step()
-            rows.append({"loss": loss.item(), "step_s": time.perf_counter() - t0,
-                         "bytes": sizes[fragment] if fragment is not None else 0})
+            rows.append(
+                {
+                    "loss": loss.item(),
+                    "step_s": time.perf_counter() - t0,
+                    "bytes": sizes[fragment] if fragment is not None else 0,
+                }
+            )
     manager.shutdown(wait=False)
     del store
     return rows
@@ -275,22 +343,30 @@ def run_side(key: str, a, work: Path) -> list[dict]:
 # ----------------------------------------------------------------------------- the table
 def summarise(a, results: dict) -> dict:
     ddp = results["ddp"]["rows"]
-    target = statistics.mean(r["loss"] for r in ddp[-a.window:])
+    target = statistics.mean(r["loss"] for r in ddp[-a.window :])
     latency = a.latency_ms / 1e3
     table = []
     for key, res in results.items():
         rows, v = res["rows"], res["variant"]
-        final = statistics.mean(r["loss"] for r in rows[-a.window:])
+        final = statistics.mean(r["loss"] for r in rows[-a.window :])
         sent = [r["bytes"] for r in rows]
         compute = [r.get("compute_s", r["step_s"]) for r in rows]
-        row = {"variant": v["name"], "final_loss": final, "vs_ddp_loss": final / target - 1, "bytes_total": sum(sent),
-               "bytes_peak": max(sent), "median_step_ms": 1e3 * statistics.median(r["step_s"] for r in rows),
-               "median_compute_ms": 1e3 * statistics.median(compute), "to_target": {}}
+        row = {
+            "variant": v["name"],
+            "final_loss": final,
+            "vs_ddp_loss": final / target - 1,
+            "bytes_total": sum(sent),
+            "bytes_peak": max(sent),
+            "median_step_ms": 1e3 * statistics.median(r["step_s"] for r in rows),
+            "median_compute_ms": 1e3 * statistics.median(compute),
+            "to_target": {},
+        }
         for rate in ("100mbit", "1gbit"):
             for nodes in (2, 8, 64):
                 steps = P.projected_steps(compute, sent, v["kind"], nodes, P.RATES[rate], latency, v.get("overlap", 0))
-                row["to_target"][f"{rate} N={nodes}"] = P.time_to(target, [r["loss"] for r in rows], steps, a.window,
-                                                                   TOLERANCE)
+                row["to_target"][f"{rate} N={nodes}"] = P.time_to(
+                    target, [r["loss"] for r in rows], steps, a.window, TOLERANCE
+                )
         table.append(row)
     ddp_row = table[0]
     for row in table:
@@ -309,7 +385,9 @@ def netsim_checks() -> list[dict]:
         rows = {r["variant"]: r for r in json.loads(path.read_text())["rows"]}
         outer = rows.get("local SGD H=16")  # its median step has no sync: the compute alone, on that host
         if "DDP allreduce" in rows and outer:
-            check = P.check_against(rows["DDP allreduce"]["median_ms"], outer["median_ms"], 4 * 19.85e6, "allreduce", rate)
+            check = P.check_against(
+                rows["DDP allreduce"]["median_ms"], outer["median_ms"], 4 * 19.85e6, "allreduce", rate
+            )
             checks.append({"run": f"{name}.json", "rate": rate, "variant": "DDP allreduce (every step)", **check})
             synced = [ms for i, ms in enumerate(outer["step_ms_all"], start=1) if i % 16 == 0]
             check = P.check_against(statistics.median(synced), outer["median_ms"], 4 * 19.85e6, "allreduce", rate)
@@ -320,15 +398,19 @@ def netsim_checks() -> list[dict]:
 def write(a, summary: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"args": vars(a), **summary}, indent=1))
-    lines = [f"# Streaming DiLoCo against DDP and torchft (char transformer, {a.steps} steps, 2 ranks)", "",
-             f"Command: `python benchmarks/streaming.py {' '.join(w for w in sys.argv[1:] if w != '--reuse')}`. "
-             f"H={a.sync_every}, "
-             f"outer Nesterov SGD lr={a.outer_lr} momentum={a.outer_momentum}, Adam(1e-3) inside, d_model={a.d_model}, "
-             f"{a.layers} layers, {a.batch}x{a.block} tokens per rank and step. DDP's loss (mean of the last "
-             f"{a.window} steps): {summary['target']:.4f}.", "",
-             "| variant | final loss | vs DDP | bytes sent per rank | DDP's / its bytes | peak bytes in a step | "
-             "median step ms (fast network) | to DDP's loss at 100 Mbit/s | at 1 Gbit/s | 100 Mbit/s, 64 nodes |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Streaming DiLoCo against DDP and torchft (char transformer, {a.steps} steps, 2 ranks)",
+        "",
+        f"Command: `python benchmarks/streaming.py {' '.join(w for w in sys.argv[1:] if w != '--reuse')}`. "
+        f"H={a.sync_every}, "
+        f"outer Nesterov SGD lr={a.outer_lr} momentum={a.outer_momentum}, Adam(1e-3) inside, d_model={a.d_model}, "
+        f"{a.layers} layers, {a.batch}x{a.block} tokens per rank and step. DDP's loss (mean of the last "
+        f"{a.window} steps): {summary['target']:.4f}.",
+        "",
+        "| variant | final loss | vs DDP | bytes sent per rank | DDP's / its bytes | peak bytes in a step | "
+        "median step ms (fast network) | to DDP's loss at 100 Mbit/s | at 1 Gbit/s | 100 Mbit/s, 64 nodes |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
 
     def reach(row, key):
         _, seconds = row["to_target"][key]
@@ -336,16 +418,25 @@ def write(a, summary: dict, out: Path) -> None:
 
     for row in summary["rows"]:
         ratio = f"{row['bytes_vs_ddp']:.0f}x" if row["bytes_vs_ddp"] else "-"
-        lines.append(f"| {row['variant']} | {row['final_loss']:.4f} | {100 * row['vs_ddp_loss']:+.2f}% | "
-                     f"{row['bytes_total'] / 1e6:.1f} MB | {ratio} | {row['bytes_peak'] / 1e3:.0f} kB | "
-                     f"{row['median_step_ms']:.0f} | {reach(row, '100mbit N=2')} | {reach(row, '1gbit N=2')} | "
-                     f"{reach(row, '100mbit N=64')} |")
-    lines += ["", f"Times to DDP's loss (a {a.window}-step mean within 2% of it) are projected (`benchmarks/netsim/projection.py`) from each step's "
-              f"measured compute and bytes, {a.latency_ms} ms per link; the model against the simulated cluster:", "",
-              "| run | rate | variant | measured ms | model ms | model / measured |", "|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {row['variant']} | {row['final_loss']:.4f} | {100 * row['vs_ddp_loss']:+.2f}% | "
+            f"{row['bytes_total'] / 1e6:.1f} MB | {ratio} | {row['bytes_peak'] / 1e3:.0f} kB | "
+            f"{row['median_step_ms']:.0f} | {reach(row, '100mbit N=2')} | {reach(row, '1gbit N=2')} | "
+            f"{reach(row, '100mbit N=64')} |"
+        )
+    lines += [
+        "",
+        f"Times to DDP's loss (a {a.window}-step mean within 2% of it) are projected (`benchmarks/netsim/projection.py`) from each step's "
+        f"measured compute and bytes, {a.latency_ms} ms per link; the model against the simulated cluster:",
+        "",
+        "| run | rate | variant | measured ms | model ms | model / measured |",
+        "|---|---|---|---|---|---|",
+    ]
     for c in summary["checks"]:
-        lines.append(f"| {c['run']} | {c['rate']} | {c['variant']} | {c['measured_ms']:.0f} | {c['model_ms']:.0f} | "
-                     f"{c['ratio']:.2f} |")
+        lines.append(
+            f"| {c['run']} | {c['rate']} | {c['variant']} | {c['measured_ms']:.0f} | {c['model_ms']:.0f} | "
+            f"{c['ratio']:.2f} |"
+        )
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
@@ -363,8 +454,11 @@ def main() -> None:
         rows = json.loads(saved.read_text()) if a.reuse and saved.exists() else run_side(key, a, work)
         results[key] = {"variant": variants(a)[key], "rows": rows}
         rows = results[key]["rows"]
-        print(f"{variants(a)[key]['name']}: loss {statistics.mean(r['loss'] for r in rows[-a.window:]):.4f}, "
-              f"{sum(r['bytes'] for r in rows) / 1e6:.1f} MB sent, {time.perf_counter() - t0:.0f} s", flush=True)
+        print(
+            f"{variants(a)[key]['name']}: loss {statistics.mean(r['loss'] for r in rows[-a.window :]):.4f}, "
+            f"{sum(r['bytes'] for r in rows) / 1e6:.1f} MB sent, {time.perf_counter() - t0:.0f} s",
+            flush=True,
+        )
     out = (RESULTS if not a.quick else work) / a.name
     write(a, summarise(a, results), out)
     print(f"wrote {out.with_suffix('.md')}")

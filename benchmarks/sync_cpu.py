@@ -15,6 +15,7 @@ host's cores a sync in flight takes from the steps that hide it; steal adds to i
 
 Writes ``benchmarks/results/sync_cpu.{md,json}``. Needs root (network namespaces).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,16 @@ def worker(args) -> None:
             dist.all_reduce(values)
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
             busy, steal = N.busy_seconds() - busy, N.steal_seconds() - steal
-            rows.append({"dtype": str(dtype).removeprefix("torch."), "mb": values.numel() * values.element_size() / 1e6,
-                         "wall_s": wall, "rank_cpu_s": cpu, "host_busy_s": busy, "steal_s": steal})
+            rows.append(
+                {
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "mb": values.numel() * values.element_size() / 1e6,
+                    "wall_s": wall,
+                    "rank_cpu_s": cpu,
+                    "host_busy_s": busy,
+                    "steal_s": steal,
+                }
+            )
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(rows))
     dist.destroy_process_group()
@@ -62,30 +71,49 @@ def summarise(rate: str, rows: list[dict]) -> list[dict]:
     out = []
     for dtype in dict.fromkeys(r["dtype"] for r in rows):
         mine = [r for r in rows if r["dtype"] == dtype]
-        median = {key: statistics.median(r[key] for r in mine) for key in ("wall_s", "rank_cpu_s", "host_busy_s", "steal_s")}
-        out.append({"rate": rate, "dtype": dtype, "mb": mine[0]["mb"], "repeats": len(mine), **median,
-                    "host_cores": median["host_busy_s"] / median["wall_s"]})
+        median = {
+            key: statistics.median(r[key] for r in mine) for key in ("wall_s", "rank_cpu_s", "host_busy_s", "steal_s")
+        }
+        out.append(
+            {
+                "rate": rate,
+                "dtype": dtype,
+                "mb": mine[0]["mb"],
+                "repeats": len(mine),
+                **median,
+                "host_cores": median["host_busy_s"] / median["wall_s"],
+            }
+        )
     return out
 
 
 def write(results: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(results, indent=1))
-    lines = ["# CPU one sync takes between two simulated nodes", "",
-             f"Command: `{results['meta']['command']}`; links of MTU {results['meta']['mtu']}; {os.cpu_count()} cores on "
-             "this host; nothing else running. "
-             "Medians of the repeats.", "",
-             "| rate | pseudo-gradient | MB | wall s | rank 0 CPU s | host CPU s (all cores) | host cores busy during the sync "
-             "| steal s |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# CPU one sync takes between two simulated nodes",
+        "",
+        f"Command: `{results['meta']['command']}`; links of MTU {results['meta']['mtu']}; {os.cpu_count()} cores on "
+        "this host; nothing else running. "
+        "Medians of the repeats.",
+        "",
+        "| rate | pseudo-gradient | MB | wall s | rank 0 CPU s | host CPU s (all cores) | host cores busy during the sync "
+        "| steal s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in results["rows"]:
-        lines.append(f"| {r['rate']} | {r['dtype']} | {r['mb']:.0f} | {r['wall_s']:.3f} | {r['rank_cpu_s']:.3f} | "
-                     f"{r['host_busy_s']:.3f} | {r['host_cores']:.2f} | {r['steal_s']:.3f} |")
-    lines += ["", "Host CPU (user, system and interrupt time of all cores) is what the sync takes from ranks that "
-              "compute meanwhile (an overlapped sync): the kernel's TCP, veth and tbf work for both simulated nodes "
-              "and both ranks' gloo threads. Steal is time the hypervisor held this VM's cores (not counted as host CPU): "
-              "it follows the bytes moved, not the sync's wall time (the same at both rates), and a core held there "
-              "computes nothing either; an idle second shows about 0.01 s of it."]
+        lines.append(
+            f"| {r['rate']} | {r['dtype']} | {r['mb']:.0f} | {r['wall_s']:.3f} | {r['rank_cpu_s']:.3f} | "
+            f"{r['host_busy_s']:.3f} | {r['host_cores']:.2f} | {r['steal_s']:.3f} |"
+        )
+    lines += [
+        "",
+        "Host CPU (user, system and interrupt time of all cores) is what the sync takes from ranks that "
+        "compute meanwhile (an overlapped sync): the kernel's TCP, veth and tbf work for both simulated nodes "
+        "and both ranks' gloo threads. Steal is time the hypervisor held this VM's cores (not counted as host CPU): "
+        "it follows the bytes moved, not the sync's wall time (the same at both rates), and a core held there "
+        "computes nothing either; an idle second shows about 0.01 s of it.",
+    ]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
@@ -111,16 +139,28 @@ def main() -> None:
         for rate in args.rates.split(","):
             print(net.up(rate, mtu=args.mtu), flush=True)
             raw = work / f"{rate}.json"
-            argv = [N.PYTHON, str(Path(__file__).resolve()), "worker", "--out", str(raw), "--repeats", str(args.repeats),
-                    "--timeout", str(args.timeout)]
+            argv = [
+                N.PYTHON,
+                str(Path(__file__).resolve()),
+                "worker",
+                "--out",
+                str(raw),
+                "--repeats",
+                str(args.repeats),
+                "--timeout",
+                str(args.timeout),
+            ]
             logs = [work / f"{rate}.rank{k}.log" for k in range(2)]
             codes = N.run_ranks(argv, logs, args.timeout, True)
             if any(codes) or not raw.exists():
                 raise RuntimeError(f"sync_cpu at {rate} failed (exit codes {codes}); log {logs[0]}:\n{N.tail(logs[0])}")
             for row in summarise(rate, json.loads(raw.read_text())):
                 results["rows"].append(row)
-                print(f"{rate} {row['dtype']} {row['mb']:.0f} MB: {row['wall_s']:.3f} s, host {row['host_busy_s']:.3f} "
-                      f"core-s ({row['host_cores']:.2f} cores busy)", flush=True)
+                print(
+                    f"{rate} {row['dtype']} {row['mb']:.0f} MB: {row['wall_s']:.3f} s, host {row['host_busy_s']:.3f} "
+                    f"core-s ({row['host_cores']:.2f} cores busy)",
+                    flush=True,
+                )
     write(results, out)
     print(f"wrote {out.with_suffix('.md')}")
 

@@ -50,6 +50,7 @@ The last line printed is ``fdp/ddp step time: X``: the worse (larger) of the two
 ratios of fdp's step time, with the schedule fdp's trainer picks for 2 ranks, to DDP's.
 The full run writes ``benchmarks/results/vs_ddp.md`` and ``vs_ddp.json``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -93,8 +94,6 @@ HOOK_MODULES = ["fdp.hooks.compress", "fdp.hooks.powersgd", "fdp.hooks.registry"
 # ----------------------------------------------------------------------------- memory
 
 
-
-
 def _release_memory() -> None:
     gc.collect()
     try:
@@ -131,7 +130,9 @@ def batch_for(spec: dict, rank: int):
     """Rank ``rank``'s fixed random batch for a spec (inputs, targets)."""
     g = torch.Generator().manual_seed(1000 + rank)
     if spec["kind"] == "mlp":
-        return torch.randn(spec["batch"], spec["width"], generator=g), torch.randint(0, spec["classes"], (spec["batch"],), generator=g)
+        return torch.randn(spec["batch"], spec["width"], generator=g), torch.randint(
+            0, spec["classes"], (spec["batch"],), generator=g
+        )
     tokens = torch.randint(0, spec["vocab"], (spec["batch"], spec["seq"] + 1), generator=g)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
@@ -146,7 +147,8 @@ def _ddp_powersgd_waiting(state, bucket):
 
 
 def _build_ddp(spec: dict, batch, hook: str | None):
-    from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default_hooks as D
+    from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as D
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as P
     from torch.nn.parallel import DistributedDataParallel
 
@@ -187,16 +189,20 @@ def _fdp_hook(name: str):
 
 
 def _build_fdp(spec: dict, batch, schedule: str, hook_name: str):
+    from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
     from fdp.comm import Comm
     from fdp.model.functional import functionalize
     from fdp.optim import sgd
     from fdp.plan import plan_buckets
-    from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
 
     model, params, buffers = functionalize(module_for(spec), keep_module_weights=False)  # as the trainer does
     loss_fn = cross_entropy_loss(model)
     plan = plan_buckets(
-        planner_loss(loss_fn, buffers), params, batch, bucket_cap_mb=BUCKET_CAP_MB, first_bucket_cap_mb=FIRST_BUCKET_CAP_MB
+        planner_loss(loss_fn, buffers),
+        params,
+        batch,
+        bucket_cap_mb=BUCKET_CAP_MB,
+        first_bucket_cap_mb=FIRST_BUCKET_CAP_MB,
     )
     hook, optimizer = _fdp_hook(hook_name), sgd(LR, momentum=MOMENTUM)
     # donate=True: the state is consumed by each step, as in fdp's trainer.
@@ -343,7 +349,9 @@ def _run_models(models: list[str], variants: list[str], args) -> dict:
 
     layout = WorldLayout("elastic", nproc_per_node=2, backend="gloo", timeout_s=600.0)
     res = spawn(
-        _importable_worker("worker"), (models, variants, args.reps, args.warmup, args.steps, args.allocator, args.budget_s), layout
+        _importable_worker("worker"),
+        (models, variants, args.reps, args.warmup, args.steps, args.allocator, args.budget_s),
+        layout,
     )
     return {m: _summarise(res[0][m], res[1][m], variants) for m in models}
 
@@ -359,7 +367,9 @@ def _fresh_rss(results: dict, variants: list[str], args) -> None:
     layout = WorldLayout("elastic", nproc_per_node=2, backend="gloo", timeout_s=600.0)
     for m in results:
         for v in variants:
-            r = spawn(_importable_worker("rss_worker"), (m, v, args.warmup, max(3, args.steps // 2), args.allocator), layout)
+            r = spawn(
+                _importable_worker("rss_worker"), (m, v, args.warmup, max(3, args.steps // 2), args.allocator), layout
+            )
             row = results[m]["rows"][v]
             row["in_process_peak_rss_mib"], row["in_process_added_rss_mib"] = row["peak_rss_mib"], row["added_rss_mib"]
             row["peak_rss_mib"] = max(r[0][1], r[1][1])
@@ -384,7 +394,8 @@ def _summarise(r0: dict, r1: dict, variants: list[str]) -> dict:
             # Per block, the larger of the two ranks; then the median over the blocks.
             "peak_rss_mib": statistics.median(map(max, a["peak_mib"], b["peak_mib"])),
             "added_rss_mib": statistics.median(
-                max(pa - ba, pb - bb) for pa, ba, pb, bb in zip(a["peak_mib"], a["base_mib"], b["peak_mib"], b["base_mib"])
+                max(pa - ba, pb - bb)
+                for pa, ba, pb, bb in zip(a["peak_mib"], a["base_mib"], b["peak_mib"], b["base_mib"])
             ),
             "build_peak_rss_mib": statistics.median(map(max, a["build_peak_mib"], b["build_peak_mib"])),
             "base_rss_mib": statistics.median(map(max, a["base_mib"], b["base_mib"])),
@@ -462,13 +473,17 @@ def _table(results: dict, default: str) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer, shorter blocks (under 2 minutes); prints only")
-    parser.add_argument("--hooks", action="store_true", help="add fp16 and PowerSGD rows (fdp hooks vs DDP's torch hooks)")
+    parser.add_argument(
+        "--hooks", action="store_true", help="add fp16 and PowerSGD rows (fdp hooks vs DDP's torch hooks)"
+    )
     parser.add_argument("--models", default="mlp,transformer")
     parser.add_argument("--allocator", choices=("tuned", "default"), default="tuned")
     parser.add_argument("--reps", type=int)
     parser.add_argument("--warmup", type=int)
     parser.add_argument("--steps", type=int, help="timed steps per block")
-    parser.add_argument("--budget-s", type=float, help="time for the timed blocks; later repetitions are dropped to fit (--quick: 70)")
+    parser.add_argument(
+        "--budget-s", type=float, help="time for the timed blocks; later repetitions are dropped to fit (--quick: 70)"
+    )
     parser.add_argument(
         "--fresh-rss",
         action=argparse.BooleanOptionalAction,
@@ -477,7 +492,9 @@ def main() -> None:
     )
     parser.add_argument("--write", action="store_true", help="write the results files even with --quick")
     args = parser.parse_args()
-    quick = dict(reps=3, warmup=1, steps=3, budget_s=70.0) if args.quick else dict(reps=6, warmup=3, steps=8, budget_s=None)
+    quick = (
+        dict(reps=3, warmup=1, steps=3, budget_s=70.0) if args.quick else dict(reps=6, warmup=3, steps=8, budget_s=None)
+    )
     for k, v in quick.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -516,14 +533,20 @@ def main() -> None:
         + f"; each block: fresh "
         f"build, {args.warmup} warm-up + {args.steps} timed steps. Medians over the timed steps of rank 0; "
         "CPU ms/step/rank counts the compute thread and gloo's threads.",
-        ("Peak RSS: the larger rank, over timed steps after warm-up, in a fresh launch per variant; 'added' is "
-         "that peak minus the rank's RSS before building the variant (torch, gloo and the data are the rest)."
-         if args.fresh_rss else
-         "Peak RSS: the larger rank, over timed steps after warm-up, within the shared timing process (what "
-         "earlier blocks left in the heap shifts it by 100-200 MiB; the full run measures fresh launches)."),
+        (
+            "Peak RSS: the larger rank, over timed steps after warm-up, in a fresh launch per variant; 'added' is "
+            "that peak minus the rank's RSS before building the variant (torch, gloo and the data are the rest)."
+            if args.fresh_rss
+            else "Peak RSS: the larger rank, over timed steps after warm-up, within the shared timing process (what "
+            "earlier blocks left in the heap shifts it by 100-200 MiB; the full run measures fresh launches)."
+        ),
         f"fdp's default schedule for 2 ranks (trainer.schedule=auto): `{default}`. No-communication rows (`noop`) are the lower bound. "
-        + ("DDP's PowerSGD hook is wrapped to wait() inside the hook (gloo races otherwise), which "
-           "serialises its buckets. " if args.hooks else "")
+        + (
+            "DDP's PowerSGD hook is wrapped to wait() inside the hook (gloo races otherwise), which "
+            "serialises its buckets. "
+            if args.hooks
+            else ""
+        )
         + f"Timed part {elapsed:.0f} s.",
         "",
     ]

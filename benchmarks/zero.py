@@ -33,6 +33,7 @@ gathered slices).
 
 Writes ``benchmarks/results/zero.md`` and ``zero.json`` (``--quick`` prints only).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,7 +54,6 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks._proc import reset_peak, status_mib  # noqa: E402
-
 from benchmarks.vs_ddp import batch_for, module_for  # noqa: E402  (the same models and batches)
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -66,18 +66,17 @@ MODELS = {
 STAGES = (0, 1, 2)
 
 
-
 def worker(model_name: str, stage: int, world: int, warmup: int, steps: int) -> dict:
     """One rank of a launch that builds one (model, stage) and times it."""
-    from fdp.update import zero
+    from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
     from fdp.comm import Comm
-    from fdp.model.functional import functionalize
     from fdp.dist.allocator import tune_allocator
     from fdp.dist.launch import WorldLayout, init_distributed
+    from fdp.model.functional import functionalize
     from fdp.optim import adam
     from fdp.plan import plan_buckets
     from fdp.step.reduce import resolve_schedule
-    from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
+    from fdp.update import zero
 
     tune_allocator()
     comm = init_distributed(WorldLayout("elastic", nproc_per_node=world, backend="gloo"))
@@ -88,8 +87,13 @@ def worker(model_name: str, stage: int, world: int, warmup: int, steps: int) -> 
     model, params, buffers = functionalize(module_for(spec), keep_module_weights=False)
     n_params = sum(p.numel() for p in params.values())
     loss_fn = cross_entropy_loss(model)
-    plan = plan_buckets(planner_loss(loss_fn, buffers), params, batch, bucket_cap_mb=BUCKET_CAP_MB,
-                        first_bucket_cap_mb=FIRST_BUCKET_CAP_MB)
+    plan = plan_buckets(
+        planner_loss(loss_fn, buffers),
+        params,
+        batch,
+        bucket_cap_mb=BUCKET_CAP_MB,
+        first_bucket_cap_mb=FIRST_BUCKET_CAP_MB,
+    )
     optimizer = adam(LR)
     schedule = resolve_schedule("auto", world)
     step = make_train_step(loss_fn, optimizer, plan, comm=Comm(), schedule=schedule, donate=True, zero_stage=stage)
@@ -110,9 +114,16 @@ def worker(model_name: str, stage: int, world: int, warmup: int, steps: int) -> 
         waits.append(m["comm_wait_s"])
         sent.append(m["bytes_sent"])
     out = {
-        "params": n_params, "buckets": len(plan), "schedule": schedule, "state_mib": m["state_mib"],
-        "ms": [1e3 * t for t in times], "wait_ms": [1e3 * w for w in waits], "bytes_sent": statistics.median(sent),
-        "timed_peak_mib": status_mib("VmHWM"), "base_mib": base, "warm_peak_mib": warm_peak,
+        "params": n_params,
+        "buckets": len(plan),
+        "schedule": schedule,
+        "state_mib": m["state_mib"],
+        "ms": [1e3 * t for t in times],
+        "wait_ms": [1e3 * w for w in waits],
+        "bytes_sent": statistics.median(sent),
+        "timed_peak_mib": status_mib("VmHWM"),
+        "base_mib": base,
+        "warm_peak_mib": warm_peak,
         "loss": float(m["loss"]),
     }
     dist.destroy_process_group()
@@ -125,7 +136,6 @@ def _run(model_name: str, stage: int, world: int, warmup: int, steps: int) -> li
     layout = WorldLayout("elastic", nproc_per_node=world, backend="gloo", timeout_s=600)
     results = spawn(worker, (model_name, stage, world, warmup, steps), layout)
     return [results[r] for r in range(world)]
-
 
 
 def main() -> None:
@@ -147,9 +157,16 @@ def main() -> None:
                 rows.append(row)
                 print(_line(row, rows), flush=True)
     meta = {
-        "date": datetime.date.today().isoformat(), "torch": torch.__version__, "python": platform.python_version(),
-        "machine": platform.machine(), "cpus": os.cpu_count(), "load_before": load_before, "load_after": os.getloadavg()[0],
-        "wall_s": time.perf_counter() - t0, "warmup": warmup, "steps": steps,
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "load_before": load_before,
+        "load_after": os.getloadavg()[0],
+        "wall_s": time.perf_counter() - t0,
+        "warmup": warmup,
+        "steps": steps,
     }
     table = _table(rows, meta)
     print(table)
@@ -167,10 +184,18 @@ def _summary(row: dict, rows: list[dict]) -> dict:
     state = max(r["state_mib"] for r in ranks)
     state0 = max(r["state_mib"] for r in base["ranks"])
     return {
-        "params_m": ranks[0]["params"] / 1e6, "buckets": ranks[0]["buckets"], "state_mib": state, "state_ratio": state / state0,
-        "timed_peak": max(r["timed_peak_mib"] for r in ranks), "warm_peak": max(r["warm_peak_mib"] for r in ranks), "base": max(r["base_mib"] for r in ranks),
-        "ms": ms, "ms_ratio": ms / ms0, "wait_ms": statistics.median(ranks[0]["wait_ms"]),
-        "mb_sent": ranks[0]["bytes_sent"] / 2**20, "iqr": _iqr(ranks[0]["ms"]),
+        "params_m": ranks[0]["params"] / 1e6,
+        "buckets": ranks[0]["buckets"],
+        "state_mib": state,
+        "state_ratio": state / state0,
+        "timed_peak": max(r["timed_peak_mib"] for r in ranks),
+        "warm_peak": max(r["warm_peak_mib"] for r in ranks),
+        "base": max(r["base_mib"] for r in ranks),
+        "ms": ms,
+        "ms_ratio": ms / ms0,
+        "wait_ms": statistics.median(ranks[0]["wait_ms"]),
+        "mb_sent": ranks[0]["bytes_sent"] / 2**20,
+        "iqr": _iqr(ranks[0]["ms"]),
     }
 
 
@@ -183,9 +208,11 @@ def _iqr(values: list[float]) -> str:
 
 def _line(row: dict, rows: list[dict]) -> str:
     s = _summary(row, rows)
-    return (f"{row['model']} world {row['world']} stage {row['stage']}: state {s['state_mib']:.0f} MiB "
-            f"({s['state_ratio']:.3f}x), peak RSS {s['timed_peak']:.0f} MiB, step {s['ms']:.0f} ms ({s['ms_ratio']:.2f}x), "
-            f"wait {s['wait_ms']:.0f} ms, sent {s['mb_sent']:.0f} MiB")
+    return (
+        f"{row['model']} world {row['world']} stage {row['stage']}: state {s['state_mib']:.0f} MiB "
+        f"({s['state_ratio']:.3f}x), peak RSS {s['timed_peak']:.0f} MiB, step {s['ms']:.0f} ms ({s['ms_ratio']:.2f}x), "
+        f"wait {s['wait_ms']:.0f} ms, sent {s['mb_sent']:.0f} MiB"
+    )
 
 
 def _table(rows: list[dict], meta: dict) -> str:

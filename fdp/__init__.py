@@ -58,26 +58,23 @@ or of packages above it in this list; ``tests/test_imports.py`` holds every impo
   pieces (``build``), its report, epochs, time limits, early stopping and best checkpoints
   (``loop_controls``), the loop (``trainer``), the shell entry (``cli``) and sweeps (``sweep``).
 """
+
 from fdp import hooks
-from fdp.update import zero
-from fdp.plan.buckets import allocate, lay_out, pack, unpack
-from fdp.run.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from fdp.comm import Comm, Pending
 from fdp.data import MapData, StepSampler, model_inputs
-from fdp.optim.ema import Ema, ema
 from fdp.dist.devices import Placement, batch_to_device, place, resolve_backend, to_device
-from fdp.errors import ConfigError
-from fdp.model.fit import check_first_batch
-from fdp.model.functional import FunctionalModel, functionalize
-from fdp.hooks import GradBucket, Hook, init_hook_states
-from fdp.dist.interrupt import StopSignals, StoppedAtOnce
+from fdp.dist.interrupt import StoppedAtOnce, StopSignals
 from fdp.dist.keeper import LostRank
 from fdp.dist.launch import WorldLayout, broadcast_from_rank0, check_same_plan, init_distributed, spawn
-from fdp.run.loggers import CsvLog, MlflowLog
-from fdp.run.loop_controls import LoopControls, Monitor, run_steps
 from fdp.dist.launchers import Launcher, launcher_of, register_launcher
-from fdp.model.losses import TokenCrossEntropy, build_loss, cross_entropy_loss, logits_of, make_loss_fn, planner_loss
+from fdp.errors import ConfigError
+from fdp.hooks import GradBucket, Hook, init_hook_states
 from fdp.model.builtin import hf_model
+from fdp.model.fit import check_first_batch
+from fdp.model.functional import FunctionalModel, functionalize
+from fdp.model.losses import TokenCrossEntropy, build_loss, cross_entropy_loss, logits_of, make_loss_fn, planner_loss
+from fdp.model.precision import LossScale, Precision
+from fdp.model.streams import SampleStreams
 from fdp.optim import (
     GradientTransformation,
     adam,
@@ -97,32 +94,115 @@ from fdp.optim import (
     warmup_linear_schedule,
     wsd_schedule,
 )
-from fdp.step.outer import OuterSpec, OuterState, check_outer, init_outer_state, make_outer_step
+from fdp.optim.ema import Ema, ema
 from fdp.plan import Bucket, BucketPlan, ParamSlot, gradient_ready_order, plan_buckets
-from fdp.model.precision import LossScale, Precision
-from fdp.step.chains import Reduction
-from fdp.step.reduce import GradReducer, resolve_schedule
-from fdp.state.replicas import BUFFER_SYNC, setup_state, sync_buffers
+from fdp.plan.buckets import allocate, lay_out, pack, unpack
+from fdp.run.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from fdp.run.loggers import CsvLog, MlflowLog
+from fdp.run.loop_controls import LoopControls, Monitor, run_steps
 from fdp.run.rundir import RunDirInUse, own_run_dir
+from fdp.state.replicas import BUFFER_SYNC, setup_state, sync_buffers
 from fdp.state.train_state import TrainState, init_train_state, state_nbytes
+from fdp.step.chains import Reduction
+from fdp.step.outer import OuterSpec, OuterState, check_outer, init_outer_state, make_outer_step
+from fdp.step.reduce import GradReducer, resolve_schedule
 from fdp.step.train_step import StepOptions, TrainStep, make_train_step
-from fdp.model.streams import SampleStreams
+from fdp.update import zero
 
 __all__ = [
-    "BUFFER_SYNC", "CheckpointError", "ConfigError", "broadcast_from_rank0", "check_same_plan", "load_checkpoint",
-    "save_checkpoint", "setup_state", "sync_buffers", "RunDirInUse", "StopSignals", "StoppedAtOnce", "own_run_dir",
-    "Bucket", "BucketPlan", "Comm", "FunctionalModel", "GradBucket", "GradReducer", "GradientTransformation",
-    "Hook", "LossScale", "MapData", "OuterSpec", "OuterState", "ParamSlot", "Pending", "Placement", "Precision",
-    "Reduction", "StepOptions", "StepSampler", "TrainState", "TrainStep", "WorldLayout", "adam", "adamw", "allocate",
-    "apply_gradients", "apply_updates", "batch_to_device", "build_loss", "build_optimizer", "chain", "check_outer",
-    "clip_by_global_norm", "constant_schedule", "cross_entropy_loss", "functionalize", "gradient_ready_order", "hooks",
-    "init_distributed", "init_hook_states", "init_outer_state", "init_train_state", "lay_out", "make_loss_fn",
+    "BUFFER_SYNC",
+    "CheckpointError",
+    "ConfigError",
+    "broadcast_from_rank0",
+    "check_same_plan",
+    "load_checkpoint",
+    "save_checkpoint",
+    "setup_state",
+    "sync_buffers",
+    "RunDirInUse",
+    "StopSignals",
+    "StoppedAtOnce",
+    "own_run_dir",
+    "Bucket",
+    "BucketPlan",
+    "Comm",
+    "FunctionalModel",
+    "GradBucket",
+    "GradReducer",
+    "GradientTransformation",
+    "Hook",
+    "LossScale",
+    "MapData",
+    "OuterSpec",
+    "OuterState",
+    "ParamSlot",
+    "Pending",
+    "Placement",
+    "Precision",
+    "Reduction",
+    "StepOptions",
+    "StepSampler",
+    "TrainState",
+    "TrainStep",
+    "WorldLayout",
+    "adam",
+    "adamw",
+    "allocate",
+    "apply_gradients",
+    "apply_updates",
+    "batch_to_device",
+    "build_loss",
+    "build_optimizer",
+    "chain",
+    "check_outer",
+    "clip_by_global_norm",
+    "constant_schedule",
+    "cross_entropy_loss",
+    "functionalize",
+    "gradient_ready_order",
+    "hooks",
+    "init_distributed",
+    "init_hook_states",
+    "init_outer_state",
+    "init_train_state",
+    "lay_out",
+    "make_loss_fn",
     "make_outer_step",
-    "make_train_step", "pack", "place", "plan_buckets", "planner_loss", "resolve_backend", "resolve_schedule", "sgd",
-    "spawn", "state_nbytes", "supports_inplace", "to_device", "unpack", "warmup_cosine_schedule",
+    "make_train_step",
+    "pack",
+    "place",
+    "plan_buckets",
+    "planner_loss",
+    "resolve_backend",
+    "resolve_schedule",
+    "sgd",
+    "spawn",
+    "state_nbytes",
+    "supports_inplace",
+    "to_device",
+    "unpack",
+    "warmup_cosine_schedule",
     "zero",
-    "TokenCrossEntropy", "logits_of", "model_inputs", "hf_model", "check_first_batch", "LostRank", "SampleStreams",
-    "decay_rule", "embedding_names", "warmup_constant_schedule", "warmup_linear_schedule", "wsd_schedule",
-    "Ema", "ema", "CsvLog", "MlflowLog", "LoopControls", "Monitor", "run_steps",
-    "Launcher", "launcher_of", "register_launcher",
+    "TokenCrossEntropy",
+    "logits_of",
+    "model_inputs",
+    "hf_model",
+    "check_first_batch",
+    "LostRank",
+    "SampleStreams",
+    "decay_rule",
+    "embedding_names",
+    "warmup_constant_schedule",
+    "warmup_linear_schedule",
+    "wsd_schedule",
+    "Ema",
+    "ema",
+    "CsvLog",
+    "MlflowLog",
+    "LoopControls",
+    "Monitor",
+    "run_steps",
+    "Launcher",
+    "launcher_of",
+    "register_launcher",
 ]

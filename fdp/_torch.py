@@ -13,6 +13,7 @@ imports from this module and never spells a private torch name itself.
 >>> tree_flatten({"a": torch.zeros(1), "b": (1, 2)})[0]
 [tensor([0.]), 1, 2]
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,10 +24,28 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
-    "foreach", "fused_sgd_", "fused_adam_", "fused_adamw_", "HAS_FUSED_OPTIMIZERS",
-    "disable_functorch", "HAS_DISABLE_FUNCTORCH", "default_store", "group_timeout", "live_groups",
-    "tree_flatten", "tree_unflatten", "tree_map", "tree_paths", "TorchDispatchMode", "storage_id", "storage_alias",
-    "release_storage", "tensor_slots", "swap_into", "swap_back", "inductor_default_cache_dir",
+    "foreach",
+    "fused_sgd_",
+    "fused_adam_",
+    "fused_adamw_",
+    "HAS_FUSED_OPTIMIZERS",
+    "disable_functorch",
+    "HAS_DISABLE_FUNCTORCH",
+    "default_store",
+    "group_timeout",
+    "live_groups",
+    "tree_flatten",
+    "tree_unflatten",
+    "tree_map",
+    "tree_paths",
+    "TorchDispatchMode",
+    "storage_id",
+    "storage_alias",
+    "release_storage",
+    "tensor_slots",
+    "swap_into",
+    "swap_back",
+    "inductor_default_cache_dir",
 ]
 
 
@@ -160,7 +179,6 @@ def storage_id(tensor: torch.Tensor) -> int:
     True
     """
     return tensor.untyped_storage()._cdata
-
 
 
 def storage_alias(flat: torch.Tensor, offset: int, shape: tuple, strides: tuple) -> torch.Tensor:

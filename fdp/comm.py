@@ -6,6 +6,7 @@ decides when to resume them, so every rank issues its collectives in the same or
 A ``Comm`` over a world of one completes everything at once, so single-process training
 runs the very same code path.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -146,8 +147,9 @@ class Comm:
         mine = self.rank == dst
         out = tensor.new_empty((world, *tensor.shape)) if mine else None
         target = dist.get_global_rank(self.group, dst) if self.group is not None else dst
-        work = dist.gather(tensor.contiguous(), list(out.unbind(0)) if mine else None, dst=target, group=self.group,
-                           async_op=True)
+        work = dist.gather(
+            tensor.contiguous(), list(out.unbind(0)) if mine else None, dst=target, group=self.group, async_op=True
+        )
         return self._pending(out, work)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Pending:
@@ -184,7 +186,9 @@ class Comm:
             mine = flat[self.rank * size : (self.rank + 1) * size]
             return self._pending(mine, dist.all_reduce(flat, group=self.group, async_op=True))
         out = tensor.new_empty(size)
-        return self._pending(out, _reduce_scatter_flat(out, tensor.contiguous().view(-1), group=self.group, async_op=True))
+        return self._pending(
+            out, _reduce_scatter_flat(out, tensor.contiguous().view(-1), group=self.group, async_op=True)
+        )
 
     def all_to_all(self, tensor: torch.Tensor) -> Pending:
         """Chunk ``j`` of the flat ``tensor`` goes to rank ``j``; row ``r`` of the result came from rank ``r``.
@@ -234,7 +238,9 @@ class Comm:
                 with torch.no_grad():
                     mine.copy_(piece.view(-1))
             ranks = dist.get_process_group_ranks(self.group) if self.group is not None else range(world)
-            works = [dist.broadcast(chunk, src=src, group=self.group, async_op=True) for chunk, src in zip(chunks, ranks)]
+            works = [
+                dist.broadcast(chunk, src=src, group=self.group, async_op=True) for chunk, src in zip(chunks, ranks)
+            ]
             return self._pending(out, _AllOf(works))
         return self._pending(out, _all_gather_flat(out, piece.contiguous().view(-1), group=self.group, async_op=True))
 

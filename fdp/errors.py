@@ -15,6 +15,7 @@ Traceback (most recent call last):
 ...
 ValueError: rank=0: expected an integer >= 1
 """
+
 from __future__ import annotations
 
 import math

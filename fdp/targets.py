@@ -17,6 +17,7 @@ MLP(
   )
 )
 """
+
 from __future__ import annotations
 
 import importlib
@@ -48,7 +49,9 @@ def locate(setting: str, path: Any) -> Any:
     fdp.errors.ConfigError: model._target_='fdp.model.builtin.ResNet': module fdp.model.builtin has no attribute 'ResNet'
     """
     if not isinstance(path, str) or not _DOTTED.fullmatch(path):
-        raise ConfigError(f"{setting}={path!r}: expected a dotted path to a class or function, such as my_pkg.models.Net")
+        raise ConfigError(
+            f"{setting}={path!r}: expected a dotted path to a class or function, such as my_pkg.models.Net"
+        )
     parts = path.split(".")
     module, end = None, 0
     while end < len(parts):  # import the longest prefix that is a module, shortest first
@@ -59,10 +62,14 @@ def locate(setting: str, path: Any) -> Any:
             if error.name != name:  # the module exists; something it imports does not
                 raise ConfigError(f"{setting}={path!r}: importing {name} failed: {_first_line(error)}") from None
             if module is None:
-                raise ConfigError(f"{setting}={path!r}: cannot import it ({_first_line(error)}; is its directory on PYTHONPATH?)") from None
+                raise ConfigError(
+                    f"{setting}={path!r}: cannot import it ({_first_line(error)}; is its directory on PYTHONPATH?)"
+                ) from None
             break  # the rest are attributes
         except Exception as error:  # a syntax error or a failing statement in the user's module
-            raise ConfigError(f"{setting}={path!r}: importing {name} failed: {type(error).__name__}: {_first_line(error)}") from None
+            raise ConfigError(
+                f"{setting}={path!r}: importing {name} failed: {type(error).__name__}: {_first_line(error)}"
+            ) from None
         end += 1
     obj = module
     for depth, attr in enumerate(parts[end:], start=end):
@@ -70,7 +77,9 @@ def locate(setting: str, path: Any) -> Any:
             obj = getattr(obj, attr)
         except AttributeError:
             kind = "module" if inspect.ismodule(obj) else type(obj).__name__
-            raise ConfigError(f"{setting}={path!r}: {kind} {'.'.join(parts[:depth])} has no attribute {attr!r}") from None
+            raise ConfigError(
+                f"{setting}={path!r}: {kind} {'.'.join(parts[:depth])} has no attribute {attr!r}"
+            ) from None
     if not callable(obj):
         raise ConfigError(f"{setting}={path!r}: expected a class or function, got a {type(obj).__name__}")
     return obj
@@ -121,7 +130,9 @@ def classes_setting(node: Mapping) -> str:
     return f"model.{key}" if key in node else f"+model.{key}"
 
 
-def build(group: str, node: Mapping, offered: Mapping[str, Any] | None = None, skip: tuple[str, ...] = ("name",)) -> Any:
+def build(
+    group: str, node: Mapping, offered: Mapping[str, Any] | None = None, skip: tuple[str, ...] = ("name",)
+) -> Any:
     """Call ``node["_target_"]`` with the node's other settings and the ``offered`` ones its signature names.
 
     Keys in ``skip`` are settings of fdp, not of the target. A setting of the node wins

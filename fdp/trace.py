@@ -9,6 +9,7 @@ that begin inside the backward span.
 The train step always talks to a timeline; with tracing off it gets a ``NullTimeline``,
 whose methods do nothing, so the step has no tracing branches.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -55,8 +56,16 @@ class Timeline:
     def complete(self, name: str, start_us: float, end_us: float, cat: str = "step", **args) -> None:
         """A finished span on the main track."""
         self.events.append(
-            {"name": name, "cat": cat, "ph": "X", "ts": start_us, "dur": max(0.0, end_us - start_us),
-             "pid": self.rank, "tid": 0, "args": {"step": self.step, **args}}
+            {
+                "name": name,
+                "cat": cat,
+                "ph": "X",
+                "ts": start_us,
+                "dur": max(0.0, end_us - start_us),
+                "pid": self.rank,
+                "tid": 0,
+                "args": {"step": self.step, **args},
+            }
         )
 
     @contextmanager
@@ -69,8 +78,16 @@ class Timeline:
 
     def _async(self, phase: str, name: str, bucket: int, cat: str, args: dict) -> None:
         self.events.append(
-            {"name": name, "cat": cat, "ph": phase, "ts": self.now_us(), "pid": self.rank, "tid": 0,
-             "id": f"{self.step}.{bucket}", "args": {"step": self.step, "bucket": bucket, **args}}
+            {
+                "name": name,
+                "cat": cat,
+                "ph": phase,
+                "ts": self.now_us(),
+                "pid": self.rank,
+                "tid": 0,
+                "id": f"{self.step}.{bucket}",
+                "args": {"step": self.step, "bucket": bucket, **args},
+            }
         )
 
     def bucket_begin(self, bucket: int) -> None:

@@ -7,14 +7,15 @@ The plan is built exactly as ``recipes/train.py`` builds it before step 1, for t
 and ZeRO stage the config names. Nothing is written but the JSON asked for (no run
 directory), and a mistake ends in one ``error:`` line with exit status 2, as a run does.
 """
+
 import json
 import sys
 
+from fdp.comm import Comm
+from fdp.errors import ConfigError
 from fdp.run import cli
 from fdp.run.build import build_run, display_name
-from fdp.comm import Comm
 from fdp.run.config import compose
-from fdp.errors import ConfigError
 
 JSON = "plan_json"  # this recipe's own setting, not a key of the run's config
 
@@ -46,8 +47,10 @@ def main() -> None:
         sys.exit(cli.REFUSED)
     world = cfg.world.nnodes * cfg.world.nproc_per_node
     params = sum(s.numel for b in plan.buckets for s in b.slots)
-    print(f"model={display_name(cfg.model)}: {params:,} params in {len(plan)} buckets, for world={cfg.world.name} "
-          f"({world} rank{'s' * (world != 1)}) at trainer.zero_stage={cfg.trainer.zero_stage}")
+    print(
+        f"model={display_name(cfg.model)}: {params:,} params in {len(plan)} buckets, for world={cfg.world.name} "
+        f"({world} rank{'s' * (world != 1)}) at trainer.zero_stage={cfg.trainer.zero_stage}"
+    )
     print(plan)
     print(f"fingerprint: {plan.fingerprint()}")
     if json_path:

@@ -10,6 +10,7 @@
 Every setting is in conf/ and fdp/run/config.py; the logic lives in fdp/run/trainer.py, and how a run
 ends (one line, an exit status) in fdp/run/cli.py.
 """
+
 import sys
 from pathlib import Path
 

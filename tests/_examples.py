@@ -1,4 +1,5 @@
 """The commands of examples/README.md, run from the shell as a user runs them."""
+
 from __future__ import annotations
 
 import json
@@ -26,9 +27,20 @@ def example_command(package):
 
 def train_example(package, run_dir, *overrides, timeout=300):
     """The example's command from the shell, later overrides appended (they win); the summary record."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath_first(ROOT / "examples"), "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, str(ROOT / "recipes" / "train.py"), *example_command(package), "trainer.progress=false", *overrides,
-               f"hydra.run.dir={run_dir}"]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": pythonpath_first(ROOT / "examples"),
+        "HF_HUB_OFFLINE": "1",
+    }
+    command = [
+        sys.executable,
+        str(ROOT / "recipes" / "train.py"),
+        *example_command(package),
+        "trainer.progress=false",
+        *overrides,
+        f"hydra.run.dir={run_dir}",
+    ]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = [l for l in proc.stdout.splitlines() if l.startswith("fdp: ")]

@@ -1,4 +1,5 @@
 """Paths for the processes tests start."""
+
 from __future__ import annotations
 
 import os

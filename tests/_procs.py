@@ -1,4 +1,5 @@
 """What tests ask of the processes a run starts."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,4 +1,5 @@
 """Shared fixtures. ``run_ranks`` is the one way tests start several processes."""
+
 from __future__ import annotations
 
 import os
@@ -22,10 +23,16 @@ def pytest_collection_modifyitems(config, items):
 
     The mark belongs on a whole module (``pytestmark``): the other modules hide the GPUs.
     """
-    loose = [item.nodeid for item in items if item.get_closest_marker("gpu") is not None
-             and item.getparent(pytest.Module).get_closest_marker("gpu") is None]
+    loose = [
+        item.nodeid
+        for item in items
+        if item.get_closest_marker("gpu") is not None
+        and item.getparent(pytest.Module).get_closest_marker("gpu") is None
+    ]
     if loose:
-        raise pytest.UsageError(f"gpu mark on single tests {loose}: expected it on the module (pytestmark = pytest.mark.gpu)")
+        raise pytest.UsageError(
+            f"gpu mark on single tests {loose}: expected it on the module (pytestmark = pytest.mark.gpu)"
+        )
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

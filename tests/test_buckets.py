@@ -1,4 +1,5 @@
 """Flat bucket buffers: pack/unpack round trips, zero-copy views, reuse, errors."""
+
 from __future__ import annotations
 
 import gc
@@ -11,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from fdp.plan.buckets import allocate, pack, slot_views, unpack
 from fdp.model.functional import functionalize
 from fdp.plan import pack_into_buckets, plan_buckets
+from fdp.plan.buckets import allocate, pack, slot_views, unpack
 
 torch.set_num_threads(1)
 
@@ -89,7 +90,11 @@ def test_pack_hand_computed_layout():
         unused=[("u", (2,), "float32", "cpu")],
     )
     flats = allocate(plan)
-    grads = {"b": torch.tensor([1.0, 2.0]), "w": torch.tensor([[3.0, 4.0], [5.0, 6.0]]), "h": torch.tensor([7.0, 8.0, 9.0])}
+    grads = {
+        "b": torch.tensor([1.0, 2.0]),
+        "w": torch.tensor([[3.0, 4.0], [5.0, 6.0]]),
+        "h": torch.tensor([7.0, 8.0, 9.0]),
+    }
     pack(plan, grads, flats)
     assert [f.tolist() for f in flats] == [[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], [7.0, 8.0, 9.0], [0.0, 0.0]]
 
@@ -198,7 +203,8 @@ def test_lay_out_keeps_names_order_and_values_in_one_buffer_per_bucket():
     from fdp.plan.buckets import flat_buffers, lay_out
 
     plan = pack_into_buckets(
-        [("b", (3,), "float32", "cpu"), ("w", (2, 3), "float32", "cpu"), ("s", (), "float32", "cpu")], bucket_cap_mb=1e-5,
+        [("b", (3,), "float32", "cpu"), ("w", (2, 3), "float32", "cpu"), ("s", (), "float32", "cpu")],
+        bucket_cap_mb=1e-5,
         first_bucket_cap_mb=1e-5,
     )
     params = {"w": torch.arange(6.0).reshape(2, 3), "s": torch.tensor(7.0), "b": torch.tensor([1.0, 2.0, 3.0])}
@@ -229,11 +235,15 @@ def test_flat_buffers_refuse_params_not_laid_out_as_the_plan_says():
 def test_views_in_split_a_bucket_and_their_gradient_is_the_flat_one():
     from fdp.plan.buckets import views_in
 
-    plan = pack_into_buckets([("b", (2,), "float32", "cpu"), ("w", (2, 3), "float32", "cpu"), ("s", (), "float32", "cpu")])
+    plan = pack_into_buckets(
+        [("b", (2,), "float32", "cpu"), ("w", (2, 3), "float32", "cpu"), ("s", (), "float32", "cpu")]
+    )
     flat = torch.arange(9.0, requires_grad=True)
     views = dict(zip(plan.buckets[0].names, views_in(plan.buckets[0], flat)))
     assert {n: tuple(v.shape) for n, v in views.items()} == {"b": (2,), "w": (2, 3), "s": ()}
     (views["w"].sum() * 2 + views["s"] * 3).backward()  # "b" unused: zeros in its slot
     order = [s.name for s in plan.buckets[0].slots]
-    expected = torch.cat([{"b": torch.zeros(2), "w": torch.full((6,), 2.0), "s": torch.tensor([3.0])}[n] for n in order])
+    expected = torch.cat(
+        [{"b": torch.zeros(2), "w": torch.full((6,), 2.0), "s": torch.tensor([3.0])}[n] for n in order]
+    )
     assert torch.equal(flat.grad, expected)

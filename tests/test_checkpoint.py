@@ -1,4 +1,5 @@
 """Atomic checkpoints, clear errors for bad files, and exact resume."""
+
 import json
 import shutil
 import subprocess
@@ -9,10 +10,10 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from fdp.run import checkpoint
-from fdp.run.config import ConfigError, register_configs
 from fdp.model.builtin import MLP
 from fdp.optim import warmup_cosine_schedule
+from fdp.run import checkpoint
+from fdp.run.config import ConfigError, register_configs
 from fdp.run.trainer import run
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
@@ -71,11 +72,21 @@ def test_checkpoint_loads_with_weights_only_and_names_params(tmp_path):
     assert payload["step"] == 4
     expected = {name: p.shape for name, p in MLP(64, 16, 2, 10).named_parameters()}
     assert {name: t.shape for name, t in payload["params"].items()} == expected
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["last.pt", "step_00000002.pt", "step_00000004.pt"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "last.pt",
+        "step_00000002.pt",
+        "step_00000004.pt",
+    ]
 
 
 def test_resume_is_bit_identical_with_adam_and_a_schedule(tmp_path):
-    common = ["optim=adamw", "optim.warmup_steps=5", "model.hidden=32", "trainer.checkpoint_every=10", "trainer.eval_every=0"]
+    common = [
+        "optim=adamw",
+        "optim.warmup_steps=5",
+        "model.hidden=32",
+        "trainer.checkpoint_every=10",
+        "trainer.eval_every=0",
+    ]
     straight = tmp_path / "straight"
     run(make_cfg(*common, "trainer.max_steps=20"), straight)
     stopped = tmp_path / "stopped"
@@ -87,10 +98,22 @@ def test_resume_is_bit_identical_with_adam_and_a_schedule(tmp_path):
         run(make_cfg(*common, "trainer.max_steps=40", "trainer.resume=true"), stretched)
     assert str(refused.value) == (
         "trainer.max_steps=40: the checkpoint's learning-rate schedule (optim.lr_schedule=warmup_cosine) spans trainer.max_steps=20; "
-        "expected 20, or trainer.reschedule=true to stretch it over 40 steps (the rate jumps where the run resumes)")
-    run(make_cfg(*common, "trainer.max_steps=40", "trainer.resume=true", "trainer.reschedule=true", "trainer.log_every=1"), stretched)
-    lr_11 = [json.loads(line)["lr"] for line in (stretched / "metrics.jsonl").read_text().splitlines() if '"step": 11,' in line]
-    assert lr_11 == [pytest.approx(warmup_cosine_schedule(3e-4, 5, 40)(10))]  # the 40-step schedule's rate for update 11
+        "expected 20, or trainer.reschedule=true to stretch it over 40 steps (the rate jumps where the run resumes)"
+    )
+    run(
+        make_cfg(
+            *common, "trainer.max_steps=40", "trainer.resume=true", "trainer.reschedule=true", "trainer.log_every=1"
+        ),
+        stretched,
+    )
+    lr_11 = [
+        json.loads(line)["lr"]
+        for line in (stretched / "metrics.jsonl").read_text().splitlines()
+        if '"step": 11,' in line
+    ]
+    assert lr_11 == [
+        pytest.approx(warmup_cosine_schedule(3e-4, 5, 40)(10))
+    ]  # the 40-step schedule's rate for update 11
     run(make_cfg(*common, "trainer.max_steps=20", "trainer.resume=true"), stopped)
     a = torch.load(straight / "checkpoints" / "last.pt", weights_only=True)
     b = torch.load(stopped / "checkpoints" / "last.pt", weights_only=True)
@@ -117,7 +140,9 @@ def test_last_is_a_file_of_its_own_and_a_hard_linked_last_still_loads(tmp_path):
     (old / checkpoint.LAST).hardlink_to(old / "step_00000005.pt")
     assert checkpoint.load(checkpoint.resolve(old))["step"] == 5
     checkpoint.save(old, {"step": 6, "params": {"w": torch.zeros(3)}})
-    assert checkpoint.load(old / "step_00000005.pt")["step"] == 5 and checkpoint.load(old / checkpoint.LAST)["step"] == 6
+    assert (
+        checkpoint.load(old / "step_00000005.pt")["step"] == 5 and checkpoint.load(old / checkpoint.LAST)["step"] == 6
+    )
     assert (old / "step_00000005.pt").stat().st_nlink == 1
 
 
@@ -141,7 +166,8 @@ def test_resume_from_a_chosen_checkpoint_file_starts_there_and_says_so(tmp_path,
         run(make_cfg(*common, f"trainer.resume={missing}"), tmp_path / "refused")
     assert str(refused.value) == (
         f"trainer.resume='{missing}': expected true, false or the path of a checkpoint (a step_<N>.pt file, or a run "
-        f"directory for its last.pt); {missing} does not exist")
+        f"directory for its last.pt); {missing} does not exist"
+    )
     assert not (tmp_path / "refused").exists()
 
 
@@ -155,7 +181,9 @@ def _powersgd_state():
     import fdp
     from fdp.hooks import powersgd
 
-    model, params, buffers = fdp.functionalize(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4)))
+    model, params, buffers = fdp.functionalize(
+        torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4))
+    )
     loss_fn = fdp.cross_entropy_loss(model)
     batch = (torch.randn(16, 8), torch.randint(0, 4, (16,)))
     plan = fdp.plan_buckets(fdp.planner_loss(loss_fn, buffers), params, batch)
@@ -168,7 +196,9 @@ def _powersgd_state():
 def test_checkpoint_tensors_are_on_the_cpu_and_restore_follows_the_template_device():
     state = _powersgd_state()
     # As save_checkpoint builds it: buffers equal to rank 0's are stored once.
-    payload = checkpoint.state_payload(state, checkpoint._differing_buffers([checkpoint.rank_payload(state)], state.buffers))
+    payload = checkpoint.state_payload(
+        state, checkpoint._differing_buffers([checkpoint.rank_payload(state)], state.buffers)
+    )
     saved = _tensors(payload)
     assert len(saved) == len(_tensors(state))  # every tensor of the state, the generator states included
     assert {t.device.type for t in saved} == {"cpu"}
@@ -220,8 +250,13 @@ def _save_and_resume(rank, world, directory):
     comm = Comm()
     model, params, buffers = fdp.functionalize(_bn_dropout_module())
     loss_fn = fdp.cross_entropy_loss(model)
-    plan = fdp.plan_buckets(fdp.planner_loss(loss_fn, buffers), params, _rank_batch(rank, 0), bucket_cap_mb=0.0002,
-                            first_bucket_cap_mb=0.0002)
+    plan = fdp.plan_buckets(
+        fdp.planner_loss(loss_fn, buffers),
+        params,
+        _rank_batch(rank, 0),
+        bucket_cap_mb=0.0002,
+        first_bucket_cap_mb=0.0002,
+    )
     hook, optimizer = int8(), fdp.adamw(1e-2)
     fresh = fdp.setup_state(params, buffers, optimizer, plan, hook, comm, seed=0)
     step = fdp.make_train_step(loss_fn, optimizer, plan, hook, comm, sync_buffers="local")
@@ -242,8 +277,13 @@ def _save_and_resume(rank, world, directory):
         refused = None
     except fdp.CheckpointError as error:
         refused = str(error)
-    return {"written": str(written) if written else None, "restored": restored, "resumed": _same_tree(tuple(resumed), tuple(state)),
-            "refused": refused, "error": saved.hook_state[0][0].error}
+    return {
+        "written": str(written) if written else None,
+        "restored": restored,
+        "resumed": _same_tree(tuple(resumed), tuple(state)),
+        "refused": refused,
+        "error": saved.hook_state[0][0].error,
+    }
 
 
 def test_save_and_load_checkpoint_keep_every_ranks_share_and_resume_bit_identically(run_ranks, tmp_path):
@@ -255,7 +295,10 @@ def test_save_and_load_checkpoint_keep_every_ranks_share_and_resume_bit_identica
     for rank, result in enumerate(results):
         assert result["restored"], f"rank {rank}: the loaded state differs from the saved one"
         assert result["resumed"], f"rank {rank}: training on from the checkpoint differs"
-        assert result["refused"] == f"checkpoint {tmp_path / 'last.pt'} was written with another bucket plan (model or bucket caps changed)"
+        assert (
+            result["refused"]
+            == f"checkpoint {tmp_path / 'last.pt'} was written with another bucket plan (model or bucket caps changed)"
+        )
     assert not torch.equal(results[0]["error"], results[1]["error"])  # per-rank state, really
     payload = torch.load(tmp_path / "last.pt", weights_only=True)
     assert payload["step"] == 2 and len(payload["ranks"]) == 2

@@ -1,4 +1,5 @@
 """What a Python caller hands the train step: one-line errors naming the argument, before any harm."""
+
 from __future__ import annotations
 
 import re
@@ -8,8 +9,8 @@ import torch
 from torch import nn
 
 import fdp
-from fdp.state.checks import check_world
 from fdp.hooks import allreduce, powersgd, topk
+from fdp.state.checks import check_world
 
 
 def _setup(module=None, dtype=torch.float32):
@@ -47,7 +48,9 @@ def test_params_the_plan_does_not_know_or_of_another_shape_are_refused():
     assert "in plan but not in state.params: ['0.bias']" in _one_line(error)
     assert "in state.params but not in plan: ['x.0.bias']" in str(error.value)
     reshaped = {**params, "2.bias": torch.zeros(4)}
-    with pytest.raises(ValueError, match=r"state.params\['2.bias'\] has shape \(4,\) but plan bucket \d+ expects \(3,\)"):
+    with pytest.raises(
+        ValueError, match=r"state.params\['2.bias'\] has shape \(4,\) but plan bucket \d+ expects \(3,\)"
+    ):
         step(fdp.init_train_state(reshaped, buffers, fdp.sgd(0.1), plan), batch)
 
 
@@ -116,7 +119,9 @@ def test_optimizer_and_hook_in_each_others_place_are_named():
 def test_a_launched_process_without_its_world_is_refused(monkeypatch):
     loss_fn, params, buffers, batch, plan = _setup()
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(RuntimeError, match=r"^comm is a world of one, but this process was started as one of WORLD_SIZE=2"):
+    with pytest.raises(
+        RuntimeError, match=r"^comm is a world of one, but this process was started as one of WORLD_SIZE=2"
+    ):
         fdp.make_train_step(loss_fn, fdp.sgd(0.1), plan)
     monkeypatch.setenv("WORLD_SIZE", "1")
     check_world(None)  # torchrun with one process: a world of one is right
@@ -151,7 +156,9 @@ def test_ranks_that_start_from_different_params_are_refused_at_the_first_step(ru
     assert re.fullmatch(
         r"state\.params\['0\.weight'\] differs between rank 0 and rank 1: the ranks start from different values "
         r"and would train apart; make the state with fdp\.setup_state\(params, buffers, optimizer, plan, hook, comm\), "
-        r"which gives every rank rank 0's params and buffers", error0), error0
+        r"which gives every rank rank 0's params and buffers",
+        error0,
+    ), error0
     assert all(torch.equal(params0[name], params1[name]) for name in params0)  # setup_state: rank 0's everywhere
 
 
@@ -165,4 +172,8 @@ def test_a_fingerprint_sees_one_bit_and_the_order_of_elements():
     base = fingerprint(tensors)
     assert base.shape == (3,) and base.dtype == torch.int64
     assert (fingerprint({**tensors, "a": flipped}) != base).tolist() == [True, False, False]
-    assert (fingerprint({**tensors, "b": torch.arange(6, dtype=torch.bfloat16).flip(0)}) != base).tolist() == [False, True, False]
+    assert (fingerprint({**tensors, "b": torch.arange(6, dtype=torch.bfloat16).flip(0)}) != base).tolist() == [
+        False,
+        True,
+        False,
+    ]

@@ -1,19 +1,19 @@
 """trainer.compile: auto's decision, the run's compile record and the compile cache kept across restarts."""
-import json
+
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _paths import pythonpath_first
 from hydra import compose, initialize_config_dir
 
-from _paths import pythonpath_first
+from fdp.run.config import ConfigError, register_configs
+from fdp.run.trainer import run
+from fdp.run.validate import validate
 from fdp.step import compiled
 from fdp.step.compiled import CompileChoice, CompileCosts, check_compile, costs_from, decide_compile
-from fdp.run.config import ConfigError, register_configs
-from fdp.run.validate import validate
-from fdp.run.trainer import run
 
 REPO = Path(__file__).resolve().parents[1]
 register_configs()
@@ -25,16 +25,28 @@ def _cfg(*overrides):
         return compose("config", overrides=["trainer.progress=false", "trainer.eval_every=0", *overrides])
 
 
-@pytest.mark.parametrize("setting,device,steps,costs,missing,expected", [
-    (True, "cpu", 1, KNOWN, None, True),  # an explicit setting is obeyed, short run or not
-    (False, "cuda", 10**9, KNOWN, None, False),
-    ("auto", "cpu", 10**9, KNOWN, None, False),  # never on the CPU
-    ("auto", "cuda", 300, KNOWN, None, False),  # 1.2 s saved < 25 s compile
-    ("auto", "cuda", 10_000, KNOWN, None, True),  # 40 s saved > 25 s
-    ("auto", "cuda", 10_000, KNOWN, "no triton", False),
-    ("auto", "cuda", 300, CompileCosts(2.0, 0.01, measured=True), None, True),  # a warm cache: 2 s to compile, 3 s saved
-])
-def test_auto_compiles_on_a_gpu_when_the_planned_steps_repay_the_compile(setting, device, steps, costs, missing, expected):
+@pytest.mark.parametrize(
+    "setting,device,steps,costs,missing,expected",
+    [
+        (True, "cpu", 1, KNOWN, None, True),  # an explicit setting is obeyed, short run or not
+        (False, "cuda", 10**9, KNOWN, None, False),
+        ("auto", "cpu", 10**9, KNOWN, None, False),  # never on the CPU
+        ("auto", "cuda", 300, KNOWN, None, False),  # 1.2 s saved < 25 s compile
+        ("auto", "cuda", 10_000, KNOWN, None, True),  # 40 s saved > 25 s
+        ("auto", "cuda", 10_000, KNOWN, "no triton", False),
+        (
+            "auto",
+            "cuda",
+            300,
+            CompileCosts(2.0, 0.01, measured=True),
+            None,
+            True,
+        ),  # a warm cache: 2 s to compile, 3 s saved
+    ],
+)
+def test_auto_compiles_on_a_gpu_when_the_planned_steps_repay_the_compile(
+    setting, device, steps, costs, missing, expected
+):
     decision, reason = decide_compile(setting, device, steps, costs, missing)
     assert decision is expected
     assert "\n" not in reason and reason
@@ -51,7 +63,10 @@ def test_costs_come_from_what_the_run_measured_else_the_known_defaults():
     both = costs_from({"compile_s": 3.0, "step_s": {"eager": 0.05, "compiled": 0.02}})
     assert both.compile_s == 3.0 and both.saving_s == pytest.approx(0.03) and both.measured
     eager_only = costs_from({"step_s": {"eager": 0.1}})
-    assert eager_only.saving_s == pytest.approx(0.1 * compiled.KNOWN_SAVING) and eager_only.compile_s == compiled.KNOWN_COMPILE_S
+    assert (
+        eager_only.saving_s == pytest.approx(0.1 * compiled.KNOWN_SAVING)
+        and eager_only.compile_s == compiled.KNOWN_COMPILE_S
+    )
     assert costs_from({"step_s": {"eager": 0.01, "compiled": 0.02}}).saving_s == 0.0  # compiling made it slower
 
 
@@ -78,8 +93,10 @@ def test_a_run_logs_its_choice_once_and_records_its_step_time(tmp_path, capsys):
     assert _cfg().trainer.compile == "auto"  # the default
     run(_cfg("model=mlp", "model.hidden=16", "trainer.max_steps=4"), tmp_path)
     lines = [line for line in capsys.readouterr().out.splitlines() if "trainer.compile" in line]
-    assert lines == ["[rank0] trainer.compile=auto: not compiling the gradient computation "
-                     "(auto: not on cpu (compiling pays on a GPU, where the host's time per step shows))"]
+    assert lines == [
+        "[rank0] trainer.compile=auto: not compiling the gradient computation "
+        "(auto: not on cpu (compiling pays on a GPU, where the host's time per step shows))"
+    ]
     record = compiled.read_record(tmp_path)
     assert set(record) == {"step_s"} and record["step_s"]["eager"] > 0
 
@@ -101,8 +118,9 @@ def test_a_restarted_run_reads_its_compiled_graph_from_the_run_directory(tmp_pat
     env["PYTHONPATH"] = pythonpath_first(REPO)
 
     def compile_once():
-        out = subprocess.run([sys.executable, "-c", _COMPILE_ONCE, str(tmp_path)], env=env, capture_output=True,
-                             text=True, timeout=600)
+        out = subprocess.run(
+            [sys.executable, "-c", _COMPILE_ONCE, str(tmp_path)], env=env, capture_output=True, text=True, timeout=600
+        )
         assert out.returncode == 0, out.stderr[-2000:]
         return out.stdout.split()
 

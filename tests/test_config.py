@@ -1,14 +1,15 @@
 """Config schemas against the code they configure: every setting a factory takes, with its default."""
+
 import dataclasses
 import inspect
 
 import pytest
 
-from fdp.run.config import SCHEMAS, ConfigError, compose
-from fdp.run.validate import validate
 from fdp.hooks import HOOKS
 from fdp.optim import OPTIMIZERS, build_optimizer
 from fdp.optim.registry import SHARED_SETTINGS
+from fdp.run.config import SCHEMAS, ConfigError, compose
+from fdp.run.validate import validate
 
 
 def _fields(schema) -> dict:
@@ -41,11 +42,14 @@ def test_every_registered_optimizer_has_a_schema_and_back():
     assert set(SCHEMAS["hooks"]) - {"chain", "custom"} <= set(HOOKS)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["optim.name=lion"], r"^optim\.name='lion': unknown optimizer; known optimizers: sgd, adam, adamw, custom$"),
-    (["optim.momentum=-1"], r"^optim\.momentum=-1\.0: expected a number >= 0$"),
-    (["trainer.nonfinite=maybe"], r"^trainer\.nonfinite='maybe': expected raise or skip$"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["optim.name=lion"], r"^optim\.name='lion': unknown optimizer; known optimizers: sgd, adam, adamw, custom$"),
+        (["optim.momentum=-1"], r"^optim\.momentum=-1\.0: expected a number >= 0$"),
+        (["trainer.nonfinite=maybe"], r"^trainer\.nonfinite='maybe': expected raise or skip$"),
+    ],
+)
 def test_a_setting_is_refused_by_the_module_that_uses_it_under_its_config_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate(compose(*overrides))
@@ -76,10 +80,14 @@ def _restated(path) -> list[str]:
     import yaml
 
     node = yaml.safe_load(path.read_text()) or {}
-    defaults = {f.name: f.default for f in dataclasses.fields(_schema_of(path, node))
-                if f.default is not dataclasses.MISSING}
-    return [f"{path.parent.name}/{path.name}: {key}: {value!r}" for key, value in node.items()
-            if key != "defaults" and key in defaults and value == defaults[key] and type(value) is type(defaults[key])]
+    defaults = {
+        f.name: f.default for f in dataclasses.fields(_schema_of(path, node)) if f.default is not dataclasses.MISSING
+    }
+    return [
+        f"{path.parent.name}/{path.name}: {key}: {value!r}"
+        for key, value in node.items()
+        if key != "defaults" and key in defaults and value == defaults[key] and type(value) is type(defaults[key])
+    ]
 
 
 def test_each_conf_file_carries_only_real_overrides_of_its_schema():

@@ -6,28 +6,26 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from torch.utils.data import IterableDataset, TensorDataset
 
-from fdp.data.builtin import _digits_split
 from fdp.data import (
     STDLIB_TEXT_MODULES,
     Dataset,
     StepSampler,
-
     as_map_data,
     collate,
-    model_arguments,
-    train_batches,
     eval_batches,
     global_batch,
     load_dataset,
     load_digits,
     load_stdlib_text,
+    model_arguments,
     model_inputs,
     shard,
     split_micro_batches,
+    train_batches,
 )
+from fdp.data.builtin import _digits_split
 
 torch.set_num_threads(1)
 
@@ -344,7 +342,9 @@ class _Items(torch.utils.data.Dataset):
 def test_step_sampler_ranks_read_the_global_batch_of_one_process_in_order(world_size):
     n, size, steps = 37, 12, 9  # batches cross epoch boundaries
     one = list(StepSampler(n, size, seed=3, stop_step=steps))
-    ranks = [list(StepSampler(n, size, seed=3, rank=r, world_size=world_size, stop_step=steps)) for r in range(world_size)]
+    ranks = [
+        list(StepSampler(n, size, seed=3, rank=r, world_size=world_size, stop_step=steps)) for r in range(world_size)
+    ]
     for step in range(steps):
         assert sum((ranks[r][step] for r in range(world_size)), []) == one[step]
     # Each epoch is a permutation of all samples, and the order is the in-memory path's.
@@ -428,21 +428,45 @@ def _pad_collate(items):
     return out
 
 
-@pytest.mark.parametrize("splits,message", [
-    (_Items(3), r"^returned a _Items; expected \(train, test\) or \(train, test, collate\): map-style torch Datasets \(test may be None\)"),
-    ((_Items(3),), r"^returned a tuple of 1 items; expected \(train, test\)"),
-    ((_Stream(), None), r"^the train split is a _Stream; expected a map-style torch Dataset \(items by index\)$"),
-    ((_Unsized(), None), r"^the train split \(_Unsized\) has no len\(\); expected a map-style Dataset with __len__$"),
-    ((_Items(0), None), r"^the train split is empty$"),
-    ((_Triples(3), None), r"^train item 0 is a 3-tuple; expected a pair \(input, target\) or a dict with a 'labels' entry$"),
-    ((_Items(3), _Strings(3)), r"^test item 0: its input is a str; expected a tensor, a number or an array$"),
-    ((_Tokens(3, labels=False), None), r"^train item 0 is a dict with entries \['input_ids'\]; expected a 'labels' entry \(the target\)$"),
-    ((_Tokens(3, labels=False), None, _pad_collate), r"^train item 0 does not make a batch: a dict batch with entries \['attention_mask', 'input_ids'\] "
-                                                     r"has no 'labels' entry"),
-    ((_Tokens(3), None), r"^train item 0: its input_ids is a list; expected a tensor, a number or an array \(or return \(train, test, "
-                         r"collate\) with a function that pads them, such as a Hugging Face data collator\)$"),
-    ((_Tokens(3), None, "pad"), r"^returned a str as the collate function; expected a function from a list of items to a batch$"),
-])
+@pytest.mark.parametrize(
+    "splits,message",
+    [
+        (
+            _Items(3),
+            r"^returned a _Items; expected \(train, test\) or \(train, test, collate\): map-style torch Datasets \(test may be None\)",
+        ),
+        ((_Items(3),), r"^returned a tuple of 1 items; expected \(train, test\)"),
+        ((_Stream(), None), r"^the train split is a _Stream; expected a map-style torch Dataset \(items by index\)$"),
+        (
+            (_Unsized(), None),
+            r"^the train split \(_Unsized\) has no len\(\); expected a map-style Dataset with __len__$",
+        ),
+        ((_Items(0), None), r"^the train split is empty$"),
+        (
+            (_Triples(3), None),
+            r"^train item 0 is a 3-tuple; expected a pair \(input, target\) or a dict with a 'labels' entry$",
+        ),
+        ((_Items(3), _Strings(3)), r"^test item 0: its input is a str; expected a tensor, a number or an array$"),
+        (
+            (_Tokens(3, labels=False), None),
+            r"^train item 0 is a dict with entries \['input_ids'\]; expected a 'labels' entry \(the target\)$",
+        ),
+        (
+            (_Tokens(3, labels=False), None, _pad_collate),
+            r"^train item 0 does not make a batch: a dict batch with entries \['attention_mask', 'input_ids'\] "
+            r"has no 'labels' entry",
+        ),
+        (
+            (_Tokens(3), None),
+            r"^train item 0: its input_ids is a list; expected a tensor, a number or an array \(or return \(train, test, "
+            r"collate\) with a function that pads them, such as a Hugging Face data collator\)$",
+        ),
+        (
+            (_Tokens(3), None, "pad"),
+            r"^returned a str as the collate function; expected a function from a list of items to a batch$",
+        ),
+    ],
+)
 def test_map_data_refuses_what_is_not_a_pair_of_map_style_datasets(splits, message):
     with pytest.raises(ValueError, match=message):
         as_map_data("mine", splits)
@@ -472,12 +496,18 @@ def test_dict_batches_shard_and_split_along_the_batch_dimension_like_pairs():
         for key in batch:
             assert torch.equal(torch.cat([s[key] for s in shards]), batch[key])
         paired = [shard(pair, r, world_size) for r in range(world_size)]
-        assert all(torch.equal(p[1], s["labels"]) and torch.equal(p[0]["input_ids"], s["input_ids"]) for p, s in zip(paired, shards))
+        assert all(
+            torch.equal(p[1], s["labels"]) and torch.equal(p[0]["input_ids"], s["input_ids"])
+            for p, s in zip(paired, shards)
+        )
     micro = split_micro_batches(shards[1], 2)
     assert [m["labels"].tolist() for m in micro] == [[2], [3]]
     args, kwargs, targets = model_inputs(micro[0])
     assert args == () and sorted(kwargs) == ["attention_mask", "input_ids"] and targets.tolist() == [2]
-    with pytest.raises(ValueError, match=r"batch tensors disagree on the batch dimension: input_ids \(8, 3\) int64, labels \(7,\) int64"):
+    with pytest.raises(
+        ValueError,
+        match=r"batch tensors disagree on the batch dimension: input_ids \(8, 3\) int64, labels \(7,\) int64",
+    ):
         split_micro_batches({"input_ids": batch["input_ids"], "labels": batch["labels"][:7]}, 1)
     with pytest.raises(ValueError, match=r"^a dict batch with entries \['input_ids'\] has no 'labels' entry"):
         model_inputs({"input_ids": batch["input_ids"]})
@@ -529,7 +559,9 @@ def _loader_workers(rank, world):
     MARK["value"] = 7
     data = as_map_data("who", (WhoLoads(), WhoLoads()))
     x, _ = next(train_batches(data, 16, 0, rank, world, 0, 1, num_workers=2))
-    evaluations = [{int(p) for x, _ in eval_batches(data, 8, max_batches=4, num_workers=2) for p in x[:, 0]} for _ in range(3)]
+    evaluations = [
+        {int(p) for x, _ in eval_batches(data, 8, max_batches=4, num_workers=2) for p in x[:, 0]} for _ in range(3)
+    ]
     return x[:, 1].tolist(), evaluations
 
 

@@ -1,4 +1,5 @@
 """Device selection (``world.accelerator``, ``world.devices``, ``world.backend``) with the GPU count faked."""
+
 import re
 import subprocess
 import sys
@@ -9,7 +10,6 @@ import torch
 from omegaconf import OmegaConf
 
 import fdp.run.world
-from fdp.run.config import ConfigError, compose
 from fdp.dist.devices import (
     Placement,
     batch_to_device,
@@ -21,6 +21,7 @@ from fdp.dist.devices import (
     seeded_cuda_rng,
     use_device,
 )
+from fdp.run.config import ConfigError, compose
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU, CUDA0, CUDA1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)
@@ -29,8 +30,18 @@ CPU, CUDA0, CUDA1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("
 @pytest.mark.parametrize(
     "value, expected",
     [
-        ("auto", "auto"), (" auto ", "auto"), (1, 1), (4, 4), ("3", 3), (-1, -1), ("-1", -1),
-        ("0,2", (0, 2)), (" 1 , 3 ", (1, 3)), ("[0,2]", (0, 2)), ([0, 2], (0, 2)), ((3,), (3,)),
+        ("auto", "auto"),
+        (" auto ", "auto"),
+        (1, 1),
+        (4, 4),
+        ("3", 3),
+        (-1, -1),
+        ("-1", -1),
+        ("0,2", (0, 2)),
+        (" 1 , 3 ", (1, 3)),
+        ("[0,2]", (0, 2)),
+        ([0, 2], (0, 2)),
+        ((3,), (3,)),
         (OmegaConf.create({"d": [2, 0]}).d, (2, 0)),
     ],
 )
@@ -63,14 +74,18 @@ def test_cpu_devices_count_processes():
 
 @pytest.mark.parametrize("devices", [-1, "0,2", [1]])
 def test_gpu_indices_on_the_cpu_are_refused(devices):
-    with pytest.raises(ConfigError, match=r"^world\.devices=.*: expected auto or a process count >= 1 with world\.accelerator=cpu$"):
+    with pytest.raises(
+        ConfigError, match=r"^world\.devices=.*: expected auto or a process count >= 1 with world\.accelerator=cpu$"
+    ):
         place("cpu", devices, "none", 1, visible=2)
     with pytest.raises(ConfigError, match=r"^world\.devices=.*: expected GPUs, this machine shows no GPU"):
         place("auto", devices, "none", 1, visible=0)
 
 
 def test_gpu_without_cuda_is_refused():
-    with pytest.raises(ConfigError, match=r"^world\.accelerator=gpu: expected a CUDA GPU, this machine shows no GPU .*to torch \d"):
+    with pytest.raises(
+        ConfigError, match=r"^world\.accelerator=gpu: expected a CUDA GPU, this machine shows no GPU .*to torch \d"
+    ):
         place("gpu", "auto", "none", 1, visible=0)
 
 
@@ -105,9 +120,15 @@ def test_counts_minus_one_and_indices_select_gpus():
 
 def test_more_gpus_than_visible_is_refused_naming_what_the_machine_has(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
-    with pytest.raises(ConfigError, match=r"^world\.devices=4: expected 4 GPUs, this machine shows 2 GPUs \(CUDA_VISIBLE_DEVICES='4,5'\)$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^world\.devices=4: expected 4 GPUs, this machine shows 2 GPUs \(CUDA_VISIBLE_DEVICES='4,5'\)$",
+    ):
         place("gpu", 4, "none", 1, visible=2)
-    with pytest.raises(ConfigError, match=r"^world\.devices=\[0, 2\]: GPU 2 is not visible; this machine shows 2 GPUs .*indices 0\.\.1$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^world\.devices=\[0, 2\]: GPU 2 is not visible; this machine shows 2 GPUs .*indices 0\.\.1$",
+    ):
         place("gpu", [0, 2], "none", 1, visible=2)
     with pytest.raises(ConfigError, match=r"^world\.devices=auto: expected 2 GPUs, this machine shows 1 GPU"):
         place("gpu", "auto", "elastic", 2, visible=1)  # world=local2 on a one-GPU machine
@@ -116,9 +137,13 @@ def test_more_gpus_than_visible_is_refused_naming_what_the_machine_has(monkeypat
 
 
 def test_devices_that_disagree_with_the_world_are_refused():
-    with pytest.raises(ConfigError, match=r"^world\.devices=3: expected 2 GPUs, one for each process the world .* \(got 3;"):
+    with pytest.raises(
+        ConfigError, match=r"^world\.devices=3: expected 2 GPUs, one for each process the world .* \(got 3;"
+    ):
         place("gpu", 3, "elastic", 2, visible=4)
-    with pytest.raises(ConfigError, match=r"^world\.devices=\[0\]: expected 2 GPUs, one for each process torchrun starts"):
+    with pytest.raises(
+        ConfigError, match=r"^world\.devices=\[0\]: expected 2 GPUs, one for each process torchrun starts"
+    ):
         place("gpu", [0], "torchrun", 1, visible=4, local_world_size=2)
 
 
@@ -130,14 +155,21 @@ def test_busy_gpus_are_reported_and_passed_over_by_auto():
         return {1: "CUDA error: all CUDA-capable devices are busy or unavailable"}
 
     p = place("gpu", "auto", "none", 1, visible=4, probe=probe)
-    assert p.device_ids == (0, 2, 3) and p.unusable == ((1, "CUDA error: all CUDA-capable devices are busy or unavailable"),)
+    assert p.device_ids == (0, 2, 3) and p.unusable == (
+        (1, "CUDA error: all CUDA-capable devices are busy or unavailable"),
+    )
     assert probed == [[0, 1, 2, 3]]
     assert place("gpu", 2, "none", 1, visible=4, probe=probe).device_ids == (0, 2)  # the first two that answer
     with pytest.raises(ConfigError, match=r"^world\.devices=\[1, 2\]: GPU 1 is busy or unusable \(CUDA error: all"):
         place("gpu", [1, 2], "none", 1, visible=4, probe=probe)
-    with pytest.raises(ConfigError, match=r"^world\.devices=4: expected 4 usable GPUs, 3 of the 4 visible are usable \(GPU 1: CUDA"):
+    with pytest.raises(
+        ConfigError, match=r"^world\.devices=4: expected 4 usable GPUs, 3 of the 4 visible are usable \(GPU 1: CUDA"
+    ):
         place("gpu", 4, "none", 1, visible=4, probe=probe)
-    with pytest.raises(ConfigError, match=r"^world\.devices=auto: expected 1 usable GPU, 0 of the 2 visible are usable \(GPU 0: busy; GPU 1: busy\)$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^world\.devices=auto: expected 1 usable GPU, 0 of the 2 visible are usable \(GPU 0: busy; GPU 1: busy\)$",
+    ):
         place("gpu", "auto", "none", 1, visible=2, probe=lambda ids: {i: "busy" for i in ids})
 
 
@@ -152,7 +184,10 @@ def test_backend_auto_is_nccl_only_when_every_rank_has_its_own_gpu():
 
 
 def test_nccl_without_a_gpu_per_rank_is_refused():
-    with pytest.raises(ConfigError, match=r"^world\.backend=nccl: expected a GPU of its own for each of the 2 ranks on this node, they have 1 GPU"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^world\.backend=nccl: expected a GPU of its own for each of the 2 ranks on this node, they have 1 GPU",
+    ):
         resolve_backend("nccl", [CUDA0, CUDA0])
     with pytest.raises(ConfigError, match=r"^world\.backend=nccl: expected .* 2 ranks on this node, they have 0 GPUs"):
         place("auto", "auto", "elastic", 2, visible=0, backend="nccl")
@@ -165,7 +200,11 @@ def test_trainer_resolves_the_world_once_for_its_workers(monkeypatch):
     resolved = fdp.run.world.resolve_world(compose())
     world = resolved.world
     assert (world.accelerator, list(world.devices), world.launcher, world.nproc_per_node, world.backend) == (
-        "gpu", [0, 1], "elastic", 2, "nccl",
+        "gpu",
+        [0, 1],
+        "elastic",
+        2,
+        "nccl",
     )
     # What a worker makes of the resolved config: the same placement, its own GPU.
     layout = fdp.run.world.layout_of(resolved)
@@ -207,15 +246,23 @@ def test_rng_scope_runs_on_the_given_state_and_restores_the_process_generator():
 RECIPE_REFUSALS = [
     (["world.accelerator=gpu"], r"^error: world\.accelerator=gpu: expected a CUDA GPU, this machine shows no GPU"),
     (["world.devices=[0,2]"], r"^error: world\.devices=\[0, 2\]: expected GPUs, this machine shows no GPU"),
-    (["world=local2", "world.backend=nccl"], r"^error: world\.backend=nccl: expected a GPU of its own for each of the 2 ranks"),
+    (
+        ["world=local2", "world.backend=nccl"],
+        r"^error: world\.backend=nccl: expected a GPU of its own for each of the 2 ranks",
+    ),
 ]
 
 
 def test_device_refusals_through_the_recipe_exit_2_with_one_line(tmp_path):
     procs = []
     for i, (overrides, _) in enumerate(RECIPE_REFUSALS):  # concurrently: each is mostly start-up
-        command = [sys.executable, str(ROOT / "recipes" / "train.py"), "trainer.progress=false", *overrides,
-                   f"hydra.run.dir={tmp_path / str(i)}"]
+        command = [
+            sys.executable,
+            str(ROOT / "recipes" / "train.py"),
+            "trainer.progress=false",
+            *overrides,
+            f"hydra.run.dir={tmp_path / str(i)}",
+        ]
         procs.append(subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     for (overrides, expected), proc in zip(RECIPE_REFUSALS, procs):
         _, stderr = proc.communicate(timeout=180)

@@ -1,4 +1,5 @@
 """The moving average of the params against torch's own (torch.optim.swa_utils)."""
+
 import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
@@ -33,7 +34,7 @@ def test_sixteen_bit_params_are_averaged_in_float32_and_evaluated_in_their_own_d
     for _ in range(10):  # each step moves the average by 1e-3: below a bfloat16's resolution near 1
         state = average.update(state, {"w": torch.full((3,), 2.0, dtype=torch.bfloat16)})
     assert state["w"].dtype == torch.float32
-    assert abs(state["w"][0].item() - (2 - 0.999 ** 10)) < 1e-6
+    assert abs(state["w"][0].item() - (2 - 0.999**10)) < 1e-6
     assert averaged_as(state, params)["w"].dtype == torch.bfloat16
 
 

@@ -1,4 +1,5 @@
 """The first-batch check: what does not fit is one line naming it, whatever the model or loss raises."""
+
 import functools
 
 import pytest
@@ -6,10 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fdp.run.config import ConfigError
 from fdp.model.fit import Names, check_first_batch
 from fdp.model.functional import functionalize
 from fdp.model.losses import TokenCrossEntropy, cross_entropy, mse
+from fdp.run.config import ConfigError
 
 NAMES = Names("model._target_='my.Net'", "data._target_='my.data'", "loss=cross_entropy", "+model.num_classes")
 BATCH = (torch.randn(8, 4), torch.tensor([0, 1, 2, 3, 4, 5, 6, 7]))
@@ -42,17 +43,23 @@ def test_an_output_the_loss_cannot_read_is_named_with_the_way_out():
     from transformers.modeling_outputs import BaseModelOutput, CausalLMOutputWithCrossAttentions
 
     message = _check(_Hidden(lambda h: BaseModelOutput(last_hidden_state=h)))
-    assert message == ("loss=cross_entropy: the model returns a BaseModelOutput with no logits (entries: last_hidden_state); the "
-                       "built-in losses read a tensor of scores, a ModelOutput, dict or dataclass with logits, or a tuple whose "
-                       "first element is the logits: set loss._target_ to a function (outputs, targets) -> scalar that reads this output")
+    assert message == (
+        "loss=cross_entropy: the model returns a BaseModelOutput with no logits (entries: last_hidden_state); the "
+        "built-in losses read a tensor of scores, a ModelOutput, dict or dataclass with logits, or a tuple whose "
+        "first element is the logits: set loss._target_ to a function (outputs, targets) -> scalar that reads this output"
+    )
     custom = NAMES._replace(loss="loss._target_='my.loss'")
     message = _check(_Hidden(lambda h: CausalLMOutputWithCrossAttentions(logits=h)), _reads_reshape, names=custom)
-    assert message == ("loss._target_='my.loss' cannot read what the model returns, a CausalLMOutputWithCrossAttentions: "
-                       "AttributeError: 'CausalLMOutputWithCrossAttentions' object has no attribute 'reshape'; expected a loss "
-                       "that reads it (outputs.logits), or a built-in one (loss=cross_entropy reads the logits)")
+    assert message == (
+        "loss._target_='my.loss' cannot read what the model returns, a CausalLMOutputWithCrossAttentions: "
+        "AttributeError: 'CausalLMOutputWithCrossAttentions' object has no attribute 'reshape'; expected a loss "
+        "that reads it (outputs.logits), or a built-in one (loss=cross_entropy reads the logits)"
+    )
     message = _check(_Hidden(lambda h: {"features": h}), _reads_reshape, names=custom)
     assert message.startswith("loss._target_='my.loss' cannot read what the model returns, a dict: AttributeError: ")
-    assert message.endswith("expected a loss that reads it (loss._target_=my_pkg.losses.f, a function (outputs, targets) -> scalar)")
+    assert message.endswith(
+        "expected a loss that reads it (loss._target_=my_pkg.losses.f, a function (outputs, targets) -> scalar)"
+    )
 
 
 def test_whatever_the_forward_raises_is_one_line_with_the_first_batch():
@@ -60,20 +67,26 @@ def test_whatever_the_forward_raises_is_one_line_with_the_first_batch():
         raise KeyError("no such layer")
 
     message = _check(_Hidden(broken))
-    assert message == ("model._target_='my.Net' does not fit data._target_='my.data' with loss=cross_entropy: KeyError: "
-                       "'no such layer' (first batch: inputs (8, 4) float32, targets (8,) int64)")
+    assert message == (
+        "model._target_='my.Net' does not fit data._target_='my.data' with loss=cross_entropy: KeyError: "
+        "'no such layer' (first batch: inputs (8, 4) float32, targets (8,) int64)"
+    )
     message = _check(nn.Linear(5, 10))
-    assert message.startswith("model._target_='my.Net' does not fit data._target_='my.data' with loss=cross_entropy: mat1 and mat2")
+    assert message.startswith(
+        "model._target_='my.Net' does not fit data._target_='my.data' with loss=cross_entropy: mat1 and mat2"
+    )
 
 
 def test_class_scores_must_cover_the_labels_and_the_classes_the_data_declares():
     """A 1000-class head on 10-class data (torchvision's default) is refused, not trained."""
     assert _check(nn.Linear(4, 1000), declared=10) == (
         "model._target_='my.Net' does not fit data._target_='my.data' with loss=cross_entropy: the model outputs 1000 class "
-        "scores but data._target_='my.data' has 10 classes; expected +model.num_classes=10")
+        "scores but data._target_='my.data' has 10 classes; expected +model.num_classes=10"
+    )
     assert _check(nn.Linear(4, 6)) == (
         "model._target_='my.Net' does not fit data._target_='my.data' with loss=cross_entropy: the first batch has label 7 "
-        "but the model outputs 6 class scores; expected +model.num_classes=8")
+        "but the model outputs 6 class scores; expected +model.num_classes=8"
+    )
     # The same for torch's cross-entropy by its path or as a class, and for shifted token labels (padding not counted).
     assert "outputs 6 class scores" in _check(nn.Linear(4, 6), functools.partial(F.cross_entropy, label_smoothing=0.1))
     assert "outputs 6 class scores" in _check(nn.Linear(4, 6), nn.CrossEntropyLoss())
@@ -112,7 +125,8 @@ def test_a_loss_that_shifts_refuses_targets_the_data_has_shifted_already():
         assert str(caught.value) == (
             "loss=causal_lm scores position t against the target at t + 1, but data=stdlib_text's targets are already the "
             "next tokens (its inputs shifted by one): the model would learn the token 2 ahead; expected loss=cross_entropy, "
-            "or data whose targets are its input ids")
+            "or data whose targets are its input ids"
+        )
 
 
 def test_labels_equal_to_the_input_ids_need_a_loss_that_shifts():
@@ -124,9 +138,12 @@ def test_labels_equal_to_the_input_ids_need_a_loss_that_shifts():
     model, params, buffers = functionalize(_charlm(20))
     check_first_batch(model, TokenCrossEntropy(shift=1), params, buffers, batch, names)
     for loss in (cross_entropy, TokenCrossEntropy(shift=0)):
-        with pytest.raises(ConfigError, match=r"^data._target_='my.data''s targets are its input ids, but loss=cross_entropy "
-                                              r"scores each position against its own token: the model would learn to copy its "
-                                              r"input; expected loss=causal_lm \(position t against the token at t \+ 1\)$"):
+        with pytest.raises(
+            ConfigError,
+            match=r"^data._target_='my.data''s targets are its input ids, but loss=cross_entropy "
+            r"scores each position against its own token: the model would learn to copy its "
+            r"input; expected loss=causal_lm \(position t against the token at t \+ 1\)$",
+        ):
             check_first_batch(model, loss, params, buffers, batch, names)
     # Inputs that repeat one token are both their own shift and themselves: nothing to tell, nothing refused.
     same = (torch.full((2, 8), 3), torch.full((2, 8), 3))
@@ -148,15 +165,18 @@ class Checkpointed(nn.Module):
 
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_torch_utils_checkpoint_in_a_model_is_one_line_naming_the_setting_to_use(reentrant, recwarn):
-    from fdp.run.build import build_run
     from fdp.comm import Comm
+    from fdp.run.build import build_run
     from fdp.run.config import compose
 
-    cfg = compose("model=custom", f"model._target_={__name__}.Checkpointed", f"+model.use_reentrant={str(reentrant).lower()}")
+    cfg = compose(
+        "model=custom", f"model._target_={__name__}.Checkpointed", f"+model.use_reentrant={str(reentrant).lower()}"
+    )
     with pytest.raises(ConfigError) as caught:
         build_run(cfg, Comm())
     assert str(caught.value) == (
         f"model._target_='{__name__}.Checkpointed': its forward calls torch.utils.checkpoint, which fdp's torch.func "
         "gradients do not run; expected a forward without it, and trainer.activation_checkpointing=true to recompute "
-        "activations instead")
+        "activations instead"
+    )
     assert not [w for w in recwarn if "checkpoint" in str(w.filename)]  # nor torch's warning from the first-batch probe

@@ -102,7 +102,9 @@ def test_grad_and_value_through_vjp_equals_torch_func_s_bit_for_bit():
         return nn.functional.cross_entropy(out, batch[1]), (new_buffers, {"max": out.max()})
 
     grads, (loss, (new_buffers, extra)) = vjp_grad_and_value(loss_fn)(params, buffers, (tokens, targets))
-    ref_grads, (ref_loss, (ref_buffers, ref_extra)) = grad_and_value(loss_fn, has_aux=True)(params, buffers, (tokens, targets))
+    ref_grads, (ref_loss, (ref_buffers, ref_extra)) = grad_and_value(loss_fn, has_aux=True)(
+        params, buffers, (tokens, targets)
+    )
     assert grads.keys() == ref_grads.keys() and all(torch.equal(grads[n], ref_grads[n]) for n in grads)
     assert torch.equal(loss, ref_loss) and torch.equal(extra["max"], ref_extra["max"])
     assert all(torch.equal(new_buffers[n], ref_buffers[n]) for n in ref_buffers)

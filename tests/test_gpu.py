@@ -3,6 +3,7 @@
 Every test here is marked ``gpu`` and skipped without CUDA; run them on a GPU machine
 with ``python -m pytest -m gpu``.
 """
+
 import json
 import re
 import subprocess
@@ -17,21 +18,33 @@ import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
 import fdp
-from fdp.run import checkpoint
-from fdp.run.config import compose
 from fdp.data import global_batch, load_dataset, shard
 from fdp.dist.devices import batch_to_device, to_device
 from fdp.hooks import allreduce
 from fdp.model.builtin import build_model
+from fdp.run import checkpoint
+from fdp.run.config import compose
 from fdp.run.trainer import run
 
 pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["trainer.progress=false", "trainer.log_every=1", "trainer.eval_every=0", "model.hidden=32"]
-CHARLM = ["trainer.progress=false", "trainer.log_every=1", "trainer.eval_every=0", "model=charlm", "data=stdlib_text",
-          "model.d_model=32", "model.n_layer=2", "model.n_head=2", "data.block_size=32", "data.max_chars=50000",
-          "data.global_batch_size=8", "optim=sgd", "optim.lr=0.1"]
+CHARLM = [
+    "trainer.progress=false",
+    "trainer.log_every=1",
+    "trainer.eval_every=0",
+    "model=charlm",
+    "data=stdlib_text",
+    "model.d_model=32",
+    "model.n_layer=2",
+    "model.n_head=2",
+    "data.block_size=32",
+    "data.max_chars=50000",
+    "data.global_batch_size=8",
+    "optim=sgd",
+    "optim.lr=0.1",
+]
 
 
 def _params(run_dir: Path) -> dict:
@@ -67,12 +80,15 @@ def _on_a_shared_gpu(rank, world, steps):
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     data = load_dataset("digits", seed=0)
     torch.manual_seed(0)
-    model, params, buffers = fdp.functionalize(torch.nn.Sequential(
-        torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10)))
+    model, params, buffers = fdp.functionalize(
+        torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+    )
     params, buffers = to_device(params, device), to_device(buffers, device)
     loss_fn = fdp.cross_entropy_loss(model)
     example = batch_to_device(shard(global_batch(data, 0, 32, 0), rank, world), device)
-    plan = fdp.plan_buckets(fdp.planner_loss(loss_fn, buffers), params, example, bucket_cap_mb=0.005, first_bucket_cap_mb=0.005)
+    plan = fdp.plan_buckets(
+        fdp.planner_loss(loss_fn, buffers), params, example, bucket_cap_mb=0.005, first_bucket_cap_mb=0.005
+    )
     assert len(plan) > 1 and {b.device for b in plan.buckets} == {str(device)}
     optimizer = fdp.sgd(0.1, momentum=0.9)
     state = fdp.init_train_state(params, buffers, optimizer, plan, allreduce())
@@ -104,8 +120,19 @@ def test_two_ranks_share_one_gpu_over_gloo_with_cuda_tensors(run_ranks):
 
 
 def test_nccl_world_of_one_under_torchrun(tmp_path):
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-               str(ROOT / "recipes" / "train.py"), "world=torchrun", *SMALL, "trainer.max_steps=5", f"hydra.run.dir={tmp_path}"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "1",
+        str(ROOT / "recipes" / "train.py"),
+        "world=torchrun",
+        *SMALL,
+        "trainer.max_steps=5",
+        f"hydra.run.dir={tmp_path}",
+    ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert re.search(r"world 1 on cuda:0 over nccl", done.stdout), done.stdout
@@ -123,7 +150,13 @@ def test_resume_moves_between_gpu_and_cpu(first, then, tmp_path):
 
 
 def test_dropout_on_the_gpu_resumes_where_it_stopped(tmp_path):
-    common = [*CHARLM, "model.dropout=0.2", "world.accelerator=gpu", "trainer.max_steps=12", "trainer.checkpoint_every=6"]
+    common = [
+        *CHARLM,
+        "model.dropout=0.2",
+        "world.accelerator=gpu",
+        "trainer.max_steps=12",
+        "trainer.checkpoint_every=6",
+    ]
     run(compose(*common), tmp_path / "straight")
     run(compose(*common, "trainer.stop_at=6"), tmp_path / "resumed")
     run(compose(*common, "trainer.resume=true"), tmp_path / "resumed")
@@ -159,15 +192,18 @@ def _small_charlm(nonfinite: str = "raise", zero_stage: int = 0):
     params, buffers = to_device(params, device), to_device(buffers, device)
     loss_fn = fdp.cross_entropy_loss(model)
     batch = (torch.randint(0, 64, (8, 32), device=device), torch.randint(0, 64, (8, 32), device=device))
-    plan = fdp.plan_buckets(fdp.planner_loss(loss_fn, buffers), params, batch, bucket_cap_mb=0.1, first_bucket_cap_mb=0.1)
+    plan = fdp.plan_buckets(
+        fdp.planner_loss(loss_fn, buffers), params, batch, bucket_cap_mb=0.1, first_bucket_cap_mb=0.1
+    )
     assert len(plan) > 1
     optimizer = fdp.adamw(1e-3)
     if zero_stage:
         state = fdp.update.zero.init_state(params, buffers, optimizer, plan, fdp.Comm(), stage=zero_stage)
     else:
         state = fdp.init_train_state(params, buffers, optimizer, plan)
-    train_step = fdp.make_train_step(loss_fn, optimizer, plan, donate=True, nonfinite=nonfinite, zero_stage=zero_stage,
-                                     model=model)
+    train_step = fdp.make_train_step(
+        loss_fn, optimizer, plan, donate=True, nonfinite=nonfinite, zero_stage=zero_stage, model=model
+    )
     for _ in range(3):  # first steps decide and allocate once
         state, _ = train_step(state, batch)
     torch.cuda.synchronize()

@@ -5,6 +5,7 @@ builds it, the loss written out here (the mean over every counted token of the g
 batch: the same number however the batch is split). Models are tiny and randomly
 initialised from configs; nothing is downloaded (conftest sets HF_HUB_OFFLINE).
 """
+
 import contextlib
 from pathlib import Path
 
@@ -16,14 +17,15 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 from _examples import example_command, train_example  # noqa: E402
+
+from fdp import init_train_state, make_train_step, planner_loss  # noqa: E402
 from fdp.comm import Comm  # noqa: E402
 from fdp.data import shard, split_micro_batches  # noqa: E402
+from fdp.model.builtin import hf_model  # noqa: E402
 from fdp.model.functional import functionalize  # noqa: E402
 from fdp.model.losses import TokenCrossEntropy, make_loss_fn  # noqa: E402
-from fdp.model.builtin import hf_model  # noqa: E402
 from fdp.optim import adam  # noqa: E402
 from fdp.plan import plan_buckets  # noqa: E402
-from fdp import init_train_state, make_train_step, planner_loss  # noqa: E402
 
 # The classes are imported lazily by transformers: once here, for the processes forked from this one too.
 _ = transformers.GPT2LMHeadModel, transformers.ByT5Tokenizer, transformers.DataCollatorForLanguageModeling
@@ -31,13 +33,33 @@ _ = transformers.GPT2LMHeadModel, transformers.ByT5Tokenizer, transformers.DataC
 TOL = 1e-5
 VOCAB = 259  # ByT5's bytes and three special tokens
 TINY = {
-    "gpt2": ("transformers.GPT2LMHeadModel", dict(n_layer=2, n_embd=32, n_head=2, n_positions=16, resid_pdrop=0.0,
-                                                  embd_pdrop=0.0, attn_pdrop=0.0)),
-    "llama": ("transformers.LlamaForCausalLM", dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
-                                                    num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16)),
-    "bert": ("transformers.BertForMaskedLM", dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-                                                  max_position_embeddings=16, hidden_dropout_prob=0.0,
-                                                  attention_probs_dropout_prob=0.0)),
+    "gpt2": (
+        "transformers.GPT2LMHeadModel",
+        dict(n_layer=2, n_embd=32, n_head=2, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    ),
+    "llama": (
+        "transformers.LlamaForCausalLM",
+        dict(
+            num_hidden_layers=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=16,
+        ),
+    ),
+    "bert": (
+        "transformers.BertForMaskedLM",
+        dict(
+            num_hidden_layers=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=2,
+            max_position_embeddings=16,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        ),
+    ),
 }
 
 
@@ -51,8 +73,10 @@ def _global_batch(step, size=8, masked=False):
     """Lines of 3 to 16 random byte tokens, padded by Hugging Face's collator (labels -100 at the padding)."""
     g = torch.Generator().manual_seed(1000 + step)
     tokenizer = transformers.ByT5Tokenizer(extra_ids=0)
-    items = [{"input_ids": torch.randint(3, VOCAB, (int(torch.randint(3, 17, (), generator=g)),), generator=g).tolist()}
-             for _ in range(size)]
+    items = [
+        {"input_ids": torch.randint(3, VOCAB, (int(torch.randint(3, 17, (), generator=g)),), generator=g).tolist()}
+        for _ in range(size)
+    ]
     batch = dict(transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False)(items))
     if masked:  # a masked LM scores a random third of the real tokens
         keep = torch.rand(batch["labels"].shape, generator=g) < 0.35
@@ -83,7 +107,9 @@ def _gpt2_against_ddp(rank, world, steps):
     module = _model("gpt2")
     reference = nn.parallel.DistributedDataParallel(_model("gpt2"), bucket_cap_mb=0.02)
     opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
-    step, state = _fdp_step(module, TokenCrossEntropy(shift=1), shard(_global_batch(0), rank, world), comm=Comm(), accum_steps=2)
+    step, state = _fdp_step(
+        module, TokenCrossEntropy(shift=1), shard(_global_batch(0), rank, world), comm=Comm(), accum_steps=2
+    )
     counts = []
     for i in range(steps):
         batch = _global_batch(i)
@@ -131,8 +157,17 @@ def test_llama_and_bert_train_like_torch_on_the_same_padded_batches(name, shift)
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 # Shorter than the README's run, and without dropout (each rank draws its own masks).
-SHORT = ["trainer.max_steps=8", "optim.warmup_steps=2", "trainer.eval_every=0", "trainer.eval_batches=2", "+model.resid_pdrop=0", "+model.embd_pdrop=0",
-         "+model.attn_pdrop=0", "data.global_batch_size=16", "trainer.accum_steps=2"]
+SHORT = [
+    "trainer.max_steps=8",
+    "optim.warmup_steps=2",
+    "trainer.eval_every=0",
+    "trainer.eval_batches=2",
+    "+model.resid_pdrop=0",
+    "+model.embd_pdrop=0",
+    "+model.attn_pdrop=0",
+    "data.global_batch_size=16",
+    "trainer.accum_steps=2",
+]
 
 
 def _in_process(run_dir, *overrides):

@@ -1,20 +1,22 @@
 """Hierarchical reduction on two simulated nodes of two processes, against the flat reduction."""
+
 import pytest
 import torch
 
 from fdp import Comm
+from fdp.hooks import allreduce, build_hook, hierarchical, node_comms
+from fdp.hooks.base import init_hook_states
+from fdp.plan import pack_into_buckets
 from fdp.run.config import ConfigError, compose
 from fdp.run.validate import validate
-from fdp.hooks import allreduce, build_hook, hierarchical, node_comms
-from fdp.plan import pack_into_buckets
 from fdp.step.chains import Reduction
-from fdp.hooks.base import init_hook_states
 
 
 def _buckets():
     return pack_into_buckets(
         [("a", (32, 16), "float32", "cpu"), ("b", (16,), "float32", "cpu"), ("c", (64, 32), "float32", "cpu")],
-        bucket_cap_mb=0.001, first_bucket_cap_mb=0.001,
+        bucket_cap_mb=0.001,
+        first_bucket_cap_mb=0.001,
     )
 
 
@@ -36,8 +38,9 @@ def _hierarchical_2x2(rank, world):
     flat, flat_bytes = _reduce(allreduce(), Comm(), plan, grads)
     two_level, two_level_bytes = _reduce(hierarchical(allreduce(), comms, 2), Comm(), plan, grads)
     # A chain whose buckets take different numbers of rounds (PowerSGD skips the small bucket).
-    compressed, _ = _reduce(hierarchical(build_hook({"name": "powersgd", "rank": 1, "start_iter": 0}), comms, 2),
-                            Comm(), plan, grads)
+    compressed, _ = _reduce(
+        hierarchical(build_hook({"name": "powersgd", "rank": 1, "start_iter": 0}), comms, 2), Comm(), plan, grads
+    )
     return len(plan.buckets), flat, flat_bytes, two_level, two_level_bytes, compressed
 
 

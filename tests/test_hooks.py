@@ -5,6 +5,7 @@ Two multi-process jobs do all the 2-rank work (each spawn costs seconds on this 
 ``_on_two_ranks`` runs the other 2-rank checks. Each job runs once, through ``run_ranks``,
 the first time a test needs it; the tests then read their part of its result.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -16,7 +17,6 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from fdp.plan.buckets import unpack
 from fdp.comm import Comm
 from fdp.hooks import (
     HOOKS,
@@ -46,6 +46,7 @@ from fdp.hooks import (
 )
 from fdp.hooks.lowbit import decode, encode
 from fdp.plan import pack_into_buckets
+from fdp.plan.buckets import unpack
 from fdp.step.chains import Reduction
 
 torch.set_num_threads(1)
@@ -59,7 +60,9 @@ EF_STEPS = 200
 
 
 def _plan(shapes, cap_mb=100.0, dtype="float32"):
-    return pack_into_buckets([(n, s, dtype, "cpu") for n, s in shapes], bucket_cap_mb=cap_mb, first_bucket_cap_mb=cap_mb)
+    return pack_into_buckets(
+        [(n, s, dtype, "cpu") for n, s in shapes], bucket_cap_mb=cap_mb, first_bucket_cap_mb=cap_mb
+    )
 
 
 def _reduce(hook, plan, flats, states, comm):
@@ -90,7 +93,9 @@ def _same(a, b) -> bool:
             return False
         return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
     if isinstance(a, tuple):
-        return isinstance(b, tuple) and type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return (
+            isinstance(b, tuple) and type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        )
     return type(a) is type(b) and a == b
 
 
@@ -193,25 +198,34 @@ def _ddp_cases():
         "fp16": (dh.fp16_compress_hook, None, fp16(), False),
         "bf16": (bf16_under_another_name, None, bf16(), False),
         "powersgd_rank2": (
-            ps.powerSGD_hook, psgd(matrix_approximation_rank=2, start_powerSGD_iter=3, random_seed=7),
-            powersgd(rank=2, start_iter=3, seed=7), True,
+            ps.powerSGD_hook,
+            psgd(matrix_approximation_rank=2, start_powerSGD_iter=3, random_seed=7),
+            powersgd(rank=2, start_iter=3, seed=7),
+            True,
         ),
         "powersgd_rank3_qr_cold": (
-            ps.powerSGD_hook, psgd(matrix_approximation_rank=3, start_powerSGD_iter=2, random_seed=3, warm_start=False),
-            powersgd(rank=3, start_iter=2, seed=3, warm_start=False), True,
+            ps.powerSGD_hook,
+            psgd(matrix_approximation_rank=3, start_powerSGD_iter=2, random_seed=3, warm_start=False),
+            powersgd(rank=3, start_iter=2, seed=3, warm_start=False),
+            True,
         ),
         "powersgd_batch_same_shape": (
             ps.powerSGD_hook,
             psgd(matrix_approximation_rank=2, start_powerSGD_iter=3, random_seed=7, batch_tensors_with_same_shape=True),
-            powersgd(rank=2, start_iter=3, seed=7, batch_same_shape=True), True,
+            powersgd(rank=2, start_iter=3, seed=7, batch_same_shape=True),
+            True,
         ),
         "fp16_powersgd": (
-            dh.fp16_compress_wrapper(ps.powerSGD_hook), psgd(matrix_approximation_rank=1, start_powerSGD_iter=2),
-            chain(fp16_compress(), powersgd(rank=1, start_iter=2, seed=0), fp16_decompress()), True,
+            dh.fp16_compress_wrapper(ps.powerSGD_hook),
+            psgd(matrix_approximation_rank=1, start_powerSGD_iter=2),
+            chain(fp16_compress(), powersgd(rank=1, start_iter=2, seed=0), fp16_decompress()),
+            True,
         ),
         "batched_powersgd": (
-            ps.batched_powerSGD_hook, psgd(matrix_approximation_rank=1, start_powerSGD_iter=3, random_seed=7),
-            batched_powersgd(rank=1, start_iter=3, seed=7), True,
+            ps.batched_powerSGD_hook,
+            psgd(matrix_approximation_rank=1, start_powerSGD_iter=3, random_seed=7),
+            batched_powersgd(rank=1, start_iter=3, seed=7),
+            True,
         ),
     }
 
@@ -284,9 +298,7 @@ def _against_ddp(rank, world):
             layout = tuple(reversed([n for n, _ in _mlp().named_parameters()]))
             cap = 0.004  # several buckets in flight; elementwise averages do not depend on bucketing
         fdp_history, buckets = _run_fdp(rank, hook, layout, cap, lr)
-        diff = max(
-            (fdp[n] - ddp[n]).abs().max().item() for fdp, ddp in zip(fdp_history, ddp_history) for n in ddp
-        )
+        diff = max((fdp[n] - ddp[n]).abs().max().item() for fdp, ddp in zip(fdp_history, ddp_history) for n in ddp)
         final = fdp_history[-1]
         if case == "allreduce":
             reference = final
@@ -313,7 +325,10 @@ def _on_two_ranks(rank, world):
     plan = _plan([("w1", (16, 12)), ("b1", (16,)), ("w2", (7, 5)), ("w3", (40,))], cap_mb=0.0008)
     gen = torch.Generator().manual_seed(rank)
     dense, sparse = allreduce(), topk(ratio=1.0)
-    dense_states, sparse_states = tuple(dense.init(b) for b in plan.buckets), tuple(sparse.init(b) for b in plan.buckets)
+    dense_states, sparse_states = (
+        tuple(dense.init(b) for b in plan.buckets),
+        tuple(sparse.init(b) for b in plan.buckets),
+    )
     same = []
     for _ in range(5):
         flats = tuple(torch.randn(b.numel, generator=gen) for b in plan.buckets)
@@ -352,8 +367,14 @@ def _on_two_ranks(rank, world):
         digests.append(hashlib.sha256(b"".join(f.numpy().tobytes() for f in flats)).hexdigest())
         finite = finite and all(bool(torch.isfinite(f).all()) for f in flats)
         sent.append(comm.take_counters())
-    out["many_buckets"] = {"buckets": len(plan), "nbytes": plan.nbytes, "digests": digests, "sent": sent,
-                           "finite": finite, "iterations": [s.iteration for s in states]}
+    out["many_buckets"] = {
+        "buckets": len(plan),
+        "nbytes": plan.nbytes,
+        "digests": digests,
+        "sent": sent,
+        "finite": finite,
+        "iterations": [s.iteration for s in states],
+    }
 
     # int8 through the runtime, several buckets in flight: outputs, final errors and bytes of every step.
     plan = _plan(INT8_SHAPES, cap_mb=0.0003)
@@ -373,7 +394,9 @@ def _on_two_ranks(rank, world):
     out["lowbit"] = {}
     for format in LOWBIT_FORMATS:
         comm.take_counters()
-        result, _ = run_hook(lowbit(format, block=16), lowbit(format, block=16).init(bucket), GradBucket(0, g, bucket), comm)
+        result, _ = run_hook(
+            lowbit(format, block=16), lowbit(format, block=16).init(bucket), GradBucket(0, g, bucket), comm
+        )
         out["lowbit"][format] = (_nearest_code(g, format, 16), result.buffer, comm.take_counters())
     return out
 
@@ -421,17 +444,33 @@ def _int8_gradients(plan, world=2):
 
 
 MANY_BUCKET_SHAPES = [
-    ("emb", (50, 8)), ("conv1", (8, 3, 3, 3)), ("conv1.b", (8,)), ("conv2", (16, 8, 3, 3)), ("conv2.b", (16,)),
-    ("fc1", (32, 144)), ("fc1.b", (32,)), ("fc2", (32, 32)), ("fc3", (32, 32)), ("ln", (32,)), ("scale", ()),
-    ("head", (10, 32)), ("head.b", (10,)),
+    ("emb", (50, 8)),
+    ("conv1", (8, 3, 3, 3)),
+    ("conv1.b", (8,)),
+    ("conv2", (16, 8, 3, 3)),
+    ("conv2.b", (16,)),
+    ("fc1", (32, 144)),
+    ("fc1.b", (32,)),
+    ("fc2", (32, 32)),
+    ("fc3", (32, 32)),
+    ("ln", (32,)),
+    ("scale", ()),
+    ("head", (10, 32)),
+    ("head.b", (10,)),
 ]
 
 
 # ----------------------------------------------------------------------------- against DDP
 
 DDP_CASES = [
-    "allreduce", "fp16", "bf16", "powersgd_rank2", "powersgd_rank3_qr_cold", "powersgd_batch_same_shape",
-    "fp16_powersgd", "batched_powersgd",
+    "allreduce",
+    "fp16",
+    "bf16",
+    "powersgd_rank2",
+    "powersgd_rank3_qr_cold",
+    "powersgd_batch_same_shape",
+    "fp16_powersgd",
+    "batched_powersgd",
 ]
 
 
@@ -527,7 +566,8 @@ def _error_feedback_run(hook, error_feedback):
 
 
 @pytest.mark.parametrize(
-    "make", [lambda ef: powersgd(rank=1, start_iter=0, error_feedback=ef), lambda ef: topk(ratio=0.05, error_feedback=ef)],
+    "make",
+    [lambda ef: powersgd(rank=1, start_iter=0, error_feedback=ef), lambda ef: topk(ratio=0.05, error_feedback=ef)],
     ids=["powersgd", "topk"],
 )
 def test_error_feedback_keeps_the_sum_of_updates_on_the_sum_of_gradients(make):
@@ -602,8 +642,9 @@ def test_powersgd_start_iter_averages_exactly_then_compresses():
     assert state.draws == 1  # warm start: one random Q, at the first compressed step
     # A run resumed with a later start_iter than it was begun with still draws its first Q.
     late = powersgd(rank=1, start_iter=1)
-    out, state = run_hook(late, powersgd(rank=1, start_iter=100).init(bucket)._replace(iteration=50),
-                          GradBucket(0, g, bucket), Comm())
+    out, state = run_hook(
+        late, powersgd(rank=1, start_iter=100).init(bucket)._replace(iteration=50), GradBucket(0, g, bucket), Comm()
+    )
     assert state.draws == 1 and torch.linalg.matrix_rank(out.buffer.view(32, 32)).item() == 1
 
 
@@ -616,9 +657,14 @@ def test_powersgd_zero_gradient_stays_zero_instead_of_nan():
 
 @pytest.mark.parametrize(
     "make",
-    [lambda: powersgd(rank=2, start_iter=1, warm_start=False), lambda: batched_powersgd(start_iter=1),
-     lambda: chain(fp16_compress(), powersgd(rank=2, start_iter=1), fp16_decompress()), lambda: topk(ratio=0.1),
-     lambda: int8(), lambda: lowbit("fp4", block=32)],
+    [
+        lambda: powersgd(rank=2, start_iter=1, warm_start=False),
+        lambda: batched_powersgd(start_iter=1),
+        lambda: chain(fp16_compress(), powersgd(rank=2, start_iter=1), fp16_decompress()),
+        lambda: topk(ratio=0.1),
+        lambda: int8(),
+        lambda: lowbit("fp4", block=32),
+    ],
     ids=["powersgd_cold", "batched_powersgd", "fp16_powersgd", "topk", "int8", "lowbit_fp4"],
 )
 def test_state_saved_and_loaded_resumes_bit_identically(tmp_path, make):
@@ -644,8 +690,14 @@ def test_state_saved_and_loaded_resumes_bit_identically(tmp_path, make):
         assert all(_same(a, b) for a, b in zip(out, expected))
 
 
-@pytest.mark.parametrize("make", [lambda: powersgd(rank=1, start_iter=0, warm_start=False),
-                                  lambda: batched_powersgd(start_iter=0, warm_start=False)], ids=["powersgd", "batched"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: powersgd(rank=1, start_iter=0, warm_start=False),
+        lambda: batched_powersgd(start_iter=0, warm_start=False),
+    ],
+    ids=["powersgd", "batched"],
+)
 def test_state_holds_no_functorch_wrapper_when_the_chain_starts_inside_backward(make):
     """The overlap schedule starts a bucket's chain from a tensor hook inside torch.func.grad,
     where every new tensor is wrapped for the transform; the chain is resumed after the
@@ -883,8 +935,10 @@ def _yields_a_tensor(grads, comm):
 @pytest.mark.parametrize(
     "stage,needles",
     [
-        (Hook(lambda b: (), _returns_the_bucket_alone), ["chain[1] (_returns_the_bucket_alone)", "GradBucket alone",
-                                                          "(grads, state)"]),
+        (
+            Hook(lambda b: (), _returns_the_bucket_alone),
+            ["chain[1] (_returns_the_bucket_alone)", "GradBucket alone", "(grads, state)"],
+        ),
         (stateless(_forgets_to_yield), ["chain[1] (_forgets_to_yield)", "Pending", "yield it"]),
         (stateless(_uses_a_pending), ["'Pending' object has no attribute 'div_'", "yield"]),
         (stateless(_yields_a_tensor), ["chain[1] (_yields_a_tensor) yielded a Tensor", "Pending"]),
@@ -902,7 +956,15 @@ def test_a_misbehaving_stage_is_named_in_one_line(stage, needles):
 
 
 def test_a_bare_hook_that_returns_the_bucket_alone_is_named_by_the_train_step():
-    from fdp import cross_entropy_loss, functionalize, init_train_state, make_train_step, plan_buckets, planner_loss, sgd
+    from fdp import (
+        cross_entropy_loss,
+        functionalize,
+        init_train_state,
+        make_train_step,
+        plan_buckets,
+        planner_loss,
+        sgd,
+    )
 
     model, params, buffers = functionalize(nn.Linear(4, 3))
     loss_fn = cross_entropy_loss(model)
@@ -928,8 +990,9 @@ def test_optimizer_and_hook_chains_refuse_each_others_members():
 # -- hooks=custom: a user's own factory ---------------------------------------------------------------------------
 def _unshardable_clip(max_norm: float = 1.0):
     """A user's hook that does not declare ``shardable``: refused where ZeRO scatters the bucket."""
-    return chain(stateless(lambda grads, comm: grads._replace(buffer=grads.buffer.clamp(-max_norm, max_norm))),
-                 allreduce())
+    return chain(
+        stateless(lambda grads, comm: grads._replace(buffer=grads.buffer.clamp(-max_norm, max_norm))), allreduce()
+    )
 
 
 @pytest.fixture
@@ -949,21 +1012,39 @@ def test_a_custom_hook_is_built_from_its_target_with_its_settings(my_project):
     assert build_hook({"chain": [{"name": "custom", "_target_": "my_project.hooks.clip_then_allreduce"}]}).shardable
 
 
-@pytest.mark.parametrize("spec, message", [
-    ({"_target_": "my_project.nothing.make"}, r"^hooks\._target_='my_project\.nothing\.make': module my_project has no "
-                                              r"attribute 'nothing'$"),
-    ({"_target_": "my_project.optim.lion"}, r"^hooks\._target_='my_project\.optim\.lion': returned an optimizer "
-                                            r"\(GradientTransformation\); expected an fdp\.hooks\.Hook"),
-    ({"_target_": "fdp.hooks.fp16_compress", "max_norm": 1.0}, r"^hooks\._target_='fdp\.hooks\.fp16_compress': "
-                                                               r"fp16_compress\(\) got an unexpected keyword argument"),
-    ({"_target_": "my_project.hooks.clip_then_allreduce", "max_norm": -1},
-     r"^hooks\._target_=.*: max_norm=-1: expected"),
-    ({"_target_": "test_hooks.stateless"},
-     r"^hooks\._target_='test_hooks\.stateless': stateless\(\) missing 1 required"),
-    ({"_target_": "torch.nn.Identity"}, r"^hooks\._target_='torch\.nn\.Identity': returned a Identity; expected"),
-    ({"_target_": "???"},
-     r"^hooks\._target_: missing; hooks=custom needs the dotted path to a factory returning a Hook"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (
+            {"_target_": "my_project.nothing.make"},
+            r"^hooks\._target_='my_project\.nothing\.make': module my_project has no "
+            r"attribute 'nothing'$",
+        ),
+        (
+            {"_target_": "my_project.optim.lion"},
+            r"^hooks\._target_='my_project\.optim\.lion': returned an optimizer "
+            r"\(GradientTransformation\); expected an fdp\.hooks\.Hook",
+        ),
+        (
+            {"_target_": "fdp.hooks.fp16_compress", "max_norm": 1.0},
+            r"^hooks\._target_='fdp\.hooks\.fp16_compress': "
+            r"fp16_compress\(\) got an unexpected keyword argument",
+        ),
+        (
+            {"_target_": "my_project.hooks.clip_then_allreduce", "max_norm": -1},
+            r"^hooks\._target_=.*: max_norm=-1: expected",
+        ),
+        (
+            {"_target_": "test_hooks.stateless"},
+            r"^hooks\._target_='test_hooks\.stateless': stateless\(\) missing 1 required",
+        ),
+        ({"_target_": "torch.nn.Identity"}, r"^hooks\._target_='torch\.nn\.Identity': returned a Identity; expected"),
+        (
+            {"_target_": "???"},
+            r"^hooks\._target_: missing; hooks=custom needs the dotted path to a factory returning a Hook",
+        ),
+    ],
+)
 def test_a_custom_hook_that_does_not_import_or_returns_no_hook_is_refused_in_one_line(my_project, spec, message):
     with pytest.raises(ValueError, match=message) as error:
         build_hook({"name": "custom", **spec})
@@ -981,6 +1062,8 @@ def test_a_custom_hook_s_shardable_declaration_decides_zero_stages_two_and_three
     validate(compose(*base, undeclared, "trainer.zero_stage=1"))  # stage 1 reduces whole buckets
     with pytest.raises(ConfigError, match=r"^trainer\.zero_stage=2: hooks 'chain' need the whole reduced bucket"):
         validate(compose(*base, undeclared, "trainer.zero_stage=2"))
+
+
 # ----------------------------------------------------------------------------- low-bit codes
 
 
@@ -996,7 +1079,7 @@ def test_lowbit_rounds_to_the_nearest_code_within_its_bound(format):
     step = {"int8": 0.5, "int4": 0.5, "fp4": 1.0}  # half the widest gap of the grid, in units of the scale
     block_scale = scales.repeat_interleave(64)[: x.numel()]
     if format == "fp8":
-        bound = torch.maximum(x.abs() / 16, block_scale * 2.0 ** -10)
+        bound = torch.maximum(x.abs() / 16, block_scale * 2.0**-10)
     else:
         bound = block_scale * step[format]
     assert bool(((x - got).abs() <= bound * (1 + 1e-6)).all())

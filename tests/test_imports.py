@@ -1,4 +1,5 @@
 """fdp's imports point down: no cycle, and every module imports only those the module map lists above it."""
+
 from __future__ import annotations
 
 import ast
@@ -56,7 +57,7 @@ def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(edges[node]):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state and (found := visit(nxt)):
                 return found
         path.pop()

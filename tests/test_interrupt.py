@@ -5,6 +5,7 @@ until the ranks are training (``ranks/rank<N>.txt``), signals them as a terminal
 scheduler or SLURM would, and checks the one line, the exit status, the checkpoint of
 the step every rank stopped at, and that no process of the run is left behind.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,12 +23,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from fdp.dist.interrupt import GRACE_S, Burst, StopSignals, StoppedAtOnce, check_requeue_signal, exit_code, requeue_job
+from fdp.dist.interrupt import GRACE_S, Burst, StoppedAtOnce, StopSignals, check_requeue_signal, exit_code, requeue_job
 from fdp.run.rundir import RankStatus
 
 ROOT = Path(__file__).resolve().parents[1]
-LONG = ["model.hidden=16", "data.global_batch_size=16", "trainer.max_steps=1000000", "trainer.eval_every=0",
-        "trainer.checkpoint_every=0", "trainer.log_every=1", "trainer.progress=false"]
+LONG = [
+    "model.hidden=16",
+    "data.global_batch_size=16",
+    "trainer.max_steps=1000000",
+    "trainer.eval_every=0",
+    "trainer.checkpoint_every=0",
+    "trainer.log_every=1",
+    "trainer.progress=false",
+]
 
 
 def start(run_dir, *overrides, env=None, wrapper=()):
@@ -35,9 +43,17 @@ def start(run_dir, *overrides, env=None, wrapper=()):
     under ``wrapper`` (a command that runs it as its child: ``timeout``, ``srun``)."""
     tag = uuid.uuid4().hex
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FDP_TEST_TAG": tag, **(env or {})}
-    command = [*wrapper, sys.executable, str(ROOT / "recipes" / "train.py"), *LONG, *overrides, f"hydra.run.dir={run_dir}"]
-    proc = subprocess.Popen(command,
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    command = [
+        *wrapper,
+        sys.executable,
+        str(ROOT / "recipes" / "train.py"),
+        *LONG,
+        *overrides,
+        f"hydra.run.dir={run_dir}",
+    ]
+    proc = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     proc.tag = tag
     return proc
 
@@ -82,8 +98,10 @@ def checkpoint_step(run_dir, name="last.pt"):
 
 
 def interrupted_line(step, signame, run_dir):
-    return (f"fdp: interrupted at step {step} by {signame}; checkpoint {run_dir}/checkpoints/last.pt; "
-            f"resume with trainer.resume=true hydra.run.dir={run_dir}")
+    return (
+        f"fdp: interrupted at step {step} by {signame}; checkpoint {run_dir}/checkpoints/last.pt; "
+        f"resume with trainer.resume=true hydra.run.dir={run_dir}"
+    )
 
 
 def test_ctrl_c_on_one_process_stops_at_a_step_with_a_checkpoint_and_one_line(tmp_path):
@@ -139,7 +157,8 @@ def test_a_second_signal_stops_a_stuck_local_world_at_once(tmp_path):
     assert proc.returncode == 130, err[-3000:]
     step = checkpoint_step(tmp_path)
     assert step % 5 == 0 and lines(err) == [
-        f"fdp: stopped at once by a second SIGINT; the last checkpoint is step {step} ({tmp_path}/checkpoints/last.pt)"]
+        f"fdp: stopped at once by a second SIGINT; the last checkpoint is step {step} ({tmp_path}/checkpoints/last.pt)"
+    ]
 
 
 @pytest.mark.parametrize("world", ["single", "local2"])
@@ -204,10 +223,20 @@ def test_slurms_warning_signal_stops_both_tasks_checkpoints_and_requeues_the_job
         port = s.getsockname()[1]
     procs = []
     for rank in range(2):
-        env = {"SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0",
-               "SLURM_TASKS_PER_NODE": "2", "SLURM_JOB_NODELIST": "127.0.0.1", "SLURM_JOB_ID": "4242",
-               "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NAME": "train.sbatch", "MASTER_PORT": str(port),
-               "GLOO_SOCKET_IFNAME": "lo", "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+        env = {
+            "SLURM_PROCID": str(rank),
+            "SLURM_NTASKS": "2",
+            "SLURM_LOCALID": str(rank),
+            "SLURM_NODEID": "0",
+            "SLURM_TASKS_PER_NODE": "2",
+            "SLURM_JOB_NODELIST": "127.0.0.1",
+            "SLURM_JOB_ID": "4242",
+            "SLURM_JOB_NUM_NODES": "1",
+            "SLURM_JOB_NAME": "train.sbatch",
+            "MASTER_PORT": str(port),
+            "GLOO_SOCKET_IFNAME": "lo",
+            "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        }
         procs.append(start(run_dir, "world=slurm", "world.timeout_s=30", env=env))
     for proc in procs:
         wait_training(proc, run_dir, ranks=(0, 1))

@@ -1,6 +1,7 @@
 """Starting and joining worlds: spawn with start_method="fork" (functions that cannot be pickled,
 from ``python -c`` or notebook cells, train data-parallel and fail as under spawn), and a launched
 process that is never silently a world of one."""
+
 import json
 import subprocess
 import sys
@@ -9,8 +10,8 @@ import textwrap
 import pytest
 import torch
 
-from fdp.run.config import ConfigError, compose
 from fdp.dist.launch import WorldLayout, init_distributed, spawn
+from fdp.run.config import ConfigError, compose
 from fdp.run.world import layout_of
 
 # Everything below runs in `python -c`: `train` and `fail` live in __main__, which a spawned
@@ -106,7 +107,12 @@ def test_a_forked_rank_that_raises_or_dies_is_one_line_naming_it(forked):
     message, rank, signal_name, seconds = out["raise"]
     assert (message, rank, signal_name) == ("a cell's own error (rank 1)", 1, None)
     message, rank, signal_name, seconds = out["kill"]
-    assert rank == 1 and signal_name == "SIGKILL" and message.startswith("rank 1 (pid ") and message.endswith("was killed by SIGKILL")
+    assert (
+        rank == 1
+        and signal_name == "SIGKILL"
+        and message.startswith("rank 1 (pid ")
+        and message.endswith("was killed by SIGKILL")
+    )
     assert seconds < 25  # the surviving rank was stopped, not waited for (it sleeps 30 s)
     assert "Traceback" not in stderr  # the launcher's own logging of the failures was quieted
 
@@ -121,7 +127,9 @@ def test_fork_after_cuda_was_initialised_is_refused_before_anything_starts(monke
 
 
 def test_an_unknown_start_method_is_refused():
-    with pytest.raises(ConfigError, match=r"^start_method='thread': expected one of \('spawn', 'fork', 'forkserver'\)$"):
+    with pytest.raises(
+        ConfigError, match=r"^start_method='thread': expected one of \('spawn', 'fork', 'forkserver'\)$"
+    ):
         spawn(print, (), WorldLayout("elastic", nproc_per_node=2, start_method="thread"))
 
 
@@ -148,5 +156,8 @@ def test_launcher_none_alone_or_under_a_launch_of_one_is_a_world_of_one(monkeypa
 
 def test_the_trainer_names_its_config_key_instead(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
-    with pytest.raises(ConfigError, match=r"^world=single is a world of one, but this process was started as one of WORLD_SIZE=4: expected world=torchrun$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^world=single is a world of one, but this process was started as one of WORLD_SIZE=4: expected world=torchrun$",
+    ):
         layout_of(compose("world=single"))

@@ -1,5 +1,6 @@
 """fdp.dist.launchers: each launcher answers what depends on how the ranks were started, a new one is
 one class and one registry entry, and no module but fdp.dist.launchers compares a launcher's name."""
+
 from __future__ import annotations
 
 import ast
@@ -10,18 +11,25 @@ from typing import Mapping
 import pytest
 
 import fdp
-from fdp.run.config import compose
-from fdp.errors import ConfigError
 from fdp.dist.interrupt import stop_signal_names
 from fdp.dist.launch import launch_rank
 from fdp.dist.launchers import LAUNCHERS, Launched, Launcher, launcher_of, register_launcher
 from fdp.dist.shrink import launched_world
+from fdp.errors import ConfigError
+from fdp.run.config import compose
 from fdp.run.validate import validate
 from fdp.run.world import layout_of, placement_of
 
 TORCHRUN = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
-SLURM = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
-         "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "81234"}
+SLURM = {
+    "SLURM_PROCID": "3",
+    "SLURM_NTASKS": "4",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "1",
+    "SLURM_TASKS_PER_NODE": "2(x2)",
+    "SLURM_JOB_NODELIST": "gpu[07-08]",
+    "SLURM_JOB_ID": "81234",
+}
 
 
 def test_each_launcher_answers_from_its_environment():
@@ -39,7 +47,11 @@ def test_each_launcher_answers_from_its_environment():
     # Who starts the processes, who forms a group, who keeps a lost rank's process to the end.
     answers = [(k.spawned, k.starts_ranks, k.joins_group, k.lost_rank_stays) for k in (none, elastic, torchrun, slurm)]
     assert answers == [
-        (False, False, False, False), (True, False, True, False), (False, True, True, True), (False, True, True, True)]
+        (False, False, False, False),
+        (True, False, True, False),
+        (False, True, True, True),
+        (False, True, True, True),
+    ]
     # The environment torch's rendezvous reads: SLURM's made into torch's variables.
     assert slurm.environ(SLURM)["RANK"] == "3" and slurm.environ(SLURM)["MASTER_ADDR"] == "gpu07"
     assert torchrun.environ(TORCHRUN) == {} and elastic.local_only({}) and not torchrun.local_only(TORCHRUN)
@@ -53,8 +65,11 @@ def test_each_launcher_answers_from_its_environment():
 
 
 def test_an_unknown_launcher_is_one_line_naming_the_setting_and_the_registered_ones():
-    with pytest.raises(ConfigError, match=r"^world\.launcher='mpirun': expected one of \('none', 'elastic', "
-                                          r"'torchrun', 'slurm'\)$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^world\.launcher='mpirun': expected one of \('none', 'elastic', "
+        r"'torchrun', 'slurm'\)$",
+    ):
         validate(compose("world.launcher=mpirun"))
 
 
@@ -76,15 +91,22 @@ class OpenMPI(Launcher):
         return int(environ["OMPI_COMM_WORLD_SIZE"]) // local, local
 
     def environ(self, environ: Mapping[str, str]) -> dict[str, str]:
-        return {"RANK": environ["OMPI_COMM_WORLD_RANK"], "WORLD_SIZE": environ["OMPI_COMM_WORLD_SIZE"],
-                "LOCAL_RANK": environ["OMPI_COMM_WORLD_LOCAL_RANK"]}
+        return {
+            "RANK": environ["OMPI_COMM_WORLD_RANK"],
+            "WORLD_SIZE": environ["OMPI_COMM_WORLD_SIZE"],
+            "LOCAL_RANK": environ["OMPI_COMM_WORLD_LOCAL_RANK"],
+        }
 
 
 def test_a_new_launcher_is_one_class_and_one_registry_entry(monkeypatch):
     monkeypatch.setattr(fdp.dist.launchers, "LAUNCHERS", dict(LAUNCHERS))  # registered for this test only
     register_launcher(OpenMPI)
-    for name, value in {"OMPI_COMM_WORLD_RANK": "6", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
-                        "OMPI_COMM_WORLD_LOCAL_RANK": "2"}.items():
+    for name, value in {
+        "OMPI_COMM_WORLD_RANK": "6",
+        "OMPI_COMM_WORLD_SIZE": "8",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "2",
+    }.items():
         monkeypatch.setenv(name, value)
     cfg = compose("world=torchrun", "world.launcher=openmpi", "world.accelerator=cpu")
     validate(cfg)  # accepted as a launcher that starts every rank: the world size is the launched processes'
@@ -106,8 +128,13 @@ def _names_compared(tree: ast.AST, source: str) -> list[str]:
             continue
         sides = [node.left, *node.comparators]
         names = [s.value for s in sides if isinstance(s, ast.Constant) and s.value in LAUNCHERS]
-        names += [e.value for s in sides if isinstance(s, (ast.Tuple, ast.List, ast.Set))
-                  for e in s.elts if isinstance(e, ast.Constant) and e.value in LAUNCHERS]
+        names += [
+            e.value
+            for s in sides
+            if isinstance(s, (ast.Tuple, ast.List, ast.Set))
+            for e in s.elts
+            if isinstance(e, ast.Constant) and e.value in LAUNCHERS
+        ]
         if names and any("launcher" in ast.get_source_segment(source, s) for s in sides):
             found.append(f"line {node.lineno}: {ast.get_source_segment(source, node)}")
         if any("LAUNCHERS" in ast.get_source_segment(source, s) for s in node.comparators):

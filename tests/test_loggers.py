@@ -1,17 +1,24 @@
 """Loggers beside metrics.jsonl: CSV and MLflow files a run writes, and the one-line refusals."""
+
 import csv
 import sys
 
 import pytest
 
-from fdp.run.config import compose
 from fdp.errors import ConfigError
+from fdp.run.config import compose
 from fdp.run.loggers import CsvLog, check_loggers, mlflow_uri
 from fdp.run.metrics import read_metrics
 from fdp.run.trainer import run
 from fdp.run.validate import validate
 
-SMALL = ["model=mlp", "model.hidden=32", "trainer.progress=false", "data.global_batch_size=32", "trainer.eval_batches=2"]
+SMALL = [
+    "model=mlp",
+    "model.hidden=32",
+    "trainer.progress=false",
+    "data.global_batch_size=32",
+    "trainer.eval_batches=2",
+]
 
 
 def test_csv_gains_columns_in_every_row_and_a_resumed_log_goes_on_in_the_same_file(tmp_path):
@@ -35,7 +42,13 @@ def test_csv_gains_columns_in_every_row_and_a_resumed_log_goes_on_in_the_same_fi
 def test_a_run_stopped_and_resumed_logs_to_csv_and_one_mlflow_run_with_its_settings(tmp_path):
     from mlflow.tracking import MlflowClient
 
-    settings = [*SMALL, "trainer.max_steps=4", "trainer.log_every=2", "trainer.eval_every=4", "trainer.loggers=[csv,mlflow]"]
+    settings = [
+        *SMALL,
+        "trainer.max_steps=4",
+        "trainer.log_every=2",
+        "trainer.eval_every=4",
+        "trainer.loggers=[csv,mlflow]",
+    ]
     run(compose(*settings, "trainer.stop_at=2"), tmp_path)
     run(compose(*settings, "trainer.resume=true"), tmp_path)  # goes on in the same files and MLflow run
     steps, summary = read_metrics(tmp_path)
@@ -55,8 +68,10 @@ def test_mlflow_not_installed_is_refused_in_one_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "mlflow", None)  # what `import mlflow` meets without the package
     with pytest.raises(ConfigError) as error:
         validate(compose("trainer.loggers=[csv,mlflow]"))
-    assert str(error.value) == ("trainer.loggers=[mlflow]: expected the mlflow package to be installed "
-                                "(pip install mlflow, or pip install -e '.[mlflow]')")
+    assert str(error.value) == (
+        "trainer.loggers=[mlflow]: expected the mlflow package to be installed "
+        "(pip install mlflow, or pip install -e '.[mlflow]')"
+    )
 
 
 def test_tensorboard_setting_is_the_tensorboard_logger():

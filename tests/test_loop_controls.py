@@ -1,5 +1,6 @@
 """Loop controls: max_epochs, max_time, early stopping, the best checkpoints and the moving average,
 on one rank and two, stopped and resumed."""
+
 import json
 import math
 import time
@@ -10,9 +11,9 @@ import torch
 from torch.utils.data import TensorDataset
 
 from fdp.comm import Comm
-from fdp.run.config import compose
 from fdp.data import StepSampler, as_map_data, load_digits
 from fdp.errors import ConfigError
+from fdp.run.config import compose
 from fdp.run.loop_controls import (
     Deadline,
     Monitor,
@@ -26,8 +27,15 @@ from fdp.run.rundir import RankStatus
 from fdp.run.trainer import run
 from fdp.run.validate import validate
 
-SMALL = ["model=mlp", "model.hidden=32", "trainer.progress=false", "data.global_batch_size=16",
-         "trainer.bucket_cap_mb=0.01", "trainer.first_bucket_cap_mb=0.005", "trainer.eval_batches=2"]
+SMALL = [
+    "model=mlp",
+    "model.hidden=32",
+    "trainer.progress=false",
+    "data.global_batch_size=16",
+    "trainer.bucket_cap_mb=0.01",
+    "trainer.first_bucket_cap_mb=0.005",
+    "trainer.eval_batches=2",
+]
 
 
 def checkpoint(run_dir, name="last.pt"):
@@ -101,10 +109,15 @@ def test_settings_are_refused_in_one_line_each():
 
 
 def test_a_monitor_the_evaluations_lack_is_refused_naming_the_metrics_they_have(tmp_path):
-    with pytest.raises(ConfigError, match=r"trainer.checkpoint_monitor='val_loss': expected a metric of the "
-                                          r"evaluations: .*test_acc, test_loss"):
-        run(compose(*SMALL, "trainer.max_steps=2", "trainer.eval_every=2", "trainer.checkpoint_monitor=val_loss"),
-            tmp_path)
+    with pytest.raises(
+        ConfigError,
+        match=r"trainer.checkpoint_monitor='val_loss': expected a metric of the "
+        r"evaluations: .*test_acc, test_loss",
+    ):
+        run(
+            compose(*SMALL, "trainer.max_steps=2", "trainer.eval_every=2", "trainer.checkpoint_monitor=val_loss"),
+            tmp_path,
+        )
 
 
 # -- max_time: rank 0's clock, every rank's step ------------------------------------------------------
@@ -126,24 +139,51 @@ def test_max_time_stops_every_rank_after_the_same_step(run_ranks):
 
 
 def test_max_time_stops_two_ranks_at_one_step_with_a_checkpoint_and_counts_across_resumes(tmp_path):
-    summary = run(compose(*SMALL, "world=local2", "trainer.max_steps=100000", "trainer.max_time=3",
-                          "trainer.log_every=1000", "trainer.checkpoint_every=0"), tmp_path)
+    summary = run(
+        compose(
+            *SMALL,
+            "world=local2",
+            "trainer.max_steps=100000",
+            "trainer.max_time=3",
+            "trainer.log_every=1000",
+            "trainer.checkpoint_every=0",
+        ),
+        tmp_path,
+    )
     steps = summary["steps"]
     assert summary["stopped"] == "max_time" and 1 <= steps < 100000
     assert checkpoint(tmp_path)["step"] == steps and 3.0 <= checkpoint(tmp_path)["loop"]["elapsed_s"] < 60
     assert RankStatus.read(tmp_path, 0)["step"] == RankStatus.read(tmp_path, 1)["step"] == steps
     # Resumed (here on one process): the time is spent already, so the run ends at once where it was.
-    again = run(compose(*SMALL, "trainer.max_steps=100000", "trainer.max_time=3", "trainer.resume=true",
-                        "trainer.log_every=1000", "trainer.checkpoint_every=0"), tmp_path)
+    again = run(
+        compose(
+            *SMALL,
+            "trainer.max_steps=100000",
+            "trainer.max_time=3",
+            "trainer.resume=true",
+            "trainer.log_every=1000",
+            "trainer.checkpoint_every=0",
+        ),
+        tmp_path,
+    )
     assert again["steps"] == steps and again["stopped"] == "max_time"
 
 
 # -- early stopping, the best checkpoints and the average on two ranks ---------------------------------
-CONTROLS = [*SMALL, "trainer.max_steps=12", "trainer.eval_every=2", "trainer.log_every=2", "trainer.ema_decay=0.8",
-            # min_delta so large that no evaluation after the first improves: the run stops at the third (step 6)
-            "trainer.early_stopping.monitor=test_loss", "trainer.early_stopping.patience=2",
-            "trainer.early_stopping.min_delta=100", "trainer.checkpoint_monitor=ema_test_loss", "trainer.keep_best=2",
-            "trainer.loggers=[csv]"]
+CONTROLS = [
+    *SMALL,
+    "trainer.max_steps=12",
+    "trainer.eval_every=2",
+    "trainer.log_every=2",
+    "trainer.ema_decay=0.8",
+    # min_delta so large that no evaluation after the first improves: the run stops at the third (step 6)
+    "trainer.early_stopping.monitor=test_loss",
+    "trainer.early_stopping.patience=2",
+    "trainer.early_stopping.min_delta=100",
+    "trainer.checkpoint_monitor=ema_test_loss",
+    "trainer.keep_best=2",
+    "trainer.loggers=[csv]",
+]
 
 
 def test_two_ranks_at_stage_3_stopped_and_resumed_end_like_one_process_uninterrupted(tmp_path):
@@ -162,7 +202,9 @@ def test_two_ranks_at_stage_3_stopped_and_resumed_end_like_one_process_uninterru
     assert b["loop"]["stopping_waited"] == 2 and len(b["loop"]["best"]) == 2
     assert abs(one["ema_test_loss"] - two["ema_test_loss"]) <= 1e-4
     # The two best by ema_test_loss, the same steps on both, each a whole checkpoint of its step.
-    names = [sorted(p.name for p in (tmp_path / run_dir / "checkpoints" / "best").iterdir()) for run_dir in ("one", "two")]
+    names = [
+        sorted(p.name for p in (tmp_path / run_dir / "checkpoints" / "best").iterdir()) for run_dir in ("one", "two")
+    ]
     steps = [int(name.split("-")[0].removeprefix("step=")) for name in names[0]]
     assert [n.split("-")[0] for n in names[0]] == [n.split("-")[0] for n in names[1]] and len(steps) == 2
     records = {r["step"]: r for r in read_metrics(tmp_path / "one")[0]}
@@ -178,12 +220,24 @@ def test_two_ranks_at_stage_3_stopped_and_resumed_end_like_one_process_uninterru
 
 def test_max_epochs_sets_the_run_and_its_schedule_from_the_shell_settings(tmp_path):
     # Checkpoints at steps 4 and 8 come before the one evaluation (at the end), which alone ranks.
-    summary = run(compose(*SMALL, "data.global_batch_size=128", "trainer.max_epochs=1", "trainer.log_every=1",
-                          "trainer.eval_every=0", "optim.lr_schedule=warmup_cosine", "optim.warmup_steps=0",
-                          "trainer.checkpoint_every=4", "trainer.checkpoint_monitor=test_acc"), tmp_path)
+    summary = run(
+        compose(
+            *SMALL,
+            "data.global_batch_size=128",
+            "trainer.max_epochs=1",
+            "trainer.log_every=1",
+            "trainer.eval_every=0",
+            "optim.lr_schedule=warmup_cosine",
+            "optim.warmup_steps=0",
+            "trainer.checkpoint_every=4",
+            "trainer.checkpoint_monitor=test_acc",
+        ),
+        tmp_path,
+    )
     assert summary["steps"] == math.ceil(1438 / 128) == 12
     assert [p.name for p in (tmp_path / "checkpoints" / "best").iterdir()] == [
-        f"step=12-test_acc={summary['test_acc']:.6g}.pt"]
+        f"step=12-test_acc={summary['test_acc']:.6g}.pt"
+    ]
     lrs = [r["lr"] for r in read_metrics(tmp_path)[0]]
     assert lrs[0] > 0.09 and lrs[-1] < 0.01  # the cosine decays over these 12 steps, not over max_steps=300
     assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["steps"] == 12

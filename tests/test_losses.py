@@ -1,15 +1,15 @@
 """Losses from config, against torch written out in the test."""
+
 import dataclasses
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from fdp import cross_entropy_loss
 from fdp.comm import Comm
-from fdp.run.config import ConfigError
 from fdp.data import split_micro_batches
 from fdp.model.functional import functionalize
-from fdp import cross_entropy_loss
 from fdp.model.losses import (
     TokenCrossEntropy,
     UnreadableOutput,
@@ -20,6 +20,7 @@ from fdp.model.losses import (
     mse,
     weigh_micro_batches,
 )
+from fdp.run.config import ConfigError
 
 
 def test_cross_entropy_equals_the_train_step_loss_to_the_bit():
@@ -40,7 +41,9 @@ def test_mse_refuses_shapes_that_would_broadcast():
 
 
 def test_build_loss_binds_settings_and_refuses_unknown_ones():
-    smoothed = build_loss({"name": "cross_entropy", "_target_": "fdp.model.losses.cross_entropy", "label_smoothing": 0.2})
+    smoothed = build_loss(
+        {"name": "cross_entropy", "_target_": "fdp.model.losses.cross_entropy", "label_smoothing": 0.2}
+    )
     logits, targets = torch.randn(8, 4), torch.randint(0, 4, (8,))
     assert torch.equal(smoothed(logits, targets), F.cross_entropy(logits, targets, label_smoothing=0.2))
     custom = build_loss({"name": "custom", "_target_": "torch.nn.functional.huber_loss", "delta": 0.5})
@@ -48,7 +51,10 @@ def test_build_loss_binds_settings_and_refuses_unknown_ones():
     with pytest.raises(ConfigError) as caught:
         build_loss({"name": "mse", "_target_": "fdp.model.losses.mse", "margin": 1.0})
     assert str(caught.value) == "loss=mse: got an unexpected keyword argument 'margin'"
-    with pytest.raises(ConfigError, match=r"^loss\._target_='torch\.nn\.functional\.nothing': module torch\.nn\.functional has no attribute"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^loss\._target_='torch\.nn\.functional\.nothing': module torch\.nn\.functional has no attribute",
+    ):
         build_loss({"name": "custom", "_target_": "torch.nn.functional.nothing"})
 
 
@@ -79,16 +85,26 @@ def test_built_in_losses_and_metrics_read_hugging_face_outputs_dicts_dataclasses
 
     logits, labels = torch.randn(6, 4), torch.randint(0, 4, (6,))
     expected = F.cross_entropy(logits, labels)
-    for outputs in (CausalLMOutputWithCrossAttentions(logits=logits), {"logits": logits}, _Output(logits), (logits, None)):
+    for outputs in (
+        CausalLMOutputWithCrossAttentions(logits=logits),
+        {"logits": logits},
+        _Output(logits),
+        (logits, None),
+    ):
         assert torch.equal(cross_entropy(outputs, labels), expected), type(outputs)
         assert batch_metrics(cross_entropy, outputs, labels) == batch_metrics(cross_entropy, logits, labels)
     assert torch.equal(mse(_Output(logits), logits + 1), torch.tensor(1.0))
-    for unreadable, what in [({"last_hidden_state": logits}, "a dict with no logits (entries: last_hidden_state)"),
-                             (_Output(None), "a _Output with no logits field"), ([None], "a list whose first element is a NoneType"),
-                             ("text", "a str")]:
+    for unreadable, what in [
+        ({"last_hidden_state": logits}, "a dict with no logits (entries: last_hidden_state)"),
+        (_Output(None), "a _Output with no logits field"),
+        ([None], "a list whose first element is a NoneType"),
+        ("text", "a str"),
+    ]:
         with pytest.raises(UnreadableOutput) as caught:
             cross_entropy(unreadable, labels)
-        assert str(caught.value).startswith(f"the model returns {what}; the built-in losses read") and "loss._target_" in str(caught.value)
+        assert str(caught.value).startswith(
+            f"the model returns {what}; the built-in losses read"
+        ) and "loss._target_" in str(caught.value)
         assert batch_metrics(lambda o, t: torch.tensor(0.0), unreadable, labels)[2:] == (0, 0)  # no accuracy to take
 
 
@@ -115,11 +131,14 @@ def test_token_cross_entropy_over_weighted_micro_batches_is_the_mean_over_every_
         weighted = torch.stack([loss_fn(params, buffers, m)[0] for m in micro]).mean()
         assert torch.allclose(weighted, reference, atol=1e-6, rtol=0)
         assert not torch.allclose(torch.stack(plain).mean(), reference, atol=1e-3)  # a mean of means is not
-        grad, = torch.autograd.grad(weighted, logits)
+        (grad,) = torch.autograd.grad(weighted, logits)
         assert torch.allclose(grad, torch.autograd.grad(reference, logits, retain_graph=True)[0], atol=1e-7)
     hits = (scored.argmax(-1) == targets) & (targets != -100)
-    assert batch_metrics(TokenCrossEntropy(shift=shift), logits, labels)[1:] == (int((targets != -100).sum()), int(hits.sum()),
-                                                                                  int((targets != -100).sum()))
+    assert batch_metrics(TokenCrossEntropy(shift=shift), logits, labels)[1:] == (
+        int((targets != -100).sum()),
+        int(hits.sum()),
+        int((targets != -100).sum()),
+    )
 
 
 def test_a_weighted_micro_batch_with_no_counted_token_adds_nothing():
@@ -132,12 +151,16 @@ def test_a_weighted_micro_batch_with_no_counted_token_adds_nothing():
 
 
 def test_build_loss_builds_a_loss_class_with_its_settings():
-    built = build_loss({"name": "causal_lm", "_target_": "fdp.model.losses.TokenCrossEntropy", "shift": 1, "ignore_index": -1})
+    built = build_loss(
+        {"name": "causal_lm", "_target_": "fdp.model.losses.TokenCrossEntropy", "shift": 1, "ignore_index": -1}
+    )
     assert isinstance(built, TokenCrossEntropy) and (built.shift, built.ignore_index) == (1, -1)
     smoothed = build_loss({"name": "custom", "_target_": "torch.nn.CrossEntropyLoss", "label_smoothing": 0.2})
     logits, targets = torch.randn(8, 4), torch.randint(0, 4, (8,))
     assert torch.equal(smoothed(logits, targets), F.cross_entropy(logits, targets, label_smoothing=0.2))
-    with pytest.raises(ConfigError, match=r"^loss\._target_='torch\.nn\.CrossEntropyLoss': .*unexpected keyword argument 'shift'"):
+    with pytest.raises(
+        ConfigError, match=r"^loss\._target_='torch\.nn\.CrossEntropyLoss': .*unexpected keyword argument 'shift'"
+    ):
         build_loss({"name": "custom", "_target_": "torch.nn.CrossEntropyLoss", "shift": 1})
     with pytest.raises(ConfigError, match=r"^loss=causal_lm: shift=-1: expected an integer >= 0"):
         build_loss({"name": "causal_lm", "_target_": "fdp.model.losses.TokenCrossEntropy", "shift": -1})

@@ -1,17 +1,24 @@
 """What a run reports: metrics.jsonl and, with trainer.tensorboard=true, TensorBoard scalars
 read back with TensorBoard's own event reader."""
+
 import sys
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from fdp.run.config import ConfigError, compose
-from fdp.run.validate import validate
 from fdp.run.metrics import MetricsLog, read_metrics
 from fdp.run.trainer import run
+from fdp.run.validate import validate
 
-SMALL = ["model.hidden=16", "data.global_batch_size=16", "trainer.progress=false", "trainer.max_steps=6",
-         "trainer.log_every=2", "trainer.eval_every=4"]
+SMALL = [
+    "model.hidden=16",
+    "data.global_batch_size=16",
+    "trainer.progress=false",
+    "trainer.max_steps=6",
+    "trainer.log_every=2",
+    "trainer.eval_every=4",
+]
 
 
 def scalars(log_dir):
@@ -52,6 +59,8 @@ def test_tensorboard_asked_for_but_not_installed_is_one_line_naming_the_setting_
     cfg = compose(*SMALL, "trainer.tensorboard=true")
     with pytest.raises(ConfigError) as caught:
         validate(cfg)
-    assert str(caught.value) == ("trainer.tensorboard=true: expected the tensorboard package to be installed "
-                                 "(pip install tensorboard, or pip install -e '.[tensorboard]')")
+    assert str(caught.value) == (
+        "trainer.tensorboard=true: expected the tensorboard package to be installed "
+        "(pip install tensorboard, or pip install -e '.[tensorboard]')"
+    )
     validate(compose(*SMALL))  # not asked for: no need for the package

@@ -4,8 +4,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import grad_and_value
 
-from fdp.model.functional import functionalize
 from fdp.model.builtin import MLP, CharTransformer, ConvNet, build_model, count_parameters
+from fdp.model.functional import functionalize
 
 torch.set_num_threads(1)
 
@@ -106,13 +106,27 @@ def _train(module, inputs, targets, lr, steps=30):
 @pytest.mark.parametrize(
     "name,kwargs,make_batch,lr",
     [
-        ("mlp", dict(in_features=64, hidden=32, depth=2, out_features=10),
-         lambda g: (torch.randn(16, 64, generator=g), torch.randint(0, 10, (16,), generator=g)), 0.3),
-        ("convnet", dict(width=8),
-         lambda g: (torch.randn(16, 1, 8, 8, generator=g), torch.randint(0, 10, (16,), generator=g)), 0.1),
-        ("charlm", dict(vocab_size=VOCAB, block_size=BLOCK, d_model=16, n_layer=2, n_head=2),
-         lambda g: (torch.randint(0, VOCAB, (4, BLOCK), generator=g),
-                    torch.randint(0, VOCAB, (4, BLOCK), generator=g)), 0.5),
+        (
+            "mlp",
+            dict(in_features=64, hidden=32, depth=2, out_features=10),
+            lambda g: (torch.randn(16, 64, generator=g), torch.randint(0, 10, (16,), generator=g)),
+            0.3,
+        ),
+        (
+            "convnet",
+            dict(width=8),
+            lambda g: (torch.randn(16, 1, 8, 8, generator=g), torch.randint(0, 10, (16,), generator=g)),
+            0.1,
+        ),
+        (
+            "charlm",
+            dict(vocab_size=VOCAB, block_size=BLOCK, d_model=16, n_layer=2, n_head=2),
+            lambda g: (
+                torch.randint(0, VOCAB, (4, BLOCK), generator=g),
+                torch.randint(0, VOCAB, (4, BLOCK), generator=g),
+            ),
+            0.5,
+        ),
     ],
 )
 def test_trains_under_torch_func(name, kwargs, make_batch, lr):

@@ -4,6 +4,7 @@ Building namespaces needs root and changes the host, so these tests cover what d
 whether and how a cluster is built: the settings, the one-line refusals, the torchrun
 environment of a node, and the relay's forwarding rules.
 """
+
 from __future__ import annotations
 
 import doctest
@@ -19,6 +20,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from _paths import pythonpath_first  # noqa: E402
+
 from benchmarks.netsim import cluster, projection, relay  # noqa: E402
 from benchmarks.netsim.cluster import NetsimError  # noqa: E402
 
@@ -27,8 +29,14 @@ def cli(*args: str, path: str | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=pythonpath_first(REPO))
     if path is not None:
         env["PATH"] = path
-    return subprocess.run([sys.executable, "-m", "benchmarks.netsim", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks.netsim", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 @pytest.mark.parametrize("module", [cluster, relay, projection])
@@ -44,9 +52,13 @@ def test_the_time_to_loss_model_holds_to_the_simulated_clusters_two_node_runs():
     import statistics
 
     for name, rate in (("slow_links", "1gbit"), ("slow_links_100mbit", "100mbit")):
-        rows = {r["variant"]: r for r in json.loads((REPO / "benchmarks" / "results" / f"{name}.json").read_text())["rows"]}
+        rows = {
+            r["variant"]: r for r in json.loads((REPO / "benchmarks" / "results" / f"{name}.json").read_text())["rows"]
+        }
         compute_ms = rows["local SGD H=16"]["median_ms"]  # a step without a sync
-        synced_ms = statistics.median(ms for i, ms in enumerate(rows["local SGD H=16"]["step_ms_all"], 1) if i % 16 == 0)
+        synced_ms = statistics.median(
+            ms for i, ms in enumerate(rows["local SGD H=16"]["step_ms_all"], 1) if i % 16 == 0
+        )
         for measured in (rows["DDP allreduce"]["median_ms"], synced_ms):
             check = projection.check_against(measured, compute_ms, 4 * 19.85e6, "allreduce", rate)
             assert 0.85 <= check["ratio"] <= 1.15, (name, check)
@@ -55,8 +67,10 @@ def test_the_time_to_loss_model_holds_to_the_simulated_clusters_two_node_runs():
     assert projection.collective_s("allgather", 1e6, 64, 1e6, 0) == 63
 
 
-@pytest.mark.parametrize("text,bps", [("1gbit", 10**9), ("2.5gbit", 2_500_000_000), ("100mbit", 10**8),
-                                      ("64kbit", 64_000), ("NONE", 0), ("0", 0)])
+@pytest.mark.parametrize(
+    "text,bps",
+    [("1gbit", 10**9), ("2.5gbit", 2_500_000_000), ("100mbit", 10**8), ("64kbit", 64_000), ("NONE", 0), ("0", 0)],
+)
 def test_rate_parses_tc_notation(text, bps):
     assert cluster.parse_rate(text) == bps
 
@@ -87,12 +101,16 @@ def _tools(tmp_path: Path, *names: str) -> str:
 
 def test_prerequisites_name_exactly_what_is_missing(tmp_path):
     only_ip = _tools(tmp_path, "ip")
-    assert cluster.missing_prerequisites(euid=0, path=only_ip) == \
-        "the simulated cluster needs iproute2 (`tc` is not on PATH)"
+    assert (
+        cluster.missing_prerequisites(euid=0, path=only_ip)
+        == "the simulated cluster needs iproute2 (`tc` is not on PATH)"
+    )
     both = _tools(tmp_path, "tc")
     assert cluster.missing_prerequisites(euid=0, path=both) is None
-    assert cluster.missing_prerequisites(euid=1000, path=both) == \
-        "the simulated cluster needs root (network namespaces, tc)"
+    assert (
+        cluster.missing_prerequisites(euid=1000, path=both)
+        == "the simulated cluster needs root (network namespaces, tc)"
+    )
 
 
 def test_cli_without_iproute2_refuses_in_one_line(tmp_path):
@@ -104,8 +122,15 @@ def test_cli_without_iproute2_refuses_in_one_line(tmp_path):
     assert ("root" in lines[0]) == (os.geteuid() != 0)
 
 
-@pytest.mark.parametrize("args,setting", [(["up", "0"], "nodes"), (["up", "2", "--rate", "fast"], "rate"),
-                                          (["up", "2", "--delay", "soon"], "delay"), (["run", "2"], "no command")])
+@pytest.mark.parametrize(
+    "args,setting",
+    [
+        (["up", "0"], "nodes"),
+        (["up", "2", "--rate", "fast"], "rate"),
+        (["up", "2", "--delay", "soon"], "delay"),
+        (["run", "2"], "no command"),
+    ],
+)
 def test_cli_bad_arguments_exit_2_in_one_line(args, setting, tmp_path):
     proc = cli(*args, path=str(tmp_path))  # refused before anything on PATH is needed
     lines = proc.stderr.strip().splitlines()

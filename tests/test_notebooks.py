@@ -4,6 +4,7 @@ Each notebook reads ``FDP_NOTEBOOK_SMALL=1`` in its size cell and shrinks to a s
 (a few steps, one or two two-rank runs). Most of the time goes into starting the two-rank runs'
 workers (about 10-30 s each on two CPU cores).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -31,9 +32,7 @@ def test_notebook_runs_small_and_draws_its_figures(name, tmp_path, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # the notebooks' run directories land here
     monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
     nb = _read(name)
-    client = NotebookClient(
-        nb, timeout=240, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}}
-    )
+    client = NotebookClient(nb, timeout=240, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}})
     client.execute()  # raises CellExecutionError, naming the cell, if any cell fails
     outputs = [out for cell in _code_cells(nb) for out in cell.outputs]
     assert not [out for out in outputs if out.output_type == "error"]

@@ -1,4 +1,5 @@
 """fdp.optim against torch.optim on real training runs, plus purity, schedules, errors, state I/O."""
+
 from __future__ import annotations
 
 import math
@@ -67,7 +68,12 @@ def _run_pair(make_torch, fdp_opt, steps=STEPS, clip=None, scheduler=None, dtype
             updates, state = fdp_opt.update(grads, state, params)
             params = fo.apply_updates(params, updates)
         fdp_lrs.append(fo.current_lr(state))
-    return init, dict(model.named_parameters()), params, {"norms": torch_norms, "torch_lrs": torch_lrs, "fdp_lrs": fdp_lrs}
+    return (
+        init,
+        dict(model.named_parameters()),
+        params,
+        {"norms": torch_norms, "torch_lrs": torch_lrs, "fdp_lrs": fdp_lrs},
+    )
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -149,7 +155,8 @@ def test_adamw_with_warmup_cosine_matches_lambda_lr():
         fo.adamw(fo.warmup_cosine_schedule(peak, warmup, decay, end), weight_decay=0.05),
         steps=steps,
         scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda s: _reference_lr(s, peak, warmup, decay, end)),
+            opt, lambda s: _reference_lr(s, peak, warmup, decay, end)
+        ),
     )
     assert _max_diff(torch_params, fdp_params) <= TOL
     assert _max_diff(torch_params, init) > 1e-3
@@ -174,7 +181,9 @@ PURE = {
     "adam_wd": lambda: fo.adam(1e-2, weight_decay=0.1),
     "adamw": lambda: fo.adamw(1e-2),
     "clip_sgd": lambda: fo.chain(fo.clip_by_global_norm(0.1), fo.sgd(0.1, momentum=0.9)),
-    "clip_adamw_schedule": lambda: fo.chain(fo.clip_by_global_norm(0.1), fo.adamw(fo.warmup_cosine_schedule(1e-2, 2, 10))),
+    "clip_adamw_schedule": lambda: fo.chain(
+        fo.clip_by_global_norm(0.1), fo.adamw(fo.warmup_cosine_schedule(1e-2, 2, 10))
+    ),
 }
 
 
@@ -232,7 +241,9 @@ def test_donate_falls_back_where_fused_kernels_do_not_apply():
     grads = {"a": torch.tensor([1.0, 1.0]), "b": torch.tensor([2.0], dtype=torch.float64)}
     new, _ = fo.apply_gradients(opt, grads, opt.init(params), params, donate=True)
     assert new["a"] is not params["a"] and torch.equal(params["a"], torch.tensor([1.0, 2.0]))  # pure path
-    assert torch.allclose(new["a"], torch.tensor([0.9, 1.9])) and torch.allclose(new["b"], torch.tensor([0.8], dtype=torch.float64))
+    assert torch.allclose(new["a"], torch.tensor([0.9, 1.9])) and torch.allclose(
+        new["b"], torch.tensor([0.8], dtype=torch.float64)
+    )
 
 
 def test_state_does_not_alias_grads():
@@ -362,8 +373,8 @@ def test_state_round_trips_through_torch_save(name, tmp_path):
 
 def test_the_adamw_preset_warms_up_over_a_tenth_of_any_run():
     """optim=adamw once warmed up over a fixed 30 steps, refusing every shorter run (a 20-step smoke test)."""
-    from fdp.run.config import compose
     from fdp.optim import build_optimizer
+    from fdp.run.config import compose
     from fdp.run.validate import validate
 
     params = {"w": torch.zeros(3)}
@@ -376,11 +387,17 @@ def test_the_adamw_preset_warms_up_over_a_tenth_of_any_run():
             _, state = opt.update({"w": torch.ones(3)}, state, params)
             rates.append(fo.current_lr(state))
         assert max(rates) == pytest.approx(cfg.optim.lr) and rates.index(max(rates)) == warmup, rates
-    cfg = compose("optim=adamw", "trainer.max_steps=20", "optim.warmup_steps=5")  # steps of one's own win over the ratio
+    cfg = compose(
+        "optim=adamw", "trainer.max_steps=20", "optim.warmup_steps=5"
+    )  # steps of one's own win over the ratio
     opt = build_optimizer(dict(cfg.optim), 20)
     assert opt.init(params) is not None
-    with pytest.raises(ValueError, match=r"^optim\.warmup_ratio=1\.5: expected a fraction of trainer\.max_steps in \[0, 1\)$"):
+    with pytest.raises(
+        ValueError, match=r"^optim\.warmup_ratio=1\.5: expected a fraction of trainer\.max_steps in \[0, 1\)$"
+    ):
         build_optimizer({**cfg.optim, "warmup_ratio": 1.5}, 20)
+
+
 # ------------------------------------------------------------------- schedules from config
 
 
@@ -402,19 +419,30 @@ def test_schedules_without_warmup_match_torch_lr_schedulers():
     steps, peak, end = 40, 0.5, 0.05
     # Up to the run's end: torch's cosine goes up again past T_max, where fdp's stays at its end value.
     assert _rates(fo.warmup_cosine_schedule(peak, 0, 30, end), 31) == pytest.approx(
-        _torch_rates(lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=30, eta_min=end), 31, peak),
-        rel=1e-9)
+        _torch_rates(lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=30, eta_min=end), 31, peak), rel=1e-9
+    )
     assert _rates(fo.warmup_cosine_schedule(peak, 0, 30, end), steps)[30:] == [end] * 10
     # Past total_iters the linear ones stay at their end value, as torch's do.
     assert _rates(fo.warmup_linear_schedule(peak, 0, 30, end), steps) == pytest.approx(
         _torch_rates(lambda o: torch.optim.lr_scheduler.LinearLR(o, 1.0, end / peak, total_iters=30), steps, peak),
-        rel=1e-9)
+        rel=1e-9,
+    )
     # wsd: ConstantLR's factor 1 for the stable part, then LinearLR's decay (SequentialLR starts it at step 24).
     assert _rates(fo.wsd_schedule(peak, 0, 30, decay_fraction=0.2, end_value=end), steps) == pytest.approx(
-        _torch_rates(lambda o: torch.optim.lr_scheduler.SequentialLR(o, [
-            torch.optim.lr_scheduler.ConstantLR(o, factor=1.0, total_iters=24),
-            torch.optim.lr_scheduler.LinearLR(o, 1.0, end / peak, total_iters=6)], milestones=[24]), steps, peak),
-        rel=1e-9)
+        _torch_rates(
+            lambda o: torch.optim.lr_scheduler.SequentialLR(
+                o,
+                [
+                    torch.optim.lr_scheduler.ConstantLR(o, factor=1.0, total_iters=24),
+                    torch.optim.lr_scheduler.LinearLR(o, 1.0, end / peak, total_iters=6),
+                ],
+                milestones=[24],
+            ),
+            steps,
+            peak,
+        ),
+        rel=1e-9,
+    )
 
 
 def test_schedules_with_warmup_take_their_closed_form_values():
@@ -422,33 +450,52 @@ def test_schedules_with_warmup_take_their_closed_form_values():
     ramp = [peak * t / warmup for t in range(warmup)]  # 0 at the first update, as Hugging Face's schedulers
     assert _rates(fo.warmup_constant_schedule(peak, warmup), 30) == pytest.approx(ramp + [peak] * 26)
     linear = _rates(fo.warmup_linear_schedule(peak, warmup, steps, end), 30)
-    assert linear == pytest.approx(ramp + [end + (peak - end) * (steps - t) / (steps - warmup) for t in range(4, 24)]
-                                   + [end] * 6)
+    assert linear == pytest.approx(
+        ramp + [end + (peak - end) * (steps - t) / (steps - warmup) for t in range(4, 24)] + [end] * 6
+    )
     # Hugging Face's get_linear_schedule_with_warmup, as a LambdaLR factor: max(0, (N - t) / (N - W)) after W.
-    hf = _torch_rates(lambda o: torch.optim.lr_scheduler.LambdaLR(
-        o, lambda t: t / warmup if t < warmup else max(0.0, (steps - t) / (steps - warmup))), 30, peak)
+    hf = _torch_rates(
+        lambda o: torch.optim.lr_scheduler.LambdaLR(
+            o, lambda t: t / warmup if t < warmup else max(0.0, (steps - t) / (steps - warmup))
+        ),
+        30,
+        peak,
+    )
     assert _rates(fo.warmup_linear_schedule(peak, warmup, steps), 30) == pytest.approx(hf, rel=1e-12, abs=1e-15)
     wsd = _rates(fo.wsd_schedule(peak, warmup, steps, decay_fraction=0.25, end_value=end), 30)
-    assert wsd == pytest.approx(ramp + [peak] * 14 + [end + (peak - end) * (24 - t) / 6 for t in range(18, 24)]
-                                + [end] * 6)
+    assert wsd == pytest.approx(
+        ramp + [peak] * 14 + [end + (peak - end) * (24 - t) / 6 for t in range(18, 24)] + [end] * 6
+    )
     assert fo.wsd_schedule(1.0, 10, 12, decay_fraction=0.5)(10) == 1.0  # the decay never starts inside the warm-up
 
 
 @pytest.mark.parametrize("name", ["constant", "warmup_constant", "warmup_linear", "warmup_cosine", "wsd"])
 def test_every_schedule_is_built_from_config_and_logged(name):
-    opt = fo.build_optimizer({"name": "sgd", "lr": 0.1, "momentum": 0.0, "lr_schedule": name, "warmup_steps": 2,
-                              "end_lr": 0.01, "decay_fraction": 0.5}, max_steps=10)
+    opt = fo.build_optimizer(
+        {
+            "name": "sgd",
+            "lr": 0.1,
+            "momentum": 0.0,
+            "lr_schedule": name,
+            "warmup_steps": 2,
+            "end_lr": 0.01,
+            "decay_fraction": 0.5,
+        },
+        max_steps=10,
+    )
     params, rates = {"w": torch.zeros(2)}, []
     state = opt.init(params)
     for _ in range(10):
         updates, state = opt.update({"w": torch.ones(2)}, state, params)
         rates.append(-float(updates["w"][0]))  # SGD without momentum: the update is -lr * grad
         assert fo.current_lr(state) == pytest.approx(rates[-1])
-    expected = {"constant": [0.1] * 10, "warmup_constant": [0.0, 0.05] + [0.1] * 8,
-                "warmup_linear": [0.0, 0.05] + [0.01 + 0.09 * (10 - t) / 8 for t in range(2, 10)],
-                "warmup_cosine": [0.0, 0.05] + [0.01 + 0.09 * (1 + math.cos(math.pi * (t - 2) / 8)) / 2
-                                                for t in range(2, 10)],
-                "wsd": [0.0, 0.05, 0.1, 0.1, 0.1] + [0.01 + 0.09 * (10 - t) / 5 for t in range(5, 10)]}[name]
+    expected = {
+        "constant": [0.1] * 10,
+        "warmup_constant": [0.0, 0.05] + [0.1] * 8,
+        "warmup_linear": [0.0, 0.05] + [0.01 + 0.09 * (10 - t) / 8 for t in range(2, 10)],
+        "warmup_cosine": [0.0, 0.05] + [0.01 + 0.09 * (1 + math.cos(math.pi * (t - 2) / 8)) / 2 for t in range(2, 10)],
+        "wsd": [0.0, 0.05, 0.1, 0.1, 0.1] + [0.01 + 0.09 * (10 - t) / 5 for t in range(5, 10)],
+    }[name]
     assert rates == pytest.approx(expected)
 
 
@@ -477,18 +524,26 @@ def _lm_grads(module, params, step):
 
 
 DECAY_CASES = {  # torch.optim with two param groups against the config's optimizer and decay_filter
-    "adamw_weights": (lambda groups: torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.5),
-                      {"name": "adamw", "lr": 1e-2, "weight_decay": 0.5, "decay_filter": "weights"},
-                      {"fc.weight", "head.weight"}),
-    "adamw_patterns": (lambda groups: torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.5),
-                       {"name": "adamw", "lr": 1e-2, "weight_decay": 0.5, "decay_filter": ["*.bias", "norm.*"]},
-                       {"fc.weight", "head.weight", "embed.weight"}),
-    "adam_l2_weights": (lambda groups: torch.optim.Adam(groups, lr=1e-2, weight_decay=0.5),
-                        {"name": "adam", "lr": 1e-2, "weight_decay": 0.5, "decay_filter": "weights"},
-                        {"fc.weight", "head.weight"}),
-    "sgd_weights": (lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9, weight_decay=0.5),
-                    {"name": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.5, "decay_filter": "weights"},
-                    {"fc.weight", "head.weight"}),
+    "adamw_weights": (
+        lambda groups: torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.5),
+        {"name": "adamw", "lr": 1e-2, "weight_decay": 0.5, "decay_filter": "weights"},
+        {"fc.weight", "head.weight"},
+    ),
+    "adamw_patterns": (
+        lambda groups: torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.5),
+        {"name": "adamw", "lr": 1e-2, "weight_decay": 0.5, "decay_filter": ["*.bias", "norm.*"]},
+        {"fc.weight", "head.weight", "embed.weight"},
+    ),
+    "adam_l2_weights": (
+        lambda groups: torch.optim.Adam(groups, lr=1e-2, weight_decay=0.5),
+        {"name": "adam", "lr": 1e-2, "weight_decay": 0.5, "decay_filter": "weights"},
+        {"fc.weight", "head.weight"},
+    ),
+    "sgd_weights": (
+        lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9, weight_decay=0.5),
+        {"name": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.5, "decay_filter": "weights"},
+        {"fc.weight", "head.weight"},
+    ),
 }
 
 
@@ -499,8 +554,10 @@ def test_decay_filter_equals_torch_param_groups_without_decay(name, donate):
     module = _TinyLM()
     assert fo.embedding_names(module) == {"embed.weight"}
     init = {k: p.detach().clone() for k, p in module.named_parameters()}
-    groups = [{"params": [p for k, p in module.named_parameters() if k in decayed]},
-              {"params": [p for k, p in module.named_parameters() if k not in decayed], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for k, p in module.named_parameters() if k in decayed]},
+        {"params": [p for k, p in module.named_parameters() if k not in decayed], "weight_decay": 0.0},
+    ]
     reference = make_torch(groups)
     opt, params = fo.build_optimizer(spec, max_steps=10, embeddings=fo.embedding_names(module)), dict(init)
     state = opt.init(params)
@@ -529,8 +586,10 @@ def test_decay_filter_equals_torch_param_groups_without_decay(name, donate):
 
 
 def test_decay_filter_refusals_name_the_setting():
-    for value, message in (("nobias", r"^optim\.decay_filter='nobias': expected all or weights, or a list"),
-                           ([], r"^optim\.decay_filter=\[\]: expected all or weights, or a non-empty list")):
+    for value, message in (
+        ("nobias", r"^optim\.decay_filter='nobias': expected all or weights, or a list"),
+        ([], r"^optim\.decay_filter=\[\]: expected all or weights, or a non-empty list"),
+    ):
         with pytest.raises(ValueError, match=message):
             fo.build_optimizer({"name": "adamw", "decay_filter": value}, max_steps=10)
 
@@ -546,8 +605,17 @@ def my_project(monkeypatch):
 
 
 def test_a_custom_optimizer_gets_the_schedule_and_the_decay_rule_of_the_shared_settings(my_project):
-    spec = {"name": "custom", "_target_": "my_project.optim.lion", "b1": 0.5, "weight_decay": 1.0, "lr": 0.1,
-            "lr_schedule": "warmup_linear", "warmup_steps": 1, "decay_filter": ["*.bias"], "clip_norm": 1.0}
+    spec = {
+        "name": "custom",
+        "_target_": "my_project.optim.lion",
+        "b1": 0.5,
+        "weight_decay": 1.0,
+        "lr": 0.1,
+        "lr_schedule": "warmup_linear",
+        "warmup_steps": 1,
+        "decay_filter": ["*.bias"],
+        "clip_norm": 1.0,
+    }
     opt = fo.build_optimizer(spec, max_steps=3)
     params = {"fc.weight": torch.ones(2), "fc.bias": torch.ones(2)}
     state = opt.init(params)
@@ -556,28 +624,46 @@ def test_a_custom_optimizer_gets_the_schedule_and_the_decay_rule_of_the_shared_s
         updates, state = opt.update({k: torch.full((2,), 30.0) for k in params}, state, params)
         steps.append({k: float(u[0]) for k, u in updates.items()})
     # Rates 0, 0.1, 0.05 (warm-up, then linear to 0 at step 3); Lion steps -lr * sign(...); the weight also decays.
-    assert steps == [pytest.approx({"fc.weight": 0.0, "fc.bias": 0.0}),
-                     pytest.approx({"fc.weight": -0.1 - 0.1, "fc.bias": -0.1}),
-                     pytest.approx({"fc.weight": -0.05 - 0.05, "fc.bias": -0.05})]
+    assert steps == [
+        pytest.approx({"fc.weight": 0.0, "fc.bias": 0.0}),
+        pytest.approx({"fc.weight": -0.1 - 0.1, "fc.bias": -0.1}),
+        pytest.approx({"fc.weight": -0.05 - 0.05, "fc.bias": -0.05}),
+    ]
     assert fo.current_lr(state) == pytest.approx(0.05)  # a state of one's own with an lr field is logged too
 
 
-@pytest.mark.parametrize("spec, message", [
-    ({"_target_": "my_project.optim.nothing"}, r"^optim\._target_='my_project\.optim\.nothing': module "
-                                               r"my_project\.optim has no attribute 'nothing'$"),
-    ({"_target_": "my_project.hooks.clip_then_allreduce"},
-     r"^optim\._target_='my_project\.hooks\.clip_then_allreduce': returned a reduction hook \(fdp\.hooks\.Hook\); "
-     r"expected a GradientTransformation"),
-    ({"_target_": "torch.optim.AdamW"},
-     r"^optim\._target_='torch\.optim\.AdamW': a torch\.optim optimizer, which steps"),
-    ({"_target_": "my_project.optim.lion", "b1": 1.5},
-     r"^optim\._target_='my_project\.optim\.lion': b1=1\.5: expected"),
-    ({"_target_": "my_project.optim.lion", "b3": 0.5},
-     r"^optim\._target_=.*: lion\(\) got an unexpected keyword argument"),
-    ({"_target_": "fdp.optim.clip_by_global_norm", "max_norm": 1.0, "decay_filter": "weights"},
-     r"^optim\.decay_filter: fdp\.optim\.clip_by_global_norm takes no decay_mask argument"),
-    ({}, r"^optim\._target_: missing; optim=custom needs the dotted path to a factory returning a "),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (
+            {"_target_": "my_project.optim.nothing"},
+            r"^optim\._target_='my_project\.optim\.nothing': module "
+            r"my_project\.optim has no attribute 'nothing'$",
+        ),
+        (
+            {"_target_": "my_project.hooks.clip_then_allreduce"},
+            r"^optim\._target_='my_project\.hooks\.clip_then_allreduce': returned a reduction hook \(fdp\.hooks\.Hook\); "
+            r"expected a GradientTransformation",
+        ),
+        (
+            {"_target_": "torch.optim.AdamW"},
+            r"^optim\._target_='torch\.optim\.AdamW': a torch\.optim optimizer, which steps",
+        ),
+        (
+            {"_target_": "my_project.optim.lion", "b1": 1.5},
+            r"^optim\._target_='my_project\.optim\.lion': b1=1\.5: expected",
+        ),
+        (
+            {"_target_": "my_project.optim.lion", "b3": 0.5},
+            r"^optim\._target_=.*: lion\(\) got an unexpected keyword argument",
+        ),
+        (
+            {"_target_": "fdp.optim.clip_by_global_norm", "max_norm": 1.0, "decay_filter": "weights"},
+            r"^optim\.decay_filter: fdp\.optim\.clip_by_global_norm takes no decay_mask argument",
+        ),
+        ({}, r"^optim\._target_: missing; optim=custom needs the dotted path to a factory returning a "),
+    ],
+)
 def test_a_custom_optimizer_that_is_not_importable_or_no_optimizer_is_refused_in_one_line(my_project, spec, message):
     with pytest.raises(ValueError, match=message) as error:
         fo.build_optimizer({"name": "custom", **spec}, max_steps=10)
@@ -589,8 +675,11 @@ def test_a_decay_rule_by_name_is_refused_at_zero_stages():
     from fdp.run.validate import validate
 
     validate(compose("world=local2", "optim=adamw", "optim.decay_filter=weights"))
-    with pytest.raises(ConfigError, match=r"^trainer\.zero_stage=1: the optimizer exempts params from weight decay "
-                                          r"by name, which ZeRO's flat slices of buckets do not keep; expected "):
+    with pytest.raises(
+        ConfigError,
+        match=r"^trainer\.zero_stage=1: the optimizer exempts params from weight decay "
+        r"by name, which ZeRO's flat slices of buckets do not keep; expected ",
+    ):
         validate(compose("world=local2", "optim=adamw", "optim.decay_filter=weights", "trainer.zero_stage=1"))
 
 
@@ -608,13 +697,23 @@ def test_resuming_another_length_is_refused_for_every_schedule_that_spans_the_ru
 def test_a_run_built_from_config_exempts_the_model_s_embeddings_tied_head_included():
     """``optim.decay_filter=weights`` through ``fdp.run.build``: the charlm's token and position embeddings (the head is
     tied to the first) and its norms and biases take no weight decay, its linear weights do."""
-    from fdp.run.build import build_run
     from fdp.comm import Comm
+    from fdp.run.build import build_run
     from fdp.run.config import compose
 
-    cfg = compose("model=charlm", "data=stdlib_text", "model.d_model=16", "model.n_layer=1", "model.n_head=2",
-                  "data.block_size=8", "data.max_chars=4000", "optim=adamw", "optim.lr_schedule=constant",
-                  "optim.decay_filter=weights", "optim.weight_decay=0.5")
+    cfg = compose(
+        "model=charlm",
+        "data=stdlib_text",
+        "model.d_model=16",
+        "model.n_layer=1",
+        "model.n_head=2",
+        "data.block_size=8",
+        "data.max_chars=4000",
+        "optim=adamw",
+        "optim.lr_schedule=constant",
+        "optim.decay_filter=weights",
+        "optim.weight_decay=0.5",
+    )
     parts = build_run(cfg, Comm())
     params = parts.state.params
     zeros = {k: torch.zeros_like(p) for k, p in params.items()}  # AdamW's step is then the decay alone

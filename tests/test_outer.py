@@ -1,4 +1,5 @@
 """The outer loop (local SGD, DiLoCo) against plain torch, and resumed in the middle of a period."""
+
 import dataclasses
 import os
 import signal
@@ -10,17 +11,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from fdp import Comm, adam, functionalize, init_train_state, plan_buckets, sgd
-from fdp.run.config import ConfigError, DiLoCoConfig, LocalSGDConfig, compose
-from fdp.run.validate import validate
-from fdp.hooks import allreduce
-from fdp.step.outer import check_outer, fragment_offsets, init_outer_state, make_outer_step, sending_fragment
-from fdp.plan import pack_into_buckets, split_fragments
-from fdp.hooks import lowbit
-from fdp import cross_entropy_loss, planner_loss
+from fdp import Comm, adam, cross_entropy_loss, functionalize, init_train_state, plan_buckets, planner_loss, sgd
 from fdp.dist.launch import spawn
+from fdp.hooks import allreduce, lowbit
+from fdp.plan import pack_into_buckets, split_fragments
+from fdp.run.config import ConfigError, DiLoCoConfig, LocalSGDConfig, compose
 from fdp.run.trainer import run, train_worker
+from fdp.run.validate import validate
 from fdp.run.world import layout_of
+from fdp.step.outer import check_outer, fragment_offsets, init_outer_state, make_outer_step, sending_fragment
 
 STEPS = 8
 
@@ -47,7 +46,9 @@ def _fdp(spec, optimizer, rank, donate, hook=None, steps=STEPS):
     loss_fn = cross_entropy_loss(model)
     batches = _batches(rank, steps)
     # Small caps: several buckets, so the pseudo-gradient crosses the plan as gradients do.
-    plan = plan_buckets(planner_loss(loss_fn, buffers), params, batches[0], bucket_cap_mb=0.0002, first_bucket_cap_mb=0.0001)
+    plan = plan_buckets(
+        planner_loss(loss_fn, buffers), params, batches[0], bucket_cap_mb=0.0002, first_bucket_cap_mb=0.0001
+    )
     assert len(plan.buckets) > 1
     hook = hook or allreduce()
     state = init_train_state(params, buffers, optimizer, plan, hook)
@@ -198,12 +199,14 @@ def _overlapped(rank, world):
     steps = 12
     diloco = _outer("diloco", sync_every=3, start_step=1, overlap=2)
     diloco_params, trace, state = _fdp(diloco, adam(0.01), rank, donate=True, steps=steps)
-    diloco_reference = _torch_delayed_outer(rank, world, lambda p: torch.optim.Adam(p, lr=0.01),
-                                            dict(lr=0.7, momentum=0.9, nesterov=True), 3, 1, 2, steps)
+    diloco_reference = _torch_delayed_outer(
+        rank, world, lambda p: torch.optim.Adam(p, lr=0.01), dict(lr=0.7, momentum=0.9, nesterov=True), 3, 1, 2, steps
+    )
     local = _outer("local_sgd", sync_every=4, overlap=3)
     local_params, _, _ = _fdp(local, sgd(0.1, momentum=0.9), rank, donate=False, steps=steps)
-    local_reference = _torch_delayed_outer(rank, world, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
-                                           dict(lr=1.0), 4, 0, 3, steps)
+    local_reference = _torch_delayed_outer(
+        rank, world, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), dict(lr=1.0), 4, 0, 3, steps
+    )
     return _diff(diloco_params, diloco_reference), _diff(local_params, local_reference), trace, state.outer.syncs
 
 
@@ -262,8 +265,9 @@ def _fragment_names(spec, rank):
     """The fragments' param names as the plan of ``_fdp`` splits them."""
     model, params, buffers = functionalize(_module())
     loss_fn = cross_entropy_loss(model)
-    plan = plan_buckets(planner_loss(loss_fn, buffers), params, _batches(rank, 1)[0], bucket_cap_mb=0.0002,
-                        first_bucket_cap_mb=0.0001)
+    plan = plan_buckets(
+        planner_loss(loss_fn, buffers), params, _batches(rank, 1)[0], bucket_cap_mb=0.0002, first_bucket_cap_mb=0.0001
+    )
     split = split_fragments(plan, spec.fragments)
     names = [[n for i in buckets for n in plan.buckets[i].names] for buckets in split]
     return [[n for n in params if n in group] for group in names], [[plan.buckets[i].numel for i in b] for b in split]
@@ -273,14 +277,19 @@ def _streaming(rank, world):
     steps, out = 12, {}
     cases = {
         # Two fragments spread over the period, each sent behind the next step, progress kept.
-        "strided": (_outer("diloco", sync_every=4, fragments=2, overlap=1), True,
-                    {2: 0, 4: 1, 6: 0, 8: 1, 10: 0, 12: 1}),
+        "strided": (
+            _outer("diloco", sync_every=4, fragments=2, overlap=1),
+            True,
+            {2: 0, 4: 1, 6: 0, 8: 1, 10: 0, 12: 1},
+        ),
         # Three fragments on consecutive steps, applied at once and mixed half and half.
-        "sequential": (_outer("diloco", sync_every=6, fragments=3, fragment_schedule="sequential", mix=0.5), False,
-                       {4: 0, 5: 1, 6: 2, 10: 0, 11: 1, 12: 2}),
+        "sequential": (
+            _outer("diloco", sync_every=6, fragments=3, fragment_schedule="sequential", mix=0.5),
+            False,
+            {4: 0, 5: 1, 6: 2, 10: 0, 11: 1, 12: 2},
+        ),
         # Sent behind two steps and mixed as torchft does (alpha=0: the local steps since are dropped).
-        "mixed": (_outer("diloco", sync_every=6, fragments=2, overlap=2, mix=0.0), True,
-                  {3: 0, 6: 1, 9: 0, 12: 1}),
+        "mixed": (_outer("diloco", sync_every=6, fragments=2, overlap=2, mix=0.0), True, {3: 0, 6: 1, 9: 0, 12: 1}),
     }
     for name, (spec, donate, sends) in cases.items():
         params, trace, state = _fdp(spec, adam(0.01), rank, donate=donate, steps=steps)
@@ -306,8 +315,11 @@ def streaming(run_ranks):
 
 
 def test_fragments_are_contiguous_runs_of_buckets_balanced_by_size():
-    plan = pack_into_buckets([(f"w{i}", (n,), "float32", "cpu") for i, n in enumerate([10, 10, 10, 10, 40, 5, 5])],
-                             bucket_cap_mb=16 / 2**20, first_bucket_cap_mb=16 / 2**20)
+    plan = pack_into_buckets(
+        [(f"w{i}", (n,), "float32", "cpu") for i, n in enumerate([10, 10, 10, 10, 40, 5, 5])],
+        bucket_cap_mb=16 / 2**20,
+        first_bucket_cap_mb=16 / 2**20,
+    )
     assert [len(b.names) for b in plan.buckets] == [1] * 7
     assert split_fragments(plan, 2) == (range(0, 4), range(4, 7))  # 40 | 50 entries
     assert split_fragments(plan, 3) == (range(0, 4), range(4, 5), range(5, 7))  # 40 | 40 | 10: no run over 40
@@ -351,9 +363,18 @@ def test_fp4_outer_gradients_send_each_fragment_alone_and_keep_ranks_agreed(stre
 
 
 # -- resume in the middle of a period ----------------------------------------------------
-RUN = ["model.hidden=16", "data.global_batch_size=16", "trainer.progress=false", "trainer.eval_every=0",
-       "world=local2", "world.backend=gloo", "world.timeout_s=60", "trainer.max_steps=10",
-       "outer=diloco", "outer.sync_every=4"]
+RUN = [
+    "model.hidden=16",
+    "data.global_batch_size=16",
+    "trainer.progress=false",
+    "trainer.eval_every=0",
+    "world=local2",
+    "world.backend=gloo",
+    "world.timeout_s=60",
+    "trainer.max_steps=10",
+    "outer=diloco",
+    "outer.sync_every=4",
+]
 POWERSGD = ["hooks=powersgd", "hooks.start_iter=1", "hooks.min_compression_rate=1"]
 
 
@@ -366,8 +387,14 @@ def _checkpoint(run_dir):
 VARIANTS = {
     "overlap0": [*POWERSGD, "outer.overlap=0"],
     "overlap3": [*POWERSGD, "outer.overlap=3"],
-    "streaming": ["outer.fragments=2", "outer.overlap=1", "hooks=lowbit", "hooks.block=16",
-                  "trainer.bucket_cap_mb=0.002", "trainer.first_bucket_cap_mb=0.001"],
+    "streaming": [
+        "outer.fragments=2",
+        "outer.overlap=1",
+        "hooks=lowbit",
+        "hooks.block=16",
+        "trainer.bucket_cap_mb=0.002",
+        "trainer.first_bucket_cap_mb=0.001",
+    ],
 }
 
 
@@ -393,7 +420,7 @@ def _assert_each_rank_as_uninterrupted(whole, parts):
                 assert torch.equal(parts["ranks"][rank][key][name], value), (rank, key, name)
         for key in ("outer", "opt_state", "hook_state"):
             for a, b in zip(whole["ranks"][rank][key], parts["ranks"][rank][key], strict=True):
-                assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), (rank, key)
+                assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, (rank, key)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -410,7 +437,9 @@ def test_resume_in_the_middle_of_a_period_is_bit_exact(tmp_path, uninterrupted, 
     halfway = _checkpoint(tmp_path)
     assert halfway["step"] == 6
     # Mid-period the ranks have stepped apart, and each rank's own params were saved.
-    assert any(not torch.equal(halfway["ranks"][0]["params"][k], halfway["ranks"][1]["params"][k]) for k in halfway["params"])
+    assert any(
+        not torch.equal(halfway["ranks"][0]["params"][k], halfway["ranks"][1]["params"][k]) for k in halfway["params"]
+    )
     run(compose(*runs, "trainer.resume=true"), tmp_path)
     _assert_each_rank_as_uninterrupted(uninterrupted(variant), _checkpoint(tmp_path))
 
@@ -447,15 +476,27 @@ def test_a_restarted_world_keeps_the_schedule_with_a_sync_in_flight(tmp_path, un
         (["outer=local_sgd", "outer.sync_every=0"], "outer.sync_every=0: expected an integer >= 1"),
         (["outer=diloco", "outer.start_step=-1"], "outer.start_step=-1: expected an integer >= 0"),
         (["outer=diloco", "outer.momentum=1.5"], "outer.momentum=1.5: expected a value in [0, 1)"),
-        (["outer=local_sgd", "outer.sync_every=4", "outer.overlap=4"], "outer.overlap=4: expected an integer in [0, outer.sync_every=4)"),
-        (["outer=diloco", "outer.sync_every=4", "outer.fragments=5"], "outer.fragments=5: expected an integer in [1, outer.sync_every=4]"),
-        (["outer=diloco", "outer.fragments=2", "outer.fragment_schedule=random"],
-         "outer.fragment_schedule='random': expected strided or sequential"),
-        (["outer=diloco", "outer.sync_every=16", "outer.fragments=4", "outer.overlap=4"],
-         "outer.overlap=4: expected an integer in [0, 4, the steps between fragment syncs of outer.fragments=4 "
-         "outer.fragment_schedule=strided)"),
-        (["outer=diloco", "outer.fragments=4", "outer.fragment_schedule=sequential", "outer.overlap=1"],
-         "outer.overlap=1: expected an integer in [0, 1, the steps between fragment syncs"),
+        (
+            ["outer=local_sgd", "outer.sync_every=4", "outer.overlap=4"],
+            "outer.overlap=4: expected an integer in [0, outer.sync_every=4)",
+        ),
+        (
+            ["outer=diloco", "outer.sync_every=4", "outer.fragments=5"],
+            "outer.fragments=5: expected an integer in [1, outer.sync_every=4]",
+        ),
+        (
+            ["outer=diloco", "outer.fragments=2", "outer.fragment_schedule=random"],
+            "outer.fragment_schedule='random': expected strided or sequential",
+        ),
+        (
+            ["outer=diloco", "outer.sync_every=16", "outer.fragments=4", "outer.overlap=4"],
+            "outer.overlap=4: expected an integer in [0, 4, the steps between fragment syncs of outer.fragments=4 "
+            "outer.fragment_schedule=strided)",
+        ),
+        (
+            ["outer=diloco", "outer.fragments=4", "outer.fragment_schedule=sequential", "outer.overlap=1"],
+            "outer.overlap=1: expected an integer in [0, 1, the steps between fragment syncs",
+        ),
         (["outer=local_sgd", "outer.mix=1.5"], "outer.mix=1.5: expected null or a number in [0, 1]"),
         (["hooks=lowbit", "hooks.format=fp2"], "hooks.format='fp2': expected int8, fp8, int4, fp4"),
     ],
@@ -468,5 +509,6 @@ def test_bad_outer_settings_are_refused_in_one_line(overrides, message):
 
 def test_an_outer_step_needs_an_outer_schedule():
     with pytest.raises(ValueError, match="outer=none"):
-        make_outer_step(lambda *a: None, sgd(0.1), pack_into_buckets([("w", (2,), "float32", "cpu")]),
-                        check_outer({"name": "none"}))
+        make_outer_step(
+            lambda *a: None, sgd(0.1), pack_into_buckets([("w", (2,), "float32", "cpu")]), check_outer({"name": "none"})
+        )

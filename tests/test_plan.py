@@ -4,6 +4,7 @@ Expected values come from elsewhere than the code under test: gradient-ready ord
 a plain ``loss.backward()`` with hooks written here (the planner uses ``torch.func.grad``),
 packing from hand computation or from the defining properties of the greedy rule.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,11 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from _paths import pythonpath_first
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from _paths import pythonpath_first
 from fdp.model.functional import functionalize
 from fdp.plan import Bucket, BucketPlan, ParamSlot, gradient_ready_order, pack_into_buckets, plan_buckets
 
@@ -138,8 +139,13 @@ def test_packing_properties(order, first, cap, n_unused):
 
 def test_packing_hand_computed():
     # float32 sizes in bytes: a=8, b=8, c=12, d=40, e=4; first cap 16 B, then 20 B.
-    order = [("a", (2,), "float32", "cpu"), ("b", (2,), "float32", "cpu"), ("c", (3,), "float32", "cpu"),
-             ("d", (10,), "float32", "cpu"), ("e", (1,), "float32", "cpu")]
+    order = [
+        ("a", (2,), "float32", "cpu"),
+        ("b", (2,), "float32", "cpu"),
+        ("c", (3,), "float32", "cpu"),
+        ("d", (10,), "float32", "cpu"),
+        ("e", (1,), "float32", "cpu"),
+    ]
     plan = pack_into_buckets(order, bucket_cap_mb=20 / MiB, first_bucket_cap_mb=16 / MiB)
     # a+b = 16 fits the first cap; c opens a 20 B bucket; d (40 B) alone, over the cap; e alone after it.
     assert [b.names for b in plan.buckets] == [("a", "b"), ("c",), ("d",), ("e",)]
@@ -149,12 +155,17 @@ def test_packing_hand_computed():
 
 def test_packing_interleaved_dtypes_hand_computed():
     # One open bucket per dtype; a bucket's index is set by when its last tensor is ready.
-    order = [("h1", (4,), "float16", "cpu"), ("f1", (4,), "float32", "cpu"), ("f2", (4,), "float32", "cpu"),
-             ("h2", (4,), "float16", "cpu"), ("f3", (2,), "float32", "cpu")]
+    order = [
+        ("h1", (4,), "float16", "cpu"),
+        ("f1", (4,), "float32", "cpu"),
+        ("f2", (4,), "float32", "cpu"),
+        ("h2", (4,), "float16", "cpu"),
+        ("f3", (2,), "float32", "cpu"),
+    ]
     # f32 first cap 16 B: f1 alone (16 B), then f2+f3 = 24 B <= 32 B. f16: h1+h2 = 16 B <= 16 B.
     plan = pack_into_buckets(order, bucket_cap_mb=32 / MiB, first_bucket_cap_mb=16 / MiB)
     assert [(b.dtype, b.names) for b in plan.buckets] == [
-        ("float32", ("f1",)),     # last tensor ready at position 1
+        ("float32", ("f1",)),  # last tensor ready at position 1
         ("float16", ("h1", "h2")),  # position 3
         ("float32", ("f2", "f3")),  # position 4
     ]
@@ -167,12 +178,21 @@ def test_packing_unused_go_last_hand_computed():
     # Unused tensors are capped at bucket_cap_mb: u1 (12 B) fills one, u2 the next; u3 is
     # float16, a group of its own, whose last (only) tensor comes after u2.
     assert [(b.names, b.unused) for b in plan.buckets] == [
-        (("a",), False), (("u1",), True), (("u2",), True), (("u3",), True)
+        (("a",), False),
+        (("u1",), True),
+        (("u2",), True),
+        (("u3",), True),
     ]
 
 
-@pytest.mark.parametrize("kw,name", [({"bucket_cap_mb": 0}, "bucket_cap_mb"), ({"first_bucket_cap_mb": -1.0}, "first_bucket_cap_mb"),
-                                     ({"bucket_cap_mb": float("nan")}, "bucket_cap_mb")])
+@pytest.mark.parametrize(
+    "kw,name",
+    [
+        ({"bucket_cap_mb": 0}, "bucket_cap_mb"),
+        ({"first_bucket_cap_mb": -1.0}, "first_bucket_cap_mb"),
+        ({"bucket_cap_mb": float("nan")}, "bucket_cap_mb"),
+    ],
+)
 def test_caps_must_be_positive(kw, name):
     with pytest.raises(ValueError, match=rf"{name}.*expected a size in MiB > 0"):
         pack_into_buckets(spec_list(2, 4), **kw)
@@ -227,8 +247,12 @@ def test_from_dict_rejects_inconsistent_layouts():
         BucketPlan.from_dict(bad)
 
 
-_FIXED_ORDER = [("emb.weight", (100, 16), "float32", "cpu"), ("fc.bias", (10,), "float32", "cpu"),
-                ("fc.weight", (10, 16), "float32", "cpu"), ("norm.weight", (16,), "bfloat16", "cpu")]
+_FIXED_ORDER = [
+    ("emb.weight", (100, 16), "float32", "cpu"),
+    ("fc.bias", (10,), "float32", "cpu"),
+    ("fc.weight", (10, 16), "float32", "cpu"),
+    ("norm.weight", (16,), "bfloat16", "cpu"),
+]
 
 
 def test_fingerprint_is_stable_across_processes():
@@ -280,20 +304,31 @@ def test_first_difference_names_a_moved_bucket_boundary():
     # Same parameters, same order, caps equal: only the boundary differs (built by hand).
     slots = [ParamSlot("a", (2,), 0, 2), ParamSlot("b", (2,), 2, 2)]
     one = BucketPlan((Bucket(0, "float32", "cpu", tuple(slots), 4),), 1.0, 1.0)
-    two = BucketPlan((Bucket(0, "float32", "cpu", (slots[0],), 2),
-                      Bucket(1, "float32", "cpu", (ParamSlot("b", (2,), 0, 2),), 2)), 1.0, 1.0)
+    two = BucketPlan(
+        (Bucket(0, "float32", "cpu", (slots[0],), 2), Bucket(1, "float32", "cpu", (ParamSlot("b", (2,), 0, 2),), 2)),
+        1.0,
+        1.0,
+    )
     assert one.first_difference(two) == "parameter 1: 'b' bucket 0 vs 1"
     assert one.fingerprint() != two.fingerprint()
 
 
 def test_str_has_a_row_per_bucket_and_a_total():
-    plan = pack_into_buckets(_FIXED_ORDER, bucket_cap_mb=0.004, first_bucket_cap_mb=0.001,
-                             unused=[("idle.w", (3,), "float32", "cpu")])
+    plan = pack_into_buckets(
+        _FIXED_ORDER, bucket_cap_mb=0.004, first_bucket_cap_mb=0.001, unused=[("idle.w", (3,), "float32", "cpu")]
+    )
     text = str(plan)
     lines = text.splitlines()
     assert lines[0].startswith("buckets in backward order")
     assert [c.strip() for c in lines[1].split("|")] == [
-        "bucket", "dtype", "device", "params", "MiB", "tensors", "first param", "last param"
+        "bucket",
+        "dtype",
+        "device",
+        "params",
+        "MiB",
+        "tensors",
+        "first param",
+        "last param",
     ]
     for b in plan.buckets:
         row = [ln for ln in lines if ln.split("|")[0].strip() == (f"{b.index} (unused)" if b.unused else str(b.index))]

@@ -6,23 +6,24 @@ tests/test_optim.py) carried through a few steps: 1e-5 on params of size ~0.1. E
 test also checks that the precision did something (params differ from float32
 training by far more than the tolerance), so a silently ignored setting fails.
 """
+
 import logging
 
 import pytest
 import torch
 from torch import nn
 
-from fdp.run import checkpoint
+from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
 from fdp.comm import Comm
-from fdp.run.config import ConfigError, compose
-from fdp.run.validate import validate
 from fdp.data import global_batch, load_digits, shard
-from fdp.model.functional import functionalize
 from fdp.model.builtin import MLP
+from fdp.model.functional import functionalize
+from fdp.model.precision import LossScale, Precision, check_precision, init_loss_scale, update_loss_scale
 from fdp.optim import adam, sgd
 from fdp.plan import plan_buckets
-from fdp.model.precision import LossScale, Precision, check_precision, init_loss_scale, update_loss_scale
-from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
+from fdp.run import checkpoint
+from fdp.run.config import ConfigError, compose
+from fdp.run.validate import validate
 
 TOL = 1e-5
 DATA = load_digits()
@@ -36,7 +37,9 @@ def _fdp(module, optimizer, precision, batch, **kwargs):
     model, params, buffers = functionalize(module)
     params, buffers = precision.cast(params), precision.cast(buffers)
     loss_fn = cross_entropy_loss(model)
-    plan = plan_buckets(planner_loss(loss_fn, buffers), params, precision.cast(batch), bucket_cap_mb=0.02, first_bucket_cap_mb=0.005)
+    plan = plan_buckets(
+        planner_loss(loss_fn, buffers), params, precision.cast(batch), bucket_cap_mb=0.02, first_bucket_cap_mb=0.005
+    )
     step = make_train_step(loss_fn, optimizer, plan, precision=precision, **kwargs)
     return step, init_train_state(params, buffers, optimizer, plan, kwargs.get("hook"), precision=precision)
 
@@ -205,7 +208,9 @@ def _ddp_16_mixed(rank, world, schedule, compile):
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**36, growth_interval=2)
     precision = Precision("16-mixed", init_scale=2.0**36, growth_interval=2)
     example = shard(_batch(0), rank, world)
-    step, state = _fdp(module, sgd(0.1, momentum=0.9), precision, example, comm=Comm(), schedule=schedule, compile=compile)
+    step, state = _fdp(
+        module, sgd(0.1, momentum=0.9), precision, example, comm=Comm(), schedule=schedule, compile=compile
+    )
     skips, ref_skips, scales, ref_scales = [], [], [], []
     for i in range(12):
         x, y = shard(_batch(i), rank, world)
@@ -250,8 +255,16 @@ def test_loss_scale_round_trips_through_a_weights_only_checkpoint(tmp_path):
 def test_16_mixed_run_resumes_bit_exact(tmp_path):
     from fdp.run.trainer import run
 
-    common = ["trainer.precision=16-mixed", "optim=adamw", "optim.warmup_steps=2", "model.hidden=32", "trainer.checkpoint_every=5",
-              "trainer.eval_every=0", "trainer.progress=false", "trainer.max_steps=10"]
+    common = [
+        "trainer.precision=16-mixed",
+        "optim=adamw",
+        "optim.warmup_steps=2",
+        "model.hidden=32",
+        "trainer.checkpoint_every=5",
+        "trainer.eval_every=0",
+        "trainer.progress=false",
+        "trainer.max_steps=10",
+    ]
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     run(compose(*common), straight)
     run(compose(*common, "trainer.stop_at=5"), stopped)
@@ -290,7 +303,10 @@ def test_bad_precision_settings_are_one_line_errors(override, message):
 def test_16_mixed_where_the_device_cannot_autocast_is_refused():
     with pytest.raises(ValueError) as error:
         check_precision("16-mixed", device="meta")
-    assert str(error.value) == "precision='16-mixed': this torch cannot autocast to float16 on meta; expected 32-true or bf16-mixed"
+    assert (
+        str(error.value)
+        == "precision='16-mixed': this torch cannot autocast to float16 on meta; expected 32-true or bf16-mixed"
+    )
 
 
 def test_compile_without_a_compiler_is_a_one_line_error(monkeypatch):

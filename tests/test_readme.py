@@ -1,5 +1,6 @@
 """The Python examples in README.md run exactly as written, and so does every shell command of
 README.md and examples/README.md that is not marked an illustration."""
+
 from __future__ import annotations
 
 import os
@@ -27,13 +28,20 @@ def _env() -> dict:
 
 def _run(code: str, cwd: Path, timeout: int) -> subprocess.CompletedProcess:
     (cwd / "example.py").write_text(code)
-    return subprocess.run([sys.executable, "example.py"], cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "example.py"], cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_the_one_process_example_runs():
     (code,) = [block for block in _python_blocks() if "fdp.spawn(" not in block]
-    done = subprocess.run([sys.executable, "-c", code + "\nassert state.step == 1 and metrics['loss'] > 0\n"],
-                          env=_env(), capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", code + "\nassert state.step == 1 and metrics['loss'] > 0\n"],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
 
 
@@ -44,7 +52,11 @@ def test_the_two_process_example_trains_checkpoints_and_resumes_to_the_same_para
     lines = done.stdout.strip().splitlines()
     assert lines[-1] == "6 steps straight and 3 + 3 resumed: the same parameters on both ranks"
     assert [line.split(":")[0] for line in lines[:-1]] == ["step 3", "step 6", "step 6"]
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["last.pt", "step_00000003.pt", "step_00000006.pt"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "last.pt",
+        "step_00000003.pt",
+        "step_00000006.pt",
+    ]
 
 
 # -- every shell command of the READMEs ---------------------------------------------------------
@@ -64,7 +76,11 @@ def _shell_blocks(path: Path) -> list[tuple[str | None, str]]:
 
 def _commands(block: str) -> list[str]:
     joined = re.sub(r"\\\n\s*", " ", block)
-    return [line.split("  #")[0].strip() for line in joined.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return [
+        line.split("  #")[0].strip()
+        for line in joined.splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
 
 
 def _runnable(command: str, tmp: Path, dirs: dict, cap: bool) -> tuple[list[str], dict]:
@@ -114,7 +130,9 @@ def test_every_shell_command_in_the_readmes_runs_or_is_marked_an_illustration(tm
             tmp.mkdir()
             for command in _commands(block):
                 argv, env = _runnable(command, tmp, dirs, cap)
-                chains.setdefault(next(w for w in argv if w.startswith("hydra.run.dir=")), []).append((argv, env, command))
+                chains.setdefault(next(w for w in argv if w.startswith("hydra.run.dir=")), []).append(
+                    (argv, env, command)
+                )
     assert sum(map(len, chains.values())) >= 10
     with ThreadPoolExecutor(max_workers=2) as pool:
         failures = [f for found in pool.map(_run_chain, chains.values()) for f in found]

@@ -1,4 +1,5 @@
 """The shell entry points, run as a user runs them, and every config in conf/."""
+
 import json
 import os
 import re
@@ -7,10 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from _examples import train_example
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from _examples import train_example
 from fdp.run.config import SCHEMAS, register_configs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,7 +23,11 @@ def recipe(name, *overrides, timeout=300, env=None):
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(
         [sys.executable, str(ROOT / "recipes" / name), *overrides],
-        capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=env,
     )
 
 
@@ -60,27 +65,44 @@ def test_default_recipe_trains_from_the_shell(tmp_path):
 
 def test_plan_recipe_prints_a_table_and_fingerprint(tmp_path):
     out = tmp_path / "plan.json"
-    proc = recipe("plan.py", "model=charlm", "data=stdlib_text", "trainer.bucket_cap_mb=0.25", "world=local2",
-                  f"+plan_json={out}", f"hydra.run.dir={tmp_path}")
+    proc = recipe(
+        "plan.py",
+        "model=charlm",
+        "data=stdlib_text",
+        "trainer.bucket_cap_mb=0.25",
+        "world=local2",
+        f"+plan_json={out}",
+        f"hydra.run.dir={tmp_path}",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    assert re.fullmatch(r"model=charlm: [\d,]+ params in \d+ buckets, for world=local2 \(2 ranks\) at trainer\.zero_stage=0",
-                        lines[0]), lines[0]
+    assert re.fullmatch(
+        r"model=charlm: [\d,]+ params in \d+ buckets, for world=local2 \(2 ranks\) at trainer\.zero_stage=0", lines[0]
+    ), lines[0]
     assert lines[1].startswith("buckets in backward order") and "params" in lines[2]
     assert lines[-1].startswith("fingerprint: ")
     assert len(json.loads(out.read_text())["buckets"]) > 1
 
 
-@pytest.mark.parametrize("overrides,expected", [
-    (["model=charlm"], "error: data='digits': expected stdlib_text for model=charlm"),
-    (["trainer.bucket_cap_mb=0"], "error: trainer.bucket_cap_mb=0.0: expected a size in MiB > 0"),
-    (["model=mlpp"], r"error: model=mlpp: expected one of charlm, convnet, custom, mlp (did you mean model=mlp?)"),
-])
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        (["model=charlm"], "error: data='digits': expected stdlib_text for model=charlm"),
+        (["trainer.bucket_cap_mb=0"], "error: trainer.bucket_cap_mb=0.0: expected a size in MiB > 0"),
+        (["model=mlpp"], r"error: model=mlpp: expected one of charlm, convnet, custom, mlp (did you mean model=mlp?)"),
+    ],
+)
 def test_plan_recipe_refuses_in_one_line_and_writes_no_directory(tmp_path, overrides, expected):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("HYDRA_FULL_ERROR", None)
-    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "plan.py"), *overrides], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / "plan.py"), *overrides],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2 and proc.stderr.strip() == expected, proc.stderr[-3000:]
     assert not list(tmp_path.iterdir())  # Hydra's outputs/<date>/<time>/ neither
 
@@ -94,8 +116,9 @@ def test_the_example_project_trains_with_the_command_in_its_readme(tmp_path):
 
 def test_the_torchvision_example_trains_resnet18_on_two_processes_from_its_readme(tmp_path):
     """torchvision's resnet18 (BatchNorm, 11M parameters) on 16x16 digit images, 2 ranks: it learns and is evaluated."""
-    line, records = train_example("vision", tmp_path, "+data.size=16", "trainer.max_steps=8", "trainer.eval_every=0",
-                                  "trainer.log_every=1")
+    line, records = train_example(
+        "vision", tmp_path, "+data.size=16", "trainer.max_steps=8", "trainer.eval_every=0", "trainer.log_every=1"
+    )
     assert "model=torchvision.models.resnet18 world=2" in line
     losses = [r["loss"] for r in records[:-1]]
     assert records[-1]["steps"] == 8 and losses[-1] < 0.7 * losses[0]

@@ -1,20 +1,21 @@
 """The data-parallel reduction on 2 gloo ranks: against DDP, both schedules, start-up checks, timeouts."""
+
 import time
 
 import pytest
 import torch
 from torch import nn
 
+from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
 from fdp.comm import Comm
 from fdp.data import global_batch, load_digits, shard
-from fdp.model.functional import functionalize
+from fdp.dist.launch import check_same_plan
 from fdp.hooks import Hook, allreduce
-from fdp.model.builtin import ConvNet, MLP
+from fdp.model.builtin import MLP, ConvNet
+from fdp.model.functional import functionalize
 from fdp.optim import sgd
 from fdp.plan import pack_into_buckets, plan_buckets
-from fdp.dist.launch import check_same_plan
 from fdp.step.chains import Reduction
-from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
 
 STEPS = 20
 
@@ -36,7 +37,14 @@ def _fdp_and_ddp(rank, world, model_name, schedule, accum_steps, donate):
     plan = plan_buckets(planner_loss(loss_fn, buffers), params, example, bucket_cap_mb=0.02, first_bucket_cap_mb=0.005)
     comm = Comm()
     step = make_train_step(
-        loss_fn, sgd(0.05, momentum=0.9), plan, allreduce(), comm, accum_steps=accum_steps, schedule=schedule, donate=donate
+        loss_fn,
+        sgd(0.05, momentum=0.9),
+        plan,
+        allreduce(),
+        comm,
+        accum_steps=accum_steps,
+        schedule=schedule,
+        donate=donate,
     )
     state = init_train_state(params, buffers, sgd(0.05, momentum=0.9), plan)
     first_params = dict(state.params)
@@ -55,8 +63,14 @@ def _fdp_and_ddp(rank, world, model_name, schedule, accum_steps, donate):
 
 @pytest.mark.parametrize(
     "model_name,schedule,accum_steps,donate",
-    [("mlp", "after", 1, False), ("mlp", "after", 1, True), ("mlp", "overlap", 1, False), ("mlp", "overlap", 1, True),
-     ("convnet", "overlap", 1, True), ("mlp", "overlap", 2, True)],
+    [
+        ("mlp", "after", 1, False),
+        ("mlp", "after", 1, True),
+        ("mlp", "overlap", 1, False),
+        ("mlp", "overlap", 1, True),
+        ("convnet", "overlap", 1, True),
+        ("mlp", "overlap", 2, True),
+    ],
 )
 def test_fdp_matches_ddp(run_ranks, model_name, schedule, accum_steps, donate):
     """Same model, data and SGD: fdp's params equal DDP's within 1e-5 after 20 steps.
@@ -147,7 +161,9 @@ def _three_rounds():
 
 def _polled_while_peer_waits(rank, world):
     # 1 KB per tensor, 1 KB caps: four buckets, each chain three collectives long.
-    plan = pack_into_buckets([(f"w{i}", (256,), "float32", "cpu") for i in range(4)], bucket_cap_mb=0.001, first_bucket_cap_mb=0.001)
+    plan = pack_into_buckets(
+        [(f"w{i}", (256,), "float32", "cpu") for i in range(4)], bucket_cap_mb=0.001, first_bucket_cap_mb=0.001
+    )
     hook, issued = _three_rounds()
     reduction = Reduction(hook, Comm(), ((),) * len(plan.buckets), plan)
     for index in range(len(plan.buckets)):

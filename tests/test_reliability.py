@@ -6,6 +6,7 @@ from outside the run (the test signals a worker whose pid it reads from
 ``<run dir>/ranks/rank<N>.txt``) or from a test-only worker entry that wraps
 ``train_worker``; nothing here needs a knob in the production path.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -25,25 +26,24 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from _paths import pythonpath_first
+from _procs import alive
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from _paths import pythonpath_first
-from _procs import alive
-from fdp.run import checkpoint
+from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
 from fdp.comm import Comm
-from fdp.run.config import ConfigError, register_configs
-from fdp.run.validate import validate
 from fdp.data import load_digits, shard_dataset
-from fdp.model.functional import functionalize
 from fdp.dist.launch import RankLostError, WorkerFailedError, WorldLayout, init_distributed, loopback_interface, spawn
+from fdp.model.functional import functionalize
 from fdp.optim import sgd
 from fdp.plan import plan_buckets
-from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
+from fdp.run import checkpoint
+from fdp.run.config import ConfigError, register_configs
 from fdp.run.rundir import RankStatus
 from fdp.run.trainer import run, train_worker
+from fdp.run.validate import validate
 from fdp.run.world import layout_of
-
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = str(ROOT / "conf")
@@ -55,9 +55,22 @@ LOCAL2 = ["world=local2", "world.backend=gloo", "world.timeout_s=30"]
 # per-rank RNG matters) and AdamW with a warm-up schedule (optimizer state and step count).
 STEPS, EVERY = 200, 20
 REFERENCE = [
-    "model=charlm", "data=stdlib_text", "model.d_model=16", "model.n_layer=1", "model.n_head=2", "model.dropout=0.1",
-    "data.block_size=8", "data.max_chars=5000", "data.global_batch_size=8", "optim=adamw", "optim.warmup_steps=10",
-    "trainer.eval_every=0", "trainer.progress=false", *LOCAL2, f"trainer.max_steps={STEPS}", f"trainer.checkpoint_every={EVERY}",
+    "model=charlm",
+    "data=stdlib_text",
+    "model.d_model=16",
+    "model.n_layer=1",
+    "model.n_head=2",
+    "model.dropout=0.1",
+    "data.block_size=8",
+    "data.max_chars=5000",
+    "data.global_batch_size=8",
+    "optim=adamw",
+    "optim.warmup_steps=10",
+    "trainer.eval_every=0",
+    "trainer.progress=false",
+    *LOCAL2,
+    f"trainer.max_steps={STEPS}",
+    f"trainer.checkpoint_every={EVERY}",
 ]
 
 
@@ -235,7 +248,9 @@ def test_local_worlds_pin_gloo_and_nccl_to_the_loopback_interface(monkeypatch):
 # -- 1. a lost rank ------------------------------------------------------------------------
 def test_killed_rank_stops_the_run_naming_the_rank_and_the_step(tmp_path):
     timeout_s = 30
-    cfg = make_cfg(*TINY, *LOCAL2, f"world.timeout_s={timeout_s}", "trainer.max_steps=5000", "trainer.checkpoint_every=20")
+    cfg = make_cfg(
+        *TINY, *LOCAL2, f"world.timeout_s={timeout_s}", "trainer.max_steps=5000", "trainer.checkpoint_every=20"
+    )
 
     def kill_rank1():
         wait_for(lambda: checkpointed(tmp_path, 20))
@@ -264,7 +279,9 @@ def test_killed_rank_stops_the_run_naming_the_rank_and_the_step(tmp_path):
 def test_hung_rank_is_named_by_the_survivor_within_the_timeout(tmp_path):
     """A stopped (not dead) rank: the survivor's collective times out, and the heartbeat says who is gone."""
     timeout_s = 4
-    cfg = make_cfg(*TINY, *LOCAL2, f"world.timeout_s={timeout_s}", "trainer.max_steps=5000", "trainer.checkpoint_every=20")
+    cfg = make_cfg(
+        *TINY, *LOCAL2, f"world.timeout_s={timeout_s}", "trainer.max_steps=5000", "trainer.checkpoint_every=20"
+    )
 
     def stop_rank1():
         wait_for(lambda: checkpointed(tmp_path, 20))
@@ -342,7 +359,9 @@ def interrupted(tmp_path_factory):
         return seen
 
     interrupter = Background(interrupt)
-    results = spawn(_die_while_saving, (OmegaConf.to_container(cfg, resolve=True), str(run_dir), 2 * EVERY), layout_of(cfg))
+    results = spawn(
+        _die_while_saving, (OmegaConf.to_container(cfg, resolve=True), str(run_dir), 2 * EVERY), layout_of(cfg)
+    )
     return {"dir": run_dir, "summary": results[0], **interrupter.result()}
 
 
@@ -382,7 +401,11 @@ def recipe(*overrides, timeout=120):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
         [sys.executable, str(ROOT / "recipes" / "train.py"), *overrides],
-        capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=env,
     )
 
 
@@ -407,10 +430,22 @@ EXAMPLES = ROOT / "examples"  # examples/my_project: a user's own model and data
 MINE = ["data=custom", "data._target_=my_project.data.make"]
 NET = ["model=custom", "model._target_=my_project.models.Net"]
 # TensorDataset items are 3-tuples here: random_split hands back (train, test) of them.
-TRIPLES = ["data=custom", "data._target_=torch.utils.data.random_split", "+data.lengths=[8,2]", "data.global_batch_size=4",
-           "+data.dataset={_target_:torch.utils.data.TensorDataset,_args_:[{_target_:torch.zeros,_args_:[10,3]},"
-           "{_target_:torch.zeros,_args_:[10]},{_target_:torch.zeros,_args_:[10]}]}"]
-CHARLM = ["model=charlm", "data=stdlib_text", "model.d_model=16", "model.n_layer=1", "model.n_head=2", "data.block_size=8"]
+TRIPLES = [
+    "data=custom",
+    "data._target_=torch.utils.data.random_split",
+    "+data.lengths=[8,2]",
+    "data.global_batch_size=4",
+    "+data.dataset={_target_:torch.utils.data.TensorDataset,_args_:[{_target_:torch.zeros,_args_:[10,3]},"
+    "{_target_:torch.zeros,_args_:[10]},{_target_:torch.zeros,_args_:[10]}]}",
+]
+CHARLM = [
+    "model=charlm",
+    "data=stdlib_text",
+    "model.d_model=16",
+    "model.n_layer=1",
+    "model.n_head=2",
+    "data.block_size=8",
+]
 # (overrides, where it is refused, what the first line of the error must say). Where:
 # "compose" = Hydra refuses the override; "validate" = fdp.run.config.validate before anything
 # runs; "run" = fdp.run.trainer.run once the data or the checkpoint is loaded. "{run_dir}" is
@@ -426,24 +461,64 @@ BAD_INPUTS = [
     (["hooks=powersgd", "hooks.start_iter=-1"], "validate", r"^hooks\.start_iter=-1: expected an integer >= 0$"),
     (["hooks=topk", "hooks.ratio=1.5"], "validate", r"^hooks\.ratio=1\.5: expected a fraction with 0 < ratio <= 1$"),
     (["hooks=topk", "hooks.ratio=0"], "validate", r"^hooks\.ratio=0\.0: expected a fraction"),
-    (["world=local2", "data.global_batch_size=33"], "validate", r"^data\.global_batch_size=33: expected a multiple of the world size 2$"),
-    (["world=local4", "data.global_batch_size=2"], "validate", r"^data\.global_batch_size=2: expected a multiple of the world size 4$"),
-    (["data.global_batch_size=5000", "trainer.max_steps=2"], "run", r"^data\.global_batch_size=5000: expected at most the 1438 training samples of digits$"),
-    (["trainer.resume=true", "hydra.run.dir={missing}"], "validate", r"^trainer\.resume=True: expected a checkpoint at .*missing/checkpoints/last\.pt"),
-    (["trainer.resume=true", "hydra.run.dir={corrupt}"], "validate", r"^checkpoint .*/last\.pt is unreadable \(truncated or corrupted\?\)"),
-    (["trainer.resume=true", "model.hidden=32", "trainer.max_steps=8"], "run", r"^checkpoint .*/last\.pt was written with another bucket plan"),
-    (["optim.warmup_steps=500", "trainer.max_steps=100"], "validate", r"^optim\.warmup_steps=500: expected between 0 and trainer\.max_steps=100"),
+    (
+        ["world=local2", "data.global_batch_size=33"],
+        "validate",
+        r"^data\.global_batch_size=33: expected a multiple of the world size 2$",
+    ),
+    (
+        ["world=local4", "data.global_batch_size=2"],
+        "validate",
+        r"^data\.global_batch_size=2: expected a multiple of the world size 4$",
+    ),
+    (
+        ["data.global_batch_size=5000", "trainer.max_steps=2"],
+        "run",
+        r"^data\.global_batch_size=5000: expected at most the 1438 training samples of digits$",
+    ),
+    (
+        ["trainer.resume=true", "hydra.run.dir={missing}"],
+        "validate",
+        r"^trainer\.resume=True: expected a checkpoint at .*missing/checkpoints/last\.pt",
+    ),
+    (
+        ["trainer.resume=true", "hydra.run.dir={corrupt}"],
+        "validate",
+        r"^checkpoint .*/last\.pt is unreadable \(truncated or corrupted\?\)",
+    ),
+    (
+        ["trainer.resume=true", "model.hidden=32", "trainer.max_steps=8"],
+        "run",
+        r"^checkpoint .*/last\.pt was written with another bucket plan",
+    ),
+    (
+        ["optim.warmup_steps=500", "trainer.max_steps=100"],
+        "validate",
+        r"^optim\.warmup_steps=500: expected between 0 and trainer\.max_steps=100",
+    ),
     (["trainer.max_steps=abc"], "compose", r"trainer\.max_steps=abc"),
     (["hooks=powersgd", "hooks.rank=four"], "compose", r"hooks\.rank=four"),
     (["trainer.max_stpes=5"], "compose", r"trainer\.max_stpes"),
     (["trainer.nonfinite=maybe"], "validate", r"^trainer\.nonfinite='maybe': expected raise or skip$"),
-    (["trainer.sync_buffers=mean"], "validate", r"^trainer\.sync_buffers='mean': expected broadcast, average or local$"),
+    (
+        ["trainer.sync_buffers=mean"],
+        "validate",
+        r"^trainer\.sync_buffers='mean': expected broadcast, average or local$",
+    ),
     (["hooks=int8", "hooks.error_feedback=maybe"], "compose", r"hooks\.error_feedback=maybe"),
-    (["trainer.accum_steps=3"], "validate", r"^trainer\.accum_steps=3: expected a divisor of the per-rank batch of 64 samples$"),
+    (
+        ["trainer.accum_steps=3"],
+        "validate",
+        r"^trainer\.accum_steps=3: expected a divisor of the per-rank batch of 64 samples$",
+    ),
     (["model=charlm"], "validate", r"^data='digits': expected stdlib_text for model=charlm$"),
     ([*CHARLM, "model.n_head=3"], "validate", r"^model\.n_head=3: expected a divisor of model\.d_model=16$"),
     ([*CHARLM, "model.n_head=0"], "validate", r"^model\.n_head=0: expected an integer >= 1$"),
-    ([*CHARLM, "data.max_chars=12", "trainer.max_steps=2"], "run", r"^data=stdlib_text: max_chars=12 gives 11 train / 1 test characters; each split needs at least block_size \+ 1 = 9$"),
+    (
+        [*CHARLM, "data.max_chars=12", "trainer.max_steps=2"],
+        "run",
+        r"^data=stdlib_text: max_chars=12 gives 11 train / 1 test characters; each split needs at least block_size \+ 1 = 9$",
+    ),
     ([*CHARLM, "model.dropout=1.0"], "validate", r"^model\.dropout=1\.0: expected a probability in \[0, 1\)$"),
     (["world.timeout_s=0"], "validate", r"^world\.timeout_s=0\.0: expected seconds > 0$"),
     (["world.timeout_s=-5"], "validate", r"^world\.timeout_s=-5\.0: expected seconds > 0$"),
@@ -458,45 +533,125 @@ BAD_INPUTS = [
     (["optim.clip_norm=0"], "validate", r"^optim\.clip_norm=0\.0: expected null \(off\) or > 0$"),
     (["data.test_fraction=1.0"], "validate", r"^data\.test_fraction=1\.0: expected a fraction in \(0, 1\)$"),
     # Registries of models, datasets and losses, and targets of one's own.
-    (["model.name=resnet"], "validate", r"^model\.name='resnet': unknown model; known models: charlm, convnet, custom, mlp$"),
-    (["data.name=mnist"], "validate", r"^data\.name='mnist': unknown dataset; known datasets: custom, digits, stdlib_text$"),
-    (["loss.name=hinge"], "validate", r"^loss\.name='hinge': unknown loss; known losses: causal_lm, cross_entropy, custom, masked_lm, mse$"),
-    (["model=custom"], "validate", r"^model\._target_: missing; model=custom needs the dotted path to a class or function "
-                                   r"\(e\.g\. model\._target_=my_pkg\.models\.Net\)$"),
-    (["model=custom", "model._target_=no_such_pkg.models.Net"], "validate",
-     r"^model\._target_='no_such_pkg\.models\.Net': cannot import it \(No module named 'no_such_pkg'; is its directory on PYTHONPATH\?\)$"),
-    (["data=custom", "data._target_=my_project.data.mkae"], "validate",
-     r"^data\._target_='my_project\.data\.mkae': module my_project\.data has no attribute 'mkae'$"),
+    (
+        ["model.name=resnet"],
+        "validate",
+        r"^model\.name='resnet': unknown model; known models: charlm, convnet, custom, mlp$",
+    ),
+    (
+        ["data.name=mnist"],
+        "validate",
+        r"^data\.name='mnist': unknown dataset; known datasets: custom, digits, stdlib_text$",
+    ),
+    (
+        ["loss.name=hinge"],
+        "validate",
+        r"^loss\.name='hinge': unknown loss; known losses: causal_lm, cross_entropy, custom, masked_lm, mse$",
+    ),
+    (
+        ["model=custom"],
+        "validate",
+        r"^model\._target_: missing; model=custom needs the dotted path to a class or function "
+        r"\(e\.g\. model\._target_=my_pkg\.models\.Net\)$",
+    ),
+    (
+        ["model=custom", "model._target_=no_such_pkg.models.Net"],
+        "validate",
+        r"^model\._target_='no_such_pkg\.models\.Net': cannot import it \(No module named 'no_such_pkg'; is its directory on PYTHONPATH\?\)$",
+    ),
+    (
+        ["data=custom", "data._target_=my_project.data.mkae"],
+        "validate",
+        r"^data\._target_='my_project\.data\.mkae': module my_project\.data has no attribute 'mkae'$",
+    ),
     ([*MINE, "data.num_workers=-1"], "validate", r"^data\.num_workers=-1: expected an integer >= 0$"),
-    ([*MINE, "+model.widht=3"], "run", r"^model=mlp: (MLP\.)?__init__\(\) got an unexpected keyword argument 'widht' "
-                                       r"\(called with hidden=16, depth=2, widht=3, in_features=8, out_features=3\)$"),
-    ([*NET, *MINE, "+model.in_features=5"], "run",
-     r"^model\._target_='my_project\.models\.Net' does not fit data\._target_='my_project\.data\.make' with loss=cross_entropy: "
-     r"mat1 and mat2 shapes cannot be multiplied \(64x8 and 5x64\) \(first batch: inputs \(64, 8\) float32, targets \(64,\) int64\)$"),
-    ([*MINE, "loss=mse"], "run", r"^model=mlp does not fit data\._target_='my_project\.data\.make' with loss=mse: mse: outputs of "
-                                 r"shape \(64, 3\) and targets of shape \(64,\) differ; expected the same shape"),
-    ([*MINE, "loss=custom", "loss._target_=torch.nn.functional.l1_loss", "+loss.smoothing=0.1"], "run",
-     r"^loss\._target_='torch\.nn\.functional\.l1_loss': got an unexpected keyword argument 'smoothing'$"),
-    ([*MINE, "loss=custom", "loss._target_=torch.nn.functional.cross_entropy", "+loss.reduction=none"], "run",
-     r"^loss\._target_='torch\.nn\.functional\.cross_entropy': returned shape \(64,\) torch\.float32; expected a floating-point scalar$"),
-    (TRIPLES, "run", r"^data\._target_='torch\.utils\.data\.random_split': train item 0 is a 3-tuple; expected a pair \(input, target\) or a dict with a 'labels' entry$"),
-    (["data=custom", "data._target_=torch.zeros", "+data._args_=[3]"], "run",
-     r"^data\._target_='torch\.zeros': returned a Tensor; expected \(train, test\) or \(train, test, collate\): map-style torch Datasets \(test may be None\)"),
+    (
+        [*MINE, "+model.widht=3"],
+        "run",
+        r"^model=mlp: (MLP\.)?__init__\(\) got an unexpected keyword argument 'widht' "
+        r"\(called with hidden=16, depth=2, widht=3, in_features=8, out_features=3\)$",
+    ),
+    (
+        [*NET, *MINE, "+model.in_features=5"],
+        "run",
+        r"^model\._target_='my_project\.models\.Net' does not fit data\._target_='my_project\.data\.make' with loss=cross_entropy: "
+        r"mat1 and mat2 shapes cannot be multiplied \(64x8 and 5x64\) \(first batch: inputs \(64, 8\) float32, targets \(64,\) int64\)$",
+    ),
+    (
+        [*MINE, "loss=mse"],
+        "run",
+        r"^model=mlp does not fit data\._target_='my_project\.data\.make' with loss=mse: mse: outputs of "
+        r"shape \(64, 3\) and targets of shape \(64,\) differ; expected the same shape",
+    ),
+    (
+        [*MINE, "loss=custom", "loss._target_=torch.nn.functional.l1_loss", "+loss.smoothing=0.1"],
+        "run",
+        r"^loss\._target_='torch\.nn\.functional\.l1_loss': got an unexpected keyword argument 'smoothing'$",
+    ),
+    (
+        [*MINE, "loss=custom", "loss._target_=torch.nn.functional.cross_entropy", "+loss.reduction=none"],
+        "run",
+        r"^loss\._target_='torch\.nn\.functional\.cross_entropy': returned shape \(64,\) torch\.float32; expected a floating-point scalar$",
+    ),
+    (
+        TRIPLES,
+        "run",
+        r"^data\._target_='torch\.utils\.data\.random_split': train item 0 is a 3-tuple; expected a pair \(input, target\) or a dict with a 'labels' entry$",
+    ),
+    (
+        ["data=custom", "data._target_=torch.zeros", "+data._args_=[3]"],
+        "run",
+        r"^data\._target_='torch\.zeros': returned a Tensor; expected \(train, test\) or \(train, test, collate\): map-style torch Datasets \(test may be None\)",
+    ),
     # Class scores that do not fit the labels, and a model output the loss cannot read.
-    ([*MINE, "model=custom", "model._target_=torch.nn.Linear", "+model.out_features=5"], "run",
-     r"^model\._target_='torch\.nn\.Linear' does not fit data\._target_='my_project\.data\.make' with loss=cross_entropy: the model "
-     r"outputs 5 class scores but data\._target_='my_project\.data\.make' has 3 classes; expected model\.out_features=3$"),
-    (["model=custom", "model._target_=torchvision.models.resnet18", "data=custom", "data._target_=vision.data.make", "+data.size=16"],
-     "run", r"^model\._target_='torchvision\.models\.resnet18' does not fit data\._target_='vision\.data\.make' with "
-            r"loss=cross_entropy: the model outputs 1000 class scores but data\._target_='vision\.data\.make' has 10 classes; "
-            r"expected \+model\.num_classes=10$"),
-    (["model=custom", "model._target_=fdp.model.builtin.hf_model", "+model.model_class=transformers.GPT2LMHeadModel", "+model.n_layer=1",
-      "+model.n_embd=16", "+model.n_head=2", "+model.n_positions=32", "data=custom", "data._target_=hf_text.data.make",
-      "data.global_batch_size=4", "loss=custom", "loss._target_=torch.nn.functional.cross_entropy"], "run",
-     r"^loss\._target_='torch\.nn\.functional\.cross_entropy' cannot read what the model returns, a "
-     r"CausalLMOutputWithCrossAttentions: .*; expected a loss that reads it \(outputs\.logits\), or a built-in one"),
-    ([*MINE, "+data.n_train=10"], "run", r"^data\.global_batch_size=64: expected at most the 10 training samples of my_project\.data\.make$"),
-    ([], "validate", r"^hydra\.run\.dir='.*': expected a directory without a previous run \(or set trainer\.resume=true"),
+    (
+        [*MINE, "model=custom", "model._target_=torch.nn.Linear", "+model.out_features=5"],
+        "run",
+        r"^model\._target_='torch\.nn\.Linear' does not fit data\._target_='my_project\.data\.make' with loss=cross_entropy: the model "
+        r"outputs 5 class scores but data\._target_='my_project\.data\.make' has 3 classes; expected model\.out_features=3$",
+    ),
+    (
+        [
+            "model=custom",
+            "model._target_=torchvision.models.resnet18",
+            "data=custom",
+            "data._target_=vision.data.make",
+            "+data.size=16",
+        ],
+        "run",
+        r"^model\._target_='torchvision\.models\.resnet18' does not fit data\._target_='vision\.data\.make' with "
+        r"loss=cross_entropy: the model outputs 1000 class scores but data\._target_='vision\.data\.make' has 10 classes; "
+        r"expected \+model\.num_classes=10$",
+    ),
+    (
+        [
+            "model=custom",
+            "model._target_=fdp.model.builtin.hf_model",
+            "+model.model_class=transformers.GPT2LMHeadModel",
+            "+model.n_layer=1",
+            "+model.n_embd=16",
+            "+model.n_head=2",
+            "+model.n_positions=32",
+            "data=custom",
+            "data._target_=hf_text.data.make",
+            "data.global_batch_size=4",
+            "loss=custom",
+            "loss._target_=torch.nn.functional.cross_entropy",
+        ],
+        "run",
+        r"^loss\._target_='torch\.nn\.functional\.cross_entropy' cannot read what the model returns, a "
+        r"CausalLMOutputWithCrossAttentions: .*; expected a loss that reads it \(outputs\.logits\), or a built-in one",
+    ),
+    (
+        [*MINE, "+data.n_train=10"],
+        "run",
+        r"^data\.global_batch_size=64: expected at most the 10 training samples of my_project\.data\.make$",
+    ),
+    (
+        [],
+        "validate",
+        r"^hydra\.run\.dir='.*': expected a directory without a previous run \(or set trainer\.resume=true",
+    ),
 ]
 
 
@@ -510,7 +665,7 @@ def test_bad_inputs_are_refused_with_one_line_naming_the_setting(previous_run, t
         args = []
         for o in overrides:
             if o.startswith("hydra.run.dir="):
-                run_dir = dirs[o[len("hydra.run.dir={"):-1]]
+                run_dir = dirs[o[len("hydra.run.dir={") : -1]]
             else:
                 args.append(o)
         if not any(a.startswith("model=") for a in args):
@@ -541,18 +696,44 @@ def test_bad_inputs_are_refused_with_one_line_naming_the_setting(previous_run, t
 # Through the real shell entry point: exit status, the printed line, and the previous run's files.
 RECIPE_CASES = [
     # Refused by the workers of a local world, after the launcher started them.
-    (["world=local2", "data.global_batch_size=2000", "hydra.run.dir={fresh}"], 2,
-     r"error: data\.global_batch_size=2000: expected at most the 1438 training samples of digits \(rank [01]\)"),
+    (
+        ["world=local2", "data.global_batch_size=2000", "hydra.run.dir={fresh}"],
+        2,
+        r"error: data\.global_batch_size=2000: expected at most the 1438 training samples of digits \(rank [01]\)",
+    ),
     # Valid config, refused once the checkpoint is read: .hydra/ of the previous run is kept.
-    (["trainer.resume=true", "model.hidden=32"], 2, r"error: checkpoint .*/last\.pt was written with another bucket plan .*"),
-    (["trainer.resume=true", "hydra.run.dir={corrupt}"], 2, r"error: checkpoint .*/last\.pt is unreadable \(truncated or corrupted\?\): .*"),
+    (
+        ["trainer.resume=true", "model.hidden=32"],
+        2,
+        r"error: checkpoint .*/last\.pt was written with another bucket plan .*",
+    ),
+    (
+        ["trainer.resume=true", "hydra.run.dir={corrupt}"],
+        2,
+        r"error: checkpoint .*/last\.pt is unreadable \(truncated or corrupted\?\): .*",
+    ),
     # Hydra's own errors, one line naming the key and what was expected (fdp.run.cli).
-    (["trainer.max_stpes=5"], 2, r"error: trainer\.max_stpes=5: unknown key; expected a key of trainer \(did you mean trainer\.max_steps\? .*\)"),
-    (["model.name=resnet"], 2, r"error: model\.name='resnet': unknown model; known models: charlm, convnet, custom, mlp"),
-    (["data.name=mnist"], 2, r"error: data\.name='mnist': unknown dataset; known datasets: custom, digits, stdlib_text"),
+    (
+        ["trainer.max_stpes=5"],
+        2,
+        r"error: trainer\.max_stpes=5: unknown key; expected a key of trainer \(did you mean trainer\.max_steps\? .*\)",
+    ),
+    (
+        ["model.name=resnet"],
+        2,
+        r"error: model\.name='resnet': unknown model; known models: charlm, convnet, custom, mlp",
+    ),
+    (
+        ["data.name=mnist"],
+        2,
+        r"error: data\.name='mnist': unknown dataset; known datasets: custom, digits, stdlib_text",
+    ),
     # A model that does not fit the data, refused by the workers before step 1.
-    (["world=local2", *MINE, "+model.in_features=5", "hydra.run.dir={fresh2}"], 2,
-     r"error: model=mlp does not fit data\._target_='my_project\.data\.make' with loss=cross_entropy: .*\(rank [01]\)"),
+    (
+        ["world=local2", *MINE, "+model.in_features=5", "hydra.run.dir={fresh2}"],
+        2,
+        r"error: model=mlp does not fit data\._target_='my_project\.data\.make' with loss=cross_entropy: .*\(rank [01]\)",
+    ),
 ]
 
 
@@ -563,10 +744,19 @@ def test_bad_inputs_through_the_recipe_exit_non_zero_with_one_line(previous_run,
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath_first(EXAMPLES)}
     procs = []
     for overrides, status, expected in RECIPE_CASES:  # concurrently: each is mostly start-up
-        run_dir = next((dirs[o[len("hydra.run.dir={"):-1]] for o in overrides if o.startswith("hydra.run.dir=")), previous)
-        args = [*M, "trainer.progress=false", *(o for o in overrides if not o.startswith("hydra.run.dir=")), f"hydra.run.dir={run_dir}"]
+        run_dir = next(
+            (dirs[o[len("hydra.run.dir={") : -1]] for o in overrides if o.startswith("hydra.run.dir=")), previous
+        )
+        args = [
+            *M,
+            "trainer.progress=false",
+            *(o for o in overrides if not o.startswith("hydra.run.dir=")),
+            f"hydra.run.dir={run_dir}",
+        ]
         command = [sys.executable, str(ROOT / "recipes" / "train.py"), *args]
-        procs.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(
+            subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
     for (overrides, status, expected), proc in zip(RECIPE_CASES, procs):
         stdout, stderr = proc.communicate(timeout=180)
         lines = [line for line in stderr.splitlines() if line.strip()]
@@ -602,8 +792,14 @@ def _with_every_ranks_params(cfg, run_dir):
 
 def test_nonfinite_skip_keeps_every_rank_unchanged_and_counts_skips(tmp_path):
     steps = 6
-    cfg = make_cfg(*DIVERGING, "trainer.nonfinite=skip", f"trainer.max_steps={steps}", "trainer.log_every=1",
-                   "trainer.checkpoint_every=1", f"trainer.keep_checkpoints={steps}")
+    cfg = make_cfg(
+        *DIVERGING,
+        "trainer.nonfinite=skip",
+        f"trainer.max_steps={steps}",
+        "trainer.log_every=1",
+        "trainer.checkpoint_every=1",
+        f"trainer.keep_checkpoints={steps}",
+    )
     validate(cfg, tmp_path)
     spawn(_with_every_ranks_params, (OmegaConf.to_container(cfg, resolve=True), str(tmp_path)), layout_of(cfg))
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -612,7 +808,9 @@ def test_nonfinite_skip_keeps_every_rank_unchanged_and_counts_skips(tmp_path):
     skipped = [r["skipped_steps"] for r in logged]
     assert skipped == [0] + list(range(1, steps))  # step 1 is finite; every later one is skipped
     assert summary["summary"] and summary["skipped_steps"] == steps - 1
-    payloads = [torch.load(tmp_path / "checkpoints" / f"step_{s:08d}.pt", weights_only=True) for s in range(1, steps + 1)]
+    payloads = [
+        torch.load(tmp_path / "checkpoints" / f"step_{s:08d}.pt", weights_only=True) for s in range(1, steps + 1)
+    ]
     for payload in payloads:
         assert_same_params(payload["ranks"][0]["params"], payload["params"])
         assert_same_params(payload["ranks"][1]["params"], payload["params"])  # every rank alike

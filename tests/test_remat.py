@@ -1,20 +1,19 @@
 """Activation checkpointing (fdp.model.remat): the same numbers as without it, the forward run again, refusals."""
+
 import pytest
 import torch
 from torch import nn
 
 from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
-
-from fdp.model import remat
-
-from fdp.update import zero
 from fdp.comm import Comm
 from fdp.errors import ConfigError
-from fdp.model.functional import functionalize, grad_and_value
+from fdp.model import remat
 from fdp.model.builtin import CharTransformer, ConvNet
+from fdp.model.functional import functionalize, grad_and_value
+from fdp.model.streams import SampleStreams
 from fdp.optim import adam
 from fdp.plan import plan_buckets
-from fdp.model.streams import SampleStreams
+from fdp.update import zero
 from fdp.update.zero.gather import ParamGather
 
 STEPS = 4
@@ -38,8 +37,11 @@ def _counting(modules):
     return calls
 
 
-@pytest.mark.parametrize("per_sample,autocast", [(False, False), (True, False), (False, True)],
-                         ids=["generator", "per_sample_streams", "bf16_autocast"])
+@pytest.mark.parametrize(
+    "per_sample,autocast",
+    [(False, False), (True, False), (False, True)],
+    ids=["generator", "per_sample_streams", "bf16_autocast"],
+)
 def test_gradients_equal_bit_for_bit_with_dropout_and_the_forward_runs_again(per_sample, autocast):
     module = _char_transformer()
     model, params, buffers = functionalize(module)
@@ -119,7 +121,8 @@ def test_select_modes_and_refusals():
         remat.from_config("blocks", ["Block"], 2, module)
     assert str(error.value) == (
         "trainer.activation_checkpointing_policy=['Block']: expected the model's classes (none is Block; it has "
-        "CharTransformer, Dropout, Embedding, GELU, LayerNorm, Linear, Sequential, _Block, _CausalSelfAttention)")
+        "CharTransformer, Dropout, Embedding, GELU, LayerNorm, Linear, Sequential, _Block, _CausalSelfAttention)"
+    )
     with pytest.raises(ValueError, match=r"^checkpoint_modules=\['Conv2d'\]: expected the model's classes \(none is"):
         model, params, buffers = functionalize(module)
         loss_fn = cross_entropy_loss(model)
@@ -152,21 +155,37 @@ def test_the_config_settings_are_checked_before_anything_runs():
         validate(cfg("trainer.activation_checkpointing=all"))
     with pytest.raises(ConfigError, match=r"^trainer.activation_checkpointing_k=0: expected an integer >= 1$"):
         validate(cfg("trainer.activation_checkpointing=every_k", "trainer.activation_checkpointing_k=0"))
-    validate(cfg("model=charlm", "data=stdlib_text", "trainer.activation_checkpointing=every_k",
-                 "trainer.activation_checkpointing_policy=[_Block]"))
+    validate(
+        cfg(
+            "model=charlm",
+            "data=stdlib_text",
+            "trainer.activation_checkpointing=every_k",
+            "trainer.activation_checkpointing_policy=[_Block]",
+        )
+    )
 
 
 def _train(rank, world, stage, checkpoint, sample_seed, accum):
     module = _char_transformer()
     model, params, buffers = functionalize(module)
     loss_fn = cross_entropy_loss(model)
-    batches = [tuple(t[rank * 4:(rank + 1) * 4] for t in _tokens(4 * world, seed)) for seed in range(STEPS)]
-    plan = plan_buckets(planner_loss(loss_fn, buffers), params, batches[0], bucket_cap_mb=0.01,
-                        first_bucket_cap_mb=0.002)
+    batches = [tuple(t[rank * 4 : (rank + 1) * 4] for t in _tokens(4 * world, seed)) for seed in range(STEPS)]
+    plan = plan_buckets(
+        planner_loss(loss_fn, buffers), params, batches[0], bucket_cap_mb=0.01, first_bucket_cap_mb=0.002
+    )
     comm = Comm()
-    step = make_train_step(loss_fn, adam(1e-2), plan, comm=comm, zero_stage=stage, model=model, donate=True,
-                           accum_steps=accum, sample_seed=sample_seed,
-                           checkpoint_modules="blocks" if checkpoint else ())
+    step = make_train_step(
+        loss_fn,
+        adam(1e-2),
+        plan,
+        comm=comm,
+        zero_stage=stage,
+        model=model,
+        donate=True,
+        accum_steps=accum,
+        sample_seed=sample_seed,
+        checkpoint_modules="blocks" if checkpoint else (),
+    )
     if stage:
         state = zero.init_state(params, buffers, adam(1e-2), plan, comm, stage=stage, seed=7)
     else:

@@ -2,6 +2,7 @@
 
 All 2-rank work runs in one job (``_on_two_ranks``), started once by the first test that needs it.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -46,16 +47,19 @@ def _ddp(rank: int) -> dict:
         opt.zero_grad()
         F.cross_entropy(ddp(x), y).backward()
         opt.step()
-    return {"params": {n: p.detach().clone() for n, p in module.named_parameters()},
-            "buffers": {n: b.clone() for n, b in module.named_buffers()}}
+    return {
+        "params": {n: p.detach().clone() for n, p in module.named_parameters()},
+        "buffers": {n: b.clone() for n, b in module.named_buffers()},
+    }
 
 
 def _fdp(rank: int, comm: Comm, how: str) -> dict:
     # Each rank builds its model from its own seed: setup_state makes rank 0's everyone's.
     model, params, buffers = fdp.functionalize(_bn_module(seed=rank))
     loss_fn = fdp.cross_entropy_loss(model)
-    plan = fdp.plan_buckets(fdp.planner_loss(loss_fn, buffers), params, _batch(rank, 0), bucket_cap_mb=0.0002,
-                             first_bucket_cap_mb=0.0002)
+    plan = fdp.plan_buckets(
+        fdp.planner_loss(loss_fn, buffers), params, _batch(rank, 0), bucket_cap_mb=0.0002, first_bucket_cap_mb=0.0002
+    )
     own = {n: p.clone() for n, p in params.items()}
     state = fdp.setup_state(params, buffers, fdp.sgd(LR), plan, comm=comm, seed=0)
     first = state
@@ -63,8 +67,14 @@ def _fdp(rank: int, comm: Comm, how: str) -> dict:
     for i in range(STEPS):
         state, _ = step(state, _batch(rank, i))
     untouched = all(torch.equal(params[n], own[n]) for n in params)
-    return {"params": state.params, "buffers": state.buffers, "start": first.params, "rng": first.rng,
-            "inputs_untouched": untouched, "buckets": len(plan)}
+    return {
+        "params": state.params,
+        "buffers": state.buffers,
+        "start": first.params,
+        "rng": first.rng,
+        "inputs_untouched": untouched,
+        "buckets": len(plan),
+    }
 
 
 def _on_two_ranks(rank: int, world: int) -> dict:
@@ -74,8 +84,11 @@ def _on_two_ranks(rank: int, world: int) -> dict:
         out[how] = _fdp(rank, comm, how)
 
     # average: floating buffers averaged, integer ones rank 0's.
-    mine = {"mean": torch.arange(4.0) * (rank + 1), "half": torch.full((3,), 1.5 + rank, dtype=torch.float16),
-            "count": torch.tensor(5 + rank)}
+    mine = {
+        "mean": torch.arange(4.0) * (rank + 1),
+        "half": torch.full((3,), 1.5 + rank, dtype=torch.float16),
+        "count": torch.tensor(5 + rank),
+    }
     out["average"] = fdp.sync_buffers(mine, comm, "average")
     out["average_input"] = mine
 
@@ -128,7 +141,9 @@ def test_local_buffers_drift_apart_where_broadcast_keeps_rank_0s(two_ranks):
     gap = (local1["buffers"]["1.running_mean"] - ddp1["buffers"]["1.running_mean"]).abs().max()
     assert gap > 0.1  # rank 1 kept statistics of its own (shifted) data
     local0, ddp0 = two_ranks[0]["local"], two_ranks[0]["ddp"]
-    torch.testing.assert_close(local0["buffers"]["1.running_mean"], ddp0["buffers"]["1.running_mean"], rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        local0["buffers"]["1.running_mean"], ddp0["buffers"]["1.running_mean"], rtol=0, atol=1e-6
+    )
     for name in ddp1["params"]:  # gradients are averaged either way
         torch.testing.assert_close(local1["params"][name], ddp1["params"][name], rtol=0, atol=1e-6)
 
@@ -164,7 +179,9 @@ def test_setup_state_refuses_ranks_with_different_seeds_on_every_rank(two_ranks)
 def test_every_zero_stage_s_first_state_refuses_ranks_with_different_seeds(two_ranks):
     for result in two_ranks:
         for stage, message in result["stage_seed_errors"].items():
-            assert message is not None and message.startswith("seed differs between ranks (rank 0: 0, rank 1: 1)"), stage
+            assert message is not None and message.startswith("seed differs between ranks (rank 0: 0, rank 1: 1)"), (
+                stage
+            )
 
 
 def test_sync_buffers_on_a_world_of_one_returns_the_buffers_as_they_are():

@@ -1,9 +1,9 @@
 """A run directory has one owner (fdp.run.rundir): a second run is refused naming the first,
 a dead run's lock is taken over saying so, and a refused run adds nothing to a directory."""
+
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from fdp.run.config import ConfigError
-from fdp.run.rundir import LOCK, RunDirInUse, own_run_dir, owner_of
-from fdp.run.rundir import RankStatus
+from fdp.run.rundir import LOCK, RankStatus, RunDirInUse, own_run_dir, owner_of
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.hidden=16", "data.global_batch_size=16", "trainer.eval_every=0", "trainer.progress=false"]
@@ -23,8 +22,14 @@ TINY = ["model.hidden=16", "data.global_batch_size=16", "trainer.eval_every=0", 
 
 def recipe(run_dir, *overrides, wait=True):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, str(ROOT / "recipes" / "train.py"), *TINY, *overrides, f"hydra.run.dir={run_dir}"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "recipes" / "train.py"), *TINY, *overrides, f"hydra.run.dir={run_dir}"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     if wait:
         proc.out, proc.err = proc.communicate(timeout=180)
     return proc
@@ -36,7 +41,10 @@ def lines(text):
 
 def listing(run_dir):
     """Every path under ``run_dir``, with each file's modification time."""
-    return {str(p.relative_to(run_dir)): p.stat().st_mtime_ns if p.is_file() else None for p in sorted(Path(run_dir).rglob("*"))}
+    return {
+        str(p.relative_to(run_dir)): p.stat().st_mtime_ns if p.is_file() else None
+        for p in sorted(Path(run_dir).rglob("*"))
+    }
 
 
 def test_one_owner_per_run_directory_and_a_dead_owners_lock_is_taken_over(tmp_path):
@@ -53,7 +61,8 @@ def test_one_owner_per_run_directory_and_a_dead_owners_lock_is_taken_over(tmp_pa
     assert second.returncode == 2, second.err[-3000:]
     assert lines(second.err) == [
         f"error: hydra.run.dir={tmp_path}: in use by another run (pid {first.pid} on {host}); expected a directory no "
-        "live run is writing to (wait for that run, stop it, or choose another hydra.run.dir)"]
+        "live run is writing to (wait for that run, stop it, or choose another hydra.run.dir)"
+    ]
     assert not (tmp_path / ".hydra" / "resume-1").exists()  # it wrote nothing there
 
     # The first dies without a word (SIGKILL): its lock file stays, but the kernel freed the lock.
@@ -63,7 +72,9 @@ def test_one_owner_per_run_directory_and_a_dead_owners_lock_is_taken_over(tmp_pa
     last = int(max(p.name for p in (tmp_path / "checkpoints").glob("step_*.pt"))[5:13])
     third = recipe(tmp_path, "trainer.resume=true", f"trainer.max_steps={last + 3}")
     assert third.returncode == 0, third.err[-3000:]
-    note = f"fdp: hydra.run.dir={tmp_path} was locked by pid {first.pid} on {host}, which is gone; this run takes it over"
+    note = (
+        f"fdp: hydra.run.dir={tmp_path} was locked by pid {first.pid} on {host}, which is gone; this run takes it over"
+    )
     assert lines(third.err) == [note]
     assert note in (tmp_path / "train.log").read_text()
     assert f"steps={last + 3} " in third.out and not (tmp_path / LOCK).exists()
@@ -84,8 +95,10 @@ def test_a_resume_refused_on_two_ranks_is_one_line_every_time_and_changes_nothin
     assert first.returncode == 0, first.err[-3000:]
     before = listing(tmp_path)
     entries = len(torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)["ranks"][0]["hook_state"])
-    expected = [f"error: checkpoint {tmp_path}/checkpoints/last.pt: hook state has {entries} entries, this run "
-                "expects 0 (different optimizer, hooks or bucket plan?)"]
+    expected = [
+        f"error: checkpoint {tmp_path}/checkpoints/last.pt: hook state has {entries} entries, this run "
+        "expects 0 (different optimizer, hooks or bucket plan?)"
+    ]
     for attempt in range(5):
         refused = recipe(tmp_path, *world, "hooks=allreduce", "trainer.resume=true", "trainer.max_steps=6")
         assert (attempt, refused.returncode, lines(refused.err)) == (attempt, 2, expected), refused.err[-3000:]
@@ -98,8 +111,13 @@ def test_ownership_in_one_process_is_reentrant_and_a_refusal_rolls_back(tmp_path
         with own_run_dir(run_dir) as inner:  # the recipe and fdp.run.trainer.run both ask
             assert inner is outer
         assert (run_dir / LOCK).exists()  # still held by the outer block
-        other = subprocess.run([sys.executable, "-c", f"from fdp.run.rundir import own_run_dir\nwith own_run_dir({str(run_dir)!r}): pass"],
-                               capture_output=True, text=True, timeout=120, env={**os.environ})
+        other = subprocess.run(
+            [sys.executable, "-c", f"from fdp.run.rundir import own_run_dir\nwith own_run_dir({str(run_dir)!r}): pass"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ},
+        )
         assert "RunDirInUse" in other.stderr and f"pid {os.getpid()} on" in other.stderr
     assert not run_dir.joinpath(LOCK).exists()
     with pytest.raises(ConfigError):

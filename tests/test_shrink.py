@@ -5,6 +5,7 @@ SIGKILLed (or SIGSTOPped) from outside once it starts step 30 of 60, through the
 ``<run dir>/ranks/rank2.txt``. The survivors must finish the run on two ranks by
 themselves, without a checkpoint to read, with the parameters of the uninterrupted run.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,24 +17,41 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from _procs import alive
-from fdp.run.config import ConfigError, compose
+
 from fdp.dist.launch import WorkerFailedError
-from fdp.run.rundir import RankStatus
 from fdp.dist.shrink import ShrinkingWorld, check_shrinkable_batch, shrink_store
+from fdp.run.config import ConfigError, compose
+from fdp.run.rundir import RankStatus
 from fdp.run.trainer import run
 from fdp.run.validate import validate
 
-
 STEPS, KILL_AT, TIMEOUT_S = 60, 30, 5
 RUN = [
-    "model=charlm", "data=stdlib_text", "model.d_model=16", "model.n_layer=1", "model.n_head=2", "model.dropout=0.1",
-    "data.block_size=8", "data.max_chars=5000", "data.global_batch_size=12", "optim=adam", "optim.lr=1e-3",
-    "trainer.eval_every=0", "trainer.progress=false", f"trainer.max_steps={STEPS}", "trainer.checkpoint_every=0",
+    "model=charlm",
+    "data=stdlib_text",
+    "model.d_model=16",
+    "model.n_layer=1",
+    "model.n_head=2",
+    "model.dropout=0.1",
+    "data.block_size=8",
+    "data.max_chars=5000",
+    "data.global_batch_size=12",
+    "optim=adam",
+    "optim.lr=1e-3",
+    "trainer.eval_every=0",
+    "trainer.progress=false",
+    f"trainer.max_steps={STEPS}",
+    "trainer.checkpoint_every=0",
 ]
-COMMON = [*RUN, "world=local4", "world.nproc_per_node=3", "world.backend=gloo", f"world.timeout_s={TIMEOUT_S}",
-          "world.on_rank_loss=shrink"]
+COMMON = [
+    *RUN,
+    "world=local4",
+    "world.nproc_per_node=3",
+    "world.backend=gloo",
+    f"world.timeout_s={TIMEOUT_S}",
+    "world.on_rank_loss=shrink",
+]
 
 
 class Signaller:
@@ -86,8 +104,14 @@ def _interrupted_run(tmp_path_factory, name, sig, *overrides):
         summary = run(compose(*COMMON, *overrides), run_dir)
     finally:
         signaller.done()
-    return {"dir": run_dir, "summary": summary, "victim": signaller.victim, "signalled_at": signaller.at,
-            "ended_at": time.monotonic(), "started_at": started}
+    return {
+        "dir": run_dir,
+        "summary": summary,
+        "victim": signaller.victim,
+        "signalled_at": signaller.at,
+        "ended_at": time.monotonic(),
+        "started_at": started,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -146,9 +170,12 @@ REFUSED = [
     (["world.min_ranks=4"], r"^world\.min_ranks=4: expected at most the world's 3 ranks$"),
     (["world.max_restarts=1"], r"^world\.max_restarts=1: expected 0 with world\.on_rank_loss=shrink"),
     (["trainer.zero_stage=2"], r"^trainer\.zero_stage=2: expected 0 or 1 with world\.on_rank_loss=shrink"),
-    (["data.global_batch_size=9"], r"^data\.global_batch_size=9: expected a multiple of every world size from "
-                                   r"world\.min_ranks=1 to 3 times trainer\.accum_steps=1 \(e\.g\. 12, a multiple of 6, "
-                                   r"their least common multiple\)"),
+    (
+        ["data.global_batch_size=9"],
+        r"^data\.global_batch_size=9: expected a multiple of every world size from "
+        r"world\.min_ranks=1 to 3 times trainer\.accum_steps=1 \(e\.g\. 12, a multiple of 6, "
+        r"their least common multiple\)",
+    ),
 ]
 
 
@@ -204,8 +231,16 @@ def test_local_sgd_goes_on_as_a_run_stopped_there_and_resumed_on_two_ranks(local
 
 
 # Streaming DiLoCo: two fragments sent behind the next step as fp4 codes (each rank's own error feedback).
-STREAMING = ["outer=diloco", "outer.sync_every=4", "outer.fragments=2", "outer.overlap=1", "hooks=lowbit", "hooks.block=16",
-             "trainer.bucket_cap_mb=0.002", "trainer.first_bucket_cap_mb=0.001"]
+STREAMING = [
+    "outer=diloco",
+    "outer.sync_every=4",
+    "outer.fragments=2",
+    "outer.overlap=1",
+    "hooks=lowbit",
+    "hooks.block=16",
+    "trainer.bucket_cap_mb=0.002",
+    "trainer.first_bucket_cap_mb=0.001",
+]
 
 
 @pytest.fixture(scope="module")
@@ -236,8 +271,11 @@ def test_a_world_under_min_ranks_ends_in_one_line_with_a_checkpoint_to_resume(tm
     # The lost rank's keeper lets the launcher stop it: torch's agent would wait 30 s for one that holds SIGTERM.
     assert time.monotonic() - signaller.at < 20
     message = str(caught.value)
-    match = re.fullmatch(r"rank 1 lost by step (\d+): 1 left, fewer than world\.min_ranks=2; the last checkpoint is "
-                         r"step (\d+) \(continue with trainer\.resume=true\) \(rank 0\)", message)
+    match = re.fullmatch(
+        r"rank 1 lost by step (\d+): 1 left, fewer than world\.min_ranks=2; the last checkpoint is "
+        r"step (\d+) \(continue with trainer\.resume=true\) \(rank 0\)",
+        message,
+    )
     assert match, message
     step = int(match[2])
     assert int(match[1]) == step + 1 and 19 <= step <= signaller.victim["step"]
@@ -259,8 +297,20 @@ def test_under_torchrun_losing_rank_0_leaves_two_that_finish_and_print_the_summa
 
     root = Path(__file__).resolve().parents[1]
     overrides = [o for o in COMMON if not o.startswith("world=") and "nproc_per_node" not in o]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", "--max-restarts",
-               "0", str(root / "recipes" / "train.py"), "world=torchrun", *overrides, f"hydra.run.dir={tmp_path}"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "3",
+        "--max-restarts",
+        "0",
+        str(root / "recipes" / "train.py"),
+        "world=torchrun",
+        *overrides,
+        f"hydra.run.dir={tmp_path}",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath_first(root)}
     signaller = Signaller(tmp_path, signal.SIGKILL, rank=0)
     try:
@@ -269,8 +319,11 @@ def test_under_torchrun_losing_rank_0_leaves_two_that_finish_and_print_the_summa
         signaller.done()
     assert done.returncode == 0, done.stderr[-3000:]
     last = done.stdout.strip().splitlines()[-1]
-    match = re.fullmatch(r"fdp: model=charlm world=2 device=cpu steps=60 .* shrinks=\[\{'step': (\d+), 'lost': \[0\], "
-                         r"'world': 2, 'seconds_lost': [\d.]+\}\]", last)
+    match = re.fullmatch(
+        r"fdp: model=charlm world=2 device=cpu steps=60 .* shrinks=\[\{'step': (\d+), 'lost': \[0\], "
+        r"'world': 2, 'seconds_lost': [\d.]+\}\]",
+        last,
+    )
     assert match, done.stdout[-2000:]
     assert KILL_AT - 1 <= int(match[1]) <= signaller.victim["step"]
     assert_close_params(final_params(tmp_path), reference["params"])
@@ -312,13 +365,18 @@ def test_a_rank_waiting_on_a_live_peer_stops_once_the_world_is_reported_broken(r
 def test_the_readmes_shrink_commands_are_accepted_as_written():
     """README's commands for a shrinking world (which the README tests do not run: a rank must be lost) pass validation."""
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text().replace("\\\n", " ")
-    commands = [line for line in readme.splitlines() if "recipes/train.py" in line and "on_rank_loss=shrink" in line
-                and not line.lstrip().startswith(("Under", "`"))]
+    commands = [
+        line
+        for line in readme.splitlines()
+        if "recipes/train.py" in line and "on_rank_loss=shrink" in line and not line.lstrip().startswith(("Under", "`"))
+    ]
     assert len(commands) == 2, commands
     for command in commands:
         words = command.split()
-        overrides = [w for w in words[words.index("recipes/train.py") + 1:] if "=" in w]
+        overrides = [w for w in words[words.index("recipes/train.py") + 1 :] if "=" in w]
         cfg = compose(*overrides)
         validate(cfg)
-        nproc = int(words[words.index("--nproc-per-node") + 1]) if "--nproc-per-node" in words else cfg.world.nproc_per_node
+        nproc = (
+            int(words[words.index("--nproc-per-node") + 1]) if "--nproc-per-node" in words else cfg.world.nproc_per_node
+        )
         check_shrinkable_batch(cfg.data.global_batch_size, nproc, cfg.world.min_ranks, cfg.trainer.accum_steps)

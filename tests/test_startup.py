@@ -1,5 +1,6 @@
 """fdp.run.startup: the shell entry and the Python API start a run the same way, once: the world resolved
 once, the config validated once, the run directory checked and owned once."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,8 @@ import pytest
 import fdp.run.rundir
 import fdp.run.validate
 import fdp.run.world
-from fdp.run.config import compose
 from fdp.errors import ConfigError
+from fdp.run.config import compose
 from fdp.run.rundir import owner_of
 from fdp.run.startup import start_run
 from fdp.run.trainer import run

@@ -1,4 +1,5 @@
 """Each sample's random stream (fdp.model.streams): masks that depend on the sample, not on the rank or the micro-batch."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,15 +8,15 @@ import torch.nn.functional as F
 
 from fdp import adam, functionalize, make_train_step, plan_buckets, planner_loss
 from fdp.comm import Comm
-from fdp.run.config import compose
-from fdp.errors import ConfigError
 from fdp.data import global_batch, load_stdlib_text, shard
-from fdp.model.losses import cross_entropy_loss
+from fdp.errors import ConfigError
 from fdp.model.builtin import CharTransformer
-from fdp.state.replicas import setup_state
+from fdp.model.losses import cross_entropy_loss
 from fdp.model.streams import SampleStreams, wants_sample_streams
+from fdp.run.config import compose
 from fdp.run.trainer import run
 from fdp.run.validate import validate
+from fdp.state.replicas import setup_state
 
 SEED = 11
 
@@ -26,9 +27,17 @@ def _draws(x: torch.Tensor) -> list[torch.Tensor]:
     attention = F.scaled_dot_product_attention(q, q, q, dropout_p=0.4)
     out, mask = torch.native_dropout(x, 0.3, True)
     return [
-        F.dropout(x, 0.5, training=True), attention, out, mask, torch.rand_like(x), torch.randn_like(x),
-        torch.bernoulli(torch.full_like(x, 0.25)), torch.empty_like(x).uniform_(-2, 3), torch.empty_like(x).normal_(1, 2),
-        torch.rand(x.shape[0], 5), torch.randn(x.shape[0], 5, dtype=torch.float64),
+        F.dropout(x, 0.5, training=True),
+        attention,
+        out,
+        mask,
+        torch.rand_like(x),
+        torch.randn_like(x),
+        torch.bernoulli(torch.full_like(x, 0.25)),
+        torch.empty_like(x).uniform_(-2, 3),
+        torch.empty_like(x).normal_(1, 2),
+        torch.rand(x.shape[0], 5),
+        torch.randn(x.shape[0], 5, dtype=torch.float64),
     ]
 
 
@@ -59,7 +68,9 @@ def test_the_draws_have_the_distributions_asked_for():
     streams = SampleStreams(0)
     streams.begin(1, 0, [64])
     x = torch.ones(64, 5000)
-    kept, uniform, normal = streams.wrap(lambda x: (F.dropout(x, 0.1, True) != 0, torch.rand_like(x), torch.randn_like(x)))(x)
+    kept, uniform, normal = streams.wrap(
+        lambda x: (F.dropout(x, 0.1, True) != 0, torch.rand_like(x), torch.randn_like(x))
+    )(x)
     assert abs(kept.float().mean().item() - 0.9) < 0.005
     assert abs(uniform.mean().item() - 0.5) < 0.005 and abs(uniform.var().item() - 1 / 12) < 0.002
     assert 0.0 <= uniform.min().item() and uniform.max().item() < 1.0
@@ -121,9 +132,21 @@ def test_dropout_on_two_ranks_trains_what_one_process_trains(run_ranks):
 
 def test_world_single_and_local2_train_the_same_params_with_dropout(tmp_path):
     common = [
-        "model=charlm", "data=stdlib_text", "model.d_model=16", "model.n_layer=1", "model.n_head=2", "model.dropout=0.2",
-        "data.block_size=8", "data.max_chars=5000", "data.global_batch_size=8", "optim=adam", "trainer.eval_every=0",
-        "trainer.progress=false", "trainer.max_steps=12", "world.backend=gloo", "trainer.sample_streams=true",
+        "model=charlm",
+        "data=stdlib_text",
+        "model.d_model=16",
+        "model.n_layer=1",
+        "model.n_head=2",
+        "model.dropout=0.2",
+        "data.block_size=8",
+        "data.max_chars=5000",
+        "data.global_batch_size=8",
+        "optim=adam",
+        "trainer.eval_every=0",
+        "trainer.progress=false",
+        "trainer.max_steps=12",
+        "world.backend=gloo",
+        "trainer.sample_streams=true",
     ]
     params = {}
     for world in ("single", "local2"):
@@ -133,23 +156,31 @@ def test_world_single_and_local2_train_the_same_params_with_dropout(tmp_path):
         torch.testing.assert_close(params["local2"][name], value, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("overrides, streams", [
-    ((), False),  # auto: each rank's generator, no dispatch mode's host cost
-    (("world=local2", "world.on_rank_loss=shrink"), True),  # auto: the survivors must draw the lost world's masks
-    (("trainer.sample_streams=true",), True),
-    (("world=local2", "world.on_rank_loss=shrink", "trainer.sample_streams=false"), False),
-])
+@pytest.mark.parametrize(
+    "overrides, streams",
+    [
+        ((), False),  # auto: each rank's generator, no dispatch mode's host cost
+        (("world=local2", "world.on_rank_loss=shrink"), True),  # auto: the survivors must draw the lost world's masks
+        (("trainer.sample_streams=true",), True),
+        (("world=local2", "world.on_rank_loss=shrink", "trainer.sample_streams=false"), False),
+    ],
+)
 def test_sample_streams_auto_draws_per_sample_where_the_world_may_shrink(overrides, streams):
     cfg = compose("model=charlm", "data=stdlib_text", "model.dropout=0.1", *overrides)
     validate(cfg)
     assert wants_sample_streams(cfg.trainer.sample_streams, cfg.world.on_rank_loss) is streams
 
 
-@pytest.mark.parametrize("overrides, expected", [
-    (("trainer.sample_streams=maybe",), "trainer.sample_streams='maybe': expected auto, true or false"),
-    (("trainer.sample_streams=true", "trainer.compile=true"),
-     "trainer.compile=True: expected auto or false with per-sample streams"),
-])
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (("trainer.sample_streams=maybe",), "trainer.sample_streams='maybe': expected auto, true or false"),
+        (
+            ("trainer.sample_streams=true", "trainer.compile=true"),
+            "trainer.compile=True: expected auto or false with per-sample streams",
+        ),
+    ],
+)
 def test_sample_streams_settings_that_cannot_run_are_refused_in_one_line(overrides, expected):
     with pytest.raises(ConfigError) as error:
         validate(compose(*overrides))

@@ -1,4 +1,5 @@
 """The private-torch shim: its fallbacks agree with torch's private ops, and nothing else in fdp/ uses them."""
+
 import re
 from pathlib import Path
 
@@ -16,7 +17,8 @@ PRIVATE = re.compile(r"torch\._(?!_)|_get_default_store|utils\._pytree|\.set_\(|
 def test_no_module_but_the_shim_touches_private_torch():
     offenders = [
         f"{path.relative_to(FDP.parent)}:{number}: {line.strip()}"
-        for path in sorted(FDP.rglob("*.py")) if path.name != "_torch.py"
+        for path in sorted(FDP.rglob("*.py"))
+        if path.name != "_torch.py"
         for number, line in enumerate(path.read_text().splitlines(), 1)
         if PRIVATE.search(line.split("#")[0]) and ">>>" not in line
     ]

@@ -1,14 +1,15 @@
 """The pure train step on one process: purity, accumulation, and the step against eager torch."""
+
 import pytest
 import torch
 from torch import nn
 
+from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
 from fdp.data import global_batch, load_digits
+from fdp.model.builtin import MLP, ConvNet
 from fdp.model.functional import functionalize
-from fdp.model.builtin import ConvNet, MLP
 from fdp.optim import adam, sgd
 from fdp.plan import plan_buckets
-from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
 
 
 def _setup(module, optimizer, batch, accum_steps=1, schedule="after", cap_mb=0.01):
@@ -132,10 +133,13 @@ def _tied_lm():
     return CharTransformer(vocab_size=16, block_size=8, d_model=8, n_layer=2, n_head=2)  # a tied head
 
 
-@pytest.mark.parametrize("make,batch", [
-    (ConvNet, lambda: _digits_batch(0, 16)),  # BatchNorm buffers through the step
-    (_tied_lm, lambda: (torch.randint(0, 16, (4, 8)), torch.randint(0, 16, (4, 8)))),
-])
+@pytest.mark.parametrize(
+    "make,batch",
+    [
+        (ConvNet, lambda: _digits_batch(0, 16)),  # BatchNorm buffers through the step
+        (_tied_lm, lambda: (torch.randint(0, 16, (4, 8)), torch.randint(0, 16, (4, 8)))),
+    ],
+)
 @pytest.mark.parametrize("schedule", ["after", "overlap"])
 def test_params_laid_out_flat_step_as_separate_tensors_do_bit_for_bit(make, batch, schedule):
     """The state's params are one flat buffer per bucket; the step crosses torch.func with those."""
@@ -146,7 +150,9 @@ def test_params_laid_out_flat_step_as_separate_tensors_do_bit_for_bit(make, batc
     module, example = make(), batch()
     model, params, buffers = functionalize(module)
     loss_fn = cross_entropy_loss(model)
-    plan = plan_buckets(planner_loss(loss_fn, buffers), params, example, bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005)
+    plan = plan_buckets(
+        planner_loss(loss_fn, buffers), params, example, bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005
+    )
     assert len(plan.buckets) > 2
     calls = []
     flat_loss = GradReducer._flat_loss

@@ -1,13 +1,14 @@
 """The run loop through Hydra configs: world-size invariance and what a run writes."""
+
 import json
 import os
 from pathlib import Path
 
 import pytest
 import torch
+from _paths import pythonpath_first
 from hydra import compose, initialize_config_dir
 
-from _paths import pythonpath_first
 from fdp.run.config import register_configs
 from fdp.run.trainer import run
 
@@ -18,11 +19,28 @@ register_configs()
 SMALL = {
     "mlp": ["model=mlp", "model.hidden=64"],
     "convnet": ["model=convnet", "model.width=8"],
-    "charlm": ["model=charlm", "data=stdlib_text", "model.d_model=32", "model.n_layer=2", "model.n_head=2",
-               "data.block_size=16", "data.max_chars=20000", "optim=adamw", "optim.warmup_steps=5"],
+    "charlm": [
+        "model=charlm",
+        "data=stdlib_text",
+        "model.d_model=32",
+        "model.n_layer=2",
+        "model.n_head=2",
+        "data.block_size=16",
+        "data.max_chars=20000",
+        "optim=adamw",
+        "optim.warmup_steps=5",
+    ],
     # examples/my_project: a user's own model and map-style datasets, read through a DataLoader.
-    "custom": ["model=custom", "model._target_=my_project.models.Net", "+model.width=16", "+model.depth=2",
-               "data=custom", "data._target_=my_project.data.make", "+data.n_train=300", "+data.n_test=64"],
+    "custom": [
+        "model=custom",
+        "model._target_=my_project.models.Net",
+        "+model.width=16",
+        "+model.depth=2",
+        "data=custom",
+        "data._target_=my_project.data.make",
+        "+data.n_train=300",
+        "+data.n_test=64",
+    ],
 }
 
 
@@ -54,21 +72,41 @@ def test_two_ranks_train_like_one_process_on_the_union_batch(tmp_path, model, ex
     BatchNorm normalises over each rank's own shard, so for the conv net the one-process
     reference sees the same shards as micro-batches (accum_steps=2): equal math, as in DDP.
     """
-    steps = ["trainer.max_steps=20", "data.global_batch_size=16", "trainer.bucket_cap_mb=0.05", "trainer.first_bucket_cap_mb=0.01"]
+    steps = [
+        "trainer.max_steps=20",
+        "data.global_batch_size=16",
+        "trainer.bucket_cap_mb=0.05",
+        "trainer.first_bucket_cap_mb=0.01",
+    ]
     reference = ["trainer.accum_steps=2"] if model == "convnet" else []
     summary_one = run(make_cfg(*SMALL[model], *steps, *reference), tmp_path / "single")
     summary_two = run(make_cfg(*SMALL[model], *steps, "world=local2"), tmp_path / "local2")
     assert summary_two["world"] == 2 and summary_one["world"] == 1
     assert max_diff(final_params(tmp_path / "single"), final_params(tmp_path / "local2")) <= 1e-5
-    norms = [[line["grad_norm"] for line in map(json.loads, (tmp_path / run / "metrics.jsonl").read_text().splitlines())
-              if "grad_norm" in line] for run in ("single", "local2")]
+    norms = [
+        [
+            line["grad_norm"]
+            for line in map(json.loads, (tmp_path / run / "metrics.jsonl").read_text().splitlines())
+            if "grad_norm" in line
+        ]
+        for run in ("single", "local2")
+    ]
     assert len(norms[0]) == 2 and norms[1] == pytest.approx(norms[0], rel=1e-4)  # steps 10 and 20, as one process
     assert summary_two["bytes_per_step"] > 0 and summary_one["bytes_per_step"] == 0
 
 
 def test_run_writes_metrics_summary_and_rank_logs(tmp_path):
-    run(make_cfg(*SMALL["mlp"], "trainer.max_steps=6", "trainer.log_every=2", "world=local2", "trainer.eval_every=3",
-                 "trainer.trace=true"), tmp_path)
+    run(
+        make_cfg(
+            *SMALL["mlp"],
+            "trainer.max_steps=6",
+            "trainer.log_every=2",
+            "world=local2",
+            "trainer.eval_every=3",
+            "trainer.trace=true",
+        ),
+        tmp_path,
+    )
     lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [l for l in lines if "summary" not in l]
     assert [l["step"] for l in steps] == [2, 4, 6]
@@ -103,7 +141,9 @@ def test_loss_setting_picks_the_training_loss(tmp_path, examples_on_path):
     assert all(torch.equal(default[k], torch_ce[k]) for k in default)  # the same function, reached by its path
     assert max_diff(default, smoothed) > 1e-4
     # Regression: real-valued targets, mean squared error, no accuracy.
-    summary = run(make_cfg(*steps, "loss=mse", "+data.target=radius", "optim.lr=0.01", "trainer.log_every=1"), tmp_path / "mse")
+    summary = run(
+        make_cfg(*steps, "loss=mse", "+data.target=radius", "optim.lr=0.01", "trainer.log_every=1"), tmp_path / "mse"
+    )
     assert "test_acc" not in summary and summary["test_loss"] > 0
     losses = [json.loads(l)["loss"] for l in (tmp_path / "mse" / "metrics.jsonl").read_text().splitlines()[:-1]]
     assert losses[-1] < losses[0]
@@ -117,11 +157,22 @@ def test_own_hook_and_optimizer_from_config_resume_exactly_at_zero_stage_two(tmp
     """hooks=custom (a clipping stage with per-bucket counts, then allreduce; shardable) and optim=custom (Lion) on
     two ranks at ZeRO stage 2: stopped at step 5 and resumed, the params, optimizer and each rank's hook state are
     those of the uninterrupted run, bit for bit."""
-    steps = [*SMALL["mlp"], "world=local2", "trainer.zero_stage=2", "trainer.max_steps=10",
-             "trainer.checkpoint_every=5",
-             "hooks=custom", "hooks._target_=my_project.hooks.clip_then_allreduce", "+hooks.max_norm=0.5",
-             "optim=custom", "optim._target_=my_project.optim.lion", "optim.lr=1e-3", "+optim.b1=0.95",
-             "optim.lr_schedule=wsd", "optim.decay_fraction=0.5"]
+    steps = [
+        *SMALL["mlp"],
+        "world=local2",
+        "trainer.zero_stage=2",
+        "trainer.max_steps=10",
+        "trainer.checkpoint_every=5",
+        "hooks=custom",
+        "hooks._target_=my_project.hooks.clip_then_allreduce",
+        "+hooks.max_norm=0.5",
+        "optim=custom",
+        "optim._target_=my_project.optim.lion",
+        "optim.lr=1e-3",
+        "+optim.b1=0.95",
+        "optim.lr_schedule=wsd",
+        "optim.decay_fraction=0.5",
+    ]
     whole = run(make_cfg(*steps), tmp_path / "whole")
     run(make_cfg(*steps, "trainer.stop_at=5"), tmp_path / "parts")
     assert _checkpoint(tmp_path / "parts")["step"] == 5
@@ -134,14 +185,26 @@ def test_own_hook_and_optimizer_from_config_resume_exactly_at_zero_stage_two(tmp
         assert counts == [int(t) for t in a["ranks"][rank]["hook_state"]]
         assert counts[0::2] == [10] * (len(counts) // 2) and 0 < sum(counts[1::2])
     assert whole["steps"] == 10
+
+
 def _recipe(run_dir, *overrides):
     import subprocess
     import sys
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "recipes" / "train.py"),
-                           "trainer.progress=false", *overrides, f"hydra.run.dir={run_dir}"],
-                          env=env, capture_output=True, text=True, timeout=240)
+    return subprocess.run(
+        [
+            sys.executable,
+            str(Path(__file__).resolve().parents[1] / "recipes" / "train.py"),
+            "trainer.progress=false",
+            *overrides,
+            f"hydra.run.dir={run_dir}",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
 
 
 def test_a_memory_budget_counts_what_the_run_adds_and_an_overrun_names_its_phase(tmp_path):
@@ -149,8 +212,14 @@ def test_a_memory_budget_counts_what_the_run_adds_and_an_overrun_names_its_phase
     does not count, the final evaluation takes training's batch (8 samples, not 256 at once), and the run ends
     with its checkpoint and test metrics. A budget nothing fits is refused in one line naming the part that
     ran out and what to change (exit 2, no run directory left)."""
-    common = ["model.hidden=131072", "model.depth=1", "optim=sgd", "data.global_batch_size=8", "trainer.max_steps=2",
-              "trainer.eval_every=0"]
+    common = [
+        "model.hidden=131072",
+        "model.depth=1",
+        "optim=sgd",
+        "data.global_batch_size=8",
+        "trainer.max_steps=2",
+        "trainer.eval_every=0",
+    ]
     done = _recipe(tmp_path / "fits", *common, "world.memory_per_rank_mb=300")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "test_acc=" in done.stdout and (tmp_path / "fits" / "checkpoints" / "step_00000002.pt").exists()
@@ -158,8 +227,10 @@ def test_a_memory_budget_counts_what_the_run_adds_and_an_overrun_names_its_phase
     assert refused.returncode == 2, refused.stderr[-3000:]
     (line,) = [text for text in refused.stderr.splitlines() if text.strip()]
     assert line.startswith("error: rank 0 ran out of memory building the model and its train state ("), line
-    assert line.endswith("); the run does not fit world.memory_per_rank_mb=1: expected more ranks, a higher "
-                         "trainer.zero_stage (now 0; 3 shards the params too) or a smaller model"), line
+    assert line.endswith(
+        "); the run does not fit world.memory_per_rank_mb=1: expected more ranks, a higher "
+        "trainer.zero_stage (now 0; 3 shards the params too) or a smaller model"
+    ), line
     assert not (tmp_path / "refused").exists()
 
 
@@ -169,8 +240,9 @@ def test_evaluation_in_pieces_gives_the_whole_batches_result():
     from fdp.run.evaluate import evaluate
 
     torch.manual_seed(0)
-    model, params, buffers = functionalize(torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(),
-                                                               torch.nn.Linear(32, 10)))
+    model, params, buffers = functionalize(
+        torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+    )
     whole = evaluate(model, params, buffers, load_digits(), max_batches=2)
     assert evaluate(model, params, buffers, load_digits(), max_batches=2, fits=7) == pytest.approx(whole, rel=1e-6)
 
@@ -183,15 +255,15 @@ def test_out_of_memory_lines_name_the_phase_and_what_to_change():
     phase = MemoryPhase()
     expected = {
         "data": "loading the data (MemoryError); the run does not fit world.memory_per_rank_mb=500: expected more "
-                "free memory or a smaller data set (loading it is not counted in world.memory_per_rank_mb)",
+        "free memory or a smaller data set (loading it is not counted in world.memory_per_rank_mb)",
         "step": "at step 7 (MemoryError); the run does not fit world.memory_per_rank_mb=500: expected a smaller "
-                "batch per forward (now 16 samples: data.global_batch_size=64 over 2 ranks and trainer.accum_steps=2), "
-                "trainer.activation_checkpointing=blocks, a higher trainer.zero_stage or a smaller model",
+        "batch per forward (now 16 samples: data.global_batch_size=64 over 2 ranks and trainer.accum_steps=2), "
+        "trainer.activation_checkpointing=blocks, a higher trainer.zero_stage or a smaller model",
         "evaluation": "evaluating after step 7 (MemoryError); the run does not fit world.memory_per_rank_mb=500: "
-                      "expected a smaller batch per forward (evaluation takes training's, 16 samples: "
-                      "data.global_batch_size=64 over 2 ranks and trainer.accum_steps=2) or a smaller model",
+        "expected a smaller batch per forward (evaluation takes training's, 16 samples: "
+        "data.global_batch_size=64 over 2 ranks and trainer.accum_steps=2) or a smaller model",
         "save": "saving the checkpoint of step 7 (MemoryError); the run does not fit world.memory_per_rank_mb=500: "
-                "expected a larger budget: rank 0 holds the whole state while it writes it (trainer.zero_stage=0)",
+        "expected a larger budget: rank 0 holds the whole state while it writes it (trainer.zero_stage=0)",
     }
     for name, text in expected.items():
         with pytest.raises(MemoryError):

@@ -10,6 +10,7 @@ relay where the kernel has none, for the delay); one rank per namespace. From th
 
 From Python, ``Cluster`` takes the network down however the program ends.
 """
+
 from .cluster import (
     DEFAULT_PREFIX,
     IFNAME,
@@ -29,6 +30,19 @@ from .cluster import (
 )
 
 __all__ = [
-    "DEFAULT_PREFIX", "IFNAME", "SUBNET", "Cluster", "NetsimError", "address", "down", "missing_prerequisites",
-    "namespaces", "node_command", "node_env", "parse_delay", "parse_rate", "status", "up",
+    "DEFAULT_PREFIX",
+    "IFNAME",
+    "SUBNET",
+    "Cluster",
+    "NetsimError",
+    "address",
+    "down",
+    "missing_prerequisites",
+    "namespaces",
+    "node_command",
+    "node_env",
+    "parse_delay",
+    "parse_rate",
+    "status",
+    "up",
 ]

@@ -12,6 +12,7 @@
 Errors are one line on stderr: exit 2 for a bad argument, 1 when the cluster cannot be
 built or used (not root, no iproute2, ...).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,8 +72,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     def shaped(q):
         q.add_argument("nodes", type=_nodes, help="number of nodes")
-        q.add_argument("--rate", type=_checked(parse_rate), default="none",
-                       help="per node and direction: 100mbit, 1gbit, 2.5gbit, ... or none (default)")
+        q.add_argument(
+            "--rate",
+            type=_checked(parse_rate),
+            default="none",
+            help="per node and direction: 100mbit, 1gbit, 2.5gbit, ... or none (default)",
+        )
         q.add_argument("--delay", type=_checked(parse_delay), default="0", help="one-way: 0 (default), 500us, 2ms")
         q.add_argument("--mode", choices=MODES, default="auto")
         q.add_argument("--mtu", type=int, default=1500)
@@ -91,8 +96,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     q.add_argument("--prefix", default=DEFAULT_PREFIX)
     argv = list(sys.argv[1:] if argv is None else argv)
     # Everything after the first `--` is the command, options that look like ours included.
-    command = argv[argv.index("--") + 1:] if "--" in argv else []
-    a = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    command = argv[argv.index("--") + 1 :] if "--" in argv else []
+    a = p.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     a.command = command
     if a.cmd in ("run", "exec") and not command:
         p.error(f"{a.cmd}: no command given (put it after --: {a.cmd} ... -- python train.py)")
@@ -111,9 +116,15 @@ def _run_everywhere(a: argparse.Namespace) -> int:
         procs, pumps = [], []
         try:
             for k in range(a.nodes):
-                proc = subprocess.Popen(net.command(k, a.command), env={**os.environ, **net.env(k, a.port)},
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        text=True, start_new_session=True)
+                proc = subprocess.Popen(
+                    net.command(k, a.command),
+                    env={**os.environ, **net.env(k, a.port)},
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    text=True,
+                    start_new_session=True,
+                )
                 procs.append(proc)
                 pumps.append(threading.Thread(target=_pump, args=(proc.stdout, f"[r{k}]"), daemon=True))
                 pumps[-1].start()

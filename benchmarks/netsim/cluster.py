@@ -19,6 +19,7 @@ Needs root and iproute2 (``ip``, ``tc``); ``missing_prerequisites`` names what i
 in one line. ``Cluster`` is the context manager the benchmarks use: it takes the network
 down when the block ends, on an exception, on SIGINT/SIGTERM/SIGHUP and at interpreter exit.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -96,8 +97,9 @@ def missing_prerequisites(euid: int | None = None, path: str | None = None) -> s
         lacks.append("root (network namespaces, tc)")
     absent = [tool for tool in ("ip", "tc") if shutil.which(tool, path=path) is None]
     if absent:
-        lacks.append(f"iproute2 ({' and '.join(f'`{t}`' for t in absent)} "
-                     f"{'is' if len(absent) == 1 else 'are'} not on PATH)")
+        lacks.append(
+            f"iproute2 ({' and '.join(f'`{t}`' for t in absent)} {'is' if len(absent) == 1 else 'are'} not on PATH)"
+        )
     return f"the simulated cluster needs {' and '.join(lacks)}" if lacks else None
 
 
@@ -144,9 +146,16 @@ def node_env(k: int, world: int, port: int) -> dict[str, str]:
     >>> node_env(1, 2, 29500)["MASTER_ADDR"], node_env(1, 2, 29500)["RANK"]
     ('10.77.0.1', '1')
     """
-    return {"RANK": str(k), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-            "GROUP_RANK": str(k), "MASTER_ADDR": address(0), "MASTER_PORT": str(port),
-            "GLOO_SOCKET_IFNAME": IFNAME}
+    return {
+        "RANK": str(k),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+        "GROUP_RANK": str(k),
+        "MASTER_ADDR": address(0),
+        "MASTER_PORT": str(port),
+        "GLOO_SOCKET_IFNAME": IFNAME,
+    }
 
 
 def tbf_burst(rate_bps: int) -> int:
@@ -186,8 +195,12 @@ def has_netem(prefix: str = DEFAULT_PREFIX) -> bool:
     _run(["ip", "netns", "add", probe])
     try:
         _run(["ip", "-n", probe, "link", "add", "pa", "type", "veth", "peer", "name", "pb"])
-        return _run(["tc", "-n", probe, "qdisc", "add", "dev", "pa", "root", "netem", "delay", "1ms"],
-                    check=False).returncode == 0
+        return (
+            _run(
+                ["tc", "-n", probe, "qdisc", "add", "dev", "pa", "root", "netem", "delay", "1ms"], check=False
+            ).returncode
+            == 0
+        )
     finally:
         _run(["ip", "netns", "del", probe], check=False)
 
@@ -197,12 +210,46 @@ def _shape(ns: str, dev: str, rate_bps: int, delay_s: float = 0.0) -> None:
     _run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], check=False)
     parent = ["root", "handle", "1:"]
     if delay_s:
-        _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
-              "delay", f"{delay_s * 1e6:.0f}us", "limit", "100000"])
+        _run(
+            [
+                "tc",
+                "-n",
+                ns,
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "root",
+                "handle",
+                "1:",
+                "netem",
+                "delay",
+                f"{delay_s * 1e6:.0f}us",
+                "limit",
+                "100000",
+            ]
+        )
         parent = ["parent", "1:1", "handle", "10:"]
     if rate_bps:
-        _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, *parent, "tbf", "rate", f"{rate_bps}bit",
-              "burst", str(tbf_burst(rate_bps)), "latency", TBF_LATENCY])
+        _run(
+            [
+                "tc",
+                "-n",
+                ns,
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                *parent,
+                "tbf",
+                "rate",
+                f"{rate_bps}bit",
+                "burst",
+                str(tbf_burst(rate_bps)),
+                "latency",
+                TBF_LATENCY,
+            ]
+        )
 
 
 def _wait_forwarding(switch: str, port: str, timeout_s: float = 5.0) -> None:
@@ -215,11 +262,32 @@ def _wait_forwarding(switch: str, port: str, timeout_s: float = 5.0) -> None:
 
 def _start_relay(names: Names, nodes: int, delay_s: float, rate_bps: int) -> int:
     """Start the tun relay in the switch namespace, detached (it outlives a CLI ``up``); its pid."""
-    argv = ["ip", "netns", "exec", names.switch, sys.executable, str(RELAY),
-            "--netns", *(str(NETNS_DIR / names.node(k)) for k in range(nodes)),
-            "--ifname", IFNAME, "--subnet", SUBNET, "--delay-s", repr(delay_s), "--rate-bps", str(rate_bps)]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True, text=True)
+    argv = [
+        "ip",
+        "netns",
+        "exec",
+        names.switch,
+        sys.executable,
+        str(RELAY),
+        "--netns",
+        *(str(NETNS_DIR / names.node(k)) for k in range(nodes)),
+        "--ifname",
+        IFNAME,
+        "--subnet",
+        SUBNET,
+        "--delay-s",
+        repr(delay_s),
+        "--rate-bps",
+        str(rate_bps),
+    ]
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        text=True,
+    )
     ready, _, _ = select.select([proc.stdout], [], [], 15.0)
     line = proc.stdout.readline().strip() if ready else ""
     if line != "ready":
@@ -270,12 +338,14 @@ def _stop(pid: int, grace_s: float = 5.0) -> None:
 
 def _check_connectivity(names: Names, timeout_s: float = 5.0) -> None:
     """Node 0 opens a TCP connection to a closed port of node 1: "refused" proves the path works."""
-    probe = ("import socket,sys\n"
-             f"s=socket.socket(); s.settimeout({timeout_s})\n"
-             f"try: s.connect(('{address(1)}', 9))\n"
-             "except ConnectionRefusedError: sys.exit(0)\n"
-             "except OSError as e: sys.exit(f'{type(e).__name__}: {e}')\n"
-             "sys.exit('port 9 accepted a connection')\n")
+    probe = (
+        "import socket,sys\n"
+        f"s=socket.socket(); s.settimeout({timeout_s})\n"
+        f"try: s.connect(('{address(1)}', 9))\n"
+        "except ConnectionRefusedError: sys.exit(0)\n"
+        "except OSError as e: sys.exit(f'{type(e).__name__}: {e}')\n"
+        "sys.exit('port 9 accepted a connection')\n"
+    )
     proc = _run(node_command(0, [sys.executable, "-c", probe], names.prefix), check=False)
     if proc.returncode != 0:
         raise NetsimError(f"{names.node(0)} cannot reach {address(1)}: {proc.stderr.strip() or proc.returncode}")
@@ -291,8 +361,9 @@ def mode_of(prefix: str = DEFAULT_PREFIX) -> str | None:
 
 
 # ----------------------------------------------------------------------------- up / down / status
-def up(nodes: int, rate: str = "none", delay: str = "0", mode: str = "auto", mtu: int = 1500,
-       prefix: str = DEFAULT_PREFIX) -> str:
+def up(
+    nodes: int, rate: str = "none", delay: str = "0", mode: str = "auto", mtu: int = 1500, prefix: str = DEFAULT_PREFIX
+) -> str:
     """(Re)build the cluster: ``nodes`` namespaces, ``rate`` per node and direction, one-way ``delay``.
 
     A cluster of the same ``prefix`` is taken down first. Returns a one-line summary.
@@ -322,8 +393,10 @@ def up(nodes: int, rate: str = "none", delay: str = "0", mode: str = "auto", mtu
         down(prefix)  # a half-built cluster is of no use to anyone
         raise
     shown = "none" if not rate_bps else rate
-    return (f"netsim: up, {nodes} node(s), mode {mode}, rate {shown} per node and direction, delay {delay_s * 1e3:g} ms; "
-            f"node k = {SUBNET}.<k+1> on {IFNAME} in netns {names.node(0)[:-1]}<k>")
+    return (
+        f"netsim: up, {nodes} node(s), mode {mode}, rate {shown} per node and direction, delay {delay_s * 1e3:g} ms; "
+        f"node k = {SUBNET}.<k+1> on {IFNAME} in netns {names.node(0)[:-1]}<k>"
+    )
 
 
 def _build(names: Names, nodes: int, rate_bps: int, delay_s: float, mode: str, mtu: int) -> None:
@@ -379,12 +452,17 @@ def status(prefix: str = DEFAULT_PREFIX) -> str:
     for ns in _nodes(prefix):
         lines.append(f"== {ns}")
         lines += ["   " + ln for ln in _run(["ip", "-n", ns, "-br", "addr", "show", "dev", IFNAME]).stdout.splitlines()]
-        lines += ["   " + ln for ln in _run(["ip", "-n", ns, "-s", "link", "show", "dev", IFNAME]).stdout.splitlines()[2:6]]
+        lines += [
+            "   " + ln for ln in _run(["ip", "-n", ns, "-s", "link", "show", "dev", IFNAME]).stdout.splitlines()[2:6]
+        ]
         lines += ["   " + ln for ln in _run(["tc", "-n", ns, "-s", "qdisc", "show", "dev", IFNAME]).stdout.splitlines()]
     lines.append(f"== {names.switch}")
     lines += ["   " + ln for ln in _run(["ip", "-n", names.switch, "-br", "link", "show"]).stdout.splitlines()]
-    lines += ["   " + ln for ln in _run(["tc", "-n", names.switch, "qdisc", "show"]).stdout.splitlines()
-              if "noqueue" not in ln]
+    lines += [
+        "   " + ln
+        for ln in _run(["tc", "-n", names.switch, "qdisc", "show"]).stdout.splitlines()
+        if "noqueue" not in ln
+    ]
     relays = _relay_pids(names)
     if mode == "tun":
         lines.append(f"relay: pid {', '.join(map(str, relays))}" if relays else "relay: NOT RUNNING")
@@ -422,7 +500,8 @@ class Cluster:
         if existing and not self.force:
             raise NetsimError(
                 f"namespaces {', '.join(existing)} already exist (another run, or one that was killed); "
-                f"remove them with `python -m benchmarks.netsim down --prefix {self.prefix}`, or rebuild them (--force)")
+                f"remove them with `python -m benchmarks.netsim down --prefix {self.prefix}`, or rebuild them (--force)"
+            )
         for sig in _TEARDOWN_SIGNALS:
             if signal.getsignal(sig) in (signal.SIG_DFL, None):
                 self._old_handlers[sig] = signal.signal(sig, _raise_exit)

@@ -19,6 +19,7 @@ each rank's batch, so N nodes see N/2 times the samples of the measured two).
 >>> round(collective_s("allreduce", 1e6, nodes=2, bandwidth=12.5e6, latency=0.0), 3)
 0.08
 """
+
 from __future__ import annotations
 
 import statistics
@@ -39,8 +40,9 @@ def collective_s(kind: str, payload: float, nodes: int, bandwidth: float, latenc
     raise ValueError(f"kind={kind!r}: expected allreduce or allgather")
 
 
-def projected_steps(compute_s: list[float], sent: list[float], kind: str, nodes: int, bandwidth: float,
-                    latency: float, overlap: int = 0) -> list[float]:
+def projected_steps(
+    compute_s: list[float], sent: list[float], kind: str, nodes: int, bandwidth: float, latency: float, overlap: int = 0
+) -> list[float]:
     """Each step's projected seconds: its compute, plus what its sync leaves exposed.
 
     ``sent[i]``: the bytes step ``i`` sent (measured on two ranks: the payload per rank).
@@ -65,12 +67,14 @@ def time_to(target: float, losses: list[float], step_s: list[float], window: int
     elapsed = 0.0
     for step, seconds in enumerate(step_s, start=1):
         elapsed += seconds
-        if step >= window and statistics.mean(losses[step - window: step]) <= target * (1 + tolerance):
+        if step >= window and statistics.mean(losses[step - window : step]) <= target * (1 + tolerance):
             return step, elapsed
     return None, None
 
 
-def check_against(measured_ms: float, compute_ms: float, payload: float, kind: str, rate: str, latency: float = 0.0) -> dict:
+def check_against(
+    measured_ms: float, compute_ms: float, payload: float, kind: str, rate: str, latency: float = 0.0
+) -> dict:
     """The model's step time for a two-node run beside the one measured on the simulated cluster.
 
     >>> check_against(761, 126, 79.4e6, "allreduce", "1gbit")["model_ms"]

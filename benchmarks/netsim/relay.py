@@ -13,6 +13,7 @@ The TUN devices carry a virtio-net header and accept TSO, so the kernel hands ov
 
 Standard library only; Linux; needs CAP_NET_ADMIN and CAP_SYS_ADMIN (``setns``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,7 +53,7 @@ def destination(packet: bytes, subnet: bytes, nodes: int) -> int | None:
     """
     if len(packet) < _DST_OFFSET + 4 or packet[VNET_HDR_BYTES] >> 4 != 4:
         return None
-    if packet[_DST_OFFSET:_DST_OFFSET + 3] != subnet:
+    if packet[_DST_OFFSET : _DST_OFFSET + 3] != subnet:
         return None
     k = packet[_DST_OFFSET + 3] - 1
     return k if 0 <= k < nodes else None

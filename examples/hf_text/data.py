@@ -7,6 +7,7 @@ Nothing is downloaded: the text ships with Python and the tokenizer with ``trans
 its longest line, masks the padding (``attention_mask``) and copies the ids to ``labels``
 with -100 at the padding: the batch a Hugging Face model and ``loss=causal_lm`` take.
 """
+
 import importlib
 import inspect
 

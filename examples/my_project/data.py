@@ -4,6 +4,7 @@
 are ``(point, label)`` (a float tensor and a Python int, for classification) or
 ``(point, radius)`` (``target="radius"``, a one-element float tensor, for regression).
 """
+
 import math
 
 import torch
@@ -40,8 +41,15 @@ class Shells(Dataset):
         return self.points[i], int(self.labels[i])
 
 
-def make(n_train: int = 2048, n_test: int = 512, features: int = 8, classes: int = 3, noise: float = 0.05,
-         seed: int = 0, target: str = "class") -> tuple[Shells, Shells]:
+def make(
+    n_train: int = 2048,
+    n_test: int = 512,
+    features: int = 8,
+    classes: int = 3,
+    noise: float = 0.05,
+    seed: int = 0,
+    target: str = "class",
+) -> tuple[Shells, Shells]:
     """The train and test splits (disjoint seeds, so no point is in both).
 
     >>> train, test = make(n_train=100, n_test=20)

@@ -16,6 +16,7 @@ the sum, so the chain is ``shardable`` (ZeRO stages 2 and 3 reduce-scatter the s
 >>> grads.buffer, int(state[0].clipped)
 (tensor([0.6000, 0.8000]), 1)
 """
+
 from typing import NamedTuple
 
 import torch

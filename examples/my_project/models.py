@@ -1,4 +1,5 @@
 """A residual MLP: any ``nn.Module`` whose constructor takes plain arguments will do."""
+
 from torch import Tensor, nn
 
 

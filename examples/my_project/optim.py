@@ -10,6 +10,7 @@
 >>> updates["w"]  # -lr * sign(...)
 tensor([-0.1000,  0.1000])
 """
+
 from typing import Callable, NamedTuple
 
 import torch
@@ -23,8 +24,13 @@ class LionState(NamedTuple):
     momentum: dict
 
 
-def lion(lr: Callable[[int], float] | float = 1e-4, b1: float = 0.9, b2: float = 0.99, weight_decay: float = 0.0,
-         decay_mask: Callable[[str, torch.Tensor], bool] | None = None) -> GradientTransformation:
+def lion(
+    lr: Callable[[int], float] | float = 1e-4,
+    b1: float = 0.9,
+    b2: float = 0.99,
+    weight_decay: float = 0.0,
+    decay_mask: Callable[[str, torch.Tensor], bool] | None = None,
+) -> GradientTransformation:
     """Lion: step ``-lr * sign(b1 * m + (1 - b1) * g)``, then ``m <- b2 * m + (1 - b2) * g``; decoupled weight decay."""
     schedule = lr if callable(lr) else (lambda count: lr)
     for name, value in (("b1", b1), ("b2", b2)):

@@ -4,6 +4,7 @@
 image a ``(3, size, size)`` float tensor, as a torchvision model expects, and a
 ``classes`` list as torchvision's datasets have (fdp reads the number of classes from it).
 """
+
 import torch
 from torch.utils.data import Dataset
 from torchvision.transforms import v2
@@ -23,12 +24,14 @@ class DigitImages(Dataset):
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, size: int = 32):
         self.images = (images * 16).clamp(max=255).to(torch.uint8)[:, None]  # (N, 1, 8, 8) grey levels
         self.labels = labels
-        self.transform = v2.Compose([
-            v2.Resize(size, antialias=True),
-            v2.RGB(),
-            v2.ToDtype(torch.float32, scale=True),
-            v2.Normalize(mean=[0.5] * 3, std=[0.5] * 3),
-        ])
+        self.transform = v2.Compose(
+            [
+                v2.Resize(size, antialias=True),
+                v2.RGB(),
+                v2.ToDtype(torch.float32, scale=True),
+                v2.Normalize(mean=[0.5] * 3, std=[0.5] * 3),
+            ]
+        )
 
     def __len__(self) -> int:
         return len(self.labels)

@@ -14,6 +14,7 @@ pytree of tensors with a common batch dimension (``(inputs, targets)``, or a dic
 >>> [t.shape for t in shard((x, y), rank=1, world_size=2)]
 [torch.Size([4, 64]), torch.Size([4])]
 """
+
 from fdp.data.batches import (
     as_batch,
     check_global_batch,

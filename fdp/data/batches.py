@@ -5,6 +5,7 @@ data's ``(inputs, targets)`` pairs, or a dict such as a Hugging Face collator's
 ``{"input_ids", "attention_mask", "labels"}``. Shards and micro-batches cut every tensor
 alike along that dimension; ``model_inputs`` says what the model and the loss get.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -26,8 +27,12 @@ def check_global_batch(global_batch_size: int, world_size: int) -> int:
     ...
     ValueError: data.global_batch_size=10: expected a multiple of the world size 4
     """
-    require(global_batch_size % world_size == 0, "data.global_batch_size", global_batch_size,
-            f"a multiple of the world size {world_size}")
+    require(
+        global_batch_size % world_size == 0,
+        "data.global_batch_size",
+        global_batch_size,
+        f"a multiple of the world size {world_size}",
+    )
     return global_batch_size // world_size
 
 
@@ -40,7 +45,12 @@ def check_micro_batches(per_rank: int, accum_steps: int) -> int:
     ValueError: accum_steps=5: expected a divisor of the per-rank batch of 24 samples
     """
     require(isinstance(accum_steps, int) and accum_steps >= 1, "accum_steps", accum_steps, "an integer >= 1")
-    require(per_rank % accum_steps == 0, "accum_steps", accum_steps, f"a divisor of the per-rank batch of {per_rank} samples")
+    require(
+        per_rank % accum_steps == 0,
+        "accum_steps",
+        accum_steps,
+        f"a divisor of the per-rank batch of {per_rank} samples",
+    )
     return per_rank // accum_steps
 
 
@@ -219,7 +229,9 @@ def batch_size(batch: Any) -> int:
     leaves = list(batch) if _tensors(batch) else tree_flatten(batch)[0]
     kinds = {type(leaf).__name__ for leaf in leaves if not isinstance(leaf, Tensor)}
     if kinds or not leaves:
-        raise ValueError(f"batch holds {', '.join(sorted(kinds)) or 'no tensors'}; expected tensors (a pytree of them) that share a batch dimension")
+        raise ValueError(
+            f"batch holds {', '.join(sorted(kinds)) or 'no tensors'}; expected tensors (a pytree of them) that share a batch dimension"
+        )
     sizes = {t.shape[0] if t.dim() else None for t in leaves}
     if len(sizes) != 1 or None in sizes:
         raise ValueError(f"batch tensors disagree on the batch dimension: {describe(batch)}")
@@ -243,7 +255,9 @@ def model_inputs(batch: Any) -> tuple[tuple, dict, Any]:
     """
     if isinstance(batch, Mapping):
         if LABELS not in batch:
-            raise ValueError(f"a dict batch with entries {sorted(batch)} has no {LABELS!r} entry; expected the targets of the loss under {LABELS!r}")
+            raise ValueError(
+                f"a dict batch with entries {sorted(batch)} has no {LABELS!r} entry; expected the targets of the loss under {LABELS!r}"
+            )
         return (), {key: value for key, value in batch.items() if key != LABELS}, batch[LABELS]
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
         inputs, targets = batch

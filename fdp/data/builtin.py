@@ -1,4 +1,5 @@
 """The built-in datasets, in memory and offline: scikit-learn's digits and the standard library's own text."""
+
 from __future__ import annotations
 
 import os
@@ -149,7 +150,9 @@ def _stdlib_text(max_chars: int) -> str:
     return "".join(parts)[:max_chars]
 
 
-def load_stdlib_text(block_size: int = 64, max_chars: int = 1_000_000, seed: int = 0, test_fraction: float = 0.1) -> Dataset:
+def load_stdlib_text(
+    block_size: int = 64, max_chars: int = 1_000_000, seed: int = 0, test_fraction: float = 0.1
+) -> Dataset:
     """Character-level text from the Python standard library's own ``.py`` sources.
 
     The modules in ``STDLIB_TEXT_MODULES`` are read from ``sysconfig.get_paths()["stdlib"]``
@@ -184,9 +187,9 @@ def load_stdlib_text(block_size: int = 64, max_chars: int = 1_000_000, seed: int
             f"each split needs at least block_size + 1 = {block_size + 1}"
         )
     train, test = tokens[:n_train], tokens[n_train:]
-    return Dataset("stdlib_text", train, train, test, test, len(vocab), block_size=block_size, vocab=vocab,
-                   targets_shifted=True)
-
+    return Dataset(
+        "stdlib_text", train, train, test, test, len(vocab), block_size=block_size, vocab=vocab, targets_shifted=True
+    )
 
 
 DATASETS: dict[str, Callable[..., Dataset]] = {

@@ -1,4 +1,5 @@
 """Train and test batches of either kind of data (in memory or a user's own), and what the model learns from it."""
+
 from __future__ import annotations
 
 import itertools
@@ -16,8 +17,15 @@ from fdp.data.mapped import MapData, StepSampler
 
 
 def train_batches(
-    data: Dataset | MapData, global_batch_size: int, seed: int, rank: int, world_size: int,
-    start_step: int, stop_step: int, num_workers: int = 0, pin_memory: bool = False,
+    data: Dataset | MapData,
+    global_batch_size: int,
+    seed: int,
+    rank: int,
+    world_size: int,
+    start_step: int,
+    stop_step: int,
+    num_workers: int = 0,
+    pin_memory: bool = False,
 ) -> Iterator[Any]:
     """This rank's batch of each step ``start_step .. stop_step - 1``.
 
@@ -36,13 +44,21 @@ def train_batches(
     True
     """
     if isinstance(data, Dataset):
-        return (shard(global_batch(data, step, global_batch_size, seed), rank, world_size) for step in range(start_step, stop_step))
+        return (
+            shard(global_batch(data, step, global_batch_size, seed), rank, world_size)
+            for step in range(start_step, stop_step)
+        )
     sampler = StepSampler(len(data.train), global_batch_size, seed, rank, world_size, start_step, stop_step)
     # The generator only seeds the workers (random transforms inside a dataset); the order is the sampler's.
     generator = torch.Generator().manual_seed(seed * 1_000_003 + rank)
     loader = DataLoader(
-        data.train, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory, collate_fn=data.collate_fn(),
-        generator=generator, **worker_options(num_workers),
+        data.train,
+        batch_sampler=sampler,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        collate_fn=data.collate_fn(),
+        generator=generator,
+        **worker_options(num_workers),
     )
     return iter(loader)
 
@@ -112,11 +128,23 @@ def model_arguments(data: Dataset | MapData) -> dict[str, Any]:
     """
     if isinstance(data, Dataset):
         if data.is_text:
-            return {"vocab_size": data.num_classes, "block_size": data.block_size, "num_classes": data.num_classes,
-                    "out_features": data.num_classes, "in_features": None, "in_channels": None}
+            return {
+                "vocab_size": data.num_classes,
+                "block_size": data.block_size,
+                "num_classes": data.num_classes,
+                "out_features": data.num_classes,
+                "in_features": None,
+                "in_channels": None,
+            }
         x = data.train_x[0]
-        return {"in_features": x.numel(), "in_channels": x.shape[0] if x.dim() >= 2 else 1,
-                "num_classes": data.num_classes, "out_features": data.num_classes, "vocab_size": None, "block_size": None}
+        return {
+            "in_features": x.numel(),
+            "in_channels": x.shape[0] if x.dim() >= 2 else 1,
+            "num_classes": data.num_classes,
+            "out_features": data.num_classes,
+            "vocab_size": None,
+            "block_size": None,
+        }
     args, kwargs, targets = model_inputs(data.collate_fn()([data.train[0]]))
     # The first input (by position, else by name): for a dict of token ids, the ids.
     first = args[0] if args else next(iter(kwargs.values()), None)
@@ -186,8 +214,14 @@ def _eval_loader(test: Any, batch_size: int, num_workers: int, collate_fn: Any) 
     key = (id(test), batch_size, num_workers, id(collate_fn))
     cached = _eval_loaders.get("loader")
     if cached is None or _eval_loaders.get("key") != key or cached.dataset is not test:
-        cached = DataLoader(test, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_fn,
-                            persistent_workers=True, **worker_options(num_workers))
+        cached = DataLoader(
+            test,
+            batch_size=batch_size,
+            num_workers=num_workers,
+            collate_fn=collate_fn,
+            persistent_workers=True,
+            **worker_options(num_workers),
+        )
         _eval_loaders.update(key=key, loader=cached)  # the one it replaces stops its workers
     return cached
 

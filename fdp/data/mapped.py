@@ -1,4 +1,5 @@
 """A user's own data: map-style torch Datasets read in the global batch order through a DataLoader."""
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -61,7 +62,9 @@ def _check_item(item: Any, which: str) -> None:
     # fdp's own collate stacks pairs or dicts of tensors, numbers and arrays.
     if isinstance(item, Mapping):
         if LABELS not in item:
-            raise ValueError(f"{which} item 0 is a dict with entries {sorted(item)}; expected a {LABELS!r} entry (the target)")
+            raise ValueError(
+                f"{which} item 0 is a dict with entries {sorted(item)}; expected a {LABELS!r} entry (the target)"
+            )
         parts = item.items()
     elif isinstance(item, (tuple, list)) and len(item) == 2:
         parts = zip(("input", "target"), item)
@@ -73,18 +76,27 @@ def _check_item(item: Any, which: str) -> None:
         for leaf in leaves:
             if not isinstance(leaf, _ITEM_PARTS):
                 # Token ids of different lengths are lists: they need a collate function that pads.
-                hint = " (or return (train, test, collate) with a function that pads them, such as a Hugging Face data collator)" \
-                    if isinstance(leaf, (list, tuple)) else ""
-                raise ValueError(f"{which} item 0: its {part} is a {type(leaf).__name__}; expected a tensor, a number or an array{hint}")
+                hint = (
+                    " (or return (train, test, collate) with a function that pads them, such as a Hugging Face data collator)"
+                    if isinstance(leaf, (list, tuple))
+                    else ""
+                )
+                raise ValueError(
+                    f"{which} item 0: its {part} is a {type(leaf).__name__}; expected a tensor, a number or an array{hint}"
+                )
 
 
 def _check_split(split: Any, which: str, own_collate: Callable | None) -> None:
     if isinstance(split, IterableDataset) or not hasattr(split, "__getitem__"):
-        raise ValueError(f"the {which} split is a {type(split).__name__}; expected a map-style torch Dataset (items by index)")
+        raise ValueError(
+            f"the {which} split is a {type(split).__name__}; expected a map-style torch Dataset (items by index)"
+        )
     try:
         n = len(split)
     except TypeError:
-        raise ValueError(f"the {which} split ({type(split).__name__}) has no len(); expected a map-style Dataset with __len__") from None
+        raise ValueError(
+            f"the {which} split ({type(split).__name__}) has no len(); expected a map-style Dataset with __len__"
+        ) from None
     if n == 0:
         raise ValueError(f"the {which} split is empty")
     item = split[0]
@@ -107,12 +119,20 @@ def as_map_data(name: str, splits: Any) -> MapData:
     ValueError: returned a list of 4 items; expected (train, test) or (train, test, collate): map-style torch Datasets (test may be None) and a function from a list of items to a batch
     """
     if not isinstance(splits, (tuple, list)) or len(splits) not in (2, 3):
-        kind = f"a {type(splits).__name__} of {len(splits)} items" if isinstance(splits, (tuple, list)) else f"a {type(splits).__name__}"
-        raise ValueError(f"returned {kind}; expected (train, test) or (train, test, collate): map-style torch Datasets "
-                         "(test may be None) and a function from a list of items to a batch")
+        kind = (
+            f"a {type(splits).__name__} of {len(splits)} items"
+            if isinstance(splits, (tuple, list))
+            else f"a {type(splits).__name__}"
+        )
+        raise ValueError(
+            f"returned {kind}; expected (train, test) or (train, test, collate): map-style torch Datasets "
+            "(test may be None) and a function from a list of items to a batch"
+        )
     train, test, own_collate = (*splits, None) if len(splits) == 2 else splits
     if own_collate is not None and not callable(own_collate):
-        raise ValueError(f"returned a {type(own_collate).__name__} as the collate function; expected a function from a list of items to a batch")
+        raise ValueError(
+            f"returned a {type(own_collate).__name__} as the collate function; expected a function from a list of items to a batch"
+        )
     _check_split(train, "train", own_collate)
     if test is not None:
         _check_split(test, "test", own_collate)
@@ -164,11 +184,19 @@ class StepSampler(Sampler):
     """
 
     def __init__(
-        self, n: int, global_batch_size: int, seed: int, rank: int = 0, world_size: int = 1,
-        start_step: int = 0, stop_step: int | None = None,
+        self,
+        n: int,
+        global_batch_size: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        start_step: int = 0,
+        stop_step: int | None = None,
     ):
         if not 0 < global_batch_size <= n:
-            raise ValueError(f"data.global_batch_size={global_batch_size}: expected between 1 and the {n} training samples")
+            raise ValueError(
+                f"data.global_batch_size={global_batch_size}: expected between 1 and the {n} training samples"
+            )
         check_global_batch(global_batch_size, world_size)
         self.n, self.size, self.seed = n, global_batch_size, seed
         self.rank, self.world_size = rank, world_size

@@ -1,4 +1,5 @@
 """Plain averaging: the reduction every data-parallel step starts from."""
+
 from __future__ import annotations
 
 from fdp.comm import Comm

@@ -30,6 +30,7 @@ Every stage's result is checked as it comes back: a stage that returns the bucke
 yields something that is not a collective, or puts a ``Pending`` (a collective it forgot
 to ``yield``) where the gradient belongs fails with a ``TypeError`` naming it.
 """
+
 from __future__ import annotations
 
 import inspect

@@ -17,6 +17,7 @@ but gloo sums bfloat16 tensors correctly, so ``bf16()`` works on CPU worlds too.
 >>> from fdp.hooks import run_hook
 >>> hook = fp16()
 """
+
 from __future__ import annotations
 
 import torch

@@ -10,6 +10,7 @@ crosses nodes.
 A node is the processes of one launch (``LOCAL_WORLD_SIZE``, or ``world.node_size``),
 ranks ``n * node_size ... (n + 1) * node_size - 1``, as torchrun numbers them.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -116,7 +117,9 @@ def hierarchical(hook: Hook, comms: NodeComms, nodes: int) -> Hook:
         else:
             result = summed  # the leader's result arrives here
         if result.dtype != grads.spec.torch_dtype or result.numel() != grads.spec.numel:
-            raise ValueError(f"hierarchical: the hook chain must end in the bucket's dtype {grads.spec.dtype}, got {result.dtype}")
+            raise ValueError(
+                f"hierarchical: the hook chain must end in the bucket's dtype {grads.spec.dtype}, got {result.dtype}"
+            )
         shared = yield comm_node.broadcast(result, 0)
         return grads._replace(buffer=shared, owned=True), state
 

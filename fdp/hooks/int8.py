@@ -19,6 +19,7 @@ step instead of dropping it.
 >>> from fdp.hooks import run_hook
 >>> hook = int8()
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple

@@ -26,6 +26,7 @@ to within one error.
 >>> from fdp.hooks import run_hook
 >>> hook = lowbit("fp4", block=32)
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple

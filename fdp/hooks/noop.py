@@ -3,6 +3,7 @@
 >>> from fdp.hooks import run_hook
 >>> hook = noop()
 """
+
 from __future__ import annotations
 
 from fdp.comm import Comm

@@ -59,6 +59,7 @@ Deliberate differences from PyTorch:
   hands a 2-D Q to an orthogonaliser that asserts 3-D input); ours runs, with the
   numerics that hook has when its Q is orthonormalised as a batch of one.
 """
+
 from __future__ import annotations
 
 import functools

@@ -12,6 +12,7 @@ called from Python, name their arguments (``rank=0: expected an integer >= 1``).
 
 >>> hook = build_hook({"chain": [{"name": "fp16_compress"}, {"name": "powersgd", "rank": 4}, {"name": "fp16_decompress"}]})
 """
+
 from __future__ import annotations
 
 import inspect
@@ -99,8 +100,10 @@ def build_hook(spec: Any, path: str = "hooks") -> Hook:
 def _custom(settings: dict[str, Any], path: str) -> Hook:
     """The ``Hook`` a user's factory (``<path>._target_``) returns, called with the spec's other keys."""
     if settings.get("_target_", "???") == "???":
-        raise ValueError(f"{path}._target_: missing; {path}=custom needs the dotted path to a factory returning a Hook "
-                         f"(e.g. {path}._target_=my_pkg.hooks.make)")
+        raise ValueError(
+            f"{path}._target_: missing; {path}=custom needs the dotted path to a factory returning a Hook "
+            f"(e.g. {path}._target_=my_pkg.hooks.make)"
+        )
     made = build(path, settings)  # a ConfigError (a ValueError) naming the setting where it does not import or call
     if not isinstance(made, Hook):
         if hasattr(made, "update") and hasattr(made, "init"):
@@ -109,8 +112,10 @@ def _custom(settings: dict[str, Any], path: str) -> Hook:
             what = f"the function {getattr(made, '__name__', made)!r} (a factory's result is called for)"
         else:
             what = f"a {type(made).__name__}"
-        raise ValueError(f"{path}._target_={settings.get('_target_')!r}: returned {what}; expected an fdp.hooks.Hook "
-                         "(init, apply, shardable), such as fdp.hooks.chain(...) or fdp.hooks.stateless(...)")
+        raise ValueError(
+            f"{path}._target_={settings.get('_target_')!r}: returned {what}; expected an fdp.hooks.Hook "
+            "(init, apply, shardable), such as fdp.hooks.chain(...) or fdp.hooks.stateless(...)"
+        )
     return made
 
 
@@ -119,7 +124,9 @@ def _build_chain(settings: dict[str, Any], path: str) -> Hook:
     allowed = {"chain"} if key == "chain" else {"name", "stages"}
     for extra in settings:
         if extra not in allowed:
-            raise ValueError(f"{path}.{extra}: not a setting of a chain; accepted settings: {', '.join(sorted(allowed))}")
+            raise ValueError(
+                f"{path}.{extra}: not a setting of a chain; accepted settings: {', '.join(sorted(allowed))}"
+            )
     stages = settings.get(key)
     if isinstance(stages, (str, bytes)) or not isinstance(stages, Sequence) or not stages:
         raise ValueError(f"{path}.{key}={stages!r}: expected a non-empty list of hook specs")

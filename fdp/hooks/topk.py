@@ -7,6 +7,7 @@ so over many steps every part of the gradient gets through.
 
 >>> hook = topk(ratio=0.01)
 """
+
 from __future__ import annotations
 
 import math
@@ -43,8 +44,12 @@ def topk(ratio: float = 0.01, error_feedback: bool = True, k: int | None = None)
     ratio = check_real("ratio", ratio, 0.0, 1.0, low_open=True, what="a fraction with 0 < ratio <= 1")
     error_feedback = check_bool("error_feedback", error_feedback)
     if k is not None:
-        require(isinstance(k, numbers.Integral) and not isinstance(k, bool) and k >= 1, "k", k,
-                "an integer >= 1 (or unset, to use ratio)")
+        require(
+            isinstance(k, numbers.Integral) and not isinstance(k, bool) and k >= 1,
+            "k",
+            k,
+            "an integer >= 1 (or unset, to use ratio)",
+        )
 
     def count(numel: int) -> int:
         wanted = k if k is not None else math.ceil(ratio * numel)

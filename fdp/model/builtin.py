@@ -8,6 +8,7 @@ set, so one seed gives one initialisation on every rank.
 >>> model(torch.randn(4, 64)).shape
 torch.Size([4, 10])
 """
+
 from __future__ import annotations
 
 import math
@@ -185,7 +186,9 @@ _HF_COMMON_SETTINGS = frozenset(
 )
 
 
-def hf_model(model_class: str | type, vocab_size: int | None = None, num_classes: int | None = None, **config) -> nn.Module:
+def hf_model(
+    model_class: str | type, vocab_size: int | None = None, num_classes: int | None = None, **config
+) -> nn.Module:
     """A Hugging Face ``transformers`` model built from a config, randomly initialised: nothing is downloaded.
 
     ``model_class`` is the class or its dotted path (``transformers.GPT2LMHeadModel``,
@@ -210,14 +213,18 @@ def hf_model(model_class: str | type, vocab_size: int | None = None, num_classes
     cls = locate("model.model_class", model_class) if isinstance(model_class, str) else model_class
     config_class = getattr(cls, "config_class", None)
     if not isinstance(config_class, type):
-        raise ValueError(f"model_class={getattr(cls, '__name__', cls)!r}: expected a transformers model class (with a config_class)")
+        raise ValueError(
+            f"model_class={getattr(cls, '__name__', cls)!r}: expected a transformers model class (with a config_class)"
+        )
     defaults = config_class()
     known = set(defaults.to_dict()) | set(getattr(config_class, "attribute_map", {}))
     for key in config:
         # Some settings live under another name (attn_implementation as _attn_implementation).
         if key not in known and not hasattr(defaults, key) and not hasattr(defaults, f"_{key}"):
             own = [k for k in defaults.to_dict() if k not in _HF_COMMON_SETTINGS]  # this architecture's own settings
-            raise ValueError(f"{key} is not a setting of {config_class.__name__}; expected one of its settings ({', '.join(own[:5])}, ...)")
+            raise ValueError(
+                f"{key} is not a setting of {config_class.__name__}; expected one of its settings ({', '.join(own[:5])}, ...)"
+            )
     settings = {"use_cache": False, **config}
     if vocab_size is not None:
         settings.setdefault("vocab_size", vocab_size)

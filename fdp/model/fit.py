@@ -18,6 +18,7 @@ Traceback (most recent call last):
     ...
 fdp.errors.ConfigError: model does not fit data with loss: the model outputs 1000 class scores but data has 10 classes; expected +model.num_classes=10
 """
+
 from __future__ import annotations
 
 import functools
@@ -28,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fdp.errors import ConfigError
 from fdp.data.batches import describe, model_inputs
+from fdp.errors import ConfigError
 from fdp.model.functional import Buffers, FunctionalModel, Params
 from fdp.model.losses import IGNORE_INDEX, Criterion, TokenCrossEntropy, UnreadableOutput, cross_entropy, logits_of
 
@@ -52,8 +53,14 @@ def _reason(error: BaseException) -> str:
 
 
 def check_first_batch(
-    model: FunctionalModel, criterion: Criterion, params: Params, buffers: Buffers, batch: Any, names: Names = Names(),
-    declared_classes: int | None = None, targets_shifted: bool | None = None,
+    model: FunctionalModel,
+    criterion: Criterion,
+    params: Params,
+    buffers: Buffers,
+    batch: Any,
+    names: Names = Names(),
+    declared_classes: int | None = None,
+    targets_shifted: bool | None = None,
 ) -> None:
     """Run ``model`` and ``criterion`` on ``batch``; a ``ConfigError`` of one line if they do not fit it.
 
@@ -81,11 +88,17 @@ def check_first_batch(
             if not isinstance(outputs, Tensor):  # a structured output (a ModelOutput) that the loss does not read
                 try:
                     logits_of(outputs)
-                    way_out = "a loss that reads it (outputs.logits), or a built-in one (loss=cross_entropy reads the logits)"
+                    way_out = (
+                        "a loss that reads it (outputs.logits), or a built-in one (loss=cross_entropy reads the logits)"
+                    )
                 except UnreadableOutput:
-                    way_out = "a loss that reads it (loss._target_=my_pkg.losses.f, a function (outputs, targets) -> scalar)"
-                raise ConfigError(f"{names.loss} cannot read what the model returns, a {type(outputs).__name__}: "
-                                  f"{_reason(error)}; expected {way_out}") from None
+                    way_out = (
+                        "a loss that reads it (loss._target_=my_pkg.losses.f, a function (outputs, targets) -> scalar)"
+                    )
+                raise ConfigError(
+                    f"{names.loss} cannot read what the model returns, a {type(outputs).__name__}: "
+                    f"{_reason(error)}; expected {way_out}"
+                ) from None
             raise ConfigError(f"{fits}: {_reason(error)} (first batch: {describe(batch)})") from None
     if not isinstance(loss, Tensor) or loss.dim() != 0 or not loss.is_floating_point():
         got = f"shape {tuple(loss.shape)} {loss.dtype}" if isinstance(loss, Tensor) else type(loss).__name__
@@ -97,7 +110,9 @@ def check_first_batch(
 def _scores_classes(criterion: Criterion) -> bool:
     """Whether ``criterion`` takes class scores ``(..., C)`` for labels in ``0 .. C-1`` (a cross-entropy)."""
     fn = criterion.func if isinstance(criterion, functools.partial) else criterion
-    return fn in (cross_entropy, F.cross_entropy, F.nll_loss) or isinstance(fn, (TokenCrossEntropy, nn.CrossEntropyLoss, nn.NLLLoss))
+    return fn in (cross_entropy, F.cross_entropy, F.nll_loss) or isinstance(
+        fn, (TokenCrossEntropy, nn.CrossEntropyLoss, nn.NLLLoss)
+    )
 
 
 def _check_classes(criterion: Criterion, outputs: Any, targets: Any, names: Names, declared: int | None) -> None:
@@ -128,11 +143,15 @@ def _check_classes(criterion: Criterion, outputs: Any, targets: Any, names: Name
     largest = int(labels.max()) if labels.numel() else -1
     needed = max(largest + 1, declared or 0)
     if largest >= classes:
-        raise ConfigError(f"{names.model} does not fit {names.data} with {names.loss}: the first batch has label {largest} but the model "
-                          f"outputs {classes} class scores; expected {names.classes_setting}={needed}")
+        raise ConfigError(
+            f"{names.model} does not fit {names.data} with {names.loss}: the first batch has label {largest} but the model "
+            f"outputs {classes} class scores; expected {names.classes_setting}={needed}"
+        )
     if declared is not None and classes != declared:
-        raise ConfigError(f"{names.model} does not fit {names.data} with {names.loss}: the model outputs {classes} class scores but "
-                          f"{names.data} has {declared} classes; expected {names.classes_setting}={declared}")
+        raise ConfigError(
+            f"{names.model} does not fit {names.data} with {names.loss}: the model outputs {classes} class scores but "
+            f"{names.data} has {declared} classes; expected {names.classes_setting}={declared}"
+        )
 
 
 # -- how the loss and the data align targets with positions --------------------------------
@@ -154,8 +173,9 @@ def _same_tokens(a: Tensor, b: Tensor, counted: Tensor) -> bool:
     return bool(counted.any()) and bool((a == b)[counted].all())
 
 
-def check_alignment(criterion: Criterion, inputs: Tensor | None, targets: Any, names: Names = Names(),
-                    shifted: bool | None = None) -> None:
+def check_alignment(
+    criterion: Criterion, inputs: Tensor | None, targets: Any, names: Names = Names(), shifted: bool | None = None
+) -> None:
     """Refuse a loss and data that disagree on which token each position predicts, in one line.
 
     ``shifted`` is what the data says (targets are its inputs shifted by one already);
@@ -170,24 +190,33 @@ def check_alignment(criterion: Criterion, inputs: Tensor | None, targets: Any, n
     fdp.errors.ConfigError: loss=causal_lm scores position t against the target at t + 1, but data=text's targets are already the next tokens (its inputs shifted by one): the model would learn the token 2 ahead; expected loss=cross_entropy, or data whose targets are its input ids
     """
     shift = _shift_of(criterion)
-    tokens = (isinstance(inputs, Tensor) and isinstance(targets, Tensor) and inputs.dim() == 2
-              and inputs.shape == targets.shape and inputs.shape[1] > 1
-              and not inputs.is_floating_point() and not targets.is_floating_point())
+    tokens = (
+        isinstance(inputs, Tensor)
+        and isinstance(targets, Tensor)
+        and inputs.dim() == 2
+        and inputs.shape == targets.shape
+        and inputs.shape[1] > 1
+        and not inputs.is_floating_point()
+        and not targets.is_floating_point()
+    )
     counted = (targets != getattr(criterion, "ignore_index", IGNORE_INDEX)) & (targets >= 0) if tokens else None
     if shift and shifted is not True and tokens:
         # Inputs that repeat one token are their own shift: only a batch that tells the two apart says so.
-        shifted = shifted or (_same_tokens(targets[:, :-1], inputs[:, 1:], counted[:, :-1])
-                              and not _same_tokens(targets, inputs, counted))
+        shifted = shifted or (
+            _same_tokens(targets[:, :-1], inputs[:, 1:], counted[:, :-1]) and not _same_tokens(targets, inputs, counted)
+        )
     if shift and shifted:
         raise ConfigError(
             f"{names.loss} scores position t against the target at t + {shift}, but {names.data}'s targets are already "
             f"the next tokens (its inputs shifted by one): the model would learn the token {shift + 1} ahead; "
-            "expected loss=cross_entropy, or data whose targets are its input ids")
+            "expected loss=cross_entropy, or data whose targets are its input ids"
+        )
     copies = tokens and shifted is not True and _same_tokens(targets, inputs, counted)
     if not shift and copies and _scores_classes(criterion):
         raise ConfigError(
             f"{names.data}'s targets are its input ids, but {names.loss} scores each position against its own token: "
-            "the model would learn to copy its input; expected loss=causal_lm (position t against the token at t + 1)")
+            "the model would learn to copy its input; expected loss=causal_lm (position t against the token at t + 1)"
+        )
 
 
 # -- what torch.func's gradients cannot run ----------------------------------------------------
@@ -220,12 +249,18 @@ def untransformable(error: BaseException, model: str = "model") -> ConfigError |
     if not isinstance(error, RuntimeError) or not (_SAVED_TENSOR_HOOKS in text or _OLD_STYLE_FUNCTION in text):
         return None
     if _raised_under(error, "torch/utils/checkpoint.py"):
-        return ConfigError(f"{model}: its forward calls torch.utils.checkpoint, which fdp's torch.func gradients "
-                           "do not run; expected a forward without it, and trainer.activation_checkpointing=true to recompute "
-                           "activations instead")
+        return ConfigError(
+            f"{model}: its forward calls torch.utils.checkpoint, which fdp's torch.func gradients "
+            "do not run; expected a forward without it, and trainer.activation_checkpointing=true to recompute "
+            "activations instead"
+        )
     if _SAVED_TENSOR_HOOKS in text:
-        return ConfigError(f"{model}: its forward uses saved-tensor hooks (torch.autograd.graph.saved_tensors_hooks, "
-                           "save_on_cpu), which fdp's torch.func gradients do not run; expected a forward without them")
-    return ConfigError(f"{model}: its forward calls a torch.autograd.Function without setup_context, which fdp's "
-                       "torch.func gradients do not run; expected one that overrides setup_context "
-                       "(https://pytorch.org/docs/stable/notes/extending.func.html)")
+        return ConfigError(
+            f"{model}: its forward uses saved-tensor hooks (torch.autograd.graph.saved_tensors_hooks, "
+            "save_on_cpu), which fdp's torch.func gradients do not run; expected a forward without them"
+        )
+    return ConfigError(
+        f"{model}: its forward calls a torch.autograd.Function without setup_context, which fdp's "
+        "torch.func gradients do not run; expected one that overrides setup_context "
+        "(https://pytorch.org/docs/stable/notes/extending.func.html)"
+    )

@@ -5,6 +5,7 @@ Params and buffers are flat dicts keyed by the names of ``named_parameters()`` /
 parameters (``requires_grad=False``) are kept as constants of the model and never enter
 the gradient tree.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -40,7 +41,11 @@ class FunctionalModel:
     def __post_init__(self):
         object.__setattr__(self, "ties", _ties(self.module))
         object.__setattr__(self, "_submodules", tuple(self.module.modules()))
-        names = [n for named in (self.module.named_parameters, self.module.named_buffers) for n, _ in named(remove_duplicate=False)]
+        names = [
+            n
+            for named in (self.module.named_parameters, self.module.named_buffers)
+            for n, _ in named(remove_duplicate=False)
+        ]
         object.__setattr__(self, "_slots", tensor_slots(self.module, names))
 
     def apply(

@@ -15,6 +15,7 @@ targets, the accuracy.
 >>> criterion(torch.ones(2, 3), torch.zeros(2, 3))
 tensor(1.)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,8 +37,20 @@ from fdp.model.precision import Precision
 from fdp.targets import label, locate
 
 __all__ = [
-    "TokenCrossEntropy", "TokenWeightedLoss", "UnreadableOutput", "Weighted", "batch_metrics", "build_loss", "cross_entropy",
-    "cross_entropy_loss", "eval_metrics", "logits_of", "make_loss_fn", "mse", "planner_loss", "weigh_micro_batches",
+    "TokenCrossEntropy",
+    "TokenWeightedLoss",
+    "UnreadableOutput",
+    "Weighted",
+    "batch_metrics",
+    "build_loss",
+    "cross_entropy",
+    "cross_entropy_loss",
+    "eval_metrics",
+    "logits_of",
+    "make_loss_fn",
+    "mse",
+    "planner_loss",
+    "weigh_micro_batches",
 ]
 
 Criterion = Callable[[Any, Tensor], Tensor]
@@ -84,7 +97,9 @@ def logits_of(outputs: Any) -> Tensor:
     )
 
 
-def cross_entropy(outputs: Any, targets: Tensor, label_smoothing: float = 0.0, ignore_index: int = IGNORE_INDEX) -> Tensor:
+def cross_entropy(
+    outputs: Any, targets: Tensor, label_smoothing: float = 0.0, ignore_index: int = IGNORE_INDEX
+) -> Tensor:
     """Mean cross-entropy of class scores ``(..., classes)`` against integer targets ``(...)``.
 
     Sequences (a language model's ``(B, T, vocab)``) are scored per token; targets equal
@@ -95,8 +110,12 @@ def cross_entropy(outputs: Any, targets: Tensor, label_smoothing: float = 0.0, i
     tensor(0.6931)
     """
     logits = logits_of(outputs)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), label_smoothing=label_smoothing,
-                           ignore_index=ignore_index)
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]),
+        targets.reshape(-1),
+        label_smoothing=label_smoothing,
+        ignore_index=ignore_index,
+    )
 
 
 def mse(outputs: Any, targets: Tensor) -> Tensor:
@@ -147,7 +166,9 @@ class TokenCrossEntropy:
         if not self.shift:
             return logits, targets
         if targets.dim() < 2:
-            raise ValueError(f"shift={self.shift}: targets of shape {tuple(targets.shape)} have no sequence dimension; expected (batch, length)")
+            raise ValueError(
+                f"shift={self.shift}: targets of shape {tuple(targets.shape)} have no sequence dimension; expected (batch, length)"
+            )
         return logits[:, : -self.shift], targets[:, self.shift :]
 
     def counted(self, targets: Tensor) -> Tensor:
@@ -158,8 +179,13 @@ class TokenCrossEntropy:
     def summed(self, outputs: Any, targets: Tensor) -> Tensor:
         """The sum of the counted targets' losses."""
         logits, targets = self.align(logits_of(outputs), targets)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=self.ignore_index,
-                               label_smoothing=self.label_smoothing, reduction="sum")
+        return F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]),
+            targets.reshape(-1),
+            ignore_index=self.ignore_index,
+            label_smoothing=self.label_smoothing,
+            reduction="sum",
+        )
 
     def __call__(self, outputs: Any, targets: Tensor) -> Tensor:
         return self.summed(outputs, targets) / self.counted(targets).clamp_min(1)
@@ -347,7 +373,11 @@ def batch_metrics(criterion: Criterion, outputs: Any, targets: Tensor) -> tuple[
 
 
 def eval_metrics(
-    model: FunctionalModel, criterion: Criterion, params: Params, buffers: Buffers, batch: Any,
+    model: FunctionalModel,
+    criterion: Criterion,
+    params: Params,
+    buffers: Buffers,
+    batch: Any,
     precision: Precision = Precision(),
 ) -> tuple[float, int, int, int]:
     """``batch_metrics`` of the model in eval mode on one batch (in ``precision``, scored in float32).

@@ -24,6 +24,7 @@ with a non-finite gradient, doubled after 2000 finite steps in a row.
 >>> update_loss_scale(scale, finite=False, growth_interval=2000).scale.item()
 32768.0
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -86,7 +87,9 @@ def update_loss_scale(loss_scale: LossScale, finite: bool, growth_interval: int 
     counted = tracker + 1
     grown = scale * GROWTH_FACTOR
     grow = (counted >= growth_interval) & torch.isfinite(grown)
-    return LossScale(torch.where(grow, grown, scale), torch.where(counted >= growth_interval, 0, counted).to(tracker.dtype))
+    return LossScale(
+        torch.where(grow, grown, scale), torch.where(counted >= growth_interval, 0, counted).to(tracker.dtype)
+    )
 
 
 def inverse_scale(loss_scale: LossScale) -> torch.Tensor:
@@ -273,7 +276,9 @@ def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
     return bool(words & _NATIVE_BF16_FLAGS)
 
 
-def slow_precision_note(precision: str, accelerator: str, gpus: int | None = None, native: bool | None = None) -> str | None:
+def slow_precision_note(
+    precision: str, accelerator: str, gpus: int | None = None, native: bool | None = None
+) -> str | None:
     """A start-up warning for bf16 on the CPU, where it is much slower than float32 (``None``: nothing to say).
 
     ``accelerator`` is ``world.accelerator``; with ``auto`` the run is on the CPU when no
@@ -292,9 +297,13 @@ def slow_precision_note(precision: str, accelerator: str, gpus: int | None = Non
             return None
     native = cpu_has_native_bf16() if native is None else native
     if not native:
-        return (f"fdp: trainer.precision={precision} on a CPU without native bf16 (no AVX512-BF16, AMX or Arm BF16): "
-                "every bf16 op is emulated and a step is many times slower than 32-true (charlm: ~18x); "
-                "use trainer.precision=32-true here")
-    return (f"fdp: trainer.precision={precision} on the CPU: even with native bf16 matmuls a step is slower than 32-true "
-            "(charlm on AVX512-BF16: 4.7x bf16-mixed, 12x bf16-true; the ops around the matmuls are not bf16-fast); "
-            "bf16 pays on GPUs")
+        return (
+            f"fdp: trainer.precision={precision} on a CPU without native bf16 (no AVX512-BF16, AMX or Arm BF16): "
+            "every bf16 op is emulated and a step is many times slower than 32-true (charlm: ~18x); "
+            "use trainer.precision=32-true here"
+        )
+    return (
+        f"fdp: trainer.precision={precision} on the CPU: even with native bf16 matmuls a step is slower than 32-true "
+        "(charlm on AVX512-BF16: 4.7x bf16-mixed, 12x bf16-true; the ops around the matmuls are not bf16-fast); "
+        "bf16 pays on GPUs"
+    )

@@ -34,6 +34,7 @@ released after forward: checkpointing adds compute, not communication.
 >>> [type(m).__name__ for m in select(net, "blocks", policy=["Linear"])]
 ['Linear', 'Linear']
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -43,12 +44,21 @@ import torch
 from torch import nn
 from torch.func import vjp
 
-from fdp.model import streams
 from fdp._torch import swap_back, swap_into, tensor_slots, tree_flatten, tree_unflatten
 from fdp.errors import ConfigError, check_int, require
+from fdp.model import streams
 
-__all__ = ["MODES", "check_k", "check_mode", "checkpointed", "from_config", "modules_of", "recomputing",
-           "repeated_blocks", "select"]
+__all__ = [
+    "MODES",
+    "check_k",
+    "check_mode",
+    "checkpointed",
+    "from_config",
+    "modules_of",
+    "recomputing",
+    "repeated_blocks",
+    "select",
+]
 
 MODES = ("none", "blocks", "every_k")
 _recomputing = 0  # > 0 while a checkpointed module's forward runs again in backward
@@ -120,8 +130,13 @@ def _matches(m: nn.Module, policy: Iterable[Any]) -> bool:
     return False
 
 
-def select(module: nn.Module, mode: str = "blocks", policy: Iterable[Any] = (), every: int = 2,
-           setting: str = "checkpoint_modules") -> list[nn.Module]:
+def select(
+    module: nn.Module,
+    mode: str = "blocks",
+    policy: Iterable[Any] = (),
+    every: int = 2,
+    setting: str = "checkpoint_modules",
+) -> list[nn.Module]:
     """The modules of ``module`` a run checkpoints, outermost first, in module order.
 
     ``mode`` is ``none`` (no module), ``blocks`` (the modules of the classes ``policy``
@@ -151,8 +166,12 @@ def select(module: nn.Module, mode: str = "blocks", policy: Iterable[Any] = (), 
         for entry in policy:
             found = any(_matches(m, [entry]) for m in module.modules())
             name = entry.__name__ if isinstance(entry, type) else entry
-            require(found, setting, [e.__name__ if isinstance(e, type) else e for e in policy],
-                    f"the model's classes (none is {name}; it has {', '.join(_class_names(module))})")
+            require(
+                found,
+                setting,
+                [e.__name__ if isinstance(e, type) else e for e in policy],
+                f"the model's classes (none is {name}; it has {', '.join(_class_names(module))})",
+            )
         chosen, inside = [], set()
         for m in module.modules():
             if id(m) not in inside and m is not module and _matches(m, policy):
@@ -180,8 +199,12 @@ def modules_of(spec: Any, model: Any = None) -> list[nn.Module]:
     if entries and all(isinstance(e, nn.Module) for e in entries):
         return entries
     module = getattr(model, "module", model)
-    require(isinstance(module, nn.Module), "checkpoint_modules", spec,
-            "modules, or model= to find them in (the loss's FunctionalModel)")
+    require(
+        isinstance(module, nn.Module),
+        "checkpoint_modules",
+        spec,
+        "modules, or model= to find them in (the loss's FunctionalModel)",
+    )
     if entries == ["blocks"]:
         return select(module, "blocks")
     return select(module, "blocks", policy=entries)
@@ -296,8 +319,13 @@ class _Call:
         self.n_own, self.leaves, self.places, self.spec = n_own, list(leaves), places, spec
         for i in places:
             self.leaves[i] = None  # the tensors come back as the Function's saved inputs
-        self.devices = sorted({t.device.index or 0 for t in tree_flatten(leaves)[0]
-                               if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
+        self.devices = sorted(
+            {
+                t.device.index or 0
+                for t in tree_flatten(leaves)[0]
+                if isinstance(t, torch.Tensor) and t.device.type == "cuda"
+            }
+        )
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = [torch.cuda.get_rng_state(d) for d in self.devices]
         self.stream = streams.position()
@@ -312,7 +340,7 @@ class _Call:
 
         ``live``: on the module's own buffers (the forward), not the copies that entered.
         """
-        own, given = list(tensors[:self.n_own]), tensors[self.n_own:]
+        own, given = list(tensors[: self.n_own]), tensors[self.n_own :]
         if live:
             for i, tensor in self.live.items():
                 own[i] = tensor
@@ -341,8 +369,11 @@ class _Call:
         """The forward's random state, stream position and autocast, while the forward runs again."""
         global _recomputing
         device, enabled, dtype = self.autocast
-        with torch.random.fork_rng(devices=self.devices), streams.replaying(self.stream), \
-                torch.autocast(device, dtype=dtype, enabled=enabled):
+        with (
+            torch.random.fork_rng(devices=self.devices),
+            streams.replaying(self.stream),
+            torch.autocast(device, dtype=dtype, enabled=enabled),
+        ):
             torch.set_rng_state(self.cpu_rng)
             for d, state in zip(self.devices, self.cuda_rng):
                 torch.cuda.set_rng_state(state, d)

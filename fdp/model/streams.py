@@ -26,6 +26,7 @@ device (integer arithmetic on the device, no generator state).
 >>> torch.equal(keys[1:], streams.keys(step=1, first=5, count=1))  # sample 5's key, whichever batch holds it
 True
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,8 +36,15 @@ import torch
 
 from fdp._torch import TorchDispatchMode
 
-__all__ = ["SampleStreams", "uniform", "RANDOM_OPS", "check_sample_streams", "wants_sample_streams", "position",
-           "replaying"]
+__all__ = [
+    "SampleStreams",
+    "uniform",
+    "RANDOM_OPS",
+    "check_sample_streams",
+    "wants_sample_streams",
+    "position",
+    "replaying",
+]
 
 SETTINGS = ("auto", True, False)
 _M32 = 0xFFFFFFFF
@@ -106,14 +114,30 @@ def _normal(keys: torch.Tensor, shape: tuple, dtype: torch.dtype) -> torch.Tenso
 aten = torch.ops.aten
 # The random ops replaced, and how each one's values are made from a uniform or normal draw.
 RANDOM_OPS = {
-    aten.bernoulli.default, aten.bernoulli.p, aten.bernoulli_.float, aten.bernoulli_.Tensor, aten.native_dropout.default,
-    aten.rand_like.default, aten.randn_like.default, aten.uniform_.default, aten.normal_.default, aten.rand.default,
+    aten.bernoulli.default,
+    aten.bernoulli.p,
+    aten.bernoulli_.float,
+    aten.bernoulli_.Tensor,
+    aten.native_dropout.default,
+    aten.rand_like.default,
+    aten.randn_like.default,
+    aten.uniform_.default,
+    aten.normal_.default,
+    aten.rand.default,
     aten.randn.default,
 }
 # Random ops (by name, every overload) left to the generator; counted, so the ops after them keep their numbers.
 _OTHER_RANDOM = {
-    aten.randint, aten.randint_like, aten.randperm, aten.multinomial, aten.exponential_, aten.random_, aten.cauchy_,
-    aten.log_normal_, aten.geometric_, aten.poisson,
+    aten.randint,
+    aten.randint_like,
+    aten.randperm,
+    aten.multinomial,
+    aten.exponential_,
+    aten.random_,
+    aten.cauchy_,
+    aten.log_normal_,
+    aten.geometric_,
+    aten.poisson,
 }
 
 

@@ -18,6 +18,7 @@ The rule is a ``DecayMask``, ``(name, param) -> bool``, handed to ``sgd``, ``ada
 >>> decay_rule(["*.bias"])("fc.bias", torch.zeros(3)), decay_rule("all") is None
 (False, True)
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -39,15 +40,23 @@ def decay_rule(decay_filter: str | Sequence[str], embeddings: Iterable[str] = ()
     ``embeddings``: the names of the embedding params (``embedding_names(module)``), which ``weights`` exempts.
     """
     if isinstance(decay_filter, str):
-        require(decay_filter in DECAY_FILTERS, "decay_filter", decay_filter,
-                f"{' or '.join(DECAY_FILTERS)}, or a list of name patterns exempt from weight decay ([*.bias, *norm*])")
+        require(
+            decay_filter in DECAY_FILTERS,
+            "decay_filter",
+            decay_filter,
+            f"{' or '.join(DECAY_FILTERS)}, or a list of name patterns exempt from weight decay ([*.bias, *norm*])",
+        )
         if decay_filter == "all":
             return None
         exempt = frozenset(embeddings)
         return lambda name, param: param.ndim >= 2 and name not in exempt
     patterns = list(decay_filter) if isinstance(decay_filter, Sequence) else None
-    require(bool(patterns) and all(isinstance(p, str) and p for p in patterns), "decay_filter", decay_filter,
-            f"{' or '.join(DECAY_FILTERS)}, or a non-empty list of name patterns ([*.bias, *norm*])")
+    require(
+        bool(patterns) and all(isinstance(p, str) and p for p in patterns),
+        "decay_filter",
+        decay_filter,
+        f"{' or '.join(DECAY_FILTERS)}, or a non-empty list of name patterns ([*.bias, *norm*])",
+    )
     return lambda name, param: not any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
 
 

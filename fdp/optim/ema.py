@@ -8,6 +8,7 @@ averages its own slices, which together are the average of the whole params
 average by less than a bfloat16's resolution per step. The trainer evaluates the average
 beside the params (``ema_test_loss``...) and checkpoints it whole (``fdp.run.loop_controls``).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable

@@ -21,6 +21,7 @@ True
 Traceback (most recent call last):
 ValueError: optim.name='lion': unknown optimizer; known optimizers: sgd, adam, adamw, custom
 """
+
 from __future__ import annotations
 
 import inspect
@@ -53,8 +54,16 @@ LR_SCHEDULES: dict[str, Callable[..., Schedule]] = {
 }
 # The schedules whose rates depend on the run's length (trainer.max_steps).
 SPANNING = ("warmup_linear", "warmup_cosine", "wsd")
-SHARED_SETTINGS = {"lr": 1e-3, "lr_schedule": "constant", "warmup_steps": 0, "warmup_ratio": 0.0, "end_lr": 0.0,
-                   "decay_fraction": 0.1, "decay_filter": "all", "clip_norm": None}
+SHARED_SETTINGS = {
+    "lr": 1e-3,
+    "lr_schedule": "constant",
+    "warmup_steps": 0,
+    "warmup_ratio": 0.0,
+    "end_lr": 0.0,
+    "decay_fraction": 0.1,
+    "decay_filter": "all",
+    "clip_norm": None,
+}
 # What a custom optimizer's factory is offered where its signature names it.
 _OFFERED = ("lr", "decay_mask")
 
@@ -68,8 +77,9 @@ def warmup_length(warmup_steps: int, warmup_ratio: float, max_steps: int) -> int
     return warmup_steps or round(warmup_ratio * max_steps)
 
 
-def build_optimizer(spec: Mapping[str, Any], max_steps: int, path: str = "optim",
-                    embeddings: Iterable[str] = ()) -> GradientTransformation:
+def build_optimizer(
+    spec: Mapping[str, Any], max_steps: int, path: str = "optim", embeddings: Iterable[str] = ()
+) -> GradientTransformation:
     """The optimizer ``spec`` describes, with its learning-rate schedule, weight-decay rule and clipping.
 
     ``max_steps`` is the run's length, over which the decaying schedules decay;
@@ -82,12 +92,17 @@ def build_optimizer(spec: Mapping[str, Any], max_steps: int, path: str = "optim"
         known = ", ".join([*OPTIMIZERS, "custom"])
         raise ValueError(f"{path}.name={name!r}: unknown optimizer; known optimizers: {known}")
     lr, lr_schedule, warmup_steps, warmup_ratio, end_lr, decay_fraction, decay_filter, clip_norm = (
-        settings.pop(k) for k in SHARED_SETTINGS)
+        settings.pop(k) for k in SHARED_SETTINGS
+    )
     require(lr > 0, f"{path}.lr", lr, "a learning rate > 0")
     require(lr_schedule in LR_SCHEDULES, f"{path}.lr_schedule", lr_schedule, " or ".join(LR_SCHEDULES))
-    require(0 <= warmup_steps <= max_steps, f"{path}.warmup_steps", warmup_steps,
-             f"between 0 and trainer.max_steps={max_steps} (the schedule must not end before warm-up; "
-             f"{path}.warmup_ratio scales it to the run)")
+    require(
+        0 <= warmup_steps <= max_steps,
+        f"{path}.warmup_steps",
+        warmup_steps,
+        f"between 0 and trainer.max_steps={max_steps} (the schedule must not end before warm-up; "
+        f"{path}.warmup_ratio scales it to the run)",
+    )
     require(0 <= warmup_ratio < 1, f"{path}.warmup_ratio", warmup_ratio, "a fraction of trainer.max_steps in [0, 1)")
     require(end_lr >= 0, f"{path}.end_lr", end_lr, "a learning rate >= 0")
     require(0 <= decay_fraction <= 1, f"{path}.decay_fraction", decay_fraction, "a fraction of the run in [0, 1]")
@@ -110,8 +125,10 @@ def _builtin(name: str, settings: dict, schedule: Schedule, mask: Any, path: str
     accepted = [p for p in inspect.signature(factory).parameters if p not in _OFFERED]
     for key in settings:
         if key not in accepted:
-            raise ValueError(f"{path}.{key}: not a setting of optimizer {name!r}; accepted settings: "
-                             f"{', '.join([*SHARED_SETTINGS, *accepted])}")
+            raise ValueError(
+                f"{path}.{key}: not a setting of optimizer {name!r}; accepted settings: "
+                f"{', '.join([*SHARED_SETTINGS, *accepted])}"
+            )
     try:
         return factory(schedule, **settings, decay_mask=mask)
     except ValueError as error:  # "momentum=-1: expected a number >= 0"
@@ -122,23 +139,31 @@ def _custom(settings: dict, schedule: Schedule, mask: Any, path: str) -> Gradien
     """The ``GradientTransformation`` a user's factory (``optim._target_``) returns, offered the rate and the rule."""
     target = settings.get("_target_", "???")
     if target == "???":
-        raise ValueError(f"{path}._target_: missing; {path}=custom needs the dotted path to a factory returning a "
-                         f"GradientTransformation (e.g. {path}._target_=my_pkg.optim.make)")
+        raise ValueError(
+            f"{path}._target_: missing; {path}=custom needs the dotted path to a factory returning a "
+            f"GradientTransformation (e.g. {path}._target_=my_pkg.optim.make)"
+        )
     try:
         factory = locate(f"{path}._target_", target)
         if isinstance(factory, type) and issubclass(factory, torch.optim.Optimizer):
-            raise ConfigError(f"{path}._target_={target!r}: a torch.optim optimizer, which steps tensors in place; "
-                              "expected a factory returning an fdp.optim.GradientTransformation (pure init and update)")
+            raise ConfigError(
+                f"{path}._target_={target!r}: a torch.optim optimizer, which steps tensors in place; "
+                "expected a factory returning an fdp.optim.GradientTransformation (pure init and update)"
+            )
         accepted = parameter_names(factory)
         if mask is not None and "decay_mask" not in accepted:
-            raise ConfigError(f"{path}.decay_filter: {target} takes no decay_mask argument; expected all, "
-                              "or a factory with a decay_mask parameter")
+            raise ConfigError(
+                f"{path}.decay_filter: {target} takes no decay_mask argument; expected all, "
+                "or a factory with a decay_mask parameter"
+            )
         made = build(path, {"name": "custom", **settings}, offered={"lr": schedule, "decay_mask": mask})
     except ConfigError as error:
         raise ValueError(str(error)) from None
     if not isinstance(made, GradientTransformation):
-        raise ValueError(f"{path}._target_={target!r}: returned {_a(made)}; expected a GradientTransformation "
-                         "(init, update), such as fdp.optim.adamw(...) or fdp.optim.chain(...)")
+        raise ValueError(
+            f"{path}._target_={target!r}: returned {_a(made)}; expected a GradientTransformation "
+            "(init, update), such as fdp.optim.adamw(...) or fdp.optim.chain(...)"
+        )
     return made
 
 

@@ -8,6 +8,7 @@ over ``warmup_steps``; then ``warmup_constant`` stays there, ``warmup_linear`` a
 the run and decays linearly to ``end_value`` over it. The count is that of updates done,
 so ``lr(t)`` is the rate of update ``t + 1``.
 """
+
 from __future__ import annotations
 
 import math
@@ -67,7 +68,11 @@ def warmup_linear_schedule(
 
 
 def wsd_schedule(
-    peak_value: float, warmup_steps: int, decay_steps: int, decay_fraction: float = 0.1, end_value: float = 0.0,
+    peak_value: float,
+    warmup_steps: int,
+    decay_steps: int,
+    decay_fraction: float = 0.1,
+    end_value: float = 0.0,
     init_value: float = 0.0,
 ) -> Schedule:
     """Warm-up, stable, decay: linear warm-up, ``peak_value`` until the last ``decay_fraction`` of

@@ -1,4 +1,5 @@
 """Optimizers and their combinators: ``GradientTransformation`` pairs over flat dicts of tensors."""
+
 from __future__ import annotations
 
 import inspect
@@ -80,8 +81,12 @@ class ClipState(NamedTuple):
 
 
 def sgd(
-    lr: float | Schedule, momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False,
-    weight_decay: float = 0.0, decay_mask: DecayMask | None = None,
+    lr: float | Schedule,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    decay_mask: DecayMask | None = None,
 ) -> GradientTransformation:
     """SGD with ``torch.optim.SGD`` semantics (L2 weight decay added to the gradient).
 
@@ -108,7 +113,9 @@ def sgd(
         buffers = {k: torch.zeros_like(p) for k, p in params.items()} if momentum else None
         return SGDState(count=0, lr=schedule(0), momentum=buffers)
 
-    def update(grads: Grads, state: SGDState, params: Params | None = None, sum_across=None) -> tuple[Updates, SGDState]:
+    def update(
+        grads: Grads, state: SGDState, params: Params | None = None, sum_across=None
+    ) -> tuple[Updates, SGDState]:
         keys, d = _aligned(grads, state.momentum)
         if weight_decay:
             d = _with_l2(d, keys, _params_for(keys, params, "weight_decay"), weight_decay, decays)
@@ -131,10 +138,16 @@ def sgd(
         lr_now = schedule(state.count)
         for group, decay in _groups(keys, g, params, weight_decay, decays):  # torch.optim's param groups
             fused_sgd_(
-                [params[k] for k in group], [g[i] for i in group.values()],
+                [params[k] for k in group],
+                [g[i] for i in group.values()],
                 [state.momentum[k] for k in group] if momentum else [],
-                weight_decay=decay, momentum=momentum, lr=lr_now, dampening=dampening, nesterov=nesterov,
-                maximize=False, is_first_step=state.count == 0,
+                weight_decay=decay,
+                momentum=momentum,
+                lr=lr_now,
+                dampening=dampening,
+                nesterov=nesterov,
+                maximize=False,
+                is_first_step=state.count == 0,
             )
         return SGDState(count=state.count + 1, lr=lr_now, momentum=state.momentum)
 
@@ -143,7 +156,11 @@ def sgd(
 
 
 def adam(
-    lr: float | Schedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
+    lr: float | Schedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
     decay_mask: DecayMask | None = None,
 ) -> GradientTransformation:
     """Adam with ``torch.optim.Adam`` semantics (L2 weight decay added to the gradient).
@@ -160,7 +177,11 @@ def adam(
 
 
 def adamw(
-    lr: float | Schedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-2,
+    lr: float | Schedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
     decay_mask: DecayMask | None = None,
 ) -> GradientTransformation:
     """AdamW with ``torch.optim.AdamW`` semantics: params shrink by ``lr * weight_decay`` each step.
@@ -177,8 +198,15 @@ def adamw(
     return _adam(lr, b1, b2, eps, weight_decay, decay_mask, decoupled=True)
 
 
-def _adam(lr: float | Schedule, b1: float, b2: float, eps: float, weight_decay: float, decay_mask: DecayMask | None,
-          decoupled: bool):
+def _adam(
+    lr: float | Schedule,
+    b1: float,
+    b2: float,
+    eps: float,
+    weight_decay: float,
+    decay_mask: DecayMask | None,
+    decoupled: bool,
+):
     schedule = _as_schedule(lr)
     _check(0 <= b1 < 1, "b1", "in [0, 1)", b1)
     _check(0 <= b2 < 1, "b2", "in [0, 1)", b2)
@@ -190,7 +218,9 @@ def _adam(lr: float | Schedule, b1: float, b2: float, eps: float, weight_decay: 
         nu = {k: torch.zeros_like(p) for k, p in params.items()}
         return AdamState(count=0, lr=schedule(0), mu=mu, nu=nu)
 
-    def update(grads: Grads, state: AdamState, params: Params | None = None, sum_across=None) -> tuple[Updates, AdamState]:
+    def update(
+        grads: Grads, state: AdamState, params: Params | None = None, sum_across=None
+    ) -> tuple[Updates, AdamState]:
         keys, g = _aligned(grads, state.mu)
         p = _params_for(keys, params, "weight_decay") if weight_decay else None
         if weight_decay and not decoupled:
@@ -225,9 +255,19 @@ def _adam(lr: float | Schedule, b1: float, b2: float, eps: float, weight_decay: 
         fused = fused_adamw_ if decoupled else fused_adam_
         for group, decay in _groups(keys, g, params, weight_decay, decays):  # torch.optim's param groups
             fused(
-                [params[k] for k in group], [g[i] for i in group.values()], [state.mu[k] for k in group],
-                [state.nu[k] for k in group], [], [step] * len(group),
-                lr=lr_now, beta1=b1, beta2=b2, weight_decay=decay, eps=eps, amsgrad=False, maximize=False,
+                [params[k] for k in group],
+                [g[i] for i in group.values()],
+                [state.mu[k] for k in group],
+                [state.nu[k] for k in group],
+                [],
+                [step] * len(group),
+                lr=lr_now,
+                beta1=b1,
+                beta2=b2,
+                weight_decay=decay,
+                eps=eps,
+                amsgrad=False,
+                maximize=False,
             )
         return new_state
 
@@ -259,7 +299,9 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     def init(params: Params) -> ClipState:
         return ClipState()
 
-    def update(grads: Grads, state: ClipState, params: Params | None = None, sum_across=None) -> tuple[Updates, ClipState]:
+    def update(
+        grads: Grads, state: ClipState, params: Params | None = None, sum_across=None
+    ) -> tuple[Updates, ClipState]:
         keys, g = _aligned(grads, None)
         if not g:
             return {}, state
@@ -326,7 +368,11 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
 
 def apply_gradients(
-    optimizer: GradientTransformation, grads: Grads, state: State, params: Params, donate: bool = False,
+    optimizer: GradientTransformation,
+    grads: Grads,
+    state: State,
+    params: Params,
+    donate: bool = False,
     sum_across: SumAcross | None = None,
 ) -> tuple[Params, State]:
     """One optimizer step: ``(new_params, new_state)``.
@@ -398,8 +444,10 @@ def supports_inplace(optimizer: GradientTransformation, params: Params, grads: G
         return False
     device, dtype = tensors[0].device, tensors[0].dtype
     dtypes = _FUSED_CPU_DTYPES if device.type == "cpu" else _FUSED_DTYPES
-    return device.type in _FUSED_DEVICES and dtype in dtypes and all(
-        t.device == device and t.dtype == dtype and t.layout == torch.strided for t in tensors
+    return (
+        device.type in _FUSED_DEVICES
+        and dtype in dtypes
+        and all(t.device == device and t.dtype == dtype and t.layout == torch.strided for t in tensors)
     )
 
 
@@ -452,7 +500,9 @@ def _aligned(grads: Grads, state_dict: dict | None) -> tuple[list[str], list[tor
     if state_dict is None:
         return list(grads), list(grads.values())
     if grads.keys() != state_dict.keys():
-        raise ValueError(f"grads and optimizer state have different keys: {sorted(grads.keys() ^ state_dict.keys())[:5]}")
+        raise ValueError(
+            f"grads and optimizer state have different keys: {sorted(grads.keys() ^ state_dict.keys())[:5]}"
+        )
     keys = list(state_dict)
     return keys, [grads[k] for k in keys]
 
@@ -479,8 +529,9 @@ def _decays(decay_mask: DecayMask | None) -> DecayMask:
     return decays
 
 
-def _with_l2(grads: list[torch.Tensor], keys: list[str], params: list[torch.Tensor], weight_decay: float,
-             decays: DecayMask) -> list[torch.Tensor]:
+def _with_l2(
+    grads: list[torch.Tensor], keys: list[str], params: list[torch.Tensor], weight_decay: float, decays: DecayMask
+) -> list[torch.Tensor]:
     """``grads`` with ``weight_decay * param`` added to those of the params ``decays`` names (new tensors there)."""
     out = list(grads)
     chosen = [i for i, k in enumerate(keys) if decays(k, params[i])]

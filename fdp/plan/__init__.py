@@ -14,10 +14,21 @@ ranks before the first all-reduce.
 >>> [b.names for b in plan.buckets]
 [('fc2.bias',), ('fc2.weight',), ('fc1.weight',)]
 """
+
 from fdp.plan.fragments import fragment_plan, split_fragments
 from fdp.plan.packing import pack_into_buckets
 from fdp.plan.tracing import Trace, gradient_ready_order, plan_buckets
 from fdp.plan.values import Bucket, BucketPlan, ParamSlot, TensorSpec
 
-__all__ = ["ParamSlot", "Bucket", "BucketPlan", "TensorSpec", "Trace", "gradient_ready_order", "plan_buckets", "pack_into_buckets",
-           "split_fragments", "fragment_plan"]
+__all__ = [
+    "ParamSlot",
+    "Bucket",
+    "BucketPlan",
+    "TensorSpec",
+    "Trace",
+    "gradient_ready_order",
+    "plan_buckets",
+    "pack_into_buckets",
+    "split_fragments",
+    "fragment_plan",
+]

@@ -14,6 +14,7 @@ the buffers, so they change when the buffers are packed again.
 >>> unpack(plan, flats)["w"].shape
 torch.Size([2, 3])
 """
+
 from __future__ import annotations
 
 import functools
@@ -25,8 +26,18 @@ import torch
 from fdp._torch import foreach, storage_alias
 from fdp.plan import Bucket, BucketPlan
 
-__all__ = ["allocate", "pack", "unpack", "slot_views", "release", "regrow", "lay_out", "flat_buffers", "views_in",
-           "crosses_flat"]
+__all__ = [
+    "allocate",
+    "pack",
+    "unpack",
+    "slot_views",
+    "release",
+    "regrow",
+    "lay_out",
+    "flat_buffers",
+    "views_in",
+    "crosses_flat",
+]
 
 # Up to this mean size per tensor, params laid out flat are worth their extra gradient pass on a CPU (crosses_flat).
 FLAT_CPU_BYTES_PER_TENSOR = 32 * 2**10
@@ -73,7 +84,9 @@ def regrow(buffer: torch.Tensor, zero: bool = False) -> None:
             buffer.zero_()
 
 
-def pack(plan: BucketPlan, grads: Mapping[str, torch.Tensor], buffers: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+def pack(
+    plan: BucketPlan, grads: Mapping[str, torch.Tensor], buffers: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, ...]:
     """Copy every gradient into its slot of ``buffers`` (in place); return the buffers.
 
     Names of the plan absent from ``grads`` (parameters without a gradient) are
@@ -192,8 +205,9 @@ def lay_out(plan: BucketPlan, params: Mapping[str, torch.Tensor]) -> dict[str, t
     return {name: views.get(name, value) for name, value in params.items()}
 
 
-def flat_buffers(plan: BucketPlan, params: Mapping[str, torch.Tensor],
-                 known_laid_out: bool = False) -> tuple[torch.Tensor, ...] | None:
+def flat_buffers(
+    plan: BucketPlan, params: Mapping[str, torch.Tensor], known_laid_out: bool = False
+) -> tuple[torch.Tensor, ...] | None:
     """The flat tensors (one per bucket, ``bucket.numel`` long) that ``params`` are views of; ``None`` if they are not.
 
     Params are views of a bucket's buffer when each lies in one storage at its slot's
@@ -212,13 +226,22 @@ def flat_buffers(plan: BucketPlan, params: Mapping[str, torch.Tensor],
         first = params[names[0]]
         base = first.storage_offset() - offsets[0]
         storage = first.untyped_storage()
-        if base < 0 or storage.nbytes() < (base + bucket.numel) * first.element_size() or first.dtype != bucket.torch_dtype:
+        if (
+            base < 0
+            or storage.nbytes() < (base + bucket.numel) * first.element_size()
+            or first.dtype != bucket.torch_dtype
+        ):
             return None
         start = storage.data_ptr()
         for name, shape, stride, offset in () if known_laid_out else zip(names, shapes, strides, offsets):
             p = params[name]
-            if (p.untyped_storage().data_ptr() != start or p.storage_offset() != base + offset
-                    or p.shape != shape or p.stride() != stride or p.dtype != first.dtype):
+            if (
+                p.untyped_storage().data_ptr() != start
+                or p.storage_offset() != base + offset
+                or p.shape != shape
+                or p.stride() != stride
+                or p.dtype != first.dtype
+            ):
                 return None
         flats.append(storage_alias(first, -offsets[0], (bucket.numel,), (1,)))
     return tuple(flats)

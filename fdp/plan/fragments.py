@@ -12,6 +12,7 @@ plan so that its largest fragment is as small as can be.
 >>> split_fragments(plan, 2)
 (range(0, 3), range(3, 4))
 """
+
 from __future__ import annotations
 
 import dataclasses

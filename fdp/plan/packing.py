@@ -1,4 +1,5 @@
 """Packing a gradient-ready order into buckets: the pure rule behind every plan."""
+
 from __future__ import annotations
 
 import math
@@ -6,7 +7,7 @@ from typing import Sequence
 
 import torch
 
-from fdp.plan.values import MiB, Bucket, BucketPlan, ParamSlot, TensorSpec, check_cap, _spec
+from fdp.plan.values import Bucket, BucketPlan, MiB, ParamSlot, TensorSpec, _spec, check_cap
 
 
 def pack_into_buckets(

@@ -1,4 +1,5 @@
 """Tracing the order in which backward makes gradients ready, and planning from it."""
+
 from __future__ import annotations
 
 import functools
@@ -132,9 +133,7 @@ def plan_buckets(
     fired = set(order)
     missing = [name for name in params if name not in fired]
     if missing and not allow_unused:
-        raise ValueError(
-            f"parameters receive no gradient: {missing}; set allow_unused=true to reduce them as zeros"
-        )
+        raise ValueError(f"parameters receive no gradient: {missing}; set allow_unused=true to reduce them as zeros")
 
     def spec(name: str) -> TensorSpec:
         t = params[name]

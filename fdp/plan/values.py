@@ -4,6 +4,7 @@ Immutable, comparable, hashable and JSON-round-trippable; printing a plan gives 
 Plans are made by :func:`fdp.plan.pack_into_buckets` (from an order) or
 :func:`fdp.plan.plan_buckets` (from a model).
 """
+
 from __future__ import annotations
 
 import functools
@@ -299,7 +300,9 @@ class BucketPlan:
         >>> a.fingerprint() == b.fingerprint()
         False
         """
-        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+        canonical = json.dumps(
+            self.to_dict(), sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+        )
         return hashlib.sha256(canonical.encode("ascii")).hexdigest()
 
     # --------------------------------------------------------------- comparison
@@ -375,8 +378,11 @@ class BucketPlan:
             return " | ".join(cells).rstrip()
 
         # Gradients become ready from the last layer back: the plan packs them in that order.
-        lines = ["buckets in backward order (bucket 0 holds the gradients that become ready first: the last layers)",
-                 fmt(header), "-+-".join("-" * w for w in widths)]
+        lines = [
+            "buckets in backward order (bucket 0 holds the gradients that become ready first: the last layers)",
+            fmt(header),
+            "-+-".join("-" * w for w in widths),
+        ]
         lines += [fmt(r) for r in rows]
         n_tensors = sum(len(b.slots) for b in self.buckets)
         n_params = sum(s.numel for b in self.buckets for s in b.slots)

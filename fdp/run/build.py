@@ -4,6 +4,7 @@
 then loops). Every piece is built from its config group: ``_target_`` nodes through
 ``fdp.targets``, hooks and optimizers through their registries.
 """
+
 from __future__ import annotations
 
 import os
@@ -12,11 +13,7 @@ from typing import NamedTuple
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from fdp.update import zero
-from fdp.dist.allocator import tune_allocator
 from fdp.comm import Comm
-from fdp.run.config import DATA_SETTINGS
-from fdp.errors import ConfigError
 from fdp.data import (
     Dataset,
     MapData,
@@ -27,21 +24,25 @@ from fdp.data import (
     train_batches,
 )
 from fdp.data.batches import batch_size, head
+from fdp.dist.allocator import tune_allocator
 from fdp.dist.devices import batch_to_device, to_device
-from fdp.model.fit import Names, check_first_batch, untransformable
-from fdp.model.functional import FunctionalModel, functionalize
+from fdp.errors import ConfigError
 from fdp.hooks import Hook
 from fdp.hooks.hierarchical import check_node_size, hierarchical, node_comms
 from fdp.hooks.registry import build_hook
-from fdp.run.loop_controls import run_steps
-from fdp.model.losses import Criterion, build_loss, cross_entropy, make_loss_fn, planner_loss
 from fdp.model.builtin import count_parameters
-from fdp.optim import GradientTransformation, build_optimizer, embedding_names
-from fdp.step.outer import check_outer, init_outer_state
-from fdp.plan import BucketPlan, plan_buckets
+from fdp.model.fit import Names, check_first_batch, untransformable
+from fdp.model.functional import FunctionalModel, functionalize
+from fdp.model.losses import Criterion, build_loss, cross_entropy, make_loss_fn, planner_loss
 from fdp.model.precision import Precision, check_precision
+from fdp.optim import GradientTransformation, build_optimizer, embedding_names
+from fdp.plan import BucketPlan, plan_buckets
+from fdp.run.config import DATA_SETTINGS
+from fdp.run.loop_controls import run_steps
 from fdp.state.train_state import TrainState
+from fdp.step.outer import check_outer, init_outer_state
 from fdp.targets import build, classes_setting, label
+from fdp.update import zero
 from fdp.update.base import Update
 
 
@@ -64,7 +65,9 @@ def check_data(cfg: DictConfig, data: Dataset | MapData) -> None:
     gbs = cfg.data.global_batch_size
     n = num_train_samples(data)
     if not (isinstance(data, Dataset) and data.is_text) and gbs > n:
-        raise ConfigError(f"data.global_batch_size={gbs}: expected at most the {n} training samples of {display_name(cfg.data)}")
+        raise ConfigError(
+            f"data.global_batch_size={gbs}: expected at most the {n} training samples of {display_name(cfg.data)}"
+        )
 
 
 def build_module(cfg: DictConfig, data: Dataset | MapData) -> torch.nn.Module:
@@ -73,7 +76,9 @@ def build_module(cfg: DictConfig, data: Dataset | MapData) -> torch.nn.Module:
     if not isinstance(module, torch.nn.Module):
         raise ConfigError(f"{label('model', cfg)}: returned a {type(module).__name__}; expected a torch.nn.Module")
     if next(module.parameters(), None) is None:  # nothing to train: refused here, not deep in the planner
-        raise ConfigError(f"{label('model', cfg)}: built a module without parameters ({type(module).__name__}); expected a model with parameters to train")
+        raise ConfigError(
+            f"{label('model', cfg)}: built a module without parameters ({type(module).__name__}); expected a model with parameters to train"
+        )
     return module
 
 
@@ -82,12 +87,15 @@ def display_name(node: DictConfig) -> str:
     return str(node.get("_target_")) if node.name == "custom" else node.name
 
 
-def check_fit(cfg: DictConfig, model: FunctionalModel, criterion: Criterion, params, buffers, batch, data: Dataset | MapData) -> None:
+def check_fit(
+    cfg: DictConfig, model: FunctionalModel, criterion: Criterion, params, buffers, batch, data: Dataset | MapData
+) -> None:
     """Run the model and the loss on the first batch: a model/data/loss that do not fit is refused before step 1."""
     node = OmegaConf.to_container(cfg.model, resolve=True)
     names = Names(label("model", cfg.model), label("data", cfg.data), label("loss", cfg.loss), classes_setting(node))
-    check_first_batch(model, criterion, params, buffers, batch, names, model_arguments(data)["num_classes"],
-                      targets_shifted(data))
+    check_first_batch(
+        model, criterion, params, buffers, batch, names, model_arguments(data)["num_classes"], targets_shifted(data)
+    )
 
 
 class RunParts(NamedTuple):
@@ -105,8 +113,9 @@ class RunParts(NamedTuple):
     update: Update | None = None  # the ZeRO stage's update (fdp.update.zero.update_for): the state's whole life
 
 
-def build_run(cfg: DictConfig, comm: Comm, device: torch.device = torch.device("cpu"),
-              data: Dataset | MapData | None = None) -> RunParts:
+def build_run(
+    cfg: DictConfig, comm: Comm, device: torch.device = torch.device("cpu"), data: Dataset | MapData | None = None
+) -> RunParts:
     """Build model, data, plan, hooks, optimizer and the first train state on this rank, on ``device``.
 
     The weights are made on the CPU from the seed (the same on any device) and moved;
@@ -127,7 +136,9 @@ def build_run(cfg: DictConfig, comm: Comm, device: torch.device = torch.device("
     criterion = build_loss(OmegaConf.to_container(cfg.loss, resolve=True))
     loss_fn = make_loss_fn(model, criterion)
     example = next(train_batches(data, cfg.data.global_batch_size, cfg.seed, comm.rank, comm.world_size, 0, 1))
-    example = batch_to_device(precision.cast(head(example, max(1, batch_size(example) // cfg.trainer.accum_steps))), device)
+    example = batch_to_device(
+        precision.cast(head(example, max(1, batch_size(example) // cfg.trainer.accum_steps))), device
+    )
     check_fit(cfg, model, criterion, params, buffers, example, data)
     try:  # the first gradient of the run: what torch.func cannot run in the model fails here
         plan = plan_buckets(
@@ -150,11 +161,19 @@ def build_run(cfg: DictConfig, comm: Comm, device: torch.device = torch.device("
     steps = run_steps(cfg.trainer.max_steps, cfg.trainer.max_epochs, data, cfg.data.global_batch_size)
     optimizer = build_optimizer(OmegaConf.to_container(cfg.optim), steps, embeddings=embeddings)
     # A world that may shrink keeps, where the state is sharded, the next rank's slices too (fdp.update.zero.mirror).
-    update = zero.update_for(stage.number, optimizer, plan, comm, model=model,
-                             reshard_after_forward=cfg.trainer.reshard_after_forward,
-                             mirror=cfg.world.on_rank_loss == "shrink" and stage.shards_optimizer)
+    update = zero.update_for(
+        stage.number,
+        optimizer,
+        plan,
+        comm,
+        model=model,
+        reshard_after_forward=cfg.trainer.reshard_after_forward,
+        mirror=cfg.world.on_rank_loss == "shrink" and stage.shards_optimizer,
+    )
     state = update.first_state(params, buffers, hook, comm, seed=cfg.seed, precision=precision)
-    state = state._replace(outer=init_outer_state(check_outer(OmegaConf.to_container(cfg.outer)), state.params, plan, hook))
+    state = state._replace(
+        outer=init_outer_state(check_outer(OmegaConf.to_container(cfg.outer)), state.params, plan, hook)
+    )
     return RunParts(model, data, plan, hook, optimizer, state, num_params, criterion, precision, update)
 
 

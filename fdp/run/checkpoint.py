@@ -21,6 +21,7 @@ any number of ranks (the trainer uses them too): every rank's share is gathered 
 differs between ranks is stored per rank: the hook state (error feedback), the RNG, and
 buffers where a rank's differ from rank 0's (``sync_buffers="local"``).
 """
+
 from __future__ import annotations
 
 import os
@@ -184,19 +185,28 @@ def rank_payload(state: TrainState) -> dict:
     optimizer state are saved too, with its outer state.
     """
     mine = {
-        "hook_state": _leaves(state.hook_state), "rng": state.rng, "cuda_rng": state.cuda_rng,
+        "hook_state": _leaves(state.hook_state),
+        "rng": state.rng,
+        "cuda_rng": state.cuda_rng,
         "buffers": {name: _on_host(b) for name, b in state.buffers.items()},
     }
     if state.outer:
-        mine.update(params={name: _on_host(p) for name, p in state.params.items()}, opt_state=_leaves(state.opt_state),
-                    opt_state_paths=tree_paths(state.opt_state), outer=_leaves(state.outer))
+        mine.update(
+            params={name: _on_host(p) for name, p in state.params.items()},
+            opt_state=_leaves(state.opt_state),
+            opt_state_paths=tree_paths(state.opt_state),
+            outer=_leaves(state.outer),
+        )
     return mine
 
 
 def _differing_buffers(per_rank: list[dict], reference: dict) -> list[dict]:
     # Buffers equal to rank 0's (all of them unless sync_buffers="local") are stored once.
     return [
-        {**mine, "buffers": {n: b for n, b in mine.get("buffers", {}).items() if not torch.equal(b, _on_host(reference[n]))}}
+        {
+            **mine,
+            "buffers": {n: b for n, b in mine.get("buffers", {}).items() if not torch.equal(b, _on_host(reference[n]))},
+        }
         for mine in per_rank
     ]
 
@@ -219,12 +229,17 @@ def restore(payload: dict, template: TrainState, rank: int, path: str | os.PathL
     own_buffers = mine.get("buffers", {})
     # Under an outer loop each rank saved its own params and optimizer state (with their paths).
     source = mine if "opt_state" in mine else payload
-    shared = {"params": mine.get("params", payload["params"]), "opt_state": source["opt_state"],
-              "opt_state_paths": source.get("opt_state_paths")}
+    shared = {
+        "params": mine.get("params", payload["params"]),
+        "opt_state": source["opt_state"],
+        "opt_state_paths": source.get("opt_state_paths"),
+    }
     return TrainState(
         step=int(payload["step"]),
         params={name: _like(shared["params"][name], t) for name, t in template.params.items()},
-        buffers={name: _like(own_buffers.get(name, payload["buffers"][name]), t) for name, t in template.buffers.items()},
+        buffers={
+            name: _like(own_buffers.get(name, payload["buffers"][name]), t) for name, t in template.buffers.items()
+        },
         opt_state=_rebuild(template.opt_state, shared["opt_state"], "optimizer state", path, shared["opt_state_paths"]),
         hook_state=_rebuild(template.hook_state, mine["hook_state"], "hook state", path),
         rng=mine["rng"],
@@ -259,7 +274,7 @@ def save(directory: str | os.PathLike, payload: dict, keep: int = 2) -> Path:
     path = atomic_save(payload, directory / f"step_{int(payload['step']):08d}.pt")
     _atomic_copy(path, directory / LAST)
     _fsync_dir(directory)
-    for old in list(step_files(directory).values())[:-keep or None]:
+    for old in list(step_files(directory).values())[: -keep or None]:
         old.unlink()
     # Temporaries of a writer that was killed mid-save (only one process saves, and it is done).
     for stale in [*directory.glob(".step_*.tmp"), *directory.glob(f".{LAST}.*")]:
@@ -320,7 +335,9 @@ def save_checkpoint(
     if comm.rank != 0:
         return None
     payload = state_payload(
-        state, _differing_buffers(per_rank, state.buffers), {**(extra or {}), "plan_fingerprint": plan.on_cpu().fingerprint()}
+        state,
+        _differing_buffers(per_rank, state.buffers),
+        {**(extra or {}), "plan_fingerprint": plan.on_cpu().fingerprint()},
     )
     return save(directory, payload, keep=keep)
 

@@ -14,6 +14,7 @@ resolved, the config validated once, the run directory owned), write its config 
 train, and end with one line and an exit status: 0 done, 2 refused (nothing left behind),
 1 failed, ``128 + signal`` interrupted (130 for SIGINT, 143 for SIGTERM).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,12 +28,12 @@ import typing
 from pathlib import Path
 from typing import Any, Callable
 
-from fdp.run.checkpoint import LAST, CheckpointError
-from fdp.errors import ConfigError
 from fdp.dist.interrupt import StoppedAtOnce, exit_code, requeue_job, stop_signal_names
-from fdp.run.keys import unknown_key_line
 from fdp.dist.launch import RankLostError, RankOutOfMemoryError, WorkerFailedError
 from fdp.dist.launchers import launcher_of
+from fdp.errors import ConfigError
+from fdp.run.checkpoint import LAST, CheckpointError
+from fdp.run.keys import unknown_key_line
 from fdp.run.metrics import summary_line
 from fdp.run.rundir import CHECKPOINTS, run_log
 
@@ -40,8 +41,15 @@ __all__ = ["hydra_error_line", "main", "run_from_shell", "train"]
 
 REFUSED, FAILED = 2, 1
 # Failures the run reports in one line: the message says what happened and what to change.
-EXPECTED = ("ConfigError", "CheckpointError", "FloatingPointError", "RankLostError", "RankOutOfMemoryError",
-            "RunDirInUse", "RunDoesNotFit")
+EXPECTED = (
+    "ConfigError",
+    "CheckpointError",
+    "FloatingPointError",
+    "RankLostError",
+    "RankOutOfMemoryError",
+    "RunDirInUse",
+    "RunDoesNotFit",
+)
 REFUSALS = ("ConfigError", "CheckpointError", "RunDirInUse", "RunDoesNotFit")
 
 
@@ -137,7 +145,9 @@ def hydra_error_line(error: BaseException, argv: list[str] | None = None) -> str
             return _bad_value(cause, override)
     appended = re.search(r"An item is already at '([^']+)'", str(error))
     if appended:  # +key=value for a key the config has
-        override = next((a[1:] for a in reversed(argv) if a.startswith("+") and a[1:].partition("=")[0] == appended[1]), appended[1])
+        override = next(
+            (a[1:] for a in reversed(argv) if a.startswith("+") and a[1:].partition("=")[0] == appended[1]), appended[1]
+        )
         return f"+{override}: expected a new key, but {appended[1]} exists (set it without the +: {override})"
     if isinstance(error, HydraException):
         return str(error).strip().splitlines()[0]
@@ -189,8 +199,10 @@ def _last_checkpoint(run_dir: Path) -> str:
 
 
 def _interrupted_line(summary: dict, run_dir: Path, extra: str = "") -> str:
-    return (f"fdp: interrupted at step {summary['steps']} by {summary['interrupted']}; checkpoint "
-            f"{run_dir / CHECKPOINTS / LAST}; resume with trainer.resume=true hydra.run.dir={run_dir}{extra}")
+    return (
+        f"fdp: interrupted at step {summary['steps']} by {summary['interrupted']}; checkpoint "
+        f"{run_dir / CHECKPOINTS / LAST}; resume with trainer.resume=true hydra.run.dir={run_dir}{extra}"
+    )
 
 
 def run_from_shell(cfg: Any, run_dir: str | Path, save_config: Callable[[Any, Path], None]) -> int:

@@ -4,6 +4,7 @@ Every YAML file in ``conf/`` extends one of these dataclasses, so an unknown key
 value of the wrong type fails when the config is composed, with a message naming the
 key. Range checks that a type cannot express live in ``fdp.run.validate``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -169,7 +170,9 @@ class CustomOptimConfig(OptimShared):
 # -- trainer and world -----------------------------------------------------------------
 @dataclass
 class EarlyStoppingConfig:
-    monitor: str = ""  # a metric of the evaluations (test_loss, test_acc, ema_test_loss, loss...); "": no early stopping
+    monitor: str = (
+        ""  # a metric of the evaluations (test_loss, test_acc, ema_test_loss, loss...); "": no early stopping
+    )
     patience: int = 3  # evaluations without improvement before the run stops
     mode: str = "auto"  # auto | min | max (auto: max for an accuracy, min otherwise)
     min_delta: float = 0.0  # the least change that counts as an improvement
@@ -197,20 +200,26 @@ class TrainerConfig:
     bucket_cap_mb: float = 25.0
     first_bucket_cap_mb: float = 1.0
     allow_unused: bool = False
-    schedule: str = "auto"  # auto | after | overlap: when bucket reductions start (auto: overlap on more than one process)
+    schedule: str = (
+        "auto"  # auto | after | overlap: when bucket reductions start (auto: overlap on more than one process)
+    )
     nonfinite: str = "raise"  # raise | skip
     sync_buffers: str = "broadcast"  # broadcast | average | local: buffers (BatchNorm statistics) across ranks
     precision: str = "32-true"  # 32-true | bf16-mixed | 16-mixed | bf16-true (Lightning's names)
     matmul_precision: str = "highest"  # highest | high | medium: torch.set_float32_matmul_precision
     compile: Any = "auto"  # auto | true | false: torch.compile the gradient computation (auto: on a GPU, when the run repays the compile)
     zero_stage: int = 0  # 0 | 1 (shard optimizer state over ranks) | 2 (and reduced gradients) | 3 (and params)
-    sample_streams: Any = "auto"  # auto | true | false: dropout masks per sample, alike on any world (auto: if it may shrink)
+    sample_streams: Any = (
+        "auto"  # auto | true | false: dropout masks per sample, alike on any world (auto: if it may shrink)
+    )
     # none | blocks | every_k: modules whose activations backward recomputes (fdp.model.remat): the repeated blocks, or
     # the classes named in the policy ([Block]); every_k: every k-th of them
     activation_checkpointing: str = "none"
     activation_checkpointing_policy: List[str] = field(default_factory=list)
     activation_checkpointing_k: int = 2
-    reshard_after_forward: bool = True  # zero_stage=3: release each bucket's params after forward, gather again for backward
+    reshard_after_forward: bool = (
+        True  # zero_stage=3: release each bucket's params after forward, gather again for backward
+    )
     trace: bool = False  # write a Chrome trace per rank to <run dir>/trace/ (for short diagnostic runs)
     tensorboard: bool = False  # the same as "tensorboard" in loggers
     loggers: List[str] = field(default_factory=list)  # tensorboard | csv | mlflow, beside metrics.jsonl (rank 0)
@@ -228,12 +237,18 @@ class WorldConfig:
     devices: Any = "auto"  # auto | N | -1 | "0,2" | [0,2]: see fdp.dist.devices
     timeout_s: float = 300.0
     max_restarts: int = 0
-    on_rank_loss: str = "restart"  # restart: a lost rank ends the world (max_restarts restarts it) | shrink: the rest go on
+    on_rank_loss: str = (
+        "restart"  # restart: a lost rank ends the world (max_restarts restarts it) | shrink: the rest go on
+    )
     min_ranks: int = 1  # on_rank_loss=shrink: end the run (with a checkpoint) when fewer ranks remain
-    memory_per_rank_mb: float = 0.0  # what each rank may allocate once started (0: no limit), as a GPU's memory bounds it
+    memory_per_rank_mb: float = (
+        0.0  # what each rank may allocate once started (0: no limit), as a GPU's memory bounds it
+    )
     hierarchical: bool = False  # reduce inside each node, run the hook chain across nodes only, share inside the node
     node_size: int = 0  # processes per node for hierarchical (0: the processes of one launch)
-    requeue_signal: str = "SIGUSR1"  # world=slurm: stop, checkpoint and requeue the job on it (sbatch --signal=USR1@90); none: off
+    requeue_signal: str = (
+        "SIGUSR1"  # world=slurm: stop, checkpoint and requeue the job on it (sbatch --signal=USR1@90); none: off
+    )
 
 
 # -- hooks -----------------------------------------------------------------------------
@@ -357,8 +372,13 @@ class Config:
 SCHEMAS = {
     "model": {"mlp": MLPConfig, "convnet": ConvNetConfig, "charlm": CharLMConfig, "custom": CustomModelConfig},
     "data": {"digits": DigitsConfig, "stdlib_text": StdlibTextConfig, "custom": CustomDataConfig},
-    "loss": {"cross_entropy": CrossEntropyConfig, "mse": MSEConfig, "causal_lm": CausalLMLossConfig, "masked_lm": MaskedLMLossConfig,
-             "custom": CustomLossConfig},
+    "loss": {
+        "cross_entropy": CrossEntropyConfig,
+        "mse": MSEConfig,
+        "causal_lm": CausalLMLossConfig,
+        "masked_lm": MaskedLMLossConfig,
+        "custom": CustomLossConfig,
+    },
     "optim": {"sgd": SGDConfig, "adam": AdamConfig, "adamw": AdamWConfig, "custom": CustomOptimConfig},
     "hooks": {
         "allreduce": AllreduceConfig,

@@ -1,4 +1,5 @@
 """Evaluation on the test split: the mean loss, and accuracy where it applies."""
+
 from __future__ import annotations
 
 import torch
@@ -15,8 +16,15 @@ __all__ = ["evaluate"]
 
 @torch.no_grad()
 def evaluate(
-    model: FunctionalModel, params, buffers, data: Dataset | MapData, max_batches: int, batch_size: int = 256,
-    criterion: Criterion = cross_entropy, num_workers: int = 0, precision: Precision = Precision(),
+    model: FunctionalModel,
+    params,
+    buffers,
+    data: Dataset | MapData,
+    max_batches: int,
+    batch_size: int = 256,
+    criterion: Criterion = cross_entropy,
+    num_workers: int = 0,
+    precision: Precision = Precision(),
     fits: int | None = None,
 ) -> dict:
     """Mean loss over (up to ``max_batches`` batches of) the test split, and accuracy where it applies.

@@ -13,6 +13,7 @@ names a ``_target_`` of its own. Everywhere else (``trainer``, ``world``, ``opti
 >>> takes_own_keys("trainer", {}), takes_own_keys("model", {"name": "mlp"})
 (False, True)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,8 +21,8 @@ import difflib
 from collections.abc import Mapping
 from typing import Any
 
-from fdp.run.config import SCHEMAS, Config, TrainerConfig, WorldConfig
 from fdp.errors import ConfigError
+from fdp.run.config import SCHEMAS, Config, TrainerConfig, WorldConfig
 
 __all__ = ["OWN_KEY_GROUPS", "check_keys", "closest_key", "schema_of", "takes_own_keys", "unknown_key_line"]
 

@@ -11,6 +11,7 @@
 
 Rank 0 writes them all; a resumed run goes on in the same files and the same MLflow run.
 """
+
 from __future__ import annotations
 
 import csv
@@ -60,8 +61,10 @@ def check_loggers(names: Iterable[str], tensorboard: bool = False) -> tuple[str,
 def check_mlflow() -> None:
     """Refuse ``mlflow`` among the loggers in one line when the package is missing."""
     if importlib.util.find_spec("mlflow") is None:  # found without importing it (seconds)
-        raise ConfigError("trainer.loggers=[mlflow]: expected the mlflow package to be installed "
-                          "(pip install mlflow, or pip install -e '.[mlflow]')")
+        raise ConfigError(
+            "trainer.loggers=[mlflow]: expected the mlflow package to be installed "
+            "(pip install mlflow, or pip install -e '.[mlflow]')"
+        )
 
 
 def mlflow_uri(run_dir: str | Path) -> str:
@@ -164,20 +167,27 @@ class MlflowLog:
         with warnings.catch_warnings():  # SQLAlchemy's deprecation notes on MLflow's own use of it
             warnings.simplefilter("ignore", DeprecationWarning)
             experiment = self.client.get_experiment_by_name(MLFLOW_EXPERIMENT)
-        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(
-            MLFLOW_EXPERIMENT, artifact_location=(run_dir / "mlartifacts").as_uri())
+        experiment_id = (
+            experiment.experiment_id
+            if experiment
+            else self.client.create_experiment(MLFLOW_EXPERIMENT, artifact_location=(run_dir / "mlartifacts").as_uri())
+        )
         # The store belongs to this run directory: a resumed run goes on in the run it holds.
-        runs = self.client.search_runs([experiment_id], max_results=1, order_by=["attributes.start_time DESC"]) \
-            if resume else []
+        runs = (
+            self.client.search_runs([experiment_id], max_results=1, order_by=["attributes.start_time DESC"])
+            if resume
+            else []
+        )
         if runs:
             self.run_id = runs[0].info.run_id
             self.client.update_run(self.run_id, status="RUNNING")
         else:
-            self.run_id = self.client.create_run(experiment_id, run_name=run_dir.name,
-                                                 tags={"fdp.run_dir": str(run_dir)}).info.run_id
+            self.run_id = self.client.create_run(
+                experiment_id, run_name=run_dir.name, tags={"fdp.run_dir": str(run_dir)}
+            ).info.run_id
             params = [Param(k, v) for k, v in sorted(_flat(settings or {}).items())]
             for start in range(0, len(params), 100):  # MLflow takes at most 100 params a batch
-                self.client.log_batch(self.run_id, params=params[start:start + 100])
+                self.client.log_batch(self.run_id, params=params[start : start + 100])
         self.status = "FINISHED"
 
     def write(self, record: dict) -> None:
@@ -190,8 +200,11 @@ class MlflowLog:
         if step is None or record.get("shrink"):
             return
         now = int(time.time() * 1000)
-        metrics = [Metric(k, float(v), now, int(step)) for k, v in record.items()
-                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)]
+        metrics = [
+            Metric(k, float(v), now, int(step))
+            for k, v in record.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+        ]
         if metrics:
             self.client.log_batch(self.run_id, metrics=metrics)
 

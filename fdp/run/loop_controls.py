@@ -19,6 +19,7 @@ What these decide with (the stopping counter, the best values so far, the traini
 the average) is saved in every checkpoint (``loop``, ``ema``), so a resumed run goes on
 exactly as the uninterrupted one would.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,17 +34,27 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from fdp.update import zero
-from fdp.run.checkpoint import load
 from fdp.comm import Comm
 from fdp.data import Dataset, MapData, num_train_samples
-from fdp.optim.ema import check_ema_decay, ema
 from fdp.errors import ConfigError, require
+from fdp.optim.ema import check_ema_decay, ema
 from fdp.plan import BucketPlan
+from fdp.run.checkpoint import load
 from fdp.state.train_state import TrainState
+from fdp.update import zero
 
-__all__ = ["LoopControls", "Monitor", "check_loop_settings", "check_max_time", "check_mode", "ranked", "read_resumed",
-           "run_steps", "steps_per_epoch", "stopping_update"]
+__all__ = [
+    "LoopControls",
+    "Monitor",
+    "check_loop_settings",
+    "check_max_time",
+    "check_mode",
+    "ranked",
+    "read_resumed",
+    "run_steps",
+    "steps_per_epoch",
+    "stopping_update",
+]
 
 BEST = "best"
 MODES = ("auto", "min", "max")
@@ -114,6 +125,7 @@ def check_loop_settings(tc: Any, on_rank_loss: str = "stop", outer: str = "none"
     ...
     fdp.errors.ConfigError: trainer.early_stopping.patience=0: expected an integer >= 1
     """
+
     def check(ok: bool, key: str, value: Any, what: str) -> None:
         require(ok, f"trainer.{key}", value, what, ConfigError)
 
@@ -125,17 +137,29 @@ def check_loop_settings(tc: Any, on_rank_loss: str = "stop", outer: str = "none"
 
     check(tc.max_epochs >= 0, "max_epochs", tc.max_epochs, "an integer >= 0 (0: max_steps alone)")
     named("max_time", check_max_time, tc.max_time)
-    check(not check_max_time(tc.max_time) or on_rank_loss != "shrink", "max_time", tc.max_time,
-          "0 with world.on_rank_loss=shrink (its clock is not carried to a new world)")
+    check(
+        not check_max_time(tc.max_time) or on_rank_loss != "shrink",
+        "max_time",
+        tc.max_time,
+        "0 with world.on_rank_loss=shrink (its clock is not carried to a new world)",
+    )
     named("ema_decay", check_ema_decay, tc.ema_decay)
-    check(not tc.ema_decay or outer == "none", "ema_decay", tc.ema_decay,
-          f"0 with outer={outer} (its ranks' params differ between syncs: no one average to keep)")
+    check(
+        not tc.ema_decay or outer == "none",
+        "ema_decay",
+        tc.ema_decay,
+        f"0 with outer={outer} (its ranks' params differ between syncs: no one average to keep)",
+    )
     early = tc.early_stopping
     check(early.mode in MODES, "early_stopping.mode", early.mode, "auto, min or max")
     check(early.patience >= 1, "early_stopping.patience", early.patience, "an integer >= 1")
     check(early.min_delta >= 0, "early_stopping.min_delta", early.min_delta, "a number >= 0")
-    check(not early.monitor or tc.eval_every > 0, "early_stopping.monitor", early.monitor,
-          "'' with trainer.eval_every=0 (it decides at evaluations: set trainer.eval_every)")
+    check(
+        not early.monitor or tc.eval_every > 0,
+        "early_stopping.monitor",
+        early.monitor,
+        "'' with trainer.eval_every=0 (it decides at evaluations: set trainer.eval_every)",
+    )
     check(tc.checkpoint_mode in MODES, "checkpoint_mode", tc.checkpoint_mode, "auto, min or max")
     check(tc.keep_best >= 1, "keep_best", tc.keep_best, "an integer >= 1")
 
@@ -286,8 +310,16 @@ class LoopControls:
     ``end_step``: the run's last step (``run_steps``), whatever step this invocation stops at.
     """
 
-    def __init__(self, tc: Any, comm: Comm, plan: BucketPlan, state: TrainState, evaluates: bool,
-                 end_step: int, resumed: dict | None = None):
+    def __init__(
+        self,
+        tc: Any,
+        comm: Comm,
+        plan: BucketPlan,
+        state: TrainState,
+        evaluates: bool,
+        end_step: int,
+        resumed: dict | None = None,
+    ):
         self.comm, self.plan, self.stage = comm, plan, tc.zero_stage
         self.eval_every, self.end_step = tc.eval_every, end_step
         early = tc.early_stopping
@@ -297,8 +329,10 @@ class LoopControls:
         self.keep = tc.keep_best
         # Checkpoints then hold what an evaluation decides, so the loop evaluates before it saves.
         self.watches = self.early is not None or self.best_by is not None
-        for setting, monitor in (("trainer.early_stopping.monitor", self.early),
-                                 ("trainer.checkpoint_monitor", self.best_by)):
+        for setting, monitor in (
+            ("trainer.early_stopping.monitor", self.early),
+            ("trainer.checkpoint_monitor", self.best_by),
+        ):
             if monitor is not None and not evaluates:
                 raise ConfigError(f"{setting}={monitor.name!r}: expected data with a test split to evaluate on")
         loop = (resumed or {}).get("loop") or {}
@@ -362,23 +396,31 @@ class LoopControls:
             self.best, keep = ranked(self.best, value, step, self.keep, self.best_by)
         stop = None
         if self.early is not None:
-            self.stopping = stopping_update(self.stopping, self.early.read(record, "trainer.early_stopping.monitor"),
-                                            self.early)
+            self.stopping = stopping_update(
+                self.stopping, self.early.read(record, "trainer.early_stopping.monitor"), self.early
+            )
             if self.stopping.waited >= self.patience:
                 stop = self._early_stop_line()
         return Verdict(keep, stop)
 
     def _early_stop_line(self) -> str:
-        return (f"early stopping: {self.early.name} has not improved on {self.stopping.best:.6g} for "
-                f"{self.stopping.waited} evaluations (trainer.early_stopping.patience={self.patience})")
+        return (
+            f"early stopping: {self.early.name} has not improved on {self.stopping.best:.6g} for "
+            f"{self.stopping.waited} evaluations (trainer.early_stopping.patience={self.patience})"
+        )
 
     def payload(self, step: int) -> dict:
         """The checkpoint's entries for the loop (call on every rank: at stage 3 the average is gathered)."""
-        out: dict[str, Any] = {"loop": {
-            "step": step, "elapsed_s": self.deadline.elapsed_s(), "stopping_best": self.stopping.best,
-            "stopping_waited": self.stopping.waited, "best": [list(entry) for entry in self.best],
-            "monitor": self.best_by.name if self.best_by else None,
-        }}
+        out: dict[str, Any] = {
+            "loop": {
+                "step": step,
+                "elapsed_s": self.deadline.elapsed_s(),
+                "stopping_best": self.stopping.best,
+                "stopping_waited": self.stopping.waited,
+                "best": [list(entry) for entry in self.best],
+                "monitor": self.best_by.name if self.best_by else None,
+            }
+        }
         if self.average is not None:
             average = self.average
             if zero.params_sharded(average, self.plan):

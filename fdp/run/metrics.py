@@ -1,4 +1,5 @@
 """What a run reports: ``metrics.jsonl`` lines (and TensorBoard scalars), a progress bar and a closing summary."""
+
 from __future__ import annotations
 
 import json
@@ -120,7 +121,9 @@ class StepTimes:
         self.rows: list[dict] = []
 
     def add(self, metrics: dict) -> None:
-        self.rows.append({k: metrics.get(k, 0.0) for k in ("step_s", "compute_s", "comm_wait_s", "bytes_sent", "data_wait_s")})
+        self.rows.append(
+            {k: metrics.get(k, 0.0) for k in ("step_s", "compute_s", "comm_wait_s", "bytes_sent", "data_wait_s")}
+        )
 
     def median(self, key: str) -> float:
         rows = self.rows[self.warmup :] or self.rows

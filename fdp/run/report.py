@@ -4,24 +4,24 @@
 holds (rank 0 writes them; every rank computes the same world-mean loss), evaluates on
 the test split when due, and sums the run up at its end.
 """
+
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from fdp.update import zero
-from fdp.run.build import RunParts, display_name
 from fdp.comm import Comm
 from fdp.data import has_test_split
 from fdp.optim.ema import averaged_as
+from fdp.run.build import RunParts, display_name
 from fdp.run.evaluate import evaluate
 from fdp.run.loggers import check_loggers, open_loggers
 from fdp.run.metrics import MetricsLog, StepTimes, progress
 from fdp.run.rundir import RunDir
 from fdp.state.train_state import TrainState
+from fdp.update import zero
 
 __all__ = ["Report"]
 
@@ -53,9 +53,13 @@ class Report:
         tc = self.cfg.trainer
         names = check_loggers(tc.loggers, tc.tensorboard)
         settings = OmegaConf.to_container(self.cfg, resolve=True)
-        return MetricsLog(self.run_dir.path, resume=resume, loggers=open_loggers(names, self.run_dir.path, resume, settings))
+        return MetricsLog(
+            self.run_dir.path, resume=resume, loggers=open_loggers(names, self.run_dir.path, resume, settings)
+        )
 
-    def step(self, state: TrainState, metrics: dict, stopping: bool = False, average: dict | None = None) -> dict | None:
+    def step(
+        self, state: TrainState, metrics: dict, stopping: bool = False, average: dict | None = None
+    ) -> dict | None:
         """Count a step; on a logged one (and the last, ``stopping`` early included), write its record
         and the evaluation when due (not on a run stopping early: it should stop at once).
 
@@ -73,8 +77,11 @@ class Report:
         if (tc.eval_every and number % tc.eval_every == 0 or done and not stopping) and has_test_split(self.parts.data):
             # Every rank takes part (ZeRO stage 3 gathers the params); rank 0 evaluates.
             params = zero.whole_params(state, self.parts.plan, self.comm)
-            averaged = zero.whole_params(state._replace(params=average), self.parts.plan, self.comm) \
-                if average is not None else None
+            averaged = (
+                zero.whole_params(state._replace(params=average), self.parts.plan, self.comm)
+                if average is not None
+                else None
+            )
             if self.comm.rank == 0:
                 self.last_eval = self._evaluate(state._replace(params=params))
                 if averaged is not None:
@@ -125,10 +132,21 @@ class Report:
         parts, tc = self.parts, self.cfg.trainer
         # In pieces no larger than what one forward of training takes: what trains within a memory budget evaluates.
         micro = max(1, self.cfg.data.global_batch_size // self.comm.world_size // tc.accum_steps)
-        return evaluate(parts.model, state.params, state.buffers, parts.data, tc.eval_batches, criterion=parts.criterion,
-                        num_workers=self.cfg.data.get("num_workers", 0), precision=parts.precision, fits=micro)
+        return evaluate(
+            parts.model,
+            state.params,
+            state.buffers,
+            parts.data,
+            tc.eval_batches,
+            criterion=parts.criterion,
+            num_workers=self.cfg.data.get("num_workers", 0),
+            precision=parts.precision,
+            fits=micro,
+        )
 
-    def summary(self, state: TrainState, device: str, interrupted: str | None = None, stopped: str | None = None) -> dict:
+    def summary(
+        self, state: TrainState, device: str, interrupted: str | None = None, stopped: str | None = None
+    ) -> dict:
         """The run in one record (the ``fdp: ...`` line rank 0 prints), also written to ``metrics.jsonl``;
         ``interrupted``: the signal that stopped it early; ``stopped``: the setting that ended it before
         its last step (``max_time``, ``early_stopping``: ``fdp.run.loop_controls``)."""

@@ -35,6 +35,7 @@ One owner: ``own_run_dir(run_dir)`` is held for the whole of a run (taken once, 
 Ownership is per process and re-entrant: a nested ``own_run_dir`` of a directory this
 process already owns is a no-op (a caller holding the directory around ``fdp.run.trainer.run``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -50,12 +51,22 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple
 
-from fdp.run.checkpoint import CHECKPOINTS, LAST, CheckpointError, resolve
 from fdp.errors import ConfigError, require
+from fdp.run.checkpoint import CHECKPOINTS, LAST, CheckpointError, resolve
 
 __all__ = [
-    "LOCK", "TRAIN_LOG", "CHECKPOINTS", "RUN_LOGGER", "RunDir", "RankStatus", "RunDirInUse", "Ownership", "own_run_dir",
-    "owner_of", "run_log", "train_log_handler",
+    "LOCK",
+    "TRAIN_LOG",
+    "CHECKPOINTS",
+    "RUN_LOGGER",
+    "RunDir",
+    "RankStatus",
+    "RunDirInUse",
+    "Ownership",
+    "own_run_dir",
+    "owner_of",
+    "run_log",
+    "train_log_handler",
 ]
 
 LOCK = ".lock"  # held (flock) by the run that owns the directory, and names it
@@ -118,8 +129,13 @@ class RunDir(NamedTuple):
         'outputs/old/checkpoints/step_00000100.pt'
         """
         ok = isinstance(resume, bool) or (isinstance(resume, str) and resume.strip() != "")
-        require(ok, "trainer.resume", resume, "true, false or the path of a checkpoint (a step_<N>.pt file, or a run "
-                "directory for its last.pt)", ConfigError)
+        require(
+            ok,
+            "trainer.resume",
+            resume,
+            "true, false or the path of a checkpoint (a step_<N>.pt file, or a run directory for its last.pt)",
+            ConfigError,
+        )
         if resume is False:
             return None
         return self.last_checkpoint if resume is True else resolve(Path(resume).expanduser())
@@ -271,13 +287,17 @@ def _take(run_dir: Path) -> Ownership:
             f"hydra.run.dir={run_dir}: expected a directory this process can create and write ({error.strerror or error})"
         ) from None
     os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid={os.getpid()} host={socket.gethostname()} since={time.strftime('%Y-%m-%dT%H:%M:%S')}\n".encode(), 0)
+    os.pwrite(
+        fd, f"pid={os.getpid()} host={socket.gethostname()} since={time.strftime('%Y-%m-%dT%H:%M:%S')}\n".encode(), 0
+    )
     return Ownership(run_dir, fd, before, previous)
 
 
 def _stale_note(run_dir: Path, previous: dict[str, str]) -> str:
-    return (f"fdp: hydra.run.dir={run_dir} was locked by pid {previous.get('pid', '?')} on {previous.get('host', '?')}, "
-            "which is gone; this run takes it over")
+    return (
+        f"fdp: hydra.run.dir={run_dir} was locked by pid {previous.get('pid', '?')} on {previous.get('host', '?')}, "
+        "which is gone; this run takes it over"
+    )
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ start this way, then run the ranks (``fdp.run.trainer.run_ranks``)::
 A refusal raised in the block (a bad setting, a checkpoint that does not fit, a local
 world's worker refusing) leaves the directory as the run found it.
 """
+
 from __future__ import annotations
 
 import contextlib

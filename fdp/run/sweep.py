@@ -13,6 +13,7 @@ job | overrides       | status | loss   | test_loss | test_acc | time_s | run di
 ----+-----------------+--------+--------+-----------+----------+--------+-------------
 0   | hooks=allreduce | done   | 0.2500 | -         | 0.9000   | 1.5    | multirun/x/0
 """
+
 from __future__ import annotations
 
 import json
@@ -73,8 +74,17 @@ def sweep_table(jobs: list[Job]) -> str:
     def number(value: Any) -> str:
         return f"{value:.4f}" if isinstance(value, (int, float)) and not isinstance(value, bool) else "-"
 
-    rows = [(str(j.num), j.overrides or "-", _STATUS.get(j.status, f"exit {j.status}"),
-             *(number(j.summary.get(k)) for k in _METRICS), f"{j.seconds:.1f}", j.run_dir) for j in jobs]
+    rows = [
+        (
+            str(j.num),
+            j.overrides or "-",
+            _STATUS.get(j.status, f"exit {j.status}"),
+            *(number(j.summary.get(k)) for k in _METRICS),
+            f"{j.seconds:.1f}",
+            j.run_dir,
+        )
+        for j in jobs
+    ]
     widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
     lines = [" | ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]
     lines.insert(1, "-+-".join("-" * w for w in widths))
@@ -91,8 +101,8 @@ class SweepTable(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from hydra.core.global_hydra import GlobalHydra
 
-        from fdp.run.cli import REFUSED, hydra_error_line
         from fdp.errors import ConfigError
+        from fdp.run.cli import REFUSED, hydra_error_line
         from fdp.run.validate import validate
         from fdp.run.world import resolve_world
 
@@ -113,8 +123,11 @@ class SweepTable(Callback):
             else:
                 continue
             which = " ".join(_varying(jobs)[num])
-            print(f"error: sweep job {num} ({which}): {line}; no job of the {len(jobs)} was run",
-                  file=sys.stderr, flush=True)
+            print(
+                f"error: sweep job {num} ({which}): {line}; no job of the {len(jobs)} was run",
+                file=sys.stderr,
+                flush=True,
+            )
             raise SystemExit(REFUSED)
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
@@ -130,8 +143,9 @@ class SweepTable(Callback):
         status = status if isinstance(status, int) else 0
         overrides = " ".join(OmegaConf.to_container(config.hydra.overrides.task))
         shown = str(run_dir) if run_dir.is_dir() else "-"  # a refused job leaves none
-        self.jobs.append(Job(config.hydra.job.num, overrides, status, time.monotonic() - self.started, shown,
-                             _summary(run_dir)))
+        self.jobs.append(
+            Job(config.hydra.job.num, overrides, status, time.monotonic() - self.started, shown, _summary(run_dir))
+        )
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if not self.jobs:

@@ -15,6 +15,7 @@ The entry chain, one name per step:
   the loop: the survivors regroup and go on from the last step they all completed
   (``_Loop.shrink``, ``fdp.dist.shrink``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,19 +31,10 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from fdp.run import checkpoint
-
-from fdp.step import compiled
-
-from fdp.model import remat
-
-from fdp.update import zero
-from fdp.dist.allocator import release_free_memory
-from fdp.run.build import RunParts, build_data, build_run, display_name, tune_allocator_for
 from fdp.comm import Comm
 from fdp.data import check_global_batch, has_test_split, train_batches
+from fdp.dist.allocator import release_free_memory
 from fdp.dist.devices import MemoryPhase, batch_to_device, is_out_of_memory, limit_memory
-from fdp.errors import ConfigError
 from fdp.dist.interrupt import StopSignals, stop_signal_names
 from fdp.dist.keeper import LostRank
 from fdp.dist.launch import (
@@ -55,19 +47,25 @@ from fdp.dist.launch import (
     spawn,
 )
 from fdp.dist.launchers import launcher_of
-from fdp.run.loop_controls import LoopControls, read_resumed, run_steps
+from fdp.dist.shrink import Shrink, ShrinkingWorld, check_shrinkable_batch, keep_rank, launched_world, shrink_store
+from fdp.errors import ConfigError
+from fdp.model import remat
 from fdp.model.losses import make_loss_fn
-from fdp.step.outer import check_outer, make_outer_step
 from fdp.model.precision import set_matmul_precision
+from fdp.model.streams import wants_sample_streams
+from fdp.run import checkpoint
+from fdp.run.build import RunParts, build_data, build_run, display_name, tune_allocator_for
+from fdp.run.loop_controls import LoopControls, read_resumed, run_steps
 from fdp.run.report import Report
 from fdp.run.rundir import RankStatus, RunDir, train_log_handler
-from fdp.dist.shrink import Shrink, ShrinkingWorld, check_shrinkable_batch, keep_rank, launched_world, shrink_store
-from fdp.state.train_state import TrainState
-from fdp.step.train_step import TrainStep, make_train_step
-from fdp.model.streams import wants_sample_streams
-from fdp.trace import NullTimeline, Timeline
 from fdp.run.startup import start_run
 from fdp.run.world import layout_of
+from fdp.state.train_state import TrainState
+from fdp.step import compiled
+from fdp.step.outer import check_outer, make_outer_step
+from fdp.step.train_step import TrainStep, make_train_step
+from fdp.trace import NullTimeline, Timeline
+from fdp.update import zero
 
 __all__ = ["run", "run_rank", "run_ranks", "train_worker"]
 
@@ -75,12 +73,14 @@ log = logging.getLogger("fdp")
 
 
 # -- checkpoints of the run -----------------------------------------------------------------
-def _save(run_dir: RunDir, state: TrainState, comm: Comm, cfg: DictConfig, parts: RunParts,
-          extra: dict | None = None) -> Path | None:
+def _save(
+    run_dir: RunDir, state: TrainState, comm: Comm, cfg: DictConfig, parts: RunParts, extra: dict | None = None
+) -> Path | None:
     state = parts.update.to_checkpoint(state, comm)  # whole, so that any world size and stage can resume it
     extra = {"config": OmegaConf.to_yaml(cfg), **(extra or {})}
-    return checkpoint.save_checkpoint(run_dir.checkpoints, state, parts.plan, comm, keep=cfg.trainer.keep_checkpoints,
-                                      extra=extra)
+    return checkpoint.save_checkpoint(
+        run_dir.checkpoints, state, parts.plan, comm, keep=cfg.trainer.keep_checkpoints, extra=extra
+    )
 
 
 def _resume(source: Path, parts: RunParts, comm: Comm) -> TrainState:
@@ -115,18 +115,30 @@ def _announce(cfg: DictConfig, run_dir: RunDir, parts: RunParts, world: int, dev
     )
 
 
-def _make_step(cfg: DictConfig, parts: RunParts, comm: Comm, timeline: Timeline, compile: bool,
-               donate: bool = True) -> TrainStep:
+def _make_step(
+    cfg: DictConfig, parts: RunParts, comm: Comm, timeline: Timeline, compile: bool, donate: bool = True
+) -> TrainStep:
     tc = cfg.trainer
     options = dict(
         # donate: the loop never looks at a state again once it has the next (but a world that
         # shrinks may go back to it: fdp.dist.shrink)
-        accum_steps=tc.accum_steps, schedule=tc.schedule, nonfinite=tc.nonfinite, timeline=timeline, donate=donate,
-        sync_buffers=tc.sync_buffers, precision=parts.precision, compile=compile, update=parts.update,
+        accum_steps=tc.accum_steps,
+        schedule=tc.schedule,
+        nonfinite=tc.nonfinite,
+        timeline=timeline,
+        donate=donate,
+        sync_buffers=tc.sync_buffers,
+        precision=parts.precision,
+        compile=compile,
+        update=parts.update,
         # Dropout masks by sample, the same on any number of ranks (fdp.model.streams), or each rank's generator.
         sample_seed=cfg.seed if wants_sample_streams(tc.sample_streams, cfg.world.on_rank_loss) else None,
-        checkpoint_modules=remat.from_config(tc.activation_checkpointing, tc.activation_checkpointing_policy,
-                                             tc.activation_checkpointing_k, parts.model.module),
+        checkpoint_modules=remat.from_config(
+            tc.activation_checkpointing,
+            tc.activation_checkpointing_policy,
+            tc.activation_checkpointing_k,
+            parts.model.module,
+        ),
     )
     loss_fn = make_loss_fn(parts.model, parts.criterion)
     outer = check_outer(OmegaConf.to_container(cfg.outer))
@@ -202,8 +214,14 @@ def _join_and_train(cfg: DictConfig, run_dir: str) -> dict:
     phase = MemoryPhase()
     world = None
     if cfg.world.on_rank_loss == "shrink" and comm.world_size > 1:
-        world = ShrinkingWorld(shrink_store(cfg.world.timeout_s), comm.rank, comm.world_size, dist.get_backend(),
-                               cfg.world.timeout_s, cfg.world.min_ranks)
+        world = ShrinkingWorld(
+            shrink_store(cfg.world.timeout_s),
+            comm.rank,
+            comm.world_size,
+            dist.get_backend(),
+            cfg.world.timeout_s,
+            cfg.world.min_ranks,
+        )
         comm = world.comm()
     try:
         return _train(cfg, directory, comm, device, world, phase)
@@ -227,24 +245,36 @@ def _out_of_memory_message(cfg: DictConfig, rank: int, world: int, phase: Memory
     tc, budget = cfg.trainer, cfg.world.memory_per_rank_mb
     within = f"world.memory_per_rank_mb={budget:g}" if budget else "this machine's memory"
     micro = max(1, cfg.data.global_batch_size // world // tc.accum_steps)
-    batch = (f"{micro} samples: data.global_batch_size={cfg.data.global_batch_size} over {world} ranks and "
-             f"trainer.accum_steps={tc.accum_steps}")
+    batch = (
+        f"{micro} samples: data.global_batch_size={cfg.data.global_batch_size} over {world} ranks and "
+        f"trainer.accum_steps={tc.accum_steps}"
+    )
     # Recomputing activations in backward (fdp.model.remat) keeps a step's peak lower, where it is not on yet.
     remat_hint = "" if tc.activation_checkpointing != "none" else "trainer.activation_checkpointing=blocks, "
     where, expected = {
-        "data": ("loading the data",
-                 "more free memory or a smaller data set (loading it is not counted in world.memory_per_rank_mb)"),
-        "build": ("building the model and its train state",
-                  (f"more ranks, a higher trainer.zero_stage (now {tc.zero_stage}; 3 shards the params too) "
-                   "or a smaller model")),
-        "step": (f"at step {phase.step}",
-                 f"a smaller batch per forward (now {batch}), {remat_hint}a higher trainer.zero_stage or a smaller "
-                 "model"),
-        "evaluation": (f"evaluating after step {phase.step}",
-                       f"a smaller batch per forward (evaluation takes training's, {batch}) or a smaller model"),
-        "save": (f"saving the checkpoint of step {phase.step}",
-                 ("a larger budget: rank 0 holds the whole state while it writes it "
-                  f"(trainer.zero_stage={tc.zero_stage})")),
+        "data": (
+            "loading the data",
+            "more free memory or a smaller data set (loading it is not counted in world.memory_per_rank_mb)",
+        ),
+        "build": (
+            "building the model and its train state",
+            (
+                f"more ranks, a higher trainer.zero_stage (now {tc.zero_stage}; 3 shards the params too) "
+                "or a smaller model"
+            ),
+        ),
+        "step": (
+            f"at step {phase.step}",
+            f"a smaller batch per forward (now {batch}), {remat_hint}a higher trainer.zero_stage or a smaller model",
+        ),
+        "evaluation": (
+            f"evaluating after step {phase.step}",
+            f"a smaller batch per forward (evaluation takes training's, {batch}) or a smaller model",
+        ),
+        "save": (
+            f"saving the checkpoint of step {phase.step}",
+            (f"a larger budget: rank 0 holds the whole state while it writes it (trainer.zero_stage={tc.zero_stage})"),
+        ),
     }[phase.name]
     return f"rank {rank} ran out of memory {where} ({reason}); the run does not fit {within}: expected {expected}"
 
@@ -256,8 +286,19 @@ class _Loop:
     for a world that shrinks: the step is pure there), ``since`` when the step in flight began.
     """
 
-    def __init__(self, cfg: DictConfig, parts: RunParts, comm: Comm, timeline: Timeline, device: torch.device,
-                 state: TrainState, last_step: int, compile: bool, controls: LoopControls, phase: MemoryPhase):
+    def __init__(
+        self,
+        cfg: DictConfig,
+        parts: RunParts,
+        comm: Comm,
+        timeline: Timeline,
+        device: torch.device,
+        state: TrainState,
+        last_step: int,
+        compile: bool,
+        controls: LoopControls,
+        phase: MemoryPhase,
+    ):
         self.cfg, self.parts, self.timeline, self.device, self.last_step = cfg, parts, timeline, device, last_step
         self.compile, self.controls, self.phase = compile, controls, phase
         self.state = self.before = state
@@ -268,11 +309,20 @@ class _Loop:
         """The step function and this rank's batches for the world of ``comm``, from ``state`` on."""
         cfg = self.cfg
         self.comm = comm
-        self.train_step = _make_step(cfg, self.parts, comm, self.timeline, self.compile,
-                                     donate=cfg.world.on_rank_loss != "shrink")
-        self.batches = train_batches(self.parts.data, cfg.data.global_batch_size, cfg.seed, comm.rank, comm.world_size,
-                                     self.state.step, self.last_step, cfg.data.get("num_workers", 0),
-                                     pin_memory=self.device.type == "cuda")
+        self.train_step = _make_step(
+            cfg, self.parts, comm, self.timeline, self.compile, donate=cfg.world.on_rank_loss != "shrink"
+        )
+        self.batches = train_batches(
+            self.parts.data,
+            cfg.data.global_batch_size,
+            cfg.seed,
+            comm.rank,
+            comm.world_size,
+            self.state.step,
+            self.last_step,
+            cfg.data.get("num_workers", 0),
+            pin_memory=self.device.type == "cuda",
+        )
 
     def run(self, run_dir: RunDir, report: Report, status: RankStatus, stop: StopSignals) -> str | None:
         """Train to the last step, or to the step a stop signal ends on (returned); ``controls.stopped``
@@ -296,8 +346,12 @@ class _Loop:
             if saving and not controls.watches:
                 self._save(run_dir, state)
             with self.phase("evaluation", state.step):
-                evaluated = report.step(state, {**metrics, "data_wait_s": waited}, stopping=interrupted is not None,
-                                        average=controls.average)
+                evaluated = report.step(
+                    state,
+                    {**metrics, "data_wait_s": waited},
+                    stopping=interrupted is not None,
+                    average=controls.average,
+                )
             verdict = controls.evaluated(state.step, evaluated)  # the same on every rank: rank 0's record
             controls.stopped = None if state.step == self.last_step else verdict.stop or out_of_time
             if controls.watches and (saving or controls.stopped or verdict.keep_best):
@@ -316,8 +370,9 @@ class _Loop:
         self.phase.saved = True
         return written
 
-    def shrink(self, world: ShrinkingWorld, error: RuntimeError, run_dir: RunDir, report: Report,
-               stop: StopSignals) -> None:
+    def shrink(
+        self, world: ShrinkingWorld, error: RuntimeError, run_dir: RunDir, report: Report, stop: StopSignals
+    ) -> None:
         """Go on without the ranks that stopped answering (``fdp.dist.shrink``); re-raise ``error`` if none did."""
         silent = world.silent()
         if not silent:  # every rank still beats: not a lost rank
@@ -333,15 +388,19 @@ class _Loop:
         try:
             self.state = self.parts.update.reshard(self.state, tuple(sorted(members)), world.members, comm)
         except zero.LostSlices as lost_slices:
-            raise RankLostError(f"rank {', '.join(map(str, sorted(members - set(world.members))))} lost at step "
-                                f"{step + 1}: {lost_slices}; continue from the last checkpoint "
-                                "(trainer.resume=true)") from None
+            raise RankLostError(
+                f"rank {', '.join(map(str, sorted(members - set(world.members))))} lost at step "
+                f"{step + 1}: {lost_slices}; continue from the last checkpoint "
+                "(trainer.resume=true)"
+            ) from None
         self.before = self.state
         shrink = Shrink(step, lost, comm.world_size, time.perf_counter() - self.since)
         report.shrunk(comm, shrink.record())
         gone = sorted(r for record in report.shrinks for r in record["lost"])
-        log.info(f"rank {', '.join(map(str, lost))} lost: going on from step {step} on {comm.world_size} ranks "
-                 f"({shrink.seconds_lost:.1f} s lost)")
+        log.info(
+            f"rank {', '.join(map(str, lost))} lost: going on from step {step} on {comm.world_size} ranks "
+            f"({shrink.seconds_lost:.1f} s lost)"
+        )
         if comm.world_size < self.cfg.world.min_ranks:
             _save(run_dir, self.state, comm, self.cfg, self.parts)
             raise RankLostError(
@@ -353,8 +412,14 @@ class _Loop:
         self.join(comm)
 
 
-def _train(cfg: DictConfig, run_dir: RunDir, comm: Comm, device: torch.device, world: ShrinkingWorld | None = None,
-           phase: MemoryPhase | None = None) -> dict:
+def _train(
+    cfg: DictConfig,
+    run_dir: RunDir,
+    comm: Comm,
+    device: torch.device,
+    world: ShrinkingWorld | None = None,
+    phase: MemoryPhase | None = None,
+) -> dict:
     """This rank's run in the world of ``comm``: its start, the loop with its resources, its summary."""
     loop, report, choice = _start(cfg, run_dir, comm, device, world, phase or MemoryPhase())
     with contextlib.ExitStack() as resources:  # released in the reverse order: stop signals first, status last
@@ -373,8 +438,9 @@ def _train(cfg: DictConfig, run_dir: RunDir, comm: Comm, device: torch.device, w
     return summary
 
 
-def _start(cfg: DictConfig, run_dir: RunDir, comm: Comm, device: torch.device, world: ShrinkingWorld | None,
-           phase: MemoryPhase) -> tuple[_Loop, Report, compiled.CompileChoice]:
+def _start(
+    cfg: DictConfig, run_dir: RunDir, comm: Comm, device: torch.device, world: ShrinkingWorld | None, phase: MemoryPhase
+) -> tuple[_Loop, Report, compiled.CompileChoice]:
     """This rank up to its first step: the data, the run's pieces, its first state, the step, the report."""
     rank, world_size, tc = comm.rank, comm.world_size, cfg.trainer
     _setup_logging(run_dir, rank)
@@ -424,8 +490,11 @@ def _heartbeat(comm: Comm, world: ShrinkingWorld | None):
 def _stop_signals(cfg: DictConfig, comm: Comm):
     """fdp.dist.interrupt: SIGINT/SIGTERM (and the launcher's requeue signal) stop every rank after the same step."""
     kind = launcher_of(cfg.world.launcher)
-    stop = StopSignals(stop_signal_names(kind.name, cfg.world.requeue_signal),
-                       repeat_stops_at_once=kind.alone).install().join(comm.world_size, comm.watch)
+    stop = (
+        StopSignals(stop_signal_names(kind.name, cfg.world.requeue_signal), repeat_stops_at_once=kind.alone)
+        .install()
+        .join(comm.world_size, comm.watch)
+    )
     try:
         yield stop
         stop.close()
@@ -443,8 +512,15 @@ def _closing(controls: LoopControls):
         controls.close(finished=False)
 
 
-def _loop(loop: _Loop, run_dir: RunDir, report: Report, status: RankStatus, stop: StopSignals,
-          heartbeat: Heartbeat | None, world: ShrinkingWorld | None) -> str | None:
+def _loop(
+    loop: _Loop,
+    run_dir: RunDir,
+    report: Report,
+    status: RankStatus,
+    stop: StopSignals,
+    heartbeat: Heartbeat | None,
+    world: ShrinkingWorld | None,
+) -> str | None:
     """Train to the last step (or the step a stop signal ends on, returned), going on without lost ranks
     in a world that shrinks; a lost rank elsewhere ends the run with a ``RankLostError`` naming it."""
     while True:
@@ -504,6 +580,12 @@ def _lost_message(run_dir: RunDir, error: WorkerFailedError) -> str:
     step = RankStatus.read(run_dir, error.rank).get("step")
     at = f" at step {step}" if step else " before step 1"
     steps = list(checkpoint.step_files(run_dir.checkpoints))
-    resume = (f"the last checkpoint is step {steps[-1]} (continue with trainer.resume=true, or set "
-              "world.max_restarts to restart from it automatically)") if steps else "there is no checkpoint yet"
+    resume = (
+        (
+            f"the last checkpoint is step {steps[-1]} (continue with trainer.resume=true, or set "
+            "world.max_restarts to restart from it automatically)"
+        )
+        if steps
+        else "there is no checkpoint yet"
+    )
     return f"rank {error.rank} was lost{at}: process {error.pid} was killed by {error.signal}; the other ranks were stopped; {resume}"

@@ -12,6 +12,7 @@ Traceback (most recent call last):
 ...
 fdp.errors.ConfigError: trainer.accum_steps=0: expected an integer >= 1
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,29 +21,29 @@ from typing import Any, Callable
 import torch
 from omegaconf import OmegaConf
 
-from fdp.model import remat
-from fdp.run.checkpoint import check_readable, saved_config
-from fdp.step.compiled import check_compile
-from fdp.run.config import SCHEMAS
 from fdp.data import check_global_batch, check_micro_batches
 from fdp.dist.devices import BACKENDS
+from fdp.dist.interrupt import check_requeue_signal
+from fdp.dist.launchers import launcher_of
+from fdp.dist.shrink import check_on_rank_loss, check_shrinkable_batch
 from fdp.errors import ConfigError, one_of, require
 from fdp.hooks import build_hook
 from fdp.hooks.hierarchical import check_node_size
-from fdp.dist.interrupt import check_requeue_signal
+from fdp.model import remat
+from fdp.model.precision import check_matmul_precision, check_precision
+from fdp.model.streams import check_sample_streams, wants_sample_streams
+from fdp.optim import build_optimizer, check_resumed_schedule
+from fdp.plan.values import check_cap
+from fdp.run.checkpoint import check_readable, saved_config
+from fdp.run.config import SCHEMAS
 from fdp.run.keys import check_keys
-from fdp.dist.launchers import launcher_of
 from fdp.run.loggers import check_loggers
 from fdp.run.loop_controls import check_loop_settings
-from fdp.optim import build_optimizer, check_resumed_schedule
-from fdp.step.outer import check_outer
-from fdp.plan.values import check_cap
-from fdp.model.precision import check_matmul_precision, check_precision
-from fdp.step.reduce import resolve_schedule
-from fdp.state.replicas import check_sync_buffers
 from fdp.run.rundir import RunDir
-from fdp.dist.shrink import check_on_rank_loss, check_shrinkable_batch
-from fdp.model.streams import check_sample_streams, wants_sample_streams
+from fdp.state.replicas import check_sync_buffers
+from fdp.step.compiled import check_compile
+from fdp.step.outer import check_outer
+from fdp.step.reduce import resolve_schedule
 from fdp.step.train_step import check_nonfinite
 from fdp.targets import locate
 from fdp.update.zero import ZERO_STAGES, check_hook_for_stage, check_optimizer_for_stage, check_zero_stage, stage_rules
@@ -118,21 +119,37 @@ def _validate_trainer(cfg: Any) -> None:
     _as_config_key("trainer.activation_checkpointing", remat.check_mode, t.activation_checkpointing)
     _as_config_key("trainer.activation_checkpointing_k", remat.check_k, t.activation_checkpointing_k)
     if wants_sample_streams(t.sample_streams, cfg.world.on_rank_loss):
-        _require(t.compile is not True, "trainer.compile", t.compile,
-                 "auto or false with per-sample streams (trainer.sample_streams, on with world.on_rank_loss=shrink): "
-                 "their dispatch mode does not compile")
+        _require(
+            t.compile is not True,
+            "trainer.compile",
+            t.compile,
+            "auto or false with per-sample streams (trainer.sample_streams, on with world.on_rank_loss=shrink): "
+            "their dispatch mode does not compile",
+        )
     hook = _as_config_key("hooks", build_hook, _container(cfg.hooks))
     _as_config_key("trainer.zero_stage", lambda stage: check_hook_for_stage(stage, hook), t.zero_stage)
     if t.zero_stage:  # combinations whose state does not shard (yet): refused, not silently unsharded
-        _require(t.precision != "16-mixed", "trainer.zero_stage", t.zero_stage,
-                 "0 with trainer.precision=16-mixed (the loss scale is not sharded)")
-        _require(cfg.outer.name == "none", "trainer.zero_stage", t.zero_stage,
-                 f"0 with outer={cfg.outer.name} (an outer loop keeps whole optimizer states)")
+        _require(
+            t.precision != "16-mixed",
+            "trainer.zero_stage",
+            t.zero_stage,
+            "0 with trainer.precision=16-mixed (the loss scale is not sharded)",
+        )
+        _require(
+            cfg.outer.name == "none",
+            "trainer.zero_stage",
+            t.zero_stage,
+            f"0 with outer={cfg.outer.name} (an outer loop keeps whole optimizer states)",
+        )
         _require(not cfg.world.hierarchical, "trainer.zero_stage", t.zero_stage, "0 with world.hierarchical=true")
     refusal = stage_rules(t.zero_stage).refuses_compile()
     if refusal:
-        _require(t.compile is not True, "trainer.compile", t.compile,
-                 f"auto or false with trainer.zero_stage={t.zero_stage} ({refusal})")
+        _require(
+            t.compile is not True,
+            "trainer.compile",
+            t.compile,
+            f"auto or false with trainer.zero_stage={t.zero_stage} ({refusal})",
+        )
     optimizer = _as_config_key("optim", lambda spec: build_optimizer(spec, t.max_steps), _container(cfg.optim))
     _as_config_key("trainer.zero_stage", lambda stage: check_optimizer_for_stage(stage, optimizer), t.zero_stage)
     _as_config_key("trainer.loggers", lambda names: check_loggers(names, t.tensorboard), list(t.loggers))
@@ -158,23 +175,34 @@ def _validate_world(cfg: Any) -> None:
     if kind.starts_ranks:  # there the world size is known only to the launched processes
         return
     world = w.nnodes * w.nproc_per_node
-    per_rank = _as_config_key("data.global_batch_size", lambda size: check_global_batch(size, world), d.global_batch_size)
+    per_rank = _as_config_key(
+        "data.global_batch_size", lambda size: check_global_batch(size, world), d.global_batch_size
+    )
     _as_config_key("trainer.accum_steps", lambda accum: check_micro_batches(per_rank, accum), t.accum_steps)
     if w.hierarchical:  # under torchrun the world is known only at run time: the worker checks it
         _as_config_key("world.node_size", lambda size: check_node_size(world, size), w.node_size or w.nproc_per_node)
     if w.on_rank_loss == "shrink":
         _require(w.min_ranks <= world, "world.min_ranks", w.min_ranks, f"at most the world's {world} ranks")
-        _as_config_key("data.global_batch_size", lambda size: check_shrinkable_batch(size, world, w.min_ranks, t.accum_steps),
-                       d.global_batch_size)
+        _as_config_key(
+            "data.global_batch_size",
+            lambda size: check_shrinkable_batch(size, world, w.min_ranks, t.accum_steps),
+            d.global_batch_size,
+        )
 
 
 def _validate_shrink(cfg: Any) -> None:
     """What a world that shrinks in place cannot do (yet): each refused in one line."""
     w, t, why = cfg.world, cfg.trainer, "with world.on_rank_loss=shrink"
-    _require(w.max_restarts == 0, "world.max_restarts", w.max_restarts, f"0 {why} (a lost rank shrinks the world instead)")
+    _require(
+        w.max_restarts == 0, "world.max_restarts", w.max_restarts, f"0 {why} (a lost rank shrinks the world instead)"
+    )
     keeping = [stage for stage in ZERO_STAGES if stage_rules(stage).refuses_mirror() is None]
-    _require(t.zero_stage in keeping, "trainer.zero_stage", t.zero_stage,
-             f"{one_of(keeping)} {why} ({stage_rules(t.zero_stage).refuses_mirror()})")
+    _require(
+        t.zero_stage in keeping,
+        "trainer.zero_stage",
+        t.zero_stage,
+        f"{one_of(keeping)} {why} ({stage_rules(t.zero_stage).refuses_mirror()})",
+    )
     _require(not w.hierarchical, "world.hierarchical", w.hierarchical, f"false {why} (the nodes are fixed)")
 
 
@@ -189,8 +217,12 @@ def _validate_data_and_model(cfg: Any) -> None:
         _require(d.max_chars >= 1, "data.max_chars", d.max_chars, "an integer >= 1")
     text_model, text_data = m.name == "charlm", d.name == "stdlib_text"
     if "custom" not in (m.name, d.name):  # a custom side is checked on the first batch instead
-        _require(text_model == text_data, "data", d.name,
-                 "stdlib_text for model=charlm" if text_model else f"digits for model={m.name}")
+        _require(
+            text_model == text_data,
+            "data",
+            d.name,
+            "stdlib_text for model=charlm" if text_model else f"digits for model={m.name}",
+        )
     sizes = {"mlp": ("hidden",), "convnet": ("width",), "charlm": ("d_model", "n_layer", "n_head")}.get(m.name, ())
     for key in sizes:
         _require(m[key] >= 1, f"model.{key}", m[key], "an integer >= 1")
@@ -204,19 +236,34 @@ def _validate_data_and_model(cfg: Any) -> None:
 def _validate_run_dir(cfg: Any, run_dir: RunDir) -> None:
     source = run_dir.resume_from(cfg.trainer.resume)
     if cfg.trainer.resume is True:
-        _require(source.is_file(), "trainer.resume", True,
-                 f"a checkpoint at {source} (set hydra.run.dir to the run to continue)")
+        _require(
+            source.is_file(),
+            "trainer.resume",
+            True,
+            f"a checkpoint at {source} (set hydra.run.dir to the run to continue)",
+        )
     elif source is not None:
-        _require(source.is_file(), "trainer.resume", cfg.trainer.resume,
-                 "true, false or the path of a checkpoint (a step_<N>.pt file, or a run directory for its last.pt); "
-                 f"{source} does not exist")
+        _require(
+            source.is_file(),
+            "trainer.resume",
+            cfg.trainer.resume,
+            "true, false or the path of a checkpoint (a step_<N>.pt file, or a run directory for its last.pt); "
+            f"{source} does not exist",
+        )
     if source is not None:
         check_readable(source)  # a truncated or foreign file fails here, before any worker starts
-        _as_config_key("trainer.max_steps", lambda _: check_resumed_schedule(saved_config(source), _container(cfg)),
-                       cfg.trainer.max_steps)
+        _as_config_key(
+            "trainer.max_steps",
+            lambda _: check_resumed_schedule(saved_config(source), _container(cfg)),
+            cfg.trainer.max_steps,
+        )
     else:
-        _require(not run_dir.has_run(), "hydra.run.dir", str(run_dir.path),
-                 "a directory without a previous run (or set trainer.resume=true to continue it)")
+        _require(
+            not run_dir.has_run(),
+            "hydra.run.dir",
+            str(run_dir.path),
+            "a directory without a previous run (or set trainer.resume=true to continue it)",
+        )
 
 
 _KINDS = {
@@ -233,6 +280,8 @@ def _check_target(group: str, node: Any) -> None:
     if node.get("name") not in known:
         raise ConfigError(f"{group}.name={node.get('name')!r}: unknown {one}; known {many}: {', '.join(sorted(known))}")
     if OmegaConf.is_config(node) and OmegaConf.is_missing(node, "_target_"):
-        raise ConfigError(f"{group}._target_: missing; {group}={node.name} needs the dotted path to a class or function "
-                          f"(e.g. {group}._target_={example})")
+        raise ConfigError(
+            f"{group}._target_: missing; {group}={node.name} needs the dotted path to a class or function "
+            f"(e.g. {group}._target_={example})"
+        )
     locate(f"{group}._target_", node.get("_target_"))

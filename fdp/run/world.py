@@ -3,6 +3,7 @@
 ``resolve_world`` runs once, before any worker starts (the GPUs are probed once); each
 worker's ``layout_of`` then reads the same answer into the ``WorldLayout`` it joins with.
 """
+
 from __future__ import annotations
 
 import copy
@@ -13,9 +14,9 @@ from typing import Callable
 from omegaconf import DictConfig
 
 from fdp.dist.devices import Placement, place, probe_gpus, visible_gpus
-from fdp.errors import ConfigError
 from fdp.dist.launch import WorldLayout, refuse_world_of_one
 from fdp.dist.launchers import launcher_of
+from fdp.errors import ConfigError
 from fdp.run.rundir import RUN_LOGGER
 
 __all__ = ["placement_of", "layout_of", "resolve_world"]
@@ -26,8 +27,14 @@ def placement_of(cfg: DictConfig, probe=None) -> Placement:
     world = cfg.world
     local = launcher_of(world.launcher).local_world_size(os.environ, world.nproc_per_node)
     return place(
-        world.accelerator, world.devices, world.launcher, world.nproc_per_node, world.backend,
-        visible=visible_gpus(), probe=probe, local_world_size=local,
+        world.accelerator,
+        world.devices,
+        world.launcher,
+        world.nproc_per_node,
+        world.backend,
+        visible=visible_gpus(),
+        probe=probe,
+        local_world_size=local,
     )
 
 
@@ -40,8 +47,14 @@ def layout_of(cfg: DictConfig) -> WorldLayout:
         refuse_world_of_one(f"world={world.name}", "expected world=torchrun", ConfigError)
     nnodes, nproc = kind.nodes(os.environ, world.nnodes, placement.nproc_per_node)
     return WorldLayout(
-        placement.launcher, nnodes, nproc, placement.backend, world.timeout_s, world.max_restarts,
-        placement.accelerator, placement.device_ids,
+        placement.launcher,
+        nnodes,
+        nproc,
+        placement.backend,
+        world.timeout_s,
+        world.max_restarts,
+        placement.accelerator,
+        placement.device_ids,
     )
 
 

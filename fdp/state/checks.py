@@ -8,6 +8,7 @@ error is one line naming the argument (``accum_steps``, ``state.params['fc.weigh
 to its own keys. Everything here is a pure function of its arguments (and, for the
 world, of the process environment).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -17,14 +18,21 @@ import torch.distributed as dist
 
 from fdp._torch import tree_flatten
 from fdp.comm import Comm
+from fdp.dist.launch import refuse_world_of_one
 from fdp.errors import check_int
 from fdp.hooks.base import Hook, stage_name
-from fdp.dist.launch import refuse_world_of_one
 from fdp.optim import GradientTransformation
 from fdp.plan import BucketPlan
 
-__all__ = ["check_step_arguments", "check_accum_steps", "check_state_against_plan", "check_hook_states",
-           "check_same_replicas", "check_world", "fingerprint"]
+__all__ = [
+    "check_step_arguments",
+    "check_accum_steps",
+    "check_state_against_plan",
+    "check_hook_states",
+    "check_same_replicas",
+    "check_world",
+    "fingerprint",
+]
 
 
 def _is(kind: type, value: Any) -> bool:
@@ -41,8 +49,10 @@ def check_world(comm: Comm | None) -> None:
     """
     if (comm or Comm()).world_size == 1:
         refuse_world_of_one(
-            "comm", "join the others first (comm = fdp.init_distributed(WorldLayout('elastic' or 'torchrun', ...))) "
-            "and pass that comm", RuntimeError,
+            "comm",
+            "join the others first (comm = fdp.init_distributed(WorldLayout('elastic' or 'torchrun', ...))) "
+            "and pass that comm",
+            RuntimeError,
         )
 
 
@@ -132,7 +142,9 @@ def check_state_against_plan(state: Any, plan: BucketPlan) -> None:
             p = params[slot.name]
             where = f"state.params[{slot.name!r}]"
             if tuple(p.shape) != slot.shape:
-                raise ValueError(f"{where} has shape {tuple(p.shape)} but plan bucket {bucket.index} expects {slot.shape}")
+                raise ValueError(
+                    f"{where} has shape {tuple(p.shape)} but plan bucket {bucket.index} expects {slot.shape}"
+                )
             if p.dtype != bucket.torch_dtype:
                 raise TypeError(
                     f"{where} is {p.dtype} but plan bucket {bucket.index} holds {bucket.dtype}: plan with the "
@@ -218,8 +230,10 @@ def check_same_replicas(params: dict, buffers: dict, comm: Comm, fresh: bool) ->
     """
     if comm.world_size == 1:
         return
-    tensors = {**{f"state.params[{n!r}]": p for n, p in params.items()},
-               **({f"state.buffers[{n!r}]": b for n, b in buffers.items()} if fresh else {})}
+    tensors = {
+        **{f"state.params[{n!r}]": p for n, p in params.items()},
+        **({f"state.buffers[{n!r}]": b for n, b in buffers.items()} if fresh else {}),
+    }
     if not tensors:
         return
     mine = fingerprint(tensors)

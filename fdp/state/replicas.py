@@ -19,6 +19,7 @@
   - ``"local"``: each rank keeps its own (no communication); a checkpoint stores each
     rank's, and evaluation on rank 0 sees rank 0's.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -27,9 +28,9 @@ import torch
 import torch.distributed as dist
 
 from fdp.comm import Comm, wait_watched
+from fdp.dist.launch import broadcast_from_rank0, check_same_plan
 from fdp.errors import check_choice
 from fdp.model.functional import Buffers, Params
-from fdp.dist.launch import broadcast_from_rank0, check_same_plan
 from fdp.plan import BucketPlan
 from fdp.state.train_state import init_train_state
 
@@ -115,7 +116,9 @@ def setup_state(
     """
     comm = comm or Comm()
     params, buffers = agreed_start(params, buffers, plan, comm, seed)
-    return init_train_state(params, buffers, optimizer, plan, hook, seed=rank_seed(seed, comm.rank), precision=precision)
+    return init_train_state(
+        params, buffers, optimizer, plan, hook, seed=rank_seed(seed, comm.rank), precision=precision
+    )
 
 
 def _groups(buffers: Buffers) -> dict[tuple, list[str]]:

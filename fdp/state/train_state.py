@@ -5,6 +5,7 @@ A train step (``fdp.step.train_step``) maps one ``TrainState`` to the next; chec
 over the ranks. This module holds the value and what is measured of it, and nothing
 that steps it.
 """
+
 from __future__ import annotations
 
 from typing import Any, NamedTuple
@@ -12,14 +13,14 @@ from typing import Any, NamedTuple
 import torch
 
 from fdp._torch import tree_flatten
-from fdp.plan.buckets import crosses_flat, lay_out
-from fdp.state.checks import check_state_against_plan
 from fdp.dist.devices import device_of, seeded_cuda_rng
-from fdp.model.functional import Buffers, Params
 from fdp.hooks import Hook, allreduce, init_hook_states
+from fdp.model.functional import Buffers, Params
+from fdp.model.precision import LossScale, Precision
 from fdp.optim import GradientTransformation
 from fdp.plan import BucketPlan
-from fdp.model.precision import LossScale, Precision
+from fdp.plan.buckets import crosses_flat, lay_out
+from fdp.state.checks import check_state_against_plan
 
 __all__ = ["TrainState", "init_train_state", "state_nbytes"]
 

@@ -5,6 +5,7 @@ collectives finish, handed back in plan order (``Reduction``).
 under the ``overlap`` schedule); the outer loop (``fdp.step.outer``) starts its pseudo-gradient's
 chains the same way. Every rank issues the same collectives in the same sequence.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -13,10 +14,10 @@ from typing import Any, Iterator, NamedTuple
 
 import torch
 
-from fdp.plan import buckets as bucket_buffers
 from fdp.comm import Comm
 from fdp.hooks.base import GradBucket, Hook
 from fdp.plan import BucketPlan
+from fdp.plan import buckets as bucket_buffers
 from fdp.trace import NullTimeline, Timeline
 
 __all__ = ["Reduction", "ReduceStats"]
@@ -49,8 +50,15 @@ class Reduction:
     [(0, [1.0, 1.0])]
     """
 
-    def __init__(self, hook: Hook, comm: Comm, states: tuple, plan: BucketPlan, timeline: Timeline = NullTimeline(),
-                 release: bool = False):
+    def __init__(
+        self,
+        hook: Hook,
+        comm: Comm,
+        states: tuple,
+        plan: BucketPlan,
+        timeline: Timeline = NullTimeline(),
+        release: bool = False,
+    ):
         self._hook, self._comm, self._states, self._plan, self._timeline = hook, comm, states, plan, timeline
         self._release = release  # free each bucket buffer once its chain has handed back a result of its own
         self._flats: dict[int, torch.Tensor] = {}

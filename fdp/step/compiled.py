@@ -18,6 +18,7 @@ The compiled artifacts live in the run directory (``cache_dir``), so a resumed o
 restarted run reads them instead of compiling again, and what a run measured (compile
 seconds, step times) is kept there for the next decision (``CompileCosts``).
 """
+
 from __future__ import annotations
 
 import json
@@ -91,7 +92,9 @@ def compiled_schedule(schedule: str) -> str:
     'after'
     """
     if schedule == "overlap":
-        log.info("trainer.compile: the overlap schedule does not compile (its backward hooks run collectives); reducing after backward")
+        log.info(
+            "trainer.compile: the overlap schedule does not compile (its backward hooks run collectives); reducing after backward"
+        )
         return "after"
     return schedule
 
@@ -126,7 +129,9 @@ class CompileCosts(NamedTuple):
     measured: bool
 
 
-def decide_compile(setting: Any, device: str, planned_steps: int, costs: CompileCosts, missing: str | None = None) -> tuple[bool, str]:
+def decide_compile(
+    setting: Any, device: str, planned_steps: int, costs: CompileCosts, missing: str | None = None
+) -> tuple[bool, str]:
     """Whether a run compiles its gradient computation, and why, in a phrase for the log.
 
     ``setting`` is ``trainer.compile``; ``device`` the params' device type;
@@ -151,8 +156,14 @@ def decide_compile(setting: Any, device: str, planned_steps: int, costs: Compile
     saved = planned_steps * costs.saving_s
     source = "measured in this run" if costs.measured else "known costs"
     if saved <= costs.compile_s:
-        return False, f"auto: {planned_steps} steps would save ~{saved:.0f} s, less than the ~{costs.compile_s:.0f} s compile ({source})"
-    return True, f"auto: {planned_steps} steps save ~{saved:.0f} s, more than the ~{costs.compile_s:.0f} s compile ({source})"
+        return (
+            False,
+            f"auto: {planned_steps} steps would save ~{saved:.0f} s, less than the ~{costs.compile_s:.0f} s compile ({source})",
+        )
+    return (
+        True,
+        f"auto: {planned_steps} steps save ~{saved:.0f} s, more than the ~{costs.compile_s:.0f} s compile ({source})",
+    )
 
 
 def costs_from(record: dict) -> CompileCosts:
@@ -217,8 +228,14 @@ class CompileChoice(NamedTuple):
     record: dict  # what earlier invocations measured (see write_record)
 
 
-def choose(setting: Any, run_dir: str | os.PathLike, device: str, planned_steps: int, comm: Any = None,
-           blocked: str | None = None) -> CompileChoice:
+def choose(
+    setting: Any,
+    run_dir: str | os.PathLike,
+    device: str,
+    planned_steps: int,
+    comm: Any = None,
+    blocked: str | None = None,
+) -> CompileChoice:
     """``decide_compile`` on the run's record; a run that compiles keeps its artifacts in ``cache_dir(run_dir)``.
 
     ``blocked`` says why the run's own settings rule compiling out (``auto`` then does not compile).
@@ -229,7 +246,9 @@ def choose(setting: Any, run_dir: str | os.PathLike, device: str, planned_steps:
     ``after`` backward).
     """
     record = read_record(run_dir)
-    compile_now, reason = decide_compile(setting, device, planned_steps, costs_from(record), blocked or compiler_missing(device))
+    compile_now, reason = decide_compile(
+        setting, device, planned_steps, costs_from(record), blocked or compiler_missing(device)
+    )
     if comm is not None and comm.world_size > 1:
         decided = [(compile_now, reason)]
         dist.broadcast_object_list(decided, src=0, group=comm.group)

@@ -37,6 +37,7 @@ lands a sync as ``a * local + (1 - a) * new anchor`` (the paper's and torchft's 
 instead of keeping the steps since the send. One fragment with no ``mix`` is the loop
 above, to the bit. The settings' defaults live in ``fdp.run.config`` (``DiLoCoConfig``).
 """
+
 from __future__ import annotations
 
 import time
@@ -45,15 +46,14 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from fdp._torch import foreach
-from fdp.plan.buckets import allocate, slot_views
 from fdp.comm import Comm
+from fdp.hooks import Hook, allreduce, init_hook_states
 from fdp.model.functional import Params
-from fdp.hooks import Hook, allreduce
 from fdp.optim import GradientTransformation, apply_gradients, apply_updates, sgd
 from fdp.plan import BucketPlan, fragment_plan, split_fragments
-from fdp.hooks import init_hook_states
-from fdp.step.chains import Reduction
+from fdp.plan.buckets import allocate, slot_views
 from fdp.state.train_state import TrainState
+from fdp.step.chains import Reduction
 from fdp.step.train_step import TrainStep, make_train_step
 
 OUTER = ("none", "local_sgd", "diloco")
@@ -64,7 +64,17 @@ _LOCAL_SGD = {"lr": 1.0, "momentum": 0.0, "nesterov": False}
 _SETTINGS = {
     "none": (),
     "local_sgd": ("sync_every", "start_step", "overlap", "fragments", "fragment_schedule", "mix"),
-    "diloco": ("sync_every", "start_step", "lr", "momentum", "nesterov", "overlap", "fragments", "fragment_schedule", "mix"),
+    "diloco": (
+        "sync_every",
+        "start_step",
+        "lr",
+        "momentum",
+        "nesterov",
+        "overlap",
+        "fragments",
+        "fragment_schedule",
+        "mix",
+    ),
 }
 
 
@@ -134,12 +144,15 @@ fragment_schedule, mix (fdp.run.config.LocalSGDConfig has them)
     for key in settings:
         if key not in spec:
             schema = "LocalSGDConfig" if name == "local_sgd" else "DiLoCoConfig"
-            raise ValueError(f"outer.{key}: missing; expected the settings {', '.join(settings)} "
-                             f"(fdp.run.config.{schema} has them)")
+            raise ValueError(
+                f"outer.{key}: missing; expected the settings {', '.join(settings)} (fdp.run.config.{schema} has them)"
+            )
     if name == "local_sgd":
         if any(spec.get(key, value) != value for key, value in _LOCAL_SGD.items()):
-            raise ValueError("outer=local_sgd: averages the params (lr=1, momentum=0); "
-                             "expected outer=diloco for other outer lr or momentum")
+            raise ValueError(
+                "outer=local_sgd: averages the params (lr=1, momentum=0); "
+                "expected outer=diloco for other outer lr or momentum"
+            )
         spec = {**spec, **_LOCAL_SGD}
     spec = OuterSpec(**spec)
     if spec.sync_every < 1:
@@ -147,14 +160,19 @@ fragment_schedule, mix (fdp.run.config.LocalSGDConfig has them)
     if spec.start_step < 0:
         raise ValueError(f"outer.start_step={spec.start_step!r}: expected an integer >= 0")
     if not (isinstance(spec.fragments, int) and 1 <= spec.fragments <= spec.sync_every):
-        raise ValueError(f"outer.fragments={spec.fragments!r}: expected an integer in [1, outer.sync_every={spec.sync_every}]")
+        raise ValueError(
+            f"outer.fragments={spec.fragments!r}: expected an integer in [1, outer.sync_every={spec.sync_every}]"
+        )
     if spec.fragment_schedule not in SCHEDULES:
         raise ValueError(f"outer.fragment_schedule={spec.fragment_schedule!r}: expected strided or sequential")
     gap = _sync_gap(spec)
     if not 0 <= spec.overlap < gap:
-        where = (f"outer.sync_every={spec.sync_every}" if spec.fragments == 1 else
-                 f"{gap}, the steps between fragment syncs of outer.fragments={spec.fragments} "
-                 f"outer.fragment_schedule={spec.fragment_schedule}")
+        where = (
+            f"outer.sync_every={spec.sync_every}"
+            if spec.fragments == 1
+            else f"{gap}, the steps between fragment syncs of outer.fragments={spec.fragments} "
+            f"outer.fragment_schedule={spec.fragment_schedule}"
+        )
         raise ValueError(f"outer.overlap={spec.overlap!r}: expected an integer in [0, {where})")
     if spec.mix is not None and not (isinstance(spec.mix, (int, float)) and 0 <= spec.mix <= 1):
         raise ValueError(f"outer.mix={spec.mix!r}: expected null or a number in [0, 1]")
@@ -320,10 +338,15 @@ def make_outer_step(
     if spec.name == "none":
         raise ValueError("outer=none: expected local_sgd or diloco for an outer step (use make_train_step)")
     hook, comm = hook or allreduce(), comm or Comm()
-    synced = make_train_step(loss_fn, optimizer, plan, hook, comm, donate=donate, **step_options) if spec.start_step else None
+    synced = (
+        make_train_step(loss_fn, optimizer, plan, hook, comm, donate=donate, **step_options)
+        if spec.start_step
+        else None
+    )
     # Each rank steps alone on its share of the global batch: its samples keep their global numbers.
-    local = make_train_step(loss_fn, optimizer, plan, allreduce(), _Alone(), donate=donate,
-                            **{"batch_rank": comm.rank, **step_options})
+    local = make_train_step(
+        loss_fn, optimizer, plan, allreduce(), _Alone(), donate=donate, **{"batch_rank": comm.rank, **step_options}
+    )
     local_hook_states = init_hook_states(allreduce(), plan)
     # A sync in flight across steps gets a group of its own: the collectives issued
     # meanwhile (a logged loss, a checkpoint's gather) then cannot cross its own.
@@ -333,7 +356,9 @@ def make_outer_step(
     def step(state: TrainState, batch: tuple) -> tuple[TrainState, dict]:
         nonlocal flight
         if not isinstance(state.outer, OuterState) or len(state.outer.opt_state) != spec.fragments:
-            raise ValueError(f"state.outer: expected the OuterState of init_outer_state with outer.fragments={spec.fragments}")
+            raise ValueError(
+                f"state.outer: expected the OuterState of init_outer_state with outer.fragments={spec.fragments}"
+            )
         number = state.step + 1
         if number <= spec.start_step:
             new_state, metrics = synced(state, batch)
@@ -370,8 +395,12 @@ def make_outer_step(
         step_s = metrics["step_s"] + time.perf_counter() - t0
         comm_wait_s = metrics["comm_wait_s"] + wait_s
         return new_state, {
-            **metrics, "step_s": step_s, "comm_wait_s": comm_wait_s, "compute_s": step_s - comm_wait_s,
-            "bytes_sent": metrics["bytes_sent"] + sent + more_sent, "collectives": metrics["collectives"] + count + more_count,
+            **metrics,
+            "step_s": step_s,
+            "comm_wait_s": comm_wait_s,
+            "compute_s": step_s - comm_wait_s,
+            "bytes_sent": metrics["bytes_sent"] + sent + more_sent,
+            "collectives": metrics["collectives"] + count + more_count,
             "synced": landed,
         }
 
@@ -396,18 +425,23 @@ class _Fragment(NamedTuple):
 class _Sync:
     """Sends fragments' pseudo-gradients through the plan and hook chain, and steps the anchor with them."""
 
-    def __init__(self, plan: BucketPlan, spec: OuterSpec, hook: Hook, comm: Comm, outer_opt: GradientTransformation,
-                 donate: bool):
+    def __init__(
+        self, plan: BucketPlan, spec: OuterSpec, hook: Hook, comm: Comm, outer_opt: GradientTransformation, donate: bool
+    ):
         self.hook, self.comm, self.outer_opt, self.donate, self.mix = hook, comm, outer_opt, donate, spec.mix
         flats = allocate(plan)  # scratch the reduction works in, refilled at every sync
         self.fragments = []
         for buckets in split_fragments(plan, spec.fragments):
             views = [slot_views(plan.buckets[i], flats[i]) for i in buckets]
-            self.fragments.append(_Fragment(
-                buckets, fragment_plan(plan, buckets), [flats[i] for i in buckets],
-                [name for bucket_views in views for name in bucket_views],
-                [view for bucket_views in views for view in bucket_views.values()],
-            ))
+            self.fragments.append(
+                _Fragment(
+                    buckets,
+                    fragment_plan(plan, buckets),
+                    [flats[i] for i in buckets],
+                    [name for bucket_views in views for name in bucket_views],
+                    [view for bucket_views in views for view in bucket_views.values()],
+                )
+            )
 
     def pseudo_gradient(self, fragment: int, outer: OuterState, params: Params) -> Params:
         """``outer.in_flight`` with the fragment's entries set to ``anchor - params``
@@ -442,8 +476,9 @@ class _Sync:
             reduction.start(flat)
         return reduction
 
-    def land(self, fragment: int, state: TrainState, reduction: Reduction,
-             delayed: bool) -> tuple[TrainState, float, int, int]:
+    def land(
+        self, fragment: int, state: TrainState, reduction: Reduction, delayed: bool
+    ) -> tuple[TrainState, float, int, int]:
         """Step the fragment's anchor with its reduced pseudo-gradient; move its params to it.
 
         ``delayed``: the sync was sent ``overlap`` steps ago (from ``state.outer.in_flight``);
@@ -476,8 +511,9 @@ class _Sync:
             else:
                 moved = foreach.add(local, correction)
         else:
-            new_anchor, opt_state = apply_gradients(self.outer_opt, pseudo, outer.opt_state[fragment], anchor_part,
-                                                    donate=self.donate)
+            new_anchor, opt_state = apply_gradients(
+                self.outer_opt, pseudo, outer.opt_state[fragment], anchor_part, donate=self.donate
+            )
             landed = [new_anchor[n] for n in names]
             if self.mix:  # a * local + (1 - a) * anchor, as Streaming DiLoCo mixes
                 moved = foreach.mul(local, self.mix)
@@ -492,7 +528,7 @@ class _Sync:
                 moved = [t.clone() for t in landed]
         params = {**state.params, **dict(zip(names, moved))}
         anchor = {**outer.anchor, **new_anchor}
-        opt_states = outer.opt_state[:fragment] + (opt_state,) + outer.opt_state[fragment + 1:]
+        opt_states = outer.opt_state[:fragment] + (opt_state,) + outer.opt_state[fragment + 1 :]
         hook_state = list(outer.hook_state)
         for i, new in zip(part.buckets, reduction.hook_states):
             hook_state[i] = new

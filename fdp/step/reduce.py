@@ -12,6 +12,7 @@ Two schedules share this module:
 Either way buckets start in plan order and are resumed in plan order (``fdp.step.chains``),
 so every rank issues the same collectives in the same sequence, whatever the timing.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -20,15 +21,15 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch.func import grad_and_value as func_grad_and_value
 
-from fdp.plan import buckets as bucket_buffers
 from fdp._torch import HAS_DISABLE_FUNCTORCH, disable_functorch, foreach
 from fdp.comm import Comm
 from fdp.errors import check_choice
-from fdp.step.compiled import compile_grad, compiled_schedule
-from fdp.model.functional import grad_and_value
-from fdp.step.chains import Reduction
 from fdp.hooks.base import Hook
+from fdp.model.functional import grad_and_value
 from fdp.plan import BucketPlan
+from fdp.plan import buckets as bucket_buffers
+from fdp.step.chains import Reduction
+from fdp.step.compiled import compile_grad, compiled_schedule
 from fdp.trace import NullTimeline, Timeline
 from fdp.update.base import NullGather
 
@@ -92,9 +93,17 @@ class GradReducer:
     """
 
     def __init__(
-        self, loss_fn: LossFn, plan: BucketPlan, hook: Hook, comm: Comm, schedule: str = "after",
-        timeline: Timeline = NullTimeline(), compile: bool = False, release_buffers: bool = False,
-        gather: Any = NullGather(), flat_params: bool = True,
+        self,
+        loss_fn: LossFn,
+        plan: BucketPlan,
+        hook: Hook,
+        comm: Comm,
+        schedule: str = "after",
+        timeline: Timeline = NullTimeline(),
+        compile: bool = False,
+        release_buffers: bool = False,
+        gather: Any = NullGather(),
+        flat_params: bool = True,
     ):
         schedule = resolve_schedule(schedule, comm.world_size)
         if compile:
@@ -107,7 +116,9 @@ class GradReducer:
         self.flats = bucket_buffers.allocate(plan, zeroed=not self.release_buffers)
         # Views, made while the buffers have memory: they stay views of them when it is released and given back.
         self._table = _slot_table(plan, self.flats)
-        if self.release_buffers:  # given memory again when first written (``_start_next``, ``_store``, the tensor hooks)
+        if (
+            self.release_buffers
+        ):  # given memory again when first written (``_start_next``, ``_store``, the tensor hooks)
             for flat in self.flats:
                 bucket_buffers.release(flat)
         # The backward runs once torch.func's transform is left (fdp.model.functional.grad_and_value);
@@ -177,7 +188,11 @@ class GradReducer:
         """
         keys, refs = self._seen_flat
         values = params.values()
-        if len(refs) != len(values) or any(ref() is not value for ref, value in zip(refs, values)) or tuple(params) != keys:
+        if (
+            len(refs) != len(values)
+            or any(ref() is not value for ref, value in zip(refs, values))
+            or tuple(params) != keys
+        ):
             if bucket_buffers.flat_buffers(self.plan, params) is None:
                 return None
             self._seen_flat = (tuple(params), [weakref.ref(value) for value in values])

@@ -8,6 +8,7 @@ chains finish and the update (``fdp.update.base``: stage 0, or a ZeRO stage of
 ``fdp.update.zero``) takes each one, the finiteness verdict decides whether the step counts,
 and the update's ``finish`` gives the new params and optimizer state.
 """
+
 from __future__ import annotations
 
 import time
@@ -15,26 +16,25 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from fdp.state import checks, replicas
-
-from fdp.model import remat
 from fdp.comm import Comm
 from fdp.data import split_micro_batches
 from fdp.data.batches import batch_size
 from fdp.dist.devices import device_of, rng_scope
 from fdp.errors import check_bool, check_choice, require
-from fdp.model.functional import FunctionalModel
 from fdp.hooks import Hook, allreduce
 from fdp.hooks import checked as with_result_checks
+from fdp.model import remat
+from fdp.model.functional import FunctionalModel
 from fdp.model.losses import weigh_micro_batches
+from fdp.model.precision import Precision, scaled_micro_batches, unscale, unscaled_loss, update_loss_scale
+from fdp.model.streams import SampleStreams
 from fdp.optim import GradientTransformation, current_lr
 from fdp.plan import BucketPlan
-from fdp.model.precision import Precision, scaled_micro_batches, unscale, unscaled_loss, update_loss_scale
-from fdp.step.reduce import GradReducer, resolve_schedule
+from fdp.state import checks, replicas
 from fdp.state.train_state import TrainState, state_nbytes
-from fdp.model.streams import SampleStreams
-from fdp.trace import NullTimeline, Timeline
+from fdp.step.reduce import GradReducer, resolve_schedule
 from fdp.step.verdicts import DeferredVerdicts
+from fdp.trace import NullTimeline, Timeline
 from fdp.update.base import Update
 from fdp.update.zero import check_hook_for_stage, check_zero_stage, update_for
 
@@ -134,10 +134,19 @@ class StepOptions(NamedTuple):
             value = getattr(self, name)
             whole = isinstance(value, int) and not isinstance(value, bool) and (least is None or value >= least)
             require(value is None or whole, name, value, "None or an integer" + (" >= 0" if least is not None else ""))
-        require(self.update is None or isinstance(self.update, Update), "update", self.update,
-                "None or an fdp.update.base.Update (fdp.update.zero.update_for)", TypeError)
-        require(self.update is None or self.zero_stage in (0, self.update.stage), "zero_stage", self.zero_stage,
-                f"{self.update.stage if self.update else 0} (the stage of the update given) or 0")
+        require(
+            self.update is None or isinstance(self.update, Update),
+            "update",
+            self.update,
+            "None or an fdp.update.base.Update (fdp.update.zero.update_for)",
+            TypeError,
+        )
+        require(
+            self.update is None or self.zero_stage in (0, self.update.stage),
+            "zero_stage",
+            self.zero_stage,
+            f"{self.update.stage if self.update else 0} (the stage of the update given) or 0",
+        )
         return self._replace(precision=self.precision or Precision(), timeline=self.timeline or NullTimeline())
 
     checked = resolved  # the name before "checked" came to mean one thing
@@ -194,8 +203,9 @@ def make_train_step(
     checks.check_step_arguments(loss_fn, optimizer, plan, hook, comm)
     opts = StepOptions(**options).resolved()
     comm, hook = comm or Comm(), with_result_checks(hook or allreduce())
-    stage_update = opts.update or update_for(opts.zero_stage, optimizer, plan, comm, model=opts.model,
-                                     reshard_after_forward=opts.reshard_after_forward)
+    stage_update = opts.update or update_for(
+        opts.zero_stage, optimizer, plan, comm, model=opts.model, reshard_after_forward=opts.reshard_after_forward
+    )
     check_hook_for_stage(stage_update.stage, hook)
     refusal = stage_update.refuses_optimizer(optimizer)
     require(not refusal, "optimizer", optimizer.update, f"another optimizer ({refusal})", TypeError)
@@ -208,9 +218,18 @@ def make_train_step(
     forward_loss = streams.wrap(loss_fn) if streams else loss_fn
     if opts.checkpoint_modules:
         forward_loss = remat.checkpointed(forward_loss, remat.modules_of(opts.checkpoint_modules, opts.model))
-    reducer = GradReducer(opts.precision.wrap(forward_loss), plan, hook, update.reduction_comm(comm), opts.schedule,
-                          opts.timeline, compile=opts.compile, release_buffers=update.release_buffers,
-                          gather=update.gather, flat_params=update.flat_params)
+    reducer = GradReducer(
+        opts.precision.wrap(forward_loss),
+        plan,
+        hook,
+        update.reduction_comm(comm),
+        opts.schedule,
+        opts.timeline,
+        compile=opts.compile,
+        release_buffers=update.release_buffers,
+        gather=update.gather,
+        flat_params=update.flat_params,
+    )
     verdicts = DeferredVerdicts()
     state_verified, state_mib = False, None
 
@@ -230,8 +249,12 @@ def make_train_step(
         with rng_scope(state.rng, state.cuda_rng, device_of(state.params)) as rng_states:
             micro_batches = split_micro_batches(batch, opts.accum_steps)
             if streams is not None:
-                streams.begin(number, batch_rank * batch_size(batch), [batch_size(b) for b in micro_batches],
-                              device_of(state.params))
+                streams.begin(
+                    number,
+                    batch_rank * batch_size(batch),
+                    [batch_size(b) for b in micro_batches],
+                    device_of(state.params),
+                )
             micro_batches = weigh_micro_batches(loss_fn, micro_batches, comm)
             micro_batches = scaled_micro_batches(micro_batches, state.loss_scale)
             computed = reducer.backward(step_update.params, state.buffers, micro_batches, state.hook_state)
@@ -248,8 +271,11 @@ def make_train_step(
             verdicts.record(ok, _explain(number, step_update))
         else:
             skipped = not bool(ok.all())
-        loss_scale = None if state.loss_scale is None else update_loss_scale(
-            state.loss_scale, not skipped, opts.precision.growth_interval)
+        loss_scale = (
+            None
+            if state.loss_scale is None
+            else update_loss_scale(state.loss_scale, not skipped, opts.precision.growth_interval)
+        )
         if skipped:  # nonfinite="skip", or loss scaling
             # An overflow of the scaled gradients says nothing of the forward: its buffers
             # (BatchNorm statistics) are kept, as torch's GradScaler keeps them.
@@ -257,12 +283,23 @@ def make_train_step(
             new_state = state._replace(step=number, buffers=buffers, rng=rng, cuda_rng=cuda_rng, loss_scale=loss_scale)
         else:
             params, opt_state = step_update.finish()
-            new_state = TrainState(number, params, computed.buffers, opt_state, computed.reduction.hook_states, rng,
-                                   cuda_rng, loss_scale, state.outer, step_update.mirror)
+            new_state = TrainState(
+                number,
+                params,
+                computed.buffers,
+                opt_state,
+                computed.reduction.hook_states,
+                rng,
+                cuda_rng,
+                loss_scale,
+                state.outer,
+                step_update.mirror,
+            )
         if state_mib is None:  # what this rank holds between steps (params, optimizer state, bucket buffers): fixed
             state_mib = state_nbytes(new_state, reducer.flats) / 2**20
-        return new_state, _metrics(t0, computed, step_update, new_state, state.loss_scale, loss_scale, skipped,
-                                   state_mib)
+        return new_state, _metrics(
+            t0, computed, step_update, new_state, state.loss_scale, loss_scale, skipped, state_mib
+        )
 
     return TrainStep(train_step, verdicts.settle)
 
@@ -284,8 +321,16 @@ def _mean_loss(losses: list[torch.Tensor]) -> torch.Tensor:
     return losses[0].detach() if len(losses) == 1 else torch.stack([loss.detach() for loss in losses]).mean()
 
 
-def _metrics(t0: float, computed: Any, step_update: Any, new_state: TrainState, scale_before: Any, scale_after: Any,
-             skipped: bool, state_mib: float) -> dict:
+def _metrics(
+    t0: float,
+    computed: Any,
+    step_update: Any,
+    new_state: TrainState,
+    scale_before: Any,
+    scale_after: Any,
+    skipped: bool,
+    state_mib: float,
+) -> dict:
     stats = computed.reduction.stats()
     wait_s = stats.wait_s + step_update.wait_s
     elapsed = time.perf_counter() - t0

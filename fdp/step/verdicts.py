@@ -14,6 +14,7 @@ Traceback (most recent call last):
 ...
 FloatingPointError: bad (late=False)
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple

@@ -27,26 +27,37 @@ forward sees (stage 3 gathers them bucket by bucket), what each rank steps
 >>> bool(update.verdict().all()), update.finish()[0]["w"].tolist()
 (True, [0.5, 1.5])
 """
+
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
 
 import torch
 
-from fdp.plan.buckets import slot_views
-from fdp.state.checks import check_same_replicas, check_state_against_plan
 from fdp.comm import Comm
-from fdp.model.functional import Buffers, Params
 from fdp.hooks import Hook, shardable_hooks
 from fdp.hooks import stage_name as hook_label  # the hooks call each hook of a chain a stage
+from fdp.model.functional import Buffers, Params
 from fdp.optim import GradientTransformation, apply_gradients, supports_inplace, takes_sum_across
 from fdp.plan import BucketPlan
+from fdp.plan.buckets import slot_views
+from fdp.state.checks import check_same_replicas, check_state_against_plan
 from fdp.state.replicas import setup_state
 from fdp.state.train_state import TrainState
 from fdp.trace import NullTimeline, Timeline
 
-__all__ = ["STAGES", "Stage", "NullGather", "Update", "StepUpdate", "ReplicatedUpdate", "bucket_norm", "finite_flag", "global_norm",
-           "describe_bucket"]
+__all__ = [
+    "STAGES",
+    "Stage",
+    "NullGather",
+    "Update",
+    "StepUpdate",
+    "ReplicatedUpdate",
+    "bucket_norm",
+    "finite_flag",
+    "global_norm",
+    "describe_bucket",
+]
 
 
 class Stage(NamedTuple):
@@ -74,16 +85,20 @@ class Stage(NamedTuple):
         """Why this stage cannot reduce through ``hook`` (what a hook needs is declared on it: ``Hook.shardable``)."""
         if not self.scatters or hook.shardable:
             return None
-        return (f"hooks {hook_label(hook)!r} need the whole reduced bucket, which stage {self.number} scatters; "
-                f"expected hooks {', '.join(shardable_hooks())} (or zero_stage=1)")
+        return (
+            f"hooks {hook_label(hook)!r} need the whole reduced bucket, which stage {self.number} scatters; "
+            f"expected hooks {', '.join(shardable_hooks())} (or zero_stage=1)"
+        )
 
     def refuses_optimizer(self, optimizer: GradientTransformation) -> str | None:
         """Why this stage cannot step with ``optimizer``: a shard of the gradients needs cross-rank sums."""
         if not self.shards_optimizer:
             return None
         if optimizer.by_name:  # a weight-decay mask by parameter name
-            return ("the optimizer exempts params from weight decay by name, which ZeRO's flat slices of buckets do "
-                    "not keep; expected zero_stage=0 (or optim.decay_filter=all)")
+            return (
+                "the optimizer exempts params from weight decay by name, which ZeRO's flat slices of buckets do "
+                "not keep; expected zero_stage=0 (or optim.decay_filter=all)"
+            )
         if takes_sum_across(optimizer):
             return None
         return f"ZeRO stage {self.number} steps a shard of the gradients, which needs an update that takes sum_across="
@@ -101,8 +116,12 @@ class Stage(NamedTuple):
         return f"ZeRO stage {self.number} keeps no whole reduced gradient to step a copy of the next rank's slices with"
 
 
-STAGES = (Stage(0, False, False, False), Stage(1, True, False, False), Stage(2, True, True, False),
-          Stage(3, True, True, True))
+STAGES = (
+    Stage(0, False, False, False),
+    Stage(1, True, False, False),
+    Stage(2, True, True, False),
+    Stage(3, True, True, True),
+)
 
 
 class NullGather:
@@ -211,8 +230,9 @@ class Update:
     def refuses_compile(self) -> str | None:
         return self.rules.refuses_compile()
 
-    def for_step(self, comm: Comm, timeline: Timeline | None = None, donate: bool = False,
-                 early: bool = False) -> "Update":
+    def for_step(
+        self, comm: Comm, timeline: Timeline | None = None, donate: bool = False, early: bool = False
+    ) -> "Update":
         raise NotImplementedError
 
     def reduction_comm(self, comm: Comm) -> Any:
@@ -227,8 +247,9 @@ class Update:
         """The update of one step from ``state``; ``grad_buffers`` are the reducer's bucket buffers."""
         raise NotImplementedError
 
-    def first_state(self, params: Params, buffers: Buffers, hook: Hook | None, comm: Comm, seed: int = 0,
-                    precision: Any = None) -> TrainState:
+    def first_state(
+        self, params: Params, buffers: Buffers, hook: Hook | None, comm: Comm, seed: int = 0, precision: Any = None
+    ) -> TrainState:
         """The state before step 1, the same on every rank of ``comm``: their plans, seeds and buffers
         compared, rank 0's params and buffers taken (``fdp.state.replicas.agreed_start``)."""
         raise NotImplementedError
@@ -245,8 +266,9 @@ class Update:
         """This rank's state from a checkpoint's whole one (made at any stage and world size)."""
         return whole
 
-    def reshard(self, state: TrainState, old_members: tuple[int, ...], new_members: tuple[int, ...],
-                comm: Comm) -> TrainState:
+    def reshard(
+        self, state: TrainState, old_members: tuple[int, ...], new_members: tuple[int, ...], comm: Comm
+    ) -> TrainState:
         """``state``, made for the world ``old_members``, for the ranks left (``new_members``, whose world is
         ``comm``) after ranks were lost (a collective)."""
         return state
@@ -300,30 +322,43 @@ class ReplicatedUpdate(Update):
     the optimizer steps once every bucket is in (global-norm clipping needs them all).
     """
 
-    def __init__(self, optimizer: GradientTransformation, plan: BucketPlan, comm: Comm | None = None,
-                 timeline: Timeline | None = None, donate: bool = False, early: bool = False):
+    def __init__(
+        self,
+        optimizer: GradientTransformation,
+        plan: BucketPlan,
+        comm: Comm | None = None,
+        timeline: Timeline | None = None,
+        donate: bool = False,
+        early: bool = False,
+    ):
         self.optimizer, self.plan, self.donate, self.early = optimizer, plan, donate, early
         self._views: list[dict] | None = None  # the grad buffers' views, made once
         self.comm = comm or Comm()
         self.timeline = timeline or NullTimeline()
         self._per_bucket: bool | None = None  # decided on the first step: params keep their device and dtype
 
-    def for_step(self, comm: Comm, timeline: Timeline | None = None, donate: bool = False,
-                 early: bool = False) -> "ReplicatedUpdate":
+    def for_step(
+        self, comm: Comm, timeline: Timeline | None = None, donate: bool = False, early: bool = False
+    ) -> "ReplicatedUpdate":
         return ReplicatedUpdate(self.optimizer, self.plan, comm, timeline, donate, early)
 
     def check_state(self, state: Any) -> None:
         check_state_against_plan(state, self.plan)
         check_same_replicas(state.params, state.buffers, self.comm, fresh=state.step == 0)
 
-    def first_state(self, params: Params, buffers: Buffers, hook: Hook | None, comm: Comm, seed: int = 0,
-                    precision: Any = None) -> TrainState:
+    def first_state(
+        self, params: Params, buffers: Buffers, hook: Hook | None, comm: Comm, seed: int = 0, precision: Any = None
+    ) -> TrainState:
         return setup_state(params, buffers, self.optimizer, self.plan, hook, comm, seed=seed, precision=precision)
 
     def begin(self, state: Any, grad_buffers: tuple[torch.Tensor, ...]) -> "_ReplicatedStep":
         if self._per_bucket is None:
-            self._per_bucket = (self.early and state.loss_scale is None and self.optimizer.elementwise
-                                and supports_inplace(self.optimizer, state.params))
+            self._per_bucket = (
+                self.early
+                and state.loss_scale is None
+                and self.optimizer.elementwise
+                and supports_inplace(self.optimizer, state.params)
+            )
         if self._views is None and grad_buffers:
             self._views = [slot_views(b, flat) for b, flat in zip(self.plan.buckets, grad_buffers)]
         return _ReplicatedStep(self, state, self._per_bucket, grad_buffers)
@@ -348,7 +383,9 @@ class _ReplicatedStep:
         self.norms[index] = bucket_norm(buffer)  # before an in-place optimizer may overwrite the gradient
         if self.per_bucket:  # every call of one step gets the same state and returns the same new one
             with owner.timeline.span("optimizer", bucket=index):
-                self.opt_state = owner.optimizer.update_inplace(self.grads[index], self.state.opt_state, self.state.params)
+                self.opt_state = owner.optimizer.update_inplace(
+                    self.grads[index], self.state.opt_state, self.state.params
+                )
 
     def verdict(self) -> torch.Tensor:
         return torch.stack(self.flags)
@@ -361,8 +398,9 @@ class _ReplicatedStep:
             return self.state.params, self.opt_state
         grads = {name: grad for bucket in self.grads for name, grad in bucket.items()}  # in plan order
         with self.owner.timeline.span("optimizer"):
-            return apply_gradients(self.owner.optimizer, grads, self.state.opt_state, self.state.params,
-                                   donate=self.owner.donate)
+            return apply_gradients(
+                self.owner.optimizer, grads, self.state.opt_state, self.state.params, donate=self.owner.donate
+            )
 
     def nonfinite_where(self, late: bool) -> str:
         if late:  # the bucket buffers hold the next step's gradients by now: name the bucket

@@ -25,14 +25,15 @@ left (``fdp.update.zero.mirror``). What each stage accepts is stated once, in
 >>> check_zero_stage(1)
 1
 """
+
 from __future__ import annotations
 
 from typing import Any
 
 from fdp.comm import Comm
 from fdp.errors import check_choice
-from fdp.model.functional import FunctionalModel
 from fdp.hooks import Hook
+from fdp.model.functional import FunctionalModel
 from fdp.optim import GradientTransformation
 from fdp.plan import BucketPlan
 from fdp.state.train_state import state_nbytes
@@ -53,10 +54,30 @@ from fdp.update.zero.params import ParamShardedUpdate
 from fdp.update.zero.sharded import ShardedUpdate
 
 __all__ = [
-    "ZERO_STAGES", "Stage", "check_zero_stage", "stage_rules", "check_hook_for_stage", "check_optimizer_for_stage", "update_for", "make_update", "scatters",
-    "shard_range", "shard_key", "padded_slice", "init_state", "shard_state", "gather_state", "whole_params",
-    "unsharded_template", "is_sharded", "params_sharded", "state_nbytes", "ShardedUpdate", "ParamShardedUpdate",
-    "LostSlices", "reshard_survivors",
+    "ZERO_STAGES",
+    "Stage",
+    "check_zero_stage",
+    "stage_rules",
+    "check_hook_for_stage",
+    "check_optimizer_for_stage",
+    "update_for",
+    "make_update",
+    "scatters",
+    "shard_range",
+    "shard_key",
+    "padded_slice",
+    "init_state",
+    "shard_state",
+    "gather_state",
+    "whole_params",
+    "unsharded_template",
+    "is_sharded",
+    "params_sharded",
+    "state_nbytes",
+    "ShardedUpdate",
+    "ParamShardedUpdate",
+    "LostSlices",
+    "reshard_survivors",
 ]
 
 ZERO_STAGES = tuple(stage.number for stage in STAGES)
@@ -122,9 +143,16 @@ def scatters(stage: int) -> bool:
 
 
 def update_for(
-    stage: int, optimizer: GradientTransformation, plan: BucketPlan, comm: Comm, timeline: Timeline | None = None,
-    donate: bool = False, early: bool = False, model: FunctionalModel | None = None,
-    reshard_after_forward: bool = True, mirror: bool = False,
+    stage: int,
+    optimizer: GradientTransformation,
+    plan: BucketPlan,
+    comm: Comm,
+    timeline: Timeline | None = None,
+    donate: bool = False,
+    early: bool = False,
+    model: FunctionalModel | None = None,
+    reshard_after_forward: bool = True,
+    mirror: bool = False,
 ) -> Update:
     """The ``fdp.update.base.Update`` of ZeRO stage ``stage`` (0 is the replicated update): the one place a stage's
     number becomes its update.

@@ -18,6 +18,7 @@ resume them (``shard_state``).
 >>> list(state.opt_state.mu), state.opt_state.mu["bucket0"].shape
 (['bucket0'], torch.Size([6]))
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -25,17 +26,25 @@ from typing import Any, Callable
 import torch
 
 from fdp._torch import tree_map
-from fdp.plan.buckets import slot_views
 from fdp.comm import Comm
-from fdp.model.functional import Buffers, Params
 from fdp.hooks import Hook, allreduce, init_hook_states
+from fdp.model.functional import Buffers, Params
 from fdp.optim import GradientTransformation
 from fdp.plan import BucketPlan
+from fdp.plan.buckets import slot_views
 from fdp.state.train_state import TrainState
 from fdp.update.base import STAGES
 from fdp.update.zero.layout import check_names, flats_of, padded_flat, param_views, shard_key, shard_keys, shard_range
 
-__all__ = ["init_state", "shard_state", "gather_state", "whole_params", "unsharded_template", "is_sharded", "params_sharded"]
+__all__ = [
+    "init_state",
+    "shard_state",
+    "gather_state",
+    "whole_params",
+    "unsharded_template",
+    "is_sharded",
+    "params_sharded",
+]
 
 
 def _map_named(tree: Any, names: frozenset, fn: Callable[[dict], Any]) -> Any:
@@ -82,8 +91,15 @@ def _mirrored(comm: Comm) -> int:
 
 
 def init_state(
-    params: Params, buffers: Buffers, optimizer: GradientTransformation, plan: BucketPlan, comm: Comm,
-    hook: Hook | None = None, seed: int = 0, stage: int = 1, mirror: bool = False,
+    params: Params,
+    buffers: Buffers,
+    optimizer: GradientTransformation,
+    plan: BucketPlan,
+    comm: Comm,
+    hook: Hook | None = None,
+    seed: int = 0,
+    stage: int = 1,
+    mirror: bool = False,
 ) -> TrainState:
     """The sharded state before step 1: params whole and laid out flat (stages 1, 2) or this
     rank's slices alone (stage 3), optimizer state for this rank's slices.
@@ -135,8 +151,9 @@ def shard_state(state: TrainState, plan: BucketPlan, comm: Comm, stage: int = 1,
     return state._replace(params=params, opt_state=opt_state)
 
 
-def _whole(sharded: dict, plan: BucketPlan, comm: Comm, order: list[str], copy: bool = True,
-           to: int | None = None) -> dict | None:
+def _whole(
+    sharded: dict, plan: BucketPlan, comm: Comm, order: list[str], copy: bool = True, to: int | None = None
+) -> dict | None:
     """Every rank's slices gathered into whole per-parameter tensors, keyed in ``order`` (a collective).
 
     ``copy=False`` leaves them views of each bucket's gathered buffer (half the memory; a
@@ -173,7 +190,9 @@ def gather_state(state: TrainState, plan: BucketPlan, comm: Comm, to: int | None
     # Stages 1 and 2 keep the model's order of the params (a stage-0 state's); stage 3 the plan's.
     order = list(plan.names) if params_sharded(state.params, plan) else list(state.params)
     opt_state = _map_named(state.opt_state, keys, lambda sharded: _whole(sharded, plan, comm, order, to=to))
-    params = _whole(state.params, plan, comm, order, to=to) if params_sharded(state.params, plan) else dict(state.params)
+    params = (
+        _whole(state.params, plan, comm, order, to=to) if params_sharded(state.params, plan) else dict(state.params)
+    )
     if to is not None and comm.rank != to:
         return state
     return state._replace(params=params, opt_state=opt_state)
@@ -206,6 +225,8 @@ def unsharded_template(state: TrainState, optimizer: GradientTransformation, pla
         meta = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in shapes.items()}
     else:
         meta = {name: torch.empty_like(p, device="meta") for name, p in state.params.items()}
-    placeholder = lambda t: torch.empty(0, dtype=t.dtype, device=device) if isinstance(t, torch.Tensor) and t.is_meta else t
+    placeholder = lambda t: (
+        torch.empty(0, dtype=t.dtype, device=device) if isinstance(t, torch.Tensor) and t.is_meta else t
+    )
     params = {name: placeholder(t) for name, t in meta.items()}
     return state._replace(params=params, opt_state=tree_map(placeholder, optimizer.init(meta)))

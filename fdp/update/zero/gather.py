@@ -28,6 +28,7 @@ the forward of the module that holds them), made safe where a model strays from 
 model whose forward reads other buckets between the same hooks from one step to the
 next (data-dependent control flow across modules) is outside it.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -36,11 +37,11 @@ import torch
 from torch import nn
 
 from fdp._torch import TorchDispatchMode, disable_functorch, storage_id, tree_flatten
-from fdp.plan.buckets import regrow, release
 from fdp.comm import Comm, Pending
 from fdp.model.functional import FunctionalModel
-from fdp.plan import BucketPlan
 from fdp.model.remat import recomputing
+from fdp.plan import BucketPlan
+from fdp.plan.buckets import regrow, release
 from fdp.trace import NullTimeline, Timeline
 from fdp.update.zero.layout import param_views, shard_key, shard_numel, shard_range
 
@@ -93,20 +94,32 @@ class ParamGather:
 
     gathers = True  # what tells it from the reducer's ``NullGather``
 
-    def __init__(self, model: FunctionalModel, plan: BucketPlan, comm: Comm, reshard_after_forward: bool = True,
-                 timeline: Timeline | None = None):
+    def __init__(
+        self,
+        model: FunctionalModel,
+        plan: BucketPlan,
+        comm: Comm,
+        reshard_after_forward: bool = True,
+        timeline: Timeline | None = None,
+    ):
         self.plan, self.comm, self.reshard = plan, comm, reshard_after_forward
         self.timeline = timeline or NullTimeline()
         self.rank, self.world = comm.rank, comm.world_size
-        self.flats = [torch.empty(shard_numel(b, self.world) * self.world, dtype=b.torch_dtype, device=b.device)
-                      for b in plan.buckets]
+        self.flats = [
+            torch.empty(shard_numel(b, self.world) * self.world, dtype=b.torch_dtype, device=b.device)
+            for b in plan.buckets
+        ]
         self.views = param_views(plan, self.flats, list(plan.names))
         self._bucket_of = {storage_id(flat): index for index, flat in enumerate(self.flats)}
         for flat in self.flats:
             release(flat)
         self._holders = self._holders_of(model)
-        self._handles = [h for m in model.module.modules() if id(m) in self._holders or m is model.module
-                         for h in (m.register_forward_pre_hook(self._pre_hook), m.register_forward_hook(self._post_hook))]
+        self._handles = [
+            h
+            for m in model.module.modules()
+            if id(m) in self._holders or m is model.module
+            for h in (m.register_forward_pre_hook(self._pre_hook), m.register_forward_hook(self._post_hook))
+        ]
         self._schedule: _Schedule | None = None
         self._pinned: set[int] = set()
         self._pending: dict[int, Pending] = {}
@@ -122,7 +135,10 @@ class ParamGather:
         kept_as = dict(model.ties)
         holders: dict[int, tuple[int, ...]] = {}
         for prefix, module in model.module.named_modules():
-            names = [f"{prefix}.{n}" if prefix else n for n, _ in module.named_parameters(recurse=False, remove_duplicate=False)]
+            names = [
+                f"{prefix}.{n}" if prefix else n
+                for n, _ in module.named_parameters(recurse=False, remove_duplicate=False)
+            ]
             buckets = sorted({where[kept_as.get(n, n)] for n in names if kept_as.get(n, n) in where})
             if buckets:
                 holders[id(module)] = tuple(buckets)

@@ -10,6 +10,7 @@ parameter). A slice is keyed ``bucket<i>`` wherever the state holds it by bucket
 >>> shard_range(bucket, rank=1, world=4)  # 6 elements over 4 ranks: 2 each, the last one padding
 (2, 4)
 """
+
 from __future__ import annotations
 
 import math
@@ -18,11 +19,18 @@ from collections.abc import Mapping
 import torch
 
 from fdp._torch import storage_alias
-from fdp.plan.buckets import slot_views
 from fdp.plan import Bucket, BucketPlan
+from fdp.plan.buckets import slot_views
 
 __all__ = [
-    "shard_numel", "shard_range", "shard_key", "shard_keys", "padded_slice", "padded_flat", "flats_of", "param_views",
+    "shard_numel",
+    "shard_range",
+    "shard_key",
+    "shard_keys",
+    "padded_slice",
+    "padded_flat",
+    "flats_of",
+    "param_views",
     "check_names",
 ]
 
@@ -103,8 +111,12 @@ def _laid_out_flat(params: Mapping[str, torch.Tensor], bucket: Bucket, padded: i
         return None
     for slot in bucket.slots:
         p = params[slot.name]
-        if (p.untyped_storage().data_ptr() != storage.data_ptr() or p.storage_offset() != base + slot.offset
-                or not p.is_contiguous() or p.dtype != first.dtype):
+        if (
+            p.untyped_storage().data_ptr() != storage.data_ptr()
+            or p.storage_offset() != base + slot.offset
+            or not p.is_contiguous()
+            or p.dtype != first.dtype
+        ):
             return None
     return storage_alias(first, -slot0.offset, (padded,), (1,))
 
@@ -123,4 +135,6 @@ def flats_of(params: Mapping[str, torch.Tensor], plan: BucketPlan, world: int, c
 def check_names(params: Mapping[str, torch.Tensor], plan: BucketPlan) -> None:
     """Refuse params that name other tensors than ``plan`` does."""
     if set(params) != set(plan.names):
-        raise ValueError(f"zero: params and bucket plan name different tensors: {sorted(set(params) ^ set(plan.names))[:5]}")
+        raise ValueError(
+            f"zero: params and bucket plan name different tensors: {sorted(set(params) ^ set(plan.names))[:5]}"
+        )

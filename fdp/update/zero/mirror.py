@@ -8,6 +8,7 @@ survivor that holds it, the whole flat state of each bucket is put together, and
 survivor takes its new slice, and the next one's as its new mirror. The params are
 whole on every rank already; they are laid out again for the new slice boundaries.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -45,8 +46,10 @@ def holders(old_members: tuple[int, ...], new_members: tuple[int, ...]) -> dict[
         else:
             missing.append(member)
     if missing:
-        raise LostSlices(f"the optimizer-state slices of rank {', '.join(map(str, missing))} were held only by "
-                         "lost ranks (neighbours lost together)")
+        raise LostSlices(
+            f"the optimizer-state slices of rank {', '.join(map(str, missing))} were held only by "
+            "lost ranks (neighbours lost together)"
+        )
     return out
 
 
@@ -83,8 +86,9 @@ def _resplit(own: dict, mirror: dict, plan: BucketPlan, held: dict, comm: Comm, 
     return new_own, new_mirror
 
 
-def reshard_survivors(state: TrainState, plan: BucketPlan, old_members: tuple[int, ...], new_members: tuple[int, ...],
-                      comm: Comm) -> TrainState:
+def reshard_survivors(
+    state: TrainState, plan: BucketPlan, old_members: tuple[int, ...], new_members: tuple[int, ...], comm: Comm
+) -> TrainState:
     """``state``, sharded over ``old_members`` with a mirror, as this rank's state over ``new_members`` (a collective
     of the new world, whose ranks are ``new_members`` in order). ``LostSlices`` when a slice is gone."""
     held = holders(old_members, new_members)

@@ -7,6 +7,7 @@ reduce-scatters each bucket's gradient as soon as it is complete (``ScatterComm`
 stage 2), and each rank steps its slices with its slices of the gradient. Nothing is
 all-gathered after the optimizer: the next step's forward gathers what it reads.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -14,12 +15,12 @@ from typing import Any
 import torch
 
 from fdp._torch import HAS_DISABLE_FUNCTORCH
-from fdp.state.checks import check_same_replicas
 from fdp.comm import Comm
 from fdp.errors import require
 from fdp.model.functional import FunctionalModel
 from fdp.optim import GradientTransformation, apply_gradients
 from fdp.plan import BucketPlan
+from fdp.state.checks import check_same_replicas
 from fdp.trace import Timeline
 from fdp.update.zero.convert import is_sharded, params_sharded
 from fdp.update.zero.gather import ParamGather
@@ -41,12 +42,25 @@ class ParamShardedUpdate(SlicedUpdate):
 
     flat_params = False
 
-    def __init__(self, optimizer: GradientTransformation, plan: BucketPlan, comm: Comm, model: FunctionalModel | None,
-                 reshard_after_forward: bool = True, timeline: Timeline | None = None, donate: bool = False,
-                 early: bool = False, mirror: bool = False):
-        require(isinstance(model, FunctionalModel), "model", model,
-                "the FunctionalModel the loss runs (fdp.functionalize), which zero_stage=3 gathers bucket by bucket",
-                TypeError)
+    def __init__(
+        self,
+        optimizer: GradientTransformation,
+        plan: BucketPlan,
+        comm: Comm,
+        model: FunctionalModel | None,
+        reshard_after_forward: bool = True,
+        timeline: Timeline | None = None,
+        donate: bool = False,
+        early: bool = False,
+        mirror: bool = False,
+    ):
+        require(
+            isinstance(model, FunctionalModel),
+            "model",
+            model,
+            "the FunctionalModel the loss runs (fdp.functionalize), which zero_stage=3 gathers bucket by bucket",
+            TypeError,
+        )
         require(HAS_DISABLE_FUNCTORCH, "zero_stage", 3, "0, 1 or 2: this torch cannot leave torch.func from a hook")
         super().__init__(optimizer, plan, comm, 3, timeline, donate, early, mirror)
         self.model, self.reshard_after_forward = model, reshard_after_forward
@@ -58,10 +72,20 @@ class ParamShardedUpdate(SlicedUpdate):
             self._gather = ParamGather(self.model, self.plan, self.comm, self.reshard_after_forward, self.timeline)
         return self._gather
 
-    def for_step(self, comm: Comm, timeline: Timeline | None = None, donate: bool = False,
-                 early: bool = False) -> "ParamShardedUpdate":
-        return ParamShardedUpdate(self.optimizer, self.plan, comm, self.model, self.reshard_after_forward, timeline,
-                                  donate, early, self.mirror)
+    def for_step(
+        self, comm: Comm, timeline: Timeline | None = None, donate: bool = False, early: bool = False
+    ) -> "ParamShardedUpdate":
+        return ParamShardedUpdate(
+            self.optimizer,
+            self.plan,
+            comm,
+            self.model,
+            self.reshard_after_forward,
+            timeline,
+            donate,
+            early,
+            self.mirror,
+        )
 
     def reduction_comm(self, comm: Comm) -> Any:
         return ScatterComm(comm, self.plan)
@@ -77,8 +101,12 @@ class ParamShardedUpdate(SlicedUpdate):
     def begin(self, state: Any, grad_buffers: tuple[torch.Tensor, ...]) -> "_ParamShardedStep":
         self.gather.start(state.params)
         # An elementwise optimizer without an in-place form (a user's own) steps once every slice is in.
-        per_bucket = (self.early and state.loss_scale is None and self.optimizer.elementwise
-                      and self.optimizer.update_inplace is not None)
+        per_bucket = (
+            self.early
+            and state.loss_scale is None
+            and self.optimizer.elementwise
+            and self.optimizer.update_inplace is not None
+        )
         return _ParamShardedStep(self, state, per_bucket)
 
 
@@ -97,13 +125,19 @@ class _ParamShardedStep(SliceStep):
         start, stop = shard_range(bucket, self.rank, self.world)
         if buffer.numel() == bucket.numel and buffer.numel() != stop - start:  # a chain that sent nothing
             buffer = padded_slice(buffer, start, stop)
-        require(buffer.numel() == stop - start, f"zero_stage=3: bucket {index}'s reduced gradient", buffer.numel(),
-                f"this rank's slice of {stop - start} elements")
+        require(
+            buffer.numel() == stop - start,
+            f"zero_stage=3: bucket {index}'s reduced gradient",
+            buffer.numel(),
+            f"this rank's slice of {stop - start} elements",
+        )
         self.take(index, buffer, buffer)
         key = shard_key(index)
         if self.per_bucket:  # donated: the slice is stepped in place
             with owner.timeline.span("optimizer", bucket=index):
-                self.opt_state = owner.optimizer.update_inplace({key: buffer}, self.state.opt_state, {key: self.state.params[key]})
+                self.opt_state = owner.optimizer.update_inplace(
+                    {key: buffer}, self.state.opt_state, {key: self.state.params[key]}
+                )
         else:
             self.grads[key] = buffer
 
@@ -113,6 +147,11 @@ class _ParamShardedStep(SliceStep):
         if self.per_bucket:
             return self.state.params, self.opt_state
         with owner.timeline.span("optimizer"):
-            return apply_gradients(owner.optimizer, self.grads, self.state.opt_state, self.state.params,
-                                   donate=owner.donate, sum_across=self._sum_across)
-
+            return apply_gradients(
+                owner.optimizer,
+                self.grads,
+                self.state.opt_state,
+                self.state.params,
+                donate=owner.donate,
+                sum_across=self._sum_across,
+            )

@@ -24,6 +24,7 @@ usual, whatever its length: a 1-element maximum is never taken for a 1-element b
 >>> comm.sum_bucket(torch.ones(3)).wait()  # a world of one: this rank's slice is everything
 tensor([1., 1., 1.])
 """
+
 from __future__ import annotations
 
 import math
@@ -58,7 +59,10 @@ class _OwnSlice(Pending):
     def wait(self) -> torch.Tensor:
         if self._inner is not None:
             summed, (start, stop) = self._inner.wait(), self._range
-            if summed.numel() == stop - start and summed.untyped_storage().data_ptr() != self._bucket.untyped_storage().data_ptr():
+            if (
+                summed.numel() == stop - start
+                and summed.untyped_storage().data_ptr() != self._bucket.untyped_storage().data_ptr()
+            ):
                 piece = summed  # a native reduce-scatter's own output
             else:
                 piece = padded_slice(summed, start, stop, copy=True)

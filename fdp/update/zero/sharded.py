@@ -15,6 +15,7 @@ steps the next rank's slices of the optimizer state, from the whole reduced grad
 every rank holds at stage 1 and the cross-rank sums of its own update (a clipping
 norm) replayed: no communication, the optimizer's elementwise work twice.
 """
+
 from __future__ import annotations
 
 import time
@@ -22,10 +23,10 @@ from typing import Any
 
 import torch
 
-from fdp.state.checks import check_same_replicas, check_state_against_plan
 from fdp.comm import Comm, Pending
 from fdp.optim import GradientTransformation, apply_gradients
 from fdp.plan import BucketPlan
+from fdp.state.checks import check_same_replicas, check_state_against_plan
 from fdp.trace import Timeline
 from fdp.update.zero.convert import is_sharded
 from fdp.update.zero.layout import flats_of, padded_slice, param_views, shard_key, shard_range
@@ -41,14 +42,24 @@ class ShardedUpdate(SlicedUpdate):
 
     flat_params = False
 
-    def __init__(self, optimizer: GradientTransformation, plan: BucketPlan, comm: Comm, stage: int,
-                 timeline: Timeline | None = None, donate: bool = False, early: bool = False, mirror: bool = False):
+    def __init__(
+        self,
+        optimizer: GradientTransformation,
+        plan: BucketPlan,
+        comm: Comm,
+        stage: int,
+        timeline: Timeline | None = None,
+        donate: bool = False,
+        early: bool = False,
+        mirror: bool = False,
+    ):
         if stage not in (1, 2):
             raise ValueError(f"stage={stage!r}: expected 1 or 2 (stage 0 is fdp.update.base.ReplicatedUpdate)")
         super().__init__(optimizer, plan, comm, stage, timeline, donate, early, mirror)
 
-    def for_step(self, comm: Comm, timeline: Timeline | None = None, donate: bool = False,
-                 early: bool = False) -> "ShardedUpdate":
+    def for_step(
+        self, comm: Comm, timeline: Timeline | None = None, donate: bool = False, early: bool = False
+    ) -> "ShardedUpdate":
         return ShardedUpdate(self.optimizer, self.plan, comm, self.stage, timeline, donate, early, self.mirror)
 
     def reduction_comm(self, comm: Comm) -> Any:
@@ -64,14 +75,21 @@ class ShardedUpdate(SlicedUpdate):
             )
         reason = self.rules.refuses_mirror() if state.mirror else None
         if reason:
-            raise ValueError(f"zero_stage={self.stage}: a state with a mirror of the next rank's slices ({reason}); "
-                             "expected one without (mirror=False)")
+            raise ValueError(
+                f"zero_stage={self.stage}: a state with a mirror of the next rank's slices ({reason}); "
+                "expected one without (mirror=False)"
+            )
 
     def begin(self, state: Any, grad_buffers: tuple[torch.Tensor, ...]) -> "_ShardedStep":
         # A mirror steps from the params the step began with: no slice is stepped (and gathered) early.
         # An elementwise optimizer without an in-place form (a user's own) steps once every slice is in.
-        per_bucket = (self.early and state.loss_scale is None and self.optimizer.elementwise and not state.mirror
-                      and self.optimizer.update_inplace is not None)
+        per_bucket = (
+            self.early
+            and state.loss_scale is None
+            and self.optimizer.elementwise
+            and not state.mirror
+            and self.optimizer.update_inplace is not None
+        )
         return _ShardedStep(self, state, grad_buffers, per_bucket)
 
 
@@ -139,7 +157,11 @@ class _ShardedStep(SliceStep):
             slices = self._param_slices(indices)
             with owner.timeline.span("optimizer"):
                 new_slices, self.opt_state = apply_gradients(
-                    owner.optimizer, self.grads, self.state.opt_state, slices, donate=owner.donate,
+                    owner.optimizer,
+                    self.grads,
+                    self.state.opt_state,
+                    slices,
+                    donate=owner.donate,
                     sum_across=self._sum_across,
                 )
                 if self.mirror_ranges:  # before the gathers overwrite the next rank's slices of the params
@@ -165,7 +187,7 @@ class _ShardedStep(SliceStep):
         """The next rank's slices of the optimizer state, stepped as that rank steps them (never in place)."""
         sums = iter(self.sums)
         params = self._param_slices(indices, self.mirror_ranges)  # still the values the step began with
-        _, mirror = apply_gradients(self.owner.optimizer, self.mirror_grads, self.state.mirror, params,
-                                    sum_across=lambda tensor: next(sums))
+        _, mirror = apply_gradients(
+            self.owner.optimizer, self.mirror_grads, self.state.mirror, params, sum_across=lambda tensor: next(sums)
+        )
         return mirror
-

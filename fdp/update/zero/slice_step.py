@@ -5,6 +5,7 @@ and the cross-rank sums a non-elementwise optimizer asks for.
 ``fdp.update.zero.sharded`` (stages 1 and 2) and ``fdp.update.zero.params`` (stage 3) build their step
 on ``SliceStep``; the time spent waiting on these collectives is kept in ``wait_s``.
 """
+
 from __future__ import annotations
 
 import time

@@ -7,13 +7,14 @@ the whole state, gathered to rank 0 (``gather_state``), so that any stage and wo
 resumes it (``shard_state``). After ranks were lost only stage 1, whose ranks each keep
 the next rank's slices (``mirror``), can go on (``fdp.update.zero.mirror``).
 """
+
 from __future__ import annotations
 
 from typing import Any
 
 from fdp.comm import Comm
-from fdp.model.functional import Buffers, Params
 from fdp.hooks import Hook
+from fdp.model.functional import Buffers, Params
 from fdp.optim import GradientTransformation
 from fdp.plan import BucketPlan
 from fdp.state.replicas import agreed_start, rank_seed
@@ -34,18 +35,37 @@ class SlicedUpdate(Update):
     (``Stage.refuses_mirror``).
     """
 
-    def __init__(self, optimizer: GradientTransformation, plan: BucketPlan, comm: Comm, stage: int,
-                 timeline: Timeline | None = None, donate: bool = False, early: bool = False, mirror: bool = False):
+    def __init__(
+        self,
+        optimizer: GradientTransformation,
+        plan: BucketPlan,
+        comm: Comm,
+        stage: int,
+        timeline: Timeline | None = None,
+        donate: bool = False,
+        early: bool = False,
+        mirror: bool = False,
+    ):
         self.optimizer, self.plan, self.comm, self.stage = optimizer, plan, comm, stage
         self.timeline = timeline or NullTimeline()
         self.donate, self.early = donate, early
         self.mirror = mirror  # refused, where the stage cannot keep one, by the state it makes
 
-    def first_state(self, params: Params, buffers: Buffers, hook: Hook | None, comm: Comm, seed: int = 0,
-                    precision: Any = None) -> TrainState:
+    def first_state(
+        self, params: Params, buffers: Buffers, hook: Hook | None, comm: Comm, seed: int = 0, precision: Any = None
+    ) -> TrainState:
         params, buffers = agreed_start(params, buffers, self.plan, comm, seed)
-        return init_state(params, buffers, self.optimizer, self.plan, comm, hook, seed=rank_seed(seed, comm.rank),
-                          stage=self.stage, mirror=self.mirror)
+        return init_state(
+            params,
+            buffers,
+            self.optimizer,
+            self.plan,
+            comm,
+            hook,
+            seed=rank_seed(seed, comm.rank),
+            stage=self.stage,
+            mirror=self.mirror,
+        )
 
     def to_checkpoint(self, state: TrainState, comm: Comm) -> TrainState:
         return gather_state(state, self.plan, comm, to=0)
@@ -56,10 +76,10 @@ class SlicedUpdate(Update):
     def from_checkpoint(self, whole: TrainState, comm: Comm) -> TrainState:
         return shard_state(whole, self.plan, comm, self.stage, mirror=self.mirror)
 
-    def reshard(self, state: TrainState, old_members: tuple[int, ...], new_members: tuple[int, ...],
-                comm: Comm) -> TrainState:
+    def reshard(
+        self, state: TrainState, old_members: tuple[int, ...], new_members: tuple[int, ...], comm: Comm
+    ) -> TrainState:
         reason = self.rules.refuses_mirror()
         if reason:
             raise ValueError(f"zero_stage={self.stage}: cannot go on without a lost rank ({reason})")
         return reshard_survivors(state, self.plan, old_members, new_members, comm)
-
