@@ -3,23 +3,23 @@
 One word per idea:
 
 * **bucket**: parameters packed into one flat buffer whose gradients are reduced together (``plan``).
-* **slice**: one rank's equal, zero-padded part of a bucket's flat layout (``zero.layout``).
+* **slice**: one rank's equal, zero-padded part of a bucket's flat layout (``update.zero.layout``).
 * **share**: one rank's part of the global batch (its samples), or of a state gathered to or read from a checkpoint.
 * **stage**: a ZeRO stage (0-3), what the update shards: nothing, optimizer state, gradients, params.
 * **hook**: one stage of gradient reduction on a bucket (allreduce, fp16, PowerSGD, ...; ``hooks``).
 * **chain**: hooks run in order on a bucket (``hooks.chain``), or optimizers composed in order
   (``fdp.chain``, i.e. ``optim.chain``); the package a name comes from says which.
-* **update**: reduced buckets to new params and optimizer state, one per ZeRO stage (``update``, ``zero``).
+* **update**: reduced buckets to new params and optimizer state, one per ZeRO stage (``update.base``, ``update.zero``).
 * **step**: one ``train_step(state, batch) -> (state, metrics)``; ``state.step`` counts them.
 * **launcher**: what starts the ranks (``world.launcher``: none, elastic, torchrun, slurm), one class
-  each (``launchers``).
-* **world**: the ranks training together (its size, layout and process group; ``world`` resolves a
+  each (``dist.launchers``).
+* **world**: the ranks training together (its size, layout and process group; ``run.world`` resolves a
   config's on this machine); a world may shrink when a rank is lost.
 * **rank**: one process of a world, computing on one device.
 * **run**: one training from a config to its summary, in one run directory. The entry chain:
-  shell ``main`` (``recipes/train.py``) → ``cli.run_from_shell``, or ``trainer.run`` from Python;
-  both start the run once (``startup.start_run``) → ``trainer.run_ranks`` → per rank
-  ``trainer.run_rank`` → its loop over the steps.
+  shell ``main`` (``recipes/train.py``) → ``run.cli.run_from_shell``, or ``run.trainer.run`` from Python;
+  both start the run once (``run.startup.start_run``) → ``run.trainer.run_ranks`` → per rank
+  ``run.trainer.run_rank`` → its loop over the steps.
 * **status**: a rank's ``RankStatus`` (its pid and the step it is on, ``ranks/rank<N>.txt``); the run's
   directory is a ``RunDir``.
 
