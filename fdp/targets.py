@@ -43,10 +43,11 @@ def locate(setting: str, path: Any) -> Any:
 
     >>> locate("model._target_", "fdp.model.builtin.MLP").__name__
     'MLP'
-    >>> locate("model._target_", "fdp.model.builtin.ResNet")
+    >>> locate("model._target_", "fdp.model.builtin.ResNet")  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
         ...
-    fdp.errors.ConfigError: model._target_='fdp.model.builtin.ResNet': module fdp.model.builtin has no attribute 'ResNet'
+    fdp.errors.ConfigError: model._target_='fdp.model.builtin.ResNet':
+    module fdp.model.builtin has no attribute 'ResNet'
     """
     if not isinstance(path, str) or not _DOTTED.fullmatch(path):
         raise ConfigError(
@@ -144,9 +145,11 @@ def build(
     ...       offered={"in_features": 4, "out_features": 2, "num_classes": 2})
     Linear(in_features=4, out_features=2, bias=False)
     >>> build("model", {"name": "custom", "_target_": "torch.nn.Linear", "widht": 3}, offered={"in_features": 4})
+    ... # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
         ...
-    fdp.errors.ConfigError: model._target_='torch.nn.Linear': Linear.__init__() got an unexpected keyword argument 'widht' (called with widht=3, in_features=4)
+    fdp.errors.ConfigError: model._target_='torch.nn.Linear':
+    Linear.__init__() got an unexpected keyword argument 'widht' (called with widht=3, in_features=4)
     """
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate

@@ -230,7 +230,8 @@ def batch_size(batch: Any) -> int:
     kinds = {type(leaf).__name__ for leaf in leaves if not isinstance(leaf, Tensor)}
     if kinds or not leaves:
         raise ValueError(
-            f"batch holds {', '.join(sorted(kinds)) or 'no tensors'}; expected tensors (a pytree of them) that share a batch dimension"
+            f"batch holds {', '.join(sorted(kinds)) or 'no tensors'}; "
+            "expected tensors (a pytree of them) that share a batch dimension"
         )
     sizes = {t.shape[0] if t.dim() else None for t in leaves}
     if len(sizes) != 1 or None in sizes:
@@ -256,7 +257,8 @@ def model_inputs(batch: Any) -> tuple[tuple, dict, Any]:
     if isinstance(batch, Mapping):
         if LABELS not in batch:
             raise ValueError(
-                f"a dict batch with entries {sorted(batch)} has no {LABELS!r} entry; expected the targets of the loss under {LABELS!r}"
+                f"a dict batch with entries {sorted(batch)} has no {LABELS!r} entry; "
+                f"expected the targets of the loss under {LABELS!r}"
             )
         return (), {key: value for key, value in batch.items() if key != LABELS}, batch[LABELS]
     if isinstance(batch, (tuple, list)) and len(batch) == 2:

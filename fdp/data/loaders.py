@@ -165,7 +165,9 @@ def model_arguments(data: Dataset | MapData) -> dict[str, Any]:
 
 
 def targets_shifted(data: Dataset | MapData) -> bool | None:
-    """Whether the data says its targets are already its inputs shifted by one, the next tokens (``None``: it does not say).
+    """Whether the data says its targets are already its inputs shifted by one, the next tokens.
+
+    ``None``: it does not say.
 
     A ``MapData`` says so with a ``targets_shifted`` attribute on its train split.
 

@@ -77,12 +77,14 @@ def _check_item(item: Any, which: str) -> None:
             if not isinstance(leaf, _ITEM_PARTS):
                 # Token ids of different lengths are lists: they need a collate function that pads.
                 hint = (
-                    " (or return (train, test, collate) with a function that pads them, such as a Hugging Face data collator)"
+                    " (or return (train, test, collate) with a function that pads them,"
+                    " such as a Hugging Face data collator)"
                     if isinstance(leaf, (list, tuple))
                     else ""
                 )
                 raise ValueError(
-                    f"{which} item 0: its {part} is a {type(leaf).__name__}; expected a tensor, a number or an array{hint}"
+                    f"{which} item 0: its {part} is a {type(leaf).__name__}; "
+                    f"expected a tensor, a number or an array{hint}"
                 )
 
 
@@ -111,12 +113,15 @@ def _check_split(split: Any, which: str, own_collate: Callable | None) -> None:
 
 
 def as_map_data(name: str, splits: Any) -> MapData:
-    """``MapData`` from what a data target returned, ``(train, test)`` or ``(train, test, collate)``; errors say what is wrong.
+    """``MapData`` from what a data target returned, ``(train, test)`` or ``(train, test, collate)``.
 
-    >>> as_map_data("toy", [(torch.zeros(2), 0, 1)] * 4)
+    Errors say what is wrong:
+
+    >>> as_map_data("toy", [(torch.zeros(2), 0, 1)] * 4)  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
         ...
-    ValueError: returned a list of 4 items; expected (train, test) or (train, test, collate): map-style torch Datasets (test may be None) and a function from a list of items to a batch
+    ValueError: returned a list of 4 items; expected (train, test) or (train, test, collate):
+    map-style torch Datasets (test may be None) and a function from a list of items to a batch
     """
     if not isinstance(splits, (tuple, list)) or len(splits) not in (2, 3):
         kind = (
@@ -131,7 +136,8 @@ def as_map_data(name: str, splits: Any) -> MapData:
     train, test, own_collate = (*splits, None) if len(splits) == 2 else splits
     if own_collate is not None and not callable(own_collate):
         raise ValueError(
-            f"returned a {type(own_collate).__name__} as the collate function; expected a function from a list of items to a batch"
+            f"returned a {type(own_collate).__name__} as the collate function; "
+            "expected a function from a list of items to a batch"
         )
     _check_split(train, "train", own_collate)
     if test is not None:

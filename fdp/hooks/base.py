@@ -267,7 +267,8 @@ def init_hook_states(hook: Hook, plan) -> tuple:
 
     >>> from fdp.hooks import int8
     >>> from fdp.plan import pack_into_buckets
-    >>> [state.error.shape for state, _, _ in init_hook_states(int8(), pack_into_buckets([("w", (3,), "float32", "cpu")]))]
+    >>> buckets = pack_into_buckets([("w", (3,), "float32", "cpu")])
+    >>> [state.error.shape for state, _, _ in init_hook_states(int8(), buckets)]
     [torch.Size([3])]
     """
     return tuple(hook.init(bucket) for bucket in plan.buckets)

@@ -29,9 +29,10 @@ def check_node_size(world_size: int, node_size: int) -> int:
 
     >>> check_node_size(4, 2)
     2
-    >>> check_node_size(2, 2)
+    >>> check_node_size(2, 2)  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
-    ValueError: world.hierarchical=true: expected more than one node, got one node of 2 processes (set world.node_size to the processes per node)
+    ValueError: world.hierarchical=true: expected more than one node, got one node of 2 processes
+    (set world.node_size to the processes per node)
     """
     if node_size < 1 or world_size % node_size:
         raise ValueError(f"world.node_size={node_size}: expected a divisor of the world size {world_size}")

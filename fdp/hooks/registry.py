@@ -10,7 +10,9 @@ Errors are ``ValueError`` naming the setting by its path (``hooks.rank``,
 ``hooks.chain[1].name``) and listing what is accepted; the hook factories themselves,
 called from Python, name their arguments (``rank=0: expected an integer >= 1``).
 
->>> hook = build_hook({"chain": [{"name": "fp16_compress"}, {"name": "powersgd", "rank": 4}, {"name": "fp16_decompress"}]})
+>>> hook = build_hook(
+...     {"chain": [{"name": "fp16_compress"}, {"name": "powersgd", "rank": 4}, {"name": "fp16_decompress"}]}
+... )
 """
 
 from __future__ import annotations

@@ -179,8 +179,9 @@ class CharTransformer(nn.Module):
 
 # Settings every transformers config has (PretrainedConfig's), left out of the hint at a misspelt one.
 _HF_COMMON_SETTINGS = frozenset(
-    "return_dict output_hidden_states torchscript dtype torch_dtype pruned_heads tie_word_embeddings chunk_size_feed_forward "
-    "is_encoder_decoder is_decoder cross_attention_hidden_size add_cross_attention tie_encoder_decoder architectures "
+    "return_dict output_hidden_states torchscript dtype torch_dtype pruned_heads tie_word_embeddings "
+    "chunk_size_feed_forward is_encoder_decoder is_decoder cross_attention_hidden_size add_cross_attention "
+    "tie_encoder_decoder architectures "
     "finetuning_task id2label label2id tokenizer_class prefix bos_token_id pad_token_id eos_token_id sep_token_id "
     "decoder_start_token_id task_specific_params problem_type transformers_version model_type output_attentions".split()
 )
@@ -205,10 +206,11 @@ def hf_model(
     >>> m = hf_model("transformers.GPT2LMHeadModel", vocab_size=50, n_layer=1, n_embd=16, n_head=2, n_positions=32)
     >>> m(torch.randint(0, 50, (2, 8))).logits.shape
     torch.Size([2, 8, 50])
-    >>> hf_model("transformers.GPT2LMHeadModel", n_layers=2)
+    >>> hf_model("transformers.GPT2LMHeadModel", n_layers=2)  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
         ...
-    ValueError: n_layers is not a setting of GPT2Config; expected one of its settings (vocab_size, n_positions, n_embd, n_layer, n_head, ...)
+    ValueError: n_layers is not a setting of GPT2Config;
+    expected one of its settings (vocab_size, n_positions, n_embd, n_layer, n_head, ...)
     """
     cls = locate("model.model_class", model_class) if isinstance(model_class, str) else model_class
     config_class = getattr(cls, "config_class", None)
@@ -223,7 +225,8 @@ def hf_model(
         if key not in known and not hasattr(defaults, key) and not hasattr(defaults, f"_{key}"):
             own = [k for k in defaults.to_dict() if k not in _HF_COMMON_SETTINGS]  # this architecture's own settings
             raise ValueError(
-                f"{key} is not a setting of {config_class.__name__}; expected one of its settings ({', '.join(own[:5])}, ...)"
+                f"{key} is not a setting of {config_class.__name__}; "
+                f"expected one of its settings ({', '.join(own[:5])}, ...)"
             )
     settings = {"use_cache": False, **config}
     if vocab_size is not None:

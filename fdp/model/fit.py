@@ -13,10 +13,12 @@ ids would learn to copy its input, both silently.
 >>> from fdp.model.losses import cross_entropy
 >>> model, params, buffers = functionalize(torch.nn.Linear(3, 1000))
 >>> batch = (torch.zeros(4, 3), torch.tensor([0, 1, 2, 9]))
->>> check_first_batch(model, cross_entropy, params, buffers, batch, Names(classes_setting="+model.num_classes"), 10)
+>>> names = Names(classes_setting="+model.num_classes")
+>>> check_first_batch(model, cross_entropy, params, buffers, batch, names, 10)  # doctest: +NORMALIZE_WHITESPACE
 Traceback (most recent call last):
     ...
-fdp.errors.ConfigError: model does not fit data with loss: the model outputs 1000 class scores but data has 10 classes; expected +model.num_classes=10
+fdp.errors.ConfigError: model does not fit data with loss: the model outputs 1000 class scores but data has 10 classes;
+expected +model.num_classes=10
 """
 
 from __future__ import annotations
@@ -144,8 +146,9 @@ def _check_classes(criterion: Criterion, outputs: Any, targets: Any, names: Name
     needed = max(largest + 1, declared or 0)
     if largest >= classes:
         raise ConfigError(
-            f"{names.model} does not fit {names.data} with {names.loss}: the first batch has label {largest} but the model "
-            f"outputs {classes} class scores; expected {names.classes_setting}={needed}"
+            f"{names.model} does not fit {names.data} with {names.loss}: "
+            f"the first batch has label {largest} but the model outputs {classes} class scores; "
+            f"expected {names.classes_setting}={needed}"
         )
     if declared is not None and classes != declared:
         raise ConfigError(
@@ -184,10 +187,12 @@ def check_alignment(
 
     >>> ids = torch.tensor([[5, 1, 4, 2, 3]])
     >>> names = Names(data="data=text", loss="loss=causal_lm")
-    >>> check_alignment(TokenCrossEntropy(shift=1), ids[:, :-1], ids[:, 1:], names)
+    >>> check_alignment(TokenCrossEntropy(shift=1), ids[:, :-1], ids[:, 1:], names)  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
         ...
-    fdp.errors.ConfigError: loss=causal_lm scores position t against the target at t + 1, but data=text's targets are already the next tokens (its inputs shifted by one): the model would learn the token 2 ahead; expected loss=cross_entropy, or data whose targets are its input ids
+    fdp.errors.ConfigError: loss=causal_lm scores position t against the target at t + 1,
+    but data=text's targets are already the next tokens (its inputs shifted by one):
+    the model would learn the token 2 ahead; expected loss=cross_entropy, or data whose targets are its input ids
     """
     shift = _shift_of(criterion)
     tokens = (
@@ -242,8 +247,9 @@ def untransformable(error: BaseException, model: str = "model") -> ConfigError |
     fail there with a long traceback; this names what to use instead.
 
     >>> error = RuntimeError("torch.func.{grad, vjp} don't yet support saved tensor hooks.")
-    >>> print(untransformable(error, "model=mlp"))
-    model=mlp: its forward uses saved-tensor hooks (torch.autograd.graph.saved_tensors_hooks, save_on_cpu), which fdp's torch.func gradients do not run; expected a forward without them
+    >>> print(untransformable(error, "model=mlp"))  # doctest: +NORMALIZE_WHITESPACE
+    model=mlp: its forward uses saved-tensor hooks (torch.autograd.graph.saved_tensors_hooks, save_on_cpu),
+    which fdp's torch.func gradients do not run; expected a forward without them
     """
     text = str(error)
     if not isinstance(error, RuntimeError) or not (_SAVED_TENSOR_HOOKS in text or _OLD_STYLE_FUNCTION in text):

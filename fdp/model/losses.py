@@ -71,10 +71,13 @@ def logits_of(outputs: Any) -> Tensor:
     torch.Size([2, 3])
     >>> logits_of((torch.zeros(2, 3), torch.ones(1))).shape
     torch.Size([2, 3])
-    >>> logits_of({"last_hidden_state": torch.zeros(2, 3)})
+    >>> logits_of({"last_hidden_state": torch.zeros(2, 3)})  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
         ...
-    fdp.model.losses.UnreadableOutput: the model returns a dict with no logits (entries: last_hidden_state); the built-in losses read a tensor of scores, a ModelOutput, dict or dataclass with logits, or a tuple whose first element is the logits: set loss._target_ to a function (outputs, targets) -> scalar that reads this output
+    fdp.model.losses.UnreadableOutput: the model returns a dict with no logits (entries: last_hidden_state);
+    the built-in losses read a tensor of scores, a ModelOutput, dict or dataclass with logits,
+    or a tuple whose first element is the logits:
+    set loss._target_ to a function (outputs, targets) -> scalar that reads this output
     """
     if isinstance(outputs, Tensor):
         return outputs
@@ -136,7 +139,9 @@ def mse(outputs: Any, targets: Tensor) -> Tensor:
 
 
 class TokenCrossEntropy:
-    """Cross-entropy averaged over every counted target of the step's global batch (``loss=causal_lm``, ``loss=masked_lm``).
+    """Cross-entropy averaged over every counted target of the step's global batch.
+
+    The loss of ``loss=causal_lm`` and ``loss=masked_lm``.
 
     Targets equal to ``ignore_index`` (-100: what Hugging Face's collators put at padding)
     are not counted. With padding, batches differ in how many targets count: the train
@@ -159,7 +164,10 @@ class TokenCrossEntropy:
         self.shift, self.ignore_index, self.label_smoothing = shift, ignore_index, label_smoothing
 
     def __repr__(self) -> str:
-        return f"TokenCrossEntropy(shift={self.shift}, ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing})"
+        return (
+            f"TokenCrossEntropy(shift={self.shift}, ignore_index={self.ignore_index}, "
+            f"label_smoothing={self.label_smoothing})"
+        )
 
     def align(self, logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
         """Scores and the targets they are scored against (``shift`` positions apart along dim 1)."""
@@ -167,7 +175,8 @@ class TokenCrossEntropy:
             return logits, targets
         if targets.dim() < 2:
             raise ValueError(
-                f"shift={self.shift}: targets of shape {tuple(targets.shape)} have no sequence dimension; expected (batch, length)"
+                f"shift={self.shift}: targets of shape {tuple(targets.shape)} have no sequence dimension; "
+                "expected (batch, length)"
             )
         return logits[:, : -self.shift], targets[:, self.shift :]
 
@@ -230,7 +239,9 @@ class Weighted(NamedTuple):
 
 
 def weigh_micro_batches(loss_fn: Callable, micro_batches: list, comm: Comm) -> list:
-    """``micro_batches`` as the step hands them to ``loss_fn``: each a ``Weighted`` one where ``loss_fn`` counts targets.
+    """``micro_batches`` as the step hands them to ``loss_fn``.
+
+    Each is a ``Weighted`` one where ``loss_fn`` counts targets.
 
     A loss averaged over counted targets (``TokenCrossEntropy``) must divide by the count
     of the whole global batch, not of each micro-batch: with padding the counts differ,
@@ -241,7 +252,10 @@ def weigh_micro_batches(loss_fn: Callable, micro_batches: list, comm: Comm) -> l
     >>> from fdp.model.functional import functionalize
     >>> model, params, buffers = functionalize(torch.nn.Embedding(5, 5))
     >>> loss_fn = make_loss_fn(model, TokenCrossEntropy())
-    >>> batches = [(torch.tensor([[1, 2]]), torch.tensor([[1, -100]])), (torch.tensor([[3, 4]]), torch.tensor([[3, 4]]))]
+    >>> batches = [
+    ...     (torch.tensor([[1, 2]]), torch.tensor([[1, -100]])),
+    ...     (torch.tensor([[3, 4]]), torch.tensor([[3, 4]])),
+    ... ]
     >>> [(int(w.total), w.units) for w in weigh_micro_batches(loss_fn, batches, Comm())]
     [(3, 2), (3, 2)]
     """
@@ -316,7 +330,8 @@ def cross_entropy_loss(model: FunctionalModel) -> Callable:
 
     >>> from fdp.model.functional import functionalize
     >>> model, params, buffers = functionalize(torch.nn.Linear(3, 2))
-    >>> loss, (new_buffers, metrics) = cross_entropy_loss(model)(params, buffers, (torch.zeros(4, 3), torch.tensor([0, 1, 0, 1])))
+    >>> batch = (torch.zeros(4, 3), torch.tensor([0, 1, 0, 1]))
+    >>> loss, (new_buffers, metrics) = cross_entropy_loss(model)(params, buffers, batch)
     >>> loss.shape, metrics
     (torch.Size([]), {})
     """
@@ -384,7 +399,8 @@ def eval_metrics(
 
     >>> from fdp.model.functional import functionalize
     >>> model, params, buffers = functionalize(torch.nn.Linear(3, 2))
-    >>> eval_metrics(model, cross_entropy, params, buffers, (torch.zeros(4, 3), torch.zeros(4, dtype=torch.int64)))[1::2]
+    >>> batch = (torch.zeros(4, 3), torch.zeros(4, dtype=torch.int64))
+    >>> eval_metrics(model, cross_entropy, params, buffers, batch)[1::2]
     (4, 4)
     """
     args, kwargs, targets = model_inputs(batch)

@@ -66,7 +66,10 @@ def _mix(x: Any) -> Any:
 
 
 def _bits(keys: torch.Tensor, count: int, stride: int = 1, start: int = 0) -> torch.Tensor:
-    """``(len(keys), count)`` hashed 32-bit words: row ``j`` is the stream of ``keys[j]`` at counters ``start + i * stride``."""
+    """``(len(keys), count)`` hashed 32-bit words.
+
+    Row ``j`` is the stream of ``keys[j]`` at counters ``start + i * stride``.
+    """
     counters = torch.arange(start, start + count * stride, stride, dtype=torch.int64, device=keys.device)
     x = (counters.mul_(_ELEMENT) + keys[:, None]).bitwise_and_(_M32)
     for _ in range(2):
@@ -319,7 +322,9 @@ def wants_sample_streams(setting: bool | str, on_rank_loss: str) -> bool:
     of a forward that draws (about twice fdp's host time per step at tiny widths, a few
     per cent on a model whose compute dominates: ``benchmarks/shrink_overhead.py``).
 
-    >>> wants_sample_streams("auto", "restart"), wants_sample_streams("auto", "shrink"), wants_sample_streams(True, "restart")
-    (False, True, True)
+    >>> wants_sample_streams("auto", "restart"), wants_sample_streams("auto", "shrink")
+    (False, True)
+    >>> wants_sample_streams(True, "restart")
+    True
     """
     return on_rank_loss == "shrink" if setting == "auto" else bool(setting)

@@ -11,10 +11,10 @@ as pytrees and their leaves load with ``torch.load(weights_only=True)``.
 Each optimizer state carries ``count`` (updates done so far; schedules are evaluated on
 it) and ``lr`` (the learning rate of the last update, see ``current_lr``).
 
-Tensor math goes through torch's multi-tensor ``_foreach_*`` ops (``fdp._torch.foreach``) over the dict values (in the key order
-of the state that ``init`` made): one dispatch per op instead of one per tensor, and the
-fused multi-tensor kernels on CUDA. Inputs are only read; in-place ops touch only tensors
-allocated inside the same call.
+Tensor math goes through torch's multi-tensor ``_foreach_*`` ops (``fdp._torch.foreach``)
+over the dict values (in the key order of the state that ``init`` made): one dispatch per op
+instead of one per tensor, and the fused multi-tensor kernels on CUDA. Inputs are only read;
+in-place ops touch only tensors allocated inside the same call.
 
 A caller that will never look at its params and optimizer state again (a training loop)
 can *donate* them: ``apply_gradients(opt, grads, state, params, donate=True)`` lets

@@ -182,9 +182,11 @@ def check_resumed_schedule(saved: Mapping[str, Any] | None, current: Mapping[str
 
     >>> run = lambda steps, schedule="warmup_cosine", **trainer: {"trainer": {"max_steps": steps, **trainer},
     ...                                                          "optim": {"lr_schedule": schedule}}
-    >>> check_resumed_schedule(run(100), run(200))
+    >>> check_resumed_schedule(run(100), run(200))  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
-    ValueError: trainer.max_steps=200: the checkpoint's learning-rate schedule (optim.lr_schedule=warmup_cosine) spans trainer.max_steps=100; expected 100, or trainer.reschedule=true to stretch it over 200 steps (the rate jumps where the run resumes)
+    ValueError: trainer.max_steps=200: the checkpoint's learning-rate schedule (optim.lr_schedule=warmup_cosine)
+    spans trainer.max_steps=100; expected 100, or trainer.reschedule=true to stretch it over 200 steps
+    (the rate jumps where the run resumes)
     >>> check_resumed_schedule(run(100, "constant"), run(200, "constant"))  # nothing depends on the length
     >>> check_resumed_schedule(run(100), run(200, reschedule=True))
     """

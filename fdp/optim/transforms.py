@@ -434,8 +434,10 @@ def supports_inplace(optimizer: GradientTransformation, params: Params, grads: G
     kernels: dense, one floating dtype, all on one CPU or CUDA device (what
     ``torch.optim`` checks before it allows ``fused=True``).
 
-    >>> supports_inplace(sgd(0.1), {"w": torch.zeros(2)}), supports_inplace(sgd(0.1), {"w": torch.zeros(2, dtype=torch.int64)})
-    (True, False)
+    >>> supports_inplace(sgd(0.1), {"w": torch.zeros(2)})
+    True
+    >>> supports_inplace(sgd(0.1), {"w": torch.zeros(2, dtype=torch.int64)})
+    False
     """
     if optimizer.update_inplace is None or not HAS_FUSED_OPTIMIZERS:
         return False

@@ -273,7 +273,9 @@ def crosses_flat(plan: BucketPlan) -> bool:
 
 
 def views_in(bucket: Bucket, flat: torch.Tensor) -> list[torch.Tensor]:
-    """The bucket's tensors as differentiable views of ``flat``, in slot order: one split, and a view per tensor that is not 1-D.
+    """The bucket's tensors as differentiable views of ``flat``, in slot order.
+
+    One split, and a view per tensor that is not 1-D.
 
     Inside ``torch.func`` this costs two ops per matrix where passing each tensor in
     costs a wrapper per tensor; the gradient of ``flat`` comes out as one tensor.

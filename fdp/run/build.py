@@ -77,7 +77,8 @@ def build_module(cfg: DictConfig, data: Dataset | MapData) -> torch.nn.Module:
         raise ConfigError(f"{label('model', cfg)}: returned a {type(module).__name__}; expected a torch.nn.Module")
     if next(module.parameters(), None) is None:  # nothing to train: refused here, not deep in the planner
         raise ConfigError(
-            f"{label('model', cfg)}: built a module without parameters ({type(module).__name__}); expected a model with parameters to train"
+            f"{label('model', cfg)}: built a module without parameters ({type(module).__name__}); "
+            "expected a model with parameters to train"
         )
     return module
 

@@ -125,8 +125,9 @@ def hydra_error_line(error: BaseException, argv: list[str] | None = None) -> str
     >>> try:
     ...     compose("trainer.max_stpes=5")
     ... except Exception as error:
-    ...     print(hydra_error_line(error, ["trainer.max_stpes=5"]))
-    trainer.max_stpes=5: unknown key; expected a key of trainer (did you mean trainer.max_steps? trainer takes no keys of your own)
+    ...     print(hydra_error_line(error, ["trainer.max_stpes=5"]))  # doctest: +NORMALIZE_WHITESPACE
+    trainer.max_stpes=5: unknown key; expected a key of trainer
+    (did you mean trainer.max_steps? trainer takes no keys of your own)
     """
     from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException, OverrideParseException
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError

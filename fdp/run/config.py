@@ -207,7 +207,8 @@ class TrainerConfig:
     sync_buffers: str = "broadcast"  # broadcast | average | local: buffers (BatchNorm statistics) across ranks
     precision: str = "32-true"  # 32-true | bf16-mixed | 16-mixed | bf16-true (Lightning's names)
     matmul_precision: str = "highest"  # highest | high | medium: torch.set_float32_matmul_precision
-    compile: Any = "auto"  # auto | true | false: torch.compile the gradient computation (auto: on a GPU, when the run repays the compile)
+    # auto | true | false: torch.compile the gradient computation (auto: on a GPU, when the run repays the compile)
+    compile: Any = "auto"
     zero_stage: int = 0  # 0 | 1 (shard optimizer state over ranks) | 2 (and reduced gradients) | 3 (and params)
     sample_streams: Any = (
         "auto"  # auto | true | false: dropout masks per sample, alike on any world (auto: if it may shrink)

@@ -117,10 +117,11 @@ def check_keys(cfg: Mapping) -> None:
     """Refuse, in one line, a key that no schema has where no object of the user's own takes it.
 
     >>> from fdp.run.config import compose
-    >>> check_keys(compose("+trainer.devices=2"))
+    >>> check_keys(compose("+trainer.devices=2"))  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
         ...
-    fdp.errors.ConfigError: trainer.devices: unknown key; expected a key of trainer (did you mean world.devices? trainer takes no keys of your own)
+    fdp.errors.ConfigError: trainer.devices: unknown key; expected a key of trainer
+    (did you mean world.devices? trainer takes no keys of your own)
     """
     for key in cfg:
         if str(key) not in _fields(Config):

@@ -256,7 +256,10 @@ def _in_use(run_dir: Path, owner: dict[str, str]) -> RunDirInUse:
 
 
 def _lock(path: Path) -> int:
-    """An fd holding ``flock`` on ``path`` (the file at ``path`` when it returns); raises ``BlockingIOError`` if held."""
+    """An fd holding ``flock`` on ``path`` (the file at ``path`` when it returns).
+
+    Raises ``BlockingIOError`` if held.
+    """
     for _ in range(10):
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
@@ -284,7 +287,8 @@ def _take(run_dir: Path) -> Ownership:
         raise _in_use(run_dir, owner_of(run_dir)) from None
     except OSError as error:
         raise ConfigError(
-            f"hydra.run.dir={run_dir}: expected a directory this process can create and write ({error.strerror or error})"
+            f"hydra.run.dir={run_dir}: "
+            f"expected a directory this process can create and write ({error.strerror or error})"
         ) from None
     os.ftruncate(fd, 0)
     os.pwrite(

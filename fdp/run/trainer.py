@@ -588,4 +588,7 @@ def _lost_message(run_dir: RunDir, error: WorkerFailedError) -> str:
         if steps
         else "there is no checkpoint yet"
     )
-    return f"rank {error.rank} was lost{at}: process {error.pid} was killed by {error.signal}; the other ranks were stopped; {resume}"
+    return (
+        f"rank {error.rank} was lost{at}: process {error.pid} was killed by {error.signal}; "
+        f"the other ranks were stopped; {resume}"
+    )

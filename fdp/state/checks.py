@@ -116,10 +116,11 @@ def check_state_against_plan(state: Any, plan: BucketPlan) -> None:
     >>> from fdp.plan import pack_into_buckets
     >>> plan = pack_into_buckets([("w", (2,), "float32", "cpu")])
     >>> class State: params = {"w": torch.zeros(2, dtype=torch.bfloat16)}
-    >>> check_state_against_plan(State, plan)
+    >>> check_state_against_plan(State, plan)  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    TypeError: state.params['w'] is torch.bfloat16 but plan bucket 0 holds float32: plan with the params you train (plan_buckets(loss, params, batch)), or cast them to float32
+    TypeError: state.params['w'] is torch.bfloat16 but plan bucket 0 holds float32:
+    plan with the params you train (plan_buckets(loss, params, batch)), or cast them to float32
     """
     params = getattr(state, "params", None)
     if not isinstance(params, dict):
@@ -168,10 +169,12 @@ def check_hook_states(hook_state: Any, hook: Hook, plan: BucketPlan) -> None:
 
     >>> from fdp.hooks import powersgd
     >>> from fdp.plan import pack_into_buckets
-    >>> check_hook_states((), powersgd(), pack_into_buckets([("w", (4, 4), "float32", "cpu")]))
+    >>> plan = pack_into_buckets([("w", (4, 4), "float32", "cpu")])
+    >>> check_hook_states((), powersgd(), plan)  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    ValueError: state.hook_state holds 0 states but plan has 1 buckets (a state made without plan or hook?): make the state with init_train_state(params, buffers, optimizer, plan, hook) (or fdp.setup_state)
+    ValueError: state.hook_state holds 0 states but plan has 1 buckets (a state made without plan or hook?):
+    make the state with init_train_state(params, buffers, optimizer, plan, hook) (or fdp.setup_state)
     """
     count = len(plan.buckets)
     if not isinstance(hook_state, tuple) or len(hook_state) != count:

@@ -93,7 +93,8 @@ def compiled_schedule(schedule: str) -> str:
     """
     if schedule == "overlap":
         log.info(
-            "trainer.compile: the overlap schedule does not compile (its backward hooks run collectives); reducing after backward"
+            "trainer.compile: the overlap schedule does not compile (its backward hooks run collectives); "
+            "reducing after backward"
         )
         return "after"
     return schedule
@@ -158,7 +159,8 @@ def decide_compile(
     if saved <= costs.compile_s:
         return (
             False,
-            f"auto: {planned_steps} steps would save ~{saved:.0f} s, less than the ~{costs.compile_s:.0f} s compile ({source})",
+            f"auto: {planned_steps} steps would save ~{saved:.0f} s, "
+            f"less than the ~{costs.compile_s:.0f} s compile ({source})",
         )
     return (
         True,
@@ -255,7 +257,10 @@ def choose(
         compile_now, reason = decided[0]
     if compile_now:
         use_cache_dir(cache_dir(run_dir))
-    message = f"trainer.compile={str(setting).lower()}: {'compiling' if compile_now else 'not compiling'} the gradient computation ({reason})"
+    message = (
+        f"trainer.compile={str(setting).lower()}: {'compiling' if compile_now else 'not compiling'} "
+        f"the gradient computation ({reason})"
+    )
     return CompileChoice(compile_now, message, record)
 
 

@@ -79,7 +79,9 @@ _SETTINGS = {
 
 
 class OuterSpec(NamedTuple):
-    """The outer loop's settings (``conf/outer/*.yaml``, defaults in ``fdp.run.config``); ``name="none"`` syncs every step.
+    """The outer loop's settings (``conf/outer/*.yaml``, defaults in ``fdp.run.config``).
+
+    ``name="none"`` syncs every step.
 
     ``fragments``: the model is synced in that many fragments (runs of buckets), each on
     its own steps, as ``fragment_schedule`` staggers them; ``overlap``: the inner steps a
@@ -279,8 +281,8 @@ def is_sync_step(spec: OuterSpec, step: int) -> bool:
 def landing_fragment(spec: OuterSpec, step: int) -> int | None:
     """The fragment whose sync is applied after step ``step`` (``overlap`` steps after it was sent), or ``None``.
 
-    >>> [s for s in range(1, 13) if landing_fragment(OuterSpec("diloco", 4, 2, 0.7, 0.9, True, 1, 1, "strided", None), s)
-    ...  is not None]
+    >>> spec = OuterSpec("diloco", 4, 2, 0.7, 0.9, True, 1, 1, "strided", None)
+    >>> [s for s in range(1, 13) if landing_fragment(spec, s) is not None]
     [7, 11]
     """
     return sending_fragment(spec, step - spec.overlap)

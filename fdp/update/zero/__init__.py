@@ -123,10 +123,11 @@ def check_optimizer_for_stage(stage: int, optimizer: GradientTransformation) -> 
     """Refuse, naming the stage, an optimizer the stage cannot step (``Stage.refuses_optimizer``).
 
     >>> from fdp.optim import adamw, decay_rule
-    >>> check_optimizer_for_stage(1, adamw(1e-3, decay_mask=decay_rule("weights")))
+    >>> check_optimizer_for_stage(1, adamw(1e-3, decay_mask=decay_rule("weights")))  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    ValueError: zero_stage=1: the optimizer exempts params from weight decay by name, which ZeRO's flat slices of buckets do not keep; expected zero_stage=0 (or optim.decay_filter=all)
+    ValueError: zero_stage=1: the optimizer exempts params from weight decay by name,
+    which ZeRO's flat slices of buckets do not keep; expected zero_stage=0 (or optim.decay_filter=all)
     """
     reason = stage_rules(stage).refuses_optimizer(optimizer)
     if reason:

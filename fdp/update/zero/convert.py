@@ -225,8 +225,9 @@ def unsharded_template(state: TrainState, optimizer: GradientTransformation, pla
         meta = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in shapes.items()}
     else:
         meta = {name: torch.empty_like(p, device="meta") for name, p in state.params.items()}
-    placeholder = lambda t: (
-        torch.empty(0, dtype=t.dtype, device=device) if isinstance(t, torch.Tensor) and t.is_meta else t
-    )
+
+    def placeholder(t):
+        return torch.empty(0, dtype=t.dtype, device=device) if isinstance(t, torch.Tensor) and t.is_meta else t
+
     params = {name: placeholder(t) for name, t in meta.items()}
     return state._replace(params=params, opt_state=tree_map(placeholder, optimizer.init(meta)))

@@ -31,10 +31,12 @@ def holders(old_members: tuple[int, ...], new_members: tuple[int, ...]) -> dict[
 
     >>> holders((0, 1, 2), (0, 1))  # slice 2 was rank 2's; rank 1 mirrors it
     {0: (0, 'own'), 1: (1, 'own'), 2: (1, 'mirror')}
-    >>> holders((0, 1, 2), (0,))  # rank 0 mirrors slice 1; slice 2 was on ranks 2 and 1 alone
+    >>> holders((0, 1, 2), (0,))  # doctest: +NORMALIZE_WHITESPACE
+    ... # rank 0 mirrors slice 1; slice 2 was on ranks 2 and 1 alone
     Traceback (most recent call last):
     ...
-    fdp.update.zero.mirror.LostSlices: the optimizer-state slices of rank 2 were held only by lost ranks (neighbours lost together)
+    fdp.update.zero.mirror.LostSlices: the optimizer-state slices of rank 2 were held only by lost ranks
+    (neighbours lost together)
     """
     world, out, missing = len(old_members), {}, []
     for index, member in enumerate(old_members):
