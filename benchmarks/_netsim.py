@@ -373,7 +373,8 @@ def fdp_run(
     world: int = 2,
     per_node: int = 1,
 ) -> dict:
-    """``recipes/train.py`` on ``world`` ranks (``per_node`` in each simulated node); per-step metrics from ``metrics.jsonl``."""
+    """``recipes/train.py`` on ``world`` ranks (``per_node`` in each simulated node); per-step metrics from
+    ``metrics.jsonl``."""
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     overrides = [
         "world=torchrun" if netsim else f"world=local{world}",

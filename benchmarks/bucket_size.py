@@ -113,8 +113,8 @@ def write_report(raw: dict, meta: dict, out_dir: Path) -> None:
         "`world=torchrun`.",
         f"Median step time over steps 3..{meta['steps']} of rank 0 and over {meta['reps']} repetition(s), IQR in "
         "brackets; buckets = fdp's plan. Caps were run interleaved (small, large, small, ...; reversed in every other "
-        "repetition; the two schedules alternate which goes first). The gradient is 101.07 MB; each 1024x1024 weight is "
-        "4 MiB and is never split, so every cap below 4 MiB gives about one bucket per weight (49-50 buckets).",
+        "repetition; the two schedules alternate which goes first). The gradient is 101.07 MB; each 1024x1024 weight "
+        "is 4 MiB and is never split, so every cap below 4 MiB gives about one bucket per weight (49-50 buckets).",
         f"Command: `{meta['command']}`.",
         "",
         "| cap MiB | buckets | " + " | ".join(f"{net} {sch} ms" for net, sch in cols) + " |",

@@ -158,7 +158,8 @@ def _fsdp2(spec: dict, comm, warmup: int, steps: int) -> dict:
 def _count_collectives() -> list[int]:
     """Count the bytes this rank hands to all-gathers and reduce-scatters (FSDP2 calls these)."""
     sent = [0]
-    # torch 2.13 renamed the flat collectives (all_gather_single, reduce_scatter_single); FSDP2 calls one name or the other.
+    # torch 2.13 renamed the flat collectives (all_gather_single, reduce_scatter_single); FSDP2 calls one name or
+    # the other.
     for name in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_single", "reduce_scatter_single"):
         original = getattr(dist, name, None)
         if original is None:
@@ -256,8 +257,8 @@ def _line(row: dict, rows: list[dict]) -> str:
     s = _summary(row, rows)
     return (
         f"{row['side']} on {row['world']} ranks: state {s['state_mib']:.0f} MiB, peak RSS {s['timed_peak']:.0f} MiB "
-        f"(incl. build {s['warm_peak']:.0f}), step {s['ms']:.0f} ms, sent {s['mb_sent']:.0f} MiB, loss {s['loss']:.4f}; "
-        f"vs stage 0 {_ratios(s, 'vs_stage0')}, vs FSDP2 {_ratios(s, 'vs_fsdp2')}"
+        f"(incl. build {s['warm_peak']:.0f}), step {s['ms']:.0f} ms, sent {s['mb_sent']:.0f} MiB, loss "
+        f"{s['loss']:.4f}; vs stage 0 {_ratios(s, 'vs_stage0')}, vs FSDP2 {_ratios(s, 'vs_fsdp2')}"
     )
 
 
@@ -265,18 +266,20 @@ def _table(rows: list[dict], meta: dict) -> str:
     lines = [
         f"# fdp's ZeRO stages against torch's FSDP2 ({meta['date']})",
         "",
-        f"torch {meta['torch']}, Python {meta['python']}, {meta['machine']}, {meta['cpus']} CPU cores shared with other jobs; "
-        f"gloo on loopback, 1 torch thread per rank (4 ranks share 2 cores). Load average (1 min) before "
+        f"torch {meta['torch']}, Python {meta['python']}, {meta['machine']}, {meta['cpus']} CPU cores shared with "
+        "other jobs; gloo on loopback, 1 torch thread per rank (4 ranks share 2 cores). Load average (1 min) before "
         f"{meta['load_before']:.1f}, after {meta['load_after']:.1f}.",
-        f"CharTransformer {meta['spec']}, Adam lr {LR}. fdp: donate=True, overlap schedule, buckets {BUCKET_CAP_MB:g} MiB "
-        f"(first {FIRST_BUCKET_CAP_MB:g}), stage 3 resharding after forward. FSDP2: fully_shard per block and the root. "
+        f"CharTransformer {meta['spec']}, Adam lr {LR}. fdp: donate=True, overlap schedule, buckets "
+        f"{BUCKET_CAP_MB:g} MiB (first {FIRST_BUCKET_CAP_MB:g}), stage 3 resharding after forward. FSDP2: "
+        "fully_shard per block and the root. "
         f"Each row a fresh launch: {meta['warmup']} warm-up + {meta['steps']} timed steps; medians of rank 0. "
         f"Wall {meta['wall_s']:.0f} s.",
         "`state`: params + optimizer state + gradients a rank holds between steps (largest rank). `peak RSS`: largest "
         "rank's VmHWM over the timed steps; `incl. build`: over building and warm-up; `base`: RSS before building. "
         "`sent`: bytes this rank handed to collectives per step. Ratios are state / peak RSS / step time.",
         "",
-        "| ranks | side | state MiB/rank | peak RSS MiB | incl. build MiB | base MiB | step ms | sent MiB/step | loss | vs fdp stage 0 | vs FSDP2 |",
+        "| ranks | side | state MiB/rank | peak RSS MiB | incl. build MiB | base MiB | step ms | sent MiB/step | loss "
+        "| vs fdp stage 0 | vs FSDP2 |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for row in rows:

@@ -174,7 +174,8 @@ def main():
     lines = [
         f"# torch.func grad vs eager backward ({datetime.date.today()})",
         "",
-        f"torch {torch.__version__}, 1 thread, {reps} alternating repetitions, medians; load average {load:.2f} on 2 cores.",
+        f"torch {torch.__version__}, 1 thread, {reps} alternating repetitions, medians; load average {load:.2f} on 2 "
+        "cores.",
         "",
         "`torch.func` is `grad_and_value` over `functional_call`; fdp's is `fdp.model.functional.grad_and_value` "
         "(`torch.func.vjp`, its backward run once the transform is left), over the same params tree.",
@@ -183,10 +184,11 @@ def main():
         "|---|---:|---:|---:|---:|---:|---:|",
         *[f"| {n} | {e:.2f} | {f:.2f} | {r:.2f} | {d:+.2f} | {v:.2f} | {vr:.2f} |" for n, e, f, r, d, v, vr in rows],
         "",
-        "torch.func's own host costs, each reproduced in a few lines of plain torch (`torch_costs`; one thread, medians): "
-        "a chain of 200 multiplications of a 4-element tensor (per op, forward and backward), the sum of 100 tensors "
-        "differentiated (per tensor), and the gradient of one 10-element function (per call; for `vjp` with an aux of 0 "
-        "or 6 tensors, as BatchNorm's buffers come back).",
+        "torch.func's own host costs, each reproduced in a few lines of plain torch (`torch_costs`; one thread, "
+        "medians): a chain of 200 multiplications of a 4-element tensor (per op, forward and backward), the sum of "
+        "100 tensors "
+        "differentiated (per tensor), and the gradient of one 10-element function (per call; for `vjp` with an aux of "
+        "0 or 6 tensors, as BatchNorm's buffers come back).",
         "",
         "| what | us | per |",
         "|---|---:|---|",

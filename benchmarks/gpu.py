@@ -244,13 +244,17 @@ def main() -> None:
     rows = _rows(1, _run_world(1, models, ["eager", "ddp", "fdp"], args))
     if gpus > 1:
         rows += _rows(gpus, _run_world(gpus, models, ["ddp", "fdp"], args))
-    header = "| model | params | world | variant | median ms | IQR ms | wall ms/step | ratio to DDP | ratio to eager | first loss |"
+    header = (
+        "| model | params | world | variant | median ms | IQR ms | wall ms/step | ratio to DDP | ratio to eager | "
+        "first loss |"
+    )
     lines = [header, "|" + "---|" * 10]
     for r in rows:
         eager = f"{r['vs_eager']:.2f}" if r["vs_eager"] is not None else ""
         lines.append(
             f"| {r['model']} | {r['params'] / 1e6:.2f}M | {r['world']} | {r['variant']} | {r['median_ms']:.2f} | "
-            f"{r['q1_ms']:.2f}-{r['q3_ms']:.2f} | {r['wall_ms']:.2f} | {r['vs_ddp']:.2f} | {eager} | {r['first_loss']:.6f} |"
+            f"{r['q1_ms']:.2f}-{r['q3_ms']:.2f} | {r['wall_ms']:.2f} | {r['vs_ddp']:.2f} | {eager} | "
+            f"{r['first_loss']:.6f} |"
         )
     print("\n".join(lines))
     ratios = {r["model"]: r["vs_ddp"] for r in rows if r["variant"] == "fdp" and r["world"] == 1}
@@ -262,8 +266,9 @@ def main() -> None:
     if not args.quick:
         device = torch.cuda.get_device_name(0)
         meta = (
-            f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {gpus} x {device}; torch {torch.__version__}, "
-            f"CUDA {torch.version.cuda}; fp32; {args.reps} repetitions x ({args.warmup} warm-up + {args.steps} timed steps) per variant"
+            f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {gpus} x {device}; torch "
+            f"{torch.__version__}, CUDA {torch.version.cuda}; fp32; {args.reps} repetitions x ({args.warmup} warm-up "
+            f"+ {args.steps} timed steps) per variant"
         )
         RESULTS.mkdir(parents=True, exist_ok=True)
         (RESULTS / "gpu.md").write_text(

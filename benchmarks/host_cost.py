@@ -395,8 +395,9 @@ def markdown(rows: dict, meta: str, before: dict | None) -> str:
     for name, r in rows.items():
         ms = r["ms"]
         lines.append(
-            f"| {name} | {r['tensors']} | {ms['eager 1']:.2f} | {ms['ddp 1']:.2f} | {ms['fdp 1']:.2f} | {r['fdp/eager']:.2f} | "
-            f"{r['fdp/ddp 1']:.2f} | {_fmt(ms.get('ddp 2'))} | {_fmt(ms.get('fdp 2'))} | {_fmt(r.get('fdp/ddp 2'))} | "
+            f"| {name} | {r['tensors']} | {ms['eager 1']:.2f} | {ms['ddp 1']:.2f} | {ms['fdp 1']:.2f} | "
+            f"{r['fdp/eager']:.2f} | {r['fdp/ddp 1']:.2f} | {_fmt(ms.get('ddp 2'))} | {_fmt(ms.get('fdp 2'))} | "
+            f"{_fmt(r.get('fdp/ddp 2'))} | "
             f"{_fmt(ms.get('fdp compiled 1'))} | {_fmt(r.get('compiled/eager'))} | {_fmt(r.get('wall fdp/eager'))} | "
             f"{_fmt(r.get('wall fdp/ddp 2'))} |"
         )
@@ -461,7 +462,8 @@ def markdown(rows: dict, meta: str, before: dict | None) -> str:
             "",
         ]
     out += [
-        "What of this is torch.func's own, reproduced in plain torch: `func_overhead.md` (`python benchmarks/func_overhead.py`).",
+        "What of this is torch.func's own, reproduced in plain torch: `func_overhead.md` (`python "
+        "benchmarks/func_overhead.py`).",
         "",
     ]
     return "\n".join(out)
@@ -499,10 +501,11 @@ def main() -> None:
     load_after = os.getloadavg()
     meta = (
         f"`python benchmarks/host_cost.py{' --no-compile' if args.no_compile and not args.quick else ''}`: "
-        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; torch {torch.__version__}, 1 thread per rank; "
-        f"fdp from `{os.path.relpath(args.fdp.resolve(), REPO)}`; {args.reps} repetitions x ({args.warmup} warm-up + "
-        f"{args.steps} timed steps) per variant, medians; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after "
-        f"({os.cpu_count()} cores); {time.perf_counter() - t0:.0f} s"
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; torch {torch.__version__}, 1 thread per "
+        f"rank; fdp from `{os.path.relpath(args.fdp.resolve(), REPO)}`; {args.reps} repetitions x ({args.warmup} "
+        "warm-up + "
+        f"{args.steps} timed steps) per variant, medians; load average {load_before[0]:.1f} before, "
+        f"{load_after[0]:.1f} after ({os.cpu_count()} cores); {time.perf_counter() - t0:.0f} s"
     )
     before = json.loads(args.before.read_text()) if args.before else None
     text = markdown(rows, meta, before)

@@ -78,12 +78,13 @@ def main() -> None:
             "# DataLoader workers in a local world's ranks",
             "",
             f"2 gloo ranks, examples/my_project data, num_workers={WORKERS}: {STEPS} training batches and {EVALS} "
-            f"evaluations of the test split (rank 0), seconds spent reading (the slower rank); torch {torch.__version__}; "
-            f"load average {os.getloadavg()[0]:.1f} at the end.",
+            "evaluations of the test split (rank 0), seconds spent reading (the slower rank); torch "
+            f"{torch.__version__}; load average {os.getloadavg()[0]:.1f} at the end.",
             "",
             "| way | seconds | / fdp |",
             "|---|---|---|",
-            f"| default (spawned workers, a test loader per evaluation) | {seconds['default']:.2f} | {seconds['default'] / seconds['fdp']:.1f} |",
+            f"| default (spawned workers, a test loader per evaluation) | {seconds['default']:.2f} | "
+            f"{seconds['default'] / seconds['fdp']:.1f} |",
             f"| fdp (forked workers, one persistent test loader) | {seconds['fdp']:.2f} | 1.0 |",
             "",
         ]

@@ -451,8 +451,8 @@ def _batch_table(rows: list[dict], meta: dict) -> str:
         f"torch {meta['torch']}, {meta['cpus']} CPU cores shared with other jobs "
         f"(load {meta['load_before']:.1f} before, "
         f"{meta['load_after']:.1f} after); on {meta['device']}. Sequences per rank whose steps run under the budget "
-        "(fdp.dist.devices.limit_memory from before the model is built; doubling from the measured batch, then bisecting to "
-        f"within a quarter; a fresh launch of 1 warm-up + 1 step per try). Wall {meta['wall_s']} s.",
+        "(fdp.dist.devices.limit_memory from before the model is built; doubling from the measured batch, then "
+        f"bisecting to within a quarter; a fresh launch of 1 warm-up + 1 step per try). Wall {meta['wall_s']} s.",
         "",
         "| model | variant | largest batch | vs without checkpointing |",
         "|---|---|---:|---:|",

@@ -234,18 +234,21 @@ def write_report(results: dict, meta: dict, out_dir: Path) -> None:
         f"torch {meta['torch']}, Python {meta['python']}, {meta['cpus']} CPU cores shared with other jobs. "
         "netsim veth back-end: 2 network namespaces, one rank each, tbf at RATE per node and direction, "
         "MTU 1500, no added delay; gloo over `nsim0`; 1 torch thread per rank (both nodes share the host's cores).",
-        f"Models: {meta['models']}. Adam lr 1e-3 on both sides (torch's fused kernel; DDP's side with fused=True since 2026-11-22). fdp buckets 25 MiB (first 1 MiB), DDP defaults "
+        f"Models: {meta['models']}. Adam lr 1e-3 on both sides (torch's fused kernel; DDP's side with fused=True "
+        "since 2026-11-22). fdp buckets 25 MiB (first 1 MiB), DDP defaults "
         "(the same caps). PowerSGD: compression from step 3 (`hooks.start_iter=2`, `start_powerSGD_iter=2`), "
         "error feedback and warm start on. DDP's PowerSGD hook waits inside the hook (gloo races otherwise), "
         "which serialises its buckets. Top-k: ratio 0.01 (values + int32 positions, two allgathers); torch has no "
         "top-k DDP hook.",
         f"Step time: median over the steps after the first {N.WARMUP_STEPS} of rank 0 (IQR in brackets; rows with "
         "steps `N ×K`: over the timed steps of K repetitions run interleaved with the other rows); steps per run "
-        f"{meta['steps']} ({meta['steps_uncompressed']} for allreduce/fp16 below 1 Gbit/s). Bytes: what each rank hands "
-        "to collectives per step (payload, not wire bytes). Loss: training loss of the last step (mean over ranks); "
+        f"{meta['steps']} ({meta['steps_uncompressed']} for allreduce/fp16 below 1 Gbit/s). Bytes: what each rank "
+        "hands to collectives per step (payload, not wire bytes). Loss: training loss of the last step (mean over "
+        "ranks); "
         "both sides see the same batches from the same initial weights. Load: 1-min load average at start→end of "
         "the fdp run / CPU cores other processes took during it (rows ×K: ranges over the repetitions).",
-        f"Commands: `{meta['command']}`; fdp side per node: `recipes/train.py world=torchrun <overrides>` (in the JSON).",
+        f"Commands: `{meta['command']}`; fdp side per node: `recipes/train.py world=torchrun <overrides>` (in the "
+        "JSON).",
         "",
         "| rate | model | hook (torch hook) | steps | fdp ms | DDP ms | DDP/fdp | fdp × no-comm | fdp comm wait ms "
         "| fdp MB/step | DDP MB/step | fdp loss | DDP loss | load fdp / others' cores |",
@@ -275,7 +278,8 @@ def write_report(results: dict, meta: dict, out_dir: Path) -> None:
                 lines.append(
                     f"| {rate} | {mname} | {LABELS[v]} ({TORCH_HOOK[v]}) | {steps} | {_fmt_ms(f)} | "
                     f"{_fmt_ms(d) if v != 'topk' else 'n/a'} | {ratio} | {vs_floor} | {wait} | {_mb(f)} | "
-                    f"{_mb(d) if v != 'topk' else 'n/a'} | {_loss(f)} | {_loss(d) if v != 'topk' else 'n/a'} | {_load(f)} |"
+                    f"{_mb(d) if v != 'topk' else 'n/a'} | {_loss(f)} | {_loss(d) if v != 'topk' else 'n/a'} | "
+                    f"{_load(f)} |"
                 )
     lines += ["", "## Goals (1 Gbit/s)", ""] + (goals(results) or ["(no 1 Gbit/s results yet)"])
     lines += [

@@ -93,7 +93,8 @@ def main() -> None:
     lines = [
         f"# fdp.optim: foreach vs Python loop ({N_TENSORS} float32 tensors, {device}, torch {torch.__version__})",
         "",
-        f"Best of {args.repeats} interleaved samples: time of one `update` call (out of place, same results bit for bit).",
+        f"Best of {args.repeats} interleaved samples: time of one `update` call (out of place, same results bit for "
+        "bit).",
         "",
         "| update | elements/tensor | foreach (us) | loop (us) | loop / foreach |",
         "|---|---:|---:|---:|---:|",

@@ -224,12 +224,14 @@ def main() -> None:
     emit("## pack + unpack per step, float32, default caps (25 MiB, first 1 MiB)")
     emit()
     emit(
-        "| tree | implementation | median ms/step | best ms/step | peak extra RSS per step (MiB) | buffers held (MiB) | speed-up vs naive (median / best) |"
+        "| tree | implementation | median ms/step | best ms/step | peak extra RSS per step (MiB) | buffers held (MiB) "
+        "| speed-up vs naive (median / best) |"
     )
     emit("|---|---|---:|---:|---:|---:|---:|")
     trees = [
         (
-            f"{big['layers']} x Linear({big['width']}, {big['width']}): {n_params / 1e6:.1f}M params, {2 * big['layers']} tensors",
+            f"{big['layers']} x Linear({big['width']}, {big['width']}): {n_params / 1e6:.1f}M params, "
+            f"{2 * big['layers']} tensors",
             big,
         ),
         (
@@ -251,8 +253,8 @@ def main() -> None:
             ratio_med = res["naive"]["median_ms"] / r["median_ms"]
             ratio_min = res["naive"]["min_ms"] / r["min_ms"]
             emit(
-                f"| {tree_label} ({r['buckets']} buckets) | {labels[impl]} | {r['median_ms']:.2f} | {r['min_ms']:.2f} | "
-                f"{r['peak_extra_mib']:.1f} | {r['persistent_mib']:.1f} | {ratio_med:.2f}x / {ratio_min:.2f}x |"
+                f"| {tree_label} ({r['buckets']} buckets) | {labels[impl]} | {r['median_ms']:.2f} | {r['min_ms']:.2f} "
+                f"| {r['peak_extra_mib']:.1f} | {r['persistent_mib']:.1f} | {ratio_med:.2f}x / {ratio_min:.2f}x |"
             )
     emit()
     emit(

@@ -93,7 +93,8 @@ def fdp_step(module, precision: Precision, compile: bool, example):
 
 
 def count_casts() -> list[str]:
-    """Dtype casts (``aten._to_copy``) in one forward + backward: eager autocast against autocast under ``grad_and_value``.
+    """Dtype casts (``aten._to_copy``) in one forward + backward: eager autocast against autocast under
+    ``grad_and_value``.
 
     Counted below autograd with a dispatch mode, on the CPU; a model whose every weight is
     used once (the char transformer) and one that applies the same Linear four times.
@@ -228,7 +229,8 @@ def main():
             }
         )
         print(
-            f"{r['precision']:14s} {r['variant']:13s} {rows[-1]['ms']:9.2f} ms/step  loss {r['loss']:.4f}  (warm-up {r['warmup_s']:.1f} s)",
+            f"{r['precision']:14s} {r['variant']:13s} {rows[-1]['ms']:9.2f} ms/step  loss {r['loss']:.4f}  (warm-up "
+            f"{r['warmup_s']:.1f} s)",
             flush=True,
         )
     del runs
@@ -245,20 +247,23 @@ def main():
     lines = [
         f"# Step time per precision, fdp against torch and DDP ({datetime.date.today()}, {device.type})",
         "",
-        f"torch {torch.__version__}; {hw}; char transformer `{size}` ({params / 1e6:.1f}M parameters), batch {batch}x{block},"
+        f"torch {torch.__version__}; {hw}; char transformer `{size}` ({params / 1e6:.1f}M parameters), batch "
+        f"{batch}x{block},"
         f" AdamW; medians of {steps} steps after {warmup} warm-up steps (the compiled rows compile in the warm-up: see"
         f" 'warm-up s'); variants step round-robin, each step timed alone (the device synchronised before and after"
         f" it, so a host that queues ahead gains nothing here; `gpu.py` times steps back to back). Load average"
         f" {load[0]:.1f} / {load[1]:.1f} (1 / 5 min).",
         "",
-        "| precision | variant | ms/step | vs DDP same precision | vs torch eager 32-true | loss after the last step | warm-up s |",
+        "| precision | variant | ms/step | vs DDP same precision | vs torch eager 32-true | loss after the last step "
+        "| warm-up s |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         vs_ddp = r["ms"] / ddp_ms[r["precision"]] if r["precision"] in ddp_ms else float("nan")
         vs_fp32 = r["ms"] / fp32 if fp32 else float("nan")
         lines.append(
-            f"| {r['precision']} | {r['variant']} | {r['ms']:.2f} | {vs_ddp:.2f} | {vs_fp32:.2f} | {r['loss']:.4f} | {r['setup_s']:.1f} |"
+            f"| {r['precision']} | {r['variant']} | {r['ms']:.2f} | {vs_ddp:.2f} | {vs_fp32:.2f} | {r['loss']:.4f} | "
+            f"{r['setup_s']:.1f} |"
         )
     if device.type == "cpu":
         lines += ["", "Autocast's casts in one forward + backward (`--casts`):", "", *count_casts()]

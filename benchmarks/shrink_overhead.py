@@ -124,16 +124,18 @@ def main() -> None:
         [
             "# What a shrinkable world costs per step while nothing is lost (benchmarks/shrink_overhead.py)",
             "",
-            f"{args.ranks} gloo rank{'s' if args.ranks > 1 else ''}, one thread each, char transformer d_model {args.d_model} x 2 layers, block {args.block}, dropout 0.1, "
-            f"Adam, global batch {args.batch}; {args.steps} steps x {args.rounds} interleaved rounds (median, the slower rank); "
-            f"torch {torch.__version__}; {time.strftime('%Y-%m-%d')}; load average {load:.1f} at the end (2-core machine).",
+            f"{args.ranks} gloo rank{'s' if args.ranks > 1 else ''}, one thread each, char transformer d_model "
+            f"{args.d_model} x 2 layers, block {args.block}, dropout 0.1, "
+            f"Adam, global batch {args.batch}; {args.steps} steps x {args.rounds} interleaved rounds (median, the "
+            f"slower rank); torch {torch.__version__}; {time.strftime('%Y-%m-%d')}; load average {load:.1f} at the "
+            "end (2-core machine).",
             "",
             "| variant | ms per step | ratio |",
             "|---|---|---|",
             *rows,
             "",
-            f"`python -m benchmarks.shrink_overhead --steps {args.steps} --rounds {args.rounds} --d-model {args.d_model} "
-            f"--block {args.block} --batch {args.batch} --ranks {args.ranks}`",
+            f"`python -m benchmarks.shrink_overhead --steps {args.steps} --rounds {args.rounds} --d-model "
+            f"{args.d_model} --block {args.block} --batch {args.batch} --ranks {args.ranks}`",
             "",
         ]
     )

@@ -224,7 +224,8 @@ def write(results: dict, out: Path) -> None:
         "",
         f"Command: `{results['meta']['command']}`. Host load: {results['meta'].get('load')}.",
         "",
-        "| rate | variant | steps run | median step ms | loss target | steps to target | s to target | speed-up vs DDP |",
+        "| rate | variant | steps run | median step ms | loss target | steps to target | s to target | speed-up vs "
+        "DDP |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in results["rows"]:

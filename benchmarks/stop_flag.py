@@ -89,7 +89,8 @@ def main() -> None:
             "# Stop-flag agreement per step (fdp.dist.interrupt)",
             "",
             f"2 gloo ranks, one thread each, MLP 64-{args.hidden}-10, batch 32 per rank, {args.steps} steps x "
-            f"{args.rounds} interleaved rounds (median); torch {torch.__version__}; load average {load:.1f} at the end.",
+            f"{args.rounds} interleaved rounds (median); torch {torch.__version__}; load average {load:.1f} at the "
+            "end.",
             "",
             "| way | ms per step | / none |",
             "|---|---|---|",

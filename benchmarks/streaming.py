@@ -426,7 +426,8 @@ def write(a, summary: dict, out: Path) -> None:
         )
     lines += [
         "",
-        f"Times to DDP's loss (a {a.window}-step mean within 2% of it) are projected (`benchmarks/netsim/projection.py`) from each step's "
+        f"Times to DDP's loss (a {a.window}-step mean within 2% of it) are projected "
+        "(`benchmarks/netsim/projection.py`) from each step's "
         f"measured compute and bytes, {a.latency_ms} ms per link; the model against the simulated cluster:",
         "",
         "| run | rate | variant | measured ms | model ms | model / measured |",

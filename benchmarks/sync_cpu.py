@@ -97,8 +97,8 @@ def write(results: dict, out: Path) -> None:
         "this host; nothing else running. "
         "Medians of the repeats.",
         "",
-        "| rate | pseudo-gradient | MB | wall s | rank 0 CPU s | host CPU s (all cores) | host cores busy during the sync "
-        "| steal s |",
+        "| rate | pseudo-gradient | MB | wall s | rank 0 CPU s | host CPU s (all cores) | host cores busy during the "
+        "sync | steal s |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in results["rows"]:

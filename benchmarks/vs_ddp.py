@@ -452,7 +452,8 @@ def _robust_ratios(rows: dict) -> dict[str, tuple[float, float]]:
 
 def _table(results: dict, default: str) -> list[str]:
     lines = [
-        "| model | variant | step ms (median) | IQR ms | steps | vs DDP | CPU ms/step/rank | comm wait ms | peak RSS/rank MiB | of which added by the variant |",
+        "| model | variant | step ms (median) | IQR ms | steps | vs DDP | CPU ms/step/rank | comm wait ms | peak "
+        "RSS/rank MiB | of which added by the variant |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for model, res in results.items():
@@ -526,7 +527,8 @@ def main() -> None:
         f"allocator: {args.allocator}.",
         f"Load average before {load_before[0]:.2f} / after {load_after[0]:.2f} (1 min); CPU taken by other "
         f"processes during the run, in cores of {os.cpu_count()}: {others}.",
-        f"SGD lr {LR} momentum {MOMENTUM}, torch's fused kernel on both sides; buckets {BUCKET_CAP_MB:g} MiB (first {FIRST_BUCKET_CAP_MB:g} MiB); "
+        f"SGD lr {LR} momentum {MOMENTUM}, torch's fused kernel on both sides; buckets {BUCKET_CAP_MB:g} MiB (first "
+        f"{FIRST_BUCKET_CAP_MB:g} MiB); "
         f"mean allreduce. Repetitions of {len(variants)} alternating variants: "
         + ", ".join(f"{m} {len(r['rows']['ddp']['block_medians_ms'])}" for m, r in results.items())
         + (f" (at most {args.reps}; a {args.budget_s:g} s budget drops the rest)" if args.budget_s else "")
@@ -540,7 +542,8 @@ def main() -> None:
             else "Peak RSS: the larger rank, over timed steps after warm-up, within the shared timing process (what "
             "earlier blocks left in the heap shifts it by 100-200 MiB; the full run measures fresh launches)."
         ),
-        f"fdp's default schedule for 2 ranks (trainer.schedule=auto): `{default}`. No-communication rows (`noop`) are the lower bound. "
+        f"fdp's default schedule for 2 ranks (trainer.schedule=auto): `{default}`. No-communication rows (`noop`) are "
+        "the lower bound. "
         + (
             "DDP's PowerSGD hook is wrapped to wait() inside the hook (gloo races otherwise), which "
             "serialises its buckets. "

@@ -219,23 +219,29 @@ def _table(rows: list[dict], meta: dict) -> str:
     lines = [
         f"# ZeRO stages on the bucket plan ({meta['date']})",
         "",
-        f"torch {meta['torch']}, Python {meta['python']}, {meta['machine']}, {meta['cpus']} CPU cores shared with other jobs; "
-        f"gloo on loopback, 1 torch thread per rank (4 ranks share 2 cores). Load average (1 min) before {meta['load_before']:.1f}, "
-        f"after {meta['load_after']:.1f}: the machine was busy with other work, so step times carry that noise.",
-        f"Adam lr {LR}, donate=True, schedule overlap, buckets {BUCKET_CAP_MB:g} MiB (first {FIRST_BUCKET_CAP_MB:g} MiB). "
-        f"Each row a fresh launch: {meta['warmup']} warm-up + {meta['steps']} timed steps; medians of rank 0. Wall {meta['wall_s']:.0f} s.",
-        "`state MiB`: params + optimizer state + gradient buffers a rank holds between steps (the step's `state_mib`, largest rank). "
-        "`peak RSS`: largest rank's VmHWM over the timed steps; `incl. build`: over building and warm-up; `base`: RSS before building the model. "
+        f"torch {meta['torch']}, Python {meta['python']}, {meta['machine']}, {meta['cpus']} CPU cores shared with "
+        "other jobs; gloo on loopback, 1 torch thread per rank (4 ranks share 2 cores). Load average (1 min) before "
+        f"{meta['load_before']:.1f}, after {meta['load_after']:.1f}: the machine was busy with other work, so step "
+        "times carry that noise.",
+        f"Adam lr {LR}, donate=True, schedule overlap, buckets {BUCKET_CAP_MB:g} MiB (first {FIRST_BUCKET_CAP_MB:g} "
+        f"MiB). Each row a fresh launch: {meta['warmup']} warm-up + {meta['steps']} timed steps; medians of rank 0. "
+        f"Wall {meta['wall_s']:.0f} s.",
+        "`state MiB`: params + optimizer state + gradient buffers a rank holds between steps (the step's `state_mib`, "
+        "largest rank). `peak RSS`: largest rank's VmHWM over the timed steps; `incl. build`: over building and "
+        "warm-up; `base`: RSS before building the model. "
         "`sent`: bytes this rank handed to collectives per step.",
         "",
-        "| model | ranks | stage | state MiB/rank | vs stage 0 | peak RSS/rank MiB | incl. build MiB | base MiB | step ms | IQR ms | vs stage 0 | comm wait ms | sent MiB/step |",
+        "| model | ranks | stage | state MiB/rank | vs stage 0 | peak RSS/rank MiB | incl. build MiB | base MiB | "
+        "step ms | IQR ms | vs stage 0 | comm wait ms | sent MiB/step |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         s = _summary(row, rows)
         lines.append(
-            f"| {row['model']} ({s['params_m']:.1f}M, {s['buckets']} buckets) | {row['world']} | {row['stage']} | {s['state_mib']:.0f} | "
-            f"{s['state_ratio']:.3f} | {s['timed_peak']:.0f} | {s['warm_peak']:.0f} | {s['base']:.0f} | {s['ms']:.0f} | {s['iqr']} | {s['ms_ratio']:.2f} | "
+            f"| {row['model']} ({s['params_m']:.1f}M, {s['buckets']} buckets) | {row['world']} | {row['stage']} | "
+            f"{s['state_mib']:.0f} | "
+            f"{s['state_ratio']:.3f} | {s['timed_peak']:.0f} | {s['warm_peak']:.0f} | {s['base']:.0f} | {s['ms']:.0f} "
+            f"| {s['iqr']} | {s['ms_ratio']:.2f} | "
             f"{s['wait_ms']:.0f} | {s['mb_sent']:.0f} |"
         )
     return "\n".join(lines) + "\n"

@@ -43,8 +43,8 @@ def train_example(package, run_dir, *overrides, timeout=300):
     ]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = [l for l in proc.stdout.splitlines() if l.startswith("fdp: ")]
+    summary = [line for line in proc.stdout.splitlines() if line.startswith("fdp: ")]
     assert len(summary) == 1, proc.stdout[-2000:]
-    records = [json.loads(l) for l in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["summary"]
     return summary[0], records

@@ -97,8 +97,9 @@ def test_resume_is_bit_identical_with_adam_and_a_schedule(tmp_path):
     with pytest.raises(ConfigError) as refused:
         run(make_cfg(*common, "trainer.max_steps=40", "trainer.resume=true"), stretched)
     assert str(refused.value) == (
-        "trainer.max_steps=40: the checkpoint's learning-rate schedule (optim.lr_schedule=warmup_cosine) spans trainer.max_steps=20; "
-        "expected 20, or trainer.reschedule=true to stretch it over 40 steps (the rate jumps where the run resumes)"
+        "trainer.max_steps=40: the checkpoint's learning-rate schedule (optim.lr_schedule=warmup_cosine) spans "
+        "trainer.max_steps=20; expected 20, or trainer.reschedule=true to stretch it over 40 steps (the rate jumps "
+        "where the run resumes)"
     )
     run(
         make_cfg(
@@ -126,7 +127,8 @@ def test_resume_is_bit_identical_with_adam_and_a_schedule(tmp_path):
 
 def test_last_is_a_file_of_its_own_and_a_hard_linked_last_still_loads(tmp_path):
     """Rewriting last.pt in place (a tool converting it, a user's torch.save) leaves the step file as it was; a
-    directory whose last.pt is a hard link to its step file (as written before) loads and is unlinked by the next save."""
+    directory whose last.pt is a hard link to its step file (as written before) loads and is unlinked by the next
+    save."""
     for step in (1, 2):
         checkpoint.save(tmp_path, {"step": step, "params": {"w": torch.full((3,), float(step))}})
     last, step_file = tmp_path / checkpoint.LAST, tmp_path / "step_00000002.pt"

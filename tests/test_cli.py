@@ -168,7 +168,8 @@ def test_hydra_errors_translate_in_process(overrides, expected):
         ),
         (
             "+optim.b1=0.8",
-            "optim.b1: unknown key; expected a key of optim (b1 is a key of optim=adam; optim takes no keys of your own)",
+            "optim.b1: unknown key; expected a key of optim (b1 is a key of optim=adam; optim takes no keys of your "
+            "own)",
         ),
         (
             "+hooks.rank=2",

@@ -433,7 +433,8 @@ def _pad_collate(items):
     [
         (
             _Items(3),
-            r"^returned a _Items; expected \(train, test\) or \(train, test, collate\): map-style torch Datasets \(test may be None\)",
+            r"^returned a _Items; expected \(train, test\) or \(train, test, collate\): map-style torch Datasets "
+            r"\(test may be None\)",
         ),
         ((_Items(3),), r"^returned a tuple of 1 items; expected \(train, test\)"),
         ((_Stream(), None), r"^the train split is a _Stream; expected a map-style torch Dataset \(items by index\)$"),
@@ -458,8 +459,8 @@ def _pad_collate(items):
         ),
         (
             (_Tokens(3), None),
-            r"^train item 0: its input_ids is a list; expected a tensor, a number or an array \(or return \(train, test, "
-            r"collate\) with a function that pads them, such as a Hugging Face data collator\)$",
+            r"^train item 0: its input_ids is a list; expected a tensor, a number or an array \(or return \(train, "
+            r"test, collate\) with a function that pads them, such as a Hugging Face data collator\)$",
         ),
         (
             (_Tokens(3), None, "pad"),
@@ -527,7 +528,10 @@ def test_dict_items_with_their_own_collate_are_read_in_the_global_batch_order_on
     for step in (0, 5):  # 5 crosses an epoch boundary
         (one,) = train_batches(data, 12, 3, 0, 1, step, step + 1)
         shares = [next(train_batches(data, 12, 3, r, 3, step, step + 1, num_workers=r % 2)) for r in range(3)]
-        real = lambda b: [row[m.bool()].tolist() for row, m in zip(b["input_ids"], b["attention_mask"])]
+
+        def real(b):
+            return [row[m.bool()].tolist() for row, m in zip(b["input_ids"], b["attention_mask"])]
+
         assert sum((real(s) for s in shares), []) == real(one)
         assert all(type(s) is dict and (s["labels"] == -100).sum() == (s["attention_mask"] == 0).sum() for s in shares)
     (test,) = eval_batches(data, batch_size=8)

@@ -168,7 +168,10 @@ def test_busy_gpus_are_reported_and_passed_over_by_auto():
         place("gpu", 4, "none", 1, visible=4, probe=probe)
     with pytest.raises(
         ConfigError,
-        match=r"^world\.devices=auto: expected 1 usable GPU, 0 of the 2 visible are usable \(GPU 0: busy; GPU 1: busy\)$",
+        match=(
+            r"^world\.devices=auto: expected 1 usable GPU, 0 of the 2 visible are usable "
+            r"\(GPU 0: busy; GPU 1: busy\)$"
+        ),
     ):
         place("gpu", "auto", "none", 1, visible=2, probe=lambda ids: {i: "busy" for i in ids})
 

@@ -46,7 +46,8 @@ def test_an_output_the_loss_cannot_read_is_named_with_the_way_out():
     assert message == (
         "loss=cross_entropy: the model returns a BaseModelOutput with no logits (entries: last_hidden_state); the "
         "built-in losses read a tensor of scores, a ModelOutput, dict or dataclass with logits, or a tuple whose "
-        "first element is the logits: set loss._target_ to a function (outputs, targets) -> scalar that reads this output"
+        "first element is the logits: set loss._target_ to a function (outputs, targets) -> scalar that reads this "
+        "output"
     )
     custom = NAMES._replace(loss="loss._target_='my.loss'")
     message = _check(_Hidden(lambda h: CausalLMOutputWithCrossAttentions(logits=h)), _reads_reshape, names=custom)
@@ -80,12 +81,12 @@ def test_whatever_the_forward_raises_is_one_line_with_the_first_batch():
 def test_class_scores_must_cover_the_labels_and_the_classes_the_data_declares():
     """A 1000-class head on 10-class data (torchvision's default) is refused, not trained."""
     assert _check(nn.Linear(4, 1000), declared=10) == (
-        "model._target_='my.Net' does not fit data._target_='my.data' with loss=cross_entropy: the model outputs 1000 class "
-        "scores but data._target_='my.data' has 10 classes; expected +model.num_classes=10"
+        "model._target_='my.Net' does not fit data._target_='my.data' with loss=cross_entropy: the model outputs 1000 "
+        "class scores but data._target_='my.data' has 10 classes; expected +model.num_classes=10"
     )
     assert _check(nn.Linear(4, 6)) == (
-        "model._target_='my.Net' does not fit data._target_='my.data' with loss=cross_entropy: the first batch has label 7 "
-        "but the model outputs 6 class scores; expected +model.num_classes=8"
+        "model._target_='my.Net' does not fit data._target_='my.data' with loss=cross_entropy: the first batch has "
+        "label 7 but the model outputs 6 class scores; expected +model.num_classes=8"
     )
     # The same for torch's cross-entropy by its path or as a class, and for shifted token labels (padding not counted).
     assert "outputs 6 class scores" in _check(nn.Linear(4, 6), functools.partial(F.cross_entropy, label_smoothing=0.1))
@@ -123,9 +124,9 @@ def test_a_loss_that_shifts_refuses_targets_the_data_has_shifted_already():
         with pytest.raises(ConfigError) as caught:
             check_first_batch(model, TokenCrossEntropy(shift=1), params, buffers, batch, names, data.num_classes, said)
         assert str(caught.value) == (
-            "loss=causal_lm scores position t against the target at t + 1, but data=stdlib_text's targets are already the "
-            "next tokens (its inputs shifted by one): the model would learn the token 2 ahead; expected loss=cross_entropy, "
-            "or data whose targets are its input ids"
+            "loss=causal_lm scores position t against the target at t + 1, but data=stdlib_text's targets are "
+            "already the next tokens (its inputs shifted by one): the model would learn the token 2 ahead; expected "
+            "loss=cross_entropy, or data whose targets are its input ids"
         )
 
 

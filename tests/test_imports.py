@@ -73,7 +73,7 @@ def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
 def _layers() -> dict[str, int]:
     """Each top-level module's line in the module map of ``fdp/__init__.py`` (the ground first)."""
     layers = {}
-    for line_number, line in enumerate(l for l in fdp.__doc__.splitlines() if l.startswith("* ")):
+    for line_number, line in enumerate(doc_line for doc_line in fdp.__doc__.splitlines() if doc_line.startswith("* ")):
         for name in re.findall(r"``(\w+)``:", line) + re.findall(r"``(\w+)`` /", line):
             layers[name] = line_number
     return layers

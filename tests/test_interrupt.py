@@ -241,7 +241,7 @@ def test_slurms_warning_signal_stops_both_tasks_checkpoints_and_requeues_the_job
     for proc in procs:
         wait_training(proc, run_dir, ranks=(0, 1))
     os.kill(procs[1].pid, signal.SIGUSR1)
-    (out0, err0), (out1, err1) = finish(procs[0]), finish(procs[1])
+    (_, err0), (_, err1) = finish(procs[0]), finish(procs[1])
     assert [p.returncode for p in procs] == [138, 138], (err0[-2000:], err1[-2000:])
     step = checkpoint_step(run_dir)
     assert lines(err0) == [interrupted_line(step, "SIGUSR1", run_dir) + "; SLURM job 4242 requeued"]

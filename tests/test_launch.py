@@ -35,7 +35,9 @@ SCRIPT = textwrap.dedent("""
             torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 10)))
         loss_fn = fdp.cross_entropy_loss(model)
         first = shard(global_batch(data, 0, 32, seed=0), comm.rank, comm.world_size)
-        plan = fdp.plan_buckets(fdp.planner_loss(loss_fn, buffers), params, first, bucket_cap_mb=0.002, first_bucket_cap_mb=0.002)
+        plan = fdp.plan_buckets(
+            fdp.planner_loss(loss_fn, buffers), params, first, bucket_cap_mb=0.002, first_bucket_cap_mb=0.002
+        )
         optimizer = fdp.sgd(0.1, momentum=0.9)
         state = fdp.init_train_state(params, buffers, optimizer, plan, allreduce())
         step_fn = fdp.make_train_step(loss_fn, optimizer, plan, allreduce(), comm)
@@ -158,6 +160,9 @@ def test_the_trainer_names_its_config_key_instead(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(
         ConfigError,
-        match=r"^world=single is a world of one, but this process was started as one of WORLD_SIZE=4: expected world=torchrun$",
+        match=(
+            r"^world=single is a world of one, but this process was started as one of WORLD_SIZE=4: expected "
+            r"world=torchrun$"
+        ),
     ):
         layout_of(compose("world=single"))

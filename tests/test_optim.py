@@ -642,8 +642,8 @@ def test_a_custom_optimizer_gets_the_schedule_and_the_decay_rule_of_the_shared_s
         ),
         (
             {"_target_": "my_project.hooks.clip_then_allreduce"},
-            r"^optim\._target_='my_project\.hooks\.clip_then_allreduce': returned a reduction hook \(fdp\.hooks\.Hook\); "
-            r"expected a GradientTransformation",
+            r"^optim\._target_='my_project\.hooks\.clip_then_allreduce': returned a reduction hook "
+            r"\(fdp\.hooks\.Hook\); expected a GradientTransformation",
         ),
         (
             {"_target_": "torch.optim.AdamW"},

@@ -157,7 +157,10 @@ def test_skipped_step_leaves_params_optimizer_and_hooks_untouched():
     hook = chain(fp16_compress(), powersgd(rank=1, start_iter=0), fp16_decompress())
     precision = Precision("16-mixed", init_scale=2.0**60)
     step, state = _fdp(MLP(64, 64, 2, 10), adam(1e-2), precision, _batch(0), hook=hook)
-    leaves = lambda tree: [t.clone() for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+    def leaves(tree):
+        return [t.clone() for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
     before = leaves((state.params, state.opt_state, state.hook_state))
     new, metrics = step(state, _batch(0))
     assert metrics["skipped"] == 1 and new.step == 1

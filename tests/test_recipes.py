@@ -50,16 +50,16 @@ def test_every_config_composes_against_its_schema(group, option):
 def test_default_recipe_trains_from_the_shell(tmp_path):
     proc = recipe("train.py", "trainer.max_steps=40", "trainer.eval_every=20", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = [l for l in proc.stdout.splitlines() if l.startswith("fdp: ")]
+    summary = [line for line in proc.stdout.splitlines() if line.startswith("fdp: ")]
     assert len(summary) == 1 and "test_acc=" in summary[0]
-    records = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["summary"] and records[-1]["test_acc"] > 0.8
     assert {"step", "loss", "lr", "samples_per_s", "data_wait_ms"} <= set(records[0])
     assert records[-1]["data_wait_ms"] >= 0  # the summary's: how long the steps waited for their batches
     assert (tmp_path / "checkpoints" / "last.pt").exists()
     # What the run printed is in Hydra's train.log too: the start-up line and the summary.
     log = (tmp_path / "train.log").read_text()
-    startup = [l for l in proc.stdout.splitlines() if l.startswith("[rank0] mlp: ")]
+    startup = [line for line in proc.stdout.splitlines() if line.startswith("[rank0] mlp: ")]
     assert len(startup) == 1 and startup[0] in log and summary[0] in log
 
 

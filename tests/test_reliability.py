@@ -517,7 +517,8 @@ BAD_INPUTS = [
     (
         [*CHARLM, "data.max_chars=12", "trainer.max_steps=2"],
         "run",
-        r"^data=stdlib_text: max_chars=12 gives 11 train / 1 test characters; each split needs at least block_size \+ 1 = 9$",
+        r"^data=stdlib_text: max_chars=12 gives 11 train / 1 test characters; each split needs at least block_size \+ "
+        r"1 = 9$",
     ),
     ([*CHARLM, "model.dropout=1.0"], "validate", r"^model\.dropout=1\.0: expected a probability in \[0, 1\)$"),
     (["world.timeout_s=0"], "validate", r"^world\.timeout_s=0\.0: expected seconds > 0$"),
@@ -557,7 +558,8 @@ BAD_INPUTS = [
     (
         ["model=custom", "model._target_=no_such_pkg.models.Net"],
         "validate",
-        r"^model\._target_='no_such_pkg\.models\.Net': cannot import it \(No module named 'no_such_pkg'; is its directory on PYTHONPATH\?\)$",
+        r"^model\._target_='no_such_pkg\.models\.Net': cannot import it \(No module named 'no_such_pkg'; is its "
+        r"directory on PYTHONPATH\?\)$",
     ),
     (
         ["data=custom", "data._target_=my_project.data.mkae"],
@@ -574,8 +576,9 @@ BAD_INPUTS = [
     (
         [*NET, *MINE, "+model.in_features=5"],
         "run",
-        r"^model\._target_='my_project\.models\.Net' does not fit data\._target_='my_project\.data\.make' with loss=cross_entropy: "
-        r"mat1 and mat2 shapes cannot be multiplied \(64x8 and 5x64\) \(first batch: inputs \(64, 8\) float32, targets \(64,\) int64\)$",
+        r"^model\._target_='my_project\.models\.Net' does not fit data\._target_='my_project\.data\.make' with "
+        r"loss=cross_entropy: mat1 and mat2 shapes cannot be multiplied \(64x8 and 5x64\) \(first batch: inputs \(64, "
+        r"8\) float32, targets \(64,\) int64\)$",
     ),
     (
         [*MINE, "loss=mse"],
@@ -591,24 +594,29 @@ BAD_INPUTS = [
     (
         [*MINE, "loss=custom", "loss._target_=torch.nn.functional.cross_entropy", "+loss.reduction=none"],
         "run",
-        r"^loss\._target_='torch\.nn\.functional\.cross_entropy': returned shape \(64,\) torch\.float32; expected a floating-point scalar$",
+        r"^loss\._target_='torch\.nn\.functional\.cross_entropy': returned shape \(64,\) torch\.float32; expected a "
+        r"floating-point scalar$",
     ),
     (
         TRIPLES,
         "run",
-        r"^data\._target_='torch\.utils\.data\.random_split': train item 0 is a 3-tuple; expected a pair \(input, target\) or a dict with a 'labels' entry$",
+        r"^data\._target_='torch\.utils\.data\.random_split': train item 0 is a 3-tuple; expected a pair \(input, "
+        r"target\) or a dict with a 'labels' entry$",
     ),
     (
         ["data=custom", "data._target_=torch.zeros", "+data._args_=[3]"],
         "run",
-        r"^data\._target_='torch\.zeros': returned a Tensor; expected \(train, test\) or \(train, test, collate\): map-style torch Datasets \(test may be None\)",
+        r"^data\._target_='torch\.zeros': returned a Tensor; expected \(train, test\) or \(train, test, collate\): "
+        r"map-style torch Datasets \(test may be None\)",
     ),
     # Class scores that do not fit the labels, and a model output the loss cannot read.
     (
         [*MINE, "model=custom", "model._target_=torch.nn.Linear", "+model.out_features=5"],
         "run",
-        r"^model\._target_='torch\.nn\.Linear' does not fit data\._target_='my_project\.data\.make' with loss=cross_entropy: the model "
-        r"outputs 5 class scores but data\._target_='my_project\.data\.make' has 3 classes; expected model\.out_features=3$",
+        r"^model\._target_='torch\.nn\.Linear' does not fit data\._target_='my_project\.data\.make' with "
+        r"loss=cross_entropy: the model "
+        r"outputs 5 class scores but data\._target_='my_project\.data\.make' has 3 classes; expected "
+        r"model\.out_features=3$",
     ),
     (
         [
@@ -620,8 +628,8 @@ BAD_INPUTS = [
         ],
         "run",
         r"^model\._target_='torchvision\.models\.resnet18' does not fit data\._target_='vision\.data\.make' with "
-        r"loss=cross_entropy: the model outputs 1000 class scores but data\._target_='vision\.data\.make' has 10 classes; "
-        r"expected \+model\.num_classes=10$",
+        r"loss=cross_entropy: the model outputs 1000 class scores but data\._target_='vision\.data\.make' has 10 "
+        r"classes; expected \+model\.num_classes=10$",
     ),
     (
         [
@@ -732,7 +740,8 @@ RECIPE_CASES = [
     (
         ["world=local2", *MINE, "+model.in_features=5", "hydra.run.dir={fresh2}"],
         2,
-        r"error: model=mlp does not fit data\._target_='my_project\.data\.make' with loss=cross_entropy: .*\(rank [01]\)",
+        r"error: model=mlp does not fit data\._target_='my_project\.data\.make' with loss=cross_entropy: .*\(rank "
+        r"[01]\)",
     ),
 ]
 
@@ -776,7 +785,10 @@ def test_nonfinite_raise_names_the_step_and_the_first_bad_parameter(tmp_path):
         run(make_cfg(*TINY, "optim.lr=1e30", "trainer.max_steps=20"), tmp_path / "single")
     with pytest.raises(WorkerFailedError) as two:
         run(make_cfg(*DIVERGING, "trainer.max_steps=20"), tmp_path / "local2")
-    pattern = r"non-finite gradient at step (\d+) in parameter '(net\.\d+\.(?:weight|bias))' \(set trainer\.nonfinite=skip to skip such steps\)"
+    pattern = (
+        r"non-finite gradient at step (\d+) in parameter '(net\.\d+\.(?:weight|bias))' \(set trainer\.nonfinite=skip "
+        r"to skip such steps\)"
+    )
     one = re.fullmatch(pattern, str(single.value))
     both = re.fullmatch(pattern + r" \(rank [01]\)", str(two.value))
     assert one and both, (str(single.value), str(two.value))

@@ -363,7 +363,8 @@ def test_a_rank_waiting_on_a_live_peer_stops_once_the_world_is_reported_broken(r
 
 
 def test_the_readmes_shrink_commands_are_accepted_as_written():
-    """README's commands for a shrinking world (which the README tests do not run: a rank must be lost) pass validation."""
+    """README's commands for a shrinking world (which the README tests do not run: a rank must be lost) pass
+    validation."""
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text().replace("\\\n", " ")
     commands = [
         line

@@ -1,4 +1,5 @@
-"""Each sample's random stream (fdp.model.streams): masks that depend on the sample, not on the rank or the micro-batch."""
+"""Each sample's random stream (fdp.model.streams): masks that depend on the sample, not on the rank or the
+micro-batch."""
 
 from __future__ import annotations
 

@@ -40,8 +40,8 @@ def test_a_sweep_runs_past_a_job_refused_once_started_and_ends_with_a_table(tmp_
     proc = _sweep(tmp_path, "loss=causal_lm,cross_entropy")
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert [line for line in proc.stderr.splitlines() if line.startswith("error: ")] == [
-        "error: model=mlp does not fit data=digits with loss=causal_lm: shift=1: targets of shape (64,) have no sequence "
-        "dimension; expected (batch, length) (first batch: inputs (64, 64) float32, targets (64,) int64)"
+        "error: model=mlp does not fit data=digits with loss=causal_lm: shift=1: targets of shape (64,) have no "
+        "sequence dimension; expected (batch, length) (first batch: inputs (64, 64) float32, targets (64,) int64)"
     ]
     table = proc.stdout.splitlines()[-4:]
     assert table[0].split(" | ")[:6] == ["job", "overrides         ", "status ", "loss  ", "test_loss", "test_acc"]

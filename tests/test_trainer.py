@@ -107,11 +107,11 @@ def test_run_writes_metrics_summary_and_rank_logs(tmp_path):
         ),
         tmp_path,
     )
-    lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    steps = [l for l in lines if "summary" not in l]
-    assert [l["step"] for l in steps] == [2, 4, 6]
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [record for record in lines if "summary" not in record]
+    assert [record["step"] for record in steps] == [2, 4, 6]
     for key in ("loss", "lr", "grad_norm", "samples_per_s", "compute_ms", "comm_wait_ms", "bytes_sent"):
-        assert all(key in l for l in steps), key
+        assert all(key in record for record in steps), key
     assert "test_acc" in steps[-1]
     assert lines[-1]["summary"] and lines[-1]["steps"] == 6
     assert (tmp_path / "rank1.log").exists() and not (tmp_path / "rank0.log").exists()
@@ -145,7 +145,7 @@ def test_loss_setting_picks_the_training_loss(tmp_path, examples_on_path):
         make_cfg(*steps, "loss=mse", "+data.target=radius", "optim.lr=0.01", "trainer.log_every=1"), tmp_path / "mse"
     )
     assert "test_acc" not in summary and summary["test_loss"] > 0
-    losses = [json.loads(l)["loss"] for l in (tmp_path / "mse" / "metrics.jsonl").read_text().splitlines()[:-1]]
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "mse" / "metrics.jsonl").read_text().splitlines()[:-1]]
     assert losses[-1] < losses[0]
 
 

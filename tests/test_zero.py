@@ -43,7 +43,8 @@ def _batches(rank, world, accum):
 
 
 def _model_and_plan(rank, world, accum):
-    """The MLP of ``MODEL``, this rank's batches and the bucket plan: ``(loss_fn, params, buffers, batches, plan, model)``."""
+    """The MLP of ``MODEL``, this rank's batches and the bucket plan:
+    ``(loss_fn, params, buffers, batches, plan, model)``."""
     torch.manual_seed(0)
     model, params, buffers = functionalize(MLP(*MODEL))
     loss_fn = cross_entropy_loss(model)
@@ -325,7 +326,8 @@ def test_a_stage_three_checkpoint_restores_whole_params_bit_for_bit(run_ranks, t
 
 
 def _nonfinite_at_step_3(rank, world, stage, nonfinite):
-    """Rank 1's batch of step 3 holds an inf: ``(steps taken, metrics["skipped"] per step, error or None, step 3 kept the params)``."""
+    """Rank 1's batch of step 3 holds an inf:
+    ``(steps taken, metrics["skipped"] per step, error or None, step 3 kept the params)``."""
     loss_fn, params, buffers, batches, plan, model = _model_and_plan(rank, world, 1)
     batches = batches[:5]
     if rank == 1:
@@ -495,7 +497,8 @@ def _last(run_dir):
 
 
 def test_checkpoints_reshard_across_world_sizes_and_stages(tmp_path):
-    """A stage-1 run on 2 ranks stopped at step 10 resumes on 1 rank (stage 0) and on 4 (stage 2) like the run that went on."""
+    """A stage-1 run on 2 ranks stopped at step 10 resumes on 1 rank (stage 0) and on 4 (stage 2) like the run that
+    went on."""
     common = [
         "optim=adam",
         "model.hidden=24",
