@@ -320,7 +320,7 @@ class LoopControls:
         end_step: int,
         resumed: dict | None = None,
     ):
-        self.comm, self.plan, self.stage = comm, plan, tc.zero_stage
+        self.comm, self.plan = comm, plan
         self.eval_every, self.end_step = tc.eval_every, end_step
         early = tc.early_stopping
         self.early = Monitor.of(early.monitor, early.mode, early.min_delta) if early.monitor else None
@@ -348,7 +348,7 @@ class LoopControls:
     def _resumed_average(self, saved: dict | None, state: TrainState) -> dict:
         if saved is None:  # a new run, or one that turns the average on when resumed
             return self.ema.init(state.params)
-        if self.stage == 3:  # this rank's slices of the whole average
+        if zero.params_sharded(state.params, self.plan):  # this rank's slices of the whole average
             whole = TrainState(0, saved, {}, (), (), state.rng)
             return self.ema.init(zero.shard_state(whole, self.plan, self.comm, stage=3).params)
         return self.ema.init({name: saved[name].to(p.device) for name, p in state.params.items()})

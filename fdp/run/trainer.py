@@ -54,7 +54,7 @@ from fdp.model.losses import make_loss_fn
 from fdp.model.precision import set_matmul_precision
 from fdp.model.streams import wants_sample_streams
 from fdp.run import checkpoint
-from fdp.run.build import RunParts, build_data, build_run, display_name, tune_allocator_for
+from fdp.run.build import RunParts, build_data, build_run, display_name, stage_of, tune_allocator_for
 from fdp.run.loop_controls import LoopControls, read_resumed, run_steps
 from fdp.run.report import Report
 from fdp.run.rundir import RankStatus, RunDir, train_log_handler
@@ -250,6 +250,7 @@ def _out_of_memory_message(cfg: DictConfig, rank: int, world: int, phase: Memory
         f"trainer.accum_steps={tc.accum_steps}"
     )
     # Recomputing activations in backward (fdp.model.remat) keeps a step's peak lower, where it is not on yet.
+    stage = stage_of(cfg).number
     remat_hint = "" if tc.activation_checkpointing != "none" else "trainer.activation_checkpointing=blocks, "
     where, expected = {
         "data": (
@@ -258,10 +259,7 @@ def _out_of_memory_message(cfg: DictConfig, rank: int, world: int, phase: Memory
         ),
         "build": (
             "building the model and its train state",
-            (
-                f"more ranks, a higher trainer.zero_stage (now {tc.zero_stage}; 3 shards the params too) "
-                "or a smaller model"
-            ),
+            (f"more ranks, a higher trainer.zero_stage (now {stage}; 3 shards the params too) or a smaller model"),
         ),
         "step": (
             f"at step {phase.step}",
@@ -273,7 +271,7 @@ def _out_of_memory_message(cfg: DictConfig, rank: int, world: int, phase: Memory
         ),
         "save": (
             f"saving the checkpoint of step {phase.step}",
-            (f"a larger budget: rank 0 holds the whole state while it writes it (trainer.zero_stage={tc.zero_stage})"),
+            (f"a larger budget: rank 0 holds the whole state while it writes it (trainer.zero_stage={stage})"),
         ),
     }[phase.name]
     return f"rank {rank} ran out of memory {where} ({reason}); the run does not fit {within}: expected {expected}"
