@@ -40,7 +40,7 @@ def test_killed_writer_leaves_previous_checkpoint_intact(tmp_path):
     # A writer killed in the middle of torch.save: the big payload is being written when SIGKILL lands.
     script = (
         "import os, signal, threading, torch, sys\n"
-        "from fdp import checkpoint\n"
+        "from fdp.run import checkpoint\n"
         "threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()\n"
         f"checkpoint.atomic_save({{'step': 2, 'params': {{'w': torch.randn(60_000_000)}}}}, {str(path)!r})\n"
     )

@@ -530,7 +530,11 @@ BAD_INPUTS = [
     (["trainer.schedule=sometimes"], "validate", r"^trainer\.schedule='sometimes': expected auto, after or overlap$"),
     (["model.hidden=0"], "validate", r"^model\.hidden=0: expected an integer >= 1$"),
     (["optim.lr=0"], "validate", r"^optim\.lr=0\.0: expected a learning rate > 0$"),
-    (["optim.lr_schedule=linear"], "validate", r"^optim\.lr_schedule='linear': expected constant or warmup_cosine$"),
+    (
+        ["optim.lr_schedule=linear"],
+        "validate",
+        r"^optim\.lr_schedule='linear': expected constant or warmup_constant or warmup_linear or warmup_cosine or wsd$",
+    ),
     (["optim.clip_norm=0"], "validate", r"^optim\.clip_norm=0\.0: expected null \(off\) or > 0$"),
     (["data.test_fraction=1.0"], "validate", r"^data\.test_fraction=1\.0: expected a fraction in \(0, 1\)$"),
     # Registries of models, datasets and losses, and targets of one's own.

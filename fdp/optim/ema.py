@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import torch
 
+from fdp._torch import foreach
 from fdp.errors import require
 
 __all__ = ["Ema", "averaged_as", "check_ema_decay", "ema"]
@@ -61,7 +62,7 @@ def ema(decay: float) -> Ema:
 
     def update(average: Params, params: Params) -> Params:
         names = list(average)
-        new = torch._foreach_lerp([average[n] for n in names], [_widened(params[n]) for n in names], 1.0 - decay)
+        new = foreach.lerp([average[n] for n in names], [_widened(params[n]) for n in names], 1.0 - decay)
         return dict(zip(names, new))
 
     return Ema(init, update)

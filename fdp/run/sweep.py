@@ -101,6 +101,7 @@ class SweepTable(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from hydra.core.global_hydra import GlobalHydra
 
+        from fdp.dist.launchers import launcher_of
         from fdp.errors import ConfigError
         from fdp.run.cli import REFUSED, hydra_error_line
         from fdp.run.validate import validate
@@ -113,6 +114,8 @@ class SweepTable(Callback):
                 job = loader.load_sweep_config(config, list(overrides))
                 with open_dict(job):
                     del job["hydra"]
+                if launcher_of(job.world.launcher).starts_ranks:
+                    continue  # its world exists only inside the job (torchrun, SLURM): checked there as it starts
                 validate(resolve_world(job))
             except ConfigError as error:
                 line = str(error)
@@ -135,8 +138,12 @@ class SweepTable(Callback):
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         from hydra.core.utils import JobStatus
+        from hydra.types import RunMode
 
         from fdp.run.cli import FAILED
+
+        if config.hydra.mode != RunMode.MULTIRUN:  # a single run has no table (nor a job number)
+            return
 
         run_dir = Path(config.hydra.runtime.output_dir)
         status = job_return._return_value if job_return.status == JobStatus.COMPLETED else FAILED
