@@ -30,6 +30,7 @@ forward sees (stage 3 gathers them bucket by bucket), what each rank steps
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any, Callable, NamedTuple, Protocol
 
 import torch
@@ -181,7 +182,7 @@ class StepUpdate(Protocol):
         """Where a non-finite gradient was seen, for the error (``late``: read a step later)."""
 
 
-class Update:
+class Update(ABC):
     """The update of one ZeRO stage: every step of a train step function, and its state's whole life.
 
     Made once from the stage (``fdp.update.zero.update_for``); the train step, the trainer and
@@ -230,29 +231,32 @@ class Update:
     def refuses_compile(self) -> str | None:
         return self.rules.refuses_compile()
 
+    @abstractmethod
     def for_step(
         self, comm: Comm, timeline: Timeline | None = None, donate: bool = False, early: bool = False
-    ) -> "Update":
-        raise NotImplementedError
+    ) -> "Update": ...
 
     def reduction_comm(self, comm: Comm) -> Any:
         """The comm the hook chain reduces over."""
         return comm
 
+    @abstractmethod
     def check_state(self, state: Any) -> None:
         """Refuse, in one line, a state this update cannot step, or one the ranks do not share (the first step)."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def begin(self, state: Any, grad_buffers: tuple[torch.Tensor, ...]) -> StepUpdate:
         """The update of one step from ``state``; ``grad_buffers`` are the reducer's bucket buffers."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def first_state(
         self, params: Params, buffers: Buffers, hook: Hook | None, comm: Comm, seed: int = 0, precision: Any = None
     ) -> TrainState:
         """The state before step 1, the same on every rank of ``comm``: their plans, seeds and buffers
         compared, rank 0's params and buffers taken (``fdp.state.replicas.agreed_start``)."""
-        raise NotImplementedError
+        ...
 
     def to_checkpoint(self, state: TrainState, comm: Comm) -> TrainState:
         """What a checkpoint of ``state`` holds: the whole state, on the rank that writes it (a collective)."""
