@@ -26,7 +26,10 @@ over >= 30 timed steps (rank 0), mean wall time per step over each timed block, 
 fdp/DDP and fdp/eager, and the first step's loss of each variant (the same within float
 tolerance: the same init and batch).
 
-    python benchmarks/gpu.py [--quick] [--reps 4] [--steps 10] [--warmup 5]
+Then GPT-2 124M in bf16 against eager torch and ``torch.compile``, step time and peak
+memory, SDPA and eager attention (``benchmarks/gpu_gpt2.py``).
+
+    python benchmarks/gpu.py [--quick] [--reps 4] [--steps 10] [--warmup 5] [--only char|gpt2]
 
 Without CUDA it stops at once with one line. The full run writes
 ``benchmarks/results/gpu.md``; the last line printed is ``fdp/ddp step time: X`` (the
@@ -232,6 +235,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=4)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per block")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps before each block")
+    parser.add_argument("--only", choices=["char", "gpt2"], help="one part: the char models or GPT-2")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print(f"benchmarks/gpu.py: needs a CUDA GPU; torch {torch.__version__} sees none", file=sys.stderr)
@@ -240,6 +244,14 @@ def main() -> None:
         args.reps, args.steps, args.warmup = 2, 5, 2
     elif args.reps * args.steps < 30:
         parser.error(f"--reps {args.reps} x --steps {args.steps}: expected at least 30 timed steps per variant")
+    gpt2 = ""
+    if args.only != "char":
+        from benchmarks import gpu_gpt2
+
+        gpt2 = gpu_gpt2.table(gpu_gpt2.run(["sdpa", "eager"], not args.quick, 2 if args.quick else 3, args.steps))
+        print(gpt2, flush=True)
+        if args.only == "gpt2":
+            return
     models, gpus = list(MODELS), torch.cuda.device_count()
     rows = _rows(1, _run_world(1, models, ["eager", "ddp", "fdp"], args))
     if gpus > 1:
@@ -279,6 +291,7 @@ def main() -> None:
             + "\n\n"
             + "\n".join(f"- {g}" for g in goals)
             + "\n"
+            + (f"\n{gpt2}\n" if gpt2 else "")
         )
     print(f"fdp/ddp step time: {ratios['charlm25m']:.2f}")
 

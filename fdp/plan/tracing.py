@@ -28,9 +28,11 @@ def gradient_ready_order(
 ) -> list[str]:
     """Names of ``params`` in the order backward makes their gradients ready.
 
-    Runs ``torch.func.grad`` of ``loss_fn(params, batch)`` once, with a tensor hook on
-    every parameter; ``loss_fn`` may return a scalar loss or ``(loss, aux)``. Parameters
-    whose hook never fires get no gradient and are left out of the list.
+    Runs the backward of ``loss_fn(params, batch)`` once under ``torch.func.vjp``, with a
+    tensor hook on every parameter; ``loss_fn`` may return a scalar loss or ``(loss, aux)``.
+    Parameters whose hook never fires get no gradient and are left out of the list. The
+    order does not depend on the batch's size: a sample or two traces as well as a
+    whole batch, at a fraction of its memory.
 
     ``trace`` picks the tensors the backward runs on:
 
@@ -87,7 +89,12 @@ def _traced_order(loss_fn: Callable, params: dict[str, torch.Tensor], batch: Any
         out = loss_fn(p, b)
         return out[0] if isinstance(out, (tuple, list)) else out
 
-    torch.func.grad(traced)(params, batch)
+    # vjp's backward runs once the transform is left, freeing each activation as it goes;
+    # torch.func.grad would keep the whole forward alive to the end of its backward (it
+    # records a graph of the backward too): on a GPU that held a step's activations twice.
+    loss, backward = torch.func.vjp(lambda p: traced(p, batch), params)
+    with torch.no_grad():
+        backward(torch.ones_like(loss), retain_graph=False)
     return list(ready)
 
 
