@@ -65,6 +65,9 @@ MODELS = {
     # full size) shrunk to run on two CPU cores; ~4.7M parameters.
     "gpt2": {"kind": "gpt2", "vocab": 4096, "seq": 256, "d_model": 256, "n_layer": 6, "n_head": 8, "batch": 8},
 }
+# The step-time comparison (--time) also runs each model at width 512 (4 blocks): at width 128 a CPU step's
+# time is mostly per-op host work, which recomputation repeats in full; at 512 it is mostly arithmetic, as on a GPU.
+WIDE = {f"{name} wide": {**spec, "d_model": 512, "n_layer": 4, "n_head": 8} for name, spec in MODELS.items()}
 VARIANTS = {  # name: (ranks, zero stage or None for torch, checkpoint the blocks)
     "eager torch": (1, None, False),
     "DDP": (2, None, False),
@@ -299,7 +302,7 @@ def interleaved_times(model_name: str, steps: int) -> dict:
 
     tune_allocator()
     torch.set_num_threads(1)
-    spec = MODELS[model_name]
+    spec = {**MODELS, **WIDE}[model_name]
     batch = _batch(spec, spec["batch"], 0)
     module = _module(spec)
     model, params, buffers = functionalize(module, keep_module_weights=False)
@@ -376,14 +379,15 @@ def main() -> None:
 
     if args.time:
         lines = ["| model | step ms without checkpointing | with | ratio |", "|---|---:|---:|---:|"]
-        for model_name in args.models:
+        for model_name in [m for name in args.models for m in (name, f"{name} wide")]:
             ms = interleaved_times(model_name, args.steps)
             ratio = ms["with"] / ms["without"]
             lines.append(f"| {model_name} | {ms['without']:.0f} | {ms['with']:.0f} | {ratio:.2f} |")
             print(lines[-1], flush=True)
         head = (
             f"# fdp's step time with and without activation checkpointing ({meta['date']})\n\n"
-            f"One process, fdp stage 0, Adam, the models of memory.md at their batch; the two steps alternated "
+            f"One process, fdp stage 0, Adam, the models of memory.md at their batch, and each at width 512 with 4 "
+            f"blocks (`wide`); the two steps alternated "
             f"(order flipped every round) for {args.steps} rounds after one warm-up, medians. "
             f"torch {meta['torch']}, "
             f"{meta['cpus']} CPU cores shared with other jobs (load {meta['load_before']:.1f} before, "
