@@ -20,10 +20,18 @@ warm up, time some steps. Reported per row:
   counted by wrapping ``torch.distributed``'s all-gather and reduce-scatter, which its
   collectives call).
 
+``--lowp`` runs the low-precision rows instead (2 ranks by default): stage 3 and FSDP2 in
+float32, and under bf16 params (fdp ``trainer.precision=bf16-mixed``, whose stage 3 gathers
+in bf16; FSDP2 ``MixedPrecisionPolicy(param_dtype=bfloat16)``) with gradients reduced in
+float32 or bfloat16 (``bf16/bf16``: fdp ``trainer.reduce_dtype=bfloat16``, FSDP2
+``reduce_dtype=bfloat16``). The loss is taken in float32 on both sides (fdp's autocast does
+that; FSDP2 is handed float32 logits). Its table is the second section of ``fsdp.md``;
+each run rewrites its own section only.
+
 Goals at 4 ranks: stage 3 ``state MiB`` <= 0.30x stage 0; peak RSS <= 0.5x stage 0 and <= FSDP2;
 step time <= 1.0x FSDP2 and <= 1.3x stage 0.
 
-    python benchmarks/fsdp.py [--quick] [--worlds 2 4] [--d-model 1024] [--layers 8]
+    python benchmarks/fsdp.py [--quick] [--lowp] [--worlds 2 4] [--d-model 1024] [--layers 8]
 
 Writes ``benchmarks/results/fsdp.md`` and ``fsdp.json`` (``--quick``: a ~7M model, prints only).
 """
@@ -53,6 +61,26 @@ RESULTS = REPO / "benchmarks" / "results"
 LR = 1e-3
 BUCKET_CAP_MB, FIRST_BUCKET_CAP_MB = 25.0, 1.0
 SIDES = ("fdp stage 0", "fdp stage 1", "fdp stage 2", "fdp stage 3", "FSDP2")
+LOWP_SIDES = (
+    "fdp stage 3",
+    "fdp stage 3 bf16",
+    "fdp stage 3 bf16/bf16",
+    "FSDP2",
+    "FSDP2 bf16",
+    "FSDP2 bf16/bf16",
+)
+SECTIONS = {"stages": SIDES, "lowp": LOWP_SIDES}  # a section of fsdp.md per set of sides, each run rewrites its own
+
+
+def _side(side: str) -> tuple[int | None, str, str]:
+    """``(fdp's stage or None for FSDP2, precision, reduce dtype)`` of a side's name.
+
+    >>> _side("fdp stage 3 bf16/bf16"), _side("FSDP2 bf16")
+    ((3, 'bf16-mixed', 'bfloat16'), (None, 'bf16-mixed', 'float32'))
+    """
+    name, _, dtypes = side.partition(" bf16")
+    stage = None if name == "FSDP2" else int(name[-1])
+    return stage, ("bf16-mixed" if " bf16" in side else "32-true"), ("bfloat16" if dtypes == "/bf16" else "float32")
 
 
 def _module(spec: dict):
@@ -76,7 +104,7 @@ def _nbytes(tensors) -> int:
     return sum(seen.values())
 
 
-def _fdp(spec: dict, stage: int, comm, warmup: int, steps: int) -> dict:
+def _fdp(spec: dict, stage: int, comm, warmup: int, steps: int, precision: str, reduce_dtype: str) -> dict:
     from fdp import (
         adam,
         cross_entropy_loss,
@@ -87,6 +115,7 @@ def _fdp(spec: dict, stage: int, comm, warmup: int, steps: int) -> dict:
         planner_loss,
     )
     from fdp.comm import Comm
+    from fdp.model.precision import Precision
     from fdp.update import zero
 
     batch = _batch(spec, comm.rank)
@@ -102,7 +131,15 @@ def _fdp(spec: dict, stage: int, comm, warmup: int, steps: int) -> dict:
     )
     optimizer = adam(LR)
     step = make_train_step(
-        loss_fn, optimizer, plan, comm=Comm(), schedule="overlap", donate=True, zero_stage=stage, model=model
+        loss_fn,
+        optimizer,
+        plan,
+        comm=Comm(),
+        schedule="overlap",
+        donate=True,
+        zero_stage=stage,
+        model=model,
+        precision=Precision(precision, reduce_dtype=reduce_dtype),
     )
     state = (
         zero.init_state(params, buffers, optimizer, plan, comm, stage=stage)
@@ -120,22 +157,28 @@ def _fdp(spec: dict, stage: int, comm, warmup: int, steps: int) -> dict:
     )
 
 
-def _fsdp2(spec: dict, comm, warmup: int, steps: int) -> dict:
-    from torch.distributed.fsdp import fully_shard
+def _fsdp2(spec: dict, comm, warmup: int, steps: int, precision: str, reduce_dtype: str) -> dict:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     x, y = _batch(spec, comm.rank)
     module = _module(spec)
     n_params = sum(p.numel() for p in module.parameters())
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=getattr(torch, reduce_dtype))
+        if precision == "bf16-mixed"
+        else MixedPrecisionPolicy()
+    )
     for block in module.blocks:
-        fully_shard(block)
-    fully_shard(module)
+        fully_shard(block, mp_policy=policy)
+    fully_shard(module, mp_policy=policy)
     optimizer = torch.optim.Adam(module.parameters(), lr=LR)
     sent = _count_collectives()
 
     def step(_):
         t0 = time.perf_counter()
         sent[0] = 0
-        loss = torch.nn.functional.cross_entropy(module(x).reshape(-1, spec["vocab"]), y.reshape(-1))
+        logits = module(x).float()  # as fdp's autocast takes the loss: in float32
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, spec["vocab"]), y.reshape(-1))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)  # gradients kept between steps, as fdp's stages keep their buffers
@@ -203,11 +246,16 @@ def worker(spec: dict, side: str, world: int, warmup: int, steps: int) -> dict:
     from fdp.dist.launch import WorldLayout, init_distributed
 
     # fdp's trainer's allocator policy; FSDP2 gathers and frees params like stage 3 and gets its policy.
-    tune_allocator(sharded_params=side in ("fdp stage 3", "FSDP2"))
+    tune_allocator(sharded_params=side.startswith(("fdp stage 3", "FSDP2")))
     comm = init_distributed(WorldLayout("elastic", nproc_per_node=world, backend="gloo", timeout_s=1200))
     torch.set_num_threads(1)
     base = status_mib("VmRSS")
-    out = _fsdp2(spec, comm, warmup, steps) if side == "FSDP2" else _fdp(spec, int(side[-1]), comm, warmup, steps)
+    stage, precision, reduce_dtype = _side(side)
+    out = (
+        _fsdp2(spec, comm, warmup, steps, precision, reduce_dtype)
+        if stage is None
+        else _fdp(spec, stage, comm, warmup, steps, precision, reduce_dtype)
+    )
     dist.destroy_process_group()
     return {**out, "base_mib": base}
 
@@ -236,7 +284,9 @@ def _summary(row: dict, rows: list[dict]) -> dict:
         "mb_sent": ranks[0]["bytes_sent"] / 2**20,
         "loss": ranks[0]["loss"],
     }
-    for key, side in (("vs_stage0", "fdp stage 0"), ("vs_fsdp2", "FSDP2")):
+    same_policy = "FSDP2" + row["side"][len(_side_fp32(row["side"])) :]  # FSDP2 with the row's precision
+    references = (("vs_stage0", "fdp stage 0"), ("vs_fsdp2", "FSDP2"), ("vs_fp32", _side_fp32(row["side"])))
+    for key, side in (*references, ("vs_policy", same_policy)):
         ref = find(side)
         if ref is not None:
             ref_ranks = ref["ranks"]
@@ -244,8 +294,14 @@ def _summary(row: dict, rows: list[dict]) -> dict:
                 "state": out["state_mib"] / max(r["state_mib"] for r in ref_ranks),
                 "peak": out["timed_peak"] / max(r["timed_peak_mib"] for r in ref_ranks),
                 "ms": ms / statistics.median(ref_ranks[0]["ms"]),
+                "sent": ranks[0]["bytes_sent"] / ref_ranks[0]["bytes_sent"],
             }
     return out
+
+
+def _side_fp32(side: str) -> str:
+    """The float32 side a low-precision one is compared with: its own kind's."""
+    return side.partition(" bf16")[0]
 
 
 def _ratios(s: dict, key: str) -> str:
@@ -292,16 +348,64 @@ def _table(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _lowp_table(rows: list[dict], meta: dict) -> str:
+    lines = [
+        "## Low precision: bf16 gathers and reductions at stage 3 against FSDP2's MixedPrecisionPolicy "
+        f"({meta['date']})",
+        "",
+        f"torch {meta['torch']}, {meta['machine']}, {meta['cpus']} CPU cores shared with other jobs "
+        f"(load average before {meta['load_before']:.1f}, after {meta['load_after']:.1f}: times are rough, "
+        "bytes exact); gloo on loopback, "
+        "1 torch thread per rank. "
+        f"CharTransformer {meta['spec']}, Adam lr {LR}, {meta['warmup']} warm-up + {meta['steps']} timed steps. "
+        "`bf16`: fdp `trainer.precision=bf16-mixed` (stage 3 gathers bf16 params cast from the float32 master "
+        "slices), FSDP2 `MixedPrecisionPolicy(param_dtype=bfloat16)`; `bf16/bf16`: gradients reduced in bfloat16 "
+        "too (fdp `trainer.reduce_dtype=bfloat16`). `sent`: bytes this rank handed to collectives per step "
+        "(fdp on gloo all-reduces each bucket whole where NCCL reduce-scatters it; FSDP2's gloo reduce-scatter is "
+        "counted at its input, the whole bucket too). Ratios: sent / state / peak RSS / step time.",
+        "",
+        "| ranks | side | state MiB/rank | peak RSS MiB | step ms | sent MiB/step | loss | vs float32 side "
+        "| vs FSDP2, same precision |",
+        "|---:|---|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for row in rows:
+        s = _summary(row, rows)
+
+        def ratios(key):
+            r = s.get(key)
+            return f"{r['sent']:.2f} / {r['state']:.2f} / {r['peak']:.2f} / {r['ms']:.2f}" if r else "-"
+
+        lines.append(
+            f"| {row['world']} | {row['side']} ({s['params_m']:.1f}M) | {s['state_mib']:.0f} | {s['timed_peak']:.0f} | "
+            f"{s['ms']:.0f} | {s['mb_sent']:.1f} | {s['loss']:.4f} | {ratios('vs_fp32')} | {ratios('vs_policy')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _sections(path: Path, section: str, run: dict) -> dict:
+    """The runs ``fsdp.json`` holds, by section, with ``run`` in ``section`` (a file of one run is ``stages``)."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        old = {}
+    runs = old.get("sections", {"stages": old} if "rows" in old else {})
+    return {**runs, section: run}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a ~7M model, 1 warm-up + 2 timed steps, print only")
-    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=list(SIDES))
+    parser.add_argument("--lowp", action="store_true", help="the low-precision rows (bf16 gathers and reductions)")
+    parser.add_argument("--worlds", type=int, nargs="+")
+    parser.add_argument("--sides", nargs="+", choices=list(dict.fromkeys(SIDES + LOWP_SIDES)))
     parser.add_argument("--d-model", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
+    section = "lowp" if args.lowp else "stages"
+    args.sides = args.sides or list(SECTIONS[section])
+    args.worlds = args.worlds or ([2] if args.lowp else [2, 4])
     d_model, layers = (256, 8) if args.quick else (args.d_model, args.layers)
     spec = {"vocab": 256, "seq": 64, "d_model": d_model, "n_layer": layers, "n_head": max(1, d_model // 64), "batch": 2}
     warmup, steps = (1, 2) if args.quick else (args.warmup, args.steps)
@@ -325,12 +429,13 @@ def main() -> None:
         "steps": steps,
         "spec": spec,
     }
-    table = _table(rows, meta)
-    print(table)
+    print((_lowp_table if args.lowp else _table)(rows, meta))
     if not args.quick:
         RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "fsdp.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        (RESULTS / "fsdp.md").write_text(table)
+        runs = _sections(RESULTS / "fsdp.json", section, {"meta": meta, "rows": rows})
+        (RESULTS / "fsdp.json").write_text(json.dumps({"sections": runs}, indent=1))
+        tables = [(_lowp_table if name == "lowp" else _table)(run["rows"], run["meta"]) for name, run in runs.items()]
+        (RESULTS / "fsdp.md").write_text("\n".join(tables))
 
 
 if __name__ == "__main__":

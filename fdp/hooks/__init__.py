@@ -12,7 +12,15 @@ from fdp.hooks.base import (
     stage_name,
     stateless,
 )
-from fdp.hooks.compress import bf16, bf16_compress, bf16_decompress, fp16, fp16_compress, fp16_decompress
+from fdp.hooks.compress import (
+    bf16,
+    bf16_compress,
+    bf16_decompress,
+    fp16,
+    fp16_compress,
+    fp16_decompress,
+    reduced_in,
+)
 from fdp.hooks.hierarchical import NodeComms, hierarchical, node_comms
 from fdp.hooks.int8 import Int8State, int8, int8_compress, int8_decompress, int8_sum
 from fdp.hooks.lowbit import LowBitState, lowbit, lowbit_compress, lowbit_decompress, lowbit_sum
@@ -38,6 +46,7 @@ __all__ = [
     "fp16_decompress",
     "bf16_compress",
     "bf16_decompress",
+    "reduced_in",
     "hierarchical",
     "node_comms",
     "NodeComms",

@@ -20,12 +20,14 @@ but gloo sums bfloat16 tensors correctly, so ``bf16()`` works on CPU worlds too.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from fdp.hooks.allreduce import allreduce
-from fdp.hooks.base import GradBucket, Hook, chain, stateless
+from fdp.hooks.base import GradBucket, Hook, chain, run_stage, stage_name, stateless
 
-__all__ = ["fp16_compress", "fp16_decompress", "bf16_compress", "bf16_decompress", "fp16", "bf16"]
+__all__ = ["fp16_compress", "fp16_decompress", "bf16_compress", "bf16_decompress", "fp16", "bf16", "reduced_in"]
 
 
 def _cast(grads: GradBucket, dtype: torch.dtype) -> GradBucket:
@@ -79,3 +81,24 @@ def fp16() -> Hook:
 def bf16() -> Hook:
     """``chain(bf16_compress(), allreduce(), bf16_decompress())``: DDP's ``bf16_compress_hook``, on gloo too."""
     return chain(bf16_compress(), allreduce(), bf16_decompress())
+
+
+def reduced_in(dtype: torch.dtype, hook: Hook) -> Hook:
+    """``hook`` run on the bucket cast to ``dtype``, its result cast back to the bucket's own dtype.
+
+    FSDP2's ``MixedPrecisionPolicy.reduce_dtype``: ``reduced_in(torch.bfloat16, allreduce())``
+    averages as ``bf16()`` does. Unlike ``chain(bf16_compress(), hook, bf16_decompress())`` its
+    state is ``hook``'s own, so a train state made for ``hook`` (and its checkpoints) fits it.
+
+    >>> from fdp.hooks import allreduce, run_hook
+    >>> hook = reduced_in(torch.bfloat16, allreduce())
+    >>> hook.init(None), hook.shardable
+    ((), True)
+    """
+
+    def apply(state: Any, grads: GradBucket, comm):
+        out, state = yield from run_stage(hook.apply(state, _cast(grads, dtype), comm))
+        return _cast(out, grads.spec.torch_dtype), state
+
+    apply.__qualname__ = f"reduced_in.{stage_name(hook)}"
+    return Hook(hook.init, apply, hook.shardable)

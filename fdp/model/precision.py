@@ -14,6 +14,13 @@
 * ``bf16-true``: params, floating buffers and floating inputs in bfloat16, and with them
   gradients, buckets and optimizer state.
 
+Under ``bf16-mixed`` two more things follow torch FSDP2's ``MixedPrecisionPolicy``:
+ZeRO stage 3 all-gathers the params in bfloat16 (``gather_dtype``: each rank casts its
+float32 master slice before the gather, so half the bytes and half the gathered buffers;
+the forward reads bfloat16 params, which autocast's own casts leave as they are), and
+``reduce_dtype`` (``float32``, the default, or ``bfloat16``) is the dtype the gradients are
+averaged in, at every stage (``reducing``).
+
 The scale follows ``torch.amp.GradScaler``'s defaults: 2**16 to start, halved on a step
 with a non-finite gradient, doubled after 2000 finite steps in a row.
 
@@ -35,8 +42,11 @@ import torch
 
 from fdp._torch import tree_map
 from fdp.errors import check_choice
+from fdp.hooks import Hook, stage_name
+from fdp.hooks.compress import reduced_in
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
+REDUCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 MATMUL_PRECISIONS = ("highest", "high", "medium")
 
 INIT_SCALE = 2.0**16
@@ -110,6 +120,7 @@ class Precision(NamedTuple):
     name: str = "32-true"
     init_scale: float = INIT_SCALE
     growth_interval: int = GROWTH_INTERVAL
+    reduce_dtype: str = "float32"
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
@@ -118,6 +129,22 @@ class Precision(NamedTuple):
     @property
     def param_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.name == "bf16-true" else torch.float32
+
+    @property
+    def gather_dtype(self) -> torch.dtype | None:
+        """The dtype ZeRO stage 3 gathers params in: bfloat16 under ``bf16-mixed``; ``None``: the params' own."""
+        return torch.bfloat16 if self.name == "bf16-mixed" else None
+
+    def reducing(self, hook: Hook) -> Hook:
+        """``hook`` averaging in ``reduce_dtype`` (its state unchanged); ``ValueError`` if the pair is refused.
+
+        >>> from fdp.hooks import allreduce, stage_name
+        >>> stage_name(Precision("bf16-mixed", reduce_dtype="bfloat16").reducing(allreduce()))
+        'reduced_in.allreduce'
+        """
+        if check_reduce_dtype(self.reduce_dtype, self.name, hook) == "float32":
+            return hook
+        return reduced_in(REDUCE_DTYPES[self.reduce_dtype], hook)
 
     @property
     def loss_scaling(self) -> bool:
@@ -206,7 +233,34 @@ def unscaled_loss(loss: torch.Tensor, loss_scale: LossScale | None) -> torch.Ten
 
 
 # -- settings --------------------------------------------------------------------------------
-def check_precision(precision: str, device: str = "cpu") -> Precision:
+def check_reduce_dtype(reduce_dtype: str, precision: str = "bf16-mixed", hook: Hook | None = None) -> str:
+    """``reduce_dtype``: ``float32`` (any precision) or ``bfloat16`` (``bf16-mixed`` averaging with ``allreduce``).
+
+    With ``32-true`` a bfloat16 average is the ``bf16`` hook's job, and under ``16-mixed`` and
+    ``bf16-true`` the gradients are already 16-bit; another hook has its own wire format.
+
+    >>> check_reduce_dtype("bfloat16", "32-true")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: reduce_dtype='bfloat16': expected float32 with precision=32-true (bfloat16 is for bf16-mixed; ...)
+    """
+    check_choice("reduce_dtype", reduce_dtype, tuple(REDUCE_DTYPES))
+    if reduce_dtype == "float32":
+        return reduce_dtype
+    if precision != "bf16-mixed":
+        raise ValueError(
+            f"reduce_dtype={reduce_dtype!r}: expected float32 with precision={precision} (bfloat16 is for "
+            "bf16-mixed; hooks=bf16 averages float32 gradients in bfloat16)"
+        )
+    if hook is not None and stage_name(hook) != "allreduce":
+        raise ValueError(
+            f"reduce_dtype={reduce_dtype!r}: expected float32 with hooks {stage_name(hook)!r}, which reduce in "
+            "their own format (bfloat16 averages with hooks=allreduce)"
+        )
+    return reduce_dtype
+
+
+def check_precision(precision: str, device: str = "cpu", reduce_dtype: str = "float32") -> Precision:
     """The ``Precision`` for ``precision``; ``ValueError`` naming it if unknown or unsupported on ``device``.
 
     >>> check_precision("bf16-mixed").autocast_dtype
@@ -217,7 +271,7 @@ def check_precision(precision: str, device: str = "cpu") -> Precision:
     ValueError: precision='fp8': expected 32-true, bf16-mixed, 16-mixed or bf16-true
     """
     check_choice("precision", precision, PRECISIONS)
-    value = Precision(precision)
+    value = Precision(precision, reduce_dtype=check_reduce_dtype(reduce_dtype, precision))
     dtype = value.autocast_dtype
     if dtype is not None and not autocast_supported(device, dtype):
         name = str(dtype).removeprefix("torch.")

@@ -166,17 +166,19 @@ def unpack(plan: BucketPlan, buffers: Sequence[torch.Tensor]) -> dict[str, torch
     return out
 
 
-def slot_views(bucket: Bucket, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+def slot_views(bucket: Bucket, flat: torch.Tensor, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Views of one bucket's tensors in ``flat``, in their own shapes, in slot order.
 
     For hooks that work tensor by tensor (PowerSGD compresses each matrix on its own).
+    ``dtype``: the dtype ``flat`` holds the bucket in, where not the plan's (ZeRO stage 3's
+    bf16 gathers).
 
     >>> from fdp.plan import pack_into_buckets
     >>> bucket = pack_into_buckets([("b", (2,), "float32", "cpu"), ("w", (1, 2), "float32", "cpu")]).buckets[0]
     >>> {n: v.tolist() for n, v in slot_views(bucket, torch.arange(4.0)).items()}
     {'b': [0.0, 1.0], 'w': [[2.0, 3.0]]}
     """
-    _check_buffer(bucket, flat)
+    _check_buffer(bucket, flat, dtype)
     names, _, shapes, strides, offsets = bucket._layout
     base = flat.storage_offset()
     # One as_strided per tensor is one op; split() then view() would be two.
@@ -296,14 +298,15 @@ def _check_buffers(plan: BucketPlan, buffers: Sequence[torch.Tensor]) -> None:
         _check_buffer(bucket, flat)
 
 
-def _check_buffer(bucket: Bucket, flat: torch.Tensor) -> None:
+def _check_buffer(bucket: Bucket, flat: torch.Tensor, dtype: torch.dtype | None = None) -> None:
     if flat.dim() != 1 or flat.numel() != bucket.numel or not flat.is_contiguous():
         raise ValueError(
             f"buffer of bucket {bucket.index} must be a contiguous 1-D tensor of {bucket.numel} elements, "
             f"got shape {tuple(flat.shape)} (contiguous={flat.is_contiguous()})"
         )
-    if flat.dtype != bucket.torch_dtype:
-        raise ValueError(f"buffer of bucket {bucket.index} has dtype {flat.dtype}, the plan says {bucket.torch_dtype}")
+    expected = dtype or bucket.torch_dtype
+    if flat.dtype != expected:
+        raise ValueError(f"buffer of bucket {bucket.index} has dtype {flat.dtype}, expected {expected}")
 
 
 # Per-buffer slot aliases for pack(), so that a step does not rebuild one view per tensor.

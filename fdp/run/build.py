@@ -131,7 +131,7 @@ def build_run(
     num_params = count_parameters(module)
     embeddings = embedding_names(module)  # for optim.decay_filter=weights; the module gives up its weights next
     model, params, buffers = functionalize(module, keep_module_weights=False)  # the state holds the weights
-    precision = check_precision(cfg.trainer.precision, device.type)
+    precision = check_precision(cfg.trainer.precision, device.type, cfg.trainer.reduce_dtype)
     params, buffers = to_device(params, device), to_device(buffers, device)
     params, buffers = precision.cast(params), precision.cast(buffers)  # bf16-true: the plan's buckets follow
     criterion = build_loss(OmegaConf.to_container(cfg.loss, resolve=True))
@@ -170,6 +170,7 @@ def build_run(
         model=model,
         reshard_after_forward=cfg.trainer.reshard_after_forward,
         mirror=cfg.world.on_rank_loss == "shrink" and stage.shards_optimizer,
+        gather_dtype=precision.gather_dtype,
     )
     state = update.first_state(params, buffers, hook, comm, seed=cfg.seed, precision=precision)
     state = state._replace(

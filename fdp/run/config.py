@@ -206,6 +206,7 @@ class TrainerConfig:
     nonfinite: str = "raise"  # raise | skip
     sync_buffers: str = "broadcast"  # broadcast | average | local: buffers (BatchNorm statistics) across ranks
     precision: str = "32-true"  # 32-true | bf16-mixed | 16-mixed | bf16-true (Lightning's names)
+    reduce_dtype: str = "float32"  # float32 | bfloat16 (bf16-mixed, hooks=allreduce): the dtype gradients average in
     matmul_precision: str = "highest"  # highest | high | medium: torch.set_float32_matmul_precision
     # auto | true | false: torch.compile the gradient computation (auto: on a GPU, when the run repays the compile)
     compile: Any = "auto"

@@ -30,7 +30,7 @@ from fdp.errors import ConfigError, one_of, require
 from fdp.hooks import build_hook
 from fdp.hooks.hierarchical import check_node_size
 from fdp.model import remat
-from fdp.model.precision import check_matmul_precision, check_precision
+from fdp.model.precision import check_matmul_precision, check_precision, check_reduce_dtype
 from fdp.model.streams import check_sample_streams, wants_sample_streams
 from fdp.optim import build_optimizer, check_resumed_schedule
 from fdp.plan.values import check_cap
@@ -128,6 +128,7 @@ def _validate_trainer(cfg: Any) -> None:
         )
     hook = _as_config_key("hooks", build_hook, _container(cfg.hooks))
     _as_config_key("trainer.zero_stage", lambda stage: check_hook_for_stage(stage, hook), t.zero_stage)
+    _as_config_key("trainer.reduce_dtype", lambda value: check_reduce_dtype(value, t.precision, hook), t.reduce_dtype)
     if t.zero_stage:  # combinations whose state does not shard (yet): refused, not silently unsharded
         _require(
             t.precision != "16-mixed",
@@ -142,6 +143,10 @@ def _validate_trainer(cfg: Any) -> None:
             f"0 with outer={cfg.outer.name} (an outer loop keeps whole optimizer states)",
         )
         _require(not cfg.world.hierarchical, "trainer.zero_stage", t.zero_stage, "0 with world.hierarchical=true")
+    if cfg.world.hierarchical:  # the hook is wrapped into one across nodes, which reduces in its own dtype
+        _require(
+            t.reduce_dtype == "float32", "trainer.reduce_dtype", t.reduce_dtype, "float32 with world.hierarchical=true"
+        )
     refusal = stage_rules(t.zero_stage).refuses_compile()
     if refusal:
         _require(

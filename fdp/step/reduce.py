@@ -320,7 +320,9 @@ class GradReducer:
         flat = self.flats[bucket]
         # With parameter sharding autograd's own copy of the gradient is not kept: a
         # zero-strided scalar takes its place in what torch.func returns.
-        placeholder = torch.zeros((), dtype=view_of.dtype, device=view_of.device) if self.gather.gathers else None
+        # In the dtype of the gradient it stands for: the gathered param's (bf16 under bf16-mixed), not the bucket's.
+        dtype = self.gather.views[name].dtype if self.gather.gathers else None
+        placeholder = torch.zeros((), dtype=dtype, device=view_of.device) if self.gather.gathers else None
 
         def on_grad_ready(grad):
             # Copied with autograd on, a gradient that carries a graph (torch.func.grad's
@@ -344,6 +346,8 @@ def _write(target: torch.Tensor, grad: torch.Tensor, scale: float, accumulate: b
     """``target`` = ``scale * grad``, or ``+=`` it when accumulating micro-batches."""
     if accumulate:
         target.add_(grad, alpha=scale)
+    elif scale != 1.0 and grad.dtype != target.dtype:  # a bf16 gradient into a float32 bucket: scaled in float32
+        target.copy_(grad).mul_(scale)
     elif scale != 1.0:
         torch.mul(grad, scale, out=target)
     else:

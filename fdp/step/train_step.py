@@ -75,7 +75,9 @@ class StepOptions(NamedTuple):
       forward: ``broadcast`` rank 0's (DDP's default), ``average`` or ``local`` (``fdp.state.replicas``).
     * ``precision``: an ``fdp.model.precision.Precision`` (autocast, bf16 weights, loss scaling;
       under ``16-mixed`` an overflowing step is skipped on every rank alike, keeping the
-      forward's buffers, BatchNorm statistics, as torch's ``GradScaler`` does).
+      forward's buffers, BatchNorm statistics, as torch's ``GradScaler`` does; under
+      ``bf16-mixed`` stage 3 gathers params in bf16 and ``Precision.reduce_dtype`` is the
+      dtype gradients are averaged in).
     * ``compile``: the gradient computation under ``torch.compile`` (``fdp.step.compiled``).
     * ``zero_stage``: 1 shards the optimizer state over the ranks, 2 the reduced
       gradients too, 3 the params too (``fdp.update.zero``); the state must then come from
@@ -202,9 +204,15 @@ def make_train_step(
     """
     checks.check_step_arguments(loss_fn, optimizer, plan, hook, comm)
     opts = StepOptions(**options).resolved()
-    comm, hook = comm or Comm(), with_result_checks(hook or allreduce())
+    comm, hook = comm or Comm(), with_result_checks(opts.precision.reducing(hook or allreduce()))
     stage_update = opts.update or update_for(
-        opts.zero_stage, optimizer, plan, comm, model=opts.model, reshard_after_forward=opts.reshard_after_forward
+        opts.zero_stage,
+        optimizer,
+        plan,
+        comm,
+        model=opts.model,
+        reshard_after_forward=opts.reshard_after_forward,
+        gather_dtype=opts.precision.gather_dtype,
     )
     check_hook_for_stage(stage_update.stage, hook)
     refusal = stage_update.refuses_optimizer(optimizer)

@@ -154,6 +154,7 @@ def update_for(
     model: FunctionalModel | None = None,
     reshard_after_forward: bool = True,
     mirror: bool = False,
+    gather_dtype: Any = None,
 ) -> Update:
     """The ``fdp.update.base.Update`` of ZeRO stage ``stage`` (0 is the replicated update): the one place a stage's
     number becomes its update.
@@ -162,7 +163,8 @@ def update_for(
     reduction is done (see ``fdp.update.base.ReplicatedUpdate``). Stage 3 gathers the params
     of ``model`` bucket by bucket (``fdp.update.zero.gather``). ``mirror``: the states it makes
     keep the next rank's slices too (stage 1, a world that may shrink; stage 0 holds
-    everything already).
+    everything already). ``gather_dtype``: the dtype stage 3 gathers params in
+    (``Precision.gather_dtype``; ``None``: the buckets' own).
 
     >>> from fdp import sgd
     >>> from fdp.plan import pack_into_buckets
@@ -175,7 +177,9 @@ def update_for(
     if stage == 0:
         return ReplicatedUpdate(optimizer, plan, comm, timeline, donate, early)
     if stage == 3:
-        return ParamShardedUpdate(optimizer, plan, comm, model, reshard_after_forward, timeline, donate, early, mirror)
+        return ParamShardedUpdate(
+            optimizer, plan, comm, model, reshard_after_forward, timeline, donate, early, mirror, gather_dtype
+        )
     return ShardedUpdate(optimizer, plan, comm, stage, timeline, donate, early, mirror)
 
 

@@ -4,7 +4,10 @@ Between steps each rank holds only its slice of every bucket (``TrainState.param
 stage 3). A ``ParamGather`` keeps one padded flat buffer per bucket, whose memory is
 released while the bucket is not needed, and the parameter tensors the forward sees are
 views of those buffers, made once. Gathering a bucket gives its buffer memory back and
-all-gathers every rank's slice into it; releasing it frees the memory again.
+all-gathers every rank's slice into it; releasing it frees the memory again. The buffers
+may be of a narrower dtype than the slices (bfloat16 under ``bf16-mixed``, as FSDP2's
+``param_dtype``): each rank casts its slice into its part of the buffer, and the gather
+sends the narrow values.
 
 When, is learnt once, from one extra forward on the first step's first micro-batch (no
 gradients, the random generators restored after it). A dispatch mode sees every
@@ -101,12 +104,13 @@ class ParamGather:
         comm: Comm,
         reshard_after_forward: bool = True,
         timeline: Timeline | None = None,
+        dtype: torch.dtype | None = None,
     ):
         self.plan, self.comm, self.reshard = plan, comm, reshard_after_forward
         self.timeline = timeline or NullTimeline()
         self.rank, self.world = comm.rank, comm.world_size
         self.flats = [
-            torch.empty(shard_numel(b, self.world) * self.world, dtype=b.torch_dtype, device=b.device)
+            torch.empty(shard_numel(b, self.world) * self.world, dtype=dtype or b.torch_dtype, device=b.device)
             for b in plan.buckets
         ]
         self.views = param_views(plan, self.flats, list(plan.names))
@@ -265,7 +269,7 @@ class ParamGather:
         # Hooks run inside the torch.func transform: the buffers are written as plain tensors.
         with disable_functorch(), torch.no_grad():
             regrow(flat)
-            flat[start:stop].copy_(self._shards[shard_key(index)])
+            flat[start:stop].copy_(self._shards[shard_key(index)])  # cast to the gather's dtype here, before the wire
             self.timeline.gather_begin(index)
             self._pending[index] = self.comm.all_gather_into(flat, flat[start:stop])
 

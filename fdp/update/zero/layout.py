@@ -98,7 +98,7 @@ def param_views(plan: BucketPlan, flats: list[torch.Tensor], order: list[str]) -
     """Every parameter as a view of its bucket's flat buffer, keyed in ``order``."""
     views: dict[str, torch.Tensor] = {}
     for bucket, flat in zip(plan.buckets, flats):
-        views.update(slot_views(bucket, flat[: bucket.numel]))
+        views.update(slot_views(bucket, flat[: bucket.numel], flat.dtype))  # the flats may be narrower (bf16 gathers)
     return {name: views[name] for name in order}
 
 

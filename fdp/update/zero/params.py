@@ -37,7 +37,10 @@ class ParamShardedUpdate(SlicedUpdate):
 
     ``model`` is the ``FunctionalModel`` the loss runs: its modules' hooks gather each
     bucket before its params are read. ``gather`` is handed to the ``GradReducer``; it is
-    made (and the hooks registered) when first asked for, by the train step.
+    made (and the hooks registered) when first asked for, by the train step. ``gather_dtype``
+    (``Precision.gather_dtype``, bfloat16 under ``bf16-mixed``): the dtype the params are
+    gathered and read in, FSDP2's ``param_dtype``; the slices the optimizer steps stay in
+    the buckets' own dtype.
     """
 
     flat_params = False
@@ -53,6 +56,7 @@ class ParamShardedUpdate(SlicedUpdate):
         donate: bool = False,
         early: bool = False,
         mirror: bool = False,
+        gather_dtype: torch.dtype | None = None,
     ):
         require(
             isinstance(model, FunctionalModel),
@@ -63,13 +67,15 @@ class ParamShardedUpdate(SlicedUpdate):
         )
         require(HAS_DISABLE_FUNCTORCH, "zero_stage", 3, "0, 1 or 2: this torch cannot leave torch.func from a hook")
         super().__init__(optimizer, plan, comm, 3, timeline, donate, early, mirror)
-        self.model, self.reshard_after_forward = model, reshard_after_forward
+        self.model, self.reshard_after_forward, self.gather_dtype = model, reshard_after_forward, gather_dtype
         self._gather: ParamGather | None = None
 
     @property
     def gather(self) -> ParamGather:
         if self._gather is None:
-            self._gather = ParamGather(self.model, self.plan, self.comm, self.reshard_after_forward, self.timeline)
+            self._gather = ParamGather(
+                self.model, self.plan, self.comm, self.reshard_after_forward, self.timeline, self.gather_dtype
+            )
         return self._gather
 
     def for_step(
@@ -85,6 +91,7 @@ class ParamShardedUpdate(SlicedUpdate):
             donate,
             early,
             self.mirror,
+            self.gather_dtype,
         )
 
     def reduction_comm(self, comm: Comm) -> Any:
