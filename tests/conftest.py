@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 
 import pytest
@@ -56,7 +57,7 @@ def _cpu_unless_marked_gpu(request):
     They compare against CPU references to the bit, and ``world.accelerator=auto`` would
     take a GPU where there is one: the trainer sees no GPU, and neither do the processes
     a test starts (workers, recipes). Module-scoped, so a module's own fixtures that start
-    runs are covered too.
+    runs are covered too. Local workers start from the forkserver below unless a layout says otherwise.
     """
     if request.node.get_closest_marker("gpu") is not None:
         yield
@@ -64,7 +65,23 @@ def _cpu_unless_marked_gpu(request):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("CUDA_VISIBLE_DEVICES", "")
         patch.setattr(fdp.run.world, "visible_gpus", lambda: 0)
+        patch.setattr(WorldLayout.__new__, "__defaults__", _FORKSERVER_DEFAULTS)
         yield
+
+
+# Workers this process starts (``run_ranks``, ``fdp.run.trainer.run`` on a local world) fork from one
+# forkserver that imported torch and fdp once, instead of each spawned interpreter importing them again
+# (5 s a worker on a loaded 2-core machine: most of the distributed tests' time). They are still fresh
+# processes that get their rank, entry and arguments as spawned ones do. Only where the GPUs are hidden:
+# the server keeps the environment it started with, so it starts inside the first CPU-only module
+# (CUDA_VISIBLE_DEVICES empty); GPU modules spawn their workers. A layout that names its method keeps it.
+# torch._dynamo (imported by torch.func's first grad) is most of a worker's start-up after torch itself.
+multiprocessing.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "fdp.run.trainer"])
+_FORKSERVER_DEFAULTS = tuple(
+    "forkserver" if name == "start_method" else WorldLayout._field_defaults[name]
+    for name in WorldLayout._fields
+    if name in WorldLayout._field_defaults
+)
 
 
 # Short enough that a broken collective fails the test well inside CI's budget.
