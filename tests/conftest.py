@@ -77,11 +77,19 @@ def _cpu_unless_marked_gpu(request):
 # (CUDA_VISIBLE_DEVICES empty); GPU modules spawn their workers. A layout that names its method keeps it.
 # torch._dynamo (imported by torch.func's first grad) is most of a worker's start-up after torch itself.
 multiprocessing.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "fdp.run.trainer"])
+_SPAWN_DEFAULTS = WorldLayout.__new__.__defaults__
 _FORKSERVER_DEFAULTS = tuple(
     "forkserver" if name == "start_method" else WorldLayout._field_defaults[name]
     for name in WorldLayout._fields
     if name in WorldLayout._field_defaults
 )
+
+
+@pytest.fixture
+def spawned_workers(monkeypatch):
+    """Local workers spawned as the recipe starts them, for a test that measures what a worker adds once it runs
+    (``world.memory_per_rank_mb``): a forked one has the server's imports already."""
+    monkeypatch.setattr(WorldLayout.__new__, "__defaults__", _SPAWN_DEFAULTS)
 
 
 # Short enough that a broken collective fails the test well inside CI's budget.
