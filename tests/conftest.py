@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.forkserver
 import os
 
 import pytest
@@ -66,6 +67,8 @@ def _cpu_unless_marked_gpu(request):
         patch.setenv("CUDA_VISIBLE_DEVICES", "")
         patch.setattr(fdp.run.world, "visible_gpus", lambda: 0)
         patch.setattr(WorldLayout.__new__, "__defaults__", _FORKSERVER_DEFAULTS)
+        # Started here, where no test's own environment is patched in yet: the server keeps this one.
+        multiprocessing.forkserver.ensure_running()
         yield
 
 
@@ -73,9 +76,11 @@ def _cpu_unless_marked_gpu(request):
 # forkserver that imported torch and fdp once, instead of each spawned interpreter importing them again
 # (5 s a worker on a loaded 2-core machine: most of the distributed tests' time). They are still fresh
 # processes that get their rank, entry and arguments as spawned ones do. Only where the GPUs are hidden:
-# the server keeps the environment it started with, so it starts inside the first CPU-only module
+# the server keeps the environment it started with, so it starts as the first CPU-only module begins
 # (CUDA_VISIBLE_DEVICES empty); GPU modules spawn their workers. A layout that names its method keeps it.
 # torch._dynamo (imported by torch.func's first grad) is most of a worker's start-up after torch itself.
+# What a forked worker prints goes where the server's output went (pytest -s shows it); its errors come back
+# through the launcher, as a spawned worker's do.
 multiprocessing.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "fdp.run.trainer"])
 _SPAWN_DEFAULTS = WorldLayout.__new__.__defaults__
 _FORKSERVER_DEFAULTS = tuple(
