@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.forkserver
 import os
 
 import pytest
@@ -56,7 +58,7 @@ def _cpu_unless_marked_gpu(request):
     They compare against CPU references to the bit, and ``world.accelerator=auto`` would
     take a GPU where there is one: the trainer sees no GPU, and neither do the processes
     a test starts (workers, recipes). Module-scoped, so a module's own fixtures that start
-    runs are covered too.
+    runs are covered too. Local workers start from the forkserver below unless a layout says otherwise.
     """
     if request.node.get_closest_marker("gpu") is not None:
         yield
@@ -64,7 +66,35 @@ def _cpu_unless_marked_gpu(request):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("CUDA_VISIBLE_DEVICES", "")
         patch.setattr(fdp.run.world, "visible_gpus", lambda: 0)
+        patch.setattr(WorldLayout.__new__, "__defaults__", _FORKSERVER_DEFAULTS)
+        # Started here, where no test's own environment is patched in yet: the server keeps this one.
+        multiprocessing.forkserver.ensure_running()
         yield
+
+
+# Workers this process starts (``run_ranks``, ``fdp.run.trainer.run`` on a local world) fork from one
+# forkserver that imported torch and fdp once, instead of each spawned interpreter importing them again
+# (5 s a worker on a loaded 2-core machine: most of the distributed tests' time). They are still fresh
+# processes that get their rank, entry and arguments as spawned ones do. Only where the GPUs are hidden:
+# the server keeps the environment it started with, so it starts as the first CPU-only module begins
+# (CUDA_VISIBLE_DEVICES empty); GPU modules spawn their workers. A layout that names its method keeps it.
+# torch._dynamo (imported by torch.func's first grad) is most of a worker's start-up after torch itself.
+# What a forked worker prints goes where the server's output went (pytest -s shows it); its errors come back
+# through the launcher, as a spawned worker's do.
+multiprocessing.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "fdp.run.trainer"])
+_SPAWN_DEFAULTS = WorldLayout.__new__.__defaults__
+_FORKSERVER_DEFAULTS = tuple(
+    "forkserver" if name == "start_method" else WorldLayout._field_defaults[name]
+    for name in WorldLayout._fields
+    if name in WorldLayout._field_defaults
+)
+
+
+@pytest.fixture
+def spawned_workers(monkeypatch):
+    """Local workers spawned as the recipe starts them, for a test that measures what a worker adds once it runs
+    (``world.memory_per_rank_mb``): a forked one has the server's imports already."""
+    monkeypatch.setattr(WorldLayout.__new__, "__defaults__", _SPAWN_DEFAULTS)
 
 
 # Short enough that a broken collective fails the test well inside CI's budget.

@@ -2,6 +2,7 @@ import os
 import sysconfig
 import time
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -25,7 +26,7 @@ from fdp.data import (
     split_micro_batches,
     train_batches,
 )
-from fdp.data.builtin import _digits_split
+from fdp.data.builtin import _digits_arrays, _digits_split
 
 torch.set_num_threads(1)
 
@@ -83,6 +84,8 @@ def test_digits_split_is_disjoint_and_standardised_with_train_statistics():
     from sklearn.datasets import load_digits as sk_load_digits
 
     raw = sk_load_digits()
+    pixels, labels = _digits_arrays()  # the file read without importing scikit-learn: what its loader gives
+    assert np.array_equal(pixels, raw.data) and np.array_equal(labels, raw.target) and labels.dtype == np.int64
     x = torch.as_tensor(raw.data, dtype=torch.float32) / 16.0
     y = torch.as_tensor(raw.target)
     data = load_digits(seed=3)

@@ -86,10 +86,10 @@ def test_one_owner_per_run_directory_and_a_dead_owners_lock_is_taken_over(tmp_pa
     assert listing(tmp_path) == before
 
 
-@pytest.mark.timeout(900)  # five two-rank resumes
 def test_a_resume_refused_on_two_ranks_is_one_line_every_time_and_changes_nothing(tmp_path):
     """A world=local2 PowerSGD run resumed with hooks=allreduce: both ranks refuse its hook state. Every try
-    ends the same way: the same one line (no rank named: they agree), exit 2, the run exactly as it was."""
+    ends the same way: the same one line (no rank named: they agree), exit 2, the run exactly as it was.
+    Two tries: the second also finds the directory as the first refusal left it."""
     world = ["world=local2", "world.backend=gloo", "world.timeout_s=60"]
     first = recipe(tmp_path, *world, "hooks=powersgd", "trainer.max_steps=3")
     assert first.returncode == 0, first.err[-3000:]
@@ -99,7 +99,7 @@ def test_a_resume_refused_on_two_ranks_is_one_line_every_time_and_changes_nothin
         f"error: checkpoint {tmp_path}/checkpoints/last.pt: hook state has {entries} entries, this run "
         "expects 0 (different optimizer, hooks or bucket plan?)"
     ]
-    for attempt in range(5):
+    for attempt in range(2):
         refused = recipe(tmp_path, *world, "hooks=allreduce", "trainer.resume=true", "trainer.max_steps=6")
         assert (attempt, refused.returncode, lines(refused.err)) == (attempt, 2, expected), refused.err[-3000:]
         assert listing(tmp_path) == before, attempt  # no .hydra/resume-1, no log line, nothing rewritten

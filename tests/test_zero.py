@@ -566,7 +566,7 @@ def test_stage_three_checkpoints_resume_at_any_stage_and_world_size(tmp_path):
         assert diff <= 1e-5, (world, stage, diff)
 
 
-def test_a_run_that_does_not_fit_a_rank_fails_at_stage_zero_and_trains_at_stage_three(tmp_path):
+def test_a_run_that_does_not_fit_a_rank_fails_at_stage_zero_and_trains_at_stage_three(tmp_path, spawned_workers):
     """world.memory_per_rank_mb below what stage 0 needs per rank and above what stage 3 needs on 4 ranks.
 
     A 38M-parameter MLP with Adam: measured, each rank's data segment grows by ~1160 MiB at stage 0 (params,

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sysconfig
+from pathlib import Path
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -77,6 +79,24 @@ def _check_fraction(test_fraction: float) -> None:
         raise ValueError(f"test_fraction={test_fraction!r}: expected a fraction in (0, 1)")
 
 
+def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """The digits' pixels (1797, 64) and labels, read from the file scikit-learn ships.
+
+    Read directly: importing scikit-learn (with pandas, scipy) takes longer than the rest of a small
+    run's start-up, and every rank of a local world pays it. Its own loader reads the same file the
+    same way; it is the fallback where a release keeps the file elsewhere.
+    """
+    package = importlib.util.find_spec("sklearn")
+    path = Path(package.submodule_search_locations[0], "datasets", "data", "digits.csv.gz") if package else None
+    if path is None or not path.is_file():
+        from sklearn.datasets import load_digits as _sk_load_digits
+
+        raw = _sk_load_digits()
+        return raw.data, raw.target
+    table = np.loadtxt(path, delimiter=",")
+    return table[:, :-1], table[:, -1].astype(np.int64)
+
+
 def load_digits(seed: int = 0, test_fraction: float = 0.2, flatten: bool = True) -> Dataset:
     """scikit-learn's bundled 8×8 digits (1797 images, offline), split and standardised.
 
@@ -89,12 +109,10 @@ def load_digits(seed: int = 0, test_fraction: float = 0.2, flatten: bool = True)
     >>> tuple(data.train_x.shape), tuple(data.test_x.shape), data.train_x.dtype
     ((1438, 64), (359, 64), torch.float32)
     """
-    from sklearn.datasets import load_digits as _sk_load_digits
-
     _check_fraction(test_fraction)
-    raw = _sk_load_digits()
-    x = torch.as_tensor(raw.data, dtype=torch.float32) / 16.0
-    y = torch.as_tensor(raw.target, dtype=torch.int64)
+    pixels, labels = _digits_arrays()
+    x = torch.as_tensor(pixels, dtype=torch.float32) / 16.0
+    y = torch.as_tensor(labels, dtype=torch.int64)
     n = x.shape[0]
     n_test = int(round(n * test_fraction))
     if not 0 < n_test < n:
