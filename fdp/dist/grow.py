@@ -94,8 +94,9 @@ def prepare_joiner(layout: WorldLayout) -> str:
     return resolve_backend(layout.backend, [layout.device(r) for r in range(layout.nproc_per_node)])
 
 
-def respawner(store: Callable[[], dist.Store], cleared: list[int], max_respawns: int, delay_s: float,
-              timeout_s: float) -> Callable[[LostRank], bool]:
+def respawner(
+    store: Callable[[], dist.Store], cleared: list[int], max_respawns: int, delay_s: float, timeout_s: float
+) -> Callable[[LostRank], bool]:
     """What a keeper asks after its rank was lost (``fdp.dist.keeper.keep``'s ``respawn``): start it again?
 
     Yes, up to ``max_respawns`` times, once the others went on without it (its fence is in
@@ -170,36 +171,55 @@ class GrowingWorld(ShrinkingWorld):
         ranks = [json.loads(self.store.get(f"join/{number}"))["rank"] for number in ids]
         taken, refused = [], []
         for number, rank in zip(ids, ranks):
-            (taken if len(taken) < room and rank not in self.members and rank not in
-             [r for _, r in taken] else refused).append((number, rank))
+            (
+                taken
+                if len(taken) < room and rank not in self.members and rank not in [r for _, r in taken]
+                else refused
+            ).append((number, rank))
         for number, rank in refused:
             self.store.set(f"join/{number}/answer", json.dumps({"refused": self._full(rank)}))
-        self.store.set(_ADMITTED, str(ids[-1]))
         if not taken:
+            self.store.set(_ADMITTED, str(ids[-1]))
             return None
-        plan = {"generation": self.generation, "at": (step // period + 2) * period, "asked": step,
-                "ids": [n for n, _ in taken], "ranks": [r for _, r in taken]}
+        # Counted admitted at the boundary only: a world that shrinks before it schedules them again.
+        plan = {
+            "generation": self.generation,
+            "at": (step // period + 2) * period,
+            "asked": step,
+            "ids": [n for n, _ in taken],
+            "ranks": [r for _, r in taken],
+            "last": ids[-1],
+        }
         self.store.set(key, json.dumps(plan))
         return plan
 
     def _full(self, rank: int) -> str:
-        return (f"world.max_ranks={self.max_ranks}: expected room for one more rank; the world already has "
-                f"{len(self.members)} (launch ranks {', '.join(map(str, self.members))}), so launch rank {rank} "
-                "cannot join")
+        return (
+            f"world.max_ranks={self.max_ranks}: expected room for one more rank; the world already has "
+            f"{len(self.members)} (launch ranks {', '.join(map(str, self.members))}), so launch rank {rank} "
+            "cannot join"
+        )
 
     def admit(self):
         """At the scheduled boundary, on every member: the larger world's ``Comm`` (``regroup``)."""
         plan, self._plan = self._plan, None
         self.before, self.asked_at = self.members, plan["asked"]
-        self._answering = plan["ids"]
+        self._answering = plan
         return self.regroup([], joined=tuple(plan["ranks"]))
 
     def admitting(self, generation: int, members: tuple[int, ...]) -> None:
         if self.rank == 0 and getattr(self, "_answering", None):  # answered before anyone waits for the joiners
-            answer = json.dumps({"generation": generation, "members": list(members), "before": list(self.before),
-                                 "asked": self.asked_at})
-            for number in self._answering:
+            answer = json.dumps(
+                {
+                    "generation": generation,
+                    "members": list(members),
+                    "before": list(self.before),
+                    "asked": self.asked_at,
+                }
+            )
+            for number in self._answering["ids"]:
                 self.store.set(f"join/{number}/answer", answer)
+            self.store.set(_ADMITTED, str(self._answering["last"]))
         self._answering = None
 
     @property
@@ -208,8 +228,16 @@ class GrowingWorld(ShrinkingWorld):
 
     # -- the joiner's side -------------------------------------------------------------------------
     @classmethod
-    def join(cls, store: dist.Store, me: int, backend: str, timeout_s: float, min_ranks: int = 1, max_ranks: int = 0,
-             wait_s: float | None = None) -> "GrowingWorld | None":
+    def join(
+        cls,
+        store: dist.Store,
+        me: int,
+        backend: str,
+        timeout_s: float,
+        min_ranks: int = 1,
+        max_ranks: int = 0,
+        wait_s: float | None = None,
+    ) -> "GrowingWorld | None":
         """Ask to join the running world as launch rank ``me`` and join it at its next boundary; ``None``
         when the run ended first. ``JoinRefused`` (one line) when it has ``max_ranks`` ranks already."""
         current = _current(store, me, timeout_s)
@@ -229,8 +257,17 @@ class GrowingWorld(ShrinkingWorld):
             return None
         if "refused" in answer:
             raise JoinRefused(answer["refused"])
-        world = cls(store, me, len(answer["before"]), backend, timeout_s, min_ranks, max_ranks=max_ranks,
-                    members=tuple(answer["before"]), generation=answer["generation"] - 1)
+        world = cls(
+            store,
+            me,
+            len(answer["before"]),
+            backend,
+            timeout_s,
+            min_ranks,
+            max_ranks=max_ranks,
+            members=tuple(answer["before"]),
+            generation=answer["generation"] - 1,
+        )
         world.asked_at = answer["asked"]
         missing = world.enter(answer["generation"], tuple(answer["members"]))
         if missing:

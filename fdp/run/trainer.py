@@ -57,11 +57,11 @@ from fdp.model.streams import wants_sample_streams
 from fdp.run import checkpoint
 from fdp.run.build import RunParts, build_data, build_run, display_name, stage_of, tune_allocator_for
 from fdp.run.loop_controls import LoopControls, read_resumed, run_steps
+from fdp.run.rejoin import Joining, RunEnded, enter_world, heal
 from fdp.run.report import Report
 from fdp.run.rundir import RankStatus, RunDir, train_log_handler
 from fdp.run.startup import start_run
 from fdp.run.world import layout_of
-from fdp.state.heal import fresh_rank_parts, share_state
 from fdp.state.train_state import TrainState
 from fdp.step import compiled
 from fdp.step.outer import check_outer, make_outer_step
@@ -229,7 +229,7 @@ def _join_and_train(cfg: DictConfig, run_dir: str) -> dict:
     world = None
     if cfg.world.on_rank_loss == "shrink" and (comm.world_size > 1 or joiner):
         world = (
-            _Joining(launched_world(cfg.world.launcher).rank, backend)
+            Joining(launched_world(cfg.world.launcher).rank, backend)
             if joiner
             else GrowingWorld(
                 shrink_store(cfg.world.timeout_s),
@@ -244,7 +244,7 @@ def _join_and_train(cfg: DictConfig, run_dir: str) -> dict:
         comm = comm if joiner else world.comm()
     try:
         return _train(cfg, directory, comm, device, world, phase)
-    except _RunEnded:
+    except RunEnded:
         return {}
     except (MemoryError, RuntimeError, OSError) as error:
         if not is_out_of_memory(error):
@@ -321,8 +321,10 @@ class _Loop:
     ):
         self.cfg, self.parts, self.timeline, self.device, self.last_step = cfg, parts, timeline, device, last_step
         self.compile, self.controls, self.phase, self.world = compile, controls, phase, world
-        # A world grows at the boundary of an outer-loop period (between steps without one).
-        self.period = cfg.outer.get("sync_every", 1) if cfg.outer.name != "none" else 1
+        # A world grows at the boundary of an outer-loop period (between steps without one); never while a sync is in
+        # flight across steps (outer.overlap: 0, no growing).
+        outer = cfg.outer
+        self.period = 0 if outer.get("overlap", 0) else outer.get("sync_every", 1) if outer.name != "none" else 1
         self.state = self.before = state
         self.since = time.perf_counter()
         self.join(comm)
@@ -382,6 +384,7 @@ class _Loop:
                 return interrupted
             if (
                 isinstance(self.world, GrowingWorld)
+                and self.period
                 and not controls.stopped
                 and self.world.due(state.step, self.period)
             ):
@@ -405,7 +408,7 @@ class _Loop:
         self.train_step.settle()
         comm = world.admit()
         extra = {"controls": self.controls.payload(self.state.step), "compile": self.compile}
-        self.state, _ = _heal(world, self.parts, self.state, comm, self.device, self.cfg.seed, extra)
+        self.state, _ = heal(world, self.parts, self.state, comm, self.device, self.cfg.seed, extra)
         self.before = self.state
         record = {
             "step": self.state.step,
@@ -497,7 +500,7 @@ def _start(
 ) -> tuple[_Loop, Report, compiled.CompileChoice]:
     """This rank up to its first step: the data, the run's pieces, its first state, the step, the report."""
     rank, world_size, tc = comm.rank, comm.world_size, cfg.trainer
-    joiner = isinstance(world, _Joining)
+    joiner = isinstance(world, Joining)
     _setup_logging(run_dir, world.me if joiner else rank, joined=joiner)
     set_matmul_precision(tc.matmul_precision)  # process-wide: set once, before anything runs
     try:
@@ -515,20 +518,9 @@ def _start(
         state = _first_state(source, parts, comm)
     release_free_memory()  # what building left free (the whole params, at ZeRO stages that shard them)
     resumed, compile = None, None
-    if joiner:  # built alone: now into the running world, healed from its ranks (fdp.dist.grow, fdp.state.heal)
-        world.world = world = GrowingWorld.join(
-            shrink_store(cfg.world.timeout_s),
-            world.me,
-            world.backend,
-            cfg.world.timeout_s,
-            cfg.world.min_ranks,
-            max_ranks=cfg.world.max_ranks or launched_world(cfg.world.launcher).world_size,
-        )
-        if world is None:
-            raise _RunEnded()
-        comm = world.comm()
+    if joiner:  # built alone: now into the running world, healed from its ranks (fdp.run.rejoin)
+        world, comm, state, extra = enter_world(cfg, world, parts, state, device)
         rank, world_size = comm.rank, comm.world_size
-        state, extra = _heal(world, parts, state, comm, device, cfg.seed)
         resumed, compile = extra["controls"], extra["compile"]
     if rank == 0:
         _announce(cfg, run_dir, parts, world_size, device)
@@ -548,38 +540,6 @@ def _start(
     loop = _Loop(cfg, parts, comm, timeline, device, state, last_step, compile, controls, phase, world)
     report = Report(cfg, run_dir, parts, comm, state.step, last_step)
     return loop, report, choice
-
-
-class _RunEnded(Exception):
-    """A rank that was to join found the run over first (its keeper returns the run's summary)."""
-
-
-class _Joining:
-    """A rank that joins a running world, before it has (``world``, once joined: ``fdp.dist.grow``)."""
-
-    def __init__(self, me: int, backend: str):
-        self.me, self.backend, self.world = me, backend, None
-
-    def close(self) -> None:
-        if self.world is not None:
-            self.world.close()
-
-
-def _heal(
-    world: GrowingWorld,
-    parts: RunParts,
-    state: TrainState,
-    comm: Comm,
-    device: torch.device,
-    seed: int,
-    extra: dict | None = None,
-) -> tuple[TrainState, dict]:
-    """Every rank of a world that grew: the joiners take the survivors' state (and ``extra``, rank 0's), with
-    their own per-rank parts; then the update splits it again over the larger world (ZeRO-1's slices)."""
-    state, extra = share_state(state, extra, comm, len(world.before), device)
-    if world.me in world.joined:
-        state = fresh_rank_parts(state, parts.plan, seed, comm.rank)
-    return parts.update.reshard(state, world.before, world.members, comm), extra
 
 
 @contextlib.contextmanager
