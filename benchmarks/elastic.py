@@ -226,6 +226,31 @@ def _torchft(kill: bool, timeout_s: float) -> dict:
     return out
 
 
+def _lookup_us(calls: int = 2000) -> tuple[float, float]:
+    """What a world that may grow pays per step for it (``GrowingWorld.due`` on a loopback store): microseconds per
+    call on rank 0 (it counts the requests) and on another rank (it looks for rank 0's schedule)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from fdp.dist.grow import GrowingWorld
+
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30)
+    )
+    out = []
+    for me in (0, 1):
+        world = GrowingWorld(store, me, 3, "gloo", 30.0)
+        try:
+            began = time.perf_counter()
+            for step in range(calls):
+                world.due(step)
+            out.append(1e6 * (time.perf_counter() - began) / calls)
+        finally:
+            world.close()
+    return out[0], out[1]
+
+
 def _tries(measure, *args, attempts: int = 2) -> dict:
     """``measure(*args)``, tried again once if the run failed (a machine shared with others may starve a rank past
     its heartbeat: then the run says so and ends)."""
@@ -288,6 +313,8 @@ def main() -> None:
     }
     for key, m in calm.items():
         print("no failure:", key, m, flush=True)
+    lookup0, lookup1 = _lookup_us()
+    print(f"per-step look-up for a joiner: {lookup0:.0f} us on rank 0, {lookup1:.0f} us on the others", flush=True)
     base = calm["fdp, on_rank_loss=restart"]["step_ms"]
     calm_rows = [
         f"| {key} | {m['step_ms']:.1f} | {m['step_ms'] / base:.2f} | {m['loss']:.3f} |" for key, m in calm.items()
@@ -319,6 +346,11 @@ def main() -> None:
             "| run | step (ms) | / fdp restart | final loss |",
             "|---|---|---|---|",
             *calm_rows,
+            "",
+            "fdp under `shrink` draws dropout per sample (`fdp.model.streams`, README: 1.02x to 1.8x a step, more at "
+            "tiny widths) and looks for a joiner once per step; that look-up alone (`GrowingWorld.due` on a loopback "
+            f"store, {2000} calls): {lookup0:.0f} us a step on rank 0, {lookup1:.0f} us on the others. torchft's "
+            "quorum runs during the forward (`use_async_quorum`), its commit after the backward.",
             "",
             f"`python -m benchmarks.elastic --timeout {args.timeout:g} --repeat {args.repeat}"
             + (" --hung`" if args.hung else "`"),
