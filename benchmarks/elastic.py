@@ -1,25 +1,30 @@
-"""Time lost per lost rank: restarting the world from its last checkpoint against shrinking it in place.
+"""Time lost per lost rank: restarting the world, shrinking it, shrinking and growing back, and torchft.
 
-The same run, four ways: fdp's trainer (``fdp.run.trainer.run``, what the recipe runs) on a
+The same run, each way: fdp's trainer (``fdp.run.trainer.run``, what the recipe runs) on a
 local world of 3 gloo ranks, a char transformer with dropout, Adam, a checkpoint every
 25 steps; once rank 2 starts step 40 (15 steps after the last checkpoint) it is sent
+``SIGKILL`` (``--hung`` adds ``SIGSTOP``, a hung rank, for restart and shrink), under
 
-* ``SIGKILL`` (a dead rank) or ``SIGSTOP`` (a hung one), under
 * ``world.on_rank_loss=restart`` with ``world.max_restarts=1`` (torchelastic's model: every
-  process is stopped and started again, and the world resumes from the last checkpoint),
-  or ``world.on_rank_loss=shrink`` (the survivors go on with 2 ranks, ``fdp.dist.shrink``).
+  process is stopped and started again, and the world resumes from the last checkpoint);
+* ``world.on_rank_loss=shrink`` (the survivors go on with 2 ranks, ``fdp.dist.shrink``);
+* ``shrink`` with ``world.respawn=true`` (``grow``: the lost rank's keeper starts it again at
+  once, it joins at a step boundary and heals from the survivors, ``fdp.dist.grow``);
+* ``torchft`` 0.2.0: three replica groups of one process each (``benchmarks._torchft_replica``:
+  the same model, data split, Adam and gloo) under its ``Manager`` with a lighthouse in this
+  process (a quorum every step, DDP-style fault tolerance: a step whose all-reduce failed is
+  not committed); the killed replica is started again at once and heals from a peer over HTTP.
 
-Time lost: from the signal until the world is back where it was, i.e. rank 0 has
-completed step 40 (it starts step 41: ``<run dir>/ranks/rank0.txt``, polled every
-millisecond). A restart pays detection (at once for a dead rank, which the agent sees
-exit; ``world.timeout_s`` for a hung one, whose survivors' collective times out),
-stopping every process (a stopped one only dies when the agent gives up waiting and
-kills it), starting them again (interpreter, imports, model, plan), reading the
-checkpoint and the 15 steps since it. A shrink pays detection, the heartbeat check
-(~1.5 s), the new group and the step in flight. Also printed: the shrink's own
-``seconds_lost`` (from its summary), each run's wall time, and restart / shrink.
+Time lost per failure: from the signal until the world is back at full size and has
+completed a step there (restart: rank 0 completed step 40 again; grow: the first step
+after the join; torchft: the restarted replica's first step committed with 3
+participants). A shrink never gets back to full size: its column is the time until it
+steps again on 2 ranks. Steps computed twice: the steps the world had done at the
+signal that it computes again. Per step while nothing fails: the median step time of an
+uninterrupted run of each (fdp under ``restart``, and under ``shrink`` with ``respawn``,
+which looks for a joiner in the store at every step boundary; torchft with its quorum).
 
-    python -m benchmarks.elastic [--timeout 10] [--repeat 1]   # from the repo root; ~3 min
+    python -m benchmarks.elastic [--timeout 10] [--repeat 1] [--hung]   # from the repo root; ~10 min
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import argparse
 import os
 import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -40,8 +47,8 @@ from fdp.run.rundir import RankStatus
 from fdp.run.trainer import run
 
 RESULTS = Path(__file__).resolve().parent / "results" / "elastic.md"
-STEPS, EVERY, AT, VICTIM = 80, 25, 40, 2
-RUN = [
+STEPS, EVERY, AT, VICTIM = 200, 25, 40, 2  # long enough after the kill for a restarted process to rejoin
+MODEL = [
     "model=charlm",
     "data=stdlib_text",
     "model.d_model=64",
@@ -53,15 +60,22 @@ RUN = [
     "data.global_batch_size=24",
     "optim=adam",
     "optim.lr=1e-3",
+    f"trainer.max_steps={STEPS}",
+]
+RUN = [
+    *MODEL,
     "trainer.eval_every=0",
     "trainer.progress=false",
-    f"trainer.max_steps={STEPS}",
     f"trainer.checkpoint_every={EVERY}",
     "world=local4",
     "world.nproc_per_node=3",
     "world.backend=gloo",
 ]
-MODES = {"restart": ["world.on_rank_loss=restart", "world.max_restarts=1"], "shrink": ["world.on_rank_loss=shrink"]}
+MODES = {
+    "restart": ["world.on_rank_loss=restart", "world.max_restarts=1"],
+    "shrink": ["world.on_rank_loss=shrink"],
+    "grow": ["world.on_rank_loss=shrink", "world.respawn=true", "world.respawn_delay_s=0"],
+}
 
 
 def _alive(pid: int) -> bool:
@@ -72,41 +86,195 @@ def _alive(pid: int) -> bool:
 
 
 class _Watch(threading.Thread):
-    """Signals the victim as it starts step ``AT``; then times how long until rank 0 starts step ``AT + 1``."""
+    """Signals the victim as it starts step ``AT`` (``sig=None``: never); records when rank 0 started each step."""
 
-    def __init__(self, run_dir: Path, sig: signal.Signals):
+    def __init__(self, run_dir: Path, sig: signal.Signals | None):
         super().__init__(daemon=True)
-        self.run_dir, self.sig, self.lost_s, self.victim = run_dir, sig, None, None
+        self.run_dir, self.sig, self.victim, self.sent, self.done = run_dir, sig, None, None, threading.Event()
+        self.started: dict[int, float] = {}  # rank 0's step -> when it started it (the last time: a restart redoes)
         self.start()
 
     def run(self) -> None:
-        while RankStatus.read(self.run_dir, VICTIM).get("step", 0) < AT:
+        seen = None
+        while not self.done.is_set():
+            status = RankStatus.read(self.run_dir, VICTIM)
+            if self.sig is not None and self.sent is None and status.get("step", 0) >= AT:
+                self.victim = status
+                os.kill(status["pid"], self.sig)
+                self.sent = time.monotonic()
+                self.rank0_at_kill = RankStatus.read(self.run_dir, 0).get("step", 1)  # the step rank 0 was on
+            step = RankStatus.read(self.run_dir, 0).get("step")
+            if step is not None and step != seen:  # a new step (a restarted rank 0 starts again from its checkpoint)
+                self.started[step], seen = time.monotonic(), step
             time.sleep(0.001)
-        self.victim = RankStatus.read(self.run_dir, VICTIM)
-        os.kill(self.victim["pid"], self.sig)
-        sent = time.monotonic()
-        while RankStatus.read(self.run_dir, 0).get("step", 0) <= AT:
-            time.sleep(0.001)
-        self.lost_s = time.monotonic() - sent
+
+    def step_done(self, step: int) -> float | None:
+        """When rank 0 completed ``step`` (started the next) after the signal."""
+        after = [t for s, t in self.started.items() if s > step and t >= (self.sent or 0)]
+        return min(after) if after else None
 
 
-def _once(mode: str, sig: signal.Signals, timeout_s: float) -> dict:
+def _fdp(mode: str, sig: signal.Signals | None, timeout_s: float) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix=f"elastic-{mode}-"))
     watch = _Watch(run_dir, sig)
     started = time.monotonic()
     try:
         summary = run(compose(*RUN, *MODES[mode], f"world.timeout_s={timeout_s}"), run_dir)
     finally:
+        watch.done.set()
         watch.join(5)
         if watch.victim and _alive(watch.victim["pid"]):
             os.kill(watch.victim["pid"], signal.SIGKILL)
-    shrinks = summary.get("shrinks", [])
-    return {
-        "lost_s": watch.lost_s,
+    out = {
         "wall_s": time.monotonic() - started,
         "world": summary["world"],
-        "reported_s": shrinks[0]["seconds_lost"] if shrinks else None,
+        "loss": summary["loss"],
+        "step_ms": summary["step_ms"],
+        "lost_s": None,
+        "redone": None,
+        "full": True,
     }
+    if sig is None:
+        return out
+    done_at_kill = watch.rank0_at_kill - 1  # the steps rank 0 had completed
+    shrinks, grows = summary.get("shrinks", []), summary.get("grows", [])
+    if mode == "restart":
+        back = watch.step_done(AT)
+        out["redone"] = max(0, done_at_kill - (AT // EVERY) * EVERY)
+    elif mode == "shrink":
+        back = watch.step_done(shrinks[0]["step"] + 1)  # a step done again, on 2 ranks
+        out["redone"], out["full"] = max(0, done_at_kill - shrinks[0]["step"]), False
+    else:
+        back = watch.step_done(grows[0]["step"] + 1) if grows else None  # a step done on 3 ranks again
+        out["redone"], out["full"] = max(0, done_at_kill - shrinks[0]["step"]), bool(grows)
+    out["lost_s"] = back - watch.sent if back is not None else None
+    return out
+
+
+def _torchft(kill: bool, timeout_s: float) -> dict:
+    """Three torchft replica groups; with ``kill``, replica ``VICTIM`` is SIGKILLed as it starts step ``AT`` and
+    started again at once."""
+    from torchft.coordination import LighthouseServer
+
+    folder = Path(tempfile.mkdtemp(prefix="elastic-torchft-"))
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
+    env = {**os.environ, "TORCHFT_LIGHTHOUSE": lighthouse.address(), "RUST_LOG": "error"}
+
+    def start(replica: int) -> subprocess.Popen:
+        command = [
+            sys.executable,
+            "-m",
+            "benchmarks._torchft_replica",
+            "--replica",
+            str(replica),
+            "--timeout",
+            str(timeout_s),
+            "--out",
+            str(folder / f"r{replica}.txt"),
+            "--",
+            *MODEL,
+        ]
+        return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def lines(replica: int) -> list[list[str]]:
+        path = folder / f"r{replica}.txt"
+        return [line.split() for line in path.read_text().splitlines()] if path.exists() else []
+
+    began = time.monotonic()
+    procs = {r: start(r) for r in range(3)}
+    if kill:
+        while True:  # a line per committed step: the victim starts step AT once it wrote step AT - 1
+            steps = [int(w[1]) for w in lines(VICTIM) if w[0] != "start"]
+            if steps and steps[-1] >= AT - 1:
+                break
+            time.sleep(0.001)
+        procs[VICTIM].kill()
+        sent_wall = time.time()
+        procs[VICTIM].wait()
+        procs[VICTIM] = start(VICTIM)
+    for proc in procs.values():
+        proc.wait()
+    wall = time.monotonic() - began
+    lighthouse.shutdown()
+    records = {r: [w for w in lines(r) if w[0] != "start"] for r in range(3)}
+    last = [float(records[r][-1][3]) for r in range(3)]
+    times = [float(w[0]) for w in records[0]]
+    steady = [b - a for a, b in zip(times[10:], times[11:])]
+    out = {
+        "wall_s": wall,
+        "world": int(records[0][-1][2]),
+        "loss": sum(last) / 3,
+        "lost_s": None,
+        "redone": None,
+        "full": True,
+        "step_ms": 1000 * statistics.median(steady),
+    }
+    if kill:
+        restarted = False
+        back = None
+        for w in lines(VICTIM):
+            if w[0] == "start" and float(w[1]) > sent_wall:
+                restarted = True
+            elif restarted and w[0] != "start" and int(w[2]) == 3:
+                back = float(w[0])
+                break
+        out["lost_s"] = back - sent_wall if back is not None else None
+        # Steps replica 0 had committed at the signal and ran again: those not committed after it (a line repeating
+        # the step before it).
+        after = [int(w[1]) for w in records[0] if float(w[0]) >= sent_wall]
+        out["redone"] = sum(1 for a, b in zip(after, after[1:]) if a == b)
+    return out
+
+
+def _lookup_us(calls: int = 2000) -> tuple[float, float]:
+    """What a world that may grow pays per step for it (``GrowingWorld.due`` on a loopback store): microseconds per
+    call on rank 0 (it counts the requests) and on another rank (it looks for rank 0's schedule)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from fdp.dist.grow import GrowingWorld
+
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30)
+    )
+    out = []
+    for me in (0, 1):
+        world = GrowingWorld(store, me, 3, "gloo", 30.0)
+        try:
+            began = time.perf_counter()
+            for step in range(calls):
+                world.due(step)
+            out.append(1e6 * (time.perf_counter() - began) / calls)
+        finally:
+            world.close()
+    return out[0], out[1]
+
+
+def _tries(measure, *args, attempts: int = 2) -> dict:
+    """``measure(*args)``, tried again once if the run failed (a machine shared with others may starve a rank past
+    its heartbeat: then the run says so and ends)."""
+    for attempt in range(attempts):
+        try:
+            return measure(*args)
+        except Exception as error:  # noqa: BLE001 - reported, then tried again
+            print(f"{measure.__name__}{args}: attempt {attempt + 1} failed: {str(error).splitlines()[0][:200]}")
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _median(runs: list[dict]) -> dict:
+    return {
+        key: (statistics.median(r[key] for r in runs) if all(r[key] is not None for r in runs) else None)
+        if not isinstance(runs[0][key], bool)
+        else all(r[key] for r in runs)
+        for key in runs[0]
+    }
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def main() -> None:
@@ -115,44 +283,77 @@ def main() -> None:
         "--timeout", type=float, default=10.0, help="world.timeout_s (how long a hung rank takes to see)"
     )
     parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--hung", action="store_true", help="also SIGSTOP (a hung rank) under restart and shrink")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    rows, ratios = [], []
-    for sig in (signal.SIGKILL, signal.SIGSTOP):
-        measured = {}
-        for mode in MODES:
-            runs = [_once(mode, sig, args.timeout) for _ in range(args.repeat)]
-            measured[mode] = {
-                key: statistics.median(r[key] for r in runs) if runs[0][key] is not None else None for key in runs[0]
-            }
-            print(sig.name, mode, measured[mode], flush=True)
-        ratio = measured["restart"]["lost_s"] / measured["shrink"]["lost_s"]
-        ratios.append(ratio)
-        for mode in MODES:
-            m = measured[mode]
-            reported = f"{m['reported_s']:.1f}" if m["reported_s"] is not None else "-"
-            rows.append(
-                f"| {sig.name} | {mode} | {m['lost_s']:.1f} | {reported} | {m['world']:.0f} | {m['wall_s']:.1f} |"
-            )
-        rows.append(f"| {sig.name} | restart / shrink | {ratio:.1f}x | | | |")
+    rows, measured = [], {}
+    ways = [("SIGKILL", mode) for mode in (*MODES, "torchft")]
+    ways += [("SIGSTOP", mode) for mode in ("restart", "shrink")] if args.hung else []
+    for name, mode in ways:
+        sig = signal.Signals[name]
+        if mode == "torchft":
+            runs = [_tries(_torchft, True, args.timeout) for _ in range(args.repeat)]
+        else:
+            runs = [_tries(_fdp, mode, sig, args.timeout) for _ in range(args.repeat)]
+        measured[name, mode] = m = _median(runs)
+        print(name, mode, m, flush=True)
+        note = "" if m["full"] else " (on 2 ranks)"
+        rows.append(
+            f"| {name} | {mode} | {_fmt(m['lost_s'], '.1f')}{note} | {_fmt(m['redone'], '.0f')} | {m['world']:.0f} "
+            f"| {m['loss']:.3f} | {m['wall_s']:.1f} |"
+        )
+    fdp_grow, ft = measured["SIGKILL", "grow"]["lost_s"], measured["SIGKILL", "torchft"]["lost_s"]
+    ratio = ft / fdp_grow if fdp_grow and ft else None
+    calm = {
+        "fdp, on_rank_loss=restart": _median([_tries(_fdp, "restart", None, args.timeout) for _ in range(args.repeat)]),
+        "fdp, shrink + respawn (a store look-up per step)": _median(
+            [_tries(_fdp, "grow", None, args.timeout) for _ in range(args.repeat)]
+        ),
+        "torchft (a quorum per step)": _median([_tries(_torchft, False, args.timeout) for _ in range(args.repeat)]),
+    }
+    for key, m in calm.items():
+        print("no failure:", key, m, flush=True)
+    lookup0, lookup1 = _lookup_us()
+    print(f"per-step look-up for a joiner: {lookup0:.0f} us on rank 0, {lookup1:.0f} us on the others", flush=True)
+    base = calm["fdp, on_rank_loss=restart"]["step_ms"]
+    calm_rows = [
+        f"| {key} | {m['step_ms']:.1f} | {m['step_ms'] / base:.2f} | {m['loss']:.3f} |" for key, m in calm.items()
+    ]
     load = os.getloadavg()[0]
     table = "\n".join(
         [
-            "# Time lost per lost rank: restart against shrink (benchmarks/elastic.py)",
+            "# Time lost per lost rank: restart, shrink, shrink + grow back, torchft (benchmarks/elastic.py)",
             "",
-            f"3 gloo ranks of a local world (`world=local4 world.nproc_per_node=3`), char transformer d_model 64 x 2 "
-            f"layers, dropout 0.1, Adam, global batch 24, {STEPS} steps, a checkpoint every {EVERY}; rank {VICTIM} is "
-            f"signalled as it starts step {AT}; `world.timeout_s={args.timeout:g}`; median of {args.repeat}; torch "
-            f"{torch.__version__}; {time.strftime('%Y-%m-%d')}; load average {load:.1f} at the end (2-core machine).",
+            f"3 gloo ranks (fdp: a local world, `world=local4 world.nproc_per_node=3`; torchft 0.2.0: 3 replica groups "
+            f"of one process under its `Manager`, a lighthouse with `min_replicas=2`), char transformer d_model 64 x 2 "
+            f"layers, dropout 0.1, Adam, global batch 24 split in 3, {STEPS} steps, fdp checkpoints every {EVERY}; "
+            f"rank {VICTIM} is signalled as it starts step {AT} and (grow, torchft) started again at once; "
+            f"timeouts {args.timeout:g} s; median of {args.repeat}; torch {torch.__version__}; "
+            f"{time.strftime('%Y-%m-%d')}; load average {load:.1f} at the end (2-core machine shared with others).",
             "",
-            f"Time lost: from the signal until rank 0 has completed step {AT} again. Reported: the shrink's own "
-            "`seconds_lost` (from the start of the dropped step until the smaller world starts it again).",
+            "Time lost: from the signal until the world is back at full size and completed a step there (shrink: "
+            "until it steps again, on 2 ranks). Redone: steps done at the signal that are computed again. Loss: the "
+            "last step's (fdp: the world's mean; torchft: the mean of the replicas').",
             "",
-            "| signal | on_rank_loss | time lost (s) | reported (s) | final world | wall (s) |",
-            "|---|---|---|---|---|---|",
+            "| signal | way | time lost (s) | redone steps | final world | final loss | wall (s) |",
+            "|---|---|---|---|---|---|---|",
             *rows,
             "",
-            f"`python -m benchmarks.elastic --timeout {args.timeout:g} --repeat {args.repeat}`",
+            f"torchft / fdp grow, time lost per failure: {_fmt(ratio, '.1f')}x.",
+            "",
+            "While nothing fails (the same run, uninterrupted): median step time.",
+            "",
+            "| run | step (ms) | / fdp restart | final loss |",
+            "|---|---|---|---|",
+            *calm_rows,
+            "",
+            "fdp under `shrink` draws dropout per sample (`fdp.model.streams`, README: 1.02x to 1.8x a step, more at "
+            "tiny widths) and looks for a joiner once per step; that look-up alone (`GrowingWorld.due` on a loopback "
+            f"store, {2000} calls): {lookup0:.0f} us a step on rank 0, {lookup1:.0f} us on the others. torchft's "
+            "quorum runs during the forward (`use_async_quorum`), its commit after the backward.",
+            "",
+            f"`python -m benchmarks.elastic --timeout {args.timeout:g} --repeat {args.repeat}"
+            + (" --hung`" if args.hung else "`"),
             "",
         ]
     )

@@ -14,7 +14,7 @@ One word per idea:
 * **launcher**: what starts the ranks (``world.launcher``: none, elastic, torchrun, slurm), one class
   each (``dist.launchers``).
 * **world**: the ranks training together (its size, layout and process group; ``run.world`` resolves a
-  config's on this machine); a world may shrink when a rank is lost.
+  config's on this machine); a world may shrink when a rank is lost, and grow back when one joins.
 * **rank**: one process of a world, computing on one device.
 * **run**: one training from a config to its summary, in one run directory. The entry chain:
   shell ``main`` (``recipes/train.py``) → ``run.cli.run_from_shell``, or ``run.trainer.run`` from Python;
@@ -44,9 +44,10 @@ or of packages above it in this list; ``tests/test_imports.py`` holds every impo
 * ``dist``: the world of processes: this process's heap (``allocator``), a rank's place in a job (``slurm``,
   ``launchers``: one class per launcher, ``devices``), stop signals (``interrupt``), starting and joining a
   world (``launch``), a rank kept by the process its launcher watches (``keeper``) and a world that goes on
-  without a lost rank (``shrink``).
+  without a lost rank (``shrink``) and one that a rank joins again at a step boundary (``grow``).
 * ``state``: ``TrainState``, the whole training state as one value (``train_state``), what a Python caller
-  hands the step (``checks``), one consistent state on every rank (``replicas``).
+  hands the step (``checks``), one consistent state on every rank (``replicas``), the state a joining rank
+  takes from its peers (``heal``).
 * ``update``: reduced buckets to new params, each ZeRO stage owning its state's whole life: the interface and
   stage 0 (``base``), stages 1-3 (``zero``).
 * ``step``: the pure ``train_step(state, batch) -> (state, metrics)`` (``train_step``): gradients

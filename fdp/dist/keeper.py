@@ -15,6 +15,9 @@ waits for it and reports to the launcher as a worker that finished:
   ranks declared it lost (``fence``: a hung rank, which the keeper then kills), so the
   launcher sees a worker that finished and leaves the others running.
 
+A keeper may start its rank again after a loss (``respawn``, ``world.respawn=true``): the new
+process joins the running world at a step boundary (``fdp.dist.grow``).
+
 The rank dies with its keeper (``PR_SET_PDEATHSIG``), so stopping the launcher still
 stops it; the stop signals the launcher passes on (``fdp.dist.interrupt``) are forwarded to it.
 The rank is forked, so the keeper must not have used CUDA (a forked child cannot): fdp's
@@ -91,17 +94,30 @@ def _how(status: int) -> str | None:
 
 
 def keep(entry: Callable[..., Any], *args: Any, rank: int, fenced: Callable[[], bool] = lambda: False,
-         after_loss: Callable[[LostRank], Any] | None = None) -> Any:
+         after_loss: Callable[[LostRank], Any] | None = None,
+         respawn: Callable[[LostRank], bool] | None = None) -> Any:
     """Run ``entry(*args)`` as a child of this process; return its result (see the module docstring).
 
     ``fenced()`` is asked every ~0.1 s: ``True`` (the other ranks declared this rank lost)
-    kills the child. A lost rank gives ``after_loss(LostRank(...))`` when given (a keeper
-    that must stay until the run ends, under ``torchrun``), else the ``LostRank`` itself.
+    kills the child. A lost rank is started again (forked anew) while ``respawn(LostRank(...))``
+    says so; then it gives ``after_loss(LostRank(...))`` when given (a keeper that must stay
+    until the run ends, under ``torchrun``), else the ``LostRank`` itself.
     """
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         raise RuntimeError("world.on_rank_loss=shrink: CUDA is already initialised in the process that keeps the rank, "
                            "and a forked rank cannot use it; expected a launch that touches no GPU before the ranks start")
+    while True:
+        outcome = _keep_once(entry, args, rank, fenced)
+        if not isinstance(outcome, LostRank):
+            return outcome[0]
+        if respawn is None or not respawn(outcome):
+            break
+    return after_loss(outcome) if after_loss is not None else outcome
+
+
+def _keep_once(entry: Callable[..., Any], args: tuple, rank: int, fenced: Callable[[], bool]) -> tuple | LostRank:
+    """One child: ``(its result,)``, its exception re-raised, or ``LostRank``."""
     read_end, write_end = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -124,13 +140,12 @@ def keep(entry: Callable[..., Any], *args: Any, rank: int, fenced: Callable[[], 
     if how is None and data:
         payload = pickle.loads(data)
         if payload[0] == "result":
-            return payload[1]
+            return (payload[1],)
         error, text = payload[1], payload[2]
         if text and hasattr(error, "add_note"):
             error.add_note(f"the rank's traceback (pid {pid}):\n{text.rstrip()}")
         raise error
-    lost = LostRank(rank, pid, how or f"exited with code {os.waitstatus_to_exitcode(status)} and no result")
-    return after_loss(lost) if after_loss is not None else lost
+    return LostRank(rank, pid, how or f"exited with code {os.waitstatus_to_exitcode(status)} and no result")
 
 
 def _forward(pid: int, number: int) -> None:

@@ -53,7 +53,7 @@ from fdp.dist.keeper import LostRank, keep
 from fdp.dist.launch import Heartbeat, RankLostError
 from fdp.dist.launchers import Launched, launcher_of
 
-__all__ = ["ON_RANK_LOSS", "Shrink", "ShrinkingWorld", "check_on_rank_loss", "check_shrinkable_batch", "keep_rank",
+__all__ = ["END_KEY", "MEMBERS_KEY", "ON_RANK_LOSS", "Shrink", "ShrinkingWorld", "check_on_rank_loss", "check_shrinkable_batch", "keep_rank",
            "launched_world", "shrink_store"]
 
 ON_RANK_LOSS = ("restart", "shrink")
@@ -106,6 +106,7 @@ def fence_key(rank: int) -> str:
 
 
 END_KEY = "end"  # the run's summary, set by the last world's rank 0
+MEMBERS_KEY = "members"  # the current world, by launch rank ({"generation", "members"}), set by its rank 0
 _HEARTBEATS = "heartbeat"  # where the ranks' heartbeats count, by launch rank
 
 
@@ -118,8 +119,13 @@ def launched_world(launcher: str) -> Launched:
     return launcher_of(launcher).launched(os.environ)
 
 
-def keep_rank(entry: Callable[..., Any], *args: Any, launcher: str, timeout_s: float) -> Any:
+def keep_rank(entry: Callable[..., Any], *args: Any, launcher: str, timeout_s: float,
+              respawn: Callable[[Callable[[], dist.Store], list], Callable[[LostRank], bool]] | None = None) -> Any:
     """``entry(*args)`` as a rank this process keeps (``fdp.dist.keeper``), in a world that may shrink.
+
+    ``respawn(store, cleared)``: what the keeper asks after a loss, whether to start the rank again
+    (``fdp.dist.grow.respawner``); a rank started again returns the run's summary (the last
+    world's rank 0's) once the run ends, whichever rank it became.
 
     Where no launcher holds a store all ranks reach (SLURM), rank 0's keeper holds one,
     so the store outlives any rank. Under ``torchrun`` and SLURM the process of a lost
@@ -142,17 +148,25 @@ def keep_rank(entry: Callable[..., Any], *args: Any, launcher: str, timeout_s: f
             stores.append(shrink_store(timeout_s))
         return stores[0]
 
+    cleared = [0]  # the generation of the last fence a respawned rank was started after (fdp.dist.grow)
+
     def fenced() -> bool:
         try:
-            return store().check([fence_key(me.rank)])
+            key = fence_key(me.rank)
+            return store().check([key]) and int(store().get(key)) > cleared[0]
         except Exception:  # not reachable (yet): nobody declared anything
             return False
 
     def until_the_end(lost: LostRank) -> dict:
         return _wait_for_end(store(), me.world_size, timeout_s)
 
+    again = respawn(store, cleared) if respawn is not None else None
     try:
-        return keep(entry, *args, rank=me.rank, fenced=fenced, after_loss=until_the_end if kind.lost_rank_stays else None)
+        result = keep(entry, *args, rank=me.rank, fenced=fenced,
+                      after_loss=until_the_end if kind.lost_rank_stays else None, respawn=again)
+        if again is not None and again.count[0] and not isinstance(result, LostRank):
+            return _wait_for_end(store(), me.world_size, timeout_s)
+        return result
     finally:
         del held
 
@@ -191,11 +205,20 @@ class ShrinkingWorld:
     the next generation's process group after a failed collective.
     """
 
-    def __init__(self, store: dist.Store, me: int, world_size: int, backend: str, timeout_s: float, min_ranks: int = 1):
+    def __init__(self, store: dist.Store, me: int, world_size: int, backend: str, timeout_s: float, min_ranks: int = 1,
+                 beating: int = 0, members: tuple[int, ...] | None = None, generation: int = 0):
         self.store, self.me, self.backend, self.timeout_s, self.min_ranks = store, me, backend, timeout_s, min_ranks
-        self.members: tuple[int, ...] = tuple(range(world_size))
-        self.generation = 0
-        self.heartbeat = Heartbeat(me, world_size, store=dist.PrefixStore(_HEARTBEATS, store)).start()
+        self.members: tuple[int, ...] = tuple(range(world_size)) if members is None else tuple(members)
+        self.generation = generation
+        # Every launch rank that may ever be a member beats under its own key (a world may grow back: fdp.dist.grow).
+        beating = max(beating, world_size, *self.members, me + 1)
+        self.heartbeat = Heartbeat(me, beating, store=dist.PrefixStore(_HEARTBEATS, store)).start()
+        if members is None and me == 0:
+            self._publish()
+
+    def _publish(self) -> None:
+        """Say in the store which launch ranks the world now has (what a rank that asks to join reads first)."""
+        self.store.set(MEMBERS_KEY, json.dumps({"generation": self.generation, "members": list(self.members)}))
 
     @property
     def rank(self) -> int:
@@ -221,33 +244,48 @@ class ShrinkingWorld:
         silent = self.heartbeat.silent_ranks()
         return None if silent is None else [r for r in silent if r in self.members]
 
-    def regroup(self, lost: list[int]) -> Comm:
-        """The process group of the members but ``lost`` (and any that do not arrive); its ``Comm``.
+    def regroup(self, lost: list[int], joined: tuple[int, ...] = ()) -> Comm:
+        """The process group of the members but ``lost`` (and any that do not arrive), and ``joined`` after
+        them (a world that grows back, ``fdp.dist.grow``); its ``Comm``.
 
         Raises ``RankLostError`` when this rank is no longer a member (the others went on
         without it) or no group can be formed.
         """
         dropped = set(lost)
-        for _ in range(len(self.members)):
+        for _ in range(len(self.members) + len(joined)):
             generation = self.generation + 1
-            proposal = [r for r in self.members if r not in dropped]
+            proposal = [r for r in (*self.members, *joined) if r not in dropped]
             agreed = json.loads(self.store.compare_set(f"gen{generation}/members", "", json.dumps(proposal)))
             for rank in set(self.members) - set(agreed):
                 self.store.set(fence_key(rank), str(generation))
             if self.me not in agreed:
                 raise RankLostError(f"rank {self.me} was declared lost by the other ranks (it stopped answering in time)")
-            _RETIRED.extend(live_groups())
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
-            self.members, self.generation = tuple(agreed), generation
-            missing = self._arrive(generation)
+            self.admitting(generation, tuple(agreed))
+            missing = self.enter(generation, tuple(agreed))
             if not missing:
-                timeout = datetime.timedelta(seconds=self.timeout_s)
-                dist.init_process_group(self.backend, store=dist.PrefixStore(f"gen{generation}/group", self.store),
-                                        rank=self.rank, world_size=len(agreed), timeout=timeout)
                 return self.comm()
             dropped = set(missing)
         raise RankLostError(f"rank {self.me} could not form a world with the other ranks")
+
+    def admitting(self, generation: int, members: tuple[int, ...]) -> None:
+        """Before the members of ``generation`` meet: nothing here (a growing world answers its joiners)."""
+
+    def enter(self, generation: int, members: tuple[int, ...]) -> list[int]:
+        """Leave this process's groups and join ``generation``'s (``members``, by launch rank, in order) once every
+        member arrived; the members missing instead (no group made then)."""
+        _RETIRED.extend(live_groups())
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+        self.members, self.generation = members, generation
+        missing = self._arrive(generation)
+        if missing:
+            return missing
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        dist.init_process_group(self.backend, store=dist.PrefixStore(f"gen{generation}/group", self.store),
+                                rank=self.rank, world_size=len(members), timeout=timeout)
+        if self.rank == 0:
+            self._publish()
+        return []
 
     def _arrive(self, generation: int) -> list[int]:
         """Wait until every member arrived at ``generation`` (or a deadline passed); the members missing."""

@@ -243,6 +243,10 @@ class WorldConfig:
         "restart"  # restart: a lost rank ends the world (max_restarts restarts it) | shrink: the rest go on
     )
     min_ranks: int = 1  # on_rank_loss=shrink: end the run (with a checkpoint) when fewer ranks remain
+    max_ranks: int = 0  # on_rank_loss=shrink: the most ranks the world grows back to as ranks join (0: its start size)
+    respawn: bool = False  # on_rank_loss=shrink, local worlds: a lost rank's keeper starts it again; it rejoins
+    respawn_delay_s: float = 1.0  # respawn: seconds between the world going on without the rank and its new start
+    max_respawns: int = 3  # respawn: how many times each rank is started again at most
     memory_per_rank_mb: float = (
         0.0  # what each rank may allocate once started (0: no limit), as a GPU's memory bounds it
     )

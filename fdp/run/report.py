@@ -38,6 +38,7 @@ class Report:
         self.times, self.skipped, self.last_eval, self.record = StepTimes(), 0, {}, {}
         self.started = time.perf_counter()
         self.shrinks: list[dict] = []  # each time the world went on without a lost rank (fdp.dist.shrink)
+        self.grows: list[dict] = []  # each time ranks joined it (fdp.dist.grow)
 
     def shrunk(self, comm: Comm, record: dict) -> None:
         """The world went on without a lost rank from step ``record["step"]``: note it (a line of
@@ -48,6 +49,13 @@ class Report:
         self.shrinks.append(record)
         if self.log:
             self.log.write({"shrink": True, **record})
+
+    def grown(self, comm: Comm, record: dict) -> None:
+        """Ranks joined the world at step ``record["step"]``: note it (``metrics.jsonl`` and the summary)."""
+        self.comm = comm
+        self.grows.append(record)
+        if self.log:
+            self.log.write({"grow": True, **record})
 
     def _open_log(self, resume: bool) -> MetricsLog:
         tc = self.cfg.trainer
@@ -175,6 +183,7 @@ class Report:
             "state_mib": self.record.get("state_mib"),
             "run_dir": str(self.run_dir.path),
             **({"shrinks": self.shrinks} if self.shrinks else {}),
+            **({"grows": self.grows} if self.grows else {}),
             **({"interrupted": interrupted} if interrupted else {}),
             **({"stopped": stopped} if stopped else {}),
         }

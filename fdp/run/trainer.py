@@ -35,6 +35,7 @@ from fdp.comm import Comm
 from fdp.data import check_global_batch, has_test_split, train_batches
 from fdp.dist.allocator import release_free_memory
 from fdp.dist.devices import MemoryPhase, batch_to_device, is_out_of_memory, limit_memory
+from fdp.dist.grow import GrowingWorld, joining, prepare_joiner, respawner
 from fdp.dist.interrupt import StopSignals, stop_signal_names
 from fdp.dist.keeper import LostRank
 from fdp.dist.launch import (
@@ -56,6 +57,7 @@ from fdp.model.streams import wants_sample_streams
 from fdp.run import checkpoint
 from fdp.run.build import RunParts, build_data, build_run, display_name, stage_of, tune_allocator_for
 from fdp.run.loop_controls import LoopControls, read_resumed, run_steps
+from fdp.run.rejoin import Joining, RunEnded, enter_world, heal
 from fdp.run.report import Report
 from fdp.run.rundir import RankStatus, RunDir, train_log_handler
 from fdp.run.startup import start_run
@@ -171,9 +173,9 @@ def _lost_rank_error(error: RuntimeError, heartbeat: Heartbeat | None, rank: int
     )
 
 
-def _setup_logging(run_dir: RunDir, rank: int) -> None:
+def _setup_logging(run_dir: RunDir, rank: int, joined: bool = False) -> None:
     handler: logging.Handler
-    if rank == 0:
+    if rank == 0 and not joined:  # a rank that joined later logs to its own file, whichever launch rank it is
         handler = logging.StreamHandler(sys.stdout)
     else:
         handler = logging.FileHandler(run_dir.rank_log(rank))
@@ -181,7 +183,9 @@ def _setup_logging(run_dir: RunDir, rank: int) -> None:
     for old in log.handlers:
         old.close()
     # What rank 0 prints also goes to Hydra's <run dir>/train.log (fdp.run.rundir).
-    log.handlers[:] = [handler, train_log_handler(run_dir.path, f"[rank{rank}] ")] if rank == 0 else [handler]
+    log.handlers[:] = (
+        [handler, train_log_handler(run_dir.path, f"[rank{rank}] ")] if rank == 0 and not joined else [handler]
+    )
     log.setLevel(logging.INFO)
     log.propagate = False
 
@@ -195,8 +199,15 @@ def run_rank(cfg: DictConfig, run_dir: str) -> dict | LostRank:
     (under ``torchrun`` and SLURM, the run's summary once the others are done).
     """
     cfg = OmegaConf.create(cfg) if not isinstance(cfg, DictConfig) else cfg
-    if cfg.world.on_rank_loss == "shrink" and launched_world(cfg.world.launcher).world_size > 1:
-        return keep_rank(_join_and_train, cfg, run_dir, launcher=cfg.world.launcher, timeout_s=cfg.world.timeout_s)
+    w = cfg.world
+    if w.on_rank_loss == "shrink" and launched_world(w.launcher).world_size > 1:
+        # world.respawn: the keeper starts a lost rank again, and it joins the world (fdp.dist.grow)
+        again = (
+            (lambda store, cleared: respawner(store, cleared, w.max_respawns, w.respawn_delay_s, w.timeout_s))
+            if w.respawn
+            else None
+        )
+        return keep_rank(_join_and_train, cfg, run_dir, launcher=w.launcher, timeout_s=w.timeout_s, respawn=again)
     return _join_and_train(cfg, run_dir)
 
 
@@ -208,23 +219,33 @@ def _join_and_train(cfg: DictConfig, run_dir: str) -> dict:
     """Join the world, train this rank in it (``_train``), leave it."""
     tune_allocator_for(cfg)
     layout = layout_of(cfg)
-    comm = init_distributed(layout)
+    joiner = cfg.world.on_rank_loss == "shrink" and joining()
+    # A rank that joins a running world builds alone first, then joins (in _start, fdp.dist.grow).
+    backend = prepare_joiner(layout) if joiner else None
+    comm = Comm() if joiner else init_distributed(layout)
     device = layout.device(int(os.environ.get("LOCAL_RANK", 0)))
     directory = RunDir(Path(run_dir))
     phase = MemoryPhase()
     world = None
-    if cfg.world.on_rank_loss == "shrink" and comm.world_size > 1:
-        world = ShrinkingWorld(
-            shrink_store(cfg.world.timeout_s),
-            comm.rank,
-            comm.world_size,
-            dist.get_backend(),
-            cfg.world.timeout_s,
-            cfg.world.min_ranks,
+    if cfg.world.on_rank_loss == "shrink" and (comm.world_size > 1 or joiner):
+        world = (
+            Joining(launched_world(cfg.world.launcher).rank, backend)
+            if joiner
+            else GrowingWorld(
+                shrink_store(cfg.world.timeout_s),
+                comm.rank,
+                comm.world_size,
+                dist.get_backend(),
+                cfg.world.timeout_s,
+                cfg.world.min_ranks,
+                max_ranks=cfg.world.max_ranks,
+            )
         )
-        comm = world.comm()
+        comm = comm if joiner else world.comm()
     try:
         return _train(cfg, directory, comm, device, world, phase)
+    except RunEnded:
+        return {}
     except (MemoryError, RuntimeError, OSError) as error:
         if not is_out_of_memory(error):
             raise
@@ -296,9 +317,14 @@ class _Loop:
         compile: bool,
         controls: LoopControls,
         phase: MemoryPhase,
+        world: ShrinkingWorld | None = None,
     ):
         self.cfg, self.parts, self.timeline, self.device, self.last_step = cfg, parts, timeline, device, last_step
-        self.compile, self.controls, self.phase = compile, controls, phase
+        self.compile, self.controls, self.phase, self.world = compile, controls, phase, world
+        # A world grows at the boundary of an outer-loop period (between steps without one); never while a sync is in
+        # flight across steps (outer.overlap: 0, no growing).
+        outer = cfg.outer
+        self.period = 0 if outer.get("overlap", 0) else outer.get("sync_every", 1) if outer.name != "none" else 1
         self.state = self.before = state
         self.since = time.perf_counter()
         self.join(comm)
@@ -356,6 +382,13 @@ class _Loop:
                 controls.keep_best(run_dir.checkpoints, self._save(run_dir, state), state.step)
             if interrupted:
                 return interrupted
+            if (
+                isinstance(self.world, GrowingWorld)
+                and self.period
+                and not controls.stopped
+                and self.world.due(state.step, self.period)
+            ):
+                self.grow(report, stop)
         if controls.stopped and self.comm.rank == 0:
             log.info(f"stopped at step {self.state.step}: {controls.stopped}")
         return None
@@ -367,6 +400,30 @@ class _Loop:
             written = _save(run_dir, state, self.comm, self.cfg, self.parts, self.controls.payload(state.step))
         self.phase.saved = True
         return written
+
+    def grow(self, report: Report, stop: StopSignals) -> None:
+        """Admit the ranks that asked to join, at this boundary (``fdp.dist.grow``): a larger world, healed from
+        this one, the global batch split again."""
+        world, began = self.world, time.perf_counter()
+        self.train_step.settle()
+        comm = world.admit()
+        extra = {"controls": self.controls.payload(self.state.step), "compile": self.compile}
+        self.state, _ = heal(world, self.parts, self.state, comm, self.device, self.cfg.seed, extra)
+        self.before = self.state
+        record = {
+            "step": self.state.step,
+            "joined": list(world.joined),
+            "world": comm.world_size,
+            "seconds": round(time.perf_counter() - began, 3),
+            "asked": world.asked_at,
+        }
+        report.grown(comm, record)
+        log.info(
+            f"rank {', '.join(map(str, world.joined))} joined: going on from step {self.state.step} on "
+            f"{comm.world_size} ranks ({record['seconds']:.1f} s)"
+        )
+        self.join(comm)  # the order the joiner makes its groups in: the step's, then the stop flag's
+        stop.rejoin(comm.world_size, comm.watch)
 
     def shrink(
         self, world: ShrinkingWorld, error: RuntimeError, run_dir: RunDir, report: Report, stop: StopSignals
@@ -420,8 +477,10 @@ def _train(
 ) -> dict:
     """This rank's run in the world of ``comm``: its start, the loop with its resources, its summary."""
     loop, report, choice = _start(cfg, run_dir, comm, device, world, phase or MemoryPhase())
+    comm, world = loop.comm, loop.world  # a rank that joined a running world has both from there
     with contextlib.ExitStack() as resources:  # released in the reverse order: stop signals first, status last
-        status = resources.enter_context(contextlib.closing(RankStatus(run_dir, comm.rank)))
+        # By launch rank in a world that may change (ranks are renumbered as it shrinks and grows).
+        status = resources.enter_context(contextlib.closing(RankStatus(run_dir, world.me if world else comm.rank)))
         heartbeat = resources.enter_context(_heartbeat(comm, world))
         resources.callback(loop.timeline.save, run_dir.trace(comm.rank))
         resources.enter_context(_closing(loop.controls))
@@ -441,7 +500,8 @@ def _start(
 ) -> tuple[_Loop, Report, compiled.CompileChoice]:
     """This rank up to its first step: the data, the run's pieces, its first state, the step, the report."""
     rank, world_size, tc = comm.rank, comm.world_size, cfg.trainer
-    _setup_logging(run_dir, rank)
+    joiner = isinstance(world, Joining)
+    _setup_logging(run_dir, world.me if joiner else rank, joined=joiner)
     set_matmul_precision(tc.matmul_precision)  # process-wide: set once, before anything runs
     try:
         check_global_batch(cfg.data.global_batch_size, world_size)  # under torchrun the world is known only here
@@ -454,21 +514,30 @@ def _start(
     limit_memory(cfg.world.memory_per_rank_mb, device)  # from here: what the run adds to the data it loaded
     with phase("build"):
         parts = build_run(cfg, comm, device, data)
-        source = _resume_source(cfg, run_dir)
+        source = None if joiner else _resume_source(cfg, run_dir)
         state = _first_state(source, parts, comm)
     release_free_memory()  # what building left free (the whole params, at ZeRO stages that shard them)
+    resumed, compile = None, None
+    if joiner:  # built alone: now into the running world, healed from its ranks (fdp.run.rejoin)
+        world, comm, state, extra = enter_world(cfg, world, parts, state, device)
+        rank, world_size = comm.rank, comm.world_size
+        resumed, compile = extra["controls"], extra["compile"]
     if rank == 0:
         _announce(cfg, run_dir, parts, world_size, device)
     timeline = Timeline(rank) if tc.trace else NullTimeline()
     steps = run_steps(tc.max_steps, tc.max_epochs, parts.data, cfg.data.global_batch_size)
     last_step = min(steps, tc.stop_at or steps)
-    resumed = read_resumed(source, comm) if source is not None else None
+    resumed = read_resumed(source, comm) if source is not None else resumed
     controls = LoopControls(tc, comm, parts.plan, state, has_test_split(parts.data), steps, resumed)
     blocked = _not_compiled(cfg, parts)
-    choice = compiled.choose(tc.compile, run_dir.path, device.type, last_step - state.step, comm, blocked)
+    # A joiner takes the world's choice (its own is made alone: no collective the others would not make).
+    choice = compiled.choose(
+        tc.compile, run_dir.path, device.type, last_step - state.step, None if joiner else comm, blocked
+    )
     if rank == 0:
         log.info(choice.message)
-    loop = _Loop(cfg, parts, comm, timeline, device, state, last_step, choice.compile, controls, phase)
+    compile = choice.compile if compile is None else compile
+    loop = _Loop(cfg, parts, comm, timeline, device, state, last_step, compile, controls, phase, world)
     report = Report(cfg, run_dir, parts, comm, state.step, last_step)
     return loop, report, choice
 

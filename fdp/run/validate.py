@@ -23,6 +23,7 @@ from omegaconf import OmegaConf
 
 from fdp.data import check_global_batch, check_micro_batches
 from fdp.dist.devices import BACKENDS
+from fdp.dist.grow import check_max_ranks
 from fdp.dist.interrupt import check_requeue_signal
 from fdp.dist.launchers import launcher_of
 from fdp.dist.shrink import check_on_rank_loss, check_shrinkable_batch
@@ -176,6 +177,7 @@ def _validate_world(cfg: Any) -> None:
     _require(w.min_ranks >= 1, "world.min_ranks", w.min_ranks, "an integer >= 1")
     if w.on_rank_loss == "shrink":
         _validate_shrink(cfg)
+    _validate_respawn(w, kind, cfg.outer)
     _require(d.global_batch_size >= 1, "data.global_batch_size", d.global_batch_size, "an integer >= 1")
     if kind.starts_ranks:  # there the world size is known only to the launched processes
         return
@@ -188,10 +190,38 @@ def _validate_world(cfg: Any) -> None:
         _as_config_key("world.node_size", lambda size: check_node_size(world, size), w.node_size or w.nproc_per_node)
     if w.on_rank_loss == "shrink":
         _require(w.min_ranks <= world, "world.min_ranks", w.min_ranks, f"at most the world's {world} ranks")
+        largest = _as_config_key("world.max_ranks", lambda most: check_max_ranks(most, world), w.max_ranks)
         _as_config_key(
             "data.global_batch_size",
-            lambda size: check_shrinkable_batch(size, world, w.min_ranks, t.accum_steps),
+            lambda size: check_shrinkable_batch(size, largest, w.min_ranks, t.accum_steps),
             d.global_batch_size,
+        )
+
+
+def _validate_respawn(w: Any, kind: Any, outer: Any) -> None:
+    """A world that grows back (``fdp.dist.grow``): its settings, each refused in one line."""
+    _require(w.max_ranks >= 0, "world.max_ranks", w.max_ranks, "an integer >= 0 (0: the starting size)")
+    _require(w.respawn_delay_s >= 0, "world.respawn_delay_s", w.respawn_delay_s, "seconds >= 0")
+    _require(w.max_respawns >= 0, "world.max_respawns", w.max_respawns, "an integer >= 0")
+    if w.respawn:
+        _require(
+            w.on_rank_loss == "shrink",
+            "world.respawn",
+            w.respawn,
+            "false unless world.on_rank_loss=shrink (a rank started again joins a world that went on)",
+        )
+        _require(
+            not kind.starts_ranks,
+            "world.respawn",
+            w.respawn,
+            "false under torchrun and SLURM (there the launcher or the job starts the replacement, with FDP_JOIN=1)",
+        )
+        overlap = outer.get("overlap", 0) if outer.name != "none" else 0
+        _require(
+            not overlap,
+            "outer.overlap",
+            overlap,
+            "0 with world.respawn=true (a sync in flight would cross the boundary a rank joins at)",
         )
 
 

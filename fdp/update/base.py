@@ -273,8 +273,8 @@ class Update(ABC):
     def reshard(
         self, state: TrainState, old_members: tuple[int, ...], new_members: tuple[int, ...], comm: Comm
     ) -> TrainState:
-        """``state``, made for the world ``old_members``, for the ranks left (``new_members``, whose world is
-        ``comm``) after ranks were lost (a collective)."""
+        """``state``, made for the world ``old_members``, for the ranks of ``new_members`` (whose world is ``comm``)
+        after ranks were lost, or joined (``fdp.dist.grow``: a joiner holds the survivors' state); a collective."""
         return state
 
 

@@ -7,6 +7,9 @@ two neighbouring ranks were lost together: each old slice is broadcast from one
 survivor that holds it, the whole flat state of each bucket is put together, and every
 survivor takes its new slice, and the next one's as its new mirror. The params are
 whole on every rank already; they are laid out again for the new slice boundaries.
+
+A world that grows back (``fdp.dist.grow``) splits its state the same way: every old slice
+is held by its owner, the joiner holds none and receives its slice and mirror.
 """
 
 from __future__ import annotations

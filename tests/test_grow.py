@@ -1,0 +1,209 @@
+"""A world that grows back (world.respawn=true, fdp.dist.grow, fdp.state.heal).
+
+Three gloo ranks train a tiny character transformer with dropout under Adam
+(world-size-invariant: per-sample streams under ``shrink``); a rank is SIGKILLed once it
+starts step 20 of 60. The world shrinks to two, the lost rank's keeper starts it again,
+it joins at a step boundary, takes the state from the survivors (no checkpoint is read)
+and the run ends on three ranks with the uninterrupted run's params.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+from _procs import alive
+from test_shrink import RUN, Signaller, assert_close_params, final_params, records
+
+from fdp.dist.grow import GrowingWorld, JoinRefused
+from fdp.run.config import ConfigError, compose
+from fdp.run.trainer import run
+from fdp.run.validate import validate
+
+STEPS, KILL_AT, TIMEOUT_S = 60, 20, 10  # a dead rank is seen at once: the timeout only bounds start-up
+# Steps of ~0.2 s, so that the rank started again (its keeper imports what its first step needs, it builds its
+# model alone) is back long before the run's end; SGD with momentum (a state to heal), whose result does not
+# amplify the rounding of sums split over 2 or 3 ranks as Adam's does on a model this size.
+SLOWER = ["model.d_model=64", "model.n_layer=2", "data.block_size=64", "data.global_batch_size=48", "optim=sgd"]
+COMMON = [
+    *[
+        o
+        for o in RUN
+        if not o.startswith(
+            (
+                "trainer.max_steps",
+                "model.d_model",
+                "model.n_layer",
+                "data.block_size",
+                "data.global_batch_size",
+                "optim",
+            )
+        )
+    ],
+    *SLOWER,
+    f"trainer.max_steps={STEPS}",
+    "world=local4",
+    "world.nproc_per_node=3",
+    "world.backend=gloo",
+    f"world.timeout_s={TIMEOUT_S}",
+    "world.on_rank_loss=shrink",
+]
+RESPAWN = ["world.respawn=true", "world.respawn_delay_s=0"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    summary = run(compose(*COMMON, *RESPAWN), run_dir)
+    assert summary["world"] == 3 and "grows" not in summary and "shrinks" not in summary
+    return final_params(run_dir)
+
+
+def _lost_and_back(tmp_path_factory, rank):
+    run_dir = tmp_path_factory.mktemp(f"lost{rank}")
+    signaller = Signaller(run_dir, signal.SIGKILL, rank=rank, step=KILL_AT)
+    try:
+        summary = run(compose(*COMMON, *RESPAWN), run_dir)
+    finally:
+        signaller.done()
+    return {"dir": run_dir, "summary": summary, "victim": signaller.victim}
+
+
+@pytest.fixture(scope="module")
+def lost2(tmp_path_factory):
+    return _lost_and_back(tmp_path_factory, 2)
+
+
+@pytest.fixture(scope="module")
+def lost0(tmp_path_factory):
+    return _lost_and_back(tmp_path_factory, 0)
+
+
+def _check_grown_back(result, reference, rank):
+    summary, victim = result["summary"], result["victim"]
+    assert victim is not None and victim["step"] >= KILL_AT and not alive(victim["pid"])
+    assert summary["steps"] == STEPS and summary["world"] == 3, summary
+    (shrink,) = summary["shrinks"]
+    (grow,) = summary["grows"]
+    assert shrink["lost"] == [rank] and shrink["world"] == 2
+    assert grow["joined"] == [rank] and grow["world"] == 3 and shrink["step"] <= grow["asked"] < grow["step"] < STEPS
+    # Admitted at a boundary two steps after rank 0 saw the request (made while a step ran): never inside one.
+    assert grow["step"] == grow["asked"] + 2
+    grows = [r for r in records(result["dir"]) if r.get("grow")]
+    assert [{k: r[k] for k in ("grow", "step", "joined", "world", "seconds")} for r in grows] == [
+        {"grow": True, **{k: grow[k] for k in ("step", "joined", "world", "seconds")}}
+    ]
+    # Nothing read: the only checkpoint is the one written at the end.
+    assert sorted(p.name for p in (result["dir"] / "checkpoints").glob("step_*.pt")) == [f"step_{STEPS:08d}.pt"]
+    assert_close_params(final_params(result["dir"]), reference)
+
+
+def test_rank_2_killed_is_started_again_rejoins_and_the_run_ends_on_three_ranks(lost2, reference):
+    _check_grown_back(lost2, reference, 2)
+
+
+def test_rank_0_killed_rejoins_and_the_run_keeps_its_owner_and_summary(lost0, reference):
+    """Launch rank 0 joins last (rank 2 of the new world): launch rank 1 stays the world's rank 0, writing the
+    records; the run's summary is that rank's, whichever process the launcher reads first."""
+    _check_grown_back(lost0, reference, 0)
+    lines = records(lost0["dir"])
+    assert lines[-1]["summary"] and lines[-1]["grows"] == lost0["summary"]["grows"]
+    assert [r["step"] for r in lines if "loss" in r and "step" in r][-1] == STEPS
+
+
+# -- the admission, on a real store --------------------------------------------------------------------
+@pytest.fixture
+def store():
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def _world(store, me, members, max_ranks):
+    return GrowingWorld(store, me, len(members), "gloo", TIMEOUT_S, max_ranks=max_ranks)
+
+
+def _asking(store, me, max_ranks, wait_s=3.0):
+    """A joiner in a thread: what it got (``None``: no answer within ``wait_s``, or the exception)."""
+    out = {}
+
+    def ask():
+        try:
+            out["world"] = GrowingWorld.join(store, me, "gloo", TIMEOUT_S, max_ranks=max_ranks, wait_s=wait_s)
+        except Exception as error:
+            out["error"] = error
+
+    thread = threading.Thread(target=ask, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def test_a_join_beyond_max_ranks_is_refused_in_one_line_on_the_joining_side(store):
+    world = _world(store, 0, (0, 1, 2), 3)
+    try:
+        with pytest.raises(JoinRefused) as caught:
+            GrowingWorld.join(store, 3, "gloo", TIMEOUT_S, max_ranks=3)
+    finally:
+        world.close()
+    assert str(caught.value) == (
+        "world.max_ranks=3: expected room for one more rank; the world already has 3 (launch ranks 0, 1, 2), "
+        "so launch rank 3 cannot join"
+    )
+
+
+def test_of_two_joins_at_once_with_room_for_one_the_second_is_refused_by_the_world(store):
+    world = _world(store, 0, (0, 1), 3)
+    try:
+        first, got_first = _asking(store, 2, 3, wait_s=2.0)
+        time.sleep(0.3)
+        second, got_second = _asking(store, 3, 3)
+        time.sleep(0.3)
+        assert not world.due(10)  # seen after step 10, scheduled for step 12
+        second.join(5)
+        assert str(got_second["error"]) == (
+            "world.max_ranks=3: expected room for one more rank; the world already has 2 (launch ranks 0, 1), "
+            "so launch rank 3 cannot join"
+        )
+        first.join(5)
+        assert got_first == {"world": None}  # no answer: the world never reached its boundary here
+    finally:
+        world.close()
+
+
+@pytest.mark.parametrize("period, asked, at", [(1, 7, 9), (4, 5, 12), (4, 8, 16)])
+def test_a_join_asked_during_a_step_waits_for_the_scheduled_boundary_on_every_rank(store, period, asked, at):
+    """Rank 0 schedules the join two boundaries (outer-loop periods) ahead: every rank, at most one boundary
+    apart from it, sees the schedule before it gets there; none admits it earlier."""
+    ranks = [_world(store, me, (0, 1, 2), 4) for me in (0, 1, 2)]
+    try:
+        joiner, _ = _asking(store, 3, 4, wait_s=1.0)
+        time.sleep(0.3)
+        for step in range(asked, at + 1):
+            due = [world.due(step, period) for world in ranks]
+            assert due == [step == at] * 3, (step, due)
+        joiner.join(5)
+    finally:
+        for world in ranks:
+            world.close()
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (
+            ["world.max_ranks=2"],
+            r"world\.max_ranks=2: expected 0 \(the starting size\) or at least the world's 3 ranks",
+        ),
+        (["world.on_rank_loss=restart"], r"world\.respawn=True: expected false unless world\.on_rank_loss=shrink"),
+        (["world.max_respawns=-1"], r"world\.max_respawns=-1: expected an integer >= 0"),
+        (["world.max_ranks=5"], r"data\.global_batch_size=48: expected a multiple of every world size from "),
+    ],
+)
+def test_settings_a_growing_world_cannot_run_are_refused_in_one_line(overrides, expected):
+    import re
+
+    with pytest.raises(ConfigError) as caught:
+        validate(compose(*COMMON, *RESPAWN, *overrides))
+    assert re.match(expected, str(caught.value)) and "\n" not in str(caught.value), str(caught.value)
