@@ -40,6 +40,7 @@ from fdp.run.keys import check_keys
 from fdp.run.loggers import check_loggers
 from fdp.run.loop_controls import check_loop_settings
 from fdp.run.rundir import RunDir
+from fdp.run.sharded_checkpoint import check_checkpoint_format
 from fdp.state.replicas import check_sync_buffers
 from fdp.step.compiled import check_compile
 from fdp.step.outer import check_outer
@@ -115,6 +116,13 @@ def _validate_trainer(cfg: Any) -> None:
     _as_config_key("trainer.matmul_precision", check_matmul_precision, t.matmul_precision)
     _as_config_key("trainer.compile", lambda value: check_compile(value, device), t.compile)
     _as_config_key("trainer.zero_stage", check_zero_stage, t.zero_stage)
+    _as_config_key(
+        "trainer.checkpoint_format",
+        lambda value: check_checkpoint_format(
+            value, cfg.outer.name != "none", cfg.world.on_rank_loss == "shrink", bool(t.checkpoint_monitor)
+        ),
+        t.checkpoint_format,
+    )
     _as_config_key("trainer.sample_streams", check_sample_streams, t.sample_streams)
     _as_config_key("trainer.activation_checkpointing", remat.check_mode, t.activation_checkpointing)
     _as_config_key("trainer.activation_checkpointing_k", remat.check_k, t.activation_checkpointing_k)
