@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -190,3 +191,49 @@ def test_a_rank_killed_mid_asynchronous_save_leaves_the_previous_checkpoint_last
     step, _, (after, _) = run_ranks(_resume_at, 3, tmp_path, 2)[0]
     straight = run_ranks(_save_at, 3, tmp_path / "straight", 4, world_size=2)[0][0][0]
     assert step == 4 and _equal(after, straight)
+
+
+# -- through the trainer ----------------------------------------------------------------------------
+RUN = [
+    "model=mlp",
+    "model.hidden=32",
+    "optim=adam",
+    "trainer.progress=false",
+    "data.global_batch_size=16",
+    "trainer.bucket_cap_mb=0.01",
+    "trainer.first_bucket_cap_mb=0.005",
+    "trainer.eval_batches=2",
+    "trainer.eval_every=0",
+    "trainer.max_steps=8",
+    "trainer.checkpoint_every=4",
+    "trainer.checkpoint_format=sharded",
+]
+
+
+def _compose(*overrides):
+    from hydra import compose, initialize_config_dir
+
+    from fdp.run.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base=None):
+        return compose("config", overrides=list(overrides))
+
+
+def test_a_sharded_run_stopped_and_resumed_ends_bit_for_bit_like_an_uninterrupted_one(tmp_path):
+    """Two ranks at stage 3 with asynchronous saves, stopped at step 4 and resumed; then one process at stage 0
+    starts from the two ranks' step 4."""
+    from fdp.run.trainer import run
+
+    stage3 = [*RUN, "world=local2", "trainer.zero_stage=3"]
+    run(_compose(*stage3), tmp_path / "straight")
+    run(_compose(*stage3, "trainer.stop_at=4"), tmp_path / "two")
+    run(_compose(*stage3, "trainer.resume=true"), tmp_path / "two")
+    straight, two = consolidate(tmp_path / "straight"), consolidate(tmp_path / "two")
+    assert straight["step"] == two["step"] == 8 and _equal(straight["params"], two["params"])
+    logged = "".join(p.read_text() for p in (tmp_path / "two").glob("*.log"))
+    assert "checkpoint step 4: the loop blocked" in logged and "written in" in logged
+    step4 = tmp_path / "two" / "checkpoints" / "step_00000004"
+    run(_compose(*RUN, "trainer.zero_stage=0", f"trainer.resume={step4}"), tmp_path / "one")
+    one = consolidate(tmp_path / "one")
+    assert one["step"] == 8 and all(torch.allclose(one["params"][n], p, atol=1e-5) for n, p in two["params"].items())

@@ -245,14 +245,14 @@ def _validate_run_dir(cfg: Any, run_dir: RunDir) -> None:
     source = run_dir.resume_from(cfg.trainer.resume)
     if cfg.trainer.resume is True:
         _require(
-            source.is_file(),
+            source.exists(),
             "trainer.resume",
             True,
             f"a checkpoint at {source} (set hydra.run.dir to the run to continue)",
         )
     elif source is not None:
         _require(
-            source.is_file(),
+            source.exists(),
             "trainer.resume",
             cfg.trainer.resume,
             "true, false or the path of a checkpoint (a step_<N>.pt file, or a run directory for its last.pt); "
