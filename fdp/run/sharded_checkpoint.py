@@ -98,9 +98,10 @@ def _state_tree(state: TrainState) -> dict:
     }
 
 
-def _staged(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
-    """A CPU copy of ``tensor`` that keeps its DCP piece fields (``fdp.update.pieces``)."""
-    copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+def _staged(tensor: torch.Tensor, pin: bool, into: torch.Tensor | None = None) -> torch.Tensor:
+    """A CPU copy of ``tensor`` that keeps its DCP piece fields (``fdp.update.pieces``), in ``into`` where it fits."""
+    fits = into is not None and into.shape == tensor.shape and into.dtype == tensor.dtype
+    copy = into if fits else torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
     copy.copy_(tensor.detach())
     for field in ("global_shape", "global_offsets", "local_offsets", "local_sizes"):
         if hasattr(tensor, field):
@@ -116,6 +117,22 @@ class ShardedSaver:
     """Writes sharded checkpoints of one world (see the module docstring); one write in flight at most.
 
     Made on every rank; ``save`` and ``wait`` are called by every rank at the same points.
+
+    >>> import tempfile
+    >>> from fdp import cross_entropy_loss, functionalize, plan_buckets, planner_loss, sgd
+    >>> from fdp.update import zero
+    >>> model, params, buffers = functionalize(torch.nn.Linear(4, 3))
+    >>> batch = (torch.randn(8, 4), torch.randint(0, 3, (8,)))
+    >>> plan = plan_buckets(planner_loss(cross_entropy_loss(model), buffers), params, batch)
+    >>> update = zero.update_for(0, sgd(0.1, momentum=0.9), plan, Comm())
+    >>> state = update.first_state(params, buffers, None, Comm())
+    >>> saver, directory = ShardedSaver(Comm()), tempfile.mkdtemp()
+    >>> saver.save(directory, state._replace(step=5), update, plan).name
+    'step_00000005'
+    >>> saver.wait()  # the write in flight is complete: checkpoints/last names it
+    >>> load_sharded(Path(directory) / "step_00000005", update.first_state(params, buffers, None, Comm()), update,
+    ...              plan, Comm()).step
+    5
     """
 
     def __init__(self, comm: Comm, asynchronous: bool = True, timeout_s: float = 300.0):
@@ -123,6 +140,8 @@ class ShardedSaver:
         self._group = None  # the writers' own process group, made at the first save (every rank at once)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        # The staging copy, kept from one save to the next: its pages are touched once, not at every save.
+        self._staging: dict[str, torch.Tensor] = {}
         self.last_blocked_s = self.last_write_s = 0.0
 
     def _writers(self):
@@ -158,7 +177,8 @@ class ShardedSaver:
         tensors, plain = update.checkpoint_pieces(_state_tree(state), comm)
         pin = torch.cuda.is_available() and any(t.is_cuda for t in tensors.values())
         if self.asynchronous:  # the loop goes on with the state: the thread writes a copy
-            tensors = {key: _staged(t, pin) for key, t in tensors.items()}
+            tensors = {key: _staged(t, pin, self._staging.get(key)) for key, t in tensors.items()}
+            self._staging = tensors
         mine = {
             "hook_state": _leaves(state.hook_state),
             "rng": state.rng,

@@ -118,7 +118,9 @@ def state_pieces(
             if name is not None and leaf.numel() == slots[name].numel:
                 lo, hi = (0, leaf.numel()) if reading else _even_range(leaf.numel(), rank, world)
                 if lo < hi:
-                    tensors[key] = _piece(leaf.reshape(-1)[lo:hi], leaf.numel(), lo)
+                    # Read into a view (a copy would not fill the state); written from a copy where need be.
+                    flat = leaf.view(-1) if reading else leaf.reshape(-1)
+                    tensors[key] = _piece(flat[lo:hi], leaf.numel(), lo)
                 continue
             tensors[key] = leaf  # a leaf of no parameter: whole everywhere
     return tensors, plain
