@@ -16,9 +16,9 @@ each waited for before the next), the total time until the checkpoint is complet
 on disk, the state a rank holds (its share), and the peak RSS during the save over the
 RSS before it (the largest rank: ``VmHWM`` reset before each save).
 
-    python benchmarks/checkpoint.py [--quick] [--worlds 2 4] [--models 100M 400M]
+    python benchmarks/checkpoint.py [--quick] [--worlds 2 4] [--models 100M 400M] [--saves 3] [--name checkpoint]
 
-Writes ``benchmarks/results/checkpoint.md`` and ``checkpoint.json`` (``--quick``: a ~7M model, prints only).
+Writes ``benchmarks/results/<name>.md`` and ``<name>.json`` (``--quick``: a ~7M model, prints only).
 """
 
 from __future__ import annotations
@@ -222,6 +222,7 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--models", nargs="+", default=["100M", "400M"], choices=list(MODELS))
     parser.add_argument("--saves", type=int, default=3)
+    parser.add_argument("--name", default="checkpoint", help="results/<name>.md and .json")
     args = parser.parse_args()
     models, worlds, saves = (["7M"], [2], 2) if args.quick else (args.models, args.worlds, args.saves)
     start, load = time.perf_counter(), os.getloadavg()[0]
@@ -253,8 +254,8 @@ def main() -> None:
     print(table)
     if not args.quick:
         RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "checkpoint.md").write_text(table)
-        (RESULTS / "checkpoint.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        (RESULTS / f"{args.name}.md").write_text(table)
+        (RESULTS / f"{args.name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -220,15 +220,16 @@ def _compose(*overrides):
         return compose("config", overrides=list(overrides))
 
 
+@pytest.mark.timeout(900)  # a four-rank run, a two-rank one and two in one process
 def test_four_ranks_at_stage_3_checkpoint_and_two_resume_under_a_memory_cap_like_an_uninterrupted_run(tmp_path):
     """SGD with momentum, asynchronous sharded saves: 4 ranks at stage 3 stopped at step 4, resumed on 2 ranks at
-    stage 3 under world.memory_per_rank_mb, end within 1e-5 of 4 ranks uninterrupted; then one process at stage 0
+    stage 3 under world.memory_per_rank_mb, end within 1e-5 of one process uninterrupted; then one process at stage 0
     starts from the 4 ranks' step 4. (The issue's params larger than the cap need the sharded build: not here.)"""
     from fdp.run.trainer import run
 
     one_process = [*RUN, "optim=sgd", "optim.momentum=0.9"]
     sgd = [*one_process, "trainer.zero_stage=3"]
-    run(_compose(*sgd, "world=local4"), tmp_path / "straight")
+    run(_compose(*one_process), tmp_path / "straight")  # uninterrupted, on the union batch
     run(_compose(*sgd, "world=local4", "trainer.stop_at=4"), tmp_path / "four")
     step4 = tmp_path / "four" / "checkpoints" / "step_00000004"
     assert checkpoint.read_meta(step4)["world_size"] == 4
