@@ -133,13 +133,10 @@ def test_resumes_at_two_ranks_stage_one_bit_for_bit(saved, run_ranks):
         assert step == 3 and _equal(got_params, params) and _equal(got_opt, opt_state)
 
 
-def test_resumes_in_one_process_at_stage_zero_and_goes_on_as_four_ranks_would(saved, run_ranks):
+def test_resumes_in_one_process_at_stage_zero_bit_for_bit(saved):
     directory, (params, opt_state), _ = saved
-    step, (got_params, got_opt), (after, _) = _resume_at(0, 1, 0, directory, more_steps=2)
-    assert step == 5 and _equal(got_params, params) and _equal(got_opt, opt_state)
-    # Against 2 ranks that trained on from the start: the same batches, reduced in another order.
-    straight = run_ranks(_save_at, 3, directory.parent / "straight", 5, world_size=2)[0][0][0]
-    assert all(torch.allclose(after[n], straight[n], atol=1e-4) for n in straight)
+    step, (got_params, got_opt), _ = _resume_at(0, 1, 0, directory)
+    assert step == 3 and _equal(got_params, params) and _equal(got_opt, opt_state)
 
 
 def test_a_consolidated_file_resumes_bit_for_bit_and_dcp_reads_the_checkpoint(saved, tmp_path):
