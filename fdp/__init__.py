@@ -57,7 +57,10 @@ or of packages above it in this list; ``tests/test_imports.py`` holds every impo
   checkpoints, metrics, loggers, evaluation and the run directory (``checkpoint``, ``metrics``, ``loggers``,
   ``evaluate``, ``rundir``), the world on this machine (``world``), the one start-up (``startup``), a run's
   pieces (``build``), its report, epochs, time limits, early stopping and best checkpoints
-  (``loop_controls``), the loop (``trainer``), the shell entry (``cli``) and sweeps (``sweep``).
+  (``loop_controls``), the loop (``trainer``), the shell entry (``cli``) and sweeps (``sweep``); sharded,
+  asynchronous checkpoints in DCP's format (``sharded_checkpoint``) and their consolidation into one file
+  (``consolidate``).
+* ``checkpoint``: the ``python -m fdp.checkpoint consolidate RUN_DIR`` command.
 """
 
 from fdp import hooks
@@ -102,6 +105,7 @@ from fdp.run.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from fdp.run.loggers import CsvLog, MlflowLog
 from fdp.run.loop_controls import LoopControls, Monitor, run_steps
 from fdp.run.rundir import RunDirInUse, own_run_dir
+from fdp.run.sharded_checkpoint import ShardedSaver, load_sharded
 from fdp.state.replicas import BUFFER_SYNC, setup_state, sync_buffers
 from fdp.state.train_state import TrainState, init_train_state, state_nbytes
 from fdp.step.chains import Reduction
@@ -118,6 +122,8 @@ __all__ = [
     "check_same_plan",
     "load_checkpoint",
     "save_checkpoint",
+    "ShardedSaver",
+    "load_sharded",
     "setup_state",
     "sync_buffers",
     "RunDirInUse",

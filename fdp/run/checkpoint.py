@@ -40,8 +40,11 @@ from fdp.plan import BucketPlan
 from fdp.state.train_state import TrainState
 
 LAST = "last.pt"  # a copy of the newest step file
+POINTER = "last"  # a small file naming the newest complete sharded checkpoint (fdp.run.sharded_checkpoint)
+META = "fdp.pt"  # a sharded checkpoint's own description (step, plan, stage, world size, config)
 CHECKPOINTS = "checkpoints"  # a run directory's folder of them (fdp.run.rundir)
 _STEP_FILE = re.compile(r"step_(\d+)\.pt$")
+_STEP_DIR = re.compile(r"step_(\d+)$")
 
 
 class CheckpointError(RuntimeError):
@@ -57,6 +60,34 @@ def step_files(directory: str | os.PathLike) -> dict[int, Path]:
     directory = Path(directory)
     found = {int(m.group(1)): p for p in directory.glob("step_*.pt") if (m := _STEP_FILE.search(p.name))}
     return dict(sorted(found.items()))
+
+
+def sharded_steps(directory: str | os.PathLike) -> dict[int, Path]:
+    """The complete sharded checkpoints (``step_<N>/`` directories) in ``directory``, by step, in step order."""
+    directory = Path(directory)
+    found = {int(m.group(1)): p for p in directory.glob("step_*") if p.is_dir() and (m := _STEP_DIR.search(p.name))}
+    return dict(sorted(found.items()))
+
+
+def is_sharded(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a sharded checkpoint's directory (``fdp.run.sharded_checkpoint``)."""
+    return Path(path).is_dir() and (Path(path) / META).is_file()
+
+
+def read_meta(path: str | os.PathLike) -> dict:
+    """A sharded checkpoint's ``fdp.pt`` (step, plan fingerprint, stage, world size, config, the loop's state)."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if not is_sharded(path):
+        raise CheckpointError(f"checkpoint {path} is not an fdp checkpoint (a directory without {META})")
+    try:
+        meta = torch.load(path / META, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {path / META} is unreadable (truncated or corrupted?): {type(e).__name__}")
+    if not isinstance(meta, dict) or "step" not in meta:
+        raise CheckpointError(f"checkpoint {path / META} is not an fdp checkpoint (no 'step' entry)")
+    return meta
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -97,6 +128,8 @@ def load(path: str | os.PathLike, mmap: bool = False) -> dict:
     ``mmap=True`` maps the tensors' bytes instead of reading them (see ``check_readable``).
     """
     path = Path(path)
+    if path.is_dir():  # a sharded checkpoint: its description (the tensors are read by each rank, in pieces)
+        return read_meta(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
     try:
@@ -273,6 +306,7 @@ def save(directory: str | os.PathLike, payload: dict, keep: int = 2) -> Path:
     directory = Path(directory)
     path = atomic_save(payload, directory / f"step_{int(payload['step']):08d}.pt")
     _atomic_copy(path, directory / LAST)
+    (directory / POINTER).unlink(missing_ok=True)  # last.pt is now the newest (a sharded run's pointer named older)
     _fsync_dir(directory)
     for old in list(step_files(directory).values())[: -keep or None]:
         old.unlink()
@@ -292,11 +326,24 @@ def resolve(path: str | os.PathLike) -> Path:
     (True, True)
     """
     path = Path(path)
-    if not path.is_dir():
+    if not path.is_dir() or is_sharded(path):
         return path
-    if not (path / LAST).exists() and (path / CHECKPOINTS).is_dir():
-        return path / CHECKPOINTS / LAST
-    return path / LAST
+    if not (path / LAST).exists() and not (path / POINTER).exists() and (path / CHECKPOINTS).is_dir():
+        path = path / CHECKPOINTS
+    return last_of(path)
+
+
+def last_of(checkpoints: str | os.PathLike) -> Path:
+    """The newest complete checkpoint in a checkpoints directory: the one ``last`` names (sharded) or ``last.pt``.
+
+    >>> last_of("/nonexistent").name
+    'last.pt'
+    """
+    checkpoints = Path(checkpoints)
+    pointer = checkpoints / POINTER
+    if pointer.is_file():
+        return checkpoints / pointer.read_text().strip()
+    return checkpoints / LAST
 
 
 def save_checkpoint(

@@ -32,7 +32,7 @@ from fdp.dist.interrupt import StoppedAtOnce, exit_code, requeue_job, stop_signa
 from fdp.dist.launch import RankLostError, RankOutOfMemoryError, WorkerFailedError
 from fdp.dist.launchers import launcher_of
 from fdp.errors import ConfigError
-from fdp.run.checkpoint import LAST, CheckpointError
+from fdp.run.checkpoint import CheckpointError, last_of
 from fdp.run.keys import unknown_key_line
 from fdp.run.metrics import summary_line
 from fdp.run.rundir import CHECKPOINTS, run_log
@@ -191,7 +191,7 @@ def _refused(error: BaseException) -> bool:
 
 
 def _last_checkpoint(run_dir: Path) -> str:
-    last = run_dir / CHECKPOINTS / LAST
+    last = last_of(run_dir / CHECKPOINTS)
     if not last.exists():
         return "no checkpoint yet"
     from fdp.run.checkpoint import load
@@ -202,7 +202,7 @@ def _last_checkpoint(run_dir: Path) -> str:
 def _interrupted_line(summary: dict, run_dir: Path, extra: str = "") -> str:
     return (
         f"fdp: interrupted at step {summary['steps']} by {summary['interrupted']}; checkpoint "
-        f"{run_dir / CHECKPOINTS / LAST}; resume with trainer.resume=true hydra.run.dir={run_dir}{extra}"
+        f"{last_of(run_dir / CHECKPOINTS)}; resume with trainer.resume=true hydra.run.dir={run_dir}{extra}"
     )
 
 

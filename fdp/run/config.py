@@ -195,6 +195,8 @@ class TrainerConfig:
     eval_batches: int = 20
     checkpoint_every: int = 100  # 0: checkpoint only at the end
     keep_checkpoints: int = 2
+    checkpoint_format: str = "whole"  # whole (rank 0 writes one file) | sharded (each rank its share, DCP's format)
+    checkpoint_async: bool = True  # checkpoint_format=sharded: write while training goes on (the loop waits to stage)
     resume: Any = False  # true: continue hydra.run.dir from its last checkpoint | PATH: start from that checkpoint
     reschedule: bool = False  # resume with another max_steps: stretch the learning-rate schedule over it (else refused)
     bucket_cap_mb: float = 25.0

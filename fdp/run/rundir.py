@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple
 
 from fdp.errors import ConfigError, require
-from fdp.run.checkpoint import CHECKPOINTS, LAST, CheckpointError, resolve
+from fdp.run.checkpoint import CHECKPOINTS, CheckpointError, last_of, resolve
 
 __all__ = [
     "LOCK",
@@ -88,7 +88,7 @@ class RunDir(NamedTuple):
 
     @property
     def last_checkpoint(self) -> Path:
-        return self.checkpoints / LAST
+        return last_of(self.checkpoints)
 
     @property
     def plan_table(self) -> Path:

@@ -60,6 +60,7 @@ from fdp.run.loop_controls import LoopControls, read_resumed, run_steps
 from fdp.run.rejoin import Joining, RunEnded, enter_world, heal
 from fdp.run.report import Report
 from fdp.run.rundir import RankStatus, RunDir, train_log_handler
+from fdp.run.sharded_checkpoint import ShardedSaver, load_sharded
 from fdp.run.startup import start_run
 from fdp.run.world import layout_of
 from fdp.state.train_state import TrainState
@@ -76,21 +77,32 @@ log = logging.getLogger("fdp")
 
 # -- checkpoints of the run -----------------------------------------------------------------
 def _save(
-    run_dir: RunDir, state: TrainState, comm: Comm, cfg: DictConfig, parts: RunParts, extra: dict | None = None
+    run_dir: RunDir,
+    state: TrainState,
+    comm: Comm,
+    cfg: DictConfig,
+    parts: RunParts,
+    extra: dict | None = None,
+    saver: ShardedSaver | None = None,
 ) -> Path | None:
-    state = parts.update.to_checkpoint(state, comm)  # whole, so that any world size and stage can resume it
     extra = {"config": OmegaConf.to_yaml(cfg), **(extra or {})}
+    if saver is not None:  # trainer.checkpoint_format=sharded: each rank writes the pieces its update owns
+        return saver.save(run_dir.checkpoints, state, parts.update, parts.plan, cfg.trainer.keep_checkpoints, extra)
+    state = parts.update.to_checkpoint(state, comm)  # whole, so that any world size and stage can resume it
     return checkpoint.save_checkpoint(
         run_dir.checkpoints, state, parts.plan, comm, keep=cfg.trainer.keep_checkpoints, extra=extra
     )
 
 
 def _resume(source: Path, parts: RunParts, comm: Comm) -> TrainState:
-    template = parts.update.checkpoint_template(parts.state)
-    state = checkpoint.load_checkpoint(source, template, parts.plan, comm)
+    if checkpoint.is_sharded(source):  # each rank reads the ranges its update owns, into the built state
+        state = load_sharded(source, parts.state, parts.update, parts.plan, comm)
+    else:
+        template = parts.update.checkpoint_template(parts.state)
+        state = parts.update.from_checkpoint(checkpoint.load_checkpoint(source, template, parts.plan, comm), comm)
     if comm.rank == 0:
         log.info(f"resumed from step {state.step} ({source})")
-    return parts.update.from_checkpoint(state, comm)
+    return state
 
 
 def _resume_source(cfg: DictConfig, run_dir: RunDir) -> Path | None:
@@ -327,6 +339,10 @@ class _Loop:
         self.period = 0 if outer.get("overlap", 0) else outer.get("sync_every", 1) if outer.name != "none" else 1
         self.state = self.before = state
         self.since = time.perf_counter()
+        tc = cfg.trainer
+        self.saver = (
+            ShardedSaver(comm, tc.checkpoint_async, cfg.world.timeout_s) if tc.checkpoint_format == "sharded" else None
+        )
         self.join(comm)
 
     def join(self, comm: Comm) -> None:
@@ -397,7 +413,9 @@ class _Loop:
         """Checkpoint ``state`` (its gradients checked finite first), with the loop's own state."""
         with self.phase("save", state.step):
             self.train_step.settle()  # no checkpoint of a step whose gradients were not finite
-            written = _save(run_dir, state, self.comm, self.cfg, self.parts, self.controls.payload(state.step))
+            written = _save(
+                run_dir, state, self.comm, self.cfg, self.parts, self.controls.payload(state.step), self.saver
+            )
         self.phase.saved = True
         return written
 
@@ -484,6 +502,8 @@ def _train(
         heartbeat = resources.enter_context(_heartbeat(comm, world))
         resources.callback(loop.timeline.save, run_dir.trace(comm.rank))
         resources.enter_context(_closing(loop.controls))
+        if loop.saver is not None:  # the write in flight ends before the run does (not after a failure: its peers
+            resources.push(lambda failed, *_: None if failed else loop.saver.wait())  # may be gone)
         stop = resources.enter_context(_stop_signals(cfg, comm))
         interrupted = _loop(loop, run_dir, report, status, stop, heartbeat, world)
     rows = report.times.rows

@@ -41,6 +41,7 @@ from fdp.run.keys import check_keys
 from fdp.run.loggers import check_loggers
 from fdp.run.loop_controls import check_loop_settings
 from fdp.run.rundir import RunDir
+from fdp.run.sharded_checkpoint import check_checkpoint_format
 from fdp.state.replicas import check_sync_buffers
 from fdp.step.compiled import check_compile
 from fdp.step.outer import check_outer
@@ -116,6 +117,13 @@ def _validate_trainer(cfg: Any) -> None:
     _as_config_key("trainer.matmul_precision", check_matmul_precision, t.matmul_precision)
     _as_config_key("trainer.compile", lambda value: check_compile(value, device), t.compile)
     _as_config_key("trainer.zero_stage", check_zero_stage, t.zero_stage)
+    _as_config_key(
+        "trainer.checkpoint_format",
+        lambda value: check_checkpoint_format(
+            value, cfg.outer.name != "none", cfg.world.on_rank_loss == "shrink", bool(t.checkpoint_monitor)
+        ),
+        t.checkpoint_format,
+    )
     _as_config_key("trainer.sample_streams", check_sample_streams, t.sample_streams)
     _as_config_key("trainer.activation_checkpointing", remat.check_mode, t.activation_checkpointing)
     _as_config_key("trainer.activation_checkpointing_k", remat.check_k, t.activation_checkpointing_k)
@@ -272,14 +280,14 @@ def _validate_run_dir(cfg: Any, run_dir: RunDir) -> None:
     source = run_dir.resume_from(cfg.trainer.resume)
     if cfg.trainer.resume is True:
         _require(
-            source.is_file(),
+            source.exists(),
             "trainer.resume",
             True,
             f"a checkpoint at {source} (set hydra.run.dir to the run to continue)",
         )
     elif source is not None:
         _require(
-            source.is_file(),
+            source.exists(),
             "trainer.resume",
             cfg.trainer.resume,
             "true, false or the path of a checkpoint (a step_<N>.pt file, or a run directory for its last.pt); "

@@ -46,6 +46,7 @@ from fdp.state.checks import check_same_replicas, check_state_against_plan
 from fdp.state.replicas import setup_state
 from fdp.state.train_state import TrainState
 from fdp.trace import NullTimeline, Timeline
+from fdp.update.pieces import SliceRange, state_pieces
 
 __all__ = [
     "STAGES",
@@ -196,8 +197,9 @@ class Update(ABC):
       cross ``torch.func``, ``fdp.plan.buckets.lay_out``; sharded params keep ZeRO's own
       layout), ``check_state`` (the first step's) and ``begin``;
     * the state: ``first_state`` (the same on every rank, checked), ``to_checkpoint``,
-      ``checkpoint_template`` and ``from_checkpoint`` (a checkpoint holds the whole state,
-      which any stage and world size resumes), ``reshard`` after ranks were lost;
+      ``checkpoint_template`` and ``from_checkpoint`` (a whole-file checkpoint holds the whole state,
+      which any stage and world size resumes), ``checkpoint_pieces`` (what this rank writes to, or
+      reads from, a sharded one, by ``slice_range``), ``reshard`` after ranks were lost;
     * what it accepts: ``refuses_hook``, ``refuses_optimizer``, ``refuses_compile``
       (``rules``: the stage's ``Stage``).
 
@@ -269,6 +271,16 @@ class Update(ABC):
     def from_checkpoint(self, whole: TrainState, comm: Comm) -> TrainState:
         """This rank's state from a checkpoint's whole one (made at any stage and world size)."""
         return whole
+
+    def slice_range(self, comm: Comm) -> SliceRange | None:
+        """This rank's ``(start, stop)`` in each bucket's padded flat layout where the state holds slices; or
+        ``None`` (the state holds whole tensors)."""
+        return None
+
+    def checkpoint_pieces(self, tree: dict, comm: Comm, reading: bool = False) -> tuple[dict, dict]:
+        """The pieces of logical tensors in ``tree`` (parts of a state of this stage) that this rank writes to a
+        sharded checkpoint, or (``reading``) reads into, filling ``tree`` in place (``fdp.update.pieces``)."""
+        return state_pieces(tree, self.plan, comm.rank, comm.world_size, self.slice_range(comm), reading)
 
     def reshard(
         self, state: TrainState, old_members: tuple[int, ...], new_members: tuple[int, ...], comm: Comm

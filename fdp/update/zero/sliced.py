@@ -21,7 +21,9 @@ from fdp.state.replicas import agreed_start, rank_seed
 from fdp.state.train_state import TrainState
 from fdp.trace import NullTimeline, Timeline
 from fdp.update.base import Update
+from fdp.update.pieces import SliceRange
 from fdp.update.zero.convert import gather_state, init_state, shard_state, unsharded_template
+from fdp.update.zero.layout import shard_range
 from fdp.update.zero.mirror import reshard_survivors
 
 __all__ = ["SlicedUpdate"]
@@ -75,6 +77,10 @@ class SlicedUpdate(Update):
 
     def from_checkpoint(self, whole: TrainState, comm: Comm) -> TrainState:
         return shard_state(whole, self.plan, comm, self.stage, mirror=self.mirror)
+
+    def slice_range(self, comm: Comm) -> SliceRange:
+        buckets = self.plan.buckets
+        return lambda index: shard_range(buckets[index], comm.rank, comm.world_size)
 
     def reshard(
         self, state: TrainState, old_members: tuple[int, ...], new_members: tuple[int, ...], comm: Comm

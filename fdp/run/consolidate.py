@@ -1,0 +1,99 @@
+"""A sharded checkpoint as one whole-file one: for inference, sharing, or a run that wants one file.
+
+``consolidate(path)`` reads every piece of a sharded checkpoint (``fdp.run.sharded_checkpoint``)
+in one process, without a process group, and gives the payload ``fdp.run.checkpoint.save`` writes:
+params and optimizer state whole, by parameter name (stage 0's structure, which any stage
+and world size resumes), each rank's hook state and RNG. ``write_consolidated`` writes it
+as a ``.pt`` file (``weights_only`` loadable, a valid ``trainer.resume=PATH``) or, for a
+``.safetensors`` path, the params alone (a Hugging Face model's names are its own:
+``fdp.model.builtin.hf_model``). The command is ``python -m fdp.checkpoint consolidate``.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from fdp.run.checkpoint import CheckpointError, atomic_save, read_meta, resolve
+
+__all__ = ["consolidate", "write_consolidated"]
+
+_DESCRIPTION = ("format", "shapes", "plain", "loss_scale_paths", "stage", "world_size")
+
+
+def _name(key: str, prefix: str) -> str:
+    """``params['fc.weight']`` -> ``fc.weight``."""
+    return ast.literal_eval(key[len(prefix) + 1 : -1])
+
+
+def consolidate(path: str | os.PathLike) -> dict:
+    """The whole-file payload of the sharded checkpoint ``path`` (a ``step_<N>/`` directory, or a run or
+    checkpoints directory for its last); it holds the whole model in this process."""
+    path = resolve(Path(path))
+    meta = read_meta(path)
+    reader = dcp.FileSystemReader(path)
+    stored = reader.read_metadata().state_dict_metadata
+    whole = {
+        key: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        for key, md in stored.items()
+        if isinstance(md, TensorStorageMetadata)
+    }
+    dcp.load(whole, storage_reader=reader, no_dist=True)
+    shapes = {name: tuple(shape) for name, shape in meta["shapes"].items()}
+
+    def shaped(key: str, value: torch.Tensor) -> torch.Tensor:
+        name = next((n for n in shapes if key.endswith(f"[{n!r}]")), None)
+        return (
+            value.view(shapes[name])
+            if name is not None and value.numel() == torch.Size(shapes[name]).numel()
+            else value
+        )
+
+    params = {_name(k, "params"): shaped(k, v) for k, v in whole.items() if k.startswith("params[")}
+    buffers = {_name(k, "buffers"): v for k, v in whole.items() if k.startswith("buffers[")}
+    opt = {k[len("opt_state") :]: shaped(k, v) for k, v in whole.items() if k.startswith("opt_state")}
+    opt.update({k[len("opt_state") :]: v for k, v in meta.get("plain", {}).items() if k.startswith("opt_state")})
+    plain = meta.get("plain", {})
+    loss_scale = [whole.get(f"loss_scale{p}", plain.get(f"loss_scale{p}")) for p in meta.get("loss_scale_paths", [])]
+    ranks = []
+    for rank in range(int(meta["world_size"])):
+        mine = torch.load(path / f"rank{rank}.pt", map_location="cpu", weights_only=True)
+        mine["buffers"] = {
+            n: b for n, b in mine.get("buffers", {}).items() if not torch.equal(b, buffers.get(n, b + 1))
+        }
+        ranks.append(mine)
+    return {
+        **{k: v for k, v in meta.items() if k not in _DESCRIPTION},
+        "params": params,
+        "buffers": buffers,
+        "opt_state": list(opt.values()),
+        "opt_state_paths": list(opt),
+        "loss_scale": loss_scale,
+        "ranks": ranks,
+        "consolidated_from": str(path),
+    }
+
+
+def write_consolidated(path: str | os.PathLike, to: str | os.PathLike | None = None) -> Path:
+    """Consolidate ``path`` into ``to`` (default: ``<checkpoint>.pt`` beside it); ``.safetensors``: the params alone."""
+    source = resolve(Path(path))
+    if not source.exists():
+        raise CheckpointError(f"checkpoint {source} does not exist")
+    if not source.is_dir():
+        raise CheckpointError(f"checkpoint {source} is not a sharded checkpoint (a step_<N> directory): nothing to do")
+    payload = consolidate(source)
+    to = Path(to) if to is not None else source.with_name(source.name + ".pt")
+    if to.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        to.parent.mkdir(parents=True, exist_ok=True)
+        save_file(
+            {n: p.contiguous() for n, p in payload["params"].items()}, str(to), metadata={"step": str(payload["step"])}
+        )
+        return to
+    return atomic_save(payload, to)

@@ -1,0 +1,352 @@
+"""Sharded checkpoints: every rank writes its own share, in ``torch.distributed.checkpoint``'s (DCP's) format.
+
+A checkpoint is a directory ``step_<N>/`` beside the whole-file ``step_<N>.pt`` ones
+(``fdp.run.checkpoint``). Its tensors are DCP's: each parameter and each of its optimizer
+state's leaves one logical 1-D tensor, each rank writing the pieces it owns
+(``fdp.update.pieces``: the stage's update says which, ``Update.checkpoint_pieces``), so DCP's own
+tools read it (``dcp_to_torch_save``). Beside them, ``fdp.pt`` (rank 0: step, plan fingerprint,
+stage, world size, the parameters' shapes, the config and the loop's state) and
+``rank<r>.pt`` (each rank: its hook state, RNG and buffers), all plain values that load with
+``weights_only=True``.
+
+Atomic: the ranks write into ``step_<N>.tmp-<token>/``; once DCP has every rank's
+pieces (its last collective), rank 0 renames it ``step_<N>/`` and replaces the small file
+``last`` that names the newest complete one. A crash or SIGKILL mid-save leaves a
+``.tmp-`` directory (removed by the next save) and ``last`` naming the previous checkpoint.
+
+Asynchronous (``trainer.checkpoint_async``): the loop is blocked only while this rank's
+pieces are copied to the CPU (pinned memory on a GPU; on the CPU the copy is counted in
+``world.memory_per_rank_mb``, the process's data limit); a thread writes them over a
+process group of its own while training goes on. The next save, the end of the run and
+an interrupt wait for it (``ShardedSaver.wait``).
+
+Loading, each rank asks for the ranges it will own at its own stage and world size and
+reads them straight into its state's tensors, from whichever pieces hold them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from fdp._torch import tree_flatten, tree_paths, tree_unflatten
+from fdp.comm import Comm
+from fdp.plan import BucketPlan
+from fdp.run.checkpoint import (
+    POINTER,
+    CheckpointError,
+    _fsync_dir,
+    _leaves,
+    _rebuild,
+    atomic_save,
+    read_meta,
+    sharded_steps,
+)
+from fdp.state.train_state import TrainState
+from fdp.update.base import Update
+from fdp.update.pieces import param_shapes
+
+__all__ = ["ShardedSaver", "load_sharded", "check_checkpoint_format", "FORMATS", "FORMAT"]
+
+log = logging.getLogger("fdp")
+
+FORMAT = "fdp-sharded-1"  # fdp.pt's "format": what this module writes and reads
+FORMATS = ("whole", "sharded")
+
+
+def check_checkpoint_format(value: Any, outer: bool = False, shrink: bool = False, best: bool = False) -> str:
+    """``trainer.checkpoint_format``: ``whole`` (one file, rank 0 writes) or ``sharded`` (each rank its share).
+
+    >>> check_checkpoint_format("sharded")
+    'sharded'
+    >>> check_checkpoint_format("dcp")
+    Traceback (most recent call last):
+    ...
+    ValueError: trainer.checkpoint_format='dcp': expected whole or sharded
+    """
+    if value not in FORMATS:
+        raise ValueError(f"trainer.checkpoint_format={value!r}: expected whole or sharded")
+    if value == "sharded" and (outer or shrink or best):
+        why = (
+            "an outer loop keeps params per rank"
+            if outer
+            else "a world that may shrink keeps per-rank mirrors"
+            if shrink
+            else "trainer.checkpoint_monitor copies whole-file checkpoints"
+        )
+        raise ValueError(f"trainer.checkpoint_format='sharded': expected whole ({why})")
+    return value
+
+
+def _state_tree(state: TrainState) -> dict:
+    return {
+        "params": state.params,
+        "opt_state": state.opt_state,
+        "loss_scale": state.loss_scale,
+        "buffers": state.buffers,
+    }
+
+
+def _staged(tensor: torch.Tensor, pin: bool, into: torch.Tensor | None = None) -> torch.Tensor:
+    """A CPU copy of ``tensor`` that keeps its DCP piece fields (``fdp.update.pieces``), in ``into`` where it fits."""
+    fits = into is not None and into.shape == tensor.shape and into.dtype == tensor.dtype
+    copy = into if fits else torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+    copy.copy_(tensor.detach())
+    for field in ("global_shape", "global_offsets", "local_offsets", "local_sizes"):
+        if hasattr(tensor, field):
+            setattr(copy, field, getattr(tensor, field))
+    return copy
+
+
+def _rank_file(rank: int) -> str:
+    return f"rank{rank}.pt"
+
+
+class ShardedSaver:
+    """Writes sharded checkpoints of one world (see the module docstring); one write in flight at most.
+
+    Made on every rank; ``save`` and ``wait`` are called by every rank at the same points.
+
+    >>> import tempfile
+    >>> from fdp import cross_entropy_loss, functionalize, plan_buckets, planner_loss, sgd
+    >>> from fdp.update import zero
+    >>> model, params, buffers = functionalize(torch.nn.Linear(4, 3))
+    >>> batch = (torch.randn(8, 4), torch.randint(0, 3, (8,)))
+    >>> plan = plan_buckets(planner_loss(cross_entropy_loss(model), buffers), params, batch)
+    >>> update = zero.update_for(0, sgd(0.1, momentum=0.9), plan, Comm())
+    >>> state = update.first_state(params, buffers, None, Comm())
+    >>> saver, directory = ShardedSaver(Comm()), tempfile.mkdtemp()
+    >>> saver.save(directory, state._replace(step=5), update, plan).name
+    'step_00000005'
+    >>> saver.wait()  # the write in flight is complete: checkpoints/last names it
+    >>> load_sharded(Path(directory) / "step_00000005", update.first_state(params, buffers, None, Comm()), update,
+    ...              plan, Comm()).step
+    5
+    """
+
+    def __init__(self, comm: Comm, asynchronous: bool = True, timeout_s: float = 300.0):
+        self.comm, self.asynchronous, self.timeout_s = comm, asynchronous, timeout_s
+        self._group = None  # the writers' own process group, made at the first save (every rank at once)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        # The staging copy, kept from one save to the next: its pages are touched once, not at every save.
+        self._staging: dict[str, torch.Tensor] = {}
+        self.last_blocked_s = self.last_write_s = 0.0
+
+    def _writers(self):
+        if self.comm.world_size > 1 and self._group is None:
+            # Writes overlap training: their collectives go over a gloo group of their own, never the step's.
+            self._group = dist.new_group(
+                list(range(self.comm.world_size)), backend="gloo", timeout=timedelta(seconds=self.timeout_s)
+            )
+        return self._group
+
+    def wait(self) -> None:
+        """Wait for the write in flight, if any; its failure is raised here."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise CheckpointError(f"the asynchronous checkpoint write failed: {error}") from error
+
+    def save(
+        self,
+        directory: str | os.PathLike,
+        state: TrainState,
+        update: Update,
+        plan: BucketPlan,
+        keep: int = 2,
+        extra: dict | None = None,
+    ) -> Path:
+        """Save ``state`` as ``directory/step_<N>/``; returns its path (complete once ``wait`` returns)."""
+        t0 = time.perf_counter()
+        self.wait()
+        comm, group = self.comm, self._writers()
+        tensors, plain = update.checkpoint_pieces(_state_tree(state), comm)
+        pin = torch.cuda.is_available() and any(t.is_cuda for t in tensors.values())
+        if self.asynchronous:  # the loop goes on with the state: the thread writes a copy
+            tensors = {key: _staged(t, pin, self._staging.get(key)) for key, t in tensors.items()}
+            self._staging = tensors
+        mine = {
+            "hook_state": _leaves(state.hook_state),
+            "rng": state.rng,
+            "cuda_rng": state.cuda_rng,
+            "buffers": {n: b.detach().cpu().clone() for n, b in state.buffers.items()},
+        }
+        meta = {
+            "format": FORMAT,
+            "step": int(state.step),
+            "plan_fingerprint": plan.on_cpu().fingerprint(),
+            "stage": update.stage,
+            "world_size": comm.world_size,
+            "shapes": {name: list(shape) for name, shape in param_shapes(plan).items()},
+            "plain": {k: v for k, v in plain.items() if isinstance(v, (int, float, bool, str, type(None)))},
+            "loss_scale_paths": tree_paths(state.loss_scale),
+            **(extra or {}),
+        }
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        directory, step = Path(directory), int(state.step)
+        blocked = time.perf_counter() - t0
+        self.last_blocked_s = blocked
+        args = (directory, step, tensors, mine, meta, group, keep, blocked, nbytes)
+        if self.asynchronous:
+            self._thread = threading.Thread(target=self._write_caught, args=args, name="fdp-checkpoint", daemon=True)
+            self._thread.start()
+        else:
+            self._write(*args)
+        return directory / f"step_{step:08d}"
+
+    def _write_caught(self, *args) -> None:
+        try:
+            self._write(*args)
+        except BaseException as error:  # raised by the next wait(), in the loop's thread
+            self._error = error
+
+    def _write(
+        self,
+        directory: Path,
+        step: int,
+        tensors: dict,
+        mine: dict,
+        meta: dict,
+        group,
+        keep: int,
+        blocked: float,
+        nbytes,
+    ) -> None:
+        t0 = time.perf_counter()
+        rank, world = self.comm.rank, self.comm.world_size
+        token = [uuid.uuid4().hex[:8]]
+        if group is not None:
+            dist.broadcast_object_list(token, src=0, group=group)
+        tmp = directory / f"step_{step:08d}.tmp-{token[0]}"
+        tmp.mkdir(parents=True, exist_ok=True)
+        atomic_save(mine, tmp / _rank_file(rank))
+        if rank == 0:
+            atomic_save(meta, tmp / "fdp.pt")
+        writer = dcp.FileSystemWriter(tmp, sync_files=True)
+        dcp.save(tensors, storage_writer=writer, process_group=group, no_dist=group is None)
+        # DCP's last collective gathered every rank's results: every piece is on disk.
+        if rank == 0:
+            _publish(directory, tmp, step, keep)
+            self.last_write_s = time.perf_counter() - t0
+            log.info(
+                f"checkpoint step {step}: the loop blocked {blocked:.3f} s, written in {self.last_write_s:.3f} s "
+                f"({nbytes / 2**20:.1f} MiB from rank 0 of {world})"
+            )
+        else:
+            self.last_write_s = time.perf_counter() - t0
+
+
+def _publish(directory: Path, tmp: Path, step: int, keep: int) -> None:
+    """Rank 0: ``tmp`` becomes ``step_<N>/`` and ``last`` names it; older ones beyond ``keep`` and stale
+    temporaries (of writes killed mid-way) go."""
+    final = directory / f"step_{step:08d}"
+    if final.exists():  # a resumed run saving a step again
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(directory)
+    pointer = directory / POINTER
+    scratch = directory / f".{POINTER}.tmp"
+    scratch.write_text(final.name + "\n")
+    with open(scratch, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(scratch, pointer)
+    _fsync_dir(directory)
+    for old in list(sharded_steps(directory).values())[: -keep or None]:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in directory.glob("step_*.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _agreed(refused: str | None, comm: Comm) -> None:
+    """Raise ``CheckpointError`` on every rank if any rank refused (the same words everywhere)."""
+    if comm.world_size > 1:
+        seen: list = [None] * comm.world_size
+        dist.all_gather_object(seen, refused, group=comm.group)
+        refused = next((r for r in seen if r is not None), None)
+    if refused is not None:
+        raise CheckpointError(refused)
+
+
+def load_sharded(path: str | os.PathLike, like: TrainState, update: Update, plan: BucketPlan, comm: Comm) -> TrainState:
+    """This rank's state from the sharded checkpoint ``path``, at ``update``'s stage and ``comm``'s world size.
+
+    ``like`` is a fresh state of this run (the built one): its tensors are filled in place,
+    each rank reading only the ranges it owns. A checkpoint of another plan is refused
+    with the same ``CheckpointError`` on every rank.
+    """
+    path = Path(path)
+    refused, meta = None, {}
+    try:
+        meta = read_meta(path)
+    except CheckpointError as error:
+        refused = str(error)
+    if refused is None and meta.get("plan_fingerprint") != plan.on_cpu().fingerprint():
+        refused = (
+            f"checkpoint {path} was written with another bucket plan (model or bucket caps changed): "
+            f"plan {str(meta.get('plan_fingerprint'))[:12]}, this run's {plan.on_cpu().fingerprint()[:12]}"
+        )
+    _agreed(refused, comm)
+    tree = _state_tree(like)
+    tensors, _ = update.checkpoint_pieces(tree, comm, reading=True)
+    try:
+        dcp.load(
+            tensors, storage_reader=dcp.FileSystemReader(path), process_group=comm.group, no_dist=comm.world_size == 1
+        )
+    except Exception as error:  # DCP names the first tensor it could not read
+        refused = f"checkpoint {path} does not fit this run's state: {str(error).strip().splitlines()[-1][:300]}"
+    mine_path = path / _rank_file(comm.rank)
+    mine = None
+    if refused is None and mine_path.exists():
+        try:
+            mine = torch.load(mine_path, map_location="cpu", weights_only=True)
+        except Exception as error:
+            refused = f"checkpoint {mine_path} is unreadable: {type(error).__name__}"
+    state = like
+    if refused is None and mine is not None:  # a rank the saving world did not have starts its hook state fresh
+        try:
+            hook_state = _rebuild(like.hook_state, mine["hook_state"], "hook state", path)
+        except CheckpointError as error:
+            refused = str(error)
+        else:
+            cuda_rng = mine.get("cuda_rng")
+            on_gpu = cuda_rng is not None and cuda_rng.numel() and like.cuda_rng.numel()
+            buffers = {n: mine["buffers"].get(n, b).to(b.device) for n, b in like.buffers.items()}
+            state = like._replace(
+                hook_state=hook_state, rng=mine["rng"], cuda_rng=cuda_rng if on_gpu else like.cuda_rng, buffers=buffers
+            )
+    _agreed(refused, comm)
+    plain = meta.get("plain", {})
+    return state._replace(
+        step=int(meta["step"]),
+        opt_state=_with_plain(state.opt_state, "opt_state", plain),
+        loss_scale=_with_plain(state.loss_scale, "loss_scale", plain),
+    )
+
+
+def _with_plain(tree: Any, prefix: str, plain: dict) -> Any:
+    """``tree`` with its leaves that are not tensors (an optimizer's step count) taken from the checkpoint."""
+    leaves, spec = tree_flatten(tree)
+    paths = tree_paths(tree)
+    return tree_unflatten(
+        [leaf if isinstance(leaf, torch.Tensor) else plain.get(prefix + p, leaf) for p, leaf in zip(paths, leaves)],
+        spec,
+    )
+
+
+def state_leaves_nbytes(state: TrainState) -> int:
+    """Bytes of the tensors a checkpoint of ``state`` holds on this rank (params, optimizer state, buffers)."""
+    return sum(t.numel() * t.element_size() for t in tree_flatten(_state_tree(state))[0] if isinstance(t, torch.Tensor))
