@@ -308,7 +308,15 @@ def real_params(module: nn.Module) -> list[str]:
 
 
 def record_build(make: Callable[[], nn.Module]) -> Deferred:
-    """``make()`` built on ``meta``, its history recorded (the module docstring); ``NotDeferrable`` if it cannot be."""
+    """``make()`` built on ``meta``, its history recorded (the module docstring); ``NotDeferrable`` if it cannot be.
+
+    >>> _ = torch.manual_seed(1)
+    >>> deferred = record_build(lambda: torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)))
+    >>> second = deferred.materialize(deferred.module[1].weight)  # without making the first layer
+    >>> _ = torch.manual_seed(1)
+    >>> torch.equal(second, torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))[1].weight)
+    True
+    """
     history = _History()
     try:
         with _OnMeta(), _Record(history):
