@@ -40,7 +40,8 @@ or of packages above it in this list; ``tests/test_imports.py`` holds every impo
   ``hooks.chain``.
 * ``model``: what a model computes: any ``nn.Module`` as a pure function (``functional``), the built-in and
   Hugging Face models (``builtin``), mixed precision (``precision``), per-sample random streams
-  (``streams``), activation checkpointing (``remat``), losses and the first-batch check (``losses``, ``fit``).
+  (``streams``), activation checkpointing (``remat``), losses and the first-batch check (``losses``, ``fit``),
+  a model built on ``meta`` and made one tensor at a time with a whole build's values (``deferred``).
 * ``dist``: the world of processes: this process's heap (``allocator``), a rank's place in a job (``slurm``,
   ``launchers``: one class per launcher, ``devices``), stop signals (``interrupt``), starting and joining a
   world (``launch``), a rank kept by the process its launcher watches (``keeper``) and a world that goes on
@@ -74,6 +75,7 @@ from fdp.dist.launchers import Launcher, launcher_of, register_launcher
 from fdp.errors import ConfigError
 from fdp.hooks import GradBucket, Hook, init_hook_states
 from fdp.model.builtin import hf_model
+from fdp.model.deferred import record_build
 from fdp.model.fit import check_first_batch
 from fdp.model.functional import FunctionalModel, functionalize
 from fdp.model.losses import TokenCrossEntropy, build_loss, cross_entropy_loss, logits_of, make_loss_fn, planner_loss
@@ -212,4 +214,5 @@ __all__ = [
     "Launcher",
     "launcher_of",
     "register_launcher",
+    "record_build",
 ]

@@ -116,6 +116,7 @@ def plan_buckets(
     allow_unused: bool = False,
     *,
     trace: Trace = "auto",
+    device: torch.device | None = None,
 ) -> BucketPlan:
     """Trace the gradient-ready order of ``params`` and pack it into a :class:`BucketPlan`.
 
@@ -123,7 +124,8 @@ def plan_buckets(
     receive no gradient raise ``ValueError`` naming them, unless ``allow_unused``, which
     puts them in final buckets marked ``unused`` (reduced as zeros). Dtypes, devices and
     shapes are taken from ``params`` itself, whatever device the trace ran on. ``trace``
-    is as in :func:`gradient_ready_order`; packing is :func:`pack_into_buckets`.
+    is as in :func:`gradient_ready_order`; packing is :func:`pack_into_buckets`. ``device``: where the buckets
+    live, for ``params`` that stand in on ``meta`` for tensors not made yet (``fdp.model.deferred``).
 
     >>> from fdp.model.functional import functionalize
     >>> model, params, buffers = functionalize(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)))
@@ -144,7 +146,7 @@ def plan_buckets(
 
     def spec(name: str) -> TensorSpec:
         t = params[name]
-        return (name, tuple(t.shape), t.dtype, t.device)
+        return (name, tuple(t.shape), t.dtype, t.device if device is None else device)
 
     return pack_into_buckets(
         [spec(n) for n in order], bucket_cap_mb, first_bucket_cap_mb, unused=[spec(n) for n in missing]

@@ -7,8 +7,10 @@ then loops). Every piece is built from its config group: ``_target_`` nodes thro
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -31,6 +33,7 @@ from fdp.hooks import Hook
 from fdp.hooks.hierarchical import check_node_size, hierarchical, node_comms
 from fdp.hooks.registry import build_hook
 from fdp.model.builtin import count_parameters
+from fdp.model.deferred import NotDeferrable, meta_wins, record_build
 from fdp.model.fit import Names, check_first_batch, untransformable
 from fdp.model.functional import FunctionalModel, functionalize
 from fdp.model.losses import Criterion, build_loss, cross_entropy, make_loss_fn, planner_loss
@@ -44,6 +47,8 @@ from fdp.step.outer import check_outer, init_outer_state
 from fdp.targets import build, classes_setting, label
 from fdp.update import zero
 from fdp.update.base import Update
+
+log = logging.getLogger("fdp")
 
 
 # -- building the pieces from config ------------------------------------------------------
@@ -122,39 +127,18 @@ def build_run(
     The weights are made on the CPU from the seed (the same on any device) and moved;
     the plan then records the device from the params, and hook and optimizer state are
     made where the buckets and params are. ``data``: the run's data set, when already loaded.
+    A stage that shards the params builds the model on ``meta`` and makes each rank's slices
+    alone (``_built_on_meta``), with the values of a whole build.
     """
     stage = stage_of(cfg)
     data = build_data(cfg.data) if data is None else data
     check_data(cfg, data)
-    torch.manual_seed(cfg.seed)
-    module = build_module(cfg.model, data)
-    num_params = count_parameters(module)
-    embeddings = embedding_names(module)  # for optim.decay_filter=weights; the module gives up its weights next
-    model, params, buffers = functionalize(module, keep_module_weights=False)  # the state holds the weights
     precision = check_precision(cfg.trainer.precision, device.type, cfg.trainer.reduce_dtype)
-    params, buffers = to_device(params, device), to_device(buffers, device)
-    params, buffers = precision.cast(params), precision.cast(buffers)  # bf16-true: the plan's buckets follow
     criterion = build_loss(OmegaConf.to_container(cfg.loss, resolve=True))
-    loss_fn = make_loss_fn(model, criterion)
-    example = next(train_batches(data, cfg.data.global_batch_size, cfg.seed, comm.rank, comm.world_size, 0, 1))
-    example = batch_to_device(
-        precision.cast(head(example, max(1, batch_size(example) // cfg.trainer.accum_steps))), device
-    )
-    check_fit(cfg, model, criterion, params, buffers, example, data)
-    try:  # the first gradient of the run: what torch.func cannot run in the model fails here
-        plan = plan_buckets(
-            planner_loss(loss_fn, buffers),
-            params,
-            head(example, 2),  # the order is the batch's whatever its size; two samples keep BatchNorm's training mode
-            bucket_cap_mb=cfg.trainer.bucket_cap_mb,
-            first_bucket_cap_mb=cfg.trainer.first_bucket_cap_mb,
-            allow_unused=cfg.trainer.allow_unused,
-        )
-    except RuntimeError as error:
-        refusal = untransformable(error, label("model", cfg.model))
-        if refusal is None:
-            raise
-        raise refusal from None
+    pieces = _built_on_meta(cfg, data, device, precision, criterion, comm) if stage.shards_params else None
+    if pieces is None:
+        pieces = _built_whole(cfg, data, device, precision, criterion, comm)
+    model, params, buffers, plan, embeddings, num_params, make = pieces
     hook = build_hook(OmegaConf.to_container(cfg.hooks))
     if cfg.world.hierarchical:
         hook = _hierarchical(hook, cfg, comm)
@@ -172,11 +156,112 @@ def build_run(
         mirror=cfg.world.on_rank_loss == "shrink" and stage.shards_optimizer,
         gather_dtype=precision.gather_dtype,
     )
-    state = update.first_state(params, buffers, hook, comm, seed=cfg.seed, precision=precision)
+    if make is not None:  # params made slice by slice: no rank holds them whole
+        state = update.first_state_made(make, buffers, hook, comm, seed=cfg.seed)
+    else:
+        state = update.first_state(params, buffers, hook, comm, seed=cfg.seed, precision=precision)
     state = state._replace(
         outer=init_outer_state(check_outer(OmegaConf.to_container(cfg.outer)), state.params, plan, hook)
     )
     return RunParts(model, data, plan, hook, optimizer, state, num_params, criterion, precision, update)
+
+
+class _ModelPieces(NamedTuple):
+    """The model and its plan; ``make(name)`` makes a param that ``params`` hold on ``meta`` only (else ``None``)."""
+
+    model: FunctionalModel
+    params: dict
+    buffers: dict
+    plan: BucketPlan
+    embeddings: Any
+    num_params: int
+    make: Callable[[str], torch.Tensor] | None = None
+
+
+def _built_whole(
+    cfg: DictConfig, data, device: torch.device, precision: Precision, criterion: Criterion, comm: Comm
+) -> _ModelPieces:
+    """The whole model on every rank, its params on ``device``, checked on the first batch and planned."""
+    torch.manual_seed(cfg.seed)
+    module = build_module(cfg.model, data)
+    num_params = count_parameters(module)
+    embeddings = embedding_names(module)  # for optim.decay_filter=weights; the module gives up its weights next
+    model, params, buffers = functionalize(module, keep_module_weights=False)  # the state holds the weights
+    params, buffers = to_device(params, device), to_device(buffers, device)
+    params, buffers = precision.cast(params), precision.cast(buffers)  # bf16-true: the plan's buckets follow
+    plan = _checked_plan(cfg, data, model, params, buffers, precision, criterion, comm, device)
+    return _ModelPieces(model, params, buffers, plan, embeddings, num_params)
+
+
+def _built_on_meta(
+    cfg: DictConfig, data, device: torch.device, precision: Precision, criterion: Criterion, comm: Comm
+) -> _ModelPieces | None:
+    """The model built on ``meta`` and each param made only when this rank's slices need it
+    (``fdp.model.deferred``), or ``None``, with one line saying why, where the model cannot be:
+    a constructor that reads values or makes its params from data, a forward the meta device cannot run."""
+    torch.manual_seed(cfg.seed)
+    try:
+        deferred = record_build(lambda: build_module(cfg.model, data))
+    except NotDeferrable as error:
+        return _whole_instead(cfg, comm, str(error))
+    module = deferred.module
+    num_params = count_parameters(module)
+    embeddings = embedding_names(module)
+    make_param = deferred.materializer(dict(module.named_parameters()))  # before functionalize releases them
+    model, params, buffers = functionalize(module, keep_module_weights=False)
+    try:
+        params, buffers = precision.cast(params), precision.cast(buffers)
+        plan = _checked_plan(cfg, data, model, params, buffers, precision, criterion, comm, device)
+    except Exception as error:  # the whole build gives the real verdict: a misfit is refused there, in its words
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        return _whole_instead(cfg, comm, f"its forward cannot run on the meta device ({reason})")
+    deferred.materialize_rest()  # buffers, frozen params and tensor attributes: whole on every rank (small)
+    buffers = to_device(precision.cast({n: b.detach().clone() for n, b in module.named_buffers()}), device)
+    frozen = {n: p.detach().clone() for n, p in module.named_parameters() if not p.requires_grad}
+    model = FunctionalModel(module, frozen)
+
+    def make(name: str) -> torch.Tensor:
+        return precision.cast({name: make_param(name)})[name].to(device)
+
+    return _ModelPieces(model, params, buffers, plan, embeddings, num_params, make)
+
+
+def _whole_instead(cfg: DictConfig, comm: Comm, reason: str) -> None:
+    """The one line saying why a stage that shards the params builds the whole model on every rank."""
+    if comm.rank == 0:
+        log.warning("%s: built whole on every rank, not on the meta device: %s", label("model", cfg.model), reason)
+
+
+def _checked_plan(
+    cfg: DictConfig, data, model: FunctionalModel, params, buffers, precision: Precision, criterion, comm, device
+) -> BucketPlan:
+    """The model run on the first batch (``check_fit``) and its bucket plan, traced on ``meta`` where the params are."""
+    loss_fn = make_loss_fn(model, criterion)
+    example = next(train_batches(data, cfg.data.global_batch_size, cfg.seed, comm.rank, comm.world_size, 0, 1))
+    example = batch_to_device(
+        precision.cast(head(example, max(1, batch_size(example) // cfg.trainer.accum_steps))), device
+    )
+    # Params that stand in on meta (a build that makes them later): the model runs on them and the real batch, what
+    # mixes the two on meta (fdp.model.deferred.meta_wins), so the batch's own values stay real where it reads them.
+    on_meta = any(p.is_meta for p in params.values())
+    with meta_wins(device) if on_meta else contextlib.nullcontext():
+        check_fit(cfg, model, criterion, params, buffers, example, data)
+        try:  # the first gradient of the run: what torch.func cannot run in the model fails here
+            return plan_buckets(
+                planner_loss(loss_fn, buffers),
+                params,
+                head(example, 2),  # the order is the batch's whatever its size; two samples keep BatchNorm's training mode
+                bucket_cap_mb=cfg.trainer.bucket_cap_mb,
+                first_bucket_cap_mb=cfg.trainer.first_bucket_cap_mb,
+                allow_unused=cfg.trainer.allow_unused,
+                trace="real" if on_meta else "auto",  # the meta device's trace would put the batch on meta too
+                device=device if on_meta else None,
+            )
+        except RuntimeError as error:
+            refusal = untransformable(error, label("model", cfg.model))
+            if refusal is None:
+                raise
+            raise refusal from None
 
 
 def stage_of(cfg: DictConfig) -> zero.Stage:

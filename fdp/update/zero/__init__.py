@@ -10,7 +10,8 @@ steps only that slice:
   released between steps (``fdp.update.zero.sharded``);
 * stage 3 shards the params too: between steps a rank holds nothing whole, and each
   bucket's params are all-gathered while forward and backward read them
-  (``fdp.update.zero.gather``, ``fdp.update.zero.params``).
+  (``fdp.update.zero.gather``, ``fdp.update.zero.params``); from a model built on ``meta``
+  its first state is made slice by slice, never whole (``fdp.update.zero.built``).
 
 Each stage is an ``fdp.update.base.Update``, made once from the stage's number by
 ``update_for``: the train step is the same for all, and the trainer asks the update, not

@@ -10,18 +10,21 @@ all-gathered after the optimizer: the next step's forward gathers what it reads.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from fdp._torch import HAS_DISABLE_FUNCTORCH
 from fdp.comm import Comm
 from fdp.errors import require
-from fdp.model.functional import FunctionalModel
+from fdp.hooks import Hook
+from fdp.model.functional import Buffers, FunctionalModel
 from fdp.optim import GradientTransformation, apply_gradients
 from fdp.plan import BucketPlan
 from fdp.state.checks import check_same_replicas
+from fdp.state.train_state import TrainState
 from fdp.trace import Timeline
+from fdp.update.zero.built import sliced_first_state
 from fdp.update.zero.convert import is_sharded, params_sharded
 from fdp.update.zero.gather import ParamGather
 from fdp.update.zero.layout import padded_slice, shard_key, shard_range
@@ -96,6 +99,14 @@ class ParamShardedUpdate(SlicedUpdate):
 
     def reduction_comm(self, comm: Comm) -> Any:
         return ScatterComm(comm, self.plan)
+
+    def first_state_made(
+        self, make: Callable[[str], torch.Tensor], buffers: Buffers, hook: Hook | None, comm: Comm, seed: int = 0
+    ) -> TrainState:
+        """``first_state`` from params made one at a time by ``make(name)`` (a build on ``meta``,
+        ``fdp.model.deferred``): this rank keeps its slices alone and never holds the whole params
+        (``fdp.update.zero.built``)."""
+        return sliced_first_state(make, buffers, self.optimizer, self.plan, comm, hook, seed, self.mirror)
 
     def check_state(self, state: Any) -> None:
         if not (params_sharded(state.params, self.plan) and is_sharded(state.opt_state, self.plan)):
