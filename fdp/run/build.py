@@ -250,7 +250,7 @@ def _checked_plan(
             return plan_buckets(
                 planner_loss(loss_fn, buffers),
                 params,
-                head(example, 2),  # the order is the batch's whatever its size; two samples keep BatchNorm's training mode
+                head(example, 2),  # the order is any batch's; two samples keep BatchNorm's training mode
                 bucket_cap_mb=cfg.trainer.bucket_cap_mb,
                 first_bucket_cap_mb=cfg.trainer.first_bucket_cap_mb,
                 allow_unused=cfg.trainer.allow_unused,
