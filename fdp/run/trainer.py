@@ -532,33 +532,33 @@ def _start(
     with phase("data"):
         data = build_data(cfg.data)
     limit_memory(cfg.world.memory_per_rank_mb, device)  # from here: what the run adds to the data it loaded
-    with phase("build"):
+    with phase("build"):  # to the first step: what setting up the loop holds is the build's too
         parts = build_run(cfg, comm, device, data)
         source = None if joiner else _resume_source(cfg, run_dir)
         state = _first_state(source, parts, comm)
-    release_free_memory()  # what building left free (the whole params, at ZeRO stages that shard them)
-    resumed, compile = None, None
-    if joiner:  # built alone: now into the running world, healed from its ranks (fdp.run.rejoin)
-        world, comm, state, extra = enter_world(cfg, world, parts, state, device)
-        rank, world_size = comm.rank, comm.world_size
-        resumed, compile = extra["controls"], extra["compile"]
-    if rank == 0:
-        _announce(cfg, run_dir, parts, world_size, device)
-    timeline = Timeline(rank) if tc.trace else NullTimeline()
-    steps = run_steps(tc.max_steps, tc.max_epochs, parts.data, cfg.data.global_batch_size)
-    last_step = min(steps, tc.stop_at or steps)
-    resumed = read_resumed(source, comm) if source is not None else resumed
-    controls = LoopControls(tc, comm, parts.plan, state, has_test_split(parts.data), steps, resumed)
-    blocked = _not_compiled(cfg, parts)
-    # A joiner takes the world's choice (its own is made alone: no collective the others would not make).
-    choice = compiled.choose(
-        tc.compile, run_dir.path, device.type, last_step - state.step, None if joiner else comm, blocked
-    )
-    if rank == 0:
-        log.info(choice.message)
-    compile = choice.compile if compile is None else compile
-    loop = _Loop(cfg, parts, comm, timeline, device, state, last_step, compile, controls, phase, world)
-    report = Report(cfg, run_dir, parts, comm, state.step, last_step)
+        release_free_memory()  # what building left free (the whole params, at ZeRO stages that shard them)
+        resumed, compile = None, None
+        if joiner:  # built alone: now into the running world, healed from its ranks (fdp.run.rejoin)
+            world, comm, state, extra = enter_world(cfg, world, parts, state, device)
+            rank, world_size = comm.rank, comm.world_size
+            resumed, compile = extra["controls"], extra["compile"]
+        if rank == 0:
+            _announce(cfg, run_dir, parts, world_size, device)
+        timeline = Timeline(rank) if tc.trace else NullTimeline()
+        steps = run_steps(tc.max_steps, tc.max_epochs, parts.data, cfg.data.global_batch_size)
+        last_step = min(steps, tc.stop_at or steps)
+        resumed = read_resumed(source, comm) if source is not None else resumed
+        controls = LoopControls(tc, comm, parts.plan, state, has_test_split(parts.data), steps, resumed)
+        blocked = _not_compiled(cfg, parts)
+        # A joiner takes the world's choice (its own is made alone: no collective the others would not make).
+        choice = compiled.choose(
+            tc.compile, run_dir.path, device.type, last_step - state.step, None if joiner else comm, blocked
+        )
+        if rank == 0:
+            log.info(choice.message)
+        compile = choice.compile if compile is None else compile
+        loop = _Loop(cfg, parts, comm, timeline, device, state, last_step, compile, controls, phase, world)
+        report = Report(cfg, run_dir, parts, comm, state.step, last_step)
     return loop, report, choice
 
 
