@@ -17,6 +17,7 @@ imports from this module and never spells a private torch name itself.
 from __future__ import annotations
 
 import contextlib
+import importlib
 from types import SimpleNamespace
 from typing import Any, Callable
 
@@ -195,6 +196,22 @@ def storage_alias(flat: torch.Tensor, offset: int, shape: tuple, strides: tuple)
     return torch.empty(0, dtype=flat.dtype, device=flat.device).set_(
         flat.untyped_storage(), flat.storage_offset() + offset, shape, strides
     )
+
+
+def on_storage(owner: torch.Tensor, dtype: torch.dtype, offset: int, size: tuple, stride: tuple = ()) -> torch.Tensor:
+    """A ``dtype`` tensor over the whole storage ``owner`` uses, from ``offset`` (in ``dtype``'s elements): an alias
+    made with ``Tensor.set_``, which may read the same bytes as another dtype, unlike a view.
+
+    >>> raw = on_storage(torch.ones(2), torch.uint8, 0, (8,))
+    >>> raw.tolist()
+    [0, 0, 128, 63, 0, 0, 128, 63]
+    """
+    return torch.empty(0, dtype=dtype, device=owner.device).set_(owner.untyped_storage(), offset, size, stride)
+
+
+def preload_compiler() -> None:
+    """Import what ``torch.func``'s first gradient imports (dynamo), ahead of a fork that should start with it."""
+    importlib.import_module("torch._dynamo")
 
 
 def release_storage(parameter: torch.nn.Parameter) -> None:

@@ -90,9 +90,14 @@ def test_a_constructor_that_makes_params_from_data_builds_whole_with_one_line_sa
     with pytest.raises(NotDeferrable, match="made emb on the cpu from data"):
         record_build(lambda: FromData(5))
     overrides = ("model=custom", "model._target_=test_sharded_build.FromData", *TEXT)
-    with caplog.at_level(logging.WARNING, logger="fdp"):
-        params0, _, _ = _start(0, overrides, Comm())
-        params3, _, sliced = _start(3, overrides, Comm())
+    fdp_log = logging.getLogger("fdp")  # a run in this process before may have stopped it propagating to the root
+    propagated, fdp_log.propagate = fdp_log.propagate, True
+    try:
+        with caplog.at_level(logging.WARNING, logger="fdp"):
+            params0, _, _ = _start(0, overrides, Comm())
+            params3, _, sliced = _start(3, overrides, Comm())
+    finally:
+        fdp_log.propagate = propagated
     lines = [r.getMessage() for r in caplog.records if "built whole" in r.getMessage()]
     assert lines == [
         "model._target_='test_sharded_build.FromData': built whole on every rank, not on the meta device: "

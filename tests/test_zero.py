@@ -569,15 +569,16 @@ def test_stage_three_checkpoints_resume_at_any_stage_and_world_size(tmp_path):
 def test_a_run_that_does_not_fit_a_rank_fails_at_stage_zero_and_trains_at_stage_three(tmp_path, spawned_workers):
     """world.memory_per_rank_mb below what stage 0 needs per rank and above what stage 3 needs on 4 ranks.
 
-    A 38M-parameter MLP with Adam: measured, each rank's data segment grows by ~1160 MiB at stage 0 (params,
-    moments, gradient buckets and the gradients backward makes, ~20 bytes a parameter, on top of ~300 MiB that
-    building any run on digits takes) and by at most ~850 MiB at stage 3 (on rank 0, while it writes the last
-    checkpoint: the whole params and moments, 12 bytes a parameter; ~550 MiB on the other ranks).
+    A 59M-parameter MLP with Adam: each rank's data segment grows by ~20 bytes a parameter at stage 0 (params,
+    moments, gradient buckets and the gradients backward makes), ~1.4 GiB with the ~300 MiB that building any run
+    on digits takes; at stage 3 with sharded checkpoints by its quarter of params and moments (3 bytes a
+    parameter), a few gathered buckets and the same ~300 MiB: each well away from the cap.
     """
     common = [
         "optim=adam",
         "model.hidden=2048",
-        "model.depth=10",
+        "model.depth=14",
+        "trainer.checkpoint_format=sharded",
         "data.global_batch_size=16",
         "trainer.max_steps=3",
         "world=local4",

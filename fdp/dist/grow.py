@@ -39,6 +39,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from fdp._torch import preload_compiler
 from fdp.dist.devices import resolve_backend, use_device
 from fdp.dist.keeper import LostRank
 from fdp.dist.launch import RankLostError, WorldLayout, loopback_interface
@@ -111,7 +112,7 @@ def respawner(
             return False
         # What the rank's first step imports (torch.func's gradient pulls in dynamo), imported here while the
         # others regroup: the new process is forked from this one and starts with it.
-        importlib.import_module("torch._dynamo")
+        preload_compiler()
         keys = store()
         deadline = time.monotonic() + 3 * timeout_s + 10  # the survivors regroup within a collective timeout
         while not keys.check([fence_key(lost.rank)]) or int(keys.get(fence_key(lost.rank))) <= cleared[0]:

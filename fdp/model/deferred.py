@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from fdp._torch import TorchDispatchMode, storage_id, tree_flatten, tree_unflatten
+from fdp._torch import TorchDispatchMode, on_storage, storage_id, tree_flatten, tree_unflatten
 from fdp.errors import ConfigError
 
 __all__ = ["Deferred", "NotDeferrable", "record_build", "real_params", "meta_wins"]
@@ -83,7 +83,7 @@ def _generator(kwargs: dict) -> torch.Generator:
 
 def _alias(base: torch.Tensor, ref: _Ref) -> torch.Tensor:
     """The tensor ``ref`` describes, on the bytes of ``base`` (a uint8 tensor over the whole storage)."""
-    return torch.empty(0, dtype=ref.dtype).set_(base.untyped_storage(), ref.offset, ref.size, ref.stride)
+    return on_storage(base, ref.dtype, ref.offset, ref.size, ref.stride)
 
 
 class _History:
@@ -290,7 +290,7 @@ class Deferred:
                 out = func(*args, **_on_cpu(kwargs))
             if entry.target < 0:
                 made = tree_flatten(out)[0][-1 - entry.target]
-                base = torch.empty(0, dtype=torch.uint8).set_(made.untyped_storage(), 0, (history.nbytes[key],))
+                base = on_storage(made, torch.uint8, 0, (history.nbytes[key],))
         memo[key, version] = base
         return base
 
