@@ -10,6 +10,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+from fdp._torch import tree_flatten, tree_map
 from fdp.model.builtin import MLP
 from fdp.optim import warmup_cosine_schedule
 from fdp.run import checkpoint
@@ -307,3 +308,46 @@ def test_save_and_load_checkpoint_keep_every_ranks_share_and_resume_bit_identica
     assert payload["ranks"][0]["buffers"] == {}  # rank 0's are the shared entry
     assert {"1.running_mean", "1.running_var"} <= set(payload["ranks"][1]["buffers"])  # rank 1's own statistics
     assert "num_batches_tracked" not in " ".join(payload["ranks"][1]["buffers"])  # equal on both: stored once
+
+
+def _outer_rank_state(seed: int, in_flight: bool = False):
+    """A local-SGD state with an int8 outer hook (error feedback); params, anchor and hook state made from ``seed``."""
+    from fdp import functionalize, init_train_state, plan_buckets, planner_loss, sgd
+    from fdp.hooks import lowbit
+    from fdp.model.losses import cross_entropy_loss
+    from fdp.step.outer import OuterSpec, init_outer_state
+
+    torch.manual_seed(0)
+    model, params, buffers = functionalize(torch.nn.Linear(4, 3))
+    batch = (torch.randn(8, 4), torch.randint(0, 3, (8,)))
+    plan = plan_buckets(planner_loss(cross_entropy_loss(model), buffers), params, batch)
+    state = init_train_state(params, buffers, sgd(0.1), plan)
+    spec = OuterSpec("local_sgd", 4, 0, 1.0, 0.0, False, 1 if in_flight else 0, 1, "strided", None)
+    outer = init_outer_state(spec, state.params, plan, lowbit("int8"))
+    g = torch.Generator().manual_seed(seed)
+    noisy = lambda tree: {n: torch.randn(t.shape, generator=g) for n, t in tree.items()}  # noqa: E731
+    made = outer._replace(anchor=noisy(outer.anchor), syncs=seed)
+    if in_flight:
+        made = made._replace(in_flight=noisy(state.params))
+    made = made._replace(hook_state=tree_map(lambda t: t + seed, made.hook_state))
+    return state._replace(params=noisy(state.params), outer=made), state._replace(outer=outer)
+
+
+def test_a_larger_world_resumes_an_outer_loop_with_rank_zeros_place_and_fresh_hook_state():
+    """Saved by 2 ranks under local SGD, read by rank 2 of 3: rank 0's params, anchor and sync count, its own
+    pseudo-gradient hook state fresh; a checkpoint with a sync in flight is refused in one line."""
+    rank0, template = _outer_rank_state(1)
+    rank1, _ = _outer_rank_state(2)
+    payload = checkpoint.state_payload(rank0, [checkpoint.rank_payload(rank0), checkpoint.rank_payload(rank1)])
+    new = checkpoint.restore(payload, template, rank=2)
+    assert all(torch.equal(new.params[n], p) for n, p in rank0.params.items())
+    assert all(torch.equal(new.outer.anchor[n], a) for n, a in rank0.outer.anchor.items())
+    assert new.outer.syncs == rank0.outer.syncs == 1
+    fresh, _ = tree_flatten(template.outer.hook_state)
+    got, _ = tree_flatten(new.outer.hook_state)
+    assert fresh and all(torch.equal(a, b) for a, b in zip(got, fresh))
+    assert checkpoint.restore(payload, template, rank=1).outer.syncs == 2  # a saved rank keeps its own
+    flying, _ = _outer_rank_state(3, in_flight=True)
+    payload = checkpoint.state_payload(flying, [checkpoint.rank_payload(flying)] * 2)
+    with pytest.raises(checkpoint.CheckpointError, match="outer sync in flight .* expected a checkpoint between syncs"):
+        checkpoint.restore(payload, template, rank=2)

@@ -257,6 +257,8 @@ def restore(payload: dict, template: TrainState, rank: int, path: str | os.PathL
         raise CheckpointError(f"checkpoint {path}: parameters differ from this model's: {missing[:5]}")
     # A world larger than the one that saved: the new ranks start their hook state and RNG fresh.
     mine = ranks[rank] if rank < len(ranks) else {"hook_state": _leaves(template.hook_state), "rng": template.rng}
+    if rank >= len(ranks) and template.outer:
+        mine.update(_outer_place(ranks[0], template, len(ranks), path))
     saved_cuda_rng = mine.get("cuda_rng")
     both_on_gpu = saved_cuda_rng is not None and saved_cuda_rng.numel() and template.cuda_rng.numel()
     own_buffers = mine.get("buffers", {})
@@ -280,6 +282,27 @@ def restore(payload: dict, template: TrainState, rank: int, path: str | os.PathL
         loss_scale=_rebuild(template.loss_scale, payload.get("loss_scale", []), "loss scale", path),
         outer=_rebuild(template.outer, mine.get("outer", []), "outer state (outer loop)", path),
     )
+
+
+def _outer_place(first: dict, template: TrainState, saved_world: int, path: Path) -> dict:
+    """Under an outer loop, what a rank the saving world did not have takes from rank 0: its params, optimizer
+    state and outer state (the anchor and outer moments are every rank's alike), its own pseudo-gradient hook
+    state fresh, as a rank that joins starts it. At a sync step every rank's params are the anchor, so this is
+    exact there; between syncs the new rank goes on from rank 0's inner steps.
+
+    A sync in flight (``outer.overlap``) is the saving ranks' own pseudo-gradient: refused, in one line."""
+    if len(first["outer"]) != len(_leaves(template.outer)):
+        raise CheckpointError(
+            f"checkpoint {path} was saved by {saved_world} ranks with an outer sync in flight (outer.overlap); "
+            "expected a checkpoint between syncs to resume on more ranks"
+        )
+    outer = _rebuild(template.outer, first["outer"], "outer state (outer loop)", path)
+    return {
+        "params": first["params"],
+        "opt_state": first["opt_state"],
+        "opt_state_paths": first.get("opt_state_paths"),
+        "outer": _leaves(outer._replace(hook_state=template.outer.hook_state)),
+    }
 
 
 def _atomic_copy(source: Path, path: Path) -> None:
