@@ -166,3 +166,23 @@ def test_the_trainer_names_its_config_key_instead(monkeypatch):
         ),
     ):
         layout_of(compose("world=single"))
+
+
+def test_the_failure_named_is_the_cause_not_the_broken_connection_it_left_a_peer():
+    """A rank out of memory leaves its group; a peer's read error may be recorded first, and must not be named."""
+    from types import SimpleNamespace
+
+    from fdp.dist.launch import _root_failure
+
+    def failed(at, text):
+        return SimpleNamespace(timestamp=at, message={"message": text, "extraInfo": {}}, pid=1, exitcode=1)
+
+    echo = failed(1, "RuntimeError: [gloo/transport/tcp/pair.cc:545] Read error: Connection reset by peer")
+    cause = failed(2, "fdp.errors.RunDoesNotFit: rank 1 ran out of memory building the model")
+    failures = {0: echo, 1: cause}
+    error = SimpleNamespace(
+        failures=failures, get_first_failure=lambda: min(failures.items(), key=lambda f: f[1].timestamp)
+    )
+    assert _root_failure(error) == (1, cause)
+    only_echoes = SimpleNamespace(failures={0: echo}, get_first_failure=lambda: (0, echo))
+    assert _root_failure(only_echoes) == (0, echo)

@@ -2,6 +2,7 @@
 
 >>> release_free_memory()
 """
+
 from __future__ import annotations
 
 import ctypes

@@ -13,6 +13,7 @@ One process per GPU. With ``devices=auto`` a world that fixes its process count
 GPUs; ``world=single`` takes every visible GPU. The selection functions here are pure:
 they take the number of visible GPUs and a probe, so they run (and are tested) anywhere.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,8 +29,8 @@ import torch
 
 from fdp._torch import tree_map
 from fdp.data.batches import as_batch
-from fdp.errors import ConfigError
 from fdp.dist.launchers import launcher_of
+from fdp.errors import ConfigError
 
 ACCELERATORS = ("auto", "cpu", "gpu")
 BACKENDS = ("auto", "gloo", "nccl")
@@ -155,16 +156,22 @@ def place(
     # Processes the world itself fixes; None: as many as the devices give (world=single).
     fixed = kind.fixed_processes(nproc_per_node, local_world_size)
     if accelerator == "gpu" and visible == 0:
-        raise ConfigError(f"world.accelerator=gpu: expected a CUDA GPU, {_visible_text(0)} to torch {torch.__version__}")
+        raise ConfigError(
+            f"world.accelerator=gpu: expected a CUDA GPU, {_visible_text(0)} to torch {torch.__version__}"
+        )
     if accelerator == "cpu" or (accelerator == "auto" and visible == 0):
         if isinstance(wanted, tuple) or wanted == -1:
             if accelerator == "cpu":
-                raise ConfigError(f"world.devices={_shown(devices)}: expected auto or a process count >= 1 with world.accelerator=cpu")
+                raise ConfigError(
+                    f"world.devices={_shown(devices)}: expected auto or a process count >= 1 with world.accelerator=cpu"
+                )
             raise ConfigError(f"world.devices={_shown(devices)}: expected GPUs, {_visible_text(visible)}")
         procs = fixed or nproc_per_node
         if wanted != "auto":
             if fixed is not None and wanted != fixed:
-                raise ConfigError(f"world.devices={wanted}: expected {fixed}, the number of processes {kind.starter} starts")
+                raise ConfigError(
+                    f"world.devices={wanted}: expected {fixed}, the number of processes {kind.starter} starts"
+                )
             procs = wanted
         cpu_devices = [torch.device("cpu")] * procs
         return Placement("cpu", (), procs, kind.for_processes(procs).name, resolve_backend(backend, cpu_devices))
@@ -274,8 +281,11 @@ def probe_gpus(ids: Sequence[int]) -> dict[int, str]:
             [sys.executable, "-c", _PROBE_SCRIPT, *map(str, ids)], capture_output=True, text=True, timeout=300
         )
         lines = done.stdout.strip().splitlines()
-        return {int(k): v for k, v in json.loads(lines[-1]).items()} if done.returncode == 0 and lines else \
-            {i: f"probe failed: {(done.stderr.strip().splitlines() or ['no output'])[-1]}" for i in ids}
+        return (
+            {int(k): v for k, v in json.loads(lines[-1]).items()}
+            if done.returncode == 0 and lines
+            else {i: f"probe failed: {(done.stderr.strip().splitlines() or ['no output'])[-1]}" for i in ids}
+        )
     except subprocess.TimeoutExpired:
         return {i: "probe timed out after 300 s" for i in ids}
 
@@ -371,7 +381,7 @@ def to_device(tensors: Mapping[str, torch.Tensor], device: torch.device) -> dict
 
 
 def batch_to_device(batch: Any, device: torch.device) -> Any:
-    """``batch`` (any pytree of tensors) on ``device``: staged in pinned host memory and copied without blocking the host.
+    """``batch`` (any pytree of tensors) on ``device``: staged in pinned host memory, copied without blocking the host.
 
     The copy is queued on the device's stream, so the host goes on to queue the step that
     reads it; on the CPU the batch is returned as it is.
@@ -381,7 +391,9 @@ def batch_to_device(batch: Any, device: torch.device) -> Any:
     """
     if device.type != "cuda":
         return batch
-    return tree_map(lambda t: t.pin_memory().to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, as_batch(batch))
+    return tree_map(
+        lambda t: t.pin_memory().to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, as_batch(batch)
+    )
 
 
 def device_of(tensors: Mapping[str, torch.Tensor]) -> torch.device:
@@ -413,8 +425,8 @@ def rng_scope(rng: torch.Tensor, cuda_rng: torch.Tensor, device: torch.device) -
     """Run the body on the generator states ``rng`` (CPU) and ``cuda_rng`` (``device``'s).
 
     Yields ``states()``, which returns both states as they are when it is called (call it
-    at the end of the body); the process's own generators are restored on exit. An empty ``cuda_rng`` (a state from a CPU run)
-    leaves the CUDA generator as it is seeded.
+    at the end of the body); the process's own generators are restored on exit. An empty
+    ``cuda_rng`` (a state from a CPU run) leaves the CUDA generator as it is seeded.
 
     >>> seeded = torch.Generator().manual_seed(1).get_state()
     >>> with rng_scope(seeded, torch.empty(0), torch.device("cpu")) as states:

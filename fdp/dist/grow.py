@@ -30,7 +30,6 @@ made during one waits for the boundary. Keys live beside the shrink's, under
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import time

@@ -22,6 +22,7 @@
 * ``requeue_job`` asks SLURM to requeue the job (``scontrol requeue``) once the
   checkpoint is written, as Lightning's SLURM environment does for batch jobs.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,8 +41,15 @@ import torch.distributed as dist
 from fdp.comm import Watch, wait_watched
 from fdp.dist.launchers import launcher_of
 
-__all__ = ["StopSignals", "StoppedAtOnce", "check_requeue_signal", "exit_code", "relay_to_workers", "requeue_job",
-           "stop_signal_names"]
+__all__ = [
+    "StopSignals",
+    "StoppedAtOnce",
+    "check_requeue_signal",
+    "exit_code",
+    "relay_to_workers",
+    "requeue_job",
+    "stop_signal_names",
+]
 
 STOP_SIGNALS = ("SIGINT", "SIGTERM")
 CHECK_EVERY_S = 0.1  # how often (in training time) the ranks compare their stop flags
@@ -75,7 +83,9 @@ def check_requeue_signal(name: str) -> str:
     """
     catchable = name in signal.Signals.__members__ and name not in _UNCATCHABLE + STOP_SIGNALS
     if name != "none" and not catchable:
-        raise ValueError(f"requeue_signal={name!r}: expected none or a signal name such as SIGUSR1 (as in sbatch --signal=USR1@90)")
+        raise ValueError(
+            f"requeue_signal={name!r}: expected none or a signal name such as SIGUSR1 (as in sbatch --signal=USR1@90)"
+        )
     return name
 
 

@@ -28,6 +28,7 @@ keepers touch no GPU before forking, and the rank takes its GPU itself.
 >>> keep(rank, rank=0)
 42
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -76,7 +77,7 @@ def _run_child(entry: Callable[..., Any], args: tuple, out: int) -> None:
     with contextlib.suppress(OSError):
         view = memoryview(data)
         while view:
-            view = view[os.write(out, view):]
+            view = view[os.write(out, view) :]
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
@@ -93,9 +94,14 @@ def _how(status: int) -> str | None:
     return None
 
 
-def keep(entry: Callable[..., Any], *args: Any, rank: int, fenced: Callable[[], bool] = lambda: False,
-         after_loss: Callable[[LostRank], Any] | None = None,
-         respawn: Callable[[LostRank], bool] | None = None) -> Any:
+def keep(
+    entry: Callable[..., Any],
+    *args: Any,
+    rank: int,
+    fenced: Callable[[], bool] = lambda: False,
+    after_loss: Callable[[LostRank], Any] | None = None,
+    respawn: Callable[[LostRank], bool] | None = None,
+) -> Any:
     """Run ``entry(*args)`` as a child of this process; return its result (see the module docstring).
 
     ``fenced()`` is asked every ~0.1 s: ``True`` (the other ranks declared this rank lost)
@@ -105,8 +111,10 @@ def keep(entry: Callable[..., Any], *args: Any, rank: int, fenced: Callable[[], 
     """
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
-        raise RuntimeError("world.on_rank_loss=shrink: CUDA is already initialised in the process that keeps the rank, "
-                           "and a forked rank cannot use it; expected a launch that touches no GPU before the ranks start")
+        raise RuntimeError(
+            "world.on_rank_loss=shrink: CUDA is already initialised in the process that keeps the rank, "
+            "and a forked rank cannot use it; expected a launch that touches no GPU before the ranks start"
+        )
     while True:
         outcome = _keep_once(entry, args, rank, fenced)
         if not isinstance(outcome, LostRank):

@@ -13,6 +13,7 @@
 forked from the calling process, so the function they run may be one defined in a
 notebook cell or in ``python -c``.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -32,9 +33,9 @@ import torch.distributed as dist
 from fdp._torch import default_store
 from fdp.comm import Comm
 from fdp.dist.devices import device_of_rank, resolve_backend, use_device
-from fdp.errors import ConfigError
 from fdp.dist.interrupt import StoppedAtOnce, relay_to_workers
 from fdp.dist.launchers import Launcher, launcher_of
+from fdp.errors import ConfigError
 from fdp.plan import BucketPlan
 
 LOOPBACK = "127.0.0.1"
@@ -138,7 +139,11 @@ def _loopback_store(timeout_s: float):
         sock.close()
         raise
     store = dist.TCPStore(
-        LOOPBACK, port, is_master=True, multi_tenant=True, master_listen_fd=sock.detach(),
+        LOOPBACK,
+        port,
+        is_master=True,
+        multi_tenant=True,
+        master_listen_fd=sock.detach(),
         timeout=datetime.timedelta(seconds=timeout_s),
     )
     return store, port
@@ -201,15 +206,39 @@ def spawn(entry: Callable[..., Any], args: tuple, layout: WorldLayout) -> dict[i
                     raise StoppedAtOnce(relay.stopped_at_once) from None
                 raise
     except ChildFailedError as error:
-        rank, failure = error.get_first_failure()
-        message = failure.message
-        reason = message.get("message", "") if isinstance(message, dict) else ""
-        traceback = message.get("extraInfo", {}).get("py_callstack", "") if isinstance(message, dict) else ""
+        rank, failure = _root_failure(error)
+        reason, traceback = _reason(failure)
         raise WorkerFailedError(rank, failure.pid, failure.exitcode, reason, traceback) from error
     finally:
         for name in _QUIETED:
             logging.getLogger(name).removeFilter(quiet)
         del store
+
+
+# What a rank raises when a peer went away first: an echo of another rank's failure, not its cause.
+_PEER_ECHO = re.compile(
+    r"Connection (reset|closed) by peer|Broken pipe|gloo/transport|Socket Timeout|Operation timed out|"
+    r"NCCL communicator was aborted|remote process exited"
+)
+
+
+def _reason(failure: Any) -> tuple[str, str]:
+    """A failed worker's exception as ``Type: message`` and its traceback (empty for a signal)."""
+    message = failure.message
+    if not isinstance(message, dict):
+        return "", ""
+    return message.get("message", ""), message.get("extraInfo", {}).get("py_callstack", "")
+
+
+def _root_failure(error: Any) -> tuple[int, Any]:
+    """The rank whose failure caused the others': the earliest that is not a broken connection left by a peer.
+
+    A rank that runs out of memory or refuses a setting leaves its process group; a peer in a collective with it
+    may report the broken connection a moment before the cause is recorded, and naming that would hide it.
+    """
+    by_time = sorted(error.failures.items(), key=lambda item: item[1].timestamp)
+    causes = [(rank, failure) for rank, failure in by_time if not _PEER_ECHO.search(_reason(failure)[0])]
+    return causes[0] if causes else error.get_first_failure()
 
 
 def _worker(entry: Callable[..., Any], *args: Any) -> Any:
@@ -256,7 +285,9 @@ class _WorkerFailureFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = str(record.msg)
-        return not ((record.exc_info and message.startswith("failed (exitcode")) or message.startswith("Terminating process"))
+        return not (
+            (record.exc_info and message.startswith("failed (exitcode")) or message.startswith("Terminating process")
+        )
 
 
 def init_distributed(layout: WorldLayout) -> Comm:

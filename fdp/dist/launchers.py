@@ -16,12 +16,13 @@ name with ``register_launcher`` (``world.launcher=<name>`` then picks it).
 >>> launcher_of("none").for_processes(2).name
 'elastic'
 """
+
 from __future__ import annotations
 
 from typing import ClassVar, Mapping, NamedTuple
 
-from fdp.errors import ConfigError, expected
 from fdp.dist.slurm import job_world
+from fdp.errors import ConfigError, expected
 
 __all__ = ["Launched", "Launcher", "LAUNCHERS", "launcher_of", "register_launcher"]
 

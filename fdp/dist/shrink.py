@@ -33,6 +33,7 @@ agent's (``torchrun``), or rank 0's keeper's (``slurm``); keys live under
 >>> check_on_rank_loss("shrink")
 'shrink'
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -48,13 +49,23 @@ import torch.distributed as dist
 
 from fdp._torch import live_groups
 from fdp.comm import Comm
-from fdp.errors import check_choice
 from fdp.dist.keeper import LostRank, keep
 from fdp.dist.launch import Heartbeat, RankLostError
 from fdp.dist.launchers import Launched, launcher_of
+from fdp.errors import check_choice
 
-__all__ = ["END_KEY", "MEMBERS_KEY", "ON_RANK_LOSS", "Shrink", "ShrinkingWorld", "check_on_rank_loss", "check_shrinkable_batch", "keep_rank",
-           "launched_world", "shrink_store"]
+__all__ = [
+    "END_KEY",
+    "MEMBERS_KEY",
+    "ON_RANK_LOSS",
+    "Shrink",
+    "ShrinkingWorld",
+    "check_on_rank_loss",
+    "check_shrinkable_batch",
+    "keep_rank",
+    "launched_world",
+    "shrink_store",
+]
 
 ON_RANK_LOSS = ("restart", "shrink")
 _RETIRED: list[Any] = []  # the process groups of earlier generations (see step 3 of the module docstring)
@@ -79,7 +90,8 @@ def check_shrinkable_batch(global_batch_size: int, world_size: int, min_ranks: i
     >>> check_shrinkable_batch(10, 4, 1)
     Traceback (most recent call last):
     ...
-    ValueError: data.global_batch_size=10: expected a multiple of every world size from world.min_ranks=1 to 4 times trainer.accum_steps=1 (e.g. 12, a multiple of 12, their least common multiple), for world.on_rank_loss=shrink
+    ValueError: data.global_batch_size=10: expected a multiple of every world size from world.min_ranks=1 to 4 \
+times trainer.accum_steps=1 (e.g. 12, a multiple of 12, their least common multiple), for world.on_rank_loss=shrink
     """
     sizes = range(max(1, min_ranks), world_size + 1)
     bad = [n for n in sizes if global_batch_size % (n * accum_steps)]
@@ -95,8 +107,12 @@ def check_shrinkable_batch(global_batch_size: int, world_size: int, min_ranks: i
 
 def shrink_store(timeout_s: float) -> dist.Store:
     """This attempt's key space for shrinking, on the store every rank of the launch reaches (``MASTER_ADDR:PORT``)."""
-    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                           timeout=datetime.timedelta(seconds=timeout_s))
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     return dist.PrefixStore(f"fdp/dist/shrink/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
 
 
@@ -119,8 +135,13 @@ def launched_world(launcher: str) -> Launched:
     return launcher_of(launcher).launched(os.environ)
 
 
-def keep_rank(entry: Callable[..., Any], *args: Any, launcher: str, timeout_s: float,
-              respawn: Callable[[Callable[[], dist.Store], list], Callable[[LostRank], bool]] | None = None) -> Any:
+def keep_rank(
+    entry: Callable[..., Any],
+    *args: Any,
+    launcher: str,
+    timeout_s: float,
+    respawn: Callable[[Callable[[], dist.Store], list], Callable[[LostRank], bool]] | None = None,
+) -> Any:
     """``entry(*args)`` as a rank this process keeps (``fdp.dist.keeper``), in a world that may shrink.
 
     ``respawn(store, cleared)``: what the keeper asks after a loss, whether to start the rank again
@@ -138,8 +159,13 @@ def keep_rank(entry: Callable[..., Any], *args: Any, launcher: str, timeout_s: f
     held = None
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         if me.rank == 0:
-            held = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=True,
-                                 wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
+            held = dist.TCPStore(
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]),
+                is_master=True,
+                wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=timeout_s),
+            )
         os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # every rank joins as a client (fdp.dist.launch)
     stores: list = []
 
@@ -162,8 +188,14 @@ def keep_rank(entry: Callable[..., Any], *args: Any, launcher: str, timeout_s: f
 
     again = respawn(store, cleared) if respawn is not None else None
     try:
-        result = keep(entry, *args, rank=me.rank, fenced=fenced,
-                      after_loss=until_the_end if kind.lost_rank_stays else None, respawn=again)
+        result = keep(
+            entry,
+            *args,
+            rank=me.rank,
+            fenced=fenced,
+            after_loss=until_the_end if kind.lost_rank_stays else None,
+            respawn=again,
+        )
         if again is not None and again.count[0] and not isinstance(result, LostRank):
             return _wait_for_end(store(), me.world_size, timeout_s)
         return result
@@ -195,7 +227,12 @@ class Shrink(NamedTuple):
     seconds_lost: float
 
     def record(self) -> dict:
-        return {"step": self.step, "lost": list(self.lost), "world": self.world, "seconds_lost": round(self.seconds_lost, 3)}
+        return {
+            "step": self.step,
+            "lost": list(self.lost),
+            "world": self.world,
+            "seconds_lost": round(self.seconds_lost, 3),
+        }
 
 
 class ShrinkingWorld:
@@ -205,8 +242,18 @@ class ShrinkingWorld:
     the next generation's process group after a failed collective.
     """
 
-    def __init__(self, store: dist.Store, me: int, world_size: int, backend: str, timeout_s: float, min_ranks: int = 1,
-                 beating: int = 0, members: tuple[int, ...] | None = None, generation: int = 0):
+    def __init__(
+        self,
+        store: dist.Store,
+        me: int,
+        world_size: int,
+        backend: str,
+        timeout_s: float,
+        min_ranks: int = 1,
+        beating: int = 0,
+        members: tuple[int, ...] | None = None,
+        generation: int = 0,
+    ):
         self.store, self.me, self.backend, self.timeout_s, self.min_ranks = store, me, backend, timeout_s, min_ranks
         self.members: tuple[int, ...] = tuple(range(world_size)) if members is None else tuple(members)
         self.generation = generation
@@ -234,10 +281,12 @@ class ShrinkingWorld:
             self.store.set(f"gen{self.generation}/broken", str(self.me))
 
     def watch(self) -> None:
-        """Raise ``RuntimeError`` if a member reported this generation's world broken (asked while a collective waits)."""
+        """Raise ``RuntimeError`` if a member reported this generation's world broken (asked while collectives wait)."""
         key = f"gen{self.generation}/broken"
         if self.store.check([key]):
-            raise RuntimeError(f"rank {self.store.get(key).decode()} reported a lost rank (generation {self.generation})")
+            raise RuntimeError(
+                f"rank {self.store.get(key).decode()} reported a lost rank (generation {self.generation})"
+            )
 
     def silent(self) -> list[int] | None:
         """Members whose heartbeat stopped (launch ranks; ``None``: the store does not answer)."""
@@ -259,7 +308,9 @@ class ShrinkingWorld:
             for rank in set(self.members) - set(agreed):
                 self.store.set(fence_key(rank), str(generation))
             if self.me not in agreed:
-                raise RankLostError(f"rank {self.me} was declared lost by the other ranks (it stopped answering in time)")
+                raise RankLostError(
+                    f"rank {self.me} was declared lost by the other ranks (it stopped answering in time)"
+                )
             self.admitting(generation, tuple(agreed))
             missing = self.enter(generation, tuple(agreed))
             if not missing:
@@ -281,8 +332,13 @@ class ShrinkingWorld:
         if missing:
             return missing
         timeout = datetime.timedelta(seconds=self.timeout_s)
-        dist.init_process_group(self.backend, store=dist.PrefixStore(f"gen{generation}/group", self.store),
-                                rank=self.rank, world_size=len(members), timeout=timeout)
+        dist.init_process_group(
+            self.backend,
+            store=dist.PrefixStore(f"gen{generation}/group", self.store),
+            rank=self.rank,
+            world_size=len(members),
+            timeout=timeout,
+        )
         if self.rank == 0:
             self._publish()
         return []

@@ -12,6 +12,7 @@ its rank, the world size, its local rank and the rendezvous from its environment
 ``MASTER_PORT`` is taken from the environment when set, else derived from the job id, so
 every task of a job picks the same port without talking to the others.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -128,8 +129,9 @@ def slurm_world(env: Mapping[str, str]) -> JobWorld:
 
     >>> env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "2",
     ...        "SLURM_TASKS_PER_NODE": "2(x4)", "SLURM_JOB_NODELIST": "node[01-04]", "SLURM_JOB_ID": "777"}
-    >>> slurm_world(env)
-    JobWorld(rank=5, world_size=8, local_rank=1, local_world_size=2, master_addr='node01', master_port=10777, local=False)
+    >>> slurm_world(env)  # doctest: +NORMALIZE_WHITESPACE
+    JobWorld(rank=5, world_size=8, local_rank=1, local_world_size=2, master_addr='node01',
+             master_port=10777, local=False)
     """
     missing = [name for name in _SLURM_NEEDED if not env.get(name)]
     if missing:
@@ -168,7 +170,9 @@ def _within_job(world: JobWorld) -> JobWorld:
     if not 0 <= world.rank < world.world_size:
         raise ConfigError(f"world=slurm: task rank {world.rank} is outside the job's {world.world_size} tasks")
     if not 0 <= world.local_rank < world.local_world_size:
-        raise ConfigError(f"world=slurm: local rank {world.local_rank} is outside this node's {world.local_world_size} tasks")
+        raise ConfigError(
+            f"world=slurm: local rank {world.local_rank} is outside this node's {world.local_world_size} tasks"
+        )
     return world
 
 
