@@ -5,7 +5,8 @@ join. What every survivor holds alike (the step, params, buffers, optimizer stat
 scale, outer-loop state, the ZeRO-1 mirror) travels over the new process group: rank 0
 broadcasts its structure (shapes, dtypes and the non-tensor leaves, with ``extra``: what
 the loop needs beside the state), then each tensor comes from one survivor in turn, so
-a large state is sent by all of them, each sending a part. Nothing is read from disk.
+a large state is sent by all of them, each sending a part (under an outer loop, where
+ranks differ between syncs, all of it from rank 0). Nothing is read from disk.
 
 What is per rank is not sent: the joiner's hook state starts empty as a fresh rank's
 does (error feedback), and its generators start from the seed as rank ``r``'s would
@@ -69,9 +70,12 @@ def share_state(
             for s in skeleton
         ]
     slots = [i for i, s in enumerate(skeleton) if isinstance(s, _Slot)]
+    # Under an outer loop the survivors' params and inner optimizer states differ between syncs: all from rank 0,
+    # so a joiner is one rank's state (as a checkpoint resumed on more ranks gives it), not a mix of several.
+    spread = 1 if state.outer else senders
     works = []
     for turn, index in enumerate(slots):
-        sender = turn % senders
+        sender = turn % spread
         if comm.rank == sender or joining:
             works.append(dist.broadcast(leaves[index], src=sender, group=groups[sender], async_op=True))
     for work in works:
