@@ -442,12 +442,20 @@ def load_checkpoint(
             state = restore(payload[0], like, comm.rank, path)
         except CheckpointError as error:
             refused = str(error)
+    agree_on_refusal(refused, comm)
+    return state
+
+
+def agree_on_refusal(refused: str | None, comm: Comm) -> None:
+    """Raise ``CheckpointError`` on every rank if any rank refused, in the same words (a collective).
+
+    No rank goes on into collectives that a refusing one has left, and which rank reports it does not matter.
+
+    >>> agree_on_refusal(None, Comm())
+    """
     if comm.world_size > 1:
-        # A refusal on any rank is every rank's, in the same words: no rank goes on into
-        # collectives that a refusing one has left, and which rank reports it does not matter.
         seen: list = [None] * comm.world_size
         dist.all_gather_object(seen, refused, group=comm.group)
         refused = next((r for r in seen if r is not None), None)
     if refused is not None:
         raise CheckpointError(refused)
-    return state

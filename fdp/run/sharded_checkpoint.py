@@ -49,6 +49,7 @@ from fdp.run.checkpoint import (
     _fsync_dir,
     _leaves,
     _rebuild,
+    agree_on_refusal,
     atomic_save,
     read_meta,
     sharded_steps,
@@ -271,16 +272,6 @@ def _publish(directory: Path, tmp: Path, step: int, keep: int) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def _agreed(refused: str | None, comm: Comm) -> None:
-    """Raise ``CheckpointError`` on every rank if any rank refused (the same words everywhere)."""
-    if comm.world_size > 1:
-        seen: list = [None] * comm.world_size
-        dist.all_gather_object(seen, refused, group=comm.group)
-        refused = next((r for r in seen if r is not None), None)
-    if refused is not None:
-        raise CheckpointError(refused)
-
-
 def load_sharded(path: str | os.PathLike, like: TrainState, update: Update, plan: BucketPlan, comm: Comm) -> TrainState:
     """This rank's state from the sharded checkpoint ``path``, at ``update``'s stage and ``comm``'s world size.
 
@@ -299,7 +290,7 @@ def load_sharded(path: str | os.PathLike, like: TrainState, update: Update, plan
             f"checkpoint {path} was written with another bucket plan (model or bucket caps changed): "
             f"plan {str(meta.get('plan_fingerprint'))[:12]}, this run's {plan.on_cpu().fingerprint()[:12]}"
         )
-    _agreed(refused, comm)
+    agree_on_refusal(refused, comm)
     tree = _state_tree(like)
     tensors, _ = update.checkpoint_pieces(tree, comm, reading=True)
     try:
@@ -328,7 +319,7 @@ def load_sharded(path: str | os.PathLike, like: TrainState, update: Update, plan
             state = like._replace(
                 hook_state=hook_state, rng=mine["rng"], cuda_rng=cuda_rng if on_gpu else like.cuda_rng, buffers=buffers
             )
-    _agreed(refused, comm)
+    agree_on_refusal(refused, comm)
     plain = meta.get("plain", {})
     return state._replace(
         step=int(meta["step"]),
