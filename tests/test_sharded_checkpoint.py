@@ -60,7 +60,7 @@ def _whole(state, plan, comm):
     )
     return {n: p.clone() for n, p in whole.params.items()}, {
         p: t.clone() if isinstance(t, torch.Tensor) else t
-        for p, t in zip(checkpoint.tree_paths(whole.opt_state), checkpoint._leaves(whole.opt_state))
+        for p, t in zip(checkpoint.tree_paths(whole.opt_state), checkpoint.host_leaves(whole.opt_state))
     }
 
 
@@ -145,7 +145,7 @@ def test_a_consolidated_file_resumes_bit_for_bit_and_dcp_reads_the_checkpoint(sa
     model, p0, buffers, _, _, _ = _parts(0, 1)
     state = checkpoint.load_checkpoint(written, init_train_state(p0, buffers, adam(1e-2), plan), plan)
     assert state.step == 3 and _equal({n: state.params[n] for n in params}, params)
-    assert _equal(dict(zip(checkpoint.tree_paths(state.opt_state), checkpoint._leaves(state.opt_state))), opt_state)
+    assert _equal(dict(zip(checkpoint.tree_paths(state.opt_state), checkpoint.host_leaves(state.opt_state))), opt_state)
     dcp_to_torch_save(checkpoint.last_of(directory), tmp_path / "dcp.pt")  # DCP's own converter
     flat = torch.load(tmp_path / "dcp.pt", weights_only=True)
     assert all(torch.equal(flat[f"params[{n!r}]"], p.reshape(-1)) for n, p in params.items())

@@ -90,7 +90,12 @@ def read_meta(path: str | os.PathLike) -> dict:
     return meta
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """Flush ``directory``'s entries to disk, so that a rename into it survives a crash.
+
+    >>> import tempfile
+    >>> fsync_dir(Path(tempfile.mkdtemp()))
+    """
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -114,7 +119,7 @@ def atomic_save(payload: dict, path: str | os.PathLike) -> Path:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -173,11 +178,22 @@ def _like(value: Any, template: Any) -> Any:
     return value
 
 
-def _leaves(tree: Any) -> list:
+def host_leaves(tree: Any) -> list:
+    """The leaves of ``tree`` in order, tensors on the CPU: how a checkpoint stores a state's trees.
+
+    >>> host_leaves({"m": torch.ones(2), "count": 3})
+    [tensor([1., 1.]), 3]
+    """
     return [_on_host(leaf) for leaf in tree_flatten(tree)[0]]
 
 
-def _rebuild(template: Any, leaves: list, what: str, path: Path, paths: list[str] | None = None) -> Any:
+def rebuild_like(template: Any, leaves: list, what: str, path: Path, paths: list[str] | None = None) -> Any:
+    """``template``'s tree made of saved ``leaves`` (matched by ``paths`` where given), on its devices; a
+    ``CheckpointError`` naming ``what`` and ``path`` when they do not fit.
+
+    >>> rebuild_like({"m": torch.zeros(2)}, [torch.ones(2)], "optimizer state", Path("x"))
+    {'m': tensor([1., 1.])}
+    """
     template_leaves, spec = tree_flatten(template)
     if spec.num_leaves != len(leaves):
         raise CheckpointError(
@@ -202,9 +218,9 @@ def state_payload(state: TrainState, per_rank: list[dict], extra: dict | None = 
         "step": state.step,
         "params": {name: _on_host(t) for name, t in state.params.items()},
         "buffers": {name: _on_host(t) for name, t in state.buffers.items()},
-        "opt_state": _leaves(state.opt_state),
+        "opt_state": host_leaves(state.opt_state),
         "opt_state_paths": tree_paths(state.opt_state),
-        "loss_scale": _leaves(state.loss_scale),  # decided after the reduction: the same on every rank
+        "loss_scale": host_leaves(state.loss_scale),  # decided after the reduction: the same on every rank
         "ranks": per_rank,
         **(extra or {}),
     }
@@ -218,7 +234,7 @@ def rank_payload(state: TrainState) -> dict:
     optimizer state are saved too, with its outer state.
     """
     mine = {
-        "hook_state": _leaves(state.hook_state),
+        "hook_state": host_leaves(state.hook_state),
         "rng": state.rng,
         "cuda_rng": state.cuda_rng,
         "buffers": {name: _on_host(b) for name, b in state.buffers.items()},
@@ -226,9 +242,9 @@ def rank_payload(state: TrainState) -> dict:
     if state.outer:
         mine.update(
             params={name: _on_host(p) for name, p in state.params.items()},
-            opt_state=_leaves(state.opt_state),
+            opt_state=host_leaves(state.opt_state),
             opt_state_paths=tree_paths(state.opt_state),
-            outer=_leaves(state.outer),
+            outer=host_leaves(state.outer),
         )
     return mine
 
@@ -256,7 +272,7 @@ def restore(payload: dict, template: TrainState, rank: int, path: str | os.PathL
     if missing:
         raise CheckpointError(f"checkpoint {path}: parameters differ from this model's: {missing[:5]}")
     # A world larger than the one that saved: the new ranks start their hook state and RNG fresh.
-    mine = ranks[rank] if rank < len(ranks) else {"hook_state": _leaves(template.hook_state), "rng": template.rng}
+    mine = ranks[rank] if rank < len(ranks) else {"hook_state": host_leaves(template.hook_state), "rng": template.rng}
     if rank >= len(ranks) and template.outer:
         mine.update(_outer_place(ranks[0], template, len(ranks), path))
     saved_cuda_rng = mine.get("cuda_rng")
@@ -275,12 +291,14 @@ def restore(payload: dict, template: TrainState, rank: int, path: str | os.PathL
         buffers={
             name: _like(own_buffers.get(name, payload["buffers"][name]), t) for name, t in template.buffers.items()
         },
-        opt_state=_rebuild(template.opt_state, shared["opt_state"], "optimizer state", path, shared["opt_state_paths"]),
-        hook_state=_rebuild(template.hook_state, mine["hook_state"], "hook state", path),
+        opt_state=rebuild_like(
+            template.opt_state, shared["opt_state"], "optimizer state", path, shared["opt_state_paths"]
+        ),
+        hook_state=rebuild_like(template.hook_state, mine["hook_state"], "hook state", path),
         rng=mine["rng"],
         cuda_rng=saved_cuda_rng if both_on_gpu else template.cuda_rng,
-        loss_scale=_rebuild(template.loss_scale, payload.get("loss_scale", []), "loss scale", path),
-        outer=_rebuild(template.outer, mine.get("outer", []), "outer state (outer loop)", path),
+        loss_scale=rebuild_like(template.loss_scale, payload.get("loss_scale", []), "loss scale", path),
+        outer=rebuild_like(template.outer, mine.get("outer", []), "outer state (outer loop)", path),
     )
 
 
@@ -291,17 +309,17 @@ def _outer_place(first: dict, template: TrainState, saved_world: int, path: Path
     exact there; between syncs the new rank goes on from rank 0's inner steps.
 
     A sync in flight (``outer.overlap``) is the saving ranks' own pseudo-gradient: refused, in one line."""
-    if len(first["outer"]) != len(_leaves(template.outer)):
+    if len(first["outer"]) != len(host_leaves(template.outer)):
         raise CheckpointError(
             f"checkpoint {path} was saved by {saved_world} ranks with an outer sync in flight (outer.overlap); "
             "expected a checkpoint between syncs to resume on more ranks"
         )
-    outer = _rebuild(template.outer, first["outer"], "outer state (outer loop)", path)
+    outer = rebuild_like(template.outer, first["outer"], "outer state (outer loop)", path)
     return {
         "params": first["params"],
         "opt_state": first["opt_state"],
         "opt_state_paths": first.get("opt_state_paths"),
-        "outer": _leaves(outer._replace(hook_state=template.outer.hook_state)),
+        "outer": host_leaves(outer._replace(hook_state=template.outer.hook_state)),
     }
 
 
@@ -330,7 +348,7 @@ def save(directory: str | os.PathLike, payload: dict, keep: int = 2) -> Path:
     path = atomic_save(payload, directory / f"step_{int(payload['step']):08d}.pt")
     _atomic_copy(path, directory / LAST)
     (directory / POINTER).unlink(missing_ok=True)  # last.pt is now the newest (a sharded run's pointer named older)
-    _fsync_dir(directory)
+    fsync_dir(directory)
     for old in list(step_files(directory).values())[: -keep or None]:
         old.unlink()
     # Temporaries of a writer that was killed mid-save (only one process saves, and it is done).

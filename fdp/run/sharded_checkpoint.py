@@ -46,12 +46,12 @@ from fdp.plan import BucketPlan
 from fdp.run.checkpoint import (
     POINTER,
     CheckpointError,
-    _fsync_dir,
-    _leaves,
-    _rebuild,
     agree_on_refusal,
     atomic_save,
+    fsync_dir,
+    host_leaves,
     read_meta,
+    rebuild_like,
     sharded_steps,
 )
 from fdp.state.train_state import TrainState
@@ -181,7 +181,7 @@ class ShardedSaver:
             tensors = {key: _staged(t, pin, self._staging.get(key)) for key, t in tensors.items()}
             self._staging = tensors
         mine = {
-            "hook_state": _leaves(state.hook_state),
+            "hook_state": host_leaves(state.hook_state),
             "rng": state.rng,
             "cuda_rng": state.cuda_rng,
             "buffers": {n: b.detach().cpu().clone() for n, b in state.buffers.items()},
@@ -258,14 +258,14 @@ def _publish(directory: Path, tmp: Path, step: int, keep: int) -> None:
     if final.exists():  # a resumed run saving a step again
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync_dir(directory)
+    fsync_dir(directory)
     pointer = directory / POINTER
     scratch = directory / f".{POINTER}.tmp"
     scratch.write_text(final.name + "\n")
     with open(scratch, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(scratch, pointer)
-    _fsync_dir(directory)
+    fsync_dir(directory)
     for old in list(sharded_steps(directory).values())[: -keep or None]:
         shutil.rmtree(old, ignore_errors=True)
     for stale in directory.glob("step_*.tmp-*"):
@@ -309,7 +309,7 @@ def load_sharded(path: str | os.PathLike, like: TrainState, update: Update, plan
     state = like
     if refused is None and mine is not None:  # a rank the saving world did not have starts its hook state fresh
         try:
-            hook_state = _rebuild(like.hook_state, mine["hook_state"], "hook state", path)
+            hook_state = rebuild_like(like.hook_state, mine["hook_state"], "hook state", path)
         except CheckpointError as error:
             refused = str(error)
         else:
