@@ -14,7 +14,7 @@ from torch import nn
 
 from fdp.model.functional import functionalize
 from fdp.plan import pack_into_buckets, plan_buckets
-from fdp.plan.buckets import allocate, pack, slot_views, unpack
+from fdp.plan.buckets import allocate, allocate_released, pack, regrow, slot_views, unpack
 
 torch.set_num_threads(1)
 
@@ -247,3 +247,26 @@ def test_views_in_split_a_bucket_and_their_gradient_is_the_flat_one():
         [{"b": torch.zeros(2), "w": torch.full((6,), 2.0), "s": torch.tensor([3.0])}[n] for n in order]
     )
     assert torch.equal(flat.grad, expected)
+
+
+def test_released_buffers_are_made_one_at_a_time_and_their_views_see_the_memory_given_back():
+    plan = pack_into_buckets(
+        [("a", (300,), "float32", "cpu"), ("b", (2, 150), "float32", "cpu"), ("c", (300,), "float32", "cpu")],
+        bucket_cap_mb=300 * 4 / 2**20,
+        first_bucket_cap_mb=300 * 4 / 2**20,
+    )
+    assert len(plan.buckets) == 3
+    made: list[torch.Tensor] = []
+
+    def views(bucket, buffer):  # every buffer made before this one already released
+        assert [m.untyped_storage().nbytes() for m in made] == [0] * len(made)
+        made.append(buffer)
+        return slot_views(bucket, buffer)
+
+    flats, parts = allocate_released(plan, views)
+    assert [f.untyped_storage().nbytes() for f in flats] == [0, 0, 0]
+    by_name = {name: view for part in parts for name, view in part.items()}
+    for flat in flats:
+        regrow(flat)
+        flat.copy_(torch.arange(flat.numel(), dtype=flat.dtype))
+    assert by_name["b"].shape == (2, 150) and torch.equal(by_name["b"].reshape(-1), torch.arange(300.0))

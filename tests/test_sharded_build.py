@@ -15,8 +15,10 @@ from fdp.comm import Comm
 from fdp.dist.devices import limit_memory
 from fdp.model.builtin import count_parameters
 from fdp.model.deferred import NotDeferrable, record_build
+from fdp.model.losses import make_loss_fn
 from fdp.run.build import build_data, build_module, build_run
 from fdp.run.config import compose
+from fdp.step.train_step import make_train_step
 from fdp.update.zero import whole_params
 
 CHAR = ("model=charlm", "model.d_model=16", "model.n_layer=2", "model.n_head=2")
@@ -137,6 +139,13 @@ def _start_and_build_peak(rank: int, world: int) -> tuple[dict, dict]:
     limit_memory(out["budget"] / MiB, torch.device("cpu"))  # what world.memory_per_rank_mb sets
     parts = build_run(cfg, comm, data=data)
     out["peak"] = _status("VmHWM") - start
+    # The step's buffers, a whole bucket each for the gathered params and the gradients, made under the budget too:
+    # each is released before the next is made (all at once they are the whole params twice over).
+    before = _status("VmData")
+    make_train_step(
+        make_loss_fn(parts.model, parts.criterion), parts.optimizer, parts.plan, comm=comm, update=parts.update
+    )
+    out["step_made"] = _status("VmData") - before
     out["share"] = sum(t.numel() * t.element_size() for t in parts.state.params.values())
     out["largest"] = 4 * max(slot.numel for b in parts.plan.buckets for slot in b.slots)
     return starts, out
@@ -152,3 +161,4 @@ def test_on_4_ranks_stage_3_starts_as_stage_0_and_its_build_holds_a_share_and_on
         assert 4 * peaks["share"] >= peaks["whole"]  # a quarter of the params, padded
         # Its share and the momentum of its share (SGD), one param made, the scratch its draws ran on, and slack.
         assert peaks["peak"] <= 2 * peaks["share"] + 2 * peaks["largest"] + 16 * MiB
+        assert peaks["step_made"] <= peaks["largest"]

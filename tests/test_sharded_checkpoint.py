@@ -226,11 +226,14 @@ def test_four_ranks_at_stage_3_checkpoint_and_two_resume_under_a_memory_cap_like
 
     one_process = [*RUN, "optim=sgd", "optim.momentum=0.9"]
     sgd = [*one_process, "trainer.zero_stage=3"]
-    run(_compose(*one_process), tmp_path / "straight")  # uninterrupted, on the union batch
+    whole = run(_compose(*one_process), tmp_path / "straight")  # uninterrupted, on the union batch
     run(_compose(*sgd, "world=local4", "trainer.stop_at=4"), tmp_path / "four")
     step4 = tmp_path / "four" / "checkpoints" / "step_00000004"
     assert checkpoint.read_meta(step4)["world_size"] == 4
-    run(_compose(*sgd, "world=local2", "world.memory_per_rank_mb=1500", "trainer.resume=true"), tmp_path / "four")
+    two = run(_compose(*sgd, "world=local2", "world.memory_per_rank_mb=1500", "trainer.resume=true"), tmp_path / "four")
+    # Evaluated at stage 3 by every rank, each forward gathering its buckets: the figures of the whole params.
+    assert two["test_loss"] == pytest.approx(whole["test_loss"], rel=1e-5)
+    assert two["test_acc"] == whole["test_acc"]
     straight, resumed = consolidate(tmp_path / "straight"), consolidate(tmp_path / "four")
     assert (
         straight["step"] == resumed["step"] == 8

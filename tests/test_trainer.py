@@ -263,10 +263,18 @@ def test_out_of_memory_lines_name_the_phase_and_what_to_change():
         "expected a smaller batch per forward (evaluation takes training's, 16 samples: "
         "data.global_batch_size=64 over 2 ranks and trainer.accum_steps=2) or a smaller model",
         "save": "saving the checkpoint of step 7 (MemoryError); the run does not fit world.memory_per_rank_mb=500: "
-        "expected a larger budget: rank 0 holds the whole state while it writes it (trainer.zero_stage=0)",
+        "expected a larger budget, or trainer.checkpoint_format=sharded: rank 0 holds the whole state while it "
+        "writes it (trainer.zero_stage=0)",
     }
     for name, text in expected.items():
         with pytest.raises(MemoryError):
             with phase(name, 7):
                 raise MemoryError
         assert _out_of_memory_message(cfg, 1, 2, phase, MemoryError()) == f"rank 1 ran out of memory {text}"
+    # A sharded save: what an asynchronous one stages, or what a synchronous one holds.
+    for asynchronous, hint in (
+        ("true", "trainer.checkpoint_async=false: an asynchronous save stages a copy of this rank's state"),
+        ("false", "a larger budget: each rank writes its own share, one bucket at a time"),
+    ):
+        sharded = make_cfg("trainer.checkpoint_format=sharded", f"trainer.checkpoint_async={asynchronous}")
+        assert hint in _out_of_memory_message(sharded, 1, 2, phase, MemoryError())

@@ -29,6 +29,7 @@ import torch
 
 from fdp._torch import tree_map
 from fdp.data.batches import as_batch
+from fdp.dist.allocator import budget_accounting
 from fdp.dist.launchers import launcher_of
 from fdp.errors import ConfigError
 
@@ -315,7 +316,8 @@ def limit_memory(budget_mib: float, device: torch.device) -> None:
     with an out-of-memory error (``is_out_of_memory``) instead of slowing the machine down.
     On a GPU it is torch's per-process fraction of the device's memory; on the CPU a
     limit on the process's data segment (``RLIMIT_DATA``, the heap and private mappings a
-    process writes), counted from what it holds now. 0 sets no limit.
+    process writes), counted from what it holds now, the allocator set to make that count
+    what the run holds (``fdp.dist.allocator.budget_accounting``). 0 sets no limit.
     """
     if budget_mib <= 0:
         return
@@ -328,6 +330,7 @@ def limit_memory(budget_mib: float, device: torch.device) -> None:
     held = int(re.search(r"VmData:\s+(\d+)", open("/proc/self/status").read()).group(1)) * 1024
     limit = held + int(budget_mib * 2**20)
     resource.setrlimit(resource.RLIMIT_DATA, (limit, resource.getrlimit(resource.RLIMIT_DATA)[1]))
+    budget_accounting()
 
 
 def is_out_of_memory(error: BaseException) -> bool:

@@ -394,8 +394,10 @@ def eval_metrics(
     buffers: Buffers,
     batch: Any,
     precision: Precision = Precision(),
+    wrap: Callable[[Callable], Callable] | None = None,
 ) -> tuple[float, int, int, int]:
-    """``batch_metrics`` of the model in eval mode on one batch (in ``precision``, scored in float32).
+    """``batch_metrics`` of the model in eval mode on one batch (in ``precision``, scored in float32);
+    ``wrap(model.apply)`` runs the model where given (ZeRO stage 3 gathers its params around it).
 
     >>> from fdp.model.functional import functionalize
     >>> model, params, buffers = functionalize(torch.nn.Linear(3, 2))
@@ -406,6 +408,7 @@ def eval_metrics(
     args, kwargs, targets = model_inputs(batch)
     device = next(iter(params.values())).device if params else torch.device("cpu")
     with precision.autocast(device.type):
-        outputs, _ = model.apply(params, buffers, *precision.cast(args), training=False, **precision.cast(kwargs))
+        apply = wrap(model.apply) if wrap is not None else model.apply
+        outputs, _ = apply(params, buffers, *precision.cast(args), training=False, **precision.cast(kwargs))
     outputs = tree_map(lambda t: t.float() if isinstance(t, Tensor) and t.is_floating_point() else t, outputs)
     return batch_metrics(criterion, outputs, targets)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence, TypeVar
 
 import torch
 
@@ -28,6 +28,7 @@ from fdp.plan import Bucket, BucketPlan
 
 __all__ = [
     "allocate",
+    "allocate_released",
     "pack",
     "unpack",
     "slot_views",
@@ -53,6 +54,36 @@ def allocate(plan: BucketPlan, zeroed: bool = True) -> tuple[torch.Tensor, ...]:
     """
     make = torch.zeros if zeroed else torch.empty
     return tuple(make(b.numel, dtype=b.torch_dtype, device=b.device) for b in plan.buckets)
+
+
+_Views = TypeVar("_Views")
+
+
+def allocate_released(
+    plan: BucketPlan,
+    views: Callable[[Bucket, torch.Tensor], _Views],
+    numel: Callable[[Bucket], int] = lambda bucket: bucket.numel,
+    dtype: torch.dtype | None = None,
+) -> tuple[tuple[torch.Tensor, ...], list[_Views]]:
+    """Released flat buffers, one per bucket (``numel(bucket)`` entries), and ``views(bucket, buffer)`` of each.
+
+    Views need the memory to be made, so each buffer is made, viewed and released before the next: never
+    two buckets' memory at once, where all of them together may be more than a rank holds (ZeRO stage 3's
+    whole params and gradients). ``regrow`` gives a buffer its memory back; its views see it.
+
+    >>> from fdp.plan import pack_into_buckets
+    >>> plan = pack_into_buckets([("w", (2, 3), "float32", "cpu")])
+    >>> (flat,), (w,) = allocate_released(plan, lambda bucket, buffer: buffer.view(2, 3))
+    >>> flat.untyped_storage().nbytes(), w.shape
+    (0, torch.Size([2, 3]))
+    """
+    buffers, made = [], []
+    for bucket in plan.buckets:
+        buffer = torch.empty(numel(bucket), dtype=dtype or bucket.torch_dtype, device=bucket.device)
+        made.append(views(bucket, buffer))
+        release(buffer)
+        buffers.append(buffer)
+    return tuple(buffers), made
 
 
 def release(buffer: torch.Tensor) -> None:

@@ -272,7 +272,7 @@ def stage_of(cfg: DictConfig) -> zero.Stage:
 def tune_allocator_for(cfg: DictConfig) -> None:
     """This process's heap tuned for the run's stage (``fdp.dist.allocator``): first thing in a worker, before anything
     is allocated (a stage that gathers its params keeps large blocks out of the heap)."""
-    tune_allocator(sharded_params=stage_of(cfg).shards_params)
+    tune_allocator(sharded_params=stage_of(cfg).shards_params, bucket_bytes=int(cfg.trainer.bucket_cap_mb * 2**20))
 
 
 def _hierarchical(hook: Hook, cfg: DictConfig, comm: Comm) -> Hook:

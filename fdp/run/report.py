@@ -21,7 +21,6 @@ from fdp.run.loggers import check_loggers, open_loggers
 from fdp.run.metrics import MetricsLog, StepTimes, progress
 from fdp.run.rundir import RunDir
 from fdp.state.train_state import TrainState
-from fdp.update import zero
 
 __all__ = ["Report"]
 
@@ -83,18 +82,13 @@ class Report:
             return
         self.record = self._record(number, metrics)
         if (tc.eval_every and number % tc.eval_every == 0 or done and not stopping) and has_test_split(self.parts.data):
-            # Every rank takes part (ZeRO stage 3 gathers the params); rank 0 evaluates.
-            params = zero.whole_params(state, self.parts.plan, self.comm)
-            averaged = (
-                zero.whole_params(state._replace(params=average), self.parts.plan, self.comm)
-                if average is not None
-                else None
-            )
+            # Rank 0's figures; the ranks that evaluate with it are the update's to say (ZeRO stage 3: all of them).
+            evaluation = self._evaluate(state, state.params)
+            if average is not None:
+                on_average = self._evaluate(state, averaged_as(average, state.params))
+                evaluation = evaluation and {**evaluation, **{f"ema_{k}": v for k, v in on_average.items()}}
             if self.comm.rank == 0:
-                self.last_eval = self._evaluate(state._replace(params=params))
-                if averaged is not None:
-                    on_average = self._evaluate(state._replace(params=averaged_as(averaged, params)))
-                    self.last_eval.update({f"ema_{k}": v for k, v in on_average.items()})
+                self.last_eval = evaluation
                 self.record.update(self.last_eval)
             evaluated = self._from_rank0(self.record)
         else:
@@ -136,21 +130,27 @@ class Report:
             record["loss_scale"] = m["loss_scale"].item()
         return record
 
-    def _evaluate(self, state: TrainState) -> dict:
+    def _evaluate(self, state: TrainState, params) -> dict | None:
+        """The test metrics of ``params`` (this rank's, as the state holds them), on a rank that evaluates."""
         parts, tc = self.parts, self.cfg.trainer
         # In pieces no larger than what one forward of training takes: what trains within a memory budget evaluates.
         micro = max(1, self.cfg.data.global_batch_size // self.comm.world_size // tc.accum_steps)
-        return evaluate(
-            parts.model,
-            state.params,
-            state.buffers,
-            parts.data,
-            tc.eval_batches,
-            criterion=parts.criterion,
-            num_workers=self.cfg.data.get("num_workers", 0),
-            precision=parts.precision,
-            fits=micro,
-        )
+        with parts.update.evaluating(params, self.comm) as evaluated:
+            if evaluated is None:
+                return None
+            read, wrap = evaluated
+            return evaluate(
+                parts.model,
+                read,
+                state.buffers,
+                parts.data,
+                tc.eval_batches,
+                criterion=parts.criterion,
+                num_workers=self.cfg.data.get("num_workers", 0),
+                precision=parts.precision,
+                fits=micro,
+                wrap=wrap,
+            )
 
     def summary(
         self, state: TrainState, device: str, interrupted: str | None = None, stopped: str | None = None

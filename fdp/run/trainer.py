@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from fdp._torch import preload_compiler
 from fdp.comm import Comm
 from fdp.data import check_global_batch, has_test_split, train_batches
 from fdp.dist.allocator import release_free_memory
@@ -304,10 +305,25 @@ def _out_of_memory_message(cfg: DictConfig, rank: int, world: int, phase: Memory
         ),
         "save": (
             f"saving the checkpoint of step {phase.step}",
-            (f"a larger budget: rank 0 holds the whole state while it writes it (trainer.zero_stage={stage})"),
+            _save_hint(tc, stage),
         ),
     }[phase.name]
     return f"rank {rank} ran out of memory {where} ({reason}); the run does not fit {within}: expected {expected}"
+
+
+def _save_hint(tc: DictConfig, stage: int) -> str:
+    """What lets a save fit, by how the checkpoint is written."""
+    if tc.checkpoint_format != "sharded":
+        return (
+            f"a larger budget, or trainer.checkpoint_format=sharded: rank 0 holds the whole state while it writes "
+            f"it (trainer.zero_stage={stage})"
+        )
+    if tc.checkpoint_async:
+        return (
+            "a larger budget, or trainer.checkpoint_async=false: an asynchronous save stages a copy of this rank's "
+            "state on the CPU while it is written"
+        )
+    return "a larger budget: each rank writes its own share, one bucket at a time"
 
 
 class _Loop:
@@ -531,6 +547,9 @@ def _start(
         raise ConfigError(str(error)) from None
     with phase("data"):
         data = build_data(cfg.data)
+    # torch's code that the first gradient (and a build on meta) imports is not the run's memory (a GPU's budget
+    # would not count it): loaded before the budget starts.
+    preload_compiler()
     limit_memory(cfg.world.memory_per_rank_mb, device)  # from here: what the run adds to the data it loaded
     with phase("build"):  # to the first step: what setting up the loop holds is the build's too
         parts = build_run(cfg, comm, device, data)

@@ -26,7 +26,7 @@ from fdp.comm import Comm
 from fdp.errors import check_choice
 from fdp.hooks.base import Hook
 from fdp.model.functional import grad_and_value
-from fdp.plan import BucketPlan
+from fdp.plan import Bucket, BucketPlan
 from fdp.plan import buckets as bucket_buffers
 from fdp.step.chains import Reduction
 from fdp.step.compiled import compile_grad, compiled_schedule
@@ -64,13 +64,14 @@ class _SlotTable(NamedTuple):
     sizes: list[int]  # tensors per bucket
 
 
-def _slot_table(plan: BucketPlan, flats: tuple[torch.Tensor, ...]) -> _SlotTable:
-    bucket, views = {}, {}
-    for b, flat in zip(plan.buckets, flats):
-        for slot in b.slots:
-            bucket[slot.name] = b.index
-            views[slot.name] = flat[slot.offset : slot.offset + slot.numel]
-    return _SlotTable(bucket, views, [len(b.slots) for b in plan.buckets])
+def _slot_views(bucket: Bucket, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {slot.name: flat[slot.offset : slot.offset + slot.numel] for slot in bucket.slots}
+
+
+def _slot_table(plan: BucketPlan, views: list[dict[str, torch.Tensor]]) -> _SlotTable:
+    bucket = {name: b.index for b, part in zip(plan.buckets, views) for name in part}
+    flat_views = {name: view for part in views for name, view in part.items()}
+    return _SlotTable(bucket, flat_views, [len(b.slots) for b in plan.buckets])
 
 
 LossFn = Callable[..., tuple[torch.Tensor, Any]]  # (params, buffers, batch) -> (loss, aux)
@@ -113,14 +114,14 @@ class GradReducer:
         self.plan, self.hook, self.comm, self.schedule, self.timeline = plan, hook, comm, schedule, timeline
         self.release_buffers, self.gather = release_buffers or gather.gathers, gather
         self.loss_fn = self._marking_forward_end(gather.wrap_loss(loss_fn))
-        self.flats = bucket_buffers.allocate(plan, zeroed=not self.release_buffers)
-        # Views, made while the buffers have memory: they stay views of them when it is released and given back.
-        self._table = _slot_table(plan, self.flats)
-        if (
-            self.release_buffers
-        ):  # given memory again when first written (``_start_next``, ``_store``, the tensor hooks)
-            for flat in self.flats:
-                bucket_buffers.release(flat)
+        # Views stay views of the buffers when their memory is released and given back; released ones get
+        # memory again when first written (``_start_next``, ``_store``, the tensor hooks).
+        if self.release_buffers:
+            self.flats, views = bucket_buffers.allocate_released(plan, _slot_views)
+        else:
+            self.flats = bucket_buffers.allocate(plan)
+            views = [_slot_views(bucket, flat) for bucket, flat in zip(plan.buckets, self.flats)]
+        self._table = _slot_table(plan, views)
         # The backward runs once torch.func's transform is left (fdp.model.functional.grad_and_value);
         # params laid out one flat buffer per bucket cross the transform as those buffers.
         self._plain_grad = grad_and_value(self.loss_fn)

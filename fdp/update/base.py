@@ -30,8 +30,9 @@ forward sees (stage 3 gathers them bucket by bucket), what each rank steps
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
-from typing import Any, Callable, NamedTuple, Protocol
+from typing import Any, Callable, Iterator, NamedTuple, Protocol
 
 import torch
 
@@ -183,6 +184,10 @@ class StepUpdate(Protocol):
         """Where a non-finite gradient was seen, for the error (``late``: read a step later)."""
 
 
+def _as_is(forward: Callable) -> Callable:
+    return forward
+
+
 class Update(ABC):
     """The update of one ZeRO stage: every step of a train step function, and its state's whole life.
 
@@ -199,7 +204,8 @@ class Update(ABC):
     * the state: ``first_state`` (the same on every rank, checked), ``to_checkpoint``,
       ``checkpoint_template`` and ``from_checkpoint`` (a whole-file checkpoint holds the whole state,
       which any stage and world size resumes), ``checkpoint_pieces`` (what this rank writes to, or
-      reads from, a sharded one, by ``slice_range``), ``reshard`` after ranks were lost;
+      reads from, a sharded one, by ``slice_range``), ``reshard`` after ranks were lost, ``evaluating``
+      (what an evaluation runs on);
     * what it accepts: ``refuses_hook``, ``refuses_optimizer``, ``refuses_compile``
       (``rules``: the stage's ``Stage``).
 
@@ -232,6 +238,22 @@ class Update(ABC):
 
     def refuses_compile(self) -> str | None:
         return self.rules.refuses_compile()
+
+    @contextlib.contextmanager
+    def evaluating(self, params: Params, comm: Comm) -> Iterator[tuple[Params, Callable[[Callable], Callable]] | None]:
+        """What an evaluation of the state's ``params`` runs on in the world of ``comm``: ``(params, wrap)``,
+        each forward run as ``wrap(forward)``, or ``None`` on a rank that does not evaluate. Params that are
+        whole: rank 0 evaluates them as they are, alone.
+
+        >>> from fdp import sgd
+        >>> from fdp.plan import pack_into_buckets
+        >>> from fdp.update.zero import update_for
+        >>> update = update_for(0, sgd(0.1), pack_into_buckets([("w", (2,), "float32", "cpu")]), Comm())
+        >>> with update.evaluating({"w": torch.ones(2)}, Comm()) as (params, wrap):
+        ...     params["w"].tolist(), wrap(len) is len
+        ([1.0, 1.0], True)
+        """
+        yield (params, _as_is) if comm.rank == 0 else None
 
     @abstractmethod
     def for_step(

@@ -44,9 +44,9 @@ from fdp.comm import Comm, Pending
 from fdp.model.functional import FunctionalModel
 from fdp.model.remat import recomputing
 from fdp.plan import BucketPlan
-from fdp.plan.buckets import regrow, release
+from fdp.plan.buckets import allocate_released, regrow, release, slot_views
 from fdp.trace import NullTimeline, Timeline
-from fdp.update.zero.layout import param_views, shard_key, shard_numel, shard_range
+from fdp.update.zero.layout import shard_key, shard_numel, shard_range
 
 __all__ = ["ParamGather"]
 
@@ -109,14 +109,16 @@ class ParamGather:
         self.plan, self.comm, self.reshard = plan, comm, reshard_after_forward
         self.timeline = timeline or NullTimeline()
         self.rank, self.world = comm.rank, comm.world_size
-        self.flats = [
-            torch.empty(shard_numel(b, self.world) * self.world, dtype=dtype or b.torch_dtype, device=b.device)
-            for b in plan.buckets
-        ]
-        self.views = param_views(plan, self.flats, list(plan.names))
+        # Each bucket's buffer released as soon as its views are made: all of them whole may not fit the rank.
+        self.flats, views = allocate_released(
+            plan,
+            lambda bucket, flat: slot_views(bucket, flat[: bucket.numel], flat.dtype),  # narrower under bf16 gathers
+            numel=lambda bucket: shard_numel(bucket, self.world) * self.world,
+            dtype=dtype,
+        )
+        by_name = {name: view for part in views for name, view in part.items()}
+        self.views = {name: by_name[name] for name in plan.names}
         self._bucket_of = {storage_id(flat): index for index, flat in enumerate(self.flats)}
-        for flat in self.flats:
-            release(flat)
         self._holders = self._holders_of(model)
         self._handles = [
             h
@@ -170,22 +172,22 @@ class ParamGather:
     def wrap_loss(self, loss_fn: Callable) -> Callable:
         """``loss_fn`` run with its params gathered as the schedule says (learnt on its first call)."""
 
-        def forward(*args):
+        def forward(*args, **kwargs):
             if self._schedule is None:
-                self._record(loss_fn, args)
+                self._record(loss_fn, args, kwargs)
             self._new_forward()
             self._at_event(_START)
-            return loss_fn(*args)
+            return loss_fn(*args, **kwargs)
 
         return forward
 
-    def _record(self, loss_fn: Callable, args: tuple) -> None:
+    def _record(self, loss_fn: Callable, args: tuple, kwargs: dict) -> None:
         first, last = {}, {}
         self._first, self._last = first, last
         self._new_forward()
         devices = [torch.device(f.device) for f in self.flats if torch.device(f.device).type == "cuda"][:1]
         with torch.no_grad(), torch.random.fork_rng(devices=devices), _Recorder(self):
-            loss_fn(*args)
+            loss_fn(*args, **kwargs)
         for index in range(len(self.flats)):
             self._release(index, force=True)
         self._schedule = _Schedule(list(self._events), first, last, self._pinned)

@@ -10,7 +10,8 @@ all-gathered after the optimizer: the next step's forward gathers what it reads.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -18,7 +19,7 @@ from fdp._torch import HAS_DISABLE_FUNCTORCH
 from fdp.comm import Comm
 from fdp.errors import require
 from fdp.hooks import Hook
-from fdp.model.functional import Buffers, FunctionalModel
+from fdp.model.functional import Buffers, FunctionalModel, Params
 from fdp.optim import GradientTransformation, apply_gradients
 from fdp.plan import BucketPlan
 from fdp.state.checks import check_same_replicas
@@ -80,6 +81,18 @@ class ParamShardedUpdate(SlicedUpdate):
                 self.model, self.plan, self.comm, self.reshard_after_forward, self.timeline, self.gather_dtype
             )
         return self._gather
+
+    @contextlib.contextmanager
+    def evaluating(self, params: Params, comm: Comm) -> Iterator[tuple[Params, Callable[[Callable], Callable]]]:
+        """Every rank evaluates: each forward gathers the buckets as it reads them and releases them after
+        (``ParamGather``, as training's forward does), so no rank holds the whole params; every rank must
+        run the same forwards. (A world at stage 3 never changes: ``comm`` is the one it was made with.)"""
+        gather = self.gather
+        gather.start(params)
+        try:
+            yield gather.views, gather.wrap_loss
+        finally:
+            gather.stop()
 
     def for_step(
         self, comm: Comm, timeline: Timeline | None = None, donate: bool = False, early: bool = False

@@ -1,0 +1,52 @@
+"""This process's memory (fdp.dist.allocator): under a CPU budget the data segment counts what the process holds."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+# Run in a fresh interpreter: the allocator's settings are the whole process's.
+_PROBE = """
+import re, threading
+import torch
+from fdp.dist.allocator import budget_accounting, tune_allocator
+
+def data():
+    return int(re.search(r"VmData:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) * 1024
+
+def thread_cost(n=3):  # per thread, three alive at once (one may reuse a stack glibc kept from an earlier thread)
+    ready, done = [threading.Event() for _ in range(n)], threading.Event()
+    before = data()
+    threads = [threading.Thread(target=lambda e=e: (e.set(), done.wait())) for e in ready]
+    for t in threads:
+        t.start()
+    for e in ready:
+        e.wait()
+    grown = data() - before
+    done.set()
+    for t in threads:
+        t.join()
+    return grown // n
+
+def freed_kept():  # what a step's freed tensors leave counted: ten 3 MiB blocks, then smaller ones in their place
+    before = data()
+    blocks = [torch.empty(3 * 2**18) for _ in range(10)]
+    del blocks
+    smaller = [torch.empty(2**18 + 1024) for _ in range(10)]
+    del smaller
+    return data() - before
+
+tune_allocator(sharded_params=True)  # as a stage-3 run sets it up first
+print(thread_cost(), freed_kept())
+budget_accounting()
+print(thread_cost(), freed_kept())
+"""
+
+
+def test_under_a_budget_a_thread_reserves_one_mib_of_stack_and_freed_tensors_stop_counting():
+    out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, check=True).stdout.split()
+    before_thread, before_freed, thread, freed = map(int, out)
+    assert before_thread >= 4 * 2**20  # glibc's default reservation (8 MiB here): counted whole
+    assert thread <= 2**20 + 2**16
+    assert freed <= 2**18  # mapped blocks go back; the heap's top is given back
+    print(f"thread {before_thread >> 10} -> {thread >> 10} KiB, freed kept {before_freed >> 10} -> {freed >> 10} KiB")
