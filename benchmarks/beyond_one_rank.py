@@ -58,7 +58,7 @@ RUN = (
 
 
 def train(run_dir: Path, *overrides: str) -> tuple[int, float, str]:
-    """The recipe on ``overrides``; its exit status, wall seconds and last line."""
+    """The recipe on ``overrides``; its exit status, wall seconds and what it ended with (summary or error)."""
     t0 = time.perf_counter()
     done = subprocess.run(
         [sys.executable, str(REPO / "recipes" / "train.py"), *RUN, *overrides, f"hydra.run.dir={run_dir}"],
@@ -67,7 +67,8 @@ def train(run_dir: Path, *overrides: str) -> tuple[int, float, str]:
         cwd=REPO,
     )
     lines = (done.stdout + done.stderr).strip().splitlines()
-    return done.returncode, time.perf_counter() - t0, (lines or [""])[-1]
+    said = [line for line in lines if line.startswith(("fdp:", "error:"))]  # the summary, or the one-line error
+    return done.returncode, time.perf_counter() - t0, (said or lines or [""])[-1]
 
 
 def main() -> None:
@@ -131,7 +132,7 @@ def main() -> None:
         f"of **{args.cap:g} MiB** per rank at 4 ranks. SGD with momentum, 8 steps, a sharded checkpoint at "
         "step 4 (`trainer.checkpoint_async=false`).",
         "",
-        "| run | exit | wall s | last line |",
+        "| run | exit | wall s | what it printed last |",
         "|---|---|---|---|",
     ]
     for name, status, seconds, last in rows:
