@@ -58,7 +58,8 @@ or of packages above it in this list; ``tests/test_imports.py`` holds every impo
   checkpoints, metrics, loggers, evaluation and the run directory (``checkpoint``, ``metrics``, ``loggers``,
   ``evaluate``, ``rundir``), the world on this machine (``world``), the one start-up (``startup``), a run's
   pieces (``build``), its report, epochs, time limits, early stopping and best checkpoints
-  (``loop_controls``), the loop (``trainer``), the shell entry (``cli``) and sweeps (``sweep``); sharded,
+  (``loop_controls``), the loop of one world (``loop``), a rank's run from start to summary (``trainer``), what a
+  rank out of memory says (``out_of_memory``), the shell entry (``cli``) and sweeps (``sweep``); sharded,
   asynchronous checkpoints in DCP's format (``sharded_checkpoint``) and their consolidation into one file
   (``consolidate``).
 * ``checkpoint``: the ``python -m fdp.checkpoint consolidate RUN_DIR`` command.

@@ -249,7 +249,7 @@ def test_evaluation_in_pieces_gives_the_whole_batches_result():
 
 def test_out_of_memory_lines_name_the_phase_and_what_to_change():
     from fdp.dist.devices import MemoryPhase
-    from fdp.run.trainer import _out_of_memory_message
+    from fdp.run.out_of_memory import out_of_memory_message
 
     cfg = make_cfg("world.memory_per_rank_mb=500", "data.global_batch_size=64", "trainer.accum_steps=2")
     phase = MemoryPhase()
@@ -270,11 +270,11 @@ def test_out_of_memory_lines_name_the_phase_and_what_to_change():
         with pytest.raises(MemoryError):
             with phase(name, 7):
                 raise MemoryError
-        assert _out_of_memory_message(cfg, 1, 2, phase, MemoryError()) == f"rank 1 ran out of memory {text}"
+        assert out_of_memory_message(cfg, 1, 2, phase, MemoryError()) == f"rank 1 ran out of memory {text}"
     # A sharded save: what an asynchronous one stages, or what a synchronous one holds.
     for asynchronous, hint in (
         ("true", "trainer.checkpoint_async=false: an asynchronous save stages a copy of this rank's state"),
         ("false", "a larger budget: each rank writes its own share, one bucket at a time"),
     ):
         sharded = make_cfg("trainer.checkpoint_format=sharded", f"trainer.checkpoint_async={asynchronous}")
-        assert hint in _out_of_memory_message(sharded, 1, 2, phase, MemoryError())
+        assert hint in out_of_memory_message(sharded, 1, 2, phase, MemoryError())

@@ -1,0 +1,272 @@
+"""The training loop of one world: its steps, its saves, and the world shrinking or growing under it.
+
+``Loop`` holds what depends on the world's ranks (the step function, this rank's batches) and
+where the loop stands (the newest state, the one before it); ``Loop.run`` trains to the last
+step or a stop, saving when due (``save_state``: sharded or whole, as ``trainer.checkpoint_format``
+says); ``Loop.shrink`` goes on without lost ranks (``fdp.dist.shrink``), ``Loop.grow`` admits
+ranks that asked to join (``fdp.dist.grow``). ``fdp.run.trainer`` starts it and owns its resources.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from fdp.comm import Comm
+from fdp.data import train_batches
+from fdp.dist.devices import MemoryPhase, batch_to_device
+from fdp.dist.grow import GrowingWorld
+from fdp.dist.interrupt import StopSignals
+from fdp.dist.launch import RankLostError
+from fdp.dist.shrink import Shrink, ShrinkingWorld
+from fdp.model import remat
+from fdp.model.losses import make_loss_fn
+from fdp.model.streams import wants_sample_streams
+from fdp.run import checkpoint
+from fdp.run.build import RunParts
+from fdp.run.loop_controls import LoopControls
+from fdp.run.rejoin import heal
+from fdp.run.report import Report
+from fdp.run.rundir import RankStatus, RunDir
+from fdp.run.sharded_checkpoint import ShardedSaver
+from fdp.state.train_state import TrainState
+from fdp.step.outer import check_outer, make_outer_step
+from fdp.step.train_step import TrainStep, make_train_step
+from fdp.trace import Timeline
+from fdp.update import zero
+
+__all__ = ["Loop", "make_step", "save_state"]
+
+log = logging.getLogger("fdp")
+
+
+def save_state(
+    run_dir: RunDir,
+    state: TrainState,
+    comm: Comm,
+    cfg: DictConfig,
+    parts: RunParts,
+    extra: dict | None = None,
+    saver: ShardedSaver | None = None,
+) -> Path | None:
+    """Checkpoint ``state`` in the run's format: sharded, each rank writing the pieces its update owns
+    (``saver``), or whole, gathered to rank 0 (the update converts it); ``extra`` rides along."""
+    extra = {"config": OmegaConf.to_yaml(cfg), **(extra or {})}
+    if saver is not None:  # trainer.checkpoint_format=sharded: each rank writes the pieces its update owns
+        return saver.save(run_dir.checkpoints, state, parts.update, parts.plan, cfg.trainer.keep_checkpoints, extra)
+    state = parts.update.to_checkpoint(state, comm)  # whole, so that any world size and stage can resume it
+    return checkpoint.save_checkpoint(
+        run_dir.checkpoints, state, parts.plan, comm, keep=cfg.trainer.keep_checkpoints, extra=extra
+    )
+
+
+def make_step(
+    cfg: DictConfig, parts: RunParts, comm: Comm, timeline: Timeline, compile: bool, donate: bool = True
+) -> TrainStep:
+    """The run's train step (``fdp.step``) for the world of ``comm``, from its settings and pieces."""
+    tc = cfg.trainer
+    options = dict(
+        # donate: the loop never looks at a state again once it has the next (but a world that
+        # shrinks may go back to it: fdp.dist.shrink)
+        accum_steps=tc.accum_steps,
+        schedule=tc.schedule,
+        nonfinite=tc.nonfinite,
+        timeline=timeline,
+        donate=donate,
+        sync_buffers=tc.sync_buffers,
+        precision=parts.precision,
+        compile=compile,
+        update=parts.update,
+        # Dropout masks by sample, the same on any number of ranks (fdp.model.streams), or each rank's generator.
+        sample_seed=cfg.seed if wants_sample_streams(tc.sample_streams, cfg.world.on_rank_loss) else None,
+        checkpoint_modules=remat.from_config(
+            tc.activation_checkpointing,
+            tc.activation_checkpointing_policy,
+            tc.activation_checkpointing_k,
+            parts.model.module,
+        ),
+    )
+    loss_fn = make_loss_fn(parts.model, parts.criterion)
+    outer = check_outer(OmegaConf.to_container(cfg.outer))
+    if outer.name == "none":
+        return make_train_step(loss_fn, parts.optimizer, parts.plan, parts.hook, comm, **options)
+    return make_outer_step(loss_fn, parts.optimizer, parts.plan, outer, parts.hook, comm, **options)
+
+
+class Loop:
+    """The training loop of one world: what depends on its ranks, and where the loop stands.
+
+    ``state`` is the newest state this rank completed, ``before`` the one before it (kept
+    for a world that shrinks: the step is pure there), ``since`` when the step in flight began.
+    """
+
+    def __init__(
+        self,
+        cfg: DictConfig,
+        parts: RunParts,
+        comm: Comm,
+        timeline: Timeline,
+        device: torch.device,
+        state: TrainState,
+        last_step: int,
+        compile: bool,
+        controls: LoopControls,
+        phase: MemoryPhase,
+        world: ShrinkingWorld | None = None,
+    ):
+        self.cfg, self.parts, self.timeline, self.device, self.last_step = cfg, parts, timeline, device, last_step
+        self.compile, self.controls, self.phase, self.world = compile, controls, phase, world
+        # A world grows at the boundary of an outer-loop period (between steps without one); never while a sync is in
+        # flight across steps (outer.overlap: 0, no growing).
+        outer = cfg.outer
+        self.period = 0 if outer.get("overlap", 0) else outer.get("sync_every", 1) if outer.name != "none" else 1
+        self.state = self.before = state
+        self.since = time.perf_counter()
+        tc = cfg.trainer
+        self.saver = (
+            ShardedSaver(comm, tc.checkpoint_async, cfg.world.timeout_s) if tc.checkpoint_format == "sharded" else None
+        )
+        self.join(comm)
+
+    def join(self, comm: Comm) -> None:
+        """The step function and this rank's batches for the world of ``comm``, from ``state`` on."""
+        cfg = self.cfg
+        self.comm = comm
+        self.train_step = make_step(
+            cfg, self.parts, comm, self.timeline, self.compile, donate=cfg.world.on_rank_loss != "shrink"
+        )
+        self.batches = train_batches(
+            self.parts.data,
+            cfg.data.global_batch_size,
+            cfg.seed,
+            comm.rank,
+            comm.world_size,
+            self.state.step,
+            self.last_step,
+            cfg.data.get("num_workers", 0),
+            pin_memory=self.device.type == "cuda",
+        )
+
+    def run(self, run_dir: RunDir, report: Report, status: RankStatus, stop: StopSignals) -> str | None:
+        """Train to the last step, or to the step a stop signal ends on (returned); ``controls.stopped``
+        says why a run ended before its last step without one (``fdp.run.loop_controls``)."""
+        tc, controls = self.cfg.trainer, self.controls
+        controls.stopped = controls.ended_before()
+        while self.state.step < self.last_step and not controls.stopped:
+            status.update(self.state.step + 1)
+            with self.phase("step", self.state.step + 1):
+                self.since = waited = time.perf_counter()  # the data wait: how long the step waited for its batch
+                batch = batch_to_device(next(self.batches), self.device)
+                waited = time.perf_counter() - waited
+                state, metrics = self.train_step(self.state, batch)
+            self.before, self.state = self.state, state
+            out_of_time = controls.stepped(state)  # the moving average; max_time, agreed by every rank
+            interrupted = stop.agreed()  # every rank, every step: flags are compared every ~0.1 s, no step waits
+            due = tc.checkpoint_every and state.step % tc.checkpoint_every == 0 or state.step == self.last_step
+            saving = due or interrupted or out_of_time
+            # Saved before the step's report, so an evaluation that does not fit loses no step; a run whose
+            # checkpoints hold what its evaluation decides (early stopping, the best ones) evaluates first.
+            if saving and not controls.watches:
+                self._save(run_dir, state)
+            with self.phase("evaluation", state.step):
+                evaluated = report.step(
+                    state,
+                    {**metrics, "data_wait_s": waited},
+                    stopping=interrupted is not None,
+                    average=controls.average,
+                )
+            verdict = controls.evaluated(state.step, evaluated)  # the same on every rank: rank 0's record
+            controls.stopped = None if state.step == self.last_step else verdict.stop or out_of_time
+            if controls.watches and (saving or controls.stopped or verdict.keep_best):
+                controls.keep_best(run_dir.checkpoints, self._save(run_dir, state), state.step)
+            if interrupted:
+                return interrupted
+            if (
+                isinstance(self.world, GrowingWorld)
+                and self.period
+                and not controls.stopped
+                and self.world.due(state.step, self.period)
+            ):
+                self.grow(report, stop)
+        if controls.stopped and self.comm.rank == 0:
+            log.info(f"stopped at step {self.state.step}: {controls.stopped}")
+        return None
+
+    def _save(self, run_dir: RunDir, state: TrainState) -> Path | None:
+        """Checkpoint ``state`` (its gradients checked finite first), with the loop's own state."""
+        with self.phase("save", state.step):
+            self.train_step.settle()  # no checkpoint of a step whose gradients were not finite
+            written = save_state(
+                run_dir, state, self.comm, self.cfg, self.parts, self.controls.payload(state.step), self.saver
+            )
+        self.phase.saved = True
+        return written
+
+    def grow(self, report: Report, stop: StopSignals) -> None:
+        """Admit the ranks that asked to join, at this boundary (``fdp.dist.grow``): a larger world, healed from
+        this one, the global batch split again."""
+        world, began = self.world, time.perf_counter()
+        self.train_step.settle()
+        comm = world.admit()
+        extra = {"controls": self.controls.payload(self.state.step), "compile": self.compile}
+        self.state, _ = heal(world, self.parts, self.state, comm, self.device, self.cfg.seed, extra)
+        self.before = self.state
+        record = {
+            "step": self.state.step,
+            "joined": list(world.joined),
+            "world": comm.world_size,
+            "seconds": round(time.perf_counter() - began, 3),
+            "asked": world.asked_at,
+        }
+        report.grown(comm, record)
+        log.info(
+            f"rank {', '.join(map(str, world.joined))} joined: going on from step {self.state.step} on "
+            f"{comm.world_size} ranks ({record['seconds']:.1f} s)"
+        )
+        self.join(comm)  # the order the joiner makes its groups in: the step's, then the stop flag's
+        stop.rejoin(comm.world_size, comm.watch)
+
+    def shrink(
+        self, world: ShrinkingWorld, error: RuntimeError, run_dir: RunDir, report: Report, stop: StopSignals
+    ) -> None:
+        """Go on without the ranks that stopped answering (``fdp.dist.shrink``); re-raise ``error`` if none did."""
+        silent = world.silent()
+        if not silent:  # every rank still beats: not a lost rank
+            raise error
+        world.report_broken()  # the others' collectives may wait on a live peer: they end now
+        members = set(world.members)
+        comm = world.regroup(silent)
+        lost = tuple(sorted(members - set(world.members)))
+        step = world.agree_on_step(self.state.step, comm)
+        if self.state.step != step:  # this rank finished the step its peers dropped: back to the one before
+            self.state = self.before
+            self.controls.back()
+        try:
+            self.state = self.parts.update.reshard(self.state, tuple(sorted(members)), world.members, comm)
+        except zero.LostSlices as lost_slices:
+            raise RankLostError(
+                f"rank {', '.join(map(str, sorted(members - set(world.members))))} lost at step "
+                f"{step + 1}: {lost_slices}; continue from the last checkpoint "
+                "(trainer.resume=true)"
+            ) from None
+        self.before = self.state
+        shrink = Shrink(step, lost, comm.world_size, time.perf_counter() - self.since)
+        report.shrunk(comm, shrink.record())
+        gone = sorted(r for record in report.shrinks for r in record["lost"])
+        log.info(
+            f"rank {', '.join(map(str, lost))} lost: going on from step {step} on {comm.world_size} ranks "
+            f"({shrink.seconds_lost:.1f} s lost)"
+        )
+        if comm.world_size < self.cfg.world.min_ranks:
+            save_state(run_dir, self.state, comm, self.cfg, self.parts)
+            raise RankLostError(
+                f"rank {', '.join(map(str, gone))} lost by step {step + 1}: {comm.world_size} left, fewer than "
+                f"world.min_ranks={self.cfg.world.min_ranks}; the last checkpoint is step {step} "
+                "(continue with trainer.resume=true)"
+            )
+        stop.rejoin(comm.world_size, comm.watch)
+        self.join(comm)

@@ -1,0 +1,73 @@
+"""What a rank that ran out of memory says: the part of the run it was in, and what to change for it.
+
+>>> from fdp.dist.devices import MemoryPhase
+>>> from fdp.run.config import compose
+>>> phase = MemoryPhase()
+>>> out_of_memory_message(compose("world.memory_per_rank_mb=500"), 0, 1, phase, MemoryError())[:56]
+'rank 0 ran out of memory loading the data (MemoryError);'
+"""
+
+from __future__ import annotations
+
+import re
+
+from omegaconf import DictConfig
+
+from fdp.dist.devices import MemoryPhase
+from fdp.run.build import stage_of
+
+__all__ = ["out_of_memory_message"]
+
+
+def out_of_memory_message(cfg: DictConfig, rank: int, world: int, phase: MemoryPhase, error: BaseException) -> str:
+    """Which part of the run ran out (``MemoryPhase``) and what to change for it."""
+    reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    reason = re.sub(r"^\[enforce fail at [^\]]*\]\s*(err == 0\.\s*)?", "", reason)
+    tc, budget = cfg.trainer, cfg.world.memory_per_rank_mb
+    within = f"world.memory_per_rank_mb={budget:g}" if budget else "this machine's memory"
+    micro = max(1, cfg.data.global_batch_size // world // tc.accum_steps)
+    batch = (
+        f"{micro} samples: data.global_batch_size={cfg.data.global_batch_size} over {world} ranks and "
+        f"trainer.accum_steps={tc.accum_steps}"
+    )
+    # Recomputing activations in backward (fdp.model.remat) keeps a step's peak lower, where it is not on yet.
+    stage = stage_of(cfg).number
+    remat_hint = "" if tc.activation_checkpointing != "none" else "trainer.activation_checkpointing=blocks, "
+    where, expected = {
+        "data": (
+            "loading the data",
+            "more free memory or a smaller data set (loading it is not counted in world.memory_per_rank_mb)",
+        ),
+        "build": (
+            "building the model and its train state",
+            (f"more ranks, a higher trainer.zero_stage (now {stage}; 3 shards the params too) or a smaller model"),
+        ),
+        "step": (
+            f"at step {phase.step}",
+            f"a smaller batch per forward (now {batch}), {remat_hint}a higher trainer.zero_stage or a smaller model",
+        ),
+        "evaluation": (
+            f"evaluating after step {phase.step}",
+            f"a smaller batch per forward (evaluation takes training's, {batch}) or a smaller model",
+        ),
+        "save": (
+            f"saving the checkpoint of step {phase.step}",
+            _save_hint(tc, stage),
+        ),
+    }[phase.name]
+    return f"rank {rank} ran out of memory {where} ({reason}); the run does not fit {within}: expected {expected}"
+
+
+def _save_hint(tc: DictConfig, stage: int) -> str:
+    """What lets a save fit, by how the checkpoint is written."""
+    if tc.checkpoint_format != "sharded":
+        return (
+            f"a larger budget, or trainer.checkpoint_format=sharded: rank 0 holds the whole state while it writes "
+            f"it (trainer.zero_stage={stage})"
+        )
+    if tc.checkpoint_async:
+        return (
+            "a larger budget, or trainer.checkpoint_async=false: an asynchronous save stages a copy of this rank's "
+            "state on the CPU while it is written"
+        )
+    return "a larger budget: each rank writes its own share, one bucket at a time"
