@@ -1,0 +1,155 @@
+"""A shell command ``python SCRIPT ARGS...`` run as the shell runs it, minus the interpreter's start-up.
+
+Tests that run many short recipe commands (README commands, refusals that end before step 1) spend most
+of their time importing torch, torch._dynamo and fdp again in each fresh interpreter: 5 s each on a loaded
+2-core machine. ``start`` forks the command instead from the forkserver that tests/conftest.py keeps, which
+imported them once, and runs the script there as the interpreter would: ``sys.argv``, ``sys.path`` (the
+script's directory, then PYTHONPATH's entries), the environment and the working directory are the
+command's own, the script runs as ``__main__`` (so the workers a local world spawns re-import it as they
+do from the shell), its output goes to files through the process's own file descriptors (so what its
+children print is captured too), an uncaught exception prints its traceback and exits 1, ``SystemExit``
+gives the exit status, and the interpreter's exit functions run before it exits. Tests that need the
+interpreter's own start-up (or ``-c``, ``-m``) keep ``subprocess``; tests/test_readme.py checks that both
+agree on a command.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+_CONTEXT = multiprocessing.get_context("forkserver")
+
+
+def _exit_status(code) -> int:
+    """What the interpreter exits with for ``SystemExit(code)``."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _run_script(argv: list[str], env: dict, cwd: str, out: str, err: str) -> None:
+    """The child: ``argv[0]`` is the script; never returns (``os._exit`` with the script's status)."""
+    os.setsid()  # its own process group: a timeout stops its workers too
+    for fd, path in ((1, out), (2, err)):
+        opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(opened, fd)
+        os.close(opened)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    script = os.path.abspath(argv[0])
+    extra = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = [os.path.dirname(script), *extra, *(p for p in sys.path if p not in extra)]
+    sys.argv[:] = [argv[0], *argv[1:]]
+    if "OMP_NUM_THREADS" in env:  # read by torch when it started, in the server: set as it would have been
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    status = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as done:
+        status = _exit_status(done.code)
+    except BaseException:
+        traceback.print_exc()
+        status = 1
+    # What the interpreter does on its way out: exit functions (atexit is process-wide, and the server
+    # registered none the script would not have), then the streams; multiprocessing's child exit skips both.
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+
+
+class Started:
+    """A command running in a forked child: ``result(timeout)`` waits for it like ``Popen.communicate``."""
+
+    def __init__(self, argv: list[str], env: dict, cwd: Path | str):
+        self.args = list(argv)
+        self._dir = tempfile.TemporaryDirectory(prefix="recipe-")
+        self._out, self._err = (os.path.join(self._dir.name, name) for name in ("stdout", "stderr"))
+        self._process = _CONTEXT.Process(
+            target=_run_script, args=(list(argv), dict(env), str(cwd), self._out, self._err), daemon=False
+        )
+        self._process.start()
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def poll(self) -> int | None:
+        """The exit status, or None while it runs (``Popen.poll``)."""
+        return self._process.exitcode
+
+    def kill(self) -> None:
+        """SIGKILL to the command's process alone (``Popen.kill``)."""
+        self._process.kill()
+
+    def result(self, timeout: float) -> subprocess.CompletedProcess:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            try:
+                os.killpg(self._process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self._process.join(10)
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        code = self._process.exitcode
+        done = subprocess.CompletedProcess(
+            self.args,
+            code,
+            Path(self._out).read_text(errors="replace"),
+            Path(self._err).read_text(errors="replace"),
+        )
+        self._dir.cleanup()
+        return done
+
+
+class _Fresh:
+    """The same command from a fresh interpreter (``subprocess``), behind the same ``result(timeout)``."""
+
+    def __init__(self, argv: list[str], env: dict, cwd: Path | str):
+        self.args = list(argv)
+        self._popen = subprocess.Popen(
+            argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        self.pid = self._popen.pid
+        self.poll, self.kill = self._popen.poll, self._popen.kill
+
+    def result(self, timeout: float) -> subprocess.CompletedProcess:
+        try:
+            stdout, stderr = self._popen.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self._popen.kill()
+            self._popen.communicate()
+            raise
+        return subprocess.CompletedProcess(self.args, self._popen.returncode, stdout, stderr)
+
+
+def start(argv: list[str], env: dict, cwd: Path | str, fresh: bool = False) -> Started | _Fresh:
+    """``argv`` is ``[sys.executable, SCRIPT, *ARGS]`` as for ``subprocess``; the script must be a file.
+    ``fresh``: from a fresh interpreter instead, for the one case of a group that checks the real start-up."""
+    assert argv[0] == sys.executable and argv[1].endswith(".py"), argv
+    return _Fresh(argv, env, cwd) if fresh else Started(argv[1:], env, cwd)
+
+
+def run(
+    argv: list[str], env: dict, cwd: Path | str, timeout: float = 300, fresh: bool = False
+) -> subprocess.CompletedProcess:
+    """``subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)``, forked
+    unless ``fresh``."""
+    return start(argv, env, cwd, fresh).result(timeout)
