@@ -76,68 +76,61 @@ def _run_script(argv: list[str], env: dict, cwd: str, out: str, err: str) -> Non
 
 
 class Started:
-    """A command running in a forked child: ``result(timeout)`` waits for it like ``Popen.communicate``."""
+    """A command running in a forked child, used as a ``subprocess.Popen`` (``pid``, ``poll``, ``kill``,
+    ``communicate``, ``returncode``) or through ``result(timeout)``, a ``CompletedProcess``. The child leads a
+    session of its own (``Popen(start_new_session=True)``): a signal to its group reaches its workers too."""
 
     def __init__(self, argv: list[str], env: dict, cwd: Path | str):
         self.args = list(argv)
+        self.returncode = None
         self._dir = tempfile.TemporaryDirectory(prefix="recipe-")
         self._out, self._err = (os.path.join(self._dir.name, name) for name in ("stdout", "stderr"))
         self._process = _CONTEXT.Process(
             target=_run_script, args=(list(argv), dict(env), str(cwd), self._out, self._err), daemon=False
         )
         self._process.start()
-
-    @property
-    def pid(self) -> int:
-        return self._process.pid
+        self.pid = self._process.pid
 
     def poll(self) -> int | None:
-        """The exit status, or None while it runs (``Popen.poll``)."""
-        return self._process.exitcode
+        """The exit status, or None while it runs."""
+        self.returncode = self._process.exitcode
+        return self.returncode
 
     def kill(self) -> None:
-        """SIGKILL to the command's process alone (``Popen.kill``)."""
+        """SIGKILL to the command's process alone."""
         self._process.kill()
 
-    def result(self, timeout: float) -> subprocess.CompletedProcess:
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """Wait for it; what it printed (stdout, stderr). On a timeout, its whole group is killed."""
         self._process.join(timeout)
-        if self._process.exitcode is None:
+        if self.poll() is None:
             try:
-                os.killpg(self._process.pid, signal.SIGKILL)
+                os.killpg(self.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
             self._process.join(10)
             raise subprocess.TimeoutExpired(self.args, timeout)
-        code = self._process.exitcode
-        done = subprocess.CompletedProcess(
-            self.args,
-            code,
-            Path(self._out).read_text(errors="replace"),
-            Path(self._err).read_text(errors="replace"),
-        )
-        self._dir.cleanup()
-        return done
+        return Path(self._out).read_text(errors="replace"), Path(self._err).read_text(errors="replace")
+
+    def result(self, timeout: float) -> subprocess.CompletedProcess:
+        stdout, stderr = self.communicate(timeout)
+        return subprocess.CompletedProcess(self.args, self.returncode, stdout, stderr)
 
 
-class _Fresh:
-    """The same command from a fresh interpreter (``subprocess``), behind the same ``result(timeout)``."""
+class _Fresh(subprocess.Popen):
+    """The same command from a fresh interpreter, with the same ``result(timeout)``."""
 
     def __init__(self, argv: list[str], env: dict, cwd: Path | str):
-        self.args = list(argv)
-        self._popen = subprocess.Popen(
-            argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        self.pid = self._popen.pid
-        self.poll, self.kill = self._popen.poll, self._popen.kill
+        super().__init__(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def result(self, timeout: float) -> subprocess.CompletedProcess:
         try:
-            stdout, stderr = self._popen.communicate(timeout=timeout)
+            stdout, stderr = self.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            self._popen.kill()
-            self._popen.communicate()
+            self.kill()
+            self.communicate()
             raise
-        return subprocess.CompletedProcess(self.args, self._popen.returncode, stdout, stderr)
+        return subprocess.CompletedProcess(self.args, self.returncode, stdout, stderr)
 
 
 def start(argv: list[str], env: dict, cwd: Path | str, fresh: bool = False) -> Started | _Fresh:
