@@ -28,21 +28,14 @@ def _env() -> dict:
 
 
 def _run(code: str, cwd: Path, timeout: int) -> subprocess.CompletedProcess:
+    """``python example.py`` in ``cwd``, forked from the preloaded server (tests/_recipe.py)."""
     (cwd / "example.py").write_text(code)
-    return subprocess.run(
-        [sys.executable, "example.py"], cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout
-    )
+    return _recipe.run([sys.executable, "example.py"], env=_env(), cwd=cwd, timeout=timeout)
 
 
-def test_the_one_process_example_runs():
+def test_the_one_process_example_runs(tmp_path):
     (code,) = [block for block in _python_blocks() if "fdp.spawn(" not in block]
-    done = subprocess.run(
-        [sys.executable, "-c", code + "\nassert state.step == 1 and metrics['loss'] > 0\n"],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = _run(code + "\nassert state.step == 1 and metrics['loss'] > 0\n", tmp_path, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
 
 
