@@ -8,9 +8,13 @@ script's directory, then PYTHONPATH's entries), the environment and the working 
 command's own, the script runs as ``__main__`` (so the workers a local world spawns re-import it as they
 do from the shell), its output goes to files through the process's own file descriptors (so what its
 children print is captured too), an uncaught exception prints its traceback and exits 1, ``SystemExit``
-gives the exit status, and the interpreter's exit functions run before it exits. Tests that need the
-interpreter's own start-up (or ``-c``, ``-m``) keep ``subprocess``; tests/test_readme.py checks that both
-agree on a command.
+gives the exit status, and the interpreter's exit functions run before it exits.
+
+A local world's workers fork from the command's process unless ``fork_workers=False`` (fdp.spawn's
+``start_method="fork"``): they keep its imports, output files, environment and process group. Spawned workers
+stay covered where a test needs them: tests/test_interrupt.py (the terminal's signal to the group), the
+README's Python examples (the worker function must pickle), and each group's one ``fresh`` command, which
+starts from a fresh interpreter as the shell does (``-c`` and ``-m`` commands keep ``subprocess``).
 """
 
 from __future__ import annotations
@@ -39,7 +43,19 @@ def _exit_status(code) -> int:
     return 1
 
 
-def _run_script(argv: list[str], env: dict, cwd: str, out: str, err: str) -> None:
+def _fork_workers() -> None:
+    """Local worlds' workers forked from this process (``start_method="fork"``, what fdp.spawn offers notebooks)
+    instead of spawned: a spawned worker imports torch and fdp again, 5 s of a short run's time. A forked one
+    keeps this process's output files, environment and process group, as a spawned one does."""
+    from fdp.dist.launch import WorldLayout
+
+    defaults = dict(
+        zip(WorldLayout._fields[-len(WorldLayout.__new__.__defaults__) :], WorldLayout.__new__.__defaults__)
+    )
+    WorldLayout.__new__.__defaults__ = tuple({**defaults, "start_method": "fork"}.values())
+
+
+def _run_script(argv: list[str], env: dict, cwd: str, out: str, err: str, fork_workers: bool) -> None:
     """The child: ``argv[0]`` is the script; never returns (``os._exit`` with the script's status)."""
     os.setsid()  # its own process group: a timeout stops its workers too
     for fd, path in ((1, out), (2, err)):
@@ -57,6 +73,8 @@ def _run_script(argv: list[str], env: dict, cwd: str, out: str, err: str) -> Non
         import torch
 
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    if fork_workers:
+        _fork_workers()
     status = 0
     try:
         runpy.run_path(script, run_name="__main__")
@@ -80,13 +98,15 @@ class Started:
     ``communicate``, ``returncode``) or through ``result(timeout)``, a ``CompletedProcess``. The child leads a
     session of its own (``Popen(start_new_session=True)``): a signal to its group reaches its workers too."""
 
-    def __init__(self, argv: list[str], env: dict, cwd: Path | str):
+    def __init__(self, argv: list[str], env: dict, cwd: Path | str, fork_workers: bool):
         self.args = list(argv)
         self.returncode = None
         self._dir = tempfile.TemporaryDirectory(prefix="recipe-")
         self._out, self._err = (os.path.join(self._dir.name, name) for name in ("stdout", "stderr"))
         self._process = _CONTEXT.Process(
-            target=_run_script, args=(list(argv), dict(env), str(cwd), self._out, self._err), daemon=False
+            target=_run_script,
+            args=(list(argv), dict(env), str(cwd), self._out, self._err, fork_workers),
+            daemon=False,
         )
         self._process.start()
         self.pid = self._process.pid
@@ -133,16 +153,19 @@ class _Fresh(subprocess.Popen):
         return subprocess.CompletedProcess(self.args, self.returncode, stdout, stderr)
 
 
-def start(argv: list[str], env: dict, cwd: Path | str, fresh: bool = False) -> Started | _Fresh:
+def start(
+    argv: list[str], env: dict, cwd: Path | str, fresh: bool = False, fork_workers: bool = True
+) -> Started | _Fresh:
     """``argv`` is ``[sys.executable, SCRIPT, *ARGS]`` as for ``subprocess``; the script must be a file.
-    ``fresh``: from a fresh interpreter instead, for the one case of a group that checks the real start-up."""
+    ``fresh``: from a fresh interpreter instead (its local worlds spawn their workers), for the one case of a
+    group that checks the real start-up. ``fork_workers=False``: its local worlds spawn their workers too."""
     assert argv[0] == sys.executable and argv[1].endswith(".py"), argv
-    return _Fresh(argv, env, cwd) if fresh else Started(argv[1:], env, cwd)
+    return _Fresh(argv, env, cwd) if fresh else Started(argv[1:], env, cwd, fork_workers)
 
 
 def run(
-    argv: list[str], env: dict, cwd: Path | str, timeout: float = 300, fresh: bool = False
+    argv: list[str], env: dict, cwd: Path | str, timeout: float = 300, fresh: bool = False, fork_workers: bool = True
 ) -> subprocess.CompletedProcess:
     """``subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)``, forked
     unless ``fresh``."""
-    return start(argv, env, cwd, fresh).result(timeout)
+    return start(argv, env, cwd, fresh, fork_workers).result(timeout)

@@ -64,7 +64,8 @@ def start(run_dir, *overrides, env=None, wrapper=()):
             start_new_session=True,
         )
     else:
-        proc = _recipe.start(command, env=env, cwd=ROOT)
+        # Its local worlds spawn their workers, as from the shell: a terminal's Ctrl-C reaches them in the group.
+        proc = _recipe.start(command, env=env, cwd=ROOT, fork_workers=False)
     proc.tag = tag
     return proc
 

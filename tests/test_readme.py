@@ -28,9 +28,10 @@ def _env() -> dict:
 
 
 def _run(code: str, cwd: Path, timeout: int) -> subprocess.CompletedProcess:
-    """``python example.py`` in ``cwd``, forked from the preloaded server (tests/_recipe.py)."""
+    """``python example.py`` in ``cwd``, forked from the preloaded server (tests/_recipe.py); its ``fdp.spawn``
+    spawns its workers as written, so the worker function must pickle as a user's must."""
     (cwd / "example.py").write_text(code)
-    return _recipe.run([sys.executable, "example.py"], env=_env(), cwd=cwd, timeout=timeout)
+    return _recipe.run([sys.executable, "example.py"], env=_env(), cwd=cwd, timeout=timeout, fork_workers=False)
 
 
 def test_the_one_process_example_runs(tmp_path):
