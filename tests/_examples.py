@@ -6,10 +6,10 @@ import json
 import os
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
+import _recipe
 from _paths import pythonpath_first
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,7 +26,8 @@ def example_command(package):
 
 
 def train_example(package, run_dir, *overrides, timeout=300):
-    """The example's command from the shell, later overrides appended (they win); the summary record."""
+    """The example's command as the shell runs it but for the imports (tests/_recipe.py), later overrides appended
+    (they win); the summary line and the metrics records."""
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -41,7 +42,7 @@ def train_example(package, run_dir, *overrides, timeout=300):
         *overrides,
         f"hydra.run.dir={run_dir}",
     ]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    proc = _recipe.run(command, env=env, cwd=ROOT, timeout=timeout)  # forked from the preloaded server
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = [line for line in proc.stdout.splitlines() if line.startswith("fdp: ")]
     assert len(summary) == 1, proc.stdout[-2000:]

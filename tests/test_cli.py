@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _recipe
 import pytest
 
 from fdp.run.cli import hydra_error_line
@@ -82,26 +83,24 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def refused(tmp_path_factory):
-    """Every case at once (each is mostly start-up), each from a directory of its own."""
+    """Every case at once, each from a directory of its own. The first from a fresh interpreter, as the shell
+    starts it; the others forked from one that imported torch and fdp already (tests/_recipe.py): a refusal
+    takes a moment once the imports are done, and they were most of each case's time."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("HYDRA_FULL_ERROR", None)
     runs = []
-    for overrides, _ in CASES:
+    for case, (overrides, _) in enumerate(CASES):
         cwd = tmp_path_factory.mktemp("cwd")
         command = [sys.executable, str(ROOT / "recipes" / "train.py"), *overrides, *TINY]
-        runs.append(
-            (
-                cwd,
-                subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
-            )
-        )
-    return [(cwd, proc, *proc.communicate(timeout=300)) for cwd, proc in runs]
+        runs.append((cwd, _recipe.start(command, env=env, cwd=cwd, fresh=case == 0)))
+    return [(cwd, started.result(timeout=300)) for cwd, started in runs]
 
 
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[" ".join(o) for o, _ in CASES])
 def test_a_mistake_is_one_error_line_with_exit_status_2_and_no_run_directory(refused, case):
     overrides, expected = CASES[case]
-    cwd, proc, stdout, stderr = refused[case]
+    cwd, proc = refused[case]
+    stdout, stderr = proc.stdout, proc.stderr
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert proc.returncode == 2, stderr[-3000:]
     assert len(lines) == 1 and re.fullmatch(expected, lines[0]), lines

@@ -20,6 +20,7 @@ import time
 import uuid
 from pathlib import Path
 
+import _recipe
 import pytest
 import torch
 
@@ -40,7 +41,8 @@ LONG = [
 
 def start(run_dir, *overrides, env=None, wrapper=()):
     """The recipe in a session of its own (so the test can signal its process group as a terminal's Ctrl-C does),
-    under ``wrapper`` (a command that runs it as its child: ``timeout``, ``srun``)."""
+    under ``wrapper`` (a command that runs it as its child: ``timeout``, ``srun``) from a fresh interpreter, else
+    forked from the preloaded server (tests/_recipe.py): a real process all the same, that takes the signals."""
     tag = uuid.uuid4().hex
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FDP_TEST_TAG": tag, **(env or {})}
     command = [
@@ -51,9 +53,19 @@ def start(run_dir, *overrides, env=None, wrapper=()):
         *overrides,
         f"hydra.run.dir={run_dir}",
     ]
-    proc = subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
+    if wrapper:
+        proc = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+    else:
+        # Its local worlds spawn their workers, as from the shell: a terminal's Ctrl-C reaches them in the group.
+        proc = _recipe.start(command, env=env, cwd=ROOT, fork_workers=False)
     proc.tag = tag
     return proc
 
@@ -68,7 +80,8 @@ def wait_training(proc, run_dir, ranks=(0,), steps=5, timeout=120):
 
 
 def tagged(tag):
-    """Processes whose environment carries ``tag`` (the run's, and every process it started)."""
+    """Processes whose environment carries ``tag`` (every process the run started; the run's own too where it
+    started from a fresh interpreter: a forked one's /proc environ is the server's)."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and int(entry.name) != os.getpid():

@@ -7,6 +7,8 @@ workers (about 10-30 s each on two CPU cores).
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import nbformat
@@ -14,8 +16,8 @@ import pytest
 from nbclient import NotebookClient
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
-# name -> figures (image/png outputs) it must draw
-FIGURES = {"quickstart": 1, "buckets": 1, "compression": 2, "fork": 1}
+# name -> figures (image/png outputs) it must draw; the longest first (run two at a time)
+FIGURES = {"buckets": 1, "quickstart": 1, "compression": 2, "fork": 1}
 
 
 def _read(name: str) -> nbformat.NotebookNode:
@@ -26,14 +28,39 @@ def _code_cells(nb):
     return [cell for cell in nb.cells if cell.cell_type == "code"]
 
 
-@pytest.mark.parametrize("name", sorted(FIGURES))
-def test_notebook_runs_small_and_draws_its_figures(name, tmp_path, monkeypatch):
-    monkeypatch.setenv("FDP_NOTEBOOK_SMALL", "1")
-    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the notebooks' run directories land here
-    monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+def _execute(name: str, tmp: Path) -> tuple[nbformat.NotebookNode, BaseException | None]:
+    """``name`` run top to bottom in a kernel of its own, its run directories under ``tmp``; the error, if a cell
+    failed (CellExecutionError names the cell)."""
+    env = {
+        **os.environ,
+        "FDP_NOTEBOOK_SMALL": "1",
+        "TMPDIR": str(tmp),  # the notebooks' run directories land here
+        "MPLBACKEND": "module://matplotlib_inline.backend_inline",
+    }
     nb = _read(name)
     client = NotebookClient(nb, timeout=240, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}})
-    client.execute()  # raises CellExecutionError, naming the cell, if any cell fails
+    try:
+        client.execute(env=env)
+    except Exception as error:
+        return nb, error
+    return nb, None
+
+
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory):
+    """Every notebook run, two at a time: each kernel and the workers it starts spend most of their time
+    importing torch, one core each, and two notebooks keep both cores busy."""
+    tmps = {name: tmp_path_factory.mktemp(name) for name in FIGURES}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        runs = dict(zip(FIGURES, pool.map(_execute, FIGURES, tmps.values())))
+    return {name: (*runs[name], tmps[name]) for name in FIGURES}
+
+
+@pytest.mark.parametrize("name", sorted(FIGURES))
+def test_notebook_runs_small_and_draws_its_figures(name, executed):
+    nb, error, tmp_path = executed[name]
+    if error is not None:
+        raise error
     outputs = [out for cell in _code_cells(nb) for out in cell.outputs]
     assert not [out for out in outputs if out.output_type == "error"]
     figures = sum("image/png" in out.get("data", {}) for out in outputs)

@@ -11,6 +11,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import _recipe
 from _paths import pythonpath_first
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,21 +28,15 @@ def _env() -> dict:
 
 
 def _run(code: str, cwd: Path, timeout: int) -> subprocess.CompletedProcess:
+    """``python example.py`` in ``cwd``, forked from the preloaded server (tests/_recipe.py); its ``fdp.spawn``
+    spawns its workers as written, so the worker function must pickle as a user's must."""
     (cwd / "example.py").write_text(code)
-    return subprocess.run(
-        [sys.executable, "example.py"], cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout
-    )
+    return _recipe.run([sys.executable, "example.py"], env=_env(), cwd=cwd, timeout=timeout, fork_workers=False)
 
 
-def test_the_one_process_example_runs():
+def test_the_one_process_example_runs(tmp_path):
     (code,) = [block for block in _python_blocks() if "fdp.spawn(" not in block]
-    done = subprocess.run(
-        [sys.executable, "-c", code + "\nassert state.step == 1 and metrics['loss'] > 0\n"],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = _run(code + "\nassert state.step == 1 and metrics['loss'] > 0\n", tmp_path, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
 
 
@@ -106,10 +101,12 @@ def _runnable(command: str, tmp: Path, dirs: dict, cap: bool) -> tuple[list[str]
     return [*argv, "trainer.progress=false"] if argv[1].endswith("train.py") else argv, env
 
 
-def _run_chain(chain: list) -> list[str]:
+def _run_chain(chain: list, fresh: bool) -> list[str]:
+    """``fresh``: each command from a fresh interpreter, as the shell starts it; otherwise forked from the
+    preloaded server (tests/_recipe.py), which saves each command the 5 s of importing torch again."""
     failures = []
     for argv, env, command in chain:
-        done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        done = _recipe.run(argv, env=env, cwd=ROOT, timeout=600, fresh=fresh)
         if done.returncode != 0:
             failures.append(f"{command}\n  -> exit {done.returncode}: {done.stderr.strip().splitlines()[-1:]}")
     return failures
@@ -119,7 +116,9 @@ def test_every_shell_command_in_the_readmes_runs_or_is_marked_an_illustration(tm
     """Each command of a ```bash block runs from the repository root and exits 0; a block it
     cannot run here (GPUs, clusters, installs) says so in an HTML comment before it. The main
     README's runs are capped at MAX_STEPS steps. Commands that share a run directory (a run
-    stopped, then resumed) run in order; the others two at a time."""
+    stopped, then resumed) run in order; the others two at a time. The first runs from a fresh interpreter,
+    the others forked from one that imported torch and fdp already (tests/_recipe.py): as the shell runs them
+    but for the imports, most of a short run's time."""
     chains: dict[str, list] = {}
     for path, cap in ((ROOT / "README.md", True), (ROOT / "examples" / "README.md", False)):
         for n, (why, block) in enumerate(_shell_blocks(path)):
@@ -134,6 +133,11 @@ def test_every_shell_command_in_the_readmes_runs_or_is_marked_an_illustration(tm
                     (argv, env, command)
                 )
     assert sum(map(len, chains.values())) >= 10
+    first = next(iter(chains.values()))  # the bare `python recipes/train.py`: from a fresh interpreter
+    # The longest first (local worlds start their workers from fresh interpreters), so that no long one runs alone
+    # at the end while the other thread has nothing left.
+    order = sorted(chains.values(), key=lambda chain: -sum(1 + 2 * ("world=local2" in c) for *_, c in chain))
     with ThreadPoolExecutor(max_workers=2) as pool:
-        failures = [f for found in pool.map(_run_chain, chains.values()) for f in found]
+        found = pool.map(_run_chain, order, [chain is first for chain in order])
+        failures = [f for each in found for f in each]
     assert not failures, "\n".join(failures)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _recipe
 import pytest
 from _examples import train_example
 from hydra import compose, initialize_config_dir
@@ -95,14 +96,8 @@ def test_plan_recipe_prints_a_table_and_fingerprint(tmp_path):
 def test_plan_recipe_refuses_in_one_line_and_writes_no_directory(tmp_path, overrides, expected):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("HYDRA_FULL_ERROR", None)
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "recipes" / "plan.py"), *overrides],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    # Forked from the preloaded server (tests/_recipe.py); test_plan_recipe_prints... starts plan.py fresh.
+    proc = _recipe.run([sys.executable, str(ROOT / "recipes" / "plan.py"), *overrides], env=env, cwd=tmp_path)
     assert proc.returncode == 2 and proc.stderr.strip() == expected, proc.stderr[-3000:]
     assert not list(tmp_path.iterdir())  # Hydra's outputs/<date>/<time>/ neither
 

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import _recipe
 import pytest
 import torch
 
@@ -20,19 +21,17 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.hidden=16", "data.global_batch_size=16", "trainer.eval_every=0", "trainer.progress=false"]
 
 
-def recipe(run_dir, *overrides, wait=True):
+def recipe(run_dir, *overrides, wait=True, fresh=False):
+    """The recipe's command, forked from the preloaded server unless ``fresh`` (tests/_recipe.py); once it is
+    done (``wait``), ``.returncode``, ``.out`` and ``.err``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "recipes" / "train.py"), *TINY, *overrides, f"hydra.run.dir={run_dir}"],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    if wait:
-        proc.out, proc.err = proc.communicate(timeout=180)
-    return proc
+    command = [sys.executable, str(ROOT / "recipes" / "train.py"), *TINY, *overrides, f"hydra.run.dir={run_dir}"]
+    started = _recipe.start(command, env=env, cwd=ROOT, fresh=fresh)
+    if not wait:
+        return started
+    done = started.result(timeout=180)
+    done.out, done.err = done.stdout, done.stderr
+    return done
 
 
 def lines(text):
@@ -48,10 +47,11 @@ def listing(run_dir):
 
 
 def test_one_owner_per_run_directory_and_a_dead_owners_lock_is_taken_over(tmp_path):
-    first = recipe(tmp_path, "trainer.max_steps=1000000", "trainer.checkpoint_every=5", wait=False)
+    # The first from a fresh interpreter: the lock's owner is the process the shell started.
+    first = recipe(tmp_path, "trainer.max_steps=1000000", "trainer.checkpoint_every=5", wait=False, fresh=True)
     deadline = time.monotonic() + 120
     while RankStatus.read(tmp_path, 0).get("step", 0) < 12:
-        assert first.poll() is None and time.monotonic() < deadline, first.communicate()[1][-3000:]
+        assert first.poll() is None and time.monotonic() < deadline, first.result(timeout=60).stderr[-3000:]
         time.sleep(0.05)
     host = socket.gethostname()
     assert owner_of(tmp_path) | {"since": "-"} == {"pid": str(first.pid), "host": host, "since": "-"}
@@ -67,7 +67,7 @@ def test_one_owner_per_run_directory_and_a_dead_owners_lock_is_taken_over(tmp_pa
 
     # The first dies without a word (SIGKILL): its lock file stays, but the kernel freed the lock.
     first.kill()
-    first.communicate()
+    first.result(timeout=60)
     assert owner_of(tmp_path)["pid"] == str(first.pid)
     last = int(max(p.name for p in (tmp_path / "checkpoints").glob("step_*.pt"))[5:13])
     third = recipe(tmp_path, "trainer.resume=true", f"trainer.max_steps={last + 3}")

@@ -4,10 +4,10 @@ through Hydra's submitit_local launcher and through SLURM's variables, against w
 import json
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
+import _recipe
 import pytest
 import torch
 
@@ -149,24 +149,18 @@ RUN = [
 ]
 
 
-def _recipe(*overrides, env=None):
+def _start(*overrides, env=None, fresh=False):
+    """The recipe's command, forked from the preloaded server unless ``fresh`` (tests/_recipe.py)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     flags = [o for o in overrides if o.startswith("-")]  # before the overrides, as Hydra's parser wants
     args = [*flags, *RUN, *(o for o in overrides if not o.startswith("-"))]
-    return subprocess.Popen(
-        [sys.executable, str(ROOT / "recipes" / "train.py"), *args],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return _recipe.start([sys.executable, str(ROOT / "recipes" / "train.py"), *args], env=env, cwd=ROOT, fresh=fresh)
 
 
-def _finish(proc):
-    stdout, stderr = proc.communicate(timeout=240)
-    assert proc.returncode == 0, stderr[-3000:]
-    return stdout
+def _finish(started):
+    proc = started.result(timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
 
 
 def _params(run_dir):
@@ -190,16 +184,17 @@ def test_slurm_jobs_through_submitit_local_and_srun_variables_equal_local2(tmp_p
     local2, sweep, srun = tmp_path / "local2", tmp_path / "sweep", tmp_path / "srun"
     port = str(_free_port())
     procs = [
-        _recipe("world=local2", f"hydra.run.dir={local2}"),
-        _recipe(
+        _start("world=local2", f"hydra.run.dir={local2}"),
+        _start(  # the sweep's own process from a fresh interpreter; submitit starts the tasks as fresh ones
             "-m",
             "hydra/launcher=submitit_local",
             "hydra.launcher.tasks_per_node=2",
             "world=slurm",
             f"hydra.sweep.dir={sweep}",
+            fresh=True,
         ),
         *(
-            _recipe(
+            _start(
                 "world=slurm",
                 f"hydra.run.dir={srun}",
                 env={
@@ -229,12 +224,10 @@ def test_slurm_jobs_through_submitit_local_and_srun_variables_equal_local2(tmp_p
 
 def test_world_slurm_outside_a_job_exits_2_with_one_line(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))}
-    proc = subprocess.run(
+    proc = _recipe.run(
         [sys.executable, str(ROOT / "recipes" / "train.py"), "world=slurm", f"hydra.run.dir={tmp_path}"],
-        cwd=ROOT,
         env=env,
-        capture_output=True,
-        text=True,
+        cwd=ROOT,
         timeout=120,
     )
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
