@@ -30,8 +30,8 @@ run met.
 
     python benchmarks/streaming.py                       # ~30 min on 2 busy cores
     python benchmarks/streaming.py --model gpt2 --variants ddp,streaming_fp4,torchft --name streaming_gpt2
-    python benchmarks/streaming.py --d-model 256 --batch 2 --lr 5e-4 --steps 512 \
-        --variants ddp,streaming_fp4 --name streaming_wide   # where the link sets DDP's pace
+    python benchmarks/streaming.py --d-model 512 --layers 2 --batch 2 --lr 5e-4 \
+        --variants ddp,streaming_fp4,torchft --name streaming_wide   # where the link sets DDP's pace
     python benchmarks/streaming.py --steps 64 --quick    # a smoke run, to a scratch directory
 
 Writes ``benchmarks/results/<name>.{md,json}`` (``streaming`` by default).
@@ -65,13 +65,13 @@ TOLERANCE = 0.02  # reaching DDP's loss: a window mean within 2% of it (slow_lin
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=768)
+    p.add_argument("--steps", type=int, default=512)
     p.add_argument("--sync-every", type=int, default=16)
     p.add_argument("--fragments", type=int, default=4)
     p.add_argument("--overlap", type=int, default=1)
     p.add_argument("--outer-lr", type=float, default=1.0)
     p.add_argument("--outer-momentum", type=float, default=0.5)
-    p.add_argument("--mix", type=_mix, default=0.5, help="streaming's alpha, every streaming side; keep: fdp's default")
+    p.add_argument("--mix", type=_mix, default=0.0, help="streaming's alpha, every streaming side; keep: fdp's default")
     p.add_argument("--lr", type=float, default=1e-3, help="Adam's peak rate inside, every side")
     p.add_argument("--warmup", type=int, default=0, help="with --cosine: linear warm-up steps")
     p.add_argument("--cosine", action="store_true", help="inner rate: warm-up then cosine decay to lr/10, every side")

@@ -384,7 +384,7 @@ def _checkpoint(run_dir):
 
 # Streaming: two fragments (syncs after steps 2, 6, 10 and 4, 8), each sent behind the next step,
 # as fp4 codes with error feedback; small buckets so that the plan has several. streaming_mix
-# lands each sync as benchmarks/streaming.py's settings to start from do (outer.mix=0.5).
+# lands each sync on the new anchor, as benchmarks/streaming.py's settings to start from (outer.mix=0).
 STREAMING = [
     "outer.fragments=2",
     "outer.overlap=1",
@@ -397,7 +397,7 @@ VARIANTS = {
     "overlap0": [*POWERSGD, "outer.overlap=0"],
     "overlap3": [*POWERSGD, "outer.overlap=3"],
     "streaming": STREAMING,
-    "streaming_mix": [*STREAMING, "outer.mix=0.5", "outer.lr=1.0", "outer.momentum=0.5"],
+    "streaming_mix": [*STREAMING, "outer.mix=0", "outer.lr=1.0", "outer.momentum=0.5"],
 }
 
 
