@@ -30,7 +30,7 @@ run met.
 
     python benchmarks/streaming.py                       # ~30 min on 2 busy cores
     python benchmarks/streaming.py --model gpt2 --variants ddp,streaming_fp4,torchft --name streaming_gpt2
-    python benchmarks/streaming.py --d-model 512 --layers 2 --batch 2 --lr 5e-4 \
+    python benchmarks/streaming.py --d-model 512 --layers 2 --batch 2 --lr 2.5e-4 \
         --variants ddp,streaming_fp4,torchft --name streaming_wide   # where the link sets DDP's pace
     python benchmarks/streaming.py --steps 64 --quick    # a smoke run, to a scratch directory
 
