@@ -1,8 +1,10 @@
 """Benchmark: streaming DiLoCo (fragments, overlap, fp4 outer gradients) against DDP and torchft's DiLoCo.
 
-Every side trains the same char transformer (``fdp.model.builtin.CharTransformer``) from the same
-init on the same batches (random windows of the Python standard library's sources, a
-seeded stream per rank), two ranks over gloo on this host, Adam(1e-3) inside:
+Every side trains the same char transformer (``fdp.model.builtin.CharTransformer``), or with
+``--model gpt2`` transformers' ``GPT2LMHeadModel`` built from a small ``GPT2Config`` (nothing
+downloaded), from the same init on the same batches (random windows of the Python standard
+library's sources, a seeded stream per rank), two ranks over gloo on this host, with the
+same Adam inside (``--lr``, constant or with ``--cosine`` a warm-up and cosine decay):
 
 * ``DDP allreduce``: torch's ``DistributedDataParallel``, a gradient allreduce every step;
 * fdp's outer loop (``fdp.step.outer``): DiLoCo every H steps, and streaming DiLoCo with F
@@ -21,10 +23,18 @@ DDP's loss at 100 Mbit/s and 1 Gbit/s comes from the time-to-loss model
 step, projected over the link for N = 2..64 nodes, and checked against the two-node runs
 on the simulated cluster in ``results/slow_links*.json``.
 
-    python benchmarks/streaming.py                       # ~15 min on 2 busy cores
+A table of the goals streaming DiLoCo with fp4 outer gradients was built for (DDP's loss
+within 1% at the same samples, >= 100x fewer bytes, peak bytes per step <= 1/F of DiLoCo's,
+>= 10x sooner at 100 Mbit/s, torchft's loss and bytes at the same settings) says which the
+run met.
+
+    python benchmarks/streaming.py                       # ~30 min on 2 busy cores
+    python benchmarks/streaming.py --model gpt2 --variants ddp,streaming_fp4,torchft --name streaming_gpt2
+    python benchmarks/streaming.py --d-model 512 --layers 2 --batch 2 --lr 2.5e-4 \
+        --variants ddp,streaming_fp4,torchft --name streaming_wide   # where the link sets DDP's pace
     python benchmarks/streaming.py --steps 64 --quick    # a smoke run, to a scratch directory
 
-Writes ``benchmarks/results/streaming.{md,json}``.
+Writes ``benchmarks/results/<name>.{md,json}`` (``streaming`` by default).
 """
 
 from __future__ import annotations
@@ -49,17 +59,23 @@ import torch.nn.functional as F  # noqa: E402
 from benchmarks.netsim import projection as P  # noqa: E402
 
 RESULTS = HERE / "results"
+MODELS = {"char": "char transformer", "gpt2": "GPT-2 from a GPT2Config"}
 TOLERANCE = 0.02  # reaching DDP's loss: a window mean within 2% of it (slow_links.py's rule)
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=384)
+    p.add_argument("--steps", type=int, default=512)
     p.add_argument("--sync-every", type=int, default=16)
     p.add_argument("--fragments", type=int, default=4)
     p.add_argument("--overlap", type=int, default=1)
     p.add_argument("--outer-lr", type=float, default=1.0)
     p.add_argument("--outer-momentum", type=float, default=0.5)
+    p.add_argument("--mix", type=_mix, default=0.0, help="streaming's alpha, every streaming side; keep: fdp's default")
+    p.add_argument("--lr", type=float, default=1e-3, help="Adam's peak rate inside, every side")
+    p.add_argument("--warmup", type=int, default=0, help="with --cosine: linear warm-up steps")
+    p.add_argument("--cosine", action="store_true", help="inner rate: warm-up then cosine decay to lr/10, every side")
+    p.add_argument("--model", choices=("char", "gpt2"), default="char", help="gpt2: GPT2LMHeadModel from a GPT2Config")
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
@@ -73,45 +89,42 @@ def parse_args():
     return p.parse_args()
 
 
+def _mix(text: str) -> float | None:
+    """``--mix``: a number in [0, 1], or ``keep`` (fdp's ``outer.mix=null``: keep the steps since the send)."""
+    if text == "keep":
+        return None
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"--mix={text}: expected a number in [0, 1] or keep")
+    return value
+
+
 def variants(a) -> dict:
-    """name -> settings; ``kind`` is how the projection sends a sync."""
+    """name -> settings; ``kind`` is how the projection sends a sync.
+
+    The streaming sides share ``--mix``; torchft has no "keep", so under ``--mix keep`` it runs alpha=0.
+    """
     h, f, tau = a.sync_every, a.fragments, a.overlap
+    mix = "keep" if a.mix is None else f"{a.mix:g}"
     stream = f"F={f} tau={tau}"
+    streaming = {"side": "fdp", "fragments": f, "overlap": tau, "mix": a.mix}
     return {
         "ddp": {"name": "DDP allreduce", "side": "ddp", "kind": "allreduce"},
         "diloco": {"name": f"fdp DiLoCo H={h}", "side": "fdp", "kind": "allreduce", "fragments": 1, "overlap": 0},
         "streaming_fp4": {
-            "name": f"fdp streaming {stream} fp4",
-            "side": "fdp",
+            **streaming,
+            "name": f"fdp streaming {stream} mix={mix} fp4",
             "kind": "allgather",
-            "fragments": f,
-            "overlap": tau,
             "hook": "fp4",
         },
-        "streaming_fp4_mix0": {
-            "name": f"fdp streaming {stream} fp4 mix=0",
-            "side": "fdp",
-            "kind": "allgather",
-            "fragments": f,
-            "overlap": tau,
-            "hook": "fp4",
-            "mix": 0.0,
-        },
-        "streaming_fp32_mix0": {
-            "name": f"fdp streaming {stream} fp32 mix=0",
-            "side": "fdp",
-            "kind": "allreduce",
-            "fragments": f,
-            "overlap": tau,
-            "mix": 0.0,
-        },
+        "streaming_fp32": {**streaming, "name": f"fdp streaming {stream} mix={mix} fp32", "kind": "allreduce"},
         "torchft": {
-            "name": f"torchft DiLoCo {stream} alpha=0 fp32",
+            "name": f"torchft DiLoCo {stream} alpha={a.mix or 0:g} fp32",
             "side": "torchft",
             "kind": "allreduce",
             "fragments": f,
             "overlap": tau,
-            "mix": 0.0,
+            "mix": a.mix or 0.0,
         },
     }
 
@@ -146,10 +159,36 @@ def batches(rank: int, steps: int, batch: int, block: int) -> tuple[int, list]:
 
 
 def model(vocab: int, a):
-    from fdp.model.builtin import CharTransformer
+    """The char transformer, or GPT-2 (``transformers.GPT2LMHeadModel``) built from a small config, seeded."""
+    from fdp.model.builtin import CharTransformer, hf_model
 
     torch.manual_seed(0)
+    if a.model == "gpt2":
+        drop = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        shape = dict(n_layer=a.layers, n_embd=a.d_model, n_head=4, n_positions=a.block)
+        return hf_model("transformers.GPT2LMHeadModel", vocab_size=vocab, **shape, **drop)
     return CharTransformer(vocab_size=vocab, block_size=a.block, d_model=a.d_model, n_layer=a.layers, n_head=4)
+
+
+def logits(module, x):
+    from fdp.model.losses import logits_of
+
+    return logits_of(module(x))
+
+
+def inner_lr(a):
+    """Adam's rate inside: ``--lr``, or warm-up then cosine decay to lr/10 over the run (fdp's schedule)."""
+    from fdp.optim import warmup_cosine_schedule
+
+    return warmup_cosine_schedule(a.lr, a.warmup, a.steps, a.lr / 10) if a.cosine else a.lr
+
+
+def torch_inner(params, a):
+    """torch's Adam with the same rates as fdp's: ``lr(t)`` for update ``t + 1``, a LambdaLR stepped after each."""
+    opt = torch.optim.Adam(params, lr=a.lr)
+    lr = inner_lr(a)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: lr(t) / a.lr) if a.cosine else None
+    return opt, sched
 
 
 # ----------------------------------------------------------------------------- the sides
@@ -157,15 +196,17 @@ def run_ddp(module, data, a) -> list[dict]:
     from torch.nn.parallel import DistributedDataParallel
 
     ddp = DistributedDataParallel(module)
-    opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
+    opt, sched = torch_inner(ddp.parameters(), a)
     payload = 4 * sum(p.numel() for p in module.parameters())
     rows = []
     for x, y in data:
         t0 = time.perf_counter()
         opt.zero_grad()
-        loss = F.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
+        loss = F.cross_entropy(logits(ddp, x).flatten(0, 1), y.flatten())
         loss.backward()
         opt.step()
+        if sched is not None:
+            sched.step()
         rows.append({"loss": loss.item(), "step_s": time.perf_counter() - t0, "bytes": payload})
     # compute alone: the same step without the allreduce, for the projection
     return _with_compute(rows, module, data, a)
@@ -180,7 +221,7 @@ def _with_compute(rows, module, data, a):
     for row, (x, y) in zip(rows, data):
         t0 = time.perf_counter()
         opt.zero_grad()
-        F.cross_entropy(alone(x).flatten(0, 1), y.flatten()).backward()
+        F.cross_entropy(logits(alone, x).flatten(0, 1), y.flatten()).backward()
         opt.step()
         row["compute_s"] = time.perf_counter() - t0
     return rows
@@ -212,7 +253,7 @@ def run_fdp(module, data, a, v) -> list[dict]:
             "start_step": 0,
             "lr": a.outer_lr,
             "momentum": a.outer_momentum,
-            "nesterov": True,
+            "nesterov": a.outer_momentum > 0,  # plain SGD (rate 1: local SGD) without momentum
             "overlap": v["overlap"],
             "fragments": v["fragments"],
             "fragment_schedule": "strided",
@@ -220,9 +261,9 @@ def run_fdp(module, data, a, v) -> list[dict]:
         }
     )
     hook = lowbit("fp4") if v.get("hook") == "fp4" else allreduce()
-    state = init_train_state(params, buffers, adam(1e-3), plan, hook)
+    state = init_train_state(params, buffers, adam(inner_lr(a)), plan, hook)
     state = state._replace(outer=init_outer_state(spec, params, plan, hook))
-    step = make_outer_step(loss_fn, adam(1e-3), plan, spec, hook, Comm(), donate=True)
+    step = make_outer_step(loss_fn, adam(inner_lr(a)), plan, spec, hook, Comm(), donate=True)
     rows = []
     for batch in data:
         t0 = time.perf_counter()
@@ -269,9 +310,10 @@ def run_torchft(module, data, a, v, rank: int, lighthouse: str, store_port: int)
         timeout=timedelta(seconds=120),
         quorum_timeout=timedelta(seconds=120),
     )
-    inner = torch.optim.Adam(module.parameters(), lr=1e-3)
+    inner, sched = torch_inner(module.parameters(), a)
     outers = [
-        torch.optim.SGD(f.parameters(), lr=a.outer_lr, momentum=a.outer_momentum, nesterov=True) for f in fragments
+        torch.optim.SGD(f.parameters(), lr=a.outer_lr, momentum=a.outer_momentum, nesterov=a.outer_momentum > 0)
+        for f in fragments
     ]
     sizes = [4 * sum(p.numel() for p in f.parameters()) for f in fragments]
     rows = []
@@ -287,11 +329,13 @@ def run_torchft(module, data, a, v, rank: int, lighthouse: str, store_port: int)
         for step, (x, y) in enumerate(data, start=1):
             t0 = time.perf_counter()
             inner.zero_grad()
-            loss = F.cross_entropy(module(x).flatten(0, 1), y.flatten())
+            loss = F.cross_entropy(logits(module, x).flatten(0, 1), y.flatten())
             loss.backward()
             sends = step % (a.sync_every // v["fragments"]) == (a.sync_every // v["fragments"]) - v["overlap"]
             fragment = diloco._current_fragment() if sends else None
             inner.step()
+            if sched is not None:
+                sched.step()
             rows.append(
                 {
                     "loss": loss.item(),
@@ -352,6 +396,7 @@ def summarise(a, results: dict) -> dict:
         sent = [r["bytes"] for r in rows]
         compute = [r.get("compute_s", r["step_s"]) for r in rows]
         row = {
+            "key": key,
             "variant": v["name"],
             "final_loss": final,
             "vs_ddp_loss": final / target - 1,
@@ -360,10 +405,12 @@ def summarise(a, results: dict) -> dict:
             "median_step_ms": 1e3 * statistics.median(r["step_s"] for r in rows),
             "median_compute_ms": 1e3 * statistics.median(compute),
             "to_target": {},
+            "mean_step_s": {},
         }
         for rate in ("100mbit", "1gbit"):
             for nodes in (2, 8, 64):
                 steps = P.projected_steps(compute, sent, v["kind"], nodes, P.RATES[rate], latency, v.get("overlap", 0))
+                row["mean_step_s"][f"{rate} N={nodes}"] = statistics.mean(steps)
                 row["to_target"][f"{rate} N={nodes}"] = P.time_to(
                     target, [r["loss"] for r in rows], steps, a.window, TOLERANCE
                 )
@@ -372,7 +419,54 @@ def summarise(a, results: dict) -> dict:
     for row in table:
         row["bytes_vs_ddp"] = ddp_row["bytes_total"] / row["bytes_total"] if row["bytes_total"] else None
         row["speedup"] = {k: (ddp_row["to_target"][k][1] / s if s else None) for k, (_, s) in row["to_target"].items()}
-    return {"target": target, "rows": table, "checks": netsim_checks()}
+    params = ddp_row["bytes_peak"] / 4  # DDP hands every fp32 param to each allreduce
+    return {"target": target, "params": params, "rows": table, "goals": goals(a, table), "checks": netsim_checks()}
+
+
+def goals(a, table: list[dict]) -> list[dict]:
+    """Streaming DiLoCo's fp4 row against the goals it was built for, as measured (those its run has rows for)."""
+    rows = {row["key"]: row for row in table}
+    fp4 = rows.get("streaming_fp4")
+    if fp4 is None:
+        return []
+    out = [
+        (
+            "loss within 1% of DDP's at the same samples",
+            f"{100 * fp4['vs_ddp_loss']:+.2f}%",
+            fp4["vs_ddp_loss"] <= 0.01,
+        ),
+        ("bytes over the run >= 100x fewer than DDP's", f"{fp4['bytes_vs_ddp']:.0f}x", fp4["bytes_vs_ddp"] >= 100),
+    ]
+    speedup = fp4["speedup"]["100mbit N=2"]
+    out.append(
+        (
+            "reaches DDP's loss >= 10x sooner at 100 Mbit/s (2 nodes)",
+            f"{speedup:.1f}x" if speedup else "not reached",
+            bool(speedup and speedup >= 10),
+        )
+    )
+    if "diloco" in rows:
+        share = fp4["bytes_peak"] / rows["diloco"]["bytes_peak"]
+        out.append(
+            (f"peak bytes in a step <= 1/{a.fragments} of DiLoCo's", f"1/{1 / share:.0f}", share <= 1 / a.fragments)
+        )
+    if "torchft" in rows:
+        ft = rows["torchft"]
+        out.append(
+            (
+                "loss <= torchft DiLoCo's with the same settings",
+                f"{fp4['final_loss']:.4f} vs {ft['final_loss']:.4f}",
+                fp4["final_loss"] <= ft["final_loss"],
+            )
+        )
+        out.append(
+            (
+                "bytes <= torchft DiLoCo's",
+                f"{fp4['bytes_total'] / 1e6:.1f} vs {ft['bytes_total'] / 1e6:.1f} MB",
+                fp4["bytes_total"] <= ft["bytes_total"],
+            )
+        )
+    return [{"goal": goal, "measured": measured, "met": met} for goal, measured, met in out]
 
 
 def netsim_checks() -> list[dict]:
@@ -399,31 +493,41 @@ def write(a, summary: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"args": vars(a), **summary}, indent=1))
     lines = [
-        f"# Streaming DiLoCo against DDP and torchft (char transformer, {a.steps} steps, 2 ranks)",
+        f"# Streaming DiLoCo against DDP and torchft ({MODELS[a.model]}, {a.steps} steps, 2 ranks)",
         "",
         f"Command: `python benchmarks/streaming.py {' '.join(w for w in sys.argv[1:] if w != '--reuse')}`. "
         f"H={a.sync_every}, "
-        f"outer Nesterov SGD lr={a.outer_lr} momentum={a.outer_momentum}, Adam(1e-3) inside, d_model={a.d_model}, "
-        f"{a.layers} layers, {a.batch}x{a.block} tokens per rank and step. DDP's loss (mean of the last "
+        f"outer Nesterov SGD lr={a.outer_lr} momentum={a.outer_momentum}, Adam({a.lr:g}) inside"
+        f"{f' with {a.warmup} warm-up steps and a cosine decay to {a.lr / 10:g}' if a.cosine else ''} on every side, "
+        f"{summary['params'] / 1e6:.2f}M params (d_model={a.d_model}, {a.layers} layers), "
+        f"{a.batch}x{a.block} tokens per rank and step. DDP's loss (mean of the last "
         f"{a.window} steps): {summary['target']:.4f}.",
         "",
         "| variant | final loss | vs DDP | bytes sent per rank | DDP's / its bytes | peak bytes in a step | "
-        "median step ms (fast network) | to DDP's loss at 100 Mbit/s | at 1 Gbit/s | 100 Mbit/s, 64 nodes |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "median step ms (fast network) | mean step at 100 Mbit/s (DDP's / its) | "
+        "to DDP's loss at 100 Mbit/s | at 1 Gbit/s | 100 Mbit/s, 64 nodes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def reach(row, key):
         _, seconds = row["to_target"][key]
         return f"{seconds:.1f} s ({row['speedup'][key]:.1f}x)" if seconds else "not reached"
 
+    def step_at(row, key="100mbit N=2"):  # the projected step alone: what the link costs, whatever the loss
+        seconds = row["mean_step_s"][key]
+        return f"{1e3 * seconds:.0f} ms ({summary['rows'][0]['mean_step_s'][key] / seconds:.1f}x)"
+
     for row in summary["rows"]:
         ratio = f"{row['bytes_vs_ddp']:.0f}x" if row["bytes_vs_ddp"] else "-"
         lines.append(
             f"| {row['variant']} | {row['final_loss']:.4f} | {100 * row['vs_ddp_loss']:+.2f}% | "
             f"{row['bytes_total'] / 1e6:.1f} MB | {ratio} | {row['bytes_peak'] / 1e3:.0f} kB | "
-            f"{row['median_step_ms']:.0f} | {reach(row, '100mbit N=2')} | {reach(row, '1gbit N=2')} | "
+            f"{row['median_step_ms']:.0f} | {step_at(row)} | {reach(row, '100mbit N=2')} | {reach(row, '1gbit N=2')} | "
             f"{reach(row, '100mbit N=64')} |"
         )
+    if summary["goals"]:
+        lines += ["", "| goal (streaming fp4) | measured | met |", "|---|---|---|"]
+        lines += [f"| {g['goal']} | {g['measured']} | {'yes' if g['met'] else 'no'} |" for g in summary["goals"]]
     lines += [
         "",
         f"Times to DDP's loss (a {a.window}-step mean within 2% of it) are projected "

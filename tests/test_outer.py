@@ -383,18 +383,21 @@ def _checkpoint(run_dir):
 
 
 # Streaming: two fragments (syncs after steps 2, 6, 10 and 4, 8), each sent behind the next step,
-# as fp4 codes with error feedback; small buckets so that the plan has several.
+# as fp4 codes with error feedback; small buckets so that the plan has several. streaming_mix
+# lands each sync on the new anchor, as benchmarks/streaming.py's settings to start from (outer.mix=0).
+STREAMING = [
+    "outer.fragments=2",
+    "outer.overlap=1",
+    "hooks=lowbit",
+    "hooks.block=16",
+    "trainer.bucket_cap_mb=0.002",
+    "trainer.first_bucket_cap_mb=0.001",
+]
 VARIANTS = {
     "overlap0": [*POWERSGD, "outer.overlap=0"],
     "overlap3": [*POWERSGD, "outer.overlap=3"],
-    "streaming": [
-        "outer.fragments=2",
-        "outer.overlap=1",
-        "hooks=lowbit",
-        "hooks.block=16",
-        "trainer.bucket_cap_mb=0.002",
-        "trainer.first_bucket_cap_mb=0.001",
-    ],
+    "streaming": STREAMING,
+    "streaming_mix": [*STREAMING, "outer.mix=0", "outer.lr=1.0", "outer.momentum=0.5"],
 }
 
 
