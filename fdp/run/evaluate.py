@@ -6,6 +6,7 @@ from typing import Callable
 
 import torch
 
+from fdp.comm import Comm
 from fdp.data import Dataset, MapData, eval_batches
 from fdp.data.batches import pieces
 from fdp.dist.devices import batch_to_device, device_of
@@ -29,13 +30,16 @@ def evaluate(
     precision: Precision = Precision(),
     fits: int | None = None,
     wrap: Callable[[Callable], Callable] | None = None,
+    together: Comm | None = None,
 ) -> dict:
     """Mean loss over (up to ``max_batches`` batches of) the test split, and accuracy where it applies.
 
     ``fits``: the most samples one forward pass may take (a run passes its training micro-batch,
     which is known to fit its memory); each batch is evaluated in pieces of that many, with the
     same result as whole. ``wrap(model.apply)`` runs the model where given (what ``Update.evaluating``
-    hands over: ZeRO stage 3 gathers the params around each forward).
+    hands over: ZeRO stage 3 gathers the params around each forward). ``together``: the ranks that
+    evaluate with this one, each every world-th piece, as many forwards on each (a forward is
+    collective where the params are gathered), their sums added up: every rank returns the figures.
 
     Accuracy applies to class scores ``(..., classes)`` for integer targets ``(...)``. Runs on
     the params' device, in ``precision`` (scored in float32).
@@ -47,12 +51,24 @@ def evaluate(
     ['test_acc', 'test_loss']
     """
     device = device_of(params)
-    total_loss, count, correct, scored = 0.0, 0, 0, 0
-    for batch in eval_batches(data, batch_size, max_batches, num_workers=num_workers):
-        for piece in pieces(batch, fits or batch_size):
-            piece = batch_to_device(piece, device)
-            loss, weight, hits, n = eval_metrics(model, criterion, params, buffers, piece, precision, wrap)
-            total_loss, count, correct, scored = total_loss + loss, count + weight, correct + hits, scored + n
+    rank, world = (together.rank, together.world_size) if together is not None else (0, 1)
+    sums, done, seen, last = torch.zeros(4, dtype=torch.float64), 0, 0, None  # loss, weight, hits, scored
+    every = (
+        p
+        for batch in eval_batches(data, batch_size, max_batches, num_workers=num_workers)
+        for p in pieces(batch, fits or batch_size)
+    )
+    for index, piece in enumerate(every):
+        if index % world == rank:
+            figures = eval_metrics(model, criterion, params, buffers, batch_to_device(piece, device), precision, wrap)
+            sums += torch.tensor(figures, dtype=torch.float64)
+            done += 1
+        seen, last = index + 1, piece
+    if together is not None:
+        if done < -(-seen // world):  # a forward fewer than the first ranks: it still takes part in their gathers
+            eval_metrics(model, criterion, params, buffers, batch_to_device(last, device), precision, wrap)
+        sums = together.allreduce(sums).wait()
+    total_loss, count, correct, scored = sums.tolist()
     metrics = {"test_loss": total_loss / count}
     if scored:
         metrics["test_acc"] = correct / scored

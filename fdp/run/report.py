@@ -138,7 +138,7 @@ class Report:
         with parts.update.evaluating(params, self.comm) as evaluated:
             if evaluated is None:
                 return None
-            read, wrap = evaluated
+            read, wrap, together = evaluated
             return evaluate(
                 parts.model,
                 read,
@@ -150,6 +150,7 @@ class Report:
                 precision=parts.precision,
                 fits=micro,
                 wrap=wrap,
+                together=together,
             )
 
     def summary(

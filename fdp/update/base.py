@@ -240,20 +240,23 @@ class Update(ABC):
         return self.rules.refuses_compile()
 
     @contextlib.contextmanager
-    def evaluating(self, params: Params, comm: Comm) -> Iterator[tuple[Params, Callable[[Callable], Callable]] | None]:
-        """What an evaluation of the state's ``params`` runs on in the world of ``comm``: ``(params, wrap)``,
-        each forward run as ``wrap(forward)``, or ``None`` on a rank that does not evaluate. Params that are
-        whole: rank 0 evaluates them as they are, alone.
+    def evaluating(
+        self, params: Params, comm: Comm
+    ) -> Iterator[tuple[Params, Callable[[Callable], Callable], Comm | None] | None]:
+        """What an evaluation of the state's ``params`` runs on in the world of ``comm``: ``(params, wrap,
+        together)``, each forward run as ``wrap(forward)``, ``together`` the ranks that share the pieces
+        (``fdp.run.evaluate``), or ``None`` on a rank that does not evaluate. Params that are whole: rank 0
+        evaluates them as they are, alone.
 
         >>> from fdp import sgd
         >>> from fdp.plan import pack_into_buckets
         >>> from fdp.update.zero import update_for
         >>> update = update_for(0, sgd(0.1), pack_into_buckets([("w", (2,), "float32", "cpu")]), Comm())
-        >>> with update.evaluating({"w": torch.ones(2)}, Comm()) as (params, wrap):
-        ...     params["w"].tolist(), wrap(len) is len
-        ([1.0, 1.0], True)
+        >>> with update.evaluating({"w": torch.ones(2)}, Comm()) as (params, wrap, together):
+        ...     params["w"].tolist(), wrap(len) is len, together
+        ([1.0, 1.0], True, None)
         """
-        yield (params, _as_is) if comm.rank == 0 else None
+        yield (params, _as_is, None) if comm.rank == 0 else None
 
     @abstractmethod
     def for_step(

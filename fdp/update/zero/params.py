@@ -83,14 +83,15 @@ class ParamShardedUpdate(SlicedUpdate):
         return self._gather
 
     @contextlib.contextmanager
-    def evaluating(self, params: Params, comm: Comm) -> Iterator[tuple[Params, Callable[[Callable], Callable]]]:
-        """Every rank evaluates: each forward gathers the buckets as it reads them and releases them after
-        (``ParamGather``, as training's forward does), so no rank holds the whole params; every rank must
-        run the same forwards. (A world at stage 3 never changes: ``comm`` is the one it was made with.)"""
+    def evaluating(self, params: Params, comm: Comm) -> Iterator[tuple[Params, Callable[[Callable], Callable], Comm]]:
+        """Every rank evaluates, a share of the pieces each: each forward gathers the buckets as it reads
+        them and releases them after (``ParamGather``, as training's forward does), so no rank holds the
+        whole params, and every rank runs as many forwards. (A world at stage 3 never changes: ``comm`` is
+        the one it was made with.)"""
         gather = self.gather
         gather.start(params)
         try:
-            yield gather.views, gather.wrap_loss
+            yield gather.views, gather.wrap_loss, comm
         finally:
             gather.stop()
 
