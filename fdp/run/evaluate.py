@@ -52,7 +52,7 @@ def evaluate(
     """
     device = device_of(params)
     rank, world = (together.rank, together.world_size) if together is not None else (0, 1)
-    sums, done, seen, last = torch.zeros(4, dtype=torch.float64), 0, 0, None  # loss, weight, hits, scored
+    sums, done, seen, last = [0.0, 0, 0, 0], 0, 0, None  # loss, weight, hits, scored
     every = (
         p
         for batch in eval_batches(data, batch_size, max_batches, num_workers=num_workers)
@@ -61,14 +61,15 @@ def evaluate(
     for index, piece in enumerate(every):
         if index % world == rank:
             figures = eval_metrics(model, criterion, params, buffers, batch_to_device(piece, device), precision, wrap)
-            sums += torch.tensor(figures, dtype=torch.float64)
+            sums = [total + figure for total, figure in zip(sums, figures)]
             done += 1
         seen, last = index + 1, piece
     if together is not None:
         if done < -(-seen // world):  # a forward fewer than the first ranks: it still takes part in their gathers
             eval_metrics(model, criterion, params, buffers, batch_to_device(last, device), precision, wrap)
-        sums = together.allreduce(sums).wait()
-    total_loss, count, correct, scored = sums.tolist()
+        # On the params' device: where the world's collectives run (NCCL takes no CPU tensors).
+        sums = together.allreduce(torch.tensor(sums, dtype=torch.float64, device=device)).wait().tolist()
+    total_loss, count, correct, scored = sums
     metrics = {"test_loss": total_loss / count}
     if scored:
         metrics["test_acc"] = correct / scored
