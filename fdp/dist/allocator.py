@@ -11,6 +11,16 @@ __all__ = ["tune_allocator", "release_free_memory", "budget_accounting"]
 
 
 _MAPPED_FROM = 8 * 2**20  # stage 3's buckets at least this large are mapped (see tune_allocator)
+_THREAD_STACK = 2**20  # what a new thread reserves under a budget (see budget_accounting)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4  # mallopt's parameters (malloc.h)
+
+
+def _glibc() -> ctypes.CDLL | None:
+    """glibc, or ``None`` where the C library is another (nothing to tune then)."""
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
 
 
 def tune_allocator(sharded_params: bool = False, bucket_bytes: int = _MAPPED_FROM) -> None:
@@ -37,17 +47,15 @@ def tune_allocator(sharded_params: bool = False, bucket_bytes: int = _MAPPED_FRO
     blocks of one size are split for the next, smaller ones (measured: 31 buckets of 1-4
     MiB made and released one after another grew the heap by 48 MiB, what they hold whole).
     """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc: nothing to tune
+    libc = _glibc()
+    if libc is None:
         return
-    m_trim_threshold, m_mmap_threshold, m_mmap_max = -1, -3, -4
     if sharded_params:
-        libc.mallopt(m_mmap_threshold, max(2**17, min(_MAPPED_FROM, bucket_bytes // 2)))
+        libc.mallopt(_M_MMAP_THRESHOLD, max(2**17, min(_MAPPED_FROM, bucket_bytes // 2)))
     else:
-        libc.mallopt(m_mmap_threshold, 32 * 2**20)  # glibc's ceiling; also freezes the trim threshold
-        libc.mallopt(m_mmap_max, 0)  # no mmap-ed blocks: large tensors come from (and return to) the heap
-    libc.mallopt(m_trim_threshold, 2**30)
+        libc.mallopt(_M_MMAP_THRESHOLD, 32 * 2**20)  # glibc's ceiling; also freezes the trim threshold
+        libc.mallopt(_M_MMAP_MAX, 0)  # no mmap-ed blocks: large tensors come from (and return to) the heap
+    libc.mallopt(_M_TRIM_THRESHOLD, 2**30)
 
 
 def budget_accounting() -> None:
@@ -63,13 +71,11 @@ def budget_accounting() -> None:
     starts three threads, 24 MiB of reservation they barely touch). The step time was the
     same (5.08 against 5.07 s). Not on glibc: nothing changed.
     """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
+    libc = _glibc()
+    if libc is None:
         return
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    libc.mallopt(m_mmap_threshold, 64 * 2**10)
-    libc.mallopt(m_trim_threshold, 128 * 2**10)
+    libc.mallopt(_M_MMAP_THRESHOLD, 64 * 2**10)
+    libc.mallopt(_M_TRIM_THRESHOLD, 128 * 2**10)
     try:
         attr = ctypes.create_string_buffer(128)  # a pthread_attr_t (56 bytes on x86-64 and arm64)
         if libc.pthread_attr_init(attr) == 0:
@@ -80,16 +86,12 @@ def budget_accounting() -> None:
         pass
 
 
-_THREAD_STACK = 2**20
-
-
 def release_free_memory() -> None:
     """Give the memory glibc's heap holds free back to the OS (``malloc_trim``).
 
     Once after building a run: the whole params every rank makes before sharding them
     (ZeRO) are freed then, and would otherwise stay in the heap, resident, for good.
     """
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing held back
-        pass
+    libc = _glibc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)

@@ -31,7 +31,7 @@ from fdp.optim import GradientTransformation
 from fdp.plan import BucketPlan
 from fdp.state.replicas import agreed_start, rank_seed
 from fdp.state.train_state import TrainState
-from fdp.update.base import STAGES
+from fdp.update.zero.convert import mirrors
 from fdp.update.zero.layout import shard_key, shard_range
 
 __all__ = ["owned_slices", "sliced_first_state"]
@@ -74,9 +74,7 @@ def sliced_first_state(
     """The stage-3 state before step 1 from params made one at a time (``make(name)``, the same on every rank):
     the ranks' plans, seeds and buffers compared and rank 0's buffers taken, as every stage starts, and only
     this rank's slices of the params kept."""
-    reason = STAGES[3].refuses_mirror() if mirror else None
-    if reason:
-        raise ValueError(f"mirror=True: expected zero_stage=1 ({reason})")
+    mirrors(mirror, 3, comm.world_size)  # refused at stage 3
     _, buffers = agreed_start({}, buffers, plan, comm, seed)
     slices = owned_slices(make, plan, comm.rank, comm.world_size)
     hook_state = init_hook_states(hook or allreduce(), plan)

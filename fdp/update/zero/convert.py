@@ -44,6 +44,7 @@ __all__ = [
     "unsharded_template",
     "is_sharded",
     "params_sharded",
+    "mirrors",
 ]
 
 
@@ -119,11 +120,17 @@ def init_state(
         owned = {shard_key(b.index): flat[slice(*shard_range(b, rank, world))] for b, flat in zip(plan.buckets, flats)}
     hook_state = init_hook_states(hook or allreduce(), plan)
     rng = torch.Generator().manual_seed(seed).get_state()
-    mirrored = optimizer.init(_slices(params, plan, _mirrored(comm), world)) if _mirrors(mirror, stage, world) else ()
+    mirrored = optimizer.init(_slices(params, plan, _mirrored(comm), world)) if mirrors(mirror, stage, world) else ()
     return TrainState(0, sharded, buffers, optimizer.init(owned), hook_state, rng, mirror=mirrored)
 
 
-def _mirrors(mirror: bool, stage: int, world: int) -> bool:
+def mirrors(mirror: bool, stage: int, world: int) -> bool:
+    """Whether a state of ``stage`` on ``world`` ranks keeps the next rank's optimizer slices; ``mirror=True`` at a
+    stage that cannot is refused (``ValueError``).
+
+    >>> mirrors(True, 1, 2), mirrors(True, 1, 1), mirrors(False, 3, 2)
+    (True, False, False)
+    """
     reason = STAGES[stage].refuses_mirror() if mirror else None
     if reason:
         keeping = " or ".join(str(s.number) for s in STAGES if s.shards_optimizer and s.refuses_mirror() is None)
@@ -141,7 +148,7 @@ def shard_state(state: TrainState, plan: BucketPlan, comm: Comm, stage: int = 1,
     rank, world = comm.rank, comm.world_size
     names = frozenset(plan.names)
     opt_state = _map_named(state.opt_state, names, lambda named: _slices(named, plan, rank, world))
-    if _mirrors(mirror, stage, world):
+    if mirrors(mirror, stage, world):
         mirrored = _map_named(state.opt_state, names, lambda named: _slices(named, plan, _mirrored(comm), world))
         state = state._replace(mirror=mirrored)
     if stage == 3:
