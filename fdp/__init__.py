@@ -33,7 +33,8 @@ or of packages above it in this list; ``tests/test_imports.py`` holds every impo
 * ``trace``: the Chrome-trace ``Timeline`` of a step.
 * ``plan``: the static gradient-bucket plan (values, packing, tracing), its flat buffers (``buckets``) and
   the fragments an outer loop syncs in turn (``fragments``).
-* ``optim``: optax-style optimizers, ``(init, update)`` pairs composed with ``chain``, learning-rate schedules,
+* ``optim``: optax-style optimizers (``optimizers``), ``(init, update)`` pairs composed with ``chain``
+  (``transforms``), learning-rate schedules,
   weight-decay rules, the registry, and the params' moving average (``ema``).
 * ``data``: datasets, batches (any pytree of tensors) and their split over ranks and micro-batches.
 * ``hooks``: gradient-reduction stages (allreduce, fp16, PowerSGD, top-k, int8, low-bit codes) composed with

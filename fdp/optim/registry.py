@@ -32,6 +32,7 @@ import torch
 
 from fdp.errors import ConfigError, require
 from fdp.optim.decay import decay_rule
+from fdp.optim.optimizers import adam, adamw, sgd
 from fdp.optim.schedules import (
     Schedule,
     constant_schedule,
@@ -40,7 +41,7 @@ from fdp.optim.schedules import (
     warmup_linear_schedule,
     wsd_schedule,
 )
-from fdp.optim.transforms import GradientTransformation, adam, adamw, chain, clip_by_global_norm, sgd
+from fdp.optim.transforms import GradientTransformation, chain, clip_by_global_norm
 from fdp.targets import build, locate, parameter_names
 
 OPTIMIZERS: dict[str, Callable[..., GradientTransformation]] = {"sgd": sgd, "adam": adam, "adamw": adamw}

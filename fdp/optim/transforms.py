@@ -1,4 +1,5 @@
-"""Optimizers and their combinators: ``GradientTransformation`` pairs over flat dicts of tensors."""
+"""``GradientTransformation`` pairs over flat dicts of tensors, and their combinators: clipping, ``chain``, and a
+step applied pure or in place (the optimizers themselves: ``fdp.optim.optimizers``)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from fdp._torch import HAS_FUSED_OPTIMIZERS, foreach, fused_adam_, fused_adamw_, fused_sgd_
-from fdp.optim.schedules import Schedule, _as_schedule, _check
+from fdp._torch import HAS_FUSED_OPTIMIZERS, foreach
+from fdp.optim.schedules import _check
 
 Params = dict[str, torch.Tensor]
 Grads = dict[str, torch.Tensor]
@@ -56,223 +57,8 @@ class GradientTransformation(NamedTuple):
 DecayMask = Callable[[str, torch.Tensor], bool]
 
 
-class SGDState(NamedTuple):
-    """``count`` updates done; ``lr`` of the last one; momentum buffers."""
-
-    count: int
-    lr: float
-    momentum: dict[str, torch.Tensor] | None  # None when momentum == 0
-
-
-class AdamState(NamedTuple):
-    """``count`` updates done; ``lr`` of the last one; first and second moment estimates."""
-
-    count: int
-    lr: float
-    mu: dict[str, torch.Tensor]
-    nu: dict[str, torch.Tensor]
-
-
 class ClipState(NamedTuple):
     """Empty: clipping keeps no state, but a chained state still has one member per transform."""
-
-
-# --------------------------------------------------------------------------- optimizers
-
-
-def sgd(
-    lr: float | Schedule,
-    momentum: float = 0.0,
-    dampening: float = 0.0,
-    nesterov: bool = False,
-    weight_decay: float = 0.0,
-    decay_mask: DecayMask | None = None,
-) -> GradientTransformation:
-    """SGD with ``torch.optim.SGD`` semantics (L2 weight decay added to the gradient).
-
-    As in torch, the first step seeds the momentum buffer with the gradient itself
-    (dampening is not applied to it). ``decay_mask(name, param)`` says which params
-    weight decay applies to (``None``: all), as two ``torch.optim`` param groups would.
-
-    >>> opt = sgd(0.1, momentum=0.9)
-    >>> params = {"w": torch.tensor([1.0])}
-    >>> state = opt.init(params)
-    >>> updates, state = opt.update({"w": torch.tensor([2.0])}, state, params)
-    >>> updates["w"], state.count
-    (tensor([-0.2000]), 1)
-    """
-    schedule = _as_schedule(lr)
-    _check(momentum >= 0, "momentum", ">= 0", momentum)
-    _check(0 <= dampening <= 1, "dampening", "in [0, 1]", dampening)
-    _check(weight_decay >= 0, "weight_decay", ">= 0", weight_decay)
-    if nesterov:
-        _check(momentum > 0, "momentum", "> 0 with nesterov=True", momentum)
-        _check(dampening == 0, "dampening", "== 0 with nesterov=True", dampening)
-
-    def init(params: Params) -> SGDState:
-        buffers = {k: torch.zeros_like(p) for k, p in params.items()} if momentum else None
-        return SGDState(count=0, lr=schedule(0), momentum=buffers)
-
-    def update(
-        grads: Grads, state: SGDState, params: Params | None = None, sum_across=None
-    ) -> tuple[Updates, SGDState]:
-        keys, d = _aligned(grads, state.momentum)
-        if weight_decay:
-            d = _with_l2(d, keys, _params_for(keys, params, "weight_decay"), weight_decay, decays)
-        buffers = None
-        if momentum:
-            if state.count == 0:
-                # Cloned so the state never aliases the caller's grads.
-                buf = [t.clone() for t in d]
-            else:
-                buf = foreach.mul([state.momentum[k] for k in keys], momentum)
-                foreach.add_(buf, d, alpha=1.0 - dampening)
-            d = foreach.add(d, buf, alpha=momentum) if nesterov else buf
-            buffers = dict(zip(keys, buf))
-        lr_now = schedule(state.count)
-        updates = dict(zip(keys, foreach.mul(d, -lr_now)))
-        return updates, SGDState(count=state.count + 1, lr=lr_now, momentum=buffers)
-
-    def update_inplace(grads: Grads, state: SGDState, params: Params, sum_across=None) -> SGDState:
-        keys, g = _subset(grads, params)
-        lr_now = schedule(state.count)
-        for group, decay in _groups(keys, g, params, weight_decay, decays):  # torch.optim's param groups
-            fused_sgd_(
-                [params[k] for k in group],
-                [g[i] for i in group.values()],
-                [state.momentum[k] for k in group] if momentum else [],
-                weight_decay=decay,
-                momentum=momentum,
-                lr=lr_now,
-                dampening=dampening,
-                nesterov=nesterov,
-                maximize=False,
-                is_first_step=state.count == 0,
-            )
-        return SGDState(count=state.count + 1, lr=lr_now, momentum=state.momentum)
-
-    decays = _decays(decay_mask)
-    return GradientTransformation(init, update, update_inplace, elementwise=True, by_name=decay_mask is not None)
-
-
-def adam(
-    lr: float | Schedule,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
-    decay_mask: DecayMask | None = None,
-) -> GradientTransformation:
-    """Adam with ``torch.optim.Adam`` semantics (L2 weight decay added to the gradient).
-
-    ``decay_mask(name, param)`` says which params weight decay applies to (``None``: all).
-
-    >>> opt = adam(0.1)
-    >>> params = {"w": torch.tensor([1.0, -1.0])}
-    >>> updates, state = opt.update({"w": torch.tensor([3.0, -0.5])}, opt.init(params), params)
-    >>> updates["w"]  # the first Adam step is -lr * sign(grad)
-    tensor([-0.1000,  0.1000])
-    """
-    return _adam(lr, b1, b2, eps, weight_decay, decay_mask, decoupled=False)
-
-
-def adamw(
-    lr: float | Schedule,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    weight_decay: float = 1e-2,
-    decay_mask: DecayMask | None = None,
-) -> GradientTransformation:
-    """AdamW with ``torch.optim.AdamW`` semantics: params shrink by ``lr * weight_decay`` each step.
-
-    ``decay_mask(name, param)`` says which params shrink (``None``: all), as a ``torch.optim``
-    param group with ``weight_decay=0`` for the others would.
-
-    >>> opt = adamw(0.1, weight_decay=0.5)
-    >>> params = {"w": torch.tensor([2.0])}
-    >>> updates, state = opt.update({"w": torch.tensor([0.0])}, opt.init(params), params)
-    >>> updates["w"]  # zero gradient: only the decay, -0.1 * 0.5 * 2.0
-    tensor([-0.1000])
-    """
-    return _adam(lr, b1, b2, eps, weight_decay, decay_mask, decoupled=True)
-
-
-def _adam(
-    lr: float | Schedule,
-    b1: float,
-    b2: float,
-    eps: float,
-    weight_decay: float,
-    decay_mask: DecayMask | None,
-    decoupled: bool,
-):
-    schedule = _as_schedule(lr)
-    _check(0 <= b1 < 1, "b1", "in [0, 1)", b1)
-    _check(0 <= b2 < 1, "b2", "in [0, 1)", b2)
-    _check(eps > 0, "eps", "> 0", eps)
-    _check(weight_decay >= 0, "weight_decay", ">= 0", weight_decay)
-
-    def init(params: Params) -> AdamState:
-        mu = {k: torch.zeros_like(p) for k, p in params.items()}
-        nu = {k: torch.zeros_like(p) for k, p in params.items()}
-        return AdamState(count=0, lr=schedule(0), mu=mu, nu=nu)
-
-    def update(
-        grads: Grads, state: AdamState, params: Params | None = None, sum_across=None
-    ) -> tuple[Updates, AdamState]:
-        keys, g = _aligned(grads, state.mu)
-        p = _params_for(keys, params, "weight_decay") if weight_decay else None
-        if weight_decay and not decoupled:
-            g = _with_l2(g, keys, p, weight_decay, decays)
-        # Same op sequence as torch.optim's, so the float32 results agree to the last bits.
-        # In-place ops only ever touch tensors allocated here: fewer allocations, still pure.
-        mu = foreach.lerp([state.mu[k] for k in keys], g, 1.0 - b1)
-        nu = foreach.mul([state.nu[k] for k in keys], b2)
-        foreach.addcmul_(nu, g, g, value=1.0 - b2)
-        lr_now, count = schedule(state.count), state.count + 1
-        denom = foreach.sqrt(nu)
-        foreach.div_(denom, (1.0 - b2**count) ** 0.5)
-        foreach.add_(denom, eps)
-        updates = foreach.mul(mu, -lr_now / (1.0 - b1**count))
-        foreach.div_(updates, denom)
-        if weight_decay and decoupled:
-            shrunk = [i for i, k in enumerate(keys) if decays(k, p[i])]
-            if shrunk:
-                foreach.add_([updates[i] for i in shrunk], [p[i] for i in shrunk], alpha=-lr_now * weight_decay)
-        new_state = AdamState(count=count, lr=lr_now, mu=dict(zip(keys, mu)), nu=dict(zip(keys, nu)))
-        return dict(zip(keys, updates)), new_state
-
-    def update_inplace(grads: Grads, state: AdamState, params: Params, sum_across=None) -> AdamState:
-        keys, g = _subset(grads, params)
-        lr_now, count = schedule(state.count), state.count + 1
-        # The kernel reads the step count (for the bias corrections) from a tensor per param.
-        new_state = AdamState(count=count, lr=lr_now, mu=state.mu, nu=state.nu)
-        if not keys:
-            return new_state
-        # Filled on the device: a tensor made from a Python number is a host copy, which waits for the GPU.
-        step = torch.full((), float(count), device=g[0].device)
-        fused = fused_adamw_ if decoupled else fused_adam_
-        for group, decay in _groups(keys, g, params, weight_decay, decays):  # torch.optim's param groups
-            fused(
-                [params[k] for k in group],
-                [g[i] for i in group.values()],
-                [state.mu[k] for k in group],
-                [state.nu[k] for k in group],
-                [],
-                [step] * len(group),
-                lr=lr_now,
-                beta1=b1,
-                beta2=b2,
-                weight_decay=decay,
-                eps=eps,
-                amsgrad=False,
-                maximize=False,
-            )
-        return new_state
-
-    decays = _decays(decay_mask)
-    return GradientTransformation(init, update, update_inplace, elementwise=True, by_name=decay_mask is not None)
 
 
 # ---------------------------------------------------------------------- combinators etc.
@@ -302,7 +88,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     def update(
         grads: Grads, state: ClipState, params: Params | None = None, sum_across=None
     ) -> tuple[Updates, ClipState]:
-        keys, g = _aligned(grads, None)
+        keys, g = aligned(grads, None)
         if not g:
             return {}, state
         device = g[0].device
@@ -325,6 +111,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """Apply ``transforms`` in order, each to the previous one's updates; state is a tuple.
 
+    >>> from fdp.optim import sgd
     >>> opt = chain(clip_by_global_norm(1.0), sgd(0.5))
     >>> params = {"w": torch.tensor([0.0, 0.0])}
     >>> updates, state = opt.update({"w": torch.tensor([6.0, 8.0])}, opt.init(params), params)
@@ -383,6 +170,7 @@ def apply_gradients(
     kernels (floating point, on CPU or CUDA), the new params and state are written into
     the old tensors, which come back in new containers; otherwise the pure path runs.
 
+    >>> from fdp.optim import sgd
     >>> opt = sgd(0.5, momentum=0.9)
     >>> params = {"w": torch.tensor([1.0])}
     >>> new_params, state = apply_gradients(opt, {"w": torch.tensor([2.0])}, opt.init(params), params, donate=True)
@@ -407,6 +195,7 @@ def _update(transform: GradientTransformation, grads: Grads, state: State, param
 def takes_sum_across(optimizer: GradientTransformation) -> bool:
     """Whether ``optimizer.update`` accepts ``sum_across=`` (needed to step a shard of the gradients).
 
+    >>> from fdp.optim import adam
     >>> takes_sum_across(chain(clip_by_global_norm(1.0), adam(1e-3)))
     True
     >>> takes_sum_across(GradientTransformation(lambda p: (), lambda g, s, p: (g, s)))
@@ -434,6 +223,7 @@ def supports_inplace(optimizer: GradientTransformation, params: Params, grads: G
     kernels: dense, one floating dtype, all on one CPU or CUDA device (what
     ``torch.optim`` checks before it allows ``fused=True``).
 
+    >>> from fdp.optim import sgd
     >>> supports_inplace(sgd(0.1), {"w": torch.zeros(2)})
     True
     >>> supports_inplace(sgd(0.1), {"w": torch.zeros(2, dtype=torch.int64)})
@@ -471,7 +261,7 @@ def current_lr(opt_state: State) -> float | None:
     Searches a (possibly nested, chained) state and returns the ``lr`` field of the first
     NamedTuple that has one; ``None`` if no member has one.
 
-    >>> from fdp.optim import warmup_cosine_schedule
+    >>> from fdp.optim import adamw, warmup_cosine_schedule
     >>> opt = chain(clip_by_global_norm(1.0), adamw(warmup_cosine_schedule(1.0, 4, 8)))
     >>> params = {"w": torch.zeros(2)}
     >>> state = opt.init(params)
@@ -493,7 +283,7 @@ def current_lr(opt_state: State) -> float | None:
 # ------------------------------------------------------------------------------ helpers
 
 
-def _aligned(grads: Grads, state_dict: dict | None) -> tuple[list[str], list[torch.Tensor]]:
+def aligned(grads: Grads, state_dict: dict | None) -> tuple[list[str], list[torch.Tensor]]:
     """Keys and values of ``grads``, in the key order of ``state_dict`` when there is one.
 
     Following the state's order (set by ``init``) keeps the state's pytree structure fixed,
@@ -507,53 +297,3 @@ def _aligned(grads: Grads, state_dict: dict | None) -> tuple[list[str], list[tor
         )
     keys = list(state_dict)
     return keys, [grads[k] for k in keys]
-
-
-def _subset(grads: Grads, params: Params) -> tuple[list[str], list[torch.Tensor]]:
-    """Keys and values of ``grads``, which may name any subset of ``params``."""
-    unknown = grads.keys() - params.keys()
-    if unknown:
-        raise ValueError(f"grads for parameters the optimizer does not have: {sorted(unknown)[:5]}")
-    return list(grads), list(grads.values())
-
-
-def _decays(decay_mask: DecayMask | None) -> DecayMask:
-    """``decay_mask`` with its answer kept per name (asked once per param, not every step); all when ``None``."""
-    if decay_mask is None:
-        return lambda name, param: True
-    answers: dict[str, bool] = {}
-
-    def decays(name: str, param: torch.Tensor) -> bool:
-        if name not in answers:
-            answers[name] = bool(decay_mask(name, param))
-        return answers[name]
-
-    return decays
-
-
-def _with_l2(
-    grads: list[torch.Tensor], keys: list[str], params: list[torch.Tensor], weight_decay: float, decays: DecayMask
-) -> list[torch.Tensor]:
-    """``grads`` with ``weight_decay * param`` added to those of the params ``decays`` names (new tensors there)."""
-    out = list(grads)
-    chosen = [i for i, k in enumerate(keys) if decays(k, params[i])]
-    if chosen:
-        added = foreach.add([grads[i] for i in chosen], [params[i] for i in chosen], alpha=weight_decay)
-        for i, tensor in zip(chosen, added):
-            out[i] = tensor
-    return out
-
-
-def _groups(keys: list[str], grads: list[torch.Tensor], params: Params, weight_decay: float, decays: DecayMask):
-    """The keys split as ``torch.optim`` param groups would be: ``({key: index in grads}, weight_decay)`` pairs,
-    the decayed ones and the others (``weight_decay`` 0), leaving out an empty group."""
-    decayed, exempt = {}, {}
-    for i, k in enumerate(keys):
-        (decayed if not weight_decay or decays(k, params[k]) else exempt)[k] = i
-    return [(group, decay) for group, decay in ((decayed, weight_decay), (exempt, 0.0)) if group]
-
-
-def _params_for(keys: list[str], params: Params | None, why: str) -> list[torch.Tensor]:
-    if params is None:
-        raise ValueError(f"params=None: expected the params, which update needs when {why} != 0")
-    return [params[k] for k in keys]
