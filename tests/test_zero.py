@@ -566,7 +566,7 @@ def test_stage_three_checkpoints_resume_at_any_stage_and_world_size(tmp_path):
         assert diff <= 1e-5, (world, stage, diff)
 
 
-def test_a_run_that_does_not_fit_a_rank_fails_at_stage_zero_and_trains_at_stage_three(tmp_path, request):
+def test_a_run_that_does_not_fit_a_rank_fails_at_stage_zero_and_trains_at_stage_three(tmp_path, spawned_workers):
     """world.memory_per_rank_mb below what stage 0 needs per rank and above what stage 3 needs on 4 ranks.
 
     A 59M-parameter MLP with Adam: each rank's data segment grows by ~20 bytes a parameter at stage 0 (params,
@@ -574,9 +574,8 @@ def test_a_run_that_does_not_fit_a_rank_fails_at_stage_zero_and_trains_at_stage_
     on digits takes; at stage 3 with sharded checkpoints by its quarter of params and moments (3 bytes a
     parameter), a few gathered buckets and the same ~300 MiB: each well away from the cap.
 
-    Stage 0's workers fork from the preloaded server: the ~1.1 GiB of its state alone is over the cap, whatever
-    the imports a spawned worker makes once it runs would add. Stage 3's are spawned as the recipe spawns them
-    (``spawned_workers``): it must fit with everything a worker adds counted.
+    Both runs spawn their workers as the recipe does (``spawned_workers``): forked from the preloaded server, a
+    stage-0 rank that ran out of memory was once reported as its peer's broken connection.
     """
     common = [
         "optim=adam",
@@ -598,7 +597,6 @@ def test_a_run_that_does_not_fit_a_rank_fails_at_stage_zero_and_trains_at_stage_
         and "world.memory_per_rank_mb=1000" in message
         and "trainer.zero_stage" in message
     )
-    request.getfixturevalue("spawned_workers")
     summary = run(_cfg(*common, "trainer.zero_stage=3"), tmp_path / "stage3")
     assert summary["steps"] == 3
 
