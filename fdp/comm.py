@@ -43,7 +43,10 @@ def wait_watched(work: Any, watch: Watch | None) -> None:
             return
         except RuntimeError:
             if work.is_completed():
-                raise  # the collective's own failure
+                # Done by now: the timeout was this poll's if the collective finished since, so
+                # its own outcome decides (a wait on finished work returns, or raises its failure).
+                work.wait()
+                return
             watch()
 
 

@@ -49,8 +49,9 @@ import torch.distributed as dist
 
 from fdp._torch import live_groups
 from fdp.comm import Comm
+from fdp.dist.heartbeat import Heartbeat
 from fdp.dist.keeper import LostRank, keep
-from fdp.dist.launch import Heartbeat, RankLostError
+from fdp.dist.launch import RankLostError
 from fdp.dist.launchers import Launched, launcher_of
 from fdp.errors import check_choice
 

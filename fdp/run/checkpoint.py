@@ -12,8 +12,8 @@ keeps them in plan order) restores into any other.
 Tensors are saved on the CPU and restored onto the devices of the live state, so a run
 on GPUs resumes on the CPU and the reverse, and on another number of GPUs.
 
-Files are written to a temporary name in the same directory, flushed to disk and then
-renamed, so a crash mid-write leaves the previous checkpoint intact.
+Files are written atomically (``fdp.run.atomic``), so a crash mid-write leaves the previous
+checkpoint intact.
 
 ``save_checkpoint`` and ``load_checkpoint`` are the whole of it for a ``TrainState`` on
 any number of ranks (the trainer uses them too): every rank's share is gathered to rank
@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +35,7 @@ import torch.distributed as dist
 from fdp._torch import tree_flatten, tree_paths, tree_unflatten
 from fdp.comm import Comm
 from fdp.plan import BucketPlan
+from fdp.run.atomic import atomic_copy, atomic_save, fsync_dir
 from fdp.state.train_state import TrainState
 
 LAST = "last.pt"  # a copy of the newest step file
@@ -88,43 +87,6 @@ def read_meta(path: str | os.PathLike) -> dict:
     if not isinstance(meta, dict) or "step" not in meta:
         raise CheckpointError(f"checkpoint {path / META} is not an fdp checkpoint (no 'step' entry)")
     return meta
-
-
-def fsync_dir(directory: Path) -> None:
-    """Flush ``directory``'s entries to disk, so that a rename into it survives a crash.
-
-    >>> import tempfile
-    >>> fsync_dir(Path(tempfile.mkdtemp()))
-    """
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_save(payload: dict, path: str | os.PathLike) -> Path:
-    """Write ``payload`` to ``path`` so that readers see the old file or the new one, never half.
-
-    >>> import tempfile
-    >>> atomic_save({"step": 3}, Path(tempfile.mkdtemp()) / "fdp-example.pt").name
-    'fdp-example.pt'
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
 
 
 def load(path: str | os.PathLike, mmap: bool = False) -> dict:
@@ -323,21 +285,6 @@ def _outer_place(first: dict, template: TrainState, saved_world: int, path: Path
     }
 
 
-def _atomic_copy(source: Path, path: Path) -> None:
-    """Copy ``source`` to ``path`` as ``atomic_save`` writes: readers see the old file or the whole new one."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with open(source, "rb") as src, os.fdopen(fd, "wb") as dst:
-            shutil.copyfileobj(src, dst, 1 << 24)
-            dst.flush()
-            os.fsync(dst.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def save(directory: str | os.PathLike, payload: dict, keep: int = 2) -> Path:
     """Save ``payload`` as ``step_<N>.pt`` and ``last.pt`` in ``directory``; keep the newest ``keep`` step files.
 
@@ -346,7 +293,7 @@ def save(directory: str | os.PathLike, payload: dict, keep: int = 2) -> Path:
     """
     directory = Path(directory)
     path = atomic_save(payload, directory / f"step_{int(payload['step']):08d}.pt")
-    _atomic_copy(path, directory / LAST)
+    atomic_copy(path, directory / LAST)
     (directory / POINTER).unlink(missing_ok=True)  # last.pt is now the newest (a sharded run's pointer named older)
     fsync_dir(directory)
     for old in list(step_files(directory).values())[: -keep or None]:

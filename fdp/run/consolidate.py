@@ -19,7 +19,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from fdp.run.checkpoint import CheckpointError, atomic_save, read_meta, resolve
+from fdp.run.atomic import atomic_save
+from fdp.run.checkpoint import CheckpointError, read_meta, resolve
 
 __all__ = ["consolidate", "write_consolidated"]
 

@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import re
-import shutil
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -39,6 +37,7 @@ from fdp.data import Dataset, MapData, num_train_samples
 from fdp.errors import ConfigError, require
 from fdp.optim.ema import check_ema_decay, ema
 from fdp.plan import BucketPlan
+from fdp.run.atomic import atomic_copy
 from fdp.run.checkpoint import load
 from fdp.state.train_state import TrainState
 from fdp.update import zero
@@ -436,7 +435,7 @@ class LoopControls:
         directory = Path(checkpoints) / BEST
         value = {s: v for v, s in self.best}.get(step)
         if value is not None:
-            _atomic_copy(written, directory / f"step={step}-{self.best_by.name}={value:.6g}.pt")
+            atomic_copy(written, directory / f"step={step}-{self.best_by.name}={value:.6g}.pt")
         kept = {s for _, s in self.best}
         for old in directory.iterdir() if directory.is_dir() else ():  # none yet: no evaluation has ranked
             match = _BEST_FILE.match(old.name)
@@ -458,18 +457,3 @@ def read_resumed(path: Path, comm: Comm) -> dict:
     if comm.world_size > 1:
         dist.broadcast_object_list(box, group=comm.group, group_src=0)
     return box[0]
-
-
-def _atomic_copy(source: Path, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp"
-    with open(source, "rb") as src, open(tmp, "wb") as dst:
-        shutil.copyfileobj(src, dst, 16 << 20)
-        dst.flush()
-        os.fsync(dst.fileno())
-    os.replace(tmp, target)
-    fd = os.open(target.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -43,12 +43,11 @@ import torch.distributed.checkpoint as dcp
 from fdp._torch import tree_flatten, tree_paths, tree_unflatten
 from fdp.comm import Comm
 from fdp.plan import BucketPlan
+from fdp.run.atomic import atomic_save, fsync_dir
 from fdp.run.checkpoint import (
     POINTER,
     CheckpointError,
     agree_on_refusal,
-    atomic_save,
-    fsync_dir,
     host_leaves,
     read_meta,
     rebuild_like,

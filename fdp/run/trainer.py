@@ -36,10 +36,10 @@ from fdp.data import check_global_batch, has_test_split
 from fdp.dist.allocator import release_free_memory
 from fdp.dist.devices import MemoryPhase, is_out_of_memory, limit_memory
 from fdp.dist.grow import GrowingWorld, joining, prepare_joiner, respawner
+from fdp.dist.heartbeat import Heartbeat
 from fdp.dist.interrupt import StopSignals, stop_signal_names
 from fdp.dist.keeper import LostRank
 from fdp.dist.launch import (
-    Heartbeat,
     RankLostError,
     RankOutOfMemoryError,
     RunDoesNotFit,
@@ -202,9 +202,9 @@ def _join_and_train(cfg: DictConfig, run_dir: str) -> dict:
         )
         comm = comm if joiner else world.comm()
     try:
-        return _train(cfg, directory, comm, device, world, phase)
+        summary = _train(cfg, directory, comm, device, world, phase)
     except RunEnded:
-        return {}
+        summary = {}
     except (MemoryError, RuntimeError, OSError) as error:
         if not is_out_of_memory(error):
             raise
@@ -214,8 +214,12 @@ def _join_and_train(cfg: DictConfig, run_dir: str) -> dict:
     finally:
         if world is not None:
             world.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    # Only a rank that ended well leaves its group here. A failed one keeps it until its process exits, after the
+    # launcher has its failure: destroyed now, its peers would fail on the closed connection first, and the
+    # launcher could name that echo instead of the cause.
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return summary
 
 
 def _train(

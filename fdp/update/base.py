@@ -47,6 +47,7 @@ from fdp.state.checks import check_same_replicas, check_state_against_plan
 from fdp.state.replicas import setup_state
 from fdp.state.train_state import TrainState
 from fdp.trace import NullTimeline, Timeline
+from fdp.update.bucket_stats import bucket_norm, describe_bucket, finite_flag, global_norm
 from fdp.update.pieces import SliceRange, state_pieces
 
 __all__ = [
@@ -56,10 +57,6 @@ __all__ = [
     "Update",
     "StepUpdate",
     "ReplicatedUpdate",
-    "bucket_norm",
-    "finite_flag",
-    "global_norm",
-    "describe_bucket",
 ]
 
 
@@ -313,45 +310,6 @@ class Update(ABC):
         """``state``, made for the world ``old_members``, for the ranks of ``new_members`` (whose world is ``comm``)
         after ranks were lost, or joined (``fdp.dist.grow``: a joiner holds the survivors' state); a collective."""
         return state
-
-
-def bucket_norm(flat: torch.Tensor) -> torch.Tensor:
-    """The L2 norm of a bucket's (or slice's) gradient, in float32 whatever its dtype, kept on the device.
-
-    >>> bucket_norm(torch.tensor([3.0, 4.0], dtype=torch.bfloat16)).item()
-    5.0
-    """
-    return torch.linalg.vector_norm(flat, dtype=torch.float32)
-
-
-def global_norm(norms: list[torch.Tensor]) -> torch.Tensor:
-    """The norm of the concatenated tensors whose norms are ``norms`` (on the first one's device).
-
-    >>> global_norm([torch.tensor(3.0), torch.tensor(4.0)]).item()
-    5.0
-    """
-    device = norms[0].device
-    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
-
-
-def finite_flag(flat: torch.Tensor) -> torch.Tensor:
-    """One flag per bucket, kept on the device: a NaN or inf anywhere makes the sum non-finite.
-
-    >>> finite_flag(torch.tensor([1.0, float("nan")])).item()
-    False
-    """
-    return torch.isfinite(flat.sum(dtype=torch.float32))
-
-
-def describe_bucket(plan: BucketPlan, index: int) -> str:
-    """How an error names a bucket: its index and its first parameters.
-
-    >>> from fdp.plan import pack_into_buckets
-    >>> describe_bucket(pack_into_buckets([("w", (2,), "float32", "cpu")]), 0)
-    'bucket 0 (w)'
-    """
-    names = plan.buckets[index].names
-    return f"bucket {index} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
 
 
 class ReplicatedUpdate(Update):

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from fdp.update.base import bucket_norm, describe_bucket, finite_flag, global_norm
+from fdp.update.bucket_stats import bucket_norm, describe_bucket, finite_flag, global_norm
 
 
 class SliceStep:
