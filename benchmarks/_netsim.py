@@ -322,10 +322,13 @@ def summarise_steps(rows: list[dict]) -> dict:
         "loss_last5": statistics.mean(r["loss"] for r in rows[-5:]),
         "losses": [round(r["loss"], 5) for r in rows],
         "step_ms_all": [round(r["step_ms"], 2) for r in rows],
+        "bytes_all": [r["bytes_sent"] for r in rows],
     }
     for key in ("compute_ms", "comm_wait_ms"):
         if all(key in r for r in timed):
             out[key] = statistics.median(r[key] for r in timed)
+    if all("compute_ms" in r for r in rows):
+        out["compute_ms_all"] = [round(r["compute_ms"], 2) for r in rows]
     return out
 
 

@@ -25,8 +25,15 @@ node 0 on its link (``nsim0`` tx counter; start-up traffic included, divided by 
 beside what a ring moves in theory (``HIERARCHICAL``: for two nodes 1.5 S flat against
 1.0 S hierarchical, so 0.67x is the floor for an uncompressed reduction there).
 
+``--model-check`` also runs each fdp variant on loopback (where the link costs nothing) and
+projects its measured compute and bytes per step over the link with the time-to-loss model
+(``benchmarks/netsim/projection.py``): the model's time to the target beside the simulated
+cluster's.
+
     python benchmarks/slow_links.py --quick                   # 1 Gbit/s, 4 variants, 96 steps
     python benchmarks/slow_links.py --rates 1gbit,100mbit --hierarchical
+    python benchmarks/slow_links.py --rates 100mbit --steps 96 --window 16 --model-check --force \
+        --variants "Streaming DiLoCo H=16 F=4 overlap 1 fp4,DiLoCo H=16 lr=1 m=0.5" --name slow_links_streaming_100mbit
 
 Writes ``benchmarks/results/slow_links.{md,json,png}`` (``--quick`` to a scratch directory
 unless ``--write``). Needs root; the network is taken down at the end and on any exit.
@@ -36,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import subprocess
 import sys
@@ -47,6 +55,7 @@ sys.path.insert(0, str(HERE))
 
 import _netsim as N  # noqa: E402
 
+from benchmarks.netsim import projection as P  # noqa: E402
 from benchmarks.netsim.cluster import IFNAME  # noqa: E402
 
 TOLERANCE = 0.02
@@ -123,6 +132,11 @@ def parse_args():
     p.add_argument("--name", default="slow_links", help="result file name in benchmarks/results")
     p.add_argument("--timeout", type=float, default=3600.0)
     p.add_argument("--force", action="store_true", help="rebuild netsim namespaces that already exist")
+    p.add_argument(
+        "--model-check",
+        action="store_true",
+        help="also run each fdp variant on loopback and project it over the link (benchmarks/netsim/projection.py)",
+    )
     return p.parse_args()
 
 
@@ -189,6 +203,24 @@ def hierarchical_rows(net, rate: str, work: Path, timeout_s: float) -> list[dict
     return rows
 
 
+def model_check(r: dict, fast: dict, hook: str, extra: list[str], rate: str, window: int) -> dict:
+    """The time-to-loss model held to the simulated cluster: the run ``fast`` (the same variant on loopback, where
+    the link costs nothing) projected over ``rate`` from its compute and bytes per step, beside ``r``, the
+    measured run's time to the target. The two runs compute the same losses (the math does not see the link)."""
+    compute = [ms / 1e3 for ms in fast.get("compute_ms_all") or fast["step_ms_all"]]
+    kind = "allgather" if hook == "lowbit" else "allreduce"  # fp4 codes are gathered, not summed on the wire
+    overlap = int(next((o.split("=", 1)[1] for o in extra if o.startswith("outer.overlap=")), 0))
+    steps = P.projected_steps(compute, fast["bytes_all"], kind, 2, P.RATES[rate], 0.0, overlap)
+    reached, seconds = P.time_to(r["target"], fast["losses"], steps, window, TOLERANCE)
+    return {
+        "model_steps_to_target": reached,
+        "model_s_to_target": seconds,
+        "model_vs_measured": seconds / r["s_to_target"] if seconds and r["s_to_target"] else None,
+        "same_losses": fast["losses"] == r["losses"],
+        "loopback_median_ms": fast["median_ms"],
+    }
+
+
 def caveats(results: dict) -> list[str]:
     """What makes a table say less than it seems to: a plateaued target, a host busy with other work."""
     notes = []
@@ -236,6 +268,25 @@ def write(results: dict, out: Path) -> None:
             f"| {r['rate']} | {r['variant']} | {r['steps']} | {r['median_ms']:.0f} | {r['target']:.4f} | "
             f"{reached} | {seconds} | {speedup} |"
         )
+    checked = [r for r in results["rows"] if "model_s_to_target" in r]
+    if checked:
+        lines += [
+            "",
+            "The time-to-loss model (`benchmarks/netsim/projection.py`) against these runs: the same variant on "
+            "loopback, its compute and bytes per step projected over the link, beside the simulated cluster's time.",
+            "",
+            "| rate | variant | loopback median step ms | model s to target | measured s to target | model / measured "
+            "| same losses |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in checked:
+            model = f"{r['model_s_to_target']:.1f}" if r["model_s_to_target"] else "-"
+            ratio = f"{r['model_vs_measured']:.2f}" if r["model_vs_measured"] else "-"
+            measured = f"{r['s_to_target']:.1f}" if r["s_to_target"] else "-"
+            lines.append(
+                f"| {r['rate']} | {r['variant']} | {r['loopback_median_ms']:.0f} | {model} | {measured} | {ratio} | "
+                f"{'yes' if r['same_losses'] else 'no'} |"
+            )
     if results["hierarchical"]:
         flat = next(r for r in results["hierarchical"] if r["variant"] == "flat allreduce")
         lines += [
@@ -295,7 +346,7 @@ def main() -> None:
     work = N.work_dir("slow_links")
     meta = {
         "model": args.model,
-        "command": " ".join(["python benchmarks/slow_links.py", *sys.argv[1:]]),
+        "command": shlex.join(["python", "benchmarks/slow_links.py", *sys.argv[1:]]),
         "ddp_steps": steps,
         "factor": args.factor,
         "window": args.window,
@@ -361,6 +412,10 @@ def main() -> None:
                         "step_ms_all": r["step_ms_all"],
                     }
                 )
+                if args.model_check:
+                    where = work / f"loopback-{rate}-{name.replace(' ', '_').replace('=', '')}"
+                    fast = N.fdp_run(args.model, hook, run_steps, where, False, args.timeout, extra=extra)
+                    results["rows"][-1].update(model_check(results["rows"][-1], fast, hook, extra, rate, args.window))
                 print(
                     f"{rate} {name}: {r['median_ms']:.0f} ms/step; target "
                     + (

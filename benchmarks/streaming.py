@@ -32,6 +32,8 @@ run met.
     python benchmarks/streaming.py --model gpt2 --variants ddp,streaming_fp4,torchft --name streaming_gpt2
     python benchmarks/streaming.py --d-model 512 --layers 2 --batch 2 --lr 2.5e-4 \
         --variants ddp,streaming_fp4,torchft --name streaming_wide   # where the link sets DDP's pace
+    python benchmarks/streaming.py --seed 1 --variants ddp,streaming_fp4 --name streaming_seed1  # another seed
+    python benchmarks/streaming.py --spread              # the seeds' gaps to DDP in one table
     python benchmarks/streaming.py --steps 64 --quick    # a smoke run, to a scratch directory
 
 Writes ``benchmarks/results/<name>.{md,json}`` (``streaming`` by default).
@@ -69,8 +71,8 @@ def parse_args():
     p.add_argument("--sync-every", type=int, default=16)
     p.add_argument("--fragments", type=int, default=4)
     p.add_argument("--overlap", type=int, default=1)
-    p.add_argument("--outer-lr", type=float, default=1.0)
-    p.add_argument("--outer-momentum", type=float, default=0.5)
+    p.add_argument("--outer-lr", type=float, default=0.7)
+    p.add_argument("--outer-momentum", type=float, default=0.7)
     p.add_argument("--mix", type=_mix, default=0.0, help="streaming's alpha, every streaming side; keep: fdp's default")
     p.add_argument("--lr", type=float, default=1e-3, help="Adam's peak rate inside, every side")
     p.add_argument("--warmup", type=int, default=0, help="with --cosine: linear warm-up steps")
@@ -81,11 +83,13 @@ def parse_args():
     p.add_argument("--batch", type=int, default=8, help="sequences per rank and step")
     p.add_argument("--block", type=int, default=64)
     p.add_argument("--window", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0, help="the init's and the batches' seed (0: the tables' runs)")
     p.add_argument("--latency-ms", type=float, default=0.5, help="per link, for the projection")
     p.add_argument("--variants", help="comma list of the variants' keys (default: all)")
     p.add_argument("--quick", action="store_true", help="write to a scratch directory")
     p.add_argument("--name", default="streaming")
     p.add_argument("--reuse", action="store_true", help="tabulate the rows a previous run left in the work directory")
+    p.add_argument("--spread", action="store_true", help="only tabulate streaming.json and streaming_seed*.json")
     return p.parse_args()
 
 
@@ -143,12 +147,12 @@ def corpus() -> str:
     return "".join(text)
 
 
-def batches(rank: int, steps: int, batch: int, block: int) -> tuple[int, list]:
+def batches(rank: int, steps: int, batch: int, block: int, seed: int = 0) -> tuple[int, list]:
     text = corpus()
     chars = sorted(set(text))
     lookup = {c: i for i, c in enumerate(chars)}
     data = torch.tensor([lookup[c] for c in text], dtype=torch.long)
-    g = torch.Generator().manual_seed(1000 + rank)
+    g = torch.Generator().manual_seed(1000 + rank + 7919 * seed)
     out = []
     for _ in range(steps):
         starts = torch.randint(0, data.numel() - block - 1, (batch,), generator=g)
@@ -162,7 +166,7 @@ def model(vocab: int, a):
     """The char transformer, or GPT-2 (``transformers.GPT2LMHeadModel``) built from a small config, seeded."""
     from fdp.model.builtin import CharTransformer, hf_model
 
-    torch.manual_seed(0)
+    torch.manual_seed(a.seed)
     if a.model == "gpt2":
         drop = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         shape = dict(n_layer=a.layers, n_embd=a.d_model, n_head=4, n_positions=a.block)
@@ -352,7 +356,7 @@ def worker(rank: int, world: int, port: int, key: str, a, lighthouse: str, store
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     v = variants(a)[key]
-    vocab, data = batches(rank, a.steps, a.batch, a.block)
+    vocab, data = batches(rank, a.steps, a.batch, a.block, a.seed)
     module = model(vocab, a)
     if v["side"] == "torchft":
         rows = run_torchft(module, data, a, v, rank, lighthouse, store_port + rank)
@@ -440,11 +444,22 @@ def goals(a, table: list[dict]) -> list[dict]:
     speedup = fp4["speedup"]["100mbit N=2"]
     out.append(
         (
-            "reaches DDP's loss >= 10x sooner at 100 Mbit/s (2 nodes)",
+            "reaches DDP's loss >= 10x sooner at 100 Mbit/s (2 nodes; this model, projected)",
             f"{speedup:.1f}x" if speedup else "not reached",
             bool(speedup and speedup >= 10),
         )
     )
+    simulated = RESULTS / "slow_links_streaming_100mbit.json"  # where the link sets DDP's pace (slow_links.py)
+    if simulated.exists():
+        row = next((r for r in json.loads(simulated.read_text())["rows"] if r["variant"].startswith("Streaming")), None)
+        if row is not None:
+            out.append(
+                (
+                    f"the same, measured on the simulated cluster ({simulated.stem}.md, charmlp)",
+                    f"{row['speedup']:.1f}x" if row["speedup"] else "not reached",
+                    bool(row["speedup"] and row["speedup"] >= 10),
+                )
+            )
     if "diloco" in rows:
         share = fp4["bytes_peak"] / rows["diloco"]["bytes_peak"]
         out.append(
@@ -545,12 +560,68 @@ def write(a, summary: dict, out: Path) -> None:
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
+_SETTINGS = ("steps", "sync_every", "fragments", "overlap", "outer_lr", "outer_momentum", "mix", "lr", "model")
+
+
+def spread() -> Path:
+    """One row per seed (``results/streaming.json``: seed 0, ``streaming_seed<N>.json``): how far each run of
+    the same settings ends from DDP's loss, so a single run's gap is read against the spread between runs."""
+    runs = [RESULTS / "streaming.json", *sorted(RESULTS.glob("streaming_seed*.json"))]
+    lines = [
+        "# Streaming DiLoCo (fp4) against DDP, seed by seed",
+        "",
+        "Command: `python benchmarks/streaming.py --spread`, over `streaming.json` (seed 0) and "
+        "`streaming_seed<N>.json` (`--seed N --variants ddp,streaming_fp4`). The same settings, a different init "
+        "and batches per seed.",
+        "",
+        "Settings (seed 0's run): "
+        + ", ".join(f"{k}={v}" for k, v in json.loads(runs[0].read_text())["args"].items() if k in _SETTINGS)
+        + ".",
+        "",
+        "| seed | steps | DDP's loss | fp4 streaming's | vs DDP | torchft's (fp32) | vs DDP |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    gaps, against = [], []
+    for path in runs:
+        data = json.loads(path.read_text())
+        rows = {r["key"]: r for r in data["rows"]}
+        if "streaming_fp4" not in rows:
+            continue
+        gap = rows["streaming_fp4"]["vs_ddp_loss"]
+        gaps.append(gap)
+        ft = rows.get("torchft")
+        if ft is not None:
+            against.append(rows["streaming_fp4"]["final_loss"] / ft["final_loss"] - 1)
+        lines.append(
+            f"| {data['args'].get('seed', 0)} | {data['args']['steps']} | {data['target']:.4f} | "
+            f"{rows['streaming_fp4']['final_loss']:.4f} | {100 * gap:+.2f}% | "
+            + (f"{ft['final_loss']:.4f} | {100 * ft['vs_ddp_loss']:+.2f}% |" if ft else "- | - |")
+        )
+    lines += [
+        "",
+        f"Mean {100 * statistics.mean(gaps):+.2f}%, from {100 * min(gaps):+.2f}% to {100 * max(gaps):+.2f}% over "
+        f"{len(gaps)} seeds; {sum(g <= 0.01 for g in gaps)} of {len(gaps)} within 1%."
+        + (
+            f" Against torchft's loss where both ran ({len(against)} seeds): {100 * statistics.mean(against):+.2f}% "
+            f"on average, from {100 * min(against):+.2f}% to {100 * max(against):+.2f}%."
+            if against
+            else ""
+        ),
+    ]
+    out = RESULTS / "streaming_spread.md"
+    out.write_text("\n".join(lines) + "\n")
+    return out
+
+
 def main() -> None:
     a = parse_args()
+    if a.spread:
+        print(f"wrote {spread()}")
+        return
     keys = a.variants.split(",") if a.variants else list(variants(a))
     if keys[0] != "ddp":
         keys = ["ddp", *[k for k in keys if k != "ddp"]]
-    work = Path(os.environ.get("TMPDIR", "/tmp"), "fdp-streaming")
+    work = Path(os.environ.get("TMPDIR", "/tmp"), "fdp-streaming" + (f"-seed{a.seed}" if a.seed else ""))
     work.mkdir(parents=True, exist_ok=True)
     results = {}
     for key in keys:

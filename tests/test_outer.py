@@ -397,7 +397,7 @@ VARIANTS = {
     "overlap0": [*POWERSGD, "outer.overlap=0"],
     "overlap3": [*POWERSGD, "outer.overlap=3"],
     "streaming": STREAMING,
-    "streaming_mix": [*STREAMING, "outer.mix=0", "outer.lr=1.0", "outer.momentum=0.5"],
+    "streaming_mix": [*STREAMING, "outer.mix=0", "outer.lr=0.7", "outer.momentum=0.7"],
 }
 
 
