@@ -247,7 +247,8 @@ def fdp_fragments(module, data, a, fragments: int):
 def run_fdp(module, data, a, v) -> list[dict]:
     from fdp import Comm, adam, init_train_state
     from fdp.hooks import allreduce, lowbit
-    from fdp.step.outer import check_outer, init_outer_state, make_outer_step
+    from fdp.step.outer import init_outer_state, make_outer_step
+    from fdp.step.outer_spec import check_outer
 
     _, params, buffers, loss_fn, plan, _ = fdp_fragments(module, data, a, v["fragments"])
     spec = check_outer(

@@ -113,7 +113,8 @@ from fdp.run.sharded_checkpoint import ShardedSaver, load_sharded
 from fdp.state.replicas import BUFFER_SYNC, setup_state, sync_buffers
 from fdp.state.train_state import TrainState, init_train_state, state_nbytes
 from fdp.step.chains import Reduction
-from fdp.step.outer import OuterSpec, OuterState, check_outer, init_outer_state, make_outer_step
+from fdp.step.outer import OuterState, init_outer_state, make_outer_step
+from fdp.step.outer_spec import OuterSpec, check_outer
 from fdp.step.reduce import GradReducer, resolve_schedule
 from fdp.step.train_step import StepOptions, TrainStep, make_train_step
 from fdp.update import zero

@@ -315,7 +315,8 @@ def _outer_rank_state(seed: int, in_flight: bool = False):
     from fdp import functionalize, init_train_state, plan_buckets, planner_loss, sgd
     from fdp.hooks import lowbit
     from fdp.model.losses import cross_entropy_loss
-    from fdp.step.outer import OuterSpec, init_outer_state
+    from fdp.step.outer import init_outer_state
+    from fdp.step.outer_spec import OuterSpec
 
     torch.manual_seed(0)
     model, params, buffers = functionalize(torch.nn.Linear(4, 3))

@@ -19,7 +19,8 @@ from fdp.run.config import ConfigError, DiLoCoConfig, LocalSGDConfig, compose
 from fdp.run.trainer import run, train_worker
 from fdp.run.validate import validate
 from fdp.run.world import layout_of
-from fdp.step.outer import check_outer, fragment_offsets, init_outer_state, make_outer_step, sending_fragment
+from fdp.step.outer import init_outer_state, make_outer_step
+from fdp.step.outer_spec import check_outer, fragment_offsets, sending_fragment
 
 STEPS = 8
 

@@ -43,7 +43,8 @@ from fdp.plan import BucketPlan, plan_buckets
 from fdp.run.config import DATA_SETTINGS
 from fdp.run.loop_controls import run_steps
 from fdp.state.train_state import TrainState
-from fdp.step.outer import check_outer, init_outer_state
+from fdp.step.outer import init_outer_state
+from fdp.step.outer_spec import check_outer
 from fdp.targets import build, classes_setting, label
 from fdp.update import zero
 from fdp.update.base import Update

@@ -34,7 +34,8 @@ from fdp.run.report import Report
 from fdp.run.rundir import RankStatus, RunDir
 from fdp.run.sharded_checkpoint import ShardedSaver
 from fdp.state.train_state import TrainState
-from fdp.step.outer import check_outer, make_outer_step
+from fdp.step.outer import make_outer_step
+from fdp.step.outer_spec import check_outer
 from fdp.step.train_step import TrainStep, make_train_step
 from fdp.trace import Timeline
 from fdp.update import zero

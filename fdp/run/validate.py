@@ -44,7 +44,7 @@ from fdp.run.rundir import RunDir
 from fdp.run.sharded_checkpoint import check_checkpoint_format
 from fdp.state.replicas import check_sync_buffers
 from fdp.step.compiled import check_compile
-from fdp.step.outer import check_outer
+from fdp.step.outer_spec import check_outer
 from fdp.step.reduce import resolve_schedule
 from fdp.step.train_step import check_nonfinite
 from fdp.targets import locate
