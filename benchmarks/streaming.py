@@ -33,7 +33,7 @@ run met.
     python benchmarks/streaming.py --d-model 512 --layers 2 --batch 2 --lr 2.5e-4 \
         --variants ddp,streaming_fp4,torchft --name streaming_wide   # where the link sets DDP's pace
     python benchmarks/streaming.py --seed 1 --variants ddp,streaming_fp4 --name streaming_seed1  # another seed
-    python benchmarks/streaming.py --spread              # the seeds' gaps to DDP in one table
+    python benchmarks/streaming.py --spread              # the seeds' gaps to DDP in one table (--model gpt2 too)
     python benchmarks/streaming.py --steps 64 --quick    # a smoke run, to a scratch directory
 
 Writes ``benchmarks/results/<name>.{md,json}`` (``streaming`` by default).
@@ -564,15 +564,17 @@ def write(a, summary: dict, out: Path) -> None:
 _SETTINGS = ("steps", "sync_every", "fragments", "overlap", "outer_lr", "outer_momentum", "mix", "lr", "model")
 
 
-def spread() -> Path:
-    """One row per seed (``results/streaming.json``: seed 0, ``streaming_seed<N>.json``): how far each run of
-    the same settings ends from DDP's loss, so a single run's gap is read against the spread between runs."""
-    runs = [RESULTS / "streaming.json", *sorted(RESULTS.glob("streaming_seed*.json"))]
+def spread(model: str) -> Path:
+    """One row per seed (``results/streaming.json``: seed 0, ``streaming_seed<N>.json``; ``streaming_gpt2*`` for
+    GPT-2): how far each run of the same settings ends from DDP's loss, so a single run's gap is read against the
+    spread between runs."""
+    name = "streaming" if model == "char" else f"streaming_{model}"
+    runs = [RESULTS / f"{name}.json", *sorted(RESULTS.glob(f"{name}_seed*.json"))]
     lines = [
-        "# Streaming DiLoCo (fp4) against DDP, seed by seed",
+        f"# Streaming DiLoCo (fp4) against DDP, seed by seed ({MODELS[model]})",
         "",
-        "Command: `python benchmarks/streaming.py --spread`, over `streaming.json` (seed 0) and "
-        "`streaming_seed<N>.json` (`--seed N --variants ddp,streaming_fp4`). The same settings, a different init "
+        f"Command: `python benchmarks/streaming.py --spread --model {model}`, over `{name}.json` (seed 0) and "
+        f"`{name}_seed<N>.json` (`--seed N --variants ddp,streaming_fp4`). The same settings, a different init "
         "and batches per seed.",
         "",
         "Settings (seed 0's run): "
@@ -603,13 +605,14 @@ def spread() -> Path:
         f"Mean {100 * statistics.mean(gaps):+.2f}%, from {100 * min(gaps):+.2f}% to {100 * max(gaps):+.2f}% over "
         f"{len(gaps)} seeds; {sum(g <= 0.01 for g in gaps)} of {len(gaps)} within 1%."
         + (
-            f" Against torchft's loss where both ran ({len(against)} seeds): {100 * statistics.mean(against):+.2f}% "
+            f" Against torchft's loss where both ran ({len(against)} seed{'s' * (len(against) > 1)}): "
+            f"{100 * statistics.mean(against):+.2f}% "
             f"on average, from {100 * min(against):+.2f}% to {100 * max(against):+.2f}%."
             if against
             else ""
         ),
     ]
-    out = RESULTS / "streaming_spread.md"
+    out = RESULTS / f"{name}_spread.md"
     out.write_text("\n".join(lines) + "\n")
     return out
 
@@ -617,7 +620,7 @@ def spread() -> Path:
 def main() -> None:
     a = parse_args()
     if a.spread:
-        print(f"wrote {spread()}")
+        print(f"wrote {spread(a.model)}")
         return
     keys = a.variants.split(",") if a.variants else list(variants(a))
     if keys[0] != "ddp":
