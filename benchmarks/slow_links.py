@@ -113,6 +113,19 @@ OUTER = {
         ],
     ),
 }
+# The same with the outer settings the char transformer's seeds chose (benchmarks/results/streaming_spread.md).
+OUTER["Streaming DiLoCo H=16 F=4 overlap 1 fp4 lr=0.7 m=0.7"] = (
+    "lowbit",
+    [
+        *(
+            o
+            for o in OUTER["Streaming DiLoCo H=16 F=4 overlap 1 fp4"][1]
+            if not o.startswith(("outer.lr", "outer.mom"))
+        ),
+        "outer.lr=0.7",
+        "outer.momentum=0.7",
+    ],
+)
 QUICK = ["fdp allreduce", "local SGD H=16", "local SGD H=4 bf16", "DiLoCo H=16"]
 
 
