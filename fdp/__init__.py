@@ -107,7 +107,8 @@ from fdp.plan import Bucket, BucketPlan, ParamSlot, gradient_ready_order, plan_b
 from fdp.plan.buckets import allocate, lay_out, pack, unpack
 from fdp.run.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from fdp.run.loggers import CsvLog, MlflowLog
-from fdp.run.loop_controls import LoopControls, Monitor, run_steps
+from fdp.run.loop_controls import LoopControls, run_steps
+from fdp.run.monitor import Monitor
 from fdp.run.rundir import RunDirInUse, own_run_dir
 from fdp.run.sharded_checkpoint import ShardedSaver, load_sharded
 from fdp.state.replicas import BUFFER_SYNC, setup_state, sync_buffers

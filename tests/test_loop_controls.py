@@ -14,15 +14,9 @@ from fdp.comm import Comm
 from fdp.data import StepSampler, as_map_data, load_digits
 from fdp.errors import ConfigError
 from fdp.run.config import compose
-from fdp.run.loop_controls import (
-    Deadline,
-    Monitor,
-    Stopping,
-    ranked,
-    run_steps,
-    stopping_update,
-)
+from fdp.run.loop_controls import Deadline, run_steps
 from fdp.run.metrics import read_metrics
+from fdp.run.monitor import Monitor, Stopping, ranked, stopping_update
 from fdp.run.rundir import RankStatus
 from fdp.run.trainer import run
 from fdp.run.validate import validate
