@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from fdp._torch import tree_flatten, tree_paths, tree_unflatten
+from fdp._torch import chunk_load_planner, chunk_of, mark_chunk, tree_flatten, tree_paths, tree_unflatten
 from fdp.comm import Comm
 from fdp.plan import BucketPlan
 from fdp.run.atomic import atomic_save, fsync_dir
@@ -103,10 +103,8 @@ def _staged(tensor: torch.Tensor, pin: bool, into: torch.Tensor | None = None) -
     fits = into is not None and into.shape == tensor.shape and into.dtype == tensor.dtype
     copy = into if fits else torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
     copy.copy_(tensor.detach())
-    for field in ("global_shape", "global_offsets", "local_offsets", "local_sizes"):
-        if hasattr(tensor, field):
-            setattr(copy, field, getattr(tensor, field))
-    return copy
+    chunk = chunk_of(tensor)
+    return mark_chunk(copy, *chunk) if chunk else copy
 
 
 def _rank_file(rank: int) -> str:
@@ -294,7 +292,11 @@ def load_sharded(path: str | os.PathLike, like: TrainState, update: Update, plan
     tensors, _ = update.checkpoint_pieces(tree, comm, reading=True)
     try:
         dcp.load(
-            tensors, storage_reader=dcp.FileSystemReader(path), process_group=comm.group, no_dist=comm.world_size == 1
+            tensors,
+            storage_reader=dcp.FileSystemReader(path),
+            planner=chunk_load_planner(),
+            process_group=comm.group,
+            no_dist=comm.world_size == 1,
         )
     except Exception as error:  # DCP names the first tensor it could not read
         refused = f"checkpoint {path} does not fit this run's state: {str(error).strip().splitlines()[-1][:300]}"

@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import torch
 
-from fdp._torch import tree_flatten, tree_paths
+from fdp._torch import mark_chunk, tree_flatten, tree_paths
 from fdp.plan import BucketPlan
 
 __all__ = ["state_pieces", "logical_key", "param_shapes", "SliceRange"]
@@ -62,12 +62,8 @@ def param_shapes(plan: BucketPlan) -> dict[str, tuple[int, ...]]:
 
 def _piece(flat: torch.Tensor, numel: int, offset: int) -> torch.Tensor:
     """``flat`` (1-D) marked as elements ``[offset, offset + len)`` of a logical 1-D tensor of ``numel``."""
-    piece = flat.view(-1)[:]  # an object of its own: the fields below are set on it, not on the state's tensor
-    piece.global_shape = (numel,)
-    piece.global_offsets = ((offset,),)
-    piece.local_offsets = ((0,),)
-    piece.local_sizes = ((piece.numel(),),)
-    return piece
+    # an object of its own: the fields are set on it, not on the state's tensor
+    return mark_chunk(flat.view(-1)[:], (numel,), (offset,))
 
 
 def _even_range(numel: int, rank: int, world: int) -> tuple[int, int]:
