@@ -168,7 +168,14 @@ def _raised_in(error: BaseException, function: str) -> bool:
 
 
 def main(hydra_main: Callable[[], Any]) -> None:
-    """Run a ``@hydra.main`` function, Hydra's own errors turned into one ``error:`` line (exit 2)."""
+    """Run a ``@hydra.main`` function, Hydra's own errors turned into one ``error:`` line (exit 2).
+
+    ``--help`` (with any overrides) prints every key of that config, its value and meaning
+    (``fdp.run.reference``), in place of Hydra's list of keys without meanings.
+    """
+    if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
+        _print_help([arg for arg in sys.argv[1:] if not arg.startswith("-")])
+        return
     if os.environ.get("HYDRA_FULL_ERROR") == "1":  # the user asked for Hydra's full report
         hydra_main()
         return
@@ -181,6 +188,18 @@ def main(hydra_main: Callable[[], Any]) -> None:
             raise
         print(f"error: {line}", file=sys.stderr, flush=True)
         sys.exit(REFUSED)
+
+
+def _print_help(overrides: list[str]) -> None:
+    from fdp.run.config import compose
+    from fdp.run.reference import help_text
+
+    try:
+        cfg = compose(*overrides)
+    except Exception as error:
+        print(f"error: {hydra_error_line(error) or error}", file=sys.stderr, flush=True)
+        sys.exit(REFUSED)
+    print(help_text(cfg), flush=True)
 
 
 # -- a run from the shell -----------------------------------------------------------------

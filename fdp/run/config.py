@@ -26,25 +26,25 @@ from fdp.errors import ConfigError  # noqa: F401  (where callers of the config l
 class MLPConfig:
     name: str = "mlp"
     _target_: str = "fdp.model.builtin.MLP"
-    hidden: int = 256
-    depth: int = 2
+    hidden: int = 256  # the width of each hidden layer
+    depth: int = 2  # hidden layers
 
 
 @dataclass
 class ConvNetConfig:
     name: str = "convnet"
     _target_: str = "fdp.model.builtin.ConvNet"
-    width: int = 32
+    width: int = 32  # channels of the first convolution (the second has twice as many)
 
 
 @dataclass
 class CharLMConfig:
     name: str = "charlm"
     _target_: str = "fdp.model.builtin.CharTransformer"
-    d_model: int = 128
-    n_layer: int = 4
-    n_head: int = 4
-    dropout: float = 0.0
+    d_model: int = 128  # the width of the residual stream
+    n_layer: int = 4  # transformer blocks
+    n_head: int = 4  # attention heads per block (d_model divisible by it)
+    dropout: float = 0.0  # dropout rate after attention and the MLP
 
 
 @dataclass
@@ -60,25 +60,25 @@ class CustomModelConfig:
 class DigitsConfig:
     name: str = "digits"
     _target_: str = "fdp.data.load_digits"
-    global_batch_size: int = 64
-    test_fraction: float = 0.2
+    global_batch_size: int = 64  # samples per step over all ranks and micro-batches
+    test_fraction: float = 0.2  # the share of the data held out as the test split
 
 
 @dataclass
 class StdlibTextConfig:
     name: str = "stdlib_text"
     _target_: str = "fdp.data.load_stdlib_text"
-    global_batch_size: int = 32
-    block_size: int = 64
-    max_chars: int = 1_000_000
-    test_fraction: float = 0.1
+    global_batch_size: int = 32  # samples per step over all ranks and micro-batches
+    block_size: int = 64  # tokens (characters) per sample
+    max_chars: int = 1_000_000  # characters read from Python's standard library sources
+    test_fraction: float = 0.1  # the share of the text held out as the test split
 
 
 @dataclass
 class CustomDataConfig:
     name: str = "custom"
     _target_: str = MISSING
-    global_batch_size: int = 64
+    global_batch_size: int = 64  # samples per step over all ranks and micro-batches
     num_workers: int = 0  # DataLoader worker processes per rank (0: load in the training process)
 
 
@@ -105,13 +105,13 @@ class CausalLMLossConfig:  # next-token cross-entropy over every counted token o
     _target_: str = "fdp.model.losses.TokenCrossEntropy"
     shift: int = 1  # labels are the input ids (Hugging Face's convention): position t predicts t + 1
     ignore_index: int = -100  # targets not counted (padding)
-    label_smoothing: float = 0.0
+    label_smoothing: float = 0.0  # as torch.nn.functional.cross_entropy's
 
 
 @dataclass
 class MaskedLMLossConfig(CausalLMLossConfig):
     name: str = "masked_lm"
-    shift: int = 0
+    shift: int = 0  # labels are aligned with the inputs: position t predicts t
 
 
 @dataclass
@@ -123,42 +123,42 @@ class CustomLossConfig:
 # -- optimizer -------------------------------------------------------------------------
 @dataclass
 class OptimShared:  # the settings every optimizer takes (fdp.optim.registry)
-    lr: float = 1e-3
+    lr: float = 1e-3  # the peak learning rate (the schedule scales it)
     lr_schedule: str = "constant"  # constant | warmup_constant | warmup_linear | warmup_cosine | wsd
-    warmup_steps: int = 0
+    warmup_steps: int = 0  # steps of linear warmup from 0 to lr (warmup_* schedules)
     warmup_ratio: float = 0.0  # where warmup_steps is 0: warm up over this fraction of trainer.max_steps
     end_lr: float = 0.0  # the rate at trainer.max_steps of the decaying schedules
     decay_fraction: float = 0.1  # wsd: the last fraction of the run, over which the rate decays
     decay_filter: Any = "all"  # all | weights (not biases, norms, embeddings) | [names exempt from weight decay]
-    clip_norm: Optional[float] = None
+    clip_norm: Optional[float] = None  # clip the global gradient norm to this (None: off)
 
 
 @dataclass
 class OptimBase(OptimShared):
-    weight_decay: float = 0.0
+    weight_decay: float = 0.0  # L2 penalty added to the gradient (decay_filter chooses the params)
 
 
 @dataclass
 class SGDConfig(OptimBase):
     name: str = "sgd"
-    lr: float = 0.1
-    momentum: float = 0.9
-    dampening: float = 0.0
-    nesterov: bool = False
+    lr: float = 0.1  # the peak learning rate (the schedule scales it)
+    momentum: float = 0.9  # as torch.optim.SGD's
+    dampening: float = 0.0  # as torch.optim.SGD's
+    nesterov: bool = False  # Nesterov momentum, as torch.optim.SGD's
 
 
 @dataclass
 class AdamConfig(OptimBase):
     name: str = "adam"
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
+    b1: float = 0.9  # the first moment's decay (torch's betas[0])
+    b2: float = 0.999  # the second moment's decay (torch's betas[1])
+    eps: float = 1e-8  # added to the second moment's root
 
 
 @dataclass
 class AdamWConfig(AdamConfig):
     name: str = "adamw"
-    weight_decay: float = 0.01
+    weight_decay: float = 0.01  # decoupled weight decay, as torch.optim.AdamW's (decay_filter chooses the params)
 
 
 @dataclass
@@ -186,22 +186,22 @@ class TrainerConfig:
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
     checkpoint_monitor: str = ""  # keep the keep_best best checkpoints by this metric in checkpoints/best/ ("": off)
     checkpoint_mode: str = "auto"  # auto | min | max, as early_stopping.mode
-    keep_best: int = 1
+    keep_best: int = 1  # checkpoint_monitor: how many of the best checkpoints to keep
     ema_decay: float = 0.0  # a moving average of the params, evaluated as ema_<metric> and checkpointed (0: off)
     stop_at: int = 0  # end this invocation early at this step, to resume later (0: run to max_steps)
-    accum_steps: int = 1
-    log_every: int = 10
+    accum_steps: int = 1  # micro-batches per step (gradients accumulated; the global batch stays)
+    log_every: int = 10  # steps between lines in train.log and metrics.jsonl (the end is always logged)
     eval_every: int = 100  # 0: evaluate only at the end
-    eval_batches: int = 20
+    eval_batches: int = 20  # batches of the held-out split per evaluation
     checkpoint_every: int = 100  # 0: checkpoint only at the end
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = 2  # step checkpoints kept (older ones are pruned; best ones apart)
     checkpoint_format: str = "whole"  # whole (rank 0 writes one file) | sharded (each rank its share, DCP's format)
     checkpoint_async: bool = True  # checkpoint_format=sharded: write while training goes on (the loop waits to stage)
     resume: Any = False  # true: continue hydra.run.dir from its last checkpoint | PATH: start from that checkpoint
     reschedule: bool = False  # resume with another max_steps: stretch the learning-rate schedule over it (else refused)
-    bucket_cap_mb: float = 25.0
-    first_bucket_cap_mb: float = 1.0
-    allow_unused: bool = False
+    bucket_cap_mb: float = 25.0  # the most MiB of gradients one bucket reduces (as DDP's bucket_cap_mb)
+    first_bucket_cap_mb: float = 1.0  # the first bucket's cap: small, so its reduction starts early
+    allow_unused: bool = False  # params no gradient reaches are allowed (else refused at planning)
     schedule: str = (
         "auto"  # auto | after | overlap: when bucket reductions start (auto: overlap on more than one process)
     )
@@ -219,28 +219,28 @@ class TrainerConfig:
     # none | blocks | every_k: modules whose activations backward recomputes (fdp.model.remat): the repeated blocks, or
     # the classes named in the policy ([Block]); every_k: every k-th of them
     activation_checkpointing: str = "none"
-    activation_checkpointing_policy: List[str] = field(default_factory=list)
-    activation_checkpointing_k: int = 2
+    activation_checkpointing_policy: List[str] = field(default_factory=list)  # module classes to checkpoint
+    activation_checkpointing_k: int = 2  # every_k: checkpoint every k-th module
     reshard_after_forward: bool = (
         True  # zero_stage=3: release each bucket's params after forward, gather again for backward
     )
     trace: bool = False  # write a Chrome trace per rank to <run dir>/trace/ (for short diagnostic runs)
     tensorboard: bool = False  # the same as "tensorboard" in loggers
     loggers: List[str] = field(default_factory=list)  # tensorboard | csv | mlflow, beside metrics.jsonl (rank 0)
-    progress: bool = True
+    progress: bool = True  # a progress bar on rank 0's terminal
 
 
 @dataclass
 class WorldConfig:
-    name: str = "single"
+    name: str = "single"  # the world option chosen (conf/world/)
     launcher: str = "none"  # none | elastic | torchrun | slurm
-    nnodes: int = 1
-    nproc_per_node: int = 1
+    nnodes: int = 1  # machines (torchrun's and slurm's)
+    nproc_per_node: int = 1  # processes (ranks) per machine
     backend: str = "auto"  # auto | gloo | nccl (auto: NCCL when every rank has a GPU of its own)
     accelerator: str = "auto"  # auto | cpu | gpu (auto: the GPUs when there are any)
     devices: Any = "auto"  # auto | N | -1 | "0,2" | [0,2]: see fdp.dist.devices
-    timeout_s: float = 300.0
-    max_restarts: int = 0
+    timeout_s: float = 300.0  # the longest a collective may wait for a peer before the rank is lost
+    max_restarts: int = 0  # on_rank_loss=restart: restarts of the world from its last checkpoint
     on_rank_loss: str = (
         "restart"  # restart: a lost rank ends the world (max_restarts restarts it) | shrink: the rest go on
     )
@@ -283,39 +283,39 @@ class NoopConfig:
 @dataclass
 class PowerSGDConfig:
     name: str = "powersgd"
-    rank: int = 1
-    start_iter: int = 10
-    min_compression_rate: float = 2.0
-    error_feedback: bool = True
-    warm_start: bool = True
-    orthogonalization_epsilon: float = 0.0
-    seed: int = 0
-    batch_same_shape: bool = False
+    rank: int = 1  # the rank of each gradient matrix's approximation
+    start_iter: int = 10  # steps reduced whole before compression starts
+    min_compression_rate: float = 2.0  # a tensor compressed only if this saves that factor
+    error_feedback: bool = True  # add what compression lost to the next step's gradient
+    warm_start: bool = True  # reuse the last step's Q (else a fresh random one each step)
+    orthogonalization_epsilon: float = 0.0  # added in Gram-Schmidt's norms (0: none)
+    seed: int = 0  # the first Q's random seed (alike on every rank)
+    batch_same_shape: bool = False  # compress the tensors of one shape as one batched matrix
 
 
 @dataclass
 class BatchedPowerSGDConfig:
     name: str = "batched_powersgd"
-    rank: int = 1
-    start_iter: int = 10
-    error_feedback: bool = True
-    warm_start: bool = True
-    orthogonalization_epsilon: float = 0.0
-    seed: int = 0
+    rank: int = 1  # the rank of the bucket's square matrix approximation
+    start_iter: int = 10  # steps reduced whole before compression starts
+    error_feedback: bool = True  # add what compression lost to the next step's gradient
+    warm_start: bool = True  # reuse the last step's Q (else a fresh random one each step)
+    orthogonalization_epsilon: float = 0.0  # added in Gram-Schmidt's norms (0: none)
+    seed: int = 0  # the first Q's random seed (alike on every rank)
 
 
 @dataclass
 class TopKConfig:
     name: str = "topk"
-    ratio: float = 0.01
-    error_feedback: bool = True
+    ratio: float = 0.01  # the share of each bucket's entries sent (where k is None)
+    error_feedback: bool = True  # add the entries not sent to the next step's gradient
     k: Optional[int] = None  # entries sent per bucket; None: ceil(ratio * numel)
 
 
 @dataclass
 class Int8Config:
     name: str = "int8"
-    error_feedback: bool = True
+    error_feedback: bool = True  # add the rounding error to the next step's gradient
 
 
 @dataclass
@@ -323,13 +323,13 @@ class LowBitConfig:
     name: str = "lowbit"
     format: str = "fp4"  # int8, fp8 (e4m3), int4 or fp4 (e2m1)
     block: int = 64  # entries per scale
-    error_feedback: bool = True
+    error_feedback: bool = True  # add the rounding error to the next step's gradient
 
 
 @dataclass
 class ChainConfig:
     name: str = "chain"
-    stages: List[Any] = field(default_factory=list)
+    stages: List[Any] = field(default_factory=list)  # hook configs run in order on each bucket
 
 
 @dataclass
@@ -359,8 +359,8 @@ class LocalSGDConfig:
 class DiLoCoConfig(LocalSGDConfig):
     name: str = "diloco"
     lr: float = 0.7  # the outer optimizer: SGD on the averaged pseudo-gradient
-    momentum: float = 0.9
-    nesterov: bool = True
+    momentum: float = 0.9  # the outer SGD's momentum
+    nesterov: bool = True  # the outer SGD's Nesterov momentum
 
 
 # -- the whole run ---------------------------------------------------------------------
