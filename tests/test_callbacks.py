@@ -15,7 +15,9 @@ import torch
 from _loop_callbacks import Recorder
 from _paths import pythonpath_first
 
+from fdp.comm import Comm
 from fdp.errors import ConfigError
+from fdp.run.callbacks import Callback, CallbackError, Callbacks
 from fdp.run.config import compose
 from fdp.run.consolidate import consolidate
 from fdp.run.trainer import run
@@ -107,14 +109,15 @@ def test_at_stage_3_whole_params_gathers_what_the_checkpoint_holds(stage3):
     assert all(torch.equal(whole[name], saved[name]) for name in whole)
 
 
-def test_every_rank_state_is_saved_per_rank_and_restored_on_resume_at_stage_3(stage3):
+def test_every_rank_state_is_saved_per_rank_and_restored_on_resume_at_stage_3_from_python(stage3):
     tmp, _ = stage3
-    # The same run stopped at step 3 and resumed (sharded checkpoints, two ranks): each rank's recorder goes on
-    # from its own saved state and ends where the uninterrupted one's did.
-    spec = recorder_spec(tmp / "resumed.jsonl", every_rank="true")
+    # The same run stopped at step 3 and resumed (sharded checkpoints, two ranks), its recorder given from Python
+    # (each rank unpickles a copy): each rank's goes on from its own saved state and ends where the uninterrupted
+    # one's did.
     common = [*SMALL, "world=local2", "trainer.zero_stage=3", "trainer.checkpoint_format=sharded"]
-    run(compose(*common, f"trainer.callbacks=[{spec}]", "trainer.stop_at=3"), tmp / "resumed")
-    run(compose(*common, f"trainer.callbacks=[{spec}]", "trainer.resume=true"), tmp / "resumed")
+    given = [Recorder(str(tmp / "resumed.jsonl"), every_rank=True)]
+    run(compose(*common, "trainer.stop_at=3"), tmp / "resumed", callbacks=given)
+    run(compose(*common, "trainer.resume=true"), tmp / "resumed", callbacks=given)
     straight = {e["rank"]: e["state"] for e in events(tmp / "every.jsonl") if e["event"] == "run_end"}
     resumed = [e for e in events(tmp / "resumed.jsonl") if e["event"] == "run_end"]
     assert len(resumed) == 4  # the stopped invocation's two ranks, then the resumed one's
@@ -138,6 +141,25 @@ def test_state_is_restored_exactly_on_resume_from_python(tmp_path, fmt):
 
 
 # -- failures ----------------------------------------------------------------------------------------
+class KeepsAnObject(Callback):
+    def on_step_end(self, event):
+        pass
+
+    def state_dict(self):
+        return {"seen": {1, 2}}  # torch.save would write it; a checkpoint loads with weights_only=True
+
+
+def test_a_state_that_would_not_load_is_refused_when_saved():
+    with pytest.raises(CallbackError, match=r"state_dict\(\)\['seen'\] is of type set; expected plain values"):
+        Callbacks([KeepsAnObject()]).payload(Comm())
+
+
+def test_something_not_a_callback_given_from_python_is_refused_before_the_run(tmp_path):
+    with pytest.raises(ConfigError, match=r"callbacks\[0\]: the class Recorder \(an instance is called for"):
+        run(compose(*SMALL), tmp_path / "run", callbacks=[Recorder])
+    assert not (tmp_path / "run").exists()
+
+
 def _recipe_run(tmp_path, *overrides):
     env = {**os.environ, "PYTHONPATH": pythonpath_first(ROOT, TESTS)}
     argv = [sys.executable, "recipes/train.py", *SMALL, f"hydra.run.dir={tmp_path / 'run'}", *overrides]

@@ -5,7 +5,7 @@ A callback is an object with any of these methods (``Callback`` has them all, do
 * ``on_step_end(event)``: after every step, with the step's metrics (this rank's: ``loss`` is its share's);
 * ``on_evaluation_end(event)``: after each evaluation, with its record (rank 0's on every rank: ``test_loss``...);
 * ``on_save(event)``: once a checkpoint is complete, ``event.checkpoint`` its path (with the whole-file format
-  only rank 0's is known: ``None`` on the others);
+  only rank 0's is known: ``None`` on the others; an asynchronous sharded write is waited for first);
 * ``on_run_end(event)``: once the loop is done (the last step, a stop or a signal), the summary as its metrics.
 
 Where it runs: rank 0 only, unless it declares ``every_rank = True``. What it keeps across a resume:
@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
@@ -75,8 +74,6 @@ from fdp.targets import build, locate
 from fdp.update import zero
 
 __all__ = ["Callback", "CallbackError", "Callbacks", "LoopEvent", "check_callbacks", "check_given"]
-
-log = logging.getLogger("fdp")
 
 # The events by name (as errors name them) and the method each calls.
 EVENTS = {
@@ -365,11 +362,18 @@ class Callbacks:
     # -- their state in checkpoints ---------------------------------------------------------------
     def _state(self, name: str, callback: Any) -> Any:
         try:
-            return callback.state_dict()
+            state = callback.state_dict()
         except Exception as error:
             raise CallbackError(
                 f"callback {name!r} failed at state_dict: {type(error).__name__}: {_first_line(error)}"
             ) from error
+        odd = _not_plain(state, "state_dict()")
+        if odd is not None:  # it would save, but not load (checkpoints load with weights_only=True)
+            raise CallbackError(
+                f"callback {name!r} failed at state_dict: {odd}; expected plain values (dict, list, tuple, str, "
+                "int, float, bool, None) and tensors"
+            )
+        return state
 
     def payload(self, comm: Comm) -> dict:
         """The checkpoint's ``callbacks`` entry (call on every rank: an ``every_rank`` callback's state is
@@ -406,6 +410,23 @@ class Callbacks:
                 raise CallbackError(
                     f"callback {name!r} failed at load_state_dict: {type(error).__name__}: {_first_line(error)}"
                 ) from error
+
+
+def _not_plain(tree: Any, path: str) -> str | None:
+    """Where ``tree`` holds something other than plain values and tensors (``None``: nowhere).
+
+    >>> _not_plain({"best": 0.5, "steps": [1, 2], "at": object()}, "state")
+    "state['at'] is of type object"
+    """
+    if tree is None or isinstance(tree, (str, int, float, bool, torch.Tensor)):
+        return None
+    if isinstance(tree, dict):
+        items = tree.items()
+    elif isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
+        items = enumerate(tree)
+    else:
+        return f"{path} is of type {type(tree).__name__}"
+    return next((odd for k, v in items if (odd := _not_plain(v, f"{path}[{k!r}]")) is not None), None)
 
 
 def _first_line(error: BaseException) -> str:
