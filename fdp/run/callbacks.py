@@ -240,23 +240,46 @@ def build_callbacks(specs: Any, path: str = "trainer.callbacks") -> list[tuple[s
 
 
 # -- the read-only view ---------------------------------------------------------------------------
-def _frozen(tree: Any, path: str, seen: list) -> Any:
+def _frozen(tree: Any, seen: list) -> Any:
     """``tree`` with its mappings frozen and its lists made tuples; each tensor noted in ``seen`` with its
     version, to tell a write after the call."""
     if isinstance(tree, torch.Tensor):
-        seen.append((path, tree, tree._version))
+        seen.append((tree, tree._version))
         return tree
-    if isinstance(tree, Mapping):
-        return MappingProxyType({k: _frozen(v, f"{path}[{k!r}]", seen) for k, v in tree.items()})
-    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # a NamedTuple: its own type, its fields by name
-        return type(tree)(*(_frozen(v, f"{path}.{f}", seen) for f, v in zip(tree._fields, tree)))
-    if isinstance(tree, (list, tuple)):
-        return tuple(_frozen(v, f"{path}[{i}]", seen) for i, v in enumerate(tree))
+    if isinstance(tree, (int, float, str, type(None))):
+        return tree
+    if isinstance(tree, dict):
+        return MappingProxyType({k: _frozen(v, seen) for k, v in tree.items()})
+    if isinstance(tree, tuple):
+        if hasattr(tree, "_fields"):  # a NamedTuple: its own type
+            return type(tree)(*(_frozen(v, seen) for v in tree))
+        return tuple(_frozen(v, seen) for v in tree)
+    if isinstance(tree, (list, Mapping)):
+        return _frozen(dict(tree) if isinstance(tree, Mapping) else tuple(tree), seen)
     return tree
 
 
-def _written(seen: list) -> str | None:
-    return next((path for path, tensor, version in seen if tensor._version != version), None)
+def _path_to(tree: Any, target: torch.Tensor, path: str) -> str | None:
+    """Where ``target`` is in ``tree`` (``state.params['w']``), for the message; ``None`` if it is not."""
+    if tree is target:
+        return path
+    if isinstance(tree, Mapping):
+        items = ((f"{path}[{k!r}]", v) for k, v in tree.items())
+    elif isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        items = ((f"{path}.{f}", v) for f, v in zip(tree._fields, tree))
+    elif isinstance(tree, (list, tuple)):
+        items = ((f"{path}[{i}]", v) for i, v in enumerate(tree))
+    else:
+        return None
+    return next((found for p, v in items if (found := _path_to(v, target, p)) is not None), None)
+
+
+def _written(seen: list, shown: dict[str, Any]) -> str | None:
+    """Where a tensor noted in ``seen`` was written since (its version moved), among the ``shown`` trees."""
+    tensor = next((t for t, version in seen if t._version != version), None)
+    if tensor is None:
+        return None
+    return next((p for name, tree in shown.items() if (p := _path_to(tree, tensor, name)) is not None), "a tensor")
 
 
 def _cloned(tree: Any) -> Any:
@@ -309,8 +332,8 @@ class Callbacks:
         if not listening:
             return
         seen: list = []
-        view = _frozen(state, "state", seen)
-        shown = _frozen(dict(metrics), "metrics", seen)
+        view = _frozen(state, seen)
+        shown = _frozen(dict(metrics), seen)
         sharded = self.plan is not None and zero.params_sharded(state.params, self.plan)
         for name, callback in listening:
             whole = self._whole(state, comm, getattr(callback, "every_rank", False)) if sharded else None
@@ -319,7 +342,7 @@ class Callbacks:
                 getattr(callback, EVENTS[event])(shown_to)
             except Exception as error:
                 raise self._failed(name, event, state.step, f"{type(error).__name__}: {_first_line(error)}") from error
-            written = _written(seen)
+            written = _written(seen, {"state": state, "metrics": metrics})
             if written is not None:
                 raise self._failed(
                     name,
