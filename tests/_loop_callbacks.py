@@ -72,3 +72,11 @@ class Writes(Callback):
 
     def on_step_end(self, event):
         next(iter(event.state.params.values())).zero_()
+
+
+class KeepsWhole(Callback):
+    """Keeps a copy of the params, whole, at the run's end (one process: the test reads the object itself)."""
+
+    def on_run_end(self, event):
+        self.params = {name: t.clone() for name, t in event.whole_params().items()}
+        self.shown = sorted(event.state.params)

@@ -12,7 +12,7 @@ from pathlib import Path
 import _recipe
 import pytest
 import torch
-from _loop_callbacks import Recorder
+from _loop_callbacks import KeepsWhole, Recorder
 from _paths import pythonpath_first
 
 from fdp.comm import Comm
@@ -138,6 +138,17 @@ def test_state_is_restored_exactly_on_resume_from_python(tmp_path, fmt):
     run(compose(*common, "trainer.resume=true"), tmp_path / "resumed", callbacks=[second])
     assert second.state_dict() == straight.state_dict()
     assert straight.counts == {"step_end": 6, "evaluation_end": 2, "save": 3}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_at_every_stage_a_callback_sees_the_params_the_checkpoint_holds(tmp_path, stage):
+    keeps = KeepsWhole()
+    run(compose(*SMALL, f"trainer.zero_stage={stage}"), tmp_path, callbacks=[keeps])
+    saved = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)["params"]
+    assert sorted(keeps.params) == sorted(saved)
+    assert all(torch.equal(keeps.params[name], saved[name]) for name in saved)
+    # What it was shown: the params by name, or at stage 3 this rank's slices by bucket.
+    assert keeps.shown == (["bucket0", "bucket1", "bucket2"] if stage == 3 else sorted(saved))
 
 
 # -- failures ----------------------------------------------------------------------------------------
