@@ -59,8 +59,9 @@ or of packages above it in this list; ``tests/test_imports.py`` holds every impo
   checkpoints, metrics, loggers, evaluation and the run directory (``checkpoint``, ``metrics``, ``loggers``,
   ``evaluate``, ``rundir``), the world on this machine (``world``), the one start-up (``startup``), a run's
   pieces (``build``), its report, epochs, time limits, early stopping and best checkpoints
-  (``loop_controls``), the loop of one world (``loop``), a rank's run from start to summary (``trainer``), what a
-  rank out of memory says (``out_of_memory``), the shell entry (``cli``) and sweeps (``sweep``); sharded,
+  (``loop_controls``), your own code called in the loop (``callbacks``), the loop of one world (``loop``), a
+  rank's run from start to summary (``trainer``), what a rank out of memory says (``out_of_memory``), the shell
+  entry (``cli``) and sweeps (``sweep``); sharded,
   asynchronous checkpoints in DCP's format (``sharded_checkpoint``) and their consolidation into one file
   (``consolidate``).
 * ``checkpoint``: the ``python -m fdp.checkpoint consolidate RUN_DIR`` command.
@@ -105,6 +106,7 @@ from fdp.optim import (
 from fdp.optim.ema import Ema, ema
 from fdp.plan import Bucket, BucketPlan, ParamSlot, gradient_ready_order, plan_buckets
 from fdp.plan.buckets import allocate, lay_out, pack, unpack
+from fdp.run.callbacks import Callback, CallbackError, LoopEvent
 from fdp.run.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from fdp.run.loggers import CsvLog, MlflowLog
 from fdp.run.loop_controls import LoopControls, run_steps
@@ -219,4 +221,7 @@ __all__ = [
     "launcher_of",
     "register_launcher",
     "record_build",
+    "Callback",
+    "CallbackError",
+    "LoopEvent",
 ]

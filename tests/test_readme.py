@@ -3,6 +3,7 @@ README.md and examples/README.md that is not marked an illustration."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -52,6 +53,17 @@ def test_the_two_process_example_trains_checkpoints_and_resumes_to_the_same_para
         "step_00000003.pt",
         "step_00000006.pt",
     ]
+
+
+def test_the_callbacks_example_runs_and_its_callback_writes_every_fifth_step(tmp_path):
+    text = (ROOT / "README.md").read_text()
+    section = text.split("### Your own code in the loop: callbacks", 1)[1].split("\n### ", 1)[0]
+    (code,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    done = _run(code, tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "4 lines"
+    lines = (tmp_path / "outputs" / "callbacks" / "losses.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [5, 10, 15, 20]
 
 
 # -- every shell command of the READMEs ---------------------------------------------------------

@@ -11,8 +11,9 @@ what it caught, and ``hydra_error_line`` translates it. A user who sets
 ``run_from_shell(cfg, run_dir, save_config)`` is what the recipe does with a composed
 config: start the run as the Python API does (``fdp.run.startup.start_run``: the world
 resolved, the config validated once, the run directory owned), write its config files,
-train, and end with one line and an exit status: 0 done, 2 refused (nothing left behind),
-1 failed, ``128 + signal`` interrupted (130 for SIGINT, 143 for SIGTERM).
+train, and end with one line and an exit status: 0 done, 2 refused (nothing left behind) or a callback of
+yours failed (``fdp.run.callbacks``; its traceback in ``train.log``), 1 failed, ``128 + signal``
+interrupted (130 for SIGINT, 143 for SIGTERM).
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import logging
 import os
 import re
 import signal
 import sys
+import traceback
 import typing
 from pathlib import Path
 from typing import Any, Callable
@@ -35,7 +38,7 @@ from fdp.errors import ConfigError
 from fdp.run.checkpoint import CheckpointError, last_of
 from fdp.run.keys import unknown_key_line
 from fdp.run.metrics import summary_line
-from fdp.run.rundir import CHECKPOINTS, run_log
+from fdp.run.rundir import CHECKPOINTS, run_log, train_log_handler
 
 __all__ = ["hydra_error_line", "main", "run_from_shell", "train"]
 
@@ -43,6 +46,7 @@ REFUSED, FAILED = 2, 1
 # Failures the run reports in one line: the message says what happened and what to change.
 EXPECTED = (
     "ConfigError",
+    "CallbackError",
     "CheckpointError",
     "FloatingPointError",
     "RankLostError",
@@ -209,6 +213,29 @@ def _refused(error: BaseException) -> bool:
     return isinstance(error, (ConfigError, CheckpointError))
 
 
+def _callback_failed(error: BaseException) -> bool:
+    from fdp.run.callbacks import CallbackError
+
+    if isinstance(error, WorkerFailedError):
+        return error.error_type == CallbackError.__name__
+    return isinstance(error, CallbackError)
+
+
+def _traceback_of(error: BaseException) -> str:
+    if isinstance(error, WorkerFailedError):
+        return error.traceback
+    return "".join(traceback.format_exception(error))
+
+
+def _to_train_log(run_dir: Path | None, text: str) -> None:
+    """``text`` into ``<run dir>/train.log`` alone (not the terminal)."""
+    if run_dir is None or not text:
+        return
+    handler = train_log_handler(run_dir)
+    handler.handle(logging.makeLogRecord({"msg": text.rstrip(), "levelno": logging.ERROR, "levelname": "ERROR"}))
+    handler.close()
+
+
 def _last_checkpoint(run_dir: Path) -> str:
     last = last_of(run_dir / CHECKPOINTS)
     if not last.exists():
@@ -263,6 +290,10 @@ def run_from_shell(cfg: Any, run_dir: str | Path, save_config: Callable[[Any, Pa
             except Exception as error:
                 if _refused(error):
                     raise
+                if _callback_failed(error):  # the user's code, not fdp's: one line; where it failed, in train.log
+                    _to_train_log(run_dir if owner else None, _traceback_of(error))
+                    log.error(f"error: {error}")
+                    return REFUSED
                 if isinstance(error, WorkerFailedError) and error.error_type not in EXPECTED and error.traceback:
                     print(error.traceback, file=sys.stderr, end="")  # a bug: show where
                 if not isinstance(error, (WorkerFailedError, RankLostError, RankOutOfMemoryError, FloatingPointError)):

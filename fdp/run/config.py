@@ -227,6 +227,8 @@ class TrainerConfig:
     trace: bool = False  # write a Chrome trace per rank to <run dir>/trace/ (for short diagnostic runs)
     tensorboard: bool = False  # the same as "tensorboard" in loggers
     loggers: List[str] = field(default_factory=list)  # tensorboard | csv | mlflow, beside metrics.jsonl (rank 0)
+    # your own code in the loop: [{_target_: my_pkg.callbacks.Log, every: 10}, ...] (fdp.run.callbacks)
+    callbacks: List[Any] = field(default_factory=list)
     progress: bool = True  # a progress bar on rank 0's terminal
 
 

@@ -3,7 +3,8 @@
 ``Loop`` holds what depends on the world's ranks (the step function, this rank's batches) and
 where the loop stands (the newest state, the one before it); ``Loop.run`` trains to the last
 step or a stop, saving when due (``save_state``: sharded or whole, as ``trainer.checkpoint_format``
-says); ``Loop.shrink`` goes on without lost ranks (``fdp.dist.shrink``), ``Loop.grow`` admits
+says), calling the run's callbacks at each of these points (``fdp.run.callbacks``); ``Loop.shrink`` goes on
+without lost ranks (``fdp.dist.shrink``), ``Loop.grow`` admits
 ranks that asked to join (``fdp.dist.grow``). ``fdp.run.trainer`` starts it and owns its resources.
 """
 
@@ -28,6 +29,7 @@ from fdp.model.losses import make_loss_fn
 from fdp.model.streams import wants_sample_streams
 from fdp.run import checkpoint
 from fdp.run.build import RunParts
+from fdp.run.callbacks import Callbacks
 from fdp.run.loop_controls import LoopControls
 from fdp.run.rejoin import heal
 from fdp.run.report import Report
@@ -118,9 +120,11 @@ class Loop:
         controls: LoopControls,
         phase: MemoryPhase,
         world: ShrinkingWorld | None = None,
+        callbacks: Callbacks | None = None,
     ):
         self.cfg, self.parts, self.timeline, self.device, self.last_step = cfg, parts, timeline, device, last_step
         self.compile, self.controls, self.phase, self.world = compile, controls, phase, world
+        self.callbacks = callbacks or Callbacks(run_dir=".")
         # A world grows at the boundary of an outer-loop period (between steps without one); never while a sync is in
         # flight across steps (outer.overlap: 0, no growing).
         outer = cfg.outer
@@ -165,13 +169,16 @@ class Loop:
                 waited = time.perf_counter() - waited
                 state, metrics = self.train_step(self.state, batch)
             self.before, self.state = self.state, state
+            self.callbacks.step_end(self.comm, state, {**metrics, "data_wait_s": waited})
             out_of_time = controls.stepped(state)  # the moving average; max_time, agreed by every rank
             interrupted = stop.agreed()  # every rank, every step: flags are compared every ~0.1 s, no step waits
             due = tc.checkpoint_every and state.step % tc.checkpoint_every == 0 or state.step == self.last_step
             saving = due or interrupted or out_of_time
             # Saved before the step's report, so an evaluation that does not fit loses no step; a run whose
-            # checkpoints hold what its evaluation decides (early stopping, the best ones) evaluates first.
-            if saving and not controls.watches:
+            # checkpoints hold what its evaluation decides (early stopping, the best ones, a callback's state)
+            # evaluates first.
+            evaluate_first = controls.watches or self.callbacks.evaluate_first
+            if saving and not evaluate_first:
                 self._save(run_dir, state)
             with self.phase("evaluation", state.step):
                 evaluated = report.step(
@@ -180,9 +187,11 @@ class Loop:
                     stopping=interrupted is not None,
                     average=controls.average,
                 )
+            if evaluated is not None and controls.scheduled(state.step):  # not stop_at's extra one: a resume is exact
+                self.callbacks.evaluation_end(self.comm, state, evaluated)
             verdict = controls.evaluated(state.step, evaluated)  # the same on every rank: rank 0's record
             controls.stopped = None if state.step == self.last_step else verdict.stop or out_of_time
-            if controls.watches and (saving or controls.stopped or verdict.keep_best):
+            if evaluate_first and (saving or controls.stopped or verdict.keep_best):
                 controls.keep_best(run_dir.checkpoints, self._save(run_dir, state), state.step)
             if interrupted:
                 return interrupted
@@ -198,13 +207,16 @@ class Loop:
         return None
 
     def _save(self, run_dir: RunDir, state: TrainState) -> Path | None:
-        """Checkpoint ``state`` (its gradients checked finite first), with the loop's own state."""
+        """Checkpoint ``state`` (its gradients checked finite first), with the loop's own state and the callbacks'."""
         with self.phase("save", state.step):
             self.train_step.settle()  # no checkpoint of a step whose gradients were not finite
-            written = save_state(
-                run_dir, state, self.comm, self.cfg, self.parts, self.controls.payload(state.step), self.saver
-            )
+            extra = {**self.controls.payload(state.step), **self.callbacks.payload(self.comm)}
+            written = save_state(run_dir, state, self.comm, self.cfg, self.parts, extra, self.saver)
         self.phase.saved = True
+        if self.callbacks.wants("save", self.comm.rank):
+            if self.saver is not None:
+                self.saver.wait()  # a callback hears of a checkpoint once it is complete
+            self.callbacks.saved(self.comm, state, written)
         return written
 
     def grow(self, report: Report, stop: StopSignals) -> None:

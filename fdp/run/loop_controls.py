@@ -293,6 +293,10 @@ class LoopControls:
             return None
         return "early_stopping" if self.stopped.startswith("early stopping") else "max_time"
 
+    def scheduled(self, step: int) -> bool:
+        """Whether every run of these settings evaluates at ``step`` (see ``evaluated``)."""
+        return bool(self.eval_every and step % self.eval_every == 0 or step == self.end_step)
+
     def evaluated(self, step: int, record: dict | None) -> Verdict:
         """After each step: with an evaluation's ``record`` (the same on every rank), rank it and decide.
 
@@ -300,8 +304,7 @@ class LoopControls:
         invocation that stops early to be resumed (``trainer.stop_at``), or a resumed run would
         decide on one evaluation more than the uninterrupted one.
         """
-        scheduled = self.eval_every and step % self.eval_every == 0 or step == self.end_step
-        if record is None or not scheduled:
+        if record is None or not self.scheduled(step):
             return Verdict()
         keep = False
         if self.best_by is not None:
@@ -365,7 +368,7 @@ def read_resumed(path: Path, comm: Comm) -> dict:
     box = [None]
     if comm.rank == 0:
         payload = load(path, mmap=True)
-        box = [{key: payload.get(key) for key in ("loop", "ema")}]
+        box = [{key: payload.get(key) for key in ("loop", "ema", "callbacks")}]  # and fdp.run.callbacks' states
         if box[0]["ema"] is not None:
             box[0]["ema"] = {name: t.clone() for name, t in box[0]["ema"].items()}  # off the mapped file
     if comm.world_size > 1:

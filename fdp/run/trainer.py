@@ -24,6 +24,7 @@ import logging
 import os
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -54,6 +55,7 @@ from fdp.model.precision import set_matmul_precision
 from fdp.model.streams import wants_sample_streams
 from fdp.run import checkpoint
 from fdp.run.build import RunParts, build_data, build_run, display_name, tune_allocator_for
+from fdp.run.callbacks import Callbacks, check_given
 from fdp.run.loop import Loop
 from fdp.run.loop_controls import LoopControls, read_resumed, run_steps
 from fdp.run.out_of_memory import out_of_memory_message
@@ -150,8 +152,9 @@ def _setup_logging(run_dir: RunDir, rank: int, joined: bool = False) -> None:
 
 
 # -- a rank -----------------------------------------------------------------------------------
-def run_rank(cfg: DictConfig, run_dir: str) -> dict | LostRank:
+def run_rank(cfg: DictConfig, run_dir: str, callbacks: Sequence = ()) -> dict | LostRank:
     """Train on this rank until ``trainer.max_steps``; return the summary (rank 0's is the one printed).
+    ``callbacks``: objects called in the loop besides ``trainer.callbacks``' (``fdp.run.callbacks``).
 
     Under ``world.on_rank_loss=shrink`` this process keeps the rank as its child
     (``fdp.dist.keeper``) and returns ``LostRank`` for a rank the world went on without
@@ -166,15 +169,17 @@ def run_rank(cfg: DictConfig, run_dir: str) -> dict | LostRank:
             if w.respawn
             else None
         )
-        return keep_rank(_join_and_train, cfg, run_dir, launcher=w.launcher, timeout_s=w.timeout_s, respawn=again)
-    return _join_and_train(cfg, run_dir)
+        return keep_rank(
+            _join_and_train, cfg, run_dir, callbacks, launcher=w.launcher, timeout_s=w.timeout_s, respawn=again
+        )
+    return _join_and_train(cfg, run_dir, callbacks)
 
 
 run_rank.handles_stop_signals = True  # fdp.dist.launch.spawn: it installs fdp.dist.interrupt's handlers itself
 train_worker = run_rank  # its earlier name
 
 
-def _join_and_train(cfg: DictConfig, run_dir: str) -> dict:
+def _join_and_train(cfg: DictConfig, run_dir: str, callbacks: Sequence = ()) -> dict:
     """Join the world, train this rank in it (``_train``), leave it."""
     tune_allocator_for(cfg)
     layout = layout_of(cfg)
@@ -202,7 +207,7 @@ def _join_and_train(cfg: DictConfig, run_dir: str) -> dict:
         )
         comm = comm if joiner else world.comm()
     try:
-        summary = _train(cfg, directory, comm, device, world, phase)
+        summary = _train(cfg, directory, comm, device, world, phase, callbacks)
     except RunEnded:
         summary = {}
     except (MemoryError, RuntimeError, OSError) as error:
@@ -229,9 +234,10 @@ def _train(
     device: torch.device,
     world: ShrinkingWorld | None = None,
     phase: MemoryPhase | None = None,
+    callbacks: Sequence = (),
 ) -> dict:
     """This rank's run in the world of ``comm``: its start, the loop with its resources, its summary."""
-    loop, report, choice = _start(cfg, run_dir, comm, device, world, phase or MemoryPhase())
+    loop, report, choice = _start(cfg, run_dir, comm, device, world, phase or MemoryPhase(), callbacks)
     comm, world = loop.comm, loop.world  # a rank that joined a running world has both from there
     with contextlib.ExitStack() as resources:  # released in the reverse order: stop signals first, status last
         # By launch rank in a world that may change (ranks are renumbered as it shrinks and grows).
@@ -247,13 +253,20 @@ def _train(
     if comm.rank == 0 and rows:  # what this invocation measured, for the next one's trainer.compile=auto
         compiled.write_record(run_dir.path, choice, rows[0]["step_s"], report.times.median("step_s"))
     summary = report.summary(loop.state, device.type, interrupted, loop.controls.stopped_by)
+    loop.callbacks.run_end(comm, loop.state, summary)
     if world is not None:
         world.finish(summary)
     return summary
 
 
 def _start(
-    cfg: DictConfig, run_dir: RunDir, comm: Comm, device: torch.device, world: ShrinkingWorld | None, phase: MemoryPhase
+    cfg: DictConfig,
+    run_dir: RunDir,
+    comm: Comm,
+    device: torch.device,
+    world: ShrinkingWorld | None,
+    phase: MemoryPhase,
+    given: Sequence = (),
 ) -> tuple[Loop, Report, compiled.CompileChoice]:
     """This rank up to its first step: the data, the run's pieces, its first state, the step, the report."""
     rank, world_size, tc = comm.rank, comm.world_size, cfg.trainer
@@ -289,6 +302,8 @@ def _start(
         last_step = min(steps, tc.stop_at or steps)
         resumed = read_resumed(source, comm) if source is not None else resumed
         controls = LoopControls(tc, comm, parts.plan, state, has_test_split(parts.data), steps, resumed)
+        callbacks = Callbacks.of(OmegaConf.to_container(tc.callbacks, resolve=True), given, run_dir.path, parts.plan)
+        callbacks.restore((resumed or {}).get("callbacks"), comm)
         blocked = _not_compiled(cfg, parts)
         # A joiner takes the world's choice (its own is made alone: no collective the others would not make).
         choice = compiled.choose(
@@ -297,7 +312,7 @@ def _start(
         if rank == 0:
             log.info(choice.message)
         compile = choice.compile if compile is None else compile
-        loop = Loop(cfg, parts, comm, timeline, device, state, last_step, compile, controls, phase, world)
+        loop = Loop(cfg, parts, comm, timeline, device, state, last_step, compile, controls, phase, world, callbacks)
         report = Report(cfg, run_dir, parts, comm, state.step, last_step)
     return loop, report, choice
 
@@ -365,8 +380,11 @@ def _loop(
 
 
 # -- the run ----------------------------------------------------------------------------------
-def run(cfg: DictConfig, run_dir: str | Path) -> dict:
+def run(cfg: DictConfig, run_dir: str | Path, callbacks: Sequence = ()) -> dict:
     """Validate ``cfg`` and train it in ``run_dir`` on the world it names; return rank 0's summary.
+
+    ``callbacks``: your own objects the loop calls (``fdp.run.callbacks``), after ``trainer.callbacks``' own;
+    a local world's ranks each get a copy (pickled: their classes must be importable).
 
     The run owns ``run_dir`` while it lasts (``fdp.run.startup.start_run``; under torchrun and
     SLURM rank 0 holds it).
@@ -376,11 +394,12 @@ def run(cfg: DictConfig, run_dir: str | Path) -> dict:
         from fdp.run.config import compose
         summary = run(compose("world=local2", "trainer.max_steps=20"), "outputs/run1")
     """
+    check_given(callbacks)
     with start_run(cfg, run_dir) as resolved:
-        return run_ranks(resolved, run_dir)
+        return run_ranks(resolved, run_dir, callbacks)
 
 
-def run_ranks(cfg: DictConfig, run_dir: str | Path) -> dict:
+def run_ranks(cfg: DictConfig, run_dir: str | Path, callbacks: Sequence = ()) -> dict:
     """Train the ranks of a started run (``start_run``'s config) that this process runs; rank 0's summary.
 
     A local world's ranks are started here (``fdp.spawn``); a rank another launcher started
@@ -388,10 +407,10 @@ def run_ranks(cfg: DictConfig, run_dir: str | Path) -> dict:
     """
     layout = layout_of(cfg)
     if not layout.kind.spawned:
-        return run_rank(cfg, str(run_dir))
+        return run_rank(cfg, str(run_dir), callbacks)
     container = OmegaConf.to_container(cfg, resolve=True)
     try:
-        results = spawn(run_rank, (container, str(run_dir)), layout)
+        results = spawn(run_rank, (container, str(run_dir), tuple(callbacks)), layout)
     except WorkerFailedError as error:
         if error.signal is None:
             raise  # the worker's own one-line error

@@ -35,6 +35,7 @@ from fdp.model.precision import check_matmul_precision, check_precision, check_r
 from fdp.model.streams import check_sample_streams, wants_sample_streams
 from fdp.optim import build_optimizer, check_resumed_schedule
 from fdp.plan.values import check_cap
+from fdp.run.callbacks import check_callbacks
 from fdp.run.checkpoint import check_readable, saved_config
 from fdp.run.config import SCHEMAS
 from fdp.run.keys import check_keys
@@ -167,6 +168,7 @@ def _validate_trainer(cfg: Any) -> None:
     optimizer = _as_config_key("optim", lambda spec: build_optimizer(spec, t.max_steps), _container(cfg.optim))
     _as_config_key("trainer.zero_stage", lambda stage: check_optimizer_for_stage(stage, optimizer), t.zero_stage)
     _as_config_key("trainer.loggers", lambda names: check_loggers(names, t.tensorboard), list(t.loggers))
+    check_callbacks(_container(t.callbacks))
     check_loop_settings(t, cfg.world.on_rank_loss, cfg.outer.name)
     _as_config_key("outer", check_outer, _container(cfg.outer))
 

@@ -1,0 +1,82 @@
+"""Callbacks the tests name in configs (``_target_: _loop_callbacks.Recorder``) and hand from Python: importable,
+so that a local world's ranks can build or unpickle them (tests/test_callbacks.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from fdp.run.callbacks import Callback
+
+
+class Recorder(Callback):
+    """Appends a JSON line per event to ``path``: the event, rank, step, what it was shown; keeps counts as its state.
+
+    ``every_rank``: runs on every rank; ``whole_to``: at run end, saves ``event.whole_params()`` (every rank calls
+    it) there from rank 0.
+    """
+
+    def __init__(self, path: str, every_rank: bool = False, whole_to: str = ""):
+        self.path, self.every_rank, self.whole_to = path, every_rank, whole_to
+        self.counts = {"step_end": 0, "evaluation_end": 0, "save": 0}
+        self.loss_sum = 0.0
+
+    def _write(self, event, name: str, **more) -> None:
+        line = {"event": name, "rank": event.rank, "world": event.world_size, "step": event.step, **more}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    def on_step_end(self, event):
+        self.counts["step_end"] += 1
+        self.loss_sum += float(event.metrics["loss"])
+        self._write(event, "step_end", params=sorted(event.state.params))
+
+    def on_evaluation_end(self, event):
+        self.counts["evaluation_end"] += 1
+        self._write(event, "evaluation_end", test_loss=event.metrics["test_loss"])
+
+    def on_save(self, event):
+        self.counts["save"] += 1
+        path = event.checkpoint
+        self._write(event, "save", checkpoint=str(path) if path else None, exists=bool(path and Path(path).exists()))
+
+    def on_run_end(self, event):
+        self._write(event, "run_end", steps=event.metrics["steps"], state=self.state_dict())
+        if self.whole_to:
+            whole = {name: t.clone() for name, t in event.whole_params().items()}
+            if event.rank == 0:
+                torch.save(whole, self.whole_to)
+
+    def state_dict(self):
+        return {"counts": dict(self.counts), "loss_sum": self.loss_sum}
+
+    def load_state_dict(self, state):
+        self.counts, self.loss_sum = dict(state["counts"]), state["loss_sum"]
+
+
+class Fails(Callback):
+    """Raises at step ``at``."""
+
+    def __init__(self, at: int = 2):
+        self.at = at
+
+    def on_step_end(self, event):
+        if event.step == self.at:
+            raise ValueError(f"no good at step {event.step}")
+
+
+class Writes(Callback):
+    """Writes to the params it was shown, in place."""
+
+    def on_step_end(self, event):
+        next(iter(event.state.params.values())).zero_()
+
+
+class KeepsWhole(Callback):
+    """Keeps a copy of the params, whole, at the run's end (one process: the test reads the object itself)."""
+
+    def on_run_end(self, event):
+        self.params = {name: t.clone() for name, t in event.whole_params().items()}
+        self.shown = sorted(event.state.params)
