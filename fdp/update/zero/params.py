@@ -167,7 +167,7 @@ class _ParamShardedStep(SliceStep):
         key = shard_key(index)
         if self.per_bucket:  # donated: the slice is stepped in place
             with owner.timeline.span("optimizer", bucket=index):
-                self.opt_state = owner.optimizer.update_inplace(
+                self.opt_state = owner.slice_optimizer.update_inplace(
                     {key: buffer}, self.state.opt_state, {key: self.state.params[key]}
                 )
         else:
@@ -180,7 +180,7 @@ class _ParamShardedStep(SliceStep):
             return self.state.params, self.opt_state
         with owner.timeline.span("optimizer"):
             return apply_gradients(
-                owner.optimizer,
+                owner.slice_optimizer,
                 self.grads,
                 self.state.opt_state,
                 self.state.params,
