@@ -115,12 +115,18 @@ class ParamShardedUpdate(SlicedUpdate):
         return ScatterComm(comm, self.plan)
 
     def first_state_made(
-        self, make: Callable[[str], torch.Tensor], buffers: Buffers, hook: Hook | None, comm: Comm, seed: int = 0
+        self,
+        make: Callable[[str], torch.Tensor],
+        buffers: Buffers,
+        hook: Hook | None,
+        comm: Comm,
+        seed: int = 0,
+        precision: Any = None,
     ) -> TrainState:
         """``first_state`` from params made one at a time by ``make(name)`` (a build on ``meta``,
         ``fdp.model.deferred``): this rank keeps its slices alone and never holds the whole params
         (``fdp.update.zero.built``)."""
-        return sliced_first_state(make, buffers, self.optimizer, self.plan, comm, hook, seed, self.mirror)
+        return sliced_first_state(make, buffers, self.optimizer, self.plan, comm, hook, seed, self.mirror, precision)
 
     def check_state(self, state: Any) -> None:
         if not (params_sharded(state.params, self.plan) and is_sharded(state.opt_state, self.plan)):

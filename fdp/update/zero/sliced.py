@@ -73,6 +73,7 @@ class SlicedUpdate(Update):
             seed=rank_seed(seed, comm.rank),
             stage=self.stage,
             mirror=self.mirror,
+            precision=precision,
         )
 
     def to_checkpoint(self, state: TrainState, comm: Comm) -> TrainState:
