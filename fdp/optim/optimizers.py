@@ -3,6 +3,7 @@ with a pure ``update`` and, for donated inputs, an ``update_inplace`` on torch's
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -287,16 +288,29 @@ def _split(answer: bool | DecayRuns, tensors: tuple[torch.Tensor, ...]) -> tuple
     """
     if isinstance(answer, bool):
         return ([tensors], []) if answer else ([], [tensors])
-    flats = [t.view(-1) for t in tensors]
-    decayed, exempt, at = [], [], 0
-    for start, stop in answer:
-        if start > at:
-            exempt.append(tuple(f[at:start] for f in flats))
-        decayed.append(tuple(f[start:stop] for f in flats))
-        at = stop
-    if at < flats[0].numel():
-        exempt.append(tuple(f[at:] for f in flats))
+    sizes, decaying = _segments(answer, tensors[0].numel())
+    pieces = [(t if t.dim() == 1 else t.view(-1)).split(sizes) for t in tensors]  # one call a tensor, any runs
+    decayed, exempt = [], []
+    for i, decays in enumerate(decaying):
+        (decayed if decays else exempt).append(tuple(piece[i] for piece in pieces))
     return decayed, exempt
+
+
+@functools.lru_cache(maxsize=1024)
+def _segments(runs: DecayRuns, numel: int) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+    """The lengths of a flat tensor's consecutive segments under ``runs``, and whether each decays."""
+    sizes, decaying, at = [], [], 0
+    for start, stop in runs:
+        if start > at:
+            sizes.append(start - at)
+            decaying.append(False)
+        sizes.append(stop - start)
+        decaying.append(True)
+        at = stop
+    if at < numel:
+        sizes.append(numel - at)
+        decaying.append(False)
+    return tuple(sizes), tuple(decaying)
 
 
 def _with_l2(
