@@ -670,17 +670,21 @@ def test_a_custom_optimizer_that_is_not_importable_or_no_optimizer_is_refused_in
     assert "\n" not in str(error.value)
 
 
-def test_a_decay_rule_by_name_is_refused_at_zero_stages():
+def test_a_decay_rule_by_name_of_an_optimizer_that_cannot_step_slices_is_refused_at_zero_stages(my_project):
+    """fdp's optimizers step ZeRO's slices by their runs of decayed elements (tests/test_zero_decay.py); an optimizer
+    of one's own with a rule by name and no ``with_decay_mask`` cannot, and is refused in one line."""
     from fdp.run.config import ConfigError, compose
     from fdp.run.validate import validate
 
-    validate(compose("world=local2", "optim=adamw", "optim.decay_filter=weights"))
+    validate(compose("world=local2", "optim=adamw", "optim.decay_filter=weights", "trainer.zero_stage=1"))
+    lion = ["optim=custom", "optim._target_=my_project.optim.lion", "optim.decay_filter=weights"]
+    validate(compose("world=local2", *lion))
     with pytest.raises(
         ConfigError,
-        match=r"^trainer\.zero_stage=1: the optimizer exempts params from weight decay "
-        r"by name, which ZeRO's flat slices of buckets do not keep; expected ",
+        match=r"^trainer\.zero_stage=2: the optimizer exempts params from weight decay by name, and has no "
+        r"with_decay_mask to step ZeRO's flat slices",
     ):
-        validate(compose("world=local2", "optim=adamw", "optim.decay_filter=weights", "trainer.zero_stage=1"))
+        validate(compose("world=local2", *lion, "trainer.zero_stage=2"))
 
 
 def test_resuming_another_length_is_refused_for_every_schedule_that_spans_the_run():

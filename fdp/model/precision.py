@@ -9,8 +9,9 @@
   ``bf16`` may still compress on the wire).
 * ``16-mixed``: the same with float16, whose narrow range needs a loss scale: the loss
   is multiplied by ``LossScale.scale`` before differentiation, each bucket is unscaled
-  once its reduction is done, and the step's one finiteness check (taken after the
-  reduction, so every rank sees the same gradients) skips the update on overflow.
+  once its reduction is done (at ZeRO stages 2 and 3, each rank's slice of it), and the
+  step's one finiteness check (taken after the reduction, and agreed across ranks where
+  each holds its slices) skips the update on every rank on overflow.
 * ``bf16-true``: params, floating buffers and floating inputs in bfloat16, and with them
   gradients, buckets and optimizer state.
 

@@ -9,7 +9,9 @@
 
 The rule is a ``DecayMask``, ``(name, param) -> bool``, handed to ``sgd``, ``adam`` or
 ``adamw`` as ``decay_mask``; the exempt params are then stepped as a second
-``torch.optim`` param group with ``weight_decay=0`` would be.
+``torch.optim`` param group with ``weight_decay=0`` would be. At ZeRO stages, which step
+flat slices of buckets, each slice's runs of decayed elements are derived from the plan
+once (``fdp.update.zero.decay``).
 
 >>> import torch
 >>> rule = decay_rule("weights", embeddings={"tok.weight"})

@@ -3,13 +3,14 @@ with a pure ``update`` and, for donated inputs, an ``update_inplace`` on torch's
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
 
 from fdp._torch import foreach, fused_adam_, fused_adamw_, fused_sgd_
 from fdp.optim.schedules import Schedule, _as_schedule, _check
-from fdp.optim.transforms import DecayMask, GradientTransformation, Grads, Params, Updates, aligned
+from fdp.optim.transforms import DecayMask, DecayRuns, GradientTransformation, Grads, Params, Updates, aligned
 
 __all__ = ["SGDState", "AdamState", "sgd", "adam", "adamw"]
 
@@ -87,11 +88,13 @@ def sgd(
     def update_inplace(grads: Grads, state: SGDState, params: Params, sum_across=None) -> SGDState:
         keys, g = _subset(grads, params)
         lr_now = schedule(state.count)
-        for group, decay in _groups(keys, g, params, weight_decay, decays):  # torch.optim's param groups
+        rows = [(params[k], g[i], *((state.momentum[k],) if momentum else ())) for i, k in enumerate(keys)]
+        for group, decay in _groups(keys, rows, weight_decay, decays):  # torch.optim's param groups
+            columns = [list(column) for column in zip(*group)]
             fused_sgd_(
-                [params[k] for k in group],
-                [g[i] for i in group.values()],
-                [state.momentum[k] for k in group] if momentum else [],
+                columns[0],
+                columns[1],
+                columns[2] if momentum else [],
                 weight_decay=decay,
                 momentum=momentum,
                 lr=lr_now,
@@ -103,7 +106,11 @@ def sgd(
         return SGDState(count=state.count + 1, lr=lr_now, momentum=state.momentum)
 
     decays = _decays(decay_mask)
-    return GradientTransformation(init, update, update_inplace, elementwise=True, by_name=decay_mask is not None)
+
+    def with_decay_mask(to_slices):
+        return sgd(lr, momentum, dampening, nesterov, weight_decay, to_slices(decay_mask))
+
+    return _transformation(init, update, update_inplace, decay_mask, with_decay_mask)
 
 
 def adam(
@@ -188,9 +195,9 @@ def _adam(
         updates = foreach.mul(mu, -lr_now / (1.0 - b1**count))
         foreach.div_(updates, denom)
         if weight_decay and decoupled:
-            shrunk = [i for i, k in enumerate(keys) if decays(k, p[i])]
+            shrunk = [part for i, k in enumerate(keys) for part in _split(decays(k, p[i]), (updates[i], p[i]))[0]]
             if shrunk:
-                foreach.add_([updates[i] for i in shrunk], [p[i] for i in shrunk], alpha=-lr_now * weight_decay)
+                foreach.add_([u for u, _ in shrunk], [q for _, q in shrunk], alpha=-lr_now * weight_decay)
         new_state = AdamState(count=count, lr=lr_now, mu=dict(zip(keys, mu)), nu=dict(zip(keys, nu)))
         return dict(zip(keys, updates)), new_state
 
@@ -204,12 +211,11 @@ def _adam(
         # Filled on the device: a tensor made from a Python number is a host copy, which waits for the GPU.
         step = torch.full((), float(count), device=g[0].device)
         fused = fused_adamw_ if decoupled else fused_adam_
-        for group, decay in _groups(keys, g, params, weight_decay, decays):  # torch.optim's param groups
+        rows = [(params[k], g[i], state.mu[k], state.nu[k]) for i, k in enumerate(keys)]
+        for group, decay in _groups(keys, rows, weight_decay, decays):  # torch.optim's param groups
+            columns = [list(column) for column in zip(*group)]
             fused(
-                [params[k] for k in group],
-                [g[i] for i in group.values()],
-                [state.mu[k] for k in group],
-                [state.nu[k] for k in group],
+                *columns,
                 [],
                 [step] * len(group),
                 lr=lr_now,
@@ -223,7 +229,11 @@ def _adam(
         return new_state
 
     decays = _decays(decay_mask)
-    return GradientTransformation(init, update, update_inplace, elementwise=True, by_name=decay_mask is not None)
+
+    def with_decay_mask(to_slices):
+        return _adam(lr, b1, b2, eps, weight_decay, to_slices(decay_mask), decoupled)
+
+    return _transformation(init, update, update_inplace, decay_mask, with_decay_mask)
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -237,39 +247,102 @@ def _subset(grads: Grads, params: Params) -> tuple[list[str], list[torch.Tensor]
     return list(grads), list(grads.values())
 
 
+def _transformation(init, update, update_inplace, decay_mask, with_decay_mask) -> GradientTransformation:
+    """An elementwise optimizer; with a ``decay_mask``, one that steps ZeRO's slices by the rule made for them."""
+    named = decay_mask is not None
+    return GradientTransformation(
+        init,
+        update,
+        update_inplace,
+        elementwise=True,
+        by_name=named,
+        with_decay_mask=with_decay_mask if named else None,
+    )
+
+
 def _decays(decay_mask: DecayMask | None) -> DecayMask:
-    """``decay_mask`` with its answer kept per name (asked once per param, not every step); all when ``None``."""
+    """``decay_mask`` with its answer kept per name (asked once per param, not every step); all when ``None``.
+
+    An answer is ``True``, ``False`` or, for a flat slice, its ``DecayRuns``.
+    """
     if decay_mask is None:
         return lambda name, param: True
-    answers: dict[str, bool] = {}
+    answers: dict[str, bool | DecayRuns] = {}
 
-    def decays(name: str, param: torch.Tensor) -> bool:
+    def decays(name: str, param: torch.Tensor) -> bool | DecayRuns:
         if name not in answers:
-            answers[name] = bool(decay_mask(name, param))
+            answer = decay_mask(name, param)
+            answers[name] = tuple(answer) if isinstance(answer, (tuple, list)) else bool(answer)
         return answers[name]
 
     return decays
 
 
+def _split(answer: bool | DecayRuns, tensors: tuple[torch.Tensor, ...]) -> tuple[list[tuple], list[tuple]]:
+    """``tensors`` (a param and what lines up with it: its gradient, update or state) split by a rule's ``answer``
+    into the parts that decay and the parts that do not: the tensors themselves, or views of the runs.
+
+    >>> decayed, exempt = _split(((1, 3),), (torch.arange(5.0),))
+    >>> [t.tolist() for (t,) in decayed], [t.tolist() for (t,) in exempt]
+    ([[1.0, 2.0]], [[0.0], [3.0, 4.0]])
+    """
+    if isinstance(answer, bool):
+        return ([tensors], []) if answer else ([], [tensors])
+    sizes, decaying = _segments(answer, tensors[0].numel())
+    pieces = [(t if t.dim() == 1 else t.view(-1)).split(sizes) for t in tensors]  # one call a tensor, any runs
+    decayed, exempt = [], []
+    for i, decays in enumerate(decaying):
+        (decayed if decays else exempt).append(tuple(piece[i] for piece in pieces))
+    return decayed, exempt
+
+
+@functools.lru_cache(maxsize=1024)
+def _segments(runs: DecayRuns, numel: int) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+    """The lengths of a flat tensor's consecutive segments under ``runs``, and whether each decays."""
+    sizes, decaying, at = [], [], 0
+    for start, stop in runs:
+        if start > at:
+            sizes.append(start - at)
+            decaying.append(False)
+        sizes.append(stop - start)
+        decaying.append(True)
+        at = stop
+    if at < numel:
+        sizes.append(numel - at)
+        decaying.append(False)
+    return tuple(sizes), tuple(decaying)
+
+
 def _with_l2(
     grads: list[torch.Tensor], keys: list[str], params: list[torch.Tensor], weight_decay: float, decays: DecayMask
 ) -> list[torch.Tensor]:
-    """``grads`` with ``weight_decay * param`` added to those of the params ``decays`` names (new tensors there)."""
-    out = list(grads)
-    chosen = [i for i, k in enumerate(keys) if decays(k, params[i])]
-    if chosen:
-        added = foreach.add([grads[i] for i in chosen], [params[i] for i in chosen], alpha=weight_decay)
-        for i, tensor in zip(chosen, added):
+    """``grads`` with ``weight_decay * param`` added where ``decays`` says the param decays (new tensors there)."""
+    out, whole, parts = list(grads), [], []
+    for i, k in enumerate(keys):
+        answer = decays(k, params[i])
+        if answer is True:
+            whole.append(i)
+        elif answer:  # runs of a slice: a copy of its gradient, decayed in place where the runs are
+            out[i] = grads[i].clone()
+            parts += _split(answer, (out[i], params[i]))[0]
+    if whole:
+        added = foreach.add([grads[i] for i in whole], [params[i] for i in whole], alpha=weight_decay)
+        for i, tensor in zip(whole, added):
             out[i] = tensor
+    if parts:
+        foreach.add_([g for g, _ in parts], [p for _, p in parts], alpha=weight_decay)
     return out
 
 
-def _groups(keys: list[str], grads: list[torch.Tensor], params: Params, weight_decay: float, decays: DecayMask):
-    """The keys split as ``torch.optim`` param groups would be: ``({key: index in grads}, weight_decay)`` pairs,
-    the decayed ones and the others (``weight_decay`` 0), leaving out an empty group."""
-    decayed, exempt = {}, {}
-    for i, k in enumerate(keys):
-        (decayed if not weight_decay or decays(k, params[k]) else exempt)[k] = i
+def _groups(keys: list[str], rows: list[tuple], weight_decay: float, decays: DecayMask) -> list[tuple[list, float]]:
+    """The rows (each param with its gradient and state, ``rows[i][0]`` the param of ``keys[i]``) split as
+    ``torch.optim`` param groups would be: ``(rows, weight_decay)`` pairs, the decayed ones and the others
+    (``weight_decay`` 0), a slice's runs as views, leaving out an empty group."""
+    decayed, exempt = [], []
+    for k, row in zip(keys, rows):
+        yes, no = _split(decays(k, row[0]) if weight_decay else True, row)
+        decayed += yes
+        exempt += no
     return [(group, decay) for group, decay in ((decayed, weight_decay), (exempt, 0.0)) if group]
 
 

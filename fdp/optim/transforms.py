@@ -42,8 +42,11 @@ class GradientTransformation(NamedTuple):
     every call for one step gets the same ``state`` and returns the same new state.
 
     ``by_name`` says a step depends on the parameters' names (a ``decay_mask`` that exempts
-    some from weight decay): it then needs the params keyed by name, and ZeRO, which steps
-    flat slices of buckets, refuses it.
+    some from weight decay). ZeRO steps flat slices of buckets keyed ``bucket<i>`` instead:
+    ``with_decay_mask(to_slices)``, where present, is the same transform with each of its
+    rules ``decay_mask`` replaced by ``to_slices(decay_mask)``, a rule on the slices that
+    answers with ``DecayRuns`` where a slice is partly decayed (``fdp.update.zero.decay``);
+    a ``by_name`` transform without it cannot step slices.
     """
 
     init: Callable[[Params], State]
@@ -51,10 +54,14 @@ class GradientTransformation(NamedTuple):
     update_inplace: Callable[[Grads, State, Params], State] | None = None
     elementwise: bool = False
     by_name: bool = False
+    with_decay_mask: Callable[[Callable[["DecayMask"], "DecayMask"]], "GradientTransformation"] | None = None
 
 
-# Which params weight decay applies to, by name and value (``fdp.optim.decay_rule`` makes one from config).
-DecayMask = Callable[[str, torch.Tensor], bool]
+# Which params weight decay applies to, by name and value (``fdp.optim.decay_rule`` makes one from config). For
+# a flat tensor (a ZeRO slice) a rule may answer with runs instead: ``DecayRuns``, the ``(start, stop)`` element
+# ranges of the flat tensor that decay, in order and apart; every other element does not.
+DecayRuns = tuple[tuple[int, int], ...]
+DecayMask = Callable[[str, torch.Tensor], "bool | DecayRuns"]
 
 
 class ClipState(NamedTuple):
@@ -151,7 +158,15 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
     elementwise = all(t.elementwise for t in transforms)
     by_name = any(t.by_name for t in transforms)
-    return GradientTransformation(init, update, update_inplace if last else None, elementwise, by_name)
+    named = [t for t in transforms if t.by_name]
+
+    def with_decay_mask(to_slices: Callable[[DecayMask], DecayMask]) -> GradientTransformation:
+        return chain(*(t.with_decay_mask(to_slices) if t.by_name else t for t in transforms))
+
+    remaskable = bool(named) and all(t.with_decay_mask is not None for t in named)
+    return GradientTransformation(
+        init, update, update_inplace if last else None, elementwise, by_name, with_decay_mask if remaskable else None
+    )
 
 
 def apply_gradients(

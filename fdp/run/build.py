@@ -158,7 +158,7 @@ def build_run(
         gather_dtype=precision.gather_dtype,
     )
     if make is not None:  # params made slice by slice: no rank holds them whole
-        state = update.first_state_made(make, buffers, hook, comm, seed=cfg.seed)
+        state = update.first_state_made(make, buffers, hook, comm, seed=cfg.seed, precision=precision)
     else:
         state = update.first_state(params, buffers, hook, comm, seed=cfg.seed, precision=precision)
     state = state._replace(

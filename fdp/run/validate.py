@@ -141,12 +141,6 @@ def _validate_trainer(cfg: Any) -> None:
     _as_config_key("trainer.reduce_dtype", lambda value: check_reduce_dtype(value, t.precision, hook), t.reduce_dtype)
     if t.zero_stage:  # combinations whose state does not shard (yet): refused, not silently unsharded
         _require(
-            t.precision != "16-mixed",
-            "trainer.zero_stage",
-            t.zero_stage,
-            "0 with trainer.precision=16-mixed (the loss scale is not sharded)",
-        )
-        _require(
             cfg.outer.name == "none",
             "trainer.zero_stage",
             t.zero_stage,

@@ -91,13 +91,15 @@ class Stage(NamedTuple):
         )
 
     def refuses_optimizer(self, optimizer: GradientTransformation) -> str | None:
-        """Why this stage cannot step with ``optimizer``: a shard of the gradients needs cross-rank sums."""
+        """Why this stage cannot step with ``optimizer``: a shard of the gradients needs cross-rank sums, and a rule
+        on names needs the form that steps slices (``fdp.update.zero.decay``)."""
         if not self.shards_optimizer:
             return None
-        if optimizer.by_name:  # a weight-decay mask by parameter name
+        if optimizer.by_name and optimizer.with_decay_mask is None:  # a weight-decay mask by name, of its own
             return (
-                "the optimizer exempts params from weight decay by name, which ZeRO's flat slices of buckets do "
-                "not keep; expected zero_stage=0 (or optim.decay_filter=all)"
+                "the optimizer exempts params from weight decay by name, and has no with_decay_mask to step "
+                "ZeRO's flat slices by their runs of decayed elements; expected zero_stage=0, an optimizer with "
+                "with_decay_mask (sgd, adam, adamw) or optim.decay_filter=all"
             )
         if takes_sum_across(optimizer):
             return None

@@ -123,12 +123,12 @@ def check_hook_for_stage(stage: int, hook: Hook) -> None:
 def check_optimizer_for_stage(stage: int, optimizer: GradientTransformation) -> None:
     """Refuse, naming the stage, an optimizer the stage cannot step (``Stage.refuses_optimizer``).
 
-    >>> from fdp.optim import adamw, decay_rule
-    >>> check_optimizer_for_stage(1, adamw(1e-3, decay_mask=decay_rule("weights")))  # doctest: +NORMALIZE_WHITESPACE
+    >>> from fdp.optim import GradientTransformation, adamw, decay_rule
+    >>> check_optimizer_for_stage(1, adamw(1e-3, decay_mask=decay_rule("weights")))  # steps its slices' runs
+    >>> check_optimizer_for_stage(1, GradientTransformation(lambda p: (), lambda g, s, p: (g, s)))
     Traceback (most recent call last):
     ...
-    ValueError: zero_stage=1: the optimizer exempts params from weight decay by name,
-    which ZeRO's flat slices of buckets do not keep; expected zero_stage=0 (or optim.decay_filter=all)
+    ValueError: zero_stage=1: ZeRO stage 1 steps a shard of the gradients, which needs an update that takes sum_across=
     """
     reason = stage_rules(stage).refuses_optimizer(optimizer)
     if reason:

@@ -20,7 +20,7 @@ run starts from exactly the params of a stage-0 run of the same seed, at any wor
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -70,13 +70,15 @@ def sliced_first_state(
     hook: Hook | None = None,
     seed: int = 0,
     mirror: bool = False,
+    precision: Any = None,
 ) -> TrainState:
     """The stage-3 state before step 1 from params made one at a time (``make(name)``, the same on every rank):
     the ranks' plans, seeds and buffers compared and rank 0's buffers taken, as every stage starts, and only
-    this rank's slices of the params kept."""
+    this rank's slices of the params kept (``precision``: the loss scale of ``16-mixed``, as ``init_state``)."""
     mirrors(mirror, 3, comm.world_size)  # refused at stage 3
     _, buffers = agreed_start({}, buffers, plan, comm, seed)
     slices = owned_slices(make, plan, comm.rank, comm.world_size)
     hook_state = init_hook_states(hook or allreduce(), plan)
     rng = torch.Generator().manual_seed(rank_seed(seed, comm.rank)).get_state()
-    return TrainState(0, slices, buffers, optimizer.init(slices), hook_state, rng)
+    loss_scale = precision.init_loss_scale(plan.buckets[0].device) if precision is not None else None
+    return TrainState(0, slices, buffers, optimizer.init(slices), hook_state, rng, loss_scale=loss_scale)

@@ -101,6 +101,7 @@ def init_state(
     seed: int = 0,
     stage: int = 1,
     mirror: bool = False,
+    precision: Any = None,
 ) -> TrainState:
     """The sharded state before step 1: params whole and laid out flat (stages 1, 2) or this
     rank's slices alone (stage 3), optimizer state for this rank's slices.
@@ -108,6 +109,8 @@ def init_state(
     ``params`` must already be the same on every rank. The unsharded optimizer state is
     never built, so it never takes memory. ``mirror`` (stage 1, more than one rank): the
     state also holds the optimizer state of the next rank's slices (``TrainState.mirror``).
+    ``precision`` (an ``fdp.model.precision.Precision``): under ``16-mixed`` the state's loss scale, one
+    scalar replicated on every rank, as at stage 0.
     """
     check_names(params, plan)
     rank, world = comm.rank, comm.world_size
@@ -121,7 +124,10 @@ def init_state(
     hook_state = init_hook_states(hook or allreduce(), plan)
     rng = torch.Generator().manual_seed(seed).get_state()
     mirrored = optimizer.init(_slices(params, plan, _mirrored(comm), world)) if mirrors(mirror, stage, world) else ()
-    return TrainState(0, sharded, buffers, optimizer.init(owned), hook_state, rng, mirror=mirrored)
+    loss_scale = precision.init_loss_scale(plan.buckets[0].device) if precision is not None else None
+    return TrainState(
+        0, sharded, buffers, optimizer.init(owned), hook_state, rng, loss_scale=loss_scale, mirror=mirrored
+    )
 
 
 def mirrors(mirror: bool, stage: int, world: int) -> bool:

@@ -115,12 +115,18 @@ class ParamShardedUpdate(SlicedUpdate):
         return ScatterComm(comm, self.plan)
 
     def first_state_made(
-        self, make: Callable[[str], torch.Tensor], buffers: Buffers, hook: Hook | None, comm: Comm, seed: int = 0
+        self,
+        make: Callable[[str], torch.Tensor],
+        buffers: Buffers,
+        hook: Hook | None,
+        comm: Comm,
+        seed: int = 0,
+        precision: Any = None,
     ) -> TrainState:
         """``first_state`` from params made one at a time by ``make(name)`` (a build on ``meta``,
         ``fdp.model.deferred``): this rank keeps its slices alone and never holds the whole params
         (``fdp.update.zero.built``)."""
-        return sliced_first_state(make, buffers, self.optimizer, self.plan, comm, hook, seed, self.mirror)
+        return sliced_first_state(make, buffers, self.optimizer, self.plan, comm, hook, seed, self.mirror, precision)
 
     def check_state(self, state: Any) -> None:
         if not (params_sharded(state.params, self.plan) and is_sharded(state.opt_state, self.plan)):
@@ -167,7 +173,7 @@ class _ParamShardedStep(SliceStep):
         key = shard_key(index)
         if self.per_bucket:  # donated: the slice is stepped in place
             with owner.timeline.span("optimizer", bucket=index):
-                self.opt_state = owner.optimizer.update_inplace(
+                self.opt_state = owner.slice_optimizer.update_inplace(
                     {key: buffer}, self.state.opt_state, {key: self.state.params[key]}
                 )
         else:
@@ -180,7 +186,7 @@ class _ParamShardedStep(SliceStep):
             return self.state.params, self.opt_state
         with owner.timeline.span("optimizer"):
             return apply_gradients(
-                owner.optimizer,
+                owner.slice_optimizer,
                 self.grads,
                 self.state.opt_state,
                 self.state.params,

@@ -137,7 +137,7 @@ class _ShardedStep(SliceStep):
             self.mirror_grads[shard_key(index)] = padded_slice(buffer[: bucket.numel], *self.mirror_ranges[index])
         if self.per_bucket:
             with owner.timeline.span("optimizer", bucket=index):
-                self.opt_state = owner.optimizer.update_inplace(
+                self.opt_state = owner.slice_optimizer.update_inplace(
                     {shard_key(index): grad}, self.state.opt_state, self._param_slices([index])
                 )
             self._gather(index)
@@ -157,7 +157,7 @@ class _ShardedStep(SliceStep):
             slices = self._param_slices(indices)
             with owner.timeline.span("optimizer"):
                 new_slices, self.opt_state = apply_gradients(
-                    owner.optimizer,
+                    owner.slice_optimizer,
                     self.grads,
                     self.state.opt_state,
                     slices,
@@ -188,6 +188,10 @@ class _ShardedStep(SliceStep):
         sums = iter(self.sums)
         params = self._param_slices(indices, self.mirror_ranges)  # still the values the step began with
         _, mirror = apply_gradients(
-            self.owner.optimizer, self.mirror_grads, self.state.mirror, params, sum_across=lambda tensor: next(sums)
+            self.owner.mirror_optimizer,
+            self.mirror_grads,
+            self.state.mirror,
+            params,
+            sum_across=lambda tensor: next(sums),
         )
         return mirror

@@ -23,6 +23,7 @@ from fdp.trace import NullTimeline, Timeline
 from fdp.update.base import Update
 from fdp.update.pieces import SliceRange
 from fdp.update.zero.convert import gather_state, init_state, shard_state, unsharded_template
+from fdp.update.zero.decay import sliced_optimizer
 from fdp.update.zero.layout import shard_range
 from fdp.update.zero.mirror import reshard_survivors
 
@@ -52,6 +53,11 @@ class SlicedUpdate(Update):
         self.timeline = timeline or NullTimeline()
         self.donate, self.early = donate, early
         self.mirror = mirror  # refused, where the stage cannot keep one, by the state it makes
+        # The optimizer as it steps this rank's slices (and a mirror's, the next rank's): a weight-decay rule by
+        # name becomes each slice's runs, worked out once, here (fdp.update.zero.decay).
+        rank, world = comm.rank, comm.world_size
+        self.slice_optimizer = sliced_optimizer(optimizer, plan, rank, world)
+        self.mirror_optimizer = sliced_optimizer(optimizer, plan, (rank + 1) % world, world)
 
     def first_state(
         self, params: Params, buffers: Buffers, hook: Hook | None, comm: Comm, seed: int = 0, precision: Any = None
@@ -67,6 +73,7 @@ class SlicedUpdate(Update):
             seed=rank_seed(seed, comm.rank),
             stage=self.stage,
             mirror=self.mirror,
+            precision=precision,
         )
 
     def to_checkpoint(self, state: TrainState, comm: Comm) -> TrainState:
