@@ -1,0 +1,123 @@
+"""Hybrid sharding (HSDP, ``world.hierarchical=true`` with a ZeRO stage) on two groups of two gloo ranks: equal to
+flat ZeRO at the same stage and to one process on the union batch, a fraction of flat's bytes across the groups,
+and checkpoints that move between hybrid and flat worlds."""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
+from fdp.comm import Comm
+from fdp.hooks import allreduce
+from fdp.hooks.base import init_hook_states
+from fdp.hooks.compress import reduced_in
+from fdp.model.builtin import MLP
+from fdp.model.functional import functionalize
+from fdp.optim import adam, chain, clip_by_global_norm
+from fdp.plan import plan_buckets
+from fdp.run.config import register_configs
+from fdp.step.chains import Reduction
+from fdp.update import zero
+from fdp.update.zero.scatter import ScatterComm
+
+CONF = str(Path(__file__).resolve().parents[1] / "conf")
+register_configs()
+
+STEPS = 4
+MODEL = (13, 7, 2, 5)  # odd sizes and a tiny cap: buckets that do not split evenly over 2 or 4 ranks
+CAP_MB = 60 * 4 / 2**20
+NODE = 2
+
+
+def _union_batches(world):
+    g = torch.Generator().manual_seed(0)
+    return [
+        (torch.randn(8 * world, MODEL[0], generator=g), torch.randint(0, MODEL[-1], (8 * world,), generator=g))
+        for _ in range(STEPS)
+    ]
+
+
+def _setup(rank, world):
+    torch.manual_seed(0)
+    model, params, buffers = functionalize(MLP(*MODEL))
+    loss_fn = cross_entropy_loss(model)
+    batches = [(x[rank * 8 : (rank + 1) * 8], y[rank * 8 : (rank + 1) * 8]) for x, y in _union_batches(world)]
+    plan = plan_buckets(
+        planner_loss(loss_fn, buffers), params, batches[0], bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB
+    )
+    return loss_fn, params, buffers, batches, plan, model
+
+
+def _optimizer():
+    return chain(clip_by_global_norm(0.05), adam(1e-2))  # the clip's norm sums every rank's slices
+
+
+def _train(rank, world, stage, groups):
+    loss_fn, params, buffers, batches, plan, model = _setup(rank, world)
+    comm = Comm()
+    update = zero.update_for(stage, _optimizer(), plan, comm, model=model, groups=groups)
+    step = make_train_step(loss_fn, _optimizer(), plan, comm=comm, update=update, donate=True, model=model)
+    state = update.first_state(params, buffers, None, comm)
+    norms = []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        norms.append(float(metrics["grad_norm"]))
+    held = sum(p.numel() for p in state.params.values())  # stage 3: this rank's slices alone
+    whole = zero.whole_params(state, plan, update.comm)  # stage 3: gathered inside the group
+    return {name: p.detach().clone() for name, p in whole.items()}, norms, held
+
+
+def _reduce(hook, comm, plan, grads):
+    reduction = Reduction(hook, comm, init_hook_states(hook, plan), plan)
+    for flat in grads:
+        reduction.start(flat.clone())
+    out = [None] * len(plan.buckets)
+    for index, bucket in reduction.finished():
+        out[index] = bucket.buffer.clone()
+    return out, reduction.stats().bytes_sent
+
+
+def _hybrid_ranks(rank, world):
+    groups = zero.shard_groups(NODE)
+    trained = {stage: (_train(rank, world, stage, None), _train(rank, world, stage, groups)) for stage in (1, 2, 3)}
+    # One reduction of random buckets: flat ZeRO's reduce-scatter against the hybrid one's two legs.
+    plan = _setup(rank, world)[4]
+    g = torch.Generator().manual_seed(rank)
+    grads = [torch.randn(b.numel, generator=g) for b in plan.buckets]
+    mean, _ = _reduce(allreduce(), Comm(), plan, grads)
+    _, flat_bytes = _reduce(allreduce(), ScatterComm(Comm(), plan), plan, grads)
+    hybrid, hybrid_bytes = _reduce(zero.across_replicas(allreduce(), groups, plan), Comm(), plan, grads)
+    bf16 = zero.across_replicas(reduced_in(torch.bfloat16, allreduce()), groups, plan)
+    _, bf16_bytes = _reduce(bf16, Comm(), plan, grads)
+    slices = [zero.padded_slice(m, *zero.shard_range(b, groups.shard.rank, NODE)) for m, b in zip(mean, plan.buckets)]
+    return trained, [b.numel for b in plan.buckets], slices, hybrid, flat_bytes, hybrid_bytes, bf16_bytes
+
+
+def test_hybrid_sharding_equals_flat_zero_and_one_process(run_ranks):
+    """Stages 1-3 on 2 groups x 2 ranks, 4 clipped Adam steps: equal to flat ZeRO at the same stage (<= 1e-5) and to
+    one process on the union batch; each rank's slice of a reduction is its share of the world's mean, and what it
+    sends across the groups is 1/2 of a flat rank's reduction (1/4 with trainer.reduce_dtype=bfloat16)."""
+    world = 4
+    results = run_ranks(_hybrid_ranks, world_size=world)
+    loss_fn, params, buffers, _, plan, model = _setup(0, 1)
+    step = make_train_step(loss_fn, _optimizer(), plan)
+    state = init_train_state(params, buffers, _optimizer(), plan)
+    reference_norms = []
+    for batch in _union_batches(world):
+        state, metrics = step(state, batch)
+        reference_norms.append(float(metrics["grad_norm"]))
+    for trained, numels, slices, hybrid, flat_bytes, hybrid_bytes, bf16_bytes in results:
+        assert any(n % NODE for n in numels) and len(numels) >= 3  # slices that pad and split parameters
+        (_, _, flat_held), (_, _, hsdp_held) = trained[3]
+        assert (flat_held, hsdp_held) == tuple(sum(math.ceil(n / k) for n in numels) for k in (world, NODE))
+        for stage, ((flat, _, _), (hsdp, hsdp_norms, _)) in trained.items():
+            assert max((flat[n] - hsdp[n]).abs().max().item() for n in flat) <= 1e-5, stage
+            assert max((state.params[n] - hsdp[n]).abs().max().item() for n in flat) <= 1e-5, stage
+            assert hsdp_norms == pytest.approx(reference_norms, rel=1e-5), stage
+        for got, want in zip(hybrid, slices):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert flat_bytes == sum(numels) * 4
+        assert hybrid_bytes == sum(math.ceil(n / NODE) for n in numels) * 4
+        assert bf16_bytes == hybrid_bytes // 2
