@@ -3,10 +3,12 @@ flat ZeRO at the same stage and to one process on the union batch, a fraction of
 and checkpoints that move between hybrid and flat worlds."""
 
 import math
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 
 from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
 from fdp.comm import Comm
@@ -17,7 +19,10 @@ from fdp.model.builtin import MLP
 from fdp.model.functional import functionalize
 from fdp.optim import adam, chain, clip_by_global_norm
 from fdp.plan import plan_buckets
-from fdp.run.config import register_configs
+from fdp.run.config import ConfigError, register_configs
+from fdp.run.consolidate import consolidate
+from fdp.run.trainer import run
+from fdp.run.validate import validate
 from fdp.step.chains import Reduction
 from fdp.update import zero
 from fdp.update.zero.scatter import ScatterComm
@@ -121,3 +126,90 @@ def test_hybrid_sharding_equals_flat_zero_and_one_process(run_ranks):
         assert flat_bytes == sum(numels) * 4
         assert hybrid_bytes == sum(math.ceil(n / NODE) for n in numels) * 4
         assert bf16_bytes == hybrid_bytes // 2
+
+
+def _cfg(*overrides):
+    with initialize_config_dir(config_dir=CONF, version_base=None):
+        return compose("config", overrides=["trainer.progress=false", "trainer.eval_every=0", *overrides])
+
+
+COMMON = [
+    "optim=adam",
+    "model.hidden=24",
+    "trainer.max_steps=6",
+    "data.global_batch_size=16",
+    "trainer.bucket_cap_mb=0.01",
+    "trainer.first_bucket_cap_mb=0.002",
+    "trainer.checkpoint_every=3",
+]
+HYBRID = ["world=local4", "world.hierarchical=true", f"world.node_size={NODE}"]
+
+
+def _params(payload):
+    return payload["params"]
+
+
+def _diff(a, b):
+    assert a.keys() == b.keys()
+    return max((a[n] - b[n]).abs().max().item() for n in a)
+
+
+def test_checkpoints_move_between_hybrid_and_flat_worlds(tmp_path):
+    """Stage 3 on 2 groups x 2 ranks trains as flat stage 3 on 4; its whole-file checkpoint of step 3 resumes flat on
+    2 ranks at stage 2, and flat's sharded one resumes hybrid at stage 1, each ending where the run that went on did.
+    A hybrid sharded checkpoint has its slices written by group 0 alone, and consolidates whole."""
+    hybrid, flat = tmp_path / "hybrid", tmp_path / "flat"
+    run(_cfg(*COMMON, *HYBRID, "trainer.zero_stage=3"), hybrid)
+    run(_cfg(*COMMON, "world=local4", "trainer.zero_stage=3", "trainer.checkpoint_format=sharded"), flat)
+    hybrid_end = _params(torch.load(hybrid / "checkpoints" / "last.pt", weights_only=True))
+    flat_end = _params(consolidate(flat / "checkpoints"))
+    assert _diff(hybrid_end, flat_end) <= 1e-5
+
+    to_flat = tmp_path / "to_flat"
+    run(
+        _cfg(*COMMON, "world=local2", "trainer.zero_stage=2", f"trainer.resume={hybrid}/checkpoints/step_00000003.pt"),
+        to_flat,
+    )
+    assert _diff(_params(torch.load(to_flat / "checkpoints" / "last.pt", weights_only=True)), hybrid_end) <= 1e-5
+
+    to_hybrid = tmp_path / "to_hybrid"
+    run(
+        _cfg(
+            *COMMON,
+            *HYBRID,
+            "trainer.zero_stage=1",
+            "trainer.checkpoint_format=sharded",
+            f"trainer.resume={flat}/checkpoints/step_00000003",
+        ),
+        to_hybrid,
+    )
+    written = to_hybrid / "checkpoints" / "step_00000006"
+    assert _diff(_params(consolidate(written)), flat_end) <= 1e-5
+    # Adam's moments (twice the params) are slices, written by group 0 (ranks 0, 1); the params, whole at stage 1,
+    # by every rank a quarter each.
+    sizes = [(written / f"__{rank}_0.distcp").stat().st_size for rank in range(4)]
+    assert min(sizes[:2]) > 2 * max(sizes[2:]), sizes
+    shutil.rmtree(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["hooks=powersgd", "trainer.zero_stage=1"],
+            "hooks 'powersgd' need the whole reduced bucket, which hybrid sharding",
+        ),
+        (
+            ["trainer.zero_stage=0", "trainer.precision=bf16-mixed", "trainer.reduce_dtype=bfloat16"],
+            "trainer.reduce_dtype='bfloat16': expected float32 with world.hierarchical=true at trainer.zero_stage=0",
+        ),
+    ],
+)
+def test_what_hybrid_sharding_cannot_take_is_refused_in_one_line(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        validate(_cfg(*HYBRID, *overrides))
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+def test_hybrid_sharding_takes_a_reduce_dtype():
+    validate(_cfg(*HYBRID, "trainer.zero_stage=3", "trainer.precision=bf16-mixed", "trainer.reduce_dtype=bfloat16"))
