@@ -141,6 +141,7 @@ COMMON = [
     "trainer.bucket_cap_mb=0.01",
     "trainer.first_bucket_cap_mb=0.002",
     "trainer.checkpoint_every=3",
+    "trainer.ema_decay=0.9",  # at stage 3 the average is sharded as the params are
 ]
 HYBRID = ["world=local4", "world.hierarchical=true", f"world.node_size={NODE}"]
 
@@ -156,14 +157,16 @@ def _diff(a, b):
 
 def test_checkpoints_move_between_hybrid_and_flat_worlds(tmp_path):
     """Stage 3 on 2 groups x 2 ranks trains as flat stage 3 on 4; its whole-file checkpoint of step 3 resumes flat on
-    2 ranks at stage 2, and flat's sharded one resumes hybrid at stage 1, each ending where the run that went on did.
-    A hybrid sharded checkpoint has its slices written by group 0 alone, and consolidates whole."""
+        2 ranks at stage 2, and flat's sharded one resumes hybrid at stage 3, each ending where the run that went on did
+    (with the params' moving average).
+        A hybrid sharded checkpoint has its slices written by group 0 alone, and consolidates whole."""
     hybrid, flat = tmp_path / "hybrid", tmp_path / "flat"
     run(_cfg(*COMMON, *HYBRID, "trainer.zero_stage=3"), hybrid)
     run(_cfg(*COMMON, "world=local4", "trainer.zero_stage=3", "trainer.checkpoint_format=sharded"), flat)
-    hybrid_end = _params(torch.load(hybrid / "checkpoints" / "last.pt", weights_only=True))
-    flat_end = _params(consolidate(flat / "checkpoints"))
+    hybrid_saved, flat_saved = torch.load(hybrid / "checkpoints" / "last.pt", weights_only=True), consolidate(flat)
+    hybrid_end, flat_end = _params(hybrid_saved), _params(flat_saved)
     assert _diff(hybrid_end, flat_end) <= 1e-5
+    assert _diff(hybrid_saved["ema"], flat_saved["ema"]) <= 1e-5
 
     to_flat = tmp_path / "to_flat"
     run(
@@ -177,18 +180,18 @@ def test_checkpoints_move_between_hybrid_and_flat_worlds(tmp_path):
         _cfg(
             *COMMON,
             *HYBRID,
-            "trainer.zero_stage=1",
+            "trainer.zero_stage=3",
             "trainer.checkpoint_format=sharded",
             f"trainer.resume={flat}/checkpoints/step_00000003",
         ),
         to_hybrid,
     )
-    written = to_hybrid / "checkpoints" / "step_00000006"
-    assert _diff(_params(consolidate(written)), flat_end) <= 1e-5
-    # Adam's moments (twice the params) are slices, written by group 0 (ranks 0, 1); the params, whole at stage 1,
-    # by every rank a quarter each.
-    sizes = [(written / f"__{rank}_0.distcp").stat().st_size for rank in range(4)]
-    assert min(sizes[:2]) > 2 * max(sizes[2:]), sizes
+    written = consolidate(to_hybrid / "checkpoints" / "step_00000006")
+    assert _diff(_params(written), flat_end) <= 1e-5 and _diff(written["ema"], flat_saved["ema"]) <= 1e-5
+    # Params and Adam's moments are all slices at stage 3: written by group 0 (ranks 0, 1) alone.
+    files = [to_hybrid / "checkpoints" / "step_00000006" / f"__{rank}_0.distcp" for rank in range(4)]
+    sizes = [path.stat().st_size if path.exists() else 0 for path in files]
+    assert min(sizes[:2]) > 10 * max(sizes[2:]), sizes
     shutil.rmtree(tmp_path)
 
 

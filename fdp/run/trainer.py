@@ -288,7 +288,9 @@ def _start(
         steps = run_steps(tc.max_steps, tc.max_epochs, parts.data, cfg.data.global_batch_size)
         last_step = min(steps, tc.stop_at or steps)
         resumed = read_resumed(source, comm) if source is not None else resumed
-        controls = LoopControls(tc, comm, parts.plan, state, has_test_split(parts.data), steps, resumed)
+        controls = LoopControls(
+            tc, comm, parts.plan, state, has_test_split(parts.data), steps, resumed, shard=parts.update.comm
+        )
         blocked = _not_compiled(cfg, parts)
         # A joiner takes the world's choice (its own is made alone: no collective the others would not make).
         choice = compiled.choose(
