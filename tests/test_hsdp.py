@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 
 from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
 from fdp.comm import Comm
-from fdp.hooks import allreduce
+from fdp.hooks import allreduce, int8
 from fdp.hooks.base import init_hook_states
 from fdp.hooks.compress import reduced_in
 from fdp.model.builtin import MLP
@@ -97,7 +97,16 @@ def _hybrid_ranks(rank, world):
     bf16 = zero.across_replicas(reduced_in(torch.bfloat16, allreduce()), groups, plan)
     _, bf16_bytes = _reduce(bf16, Comm(), plan, grads)
     slices = [zero.padded_slice(m, *zero.shard_range(b, groups.shard.rank, NODE)) for m, b in zip(mean, plan.buckets)]
-    return trained, [b.numel for b in plan.buckets], slices, hybrid, flat_bytes, hybrid_bytes, bf16_bytes
+    # int8 keeps error feedback in its state: made for the slice, and the slice's mean within a rounding step.
+    quantised = zero.across_replicas(int8(), groups, plan)
+    errors = [state[0].error.numel() for state in init_hook_states(quantised, plan)]
+    coarse, _ = _reduce(quantised, Comm(), plan, grads)
+    # A replica's scale is its group's largest mean / 127, within twice the world's; the sum is off by half of it.
+    step = max(s.abs().max().item() for s in slices) / 127
+    int8_ok = errors == [s.numel() for s in slices] and all(
+        (c - s).abs().max().item() <= step for c, s in zip(coarse, slices)
+    )
+    return trained, [b.numel for b in plan.buckets], slices, hybrid, flat_bytes, hybrid_bytes, bf16_bytes, int8_ok
 
 
 def test_hybrid_sharding_equals_flat_zero_and_one_process(run_ranks):
@@ -113,7 +122,8 @@ def test_hybrid_sharding_equals_flat_zero_and_one_process(run_ranks):
     for batch in _union_batches(world):
         state, metrics = step(state, batch)
         reference_norms.append(float(metrics["grad_norm"]))
-    for trained, numels, slices, hybrid, flat_bytes, hybrid_bytes, bf16_bytes in results:
+    for trained, numels, slices, hybrid, flat_bytes, hybrid_bytes, bf16_bytes, int8_ok in results:
+        assert int8_ok
         assert any(n % NODE for n in numels) and len(numels) >= 3  # slices that pad and split parameters
         (_, _, flat_held), (_, _, hsdp_held) = trained[3]
         assert (flat_held, hsdp_held) == tuple(sum(math.ceil(n / k) for n in numels) for k in (world, NODE))
@@ -156,10 +166,10 @@ def _diff(a, b):
 
 
 def test_checkpoints_move_between_hybrid_and_flat_worlds(tmp_path):
-    """Stage 3 on 2 groups x 2 ranks trains as flat stage 3 on 4; its whole-file checkpoint of step 3 resumes flat on
-        2 ranks at stage 2, and flat's sharded one resumes hybrid at stage 3, each ending where the run that went on did
-    (with the params' moving average).
-        A hybrid sharded checkpoint has its slices written by group 0 alone, and consolidates whole."""
+    """Stage 3 on 2 groups x 2 ranks trains as flat stage 3 on 4 (with the params' moving average); its whole-file
+    checkpoint of step 3 resumes flat on 2 ranks at stage 2 and hybrid on 4 groups of 1 at stage 2, and flat's
+    sharded one resumes hybrid at stage 3, each ending where the run that went on did. A hybrid sharded checkpoint
+    has its slices written by group 0 alone, and consolidates whole."""
     hybrid, flat = tmp_path / "hybrid", tmp_path / "flat"
     run(_cfg(*COMMON, *HYBRID, "trainer.zero_stage=3"), hybrid)
     run(_cfg(*COMMON, "world=local4", "trainer.zero_stage=3", "trainer.checkpoint_format=sharded"), flat)
@@ -174,6 +184,21 @@ def test_checkpoints_move_between_hybrid_and_flat_worlds(tmp_path):
         to_flat,
     )
     assert _diff(_params(torch.load(to_flat / "checkpoints" / "last.pt", weights_only=True)), hybrid_end) <= 1e-5
+
+    to_single_rank_nodes = tmp_path / "to_single_rank_nodes"  # 4 groups of 1: every rank holds every slice
+    run(
+        _cfg(
+            *COMMON,
+            "world=local4",
+            "world.hierarchical=true",
+            "world.node_size=1",
+            "trainer.zero_stage=2",
+            f"trainer.resume={hybrid}/checkpoints/step_00000003.pt",
+        ),
+        to_single_rank_nodes,
+    )
+    resumed = torch.load(to_single_rank_nodes / "checkpoints" / "last.pt", weights_only=True)
+    assert _diff(_params(resumed), hybrid_end) <= 1e-5
 
     to_hybrid = tmp_path / "to_hybrid"
     run(
