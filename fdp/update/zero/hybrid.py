@@ -47,7 +47,8 @@ class ShardGroups(NamedTuple):
 def shard_groups(node_size: int, watch=None) -> ShardGroups:
     """Make the groups of hybrid sharding over the world (every rank must call it, in the same order).
 
-    ``node_size`` must split the world into two or more groups (``check_node_size``).
+    ``node_size`` must split the world into two or more groups (``check_node_size``); ``watch``
+    is asked while their collectives wait (``fdp.comm.wait_watched``).
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     groups = check_node_size(world, node_size)
@@ -95,6 +96,13 @@ def across_replicas(hook: Hook, groups: ShardGroups, plan: BucketPlan) -> Hook:
     carries no data: the bytes sent across the replicas are added to its counters, so a
     step's ``bytes_sent`` is the traffic that leaves the node (as ``fdp.hooks.hierarchical``
     counts it). The result is this rank's slice of the whole world's mean.
+
+    >>> from fdp.hooks import allreduce
+    >>> from fdp.plan import pack_into_buckets
+    >>> plan = pack_into_buckets([("w", (3,), "float32", "cpu")])
+    >>> hook = across_replicas(allreduce(), ShardGroups(Comm(), Comm()), plan)  # one group of one rank
+    >>> hook.init(plan.buckets[0]), hook.shardable
+    ((), True)
     """
     check_hook_across_nodes(hook)
     shard, replicas = groups.shard, groups.replicas
