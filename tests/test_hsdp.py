@@ -241,3 +241,20 @@ def test_what_hybrid_sharding_cannot_take_is_refused_in_one_line(overrides, mess
 
 def test_hybrid_sharding_takes_a_reduce_dtype():
     validate(_cfg(*HYBRID, "trainer.zero_stage=3", "trainer.precision=bf16-mixed", "trainer.reduce_dtype=bfloat16"))
+
+
+def test_int8_error_feedback_moves_between_hybrid_and_flat_worlds(tmp_path):
+    """hooks=int8 keeps its error feedback per slice in a hybrid world and per bucket in a flat one: a checkpoint
+    of one resumes in the other, the moved residual started again (as a rank new to a world starts it)."""
+    common = [*COMMON, "hooks=int8", "trainer.zero_stage=2", "trainer.max_steps=3"]
+    run(_cfg(*common, *HYBRID), tmp_path / "hybrid")
+    summary = run(
+        _cfg(
+            *common,
+            "world=local2",
+            f"trainer.resume={tmp_path}/hybrid/checkpoints/step_00000003.pt",
+            "trainer.max_steps=5",
+        ),
+        tmp_path / "flat",
+    )
+    assert summary["steps"] == 5 and math.isfinite(summary["loss"])
