@@ -141,8 +141,15 @@ def build_run(
         pieces = _built_whole(cfg, data, device, precision, criterion, comm)
     model, params, buffers, plan, embeddings, num_params, make = pieces
     hook = build_hook(OmegaConf.to_container(cfg.hooks))
+    # world.hierarchical: a sharded state splits over each node and is replicated across them (hybrid sharding);
+    # a replicated one reduces inside each node first and runs the hook chain across them.
+    groups = None
     if cfg.world.hierarchical:
-        hook = _hierarchical(hook, cfg, comm)
+        node_size = _node_size(cfg, comm)
+        if stage.shards_optimizer:
+            groups = zero.shard_groups(node_size, comm.watch)
+        else:
+            hook = hierarchical(hook, node_comms(node_size), comm.world_size // node_size)
     # The schedule spans the run: max_steps, or fewer where trainer.max_epochs ends it sooner.
     steps = run_steps(cfg.trainer.max_steps, cfg.trainer.max_epochs, data, cfg.data.global_batch_size)
     optimizer = build_optimizer(OmegaConf.to_container(cfg.optim), steps, embeddings=embeddings)
@@ -156,6 +163,7 @@ def build_run(
         reshard_after_forward=cfg.trainer.reshard_after_forward,
         mirror=cfg.world.on_rank_loss == "shrink" and stage.shards_optimizer,
         gather_dtype=precision.gather_dtype,
+        groups=groups,
     )
     if make is not None:  # params made slice by slice: no rank holds them whole
         state = update.first_state_made(make, buffers, hook, comm, seed=cfg.seed, precision=precision)
@@ -276,11 +284,12 @@ def tune_allocator_for(cfg: DictConfig) -> None:
     tune_allocator(sharded_params=stage_of(cfg).shards_params, bucket_bytes=int(cfg.trainer.bucket_cap_mb * 2**20))
 
 
-def _hierarchical(hook: Hook, cfg: DictConfig, comm: Comm) -> Hook:
-    """``hook`` run across nodes only (``world.hierarchical``); a node is one launch's processes."""
+def _node_size(cfg: DictConfig, comm: Comm) -> int:
+    """The processes of a node (``world.hierarchical``): ``world.node_size``, or one launch's; refused unless it
+    splits the world into two or more nodes."""
     node_size = cfg.world.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world.nproc_per_node))
     try:
-        nodes = check_node_size(comm.world_size, node_size)
+        check_node_size(comm.world_size, node_size)
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    return hierarchical(hook, node_comms(node_size), nodes)
+    return node_size

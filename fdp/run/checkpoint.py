@@ -174,6 +174,23 @@ def rebuild_like(template: Any, leaves: list, what: str, path: Path, paths: list
     return tree_unflatten([_like(v, t) for v, t in zip(leaves, template_leaves)], spec)
 
 
+def hook_state_like(template: Any, leaves: list, path: Path) -> Any:
+    """The saved hook state ``leaves`` as ``template``'s tree (``rebuild_like``), or ``template`` itself (a fresh state)
+    where a saved tensor's shape differs: error feedback kept for another layout of the buckets (a hybrid world's
+    slices, ``fdp.update.zero.hybrid``, against a flat world's buckets) starts again, as a rank new to the world does.
+
+    >>> hook_state_like((torch.zeros(2),), [torch.ones(3)], Path("x"))
+    (tensor([0., 0.]),)
+    """
+    fresh = tree_flatten(template)[0]
+    if len(fresh) == len(leaves) and any(
+        isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape != b.shape
+        for a, b in zip(fresh, leaves)
+    ):
+        return template
+    return rebuild_like(template, leaves, "hook state", path)
+
+
 def state_payload(state: TrainState, per_rank: list[dict], extra: dict | None = None) -> dict:
     """The dict saved for ``state``, every tensor on the CPU; ``per_rank`` holds each rank's ``rank_payload``."""
     return {
@@ -256,7 +273,7 @@ def restore(payload: dict, template: TrainState, rank: int, path: str | os.PathL
         opt_state=rebuild_like(
             template.opt_state, shared["opt_state"], "optimizer state", path, shared["opt_state_paths"]
         ),
-        hook_state=rebuild_like(template.hook_state, mine["hook_state"], "hook state", path),
+        hook_state=hook_state_like(template.hook_state, mine["hook_state"], path),
         rng=mine["rng"],
         cuda_rng=saved_cuda_rng if both_on_gpu else template.cuda_rng,
         loss_scale=rebuild_like(template.loss_scale, payload.get("loss_scale", []), "loss scale", path),

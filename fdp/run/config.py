@@ -254,7 +254,9 @@ class WorldConfig:
     memory_per_rank_mb: float = (
         0.0  # what each rank may allocate once started (0: no limit), as a GPU's memory bounds it
     )
-    hierarchical: bool = False  # reduce inside each node, run the hook chain across nodes only, share inside the node
+    # Reduce inside each node, run the hook chain across nodes only, share inside the node; at a ZeRO stage the state
+    # is sharded inside each node and replicated across them (hybrid sharding, fdp.update.zero.hybrid).
+    hierarchical: bool = False
     node_size: int = 0  # processes per node for hierarchical (0: the processes of one launch)
     requeue_signal: str = (
         "SIGUSR1"  # world=slurm: stop, checkpoint and requeue the job on it (sbatch --signal=USR1@90); none: off

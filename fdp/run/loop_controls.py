@@ -220,7 +220,8 @@ class LoopControls:
     evaluation, ``payload`` for each checkpoint (on every rank), ``keep_best`` with the file it wrote.
 
     ``resumed``: the ``loop`` and ``ema`` entries of the checkpoint the run resumes from (``read_resumed``);
-    ``end_step``: the run's last step (``run_steps``), whatever step this invocation stops at.
+    ``end_step``: the run's last step (``run_steps``), whatever step this invocation stops at. ``shard``: the comm
+    the state's slices are split over (the update's: a node's under hybrid sharding; by default ``comm``).
     """
 
     def __init__(
@@ -232,8 +233,10 @@ class LoopControls:
         evaluates: bool,
         end_step: int,
         resumed: dict | None = None,
+        shard: Comm | None = None,
     ):
         self.comm, self.plan = comm, plan
+        self.shard = shard or comm  # at stage 3 the average is sliced as the params are
         self.eval_every, self.end_step = tc.eval_every, end_step
         early = tc.early_stopping
         self.early = Monitor.of(early.monitor, early.mode, early.min_delta) if early.monitor else None
@@ -263,7 +266,7 @@ class LoopControls:
             return self.ema.init(state.params)
         if zero.params_sharded(state.params, self.plan):  # this rank's slices of the whole average
             whole = TrainState(0, saved, {}, (), (), state.rng)
-            return self.ema.init(zero.shard_state(whole, self.plan, self.comm, stage=3).params)
+            return self.ema.init(zero.shard_state(whole, self.plan, self.shard, stage=3).params)
         return self.ema.init({name: saved[name].to(p.device) for name, p in state.params.items()})
 
     def ended_before(self) -> str | None:
@@ -341,7 +344,7 @@ class LoopControls:
             average = self.average
             if zero.params_sharded(average, self.plan):
                 holder = TrainState(step, average, {}, (), (), torch.empty(0))
-                average = zero.gather_state(holder, self.plan, self.comm, to=0).params
+                average = zero.gather_state(holder, self.plan, self.shard, to=0).params
             out["ema"] = {name: t.detach().cpu() for name, t in average.items()}
         return out
 

@@ -48,9 +48,9 @@ from fdp.run.checkpoint import (
     POINTER,
     CheckpointError,
     agree_on_refusal,
+    hook_state_like,
     host_leaves,
     read_meta,
-    rebuild_like,
     sharded_steps,
 )
 from fdp.state.train_state import TrainState
@@ -310,7 +310,7 @@ def load_sharded(path: str | os.PathLike, like: TrainState, update: Update, plan
     state = like
     if refused is None and mine is not None:  # a rank the saving world did not have starts its hook state fresh
         try:
-            hook_state = rebuild_like(like.hook_state, mine["hook_state"], "hook state", path)
+            hook_state = hook_state_like(like.hook_state, mine["hook_state"], path)
         except CheckpointError as error:
             refused = str(error)
         else:

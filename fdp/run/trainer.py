@@ -301,7 +301,9 @@ def _start(
         steps = run_steps(tc.max_steps, tc.max_epochs, parts.data, cfg.data.global_batch_size)
         last_step = min(steps, tc.stop_at or steps)
         resumed = read_resumed(source, comm) if source is not None else resumed
-        controls = LoopControls(tc, comm, parts.plan, state, has_test_split(parts.data), steps, resumed)
+        controls = LoopControls(
+            tc, comm, parts.plan, state, has_test_split(parts.data), steps, resumed, shard=parts.update.comm
+        )
         callbacks = Callbacks.of(OmegaConf.to_container(tc.callbacks, resolve=True), given, run_dir.path, parts.plan)
         callbacks.restore((resumed or {}).get("callbacks"), comm)
         blocked = _not_compiled(cfg, parts)

@@ -49,7 +49,14 @@ from fdp.step.outer_spec import check_outer
 from fdp.step.reduce import resolve_schedule
 from fdp.step.train_step import check_nonfinite
 from fdp.targets import locate
-from fdp.update.zero import ZERO_STAGES, check_hook_for_stage, check_optimizer_for_stage, check_zero_stage, stage_rules
+from fdp.update.zero import (
+    ZERO_STAGES,
+    check_hook_across_nodes,
+    check_hook_for_stage,
+    check_optimizer_for_stage,
+    check_zero_stage,
+    stage_rules,
+)
 
 __all__ = ["validate", "validate_run_dir"]
 
@@ -146,10 +153,14 @@ def _validate_trainer(cfg: Any) -> None:
             t.zero_stage,
             f"0 with outer={cfg.outer.name} (an outer loop keeps whole optimizer states)",
         )
-        _require(not cfg.world.hierarchical, "trainer.zero_stage", t.zero_stage, "0 with world.hierarchical=true")
-    if cfg.world.hierarchical:  # the hook is wrapped into one across nodes, which reduces in its own dtype
+    if cfg.world.hierarchical and t.zero_stage:  # hybrid sharding: the chain reduces each rank's slice across nodes
+        _as_config_key("hooks", lambda _: check_hook_across_nodes(hook), _container(cfg.hooks))
+    if cfg.world.hierarchical and not t.zero_stage:  # the hook is wrapped into one across nodes, in its own dtype
         _require(
-            t.reduce_dtype == "float32", "trainer.reduce_dtype", t.reduce_dtype, "float32 with world.hierarchical=true"
+            t.reduce_dtype == "float32",
+            "trainer.reduce_dtype",
+            t.reduce_dtype,
+            "float32 with world.hierarchical=true at trainer.zero_stage=0",
         )
     refusal = stage_rules(t.zero_stage).refuses_compile()
     if refusal:

@@ -221,6 +221,7 @@ def make_train_step(
     require(not refusal, "compile", opts.compile, f"False ({refusal})")
     early = opts.donate and opts.nonfinite == "raise"
     update = stage_update.for_step(comm, opts.timeline, opts.donate, early)
+    hook = update.reduction_hook(hook)  # hybrid sharding: the chain runs across the groups, on each rank's slice
     streams = SampleStreams(opts.sample_seed) if opts.sample_seed is not None else None
     batch_rank = comm.rank if opts.batch_rank is None else opts.batch_rank
     forward_loss = streams.wrap(loss_fn) if streams else loss_fn

@@ -266,6 +266,11 @@ class Update(ABC):
         """The comm the hook chain reduces over."""
         return comm
 
+    def reduction_hook(self, hook: Hook) -> Hook:
+        """The hook the reducer runs for ``hook`` (hybrid sharding runs it across the groups on each rank's slice:
+        ``fdp.update.zero.hybrid``); the state's hook states are this hook's."""
+        return hook
+
     @abstractmethod
     def check_state(self, state: Any) -> None:
         """Refuse, in one line, a state this update cannot step, or one the ranks do not share (the first step)."""

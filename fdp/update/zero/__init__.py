@@ -20,8 +20,9 @@ the number, how the state starts, what a checkpoint holds (the whole state,
 ``fdp.update.zero.convert``), and how it goes on after ranks were lost. In a world that may
 shrink, stage 1 also keeps the next rank's slices of the optimizer state
 (``TrainState.mirror``), and ``reshard_survivors`` splits the state again over the ranks
-left (``fdp.update.zero.mirror``). What each stage accepts is stated once, in
-``fdp.update.base.STAGES``.
+left (``fdp.update.zero.mirror``). With ``world.hierarchical`` the state is sharded inside each
+node's group and replicated across the nodes (hybrid sharding, ``fdp.update.zero.hybrid``).
+What each stage accepts is stated once, in ``fdp.update.base.STAGES``.
 
 >>> check_zero_stage(1)
 1
@@ -49,6 +50,7 @@ from fdp.update.zero.convert import (
     unsharded_template,
     whole_params,
 )
+from fdp.update.zero.hybrid import ShardGroups, across_replicas, check_hook_across_nodes, shard_groups
 from fdp.update.zero.layout import padded_slice, shard_key, shard_range
 from fdp.update.zero.mirror import LostSlices, reshard_survivors
 from fdp.update.zero.params import ParamShardedUpdate
@@ -79,6 +81,10 @@ __all__ = [
     "ParamShardedUpdate",
     "LostSlices",
     "reshard_survivors",
+    "ShardGroups",
+    "shard_groups",
+    "across_replicas",
+    "check_hook_across_nodes",
 ]
 
 ZERO_STAGES = tuple(stage.number for stage in STAGES)
@@ -156,6 +162,7 @@ def update_for(
     reshard_after_forward: bool = True,
     mirror: bool = False,
     gather_dtype: Any = None,
+    groups: ShardGroups | None = None,
 ) -> Update:
     """The ``fdp.update.base.Update`` of ZeRO stage ``stage`` (0 is the replicated update): the one place a stage's
     number becomes its update.
@@ -165,7 +172,8 @@ def update_for(
     of ``model`` bucket by bucket (``fdp.update.zero.gather``). ``mirror``: the states it makes
     keep the next rank's slices too (stage 1, a world that may shrink; stage 0 holds
     everything already). ``gather_dtype``: the dtype stage 3 gathers params in
-    (``Precision.gather_dtype``; ``None``: the buckets' own).
+    (``Precision.gather_dtype``; ``None``: the buckets' own). ``groups``: hybrid sharding, the state sharded
+    inside this rank's group and replicated across the groups (``fdp.update.zero.hybrid``; stages 1-3).
 
     >>> from fdp import sgd
     >>> from fdp.plan import pack_into_buckets
@@ -176,12 +184,14 @@ def update_for(
     check_zero_stage(stage)
     check_optimizer_for_stage(stage, optimizer)
     if stage == 0:
+        if groups is not None:
+            raise ValueError("groups: expected None at zero_stage=0 (nothing is sharded to split over a group)")
         return ReplicatedUpdate(optimizer, plan, comm, timeline, donate, early)
     if stage == 3:
         return ParamShardedUpdate(
-            optimizer, plan, comm, model, reshard_after_forward, timeline, donate, early, mirror, gather_dtype
+            optimizer, plan, comm, model, reshard_after_forward, timeline, donate, early, mirror, gather_dtype, groups
         )
-    return ShardedUpdate(optimizer, plan, comm, stage, timeline, donate, early, mirror)
+    return ShardedUpdate(optimizer, plan, comm, stage, timeline, donate, early, mirror, groups)
 
 
 make_update = update_for  # the name before the update owned its state's life

@@ -18,7 +18,7 @@ import torch
 from fdp._torch import HAS_DISABLE_FUNCTORCH
 from fdp.comm import Comm
 from fdp.errors import require
-from fdp.hooks import Hook
+from fdp.hooks import Hook, allreduce
 from fdp.model.functional import Buffers, FunctionalModel, Params
 from fdp.optim import GradientTransformation, apply_gradients
 from fdp.plan import BucketPlan
@@ -28,6 +28,7 @@ from fdp.trace import Timeline
 from fdp.update.zero.built import sliced_first_state
 from fdp.update.zero.convert import is_sharded, params_sharded
 from fdp.update.zero.gather import ParamGather
+from fdp.update.zero.hybrid import ShardGroups
 from fdp.update.zero.layout import padded_slice, shard_key, shard_range
 from fdp.update.zero.scatter import ScatterComm
 from fdp.update.zero.slice_step import SliceStep
@@ -61,6 +62,7 @@ class ParamShardedUpdate(SlicedUpdate):
         early: bool = False,
         mirror: bool = False,
         gather_dtype: torch.dtype | None = None,
+        groups: ShardGroups | None = None,
     ):
         require(
             isinstance(model, FunctionalModel),
@@ -70,7 +72,7 @@ class ParamShardedUpdate(SlicedUpdate):
             TypeError,
         )
         require(HAS_DISABLE_FUNCTORCH, "zero_stage", 3, "0, 1 or 2: this torch cannot leave torch.func from a hook")
-        super().__init__(optimizer, plan, comm, 3, timeline, donate, early, mirror)
+        super().__init__(optimizer, plan, comm, 3, timeline, donate, early, mirror, groups)
         self.model, self.reshard_after_forward, self.gather_dtype = model, reshard_after_forward, gather_dtype
         self._gather: ParamGather | None = None
 
@@ -109,10 +111,12 @@ class ParamShardedUpdate(SlicedUpdate):
             early,
             self.mirror,
             self.gather_dtype,
+            self.groups,
         )
 
     def reduction_comm(self, comm: Comm) -> Any:
-        return ScatterComm(comm, self.plan)
+        # Hybrid: the chain reduces across the replicas inside reduction_hook; the runtime's comm counts its bytes.
+        return ScatterComm(comm, self.plan) if self.groups is None else comm
 
     def first_state_made(
         self,
@@ -126,7 +130,18 @@ class ParamShardedUpdate(SlicedUpdate):
         """``first_state`` from params made one at a time by ``make(name)`` (a build on ``meta``,
         ``fdp.model.deferred``): this rank keeps its slices alone and never holds the whole params
         (``fdp.update.zero.built``)."""
-        return sliced_first_state(make, buffers, self.optimizer, self.plan, comm, hook, seed, self.mirror, precision)
+        return sliced_first_state(
+            make,
+            buffers,
+            self.optimizer,
+            self.plan,
+            comm,
+            self.reduction_hook(hook or allreduce()),
+            seed,
+            self.mirror,
+            precision,
+            self._shard_comm(comm),
+        )
 
     def check_state(self, state: Any) -> None:
         if not (params_sharded(state.params, self.plan) and is_sharded(state.opt_state, self.plan)):

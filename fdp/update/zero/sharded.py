@@ -29,6 +29,7 @@ from fdp.plan import BucketPlan
 from fdp.state.checks import check_same_replicas, check_state_against_plan
 from fdp.trace import Timeline
 from fdp.update.zero.convert import is_sharded
+from fdp.update.zero.hybrid import ShardGroups
 from fdp.update.zero.layout import flats_of, padded_slice, param_views, shard_key, shard_range
 from fdp.update.zero.scatter import ScatterComm
 from fdp.update.zero.slice_step import SliceStep
@@ -52,18 +53,22 @@ class ShardedUpdate(SlicedUpdate):
         donate: bool = False,
         early: bool = False,
         mirror: bool = False,
+        groups: ShardGroups | None = None,
     ):
         if stage not in (1, 2):
             raise ValueError(f"stage={stage!r}: expected 1 or 2 (stage 0 is fdp.update.base.ReplicatedUpdate)")
-        super().__init__(optimizer, plan, comm, stage, timeline, donate, early, mirror)
+        super().__init__(optimizer, plan, comm, stage, timeline, donate, early, mirror, groups)
 
     def for_step(
         self, comm: Comm, timeline: Timeline | None = None, donate: bool = False, early: bool = False
     ) -> "ShardedUpdate":
-        return ShardedUpdate(self.optimizer, self.plan, comm, self.stage, timeline, donate, early, self.mirror)
+        return ShardedUpdate(
+            self.optimizer, self.plan, comm, self.stage, timeline, donate, early, self.mirror, self.groups
+        )
 
     def reduction_comm(self, comm: Comm) -> Any:
-        return ScatterComm(comm, self.plan) if self.rules.scatters else comm
+        # Hybrid: the chain reduces across the replicas inside reduction_hook; the runtime's comm counts its bytes.
+        return ScatterComm(comm, self.plan) if self.rules.scatters and self.groups is None else comm
 
     def check_state(self, state: Any) -> None:
         check_state_against_plan(state, self.plan)
@@ -95,7 +100,7 @@ class ShardedUpdate(SlicedUpdate):
 
 class _ShardedStep(SliceStep):
     def __init__(self, owner: ShardedUpdate, state: Any, grad_buffers: tuple[torch.Tensor, ...], per_bucket: bool):
-        super().__init__(owner, sliced=owner.rules.scatters)
+        super().__init__(owner, sliced=owner.scattered)
         self.state, self.grad_buffers, self.per_bucket = state, grad_buffers, per_bucket
         plan = owner.plan
         # A step that may not touch ``state`` (donate=False) works on copies of the params.
@@ -122,7 +127,7 @@ class _ShardedStep(SliceStep):
         start, stop = self.ranges[index]
         # A scattering chain hands back this rank's slice of the sum (for a bucket of one element, a slice as
         # long as the bucket: taken as the slice, which a chain's sum_bucket gives); one that sends nothing, the whole.
-        if owner.rules.scatters and buffer.numel() == stop - start:
+        if owner.scattered and buffer.numel() == stop - start:
             grad = buffer
             self.take(index, grad, grad)
         elif buffer.numel() == bucket.numel:  # the whole bucket (stage 1, or a chain that sends nothing)

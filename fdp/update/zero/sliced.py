@@ -6,6 +6,11 @@ building the whole optimizer state (``fdp.update.zero.convert.init_state``). A c
 the whole state, gathered to rank 0 (``gather_state``), so that any stage and world size
 resumes it (``shard_state``). After ranks were lost only stage 1, whose ranks each keep
 the next rank's slices (``mirror``), can go on (``fdp.update.zero.mirror``).
+
+With ``groups`` (hybrid sharding, ``fdp.update.zero.hybrid``) the state is split over this
+rank's group, not the world: ``comm`` is the group's, the reduction hands each rank its slice
+at every stage (``across_replicas``), a whole-file checkpoint is gathered inside group 0 and
+a sharded one has its slices written by group 0 alone (every group holds the same ones).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from fdp.comm import Comm
-from fdp.hooks import Hook
+from fdp.hooks import Hook, allreduce
 from fdp.model.functional import Buffers, Params
 from fdp.optim import GradientTransformation
 from fdp.plan import BucketPlan
@@ -21,9 +26,10 @@ from fdp.state.replicas import agreed_start, rank_seed
 from fdp.state.train_state import TrainState
 from fdp.trace import NullTimeline, Timeline
 from fdp.update.base import Update
-from fdp.update.pieces import SliceRange
+from fdp.update.pieces import SliceRange, state_pieces
 from fdp.update.zero.convert import gather_state, init_state, shard_state, unsharded_template
 from fdp.update.zero.decay import sliced_optimizer
+from fdp.update.zero.hybrid import ShardGroups, across_replicas
 from fdp.update.zero.layout import shard_range
 from fdp.update.zero.mirror import reshard_survivors
 
@@ -35,7 +41,8 @@ class SlicedUpdate(Update):
 
     ``mirror``: the state keeps the next rank's slices of the optimizer state too
     (``TrainState.mirror``, a world that may shrink), where the stage can
-    (``Stage.refuses_mirror``).
+    (``Stage.refuses_mirror``). ``groups``: the state is sharded inside this rank's group and
+    replicated across the groups (see the module docstring); ``comm`` is then the group's.
     """
 
     def __init__(
@@ -48,16 +55,31 @@ class SlicedUpdate(Update):
         donate: bool = False,
         early: bool = False,
         mirror: bool = False,
+        groups: ShardGroups | None = None,
     ):
-        self.optimizer, self.plan, self.comm, self.stage = optimizer, plan, comm, stage
+        self.optimizer, self.plan, self.stage, self.groups = optimizer, plan, stage, groups
+        self.comm = comm if groups is None else groups.shard  # the ranks a bucket is split over
         self.timeline = timeline or NullTimeline()
         self.donate, self.early = donate, early
         self.mirror = mirror  # refused, where the stage cannot keep one, by the state it makes
         # The optimizer as it steps this rank's slices (and a mirror's, the next rank's): a weight-decay rule by
         # name becomes each slice's runs, worked out once, here (fdp.update.zero.decay).
-        rank, world = comm.rank, comm.world_size
+        rank, world = self.comm.rank, self.comm.world_size  # the group's, under hybrid sharding
         self.slice_optimizer = sliced_optimizer(optimizer, plan, rank, world)
         self.mirror_optimizer = sliced_optimizer(optimizer, plan, (rank + 1) % world, world)
+
+    @property
+    def scattered(self) -> bool:
+        """Whether the reduction hands each rank only its slice of a bucket (stages 2 and 3; every stage of a hybrid
+        world)."""
+        return self.rules.scatters or self.groups is not None
+
+    def reduction_hook(self, hook: Hook) -> Hook:
+        return hook if self.groups is None else across_replicas(hook, self.groups, self.plan)
+
+    def _shard_comm(self, comm: Comm) -> Comm:
+        """The comm a state is split over: ``comm`` (the world's) or, hybrid, this rank's group."""
+        return comm if self.groups is None else self.groups.shard
 
     def first_state(
         self, params: Params, buffers: Buffers, hook: Hook | None, comm: Comm, seed: int = 0, precision: Any = None
@@ -68,8 +90,8 @@ class SlicedUpdate(Update):
             buffers,
             self.optimizer,
             self.plan,
-            comm,
-            hook,
+            self._shard_comm(comm),
+            self.reduction_hook(hook or allreduce()),
             seed=rank_seed(seed, comm.rank),
             stage=self.stage,
             mirror=self.mirror,
@@ -77,17 +99,25 @@ class SlicedUpdate(Update):
         )
 
     def to_checkpoint(self, state: TrainState, comm: Comm) -> TrainState:
-        return gather_state(state, self.plan, comm, to=0)
+        if self.groups is not None and self.groups.replicas.rank != 0:
+            return state  # group 0 holds every slice as well: only it gathers, to world rank 0
+        return gather_state(state, self.plan, self._shard_comm(comm), to=0)
 
     def checkpoint_template(self, state: TrainState) -> TrainState:
         return unsharded_template(state, self.optimizer, self.plan)
 
     def from_checkpoint(self, whole: TrainState, comm: Comm) -> TrainState:
-        return shard_state(whole, self.plan, comm, self.stage, mirror=self.mirror)
+        return shard_state(whole, self.plan, self._shard_comm(comm), self.stage, mirror=self.mirror)
 
     def slice_range(self, comm: Comm) -> SliceRange:
-        buckets = self.plan.buckets
-        return lambda index: shard_range(buckets[index], comm.rank, comm.world_size)
+        buckets, shard = self.plan.buckets, self._shard_comm(comm)
+        return lambda index: shard_range(buckets[index], shard.rank, shard.world_size)
+
+    def checkpoint_pieces(self, tree: dict, comm: Comm, reading: bool = False) -> tuple[dict, dict]:
+        if reading or self.groups is None or self.groups.replicas.rank == 0:
+            return super().checkpoint_pieces(tree, comm, reading)
+        # Another group's slices are group 0's: written once, by it. Whole tensors are split over the world.
+        return state_pieces(tree, self.plan, comm.rank, comm.world_size, lambda index: (0, 0))
 
     def reshard(
         self, state: TrainState, old_members: tuple[int, ...], new_members: tuple[int, ...], comm: Comm

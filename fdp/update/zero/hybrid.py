@@ -1,0 +1,132 @@
+"""Hybrid sharding (HSDP): the state sharded inside each group of ranks, replicated across the groups.
+
+With ``world.hierarchical=true`` and a ZeRO stage, the ranks form groups of ``node_size``
+(one node each, ranks ``n * node_size ... (n + 1) * node_size - 1``). A group is the
+*shard world*: the layout (``fdp.update.zero.layout``) splits each bucket over its ranks,
+the updated slices are all-gathered inside it, and stage 3 gathers params inside it. The
+*replicas* are the ranks that hold the same slice, one in each group (ranks ``r``,
+``r + node_size``, ...).
+
+A bucket's reduction (``across_replicas``) has two legs: the bucket is reduce-scattered
+inside the group over the fast links, in the bucket's own dtype, so each rank holds its
+slice of the group's mean (``1 / node_size`` of the bucket), then that slice goes through
+the hook chain across the replicas, over the slow links: compression and
+``trainer.reduce_dtype`` apply there. Each rank sends ``1 / node_size`` of what a rank of a
+flat ZeRO world sends across nodes, and the gathers send nothing across.
+
+>>> from fdp.plan import pack_into_buckets
+>>> slice_bucket(pack_into_buckets([("w", (5,), "float32", "cpu")]).buckets[0], 2).numel
+3
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch.distributed as dist
+
+from fdp.comm import Comm, new_group
+from fdp.hooks import Hook, shardable_hooks, stage_name
+from fdp.hooks.base import GradBucket, run_stage
+from fdp.hooks.hierarchical import check_node_size
+from fdp.plan import Bucket, BucketPlan, ParamSlot
+from fdp.update.zero.layout import shard_key, shard_numel
+from fdp.update.zero.scatter import ScatterComm
+
+__all__ = ["ShardGroups", "shard_groups", "slice_bucket", "across_replicas", "check_hook_across_nodes"]
+
+
+class ShardGroups(NamedTuple):
+    """This rank's two groups under hybrid sharding: ``shard`` (the ranks the state is split over, its node) and
+    ``replicas`` (the ranks holding the same slice as this one, one per group)."""
+
+    shard: Comm
+    replicas: Comm
+
+
+def shard_groups(node_size: int, watch=None) -> ShardGroups:
+    """Make the groups of hybrid sharding over the world (every rank must call it, in the same order).
+
+    ``node_size`` must split the world into two or more groups (``check_node_size``); ``watch``
+    is asked while their collectives wait (``fdp.comm.wait_watched``).
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    groups = check_node_size(world, node_size)
+    shard = replicas = None
+    for first in range(0, world, node_size):  # new_group is collective: every rank makes every group
+        group = new_group(list(range(first, first + node_size)))
+        if first <= rank < first + node_size:
+            shard = group
+    for offset in range(node_size):
+        group = new_group([offset + n * node_size for n in range(groups)])
+        if rank % node_size == offset:
+            replicas = group
+    return ShardGroups(Comm(shard, watch=watch), Comm(replicas, watch=watch))
+
+
+def slice_bucket(bucket: Bucket, shards: int) -> Bucket:
+    """One rank's slice of ``bucket`` among ``shards`` as a bucket of its own: what the hook chain reduces across
+    the replicas (one flat slot named by the slice's key, ``ceil(numel / shards)`` elements)."""
+    size = shard_numel(bucket, shards)
+    return Bucket(
+        bucket.index, bucket.dtype, bucket.device, (ParamSlot(shard_key(bucket.index), (size,), 0, size),), size
+    )
+
+
+def check_hook_across_nodes(hook: Hook) -> None:
+    """Refuse a hook chain that needs the whole reduced bucket: hybrid sharding runs it on each rank's slice.
+
+    >>> from fdp.hooks import powersgd
+    >>> check_hook_across_nodes(powersgd())  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: hooks 'powersgd' need the whole reduced bucket, which hybrid sharding (world.hierarchical=true ...
+    """
+    if not hook.shardable:
+        raise ValueError(
+            f"hooks {stage_name(hook)!r} need the whole reduced bucket, which hybrid sharding (world.hierarchical=true "
+            f"with a ZeRO stage) splits over each node; expected hooks {', '.join(shardable_hooks())}"
+        )
+
+
+def across_replicas(hook: Hook, groups: ShardGroups, plan: BucketPlan) -> Hook:
+    """A bucket reduce-scattered inside the group, then its slice reduced by ``hook`` across the replicas.
+
+    ``hook``'s state is made for the slice (``slice_bucket``). The ``comm`` the runtime passes
+    carries no data: the bytes sent across the replicas are added to its counters, so a
+    step's ``bytes_sent`` is the traffic that leaves the node (as ``fdp.hooks.hierarchical``
+    counts it). The result is this rank's slice of the whole world's mean.
+
+    >>> from fdp.hooks import allreduce
+    >>> from fdp.plan import pack_into_buckets
+    >>> plan = pack_into_buckets([("w", (3,), "float32", "cpu")])
+    >>> hook = across_replicas(allreduce(), ShardGroups(Comm(), Comm()), plan)  # one group of one rank
+    >>> hook.init(plan.buckets[0]), hook.shardable
+    ((), True)
+    """
+    check_hook_across_nodes(hook)
+    shard, replicas = groups.shard, groups.replicas
+    inside = ScatterComm(shard, plan)
+    shards = shard.world_size
+
+    def init(bucket: Bucket):
+        return hook.init(slice_bucket(bucket, shards))
+
+    def apply(state, grads: GradBucket, comm: Comm):
+        buffer = grads.buffer if grads.owned else grads.buffer.clone()
+        # Dividing first keeps the group's sum in range for low-precision buckets.
+        mine = yield inside.sum_bucket(buffer.div_(shards))
+        spec = slice_bucket(grads.spec, shards)
+        out, state = yield from run_stage(hook.apply(state, GradBucket(grads.index, mine, spec, owned=True), replicas))
+        sent, count = replicas.take_counters()
+        comm.bytes_sent += sent
+        comm.collectives += count
+        if out.buffer.dtype != spec.torch_dtype or out.buffer.numel() != spec.numel:
+            raise ValueError(
+                f"hybrid sharding: the hook chain must end in the slice's dtype {spec.dtype} and "
+                f"{spec.numel} elements, got {out.buffer.dtype} and {out.buffer.numel()}"
+            )
+        return grads._replace(buffer=out.buffer, owned=True), state
+
+    apply.__qualname__ = getattr(hook.apply, "__qualname__", "across_replicas")  # errors name the user's hook
+    return Hook(init, apply, hook.shardable)
