@@ -92,7 +92,7 @@ def read_meta(path: str | os.PathLike) -> dict:
 def load(path: str | os.PathLike, mmap: bool = False) -> dict:
     """Read a checkpoint written by ``save``; any defect is a ``CheckpointError`` naming the file.
 
-    ``mmap=True`` maps the tensors' bytes instead of reading them (see ``check_readable``).
+    ``mmap=True`` maps the tensors' bytes instead of reading them (``fdp.run.integrity`` reads every byte).
     """
     path = Path(path)
     if path.is_dir():  # a sharded checkpoint: its description (the tensors are read by each rank, in pieces)
@@ -108,14 +108,6 @@ def load(path: str | os.PathLike, mmap: bool = False) -> dict:
     if not isinstance(payload, dict) or "step" not in payload or "params" not in payload:
         raise CheckpointError(f"checkpoint {path} is not an fdp checkpoint (no 'step'/'params' entries)")
     return payload
-
-
-def check_readable(path: str | os.PathLike) -> None:
-    """Raise ``CheckpointError`` unless ``path`` is a whole fdp checkpoint; cheap (tensors are mapped, not read)."""
-    try:
-        load(path, mmap=True)
-    except CheckpointError:
-        load(path)  # the plain reader names the defect better (mmap refuses non-zip files first)
 
 
 def saved_config(path: str | os.PathLike) -> dict | None:
@@ -304,8 +296,20 @@ def save(directory: str | os.PathLike, payload: dict, keep: int = 2) -> Path:
     return path
 
 
+def point_last(directory: str | os.PathLike, name: str) -> None:
+    """Make ``directory/last`` name ``name`` (a step file or step directory in ``directory``), atomically:
+    a reader sees the name before or the new one, and the rename survives a crash."""
+    directory = Path(directory)
+    scratch = directory / f".{POINTER}.tmp"
+    scratch.write_text(name + "\n")
+    with open(scratch, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(scratch, directory / POINTER)
+    fsync_dir(directory)
+
+
 def resolve(path: str | os.PathLike) -> Path:
-    """The checkpoint file ``path`` names: a file itself, or the ``last.pt`` of a checkpoints or run directory.
+    """The checkpoint ``path`` names: a file or step directory itself, or a checkpoints or run directory's last.
 
     >>> import tempfile
     >>> run = Path(tempfile.mkdtemp())
@@ -314,7 +318,7 @@ def resolve(path: str | os.PathLike) -> Path:
     (True, True)
     """
     path = Path(path)
-    if not path.is_dir() or is_sharded(path):
+    if not path.is_dir() or is_sharded(path) or _STEP_DIR.fullmatch(path.name):
         return path
     if not (path / LAST).exists() and not (path / POINTER).exists() and (path / CHECKPOINTS).is_dir():
         path = path / CHECKPOINTS
@@ -322,7 +326,9 @@ def resolve(path: str | os.PathLike) -> Path:
 
 
 def last_of(checkpoints: str | os.PathLike) -> Path:
-    """The newest complete checkpoint in a checkpoints directory: the one ``last`` names (sharded) or ``last.pt``.
+    """The newest complete checkpoint in a checkpoints directory: the one ``last`` names, or the ``last.pt``
+    copy of a run saved before ``last`` existed. A ``last`` that names no step is itself the answer, so that
+    reading it names the damaged file.
 
     >>> last_of("/nonexistent").name
     'last.pt'
@@ -330,7 +336,11 @@ def last_of(checkpoints: str | os.PathLike) -> Path:
     checkpoints = Path(checkpoints)
     pointer = checkpoints / POINTER
     if pointer.is_file():
-        return checkpoints / pointer.read_text().strip()
+        try:
+            name = pointer.read_text(errors="replace").strip()
+        except OSError:
+            return pointer
+        return checkpoints / name if _STEP_FILE.fullmatch(name) or _STEP_DIR.fullmatch(name) else pointer
     return checkpoints / LAST
 
 
