@@ -293,7 +293,7 @@ def _validate_run_dir(cfg: Any, run_dir: RunDir) -> None:
             source.exists(),
             "trainer.resume",
             cfg.trainer.resume,
-            "true, false or the path of a checkpoint (a step_<N>.pt file, or a run directory for its last.pt); "
+            "true, false or the path of a checkpoint (a step_<N>.pt file, or a run directory for its last checkpoint); "
             f"{source} does not exist",
         )
     if source is not None:
