@@ -483,7 +483,7 @@ BAD_INPUTS = [
     (
         ["trainer.resume=true", "model.hidden=32", "trainer.max_steps=8"],
         "run",
-        r"^checkpoint .*/last\.pt was written with another bucket plan",
+        r"^checkpoint .*/step_00000004\.pt was written with another bucket plan",
     ),
     (
         ["optim.warmup_steps=500", "trainer.max_steps=100"],
@@ -711,7 +711,7 @@ RECIPE_CASES = [
     (
         ["trainer.resume=true", "model.hidden=32"],
         2,
-        r"error: checkpoint .*/last\.pt was written with another bucket plan .*",
+        r"error: checkpoint .*/step_00000004\.pt was written with another bucket plan .*",
     ),
     (
         ["trainer.resume=true", "hydra.run.dir={corrupt}"],
