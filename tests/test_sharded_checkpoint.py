@@ -8,6 +8,7 @@ compares with the whole state the saving world gathered (``gather_state``), bit 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -176,6 +177,24 @@ def test_another_model_or_a_bad_path_is_refused_in_one_line(saved, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(checkpoint.CheckpointError, match="not an fdp checkpoint"):
         load_sharded(tmp_path / "empty", like, update, plan, Comm())
+
+
+def _refusal_at(rank, world, stage, directory):
+    try:
+        _resume_at(rank, world, stage, directory)
+    except checkpoint.CheckpointError as error:
+        return str(error)
+    return None
+
+
+def test_a_saving_ranks_missing_part_is_refused_on_every_rank(saved, run_ranks, tmp_path):
+    """Without a saving rank's rank<r>.pt its hook state and RNG would start fresh: refused, the same on every rank."""
+    directory, _, _ = saved
+    copy = tmp_path / "checkpoints"
+    shutil.copytree(directory, copy)
+    (checkpoint.last_of(copy) / "rank1.pt").unlink()
+    expected = f"checkpoint {checkpoint.last_of(copy) / 'rank1.pt'} is missing (the checkpoint was written by 4 ranks)"
+    assert run_ranks(_refusal_at, 1, copy) == [expected, expected]
 
 
 def test_a_rank_killed_mid_asynchronous_save_leaves_the_previous_checkpoint_last(run_ranks, tmp_path):
