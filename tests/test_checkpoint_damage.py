@@ -96,19 +96,25 @@ def _foreign(path: Path) -> None:
     torch.save([1, 2, 3], path)
 
 
+def _scribble(path: Path) -> None:
+    path.write_text("a note of the user's\n")
+
+
 def _without_opt_state(path: Path) -> None:
     payload = torch.load(path, weights_only=True)
     del payload["opt_state"]
     torch.save(payload, path)
 
 
-# (format, the damaged file relative to the newest checkpoint, what is done to it, words of the refusal)
+# (format, the damaged file in the newest checkpoint (or the checkpoints' last), what is done to it, words of the
+# refusal)
 DAMAGE = [
     ("whole", "", _cut, "truncated"),
     ("whole", "", Path.unlink, "expected a checkpoint at"),
     ("whole", "", _flip, "fails its checksum"),
     ("whole", "", _foreign, "not an fdp checkpoint"),
     ("whole", "", _without_opt_state, "no 'opt_state' entry"),
+    ("whole", "last", _scribble, "unreadable"),
     ("sharded", "__1_0.distcp", _cut, "truncated"),
     ("sharded", "__1_0.distcp", Path.unlink, "missing"),
     ("sharded", "__0_0.distcp", _flip, "damaged"),
@@ -118,6 +124,8 @@ DAMAGE = [
     ("sharded", ".metadata", _cut, "truncated"),
     ("sharded", "fdp.pt", Path.unlink, "missing"),
     ("sharded", "fdp.pt", _foreign, "damaged"),
+    ("sharded", "manifest.json", _cut, "unreadable"),
+    ("sharded", "last", _scribble, "unreadable"),
 ]
 
 
@@ -132,7 +140,7 @@ def test_a_damaged_checkpoint_is_refused_in_one_line_and_the_run_is_left_as_it_w
     run_dir = tmp_path / "run"
     shutil.copytree(trained(kind), run_dir)
     newest = checkpoint.last_of(run_dir / "checkpoints")
-    damaged = newest / name if name else newest
+    damaged = run_dir / "checkpoints" / "last" if name == "last" else newest / name if name else newest
     damage(damaged)
     before = snapshot(run_dir)
     refused = recipe(run_dir, *FORMATS[kind], "trainer.resume=true", "trainer.max_steps=6")
