@@ -62,8 +62,8 @@ or of packages above it in this list; ``tests/test_imports.py`` holds every impo
   (``loop_controls``), your own code called in the loop (``callbacks``), the loop of one world (``loop``), a
   rank's run from start to summary (``trainer``), what a rank out of memory says (``out_of_memory``), the shell
   entry (``cli``) and sweeps (``sweep``); sharded,
-  asynchronous checkpoints in DCP's format (``sharded_checkpoint``) and their consolidation into one file
-  (``consolidate``).
+  asynchronous checkpoints in DCP's format (``sharded_checkpoint``), their consolidation into one file
+  (``consolidate``) and a checkpoint of either format checked whole before use (``integrity``).
 * ``checkpoint``: the ``python -m fdp.checkpoint consolidate RUN_DIR`` command.
 """
 

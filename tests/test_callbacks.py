@@ -18,6 +18,7 @@ from _paths import pythonpath_first
 from fdp.comm import Comm
 from fdp.errors import ConfigError
 from fdp.run.callbacks import Callback, CallbackError, Callbacks
+from fdp.run.checkpoint import last_of
 from fdp.run.config import compose
 from fdp.run.consolidate import consolidate
 from fdp.run.trainer import run
@@ -144,7 +145,7 @@ def test_state_is_restored_exactly_on_resume_from_python(tmp_path, fmt):
 def test_at_every_stage_a_callback_sees_the_params_the_checkpoint_holds(tmp_path, stage):
     keeps = KeepsWhole()
     run(compose(*SMALL, f"trainer.zero_stage={stage}"), tmp_path, callbacks=[keeps])
-    saved = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)["params"]
+    saved = torch.load(last_of(tmp_path / "checkpoints"), weights_only=True)["params"]
     assert sorted(keeps.params) == sorted(saved)
     assert all(torch.equal(keeps.params[name], saved[name]) for name in saved)
     # What it was shown: the params by name, or at stage 3 this rank's slices by bucket.

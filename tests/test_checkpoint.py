@@ -1,6 +1,7 @@
 """Atomic checkpoints, clear errors for bad files, and exact resume."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -69,12 +70,12 @@ def test_truncated_and_foreign_files_give_one_line_errors(tmp_path):
 def test_checkpoint_loads_with_weights_only_and_names_params(tmp_path):
     cfg = make_cfg("trainer.max_steps=4", "trainer.checkpoint_every=2", "model.hidden=16")
     run(cfg, tmp_path)
-    payload = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
+    payload = torch.load(checkpoint.last_of(tmp_path / "checkpoints"), weights_only=True)
     assert payload["step"] == 4
     expected = {name: p.shape for name, p in MLP(64, 16, 2, 10).named_parameters()}
     assert {name: t.shape for name, t in payload["params"].items()} == expected
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
-        "last.pt",
+        "last",
         "step_00000002.pt",
         "step_00000004.pt",
     ]
@@ -117,8 +118,8 @@ def test_resume_is_bit_identical_with_adam_and_a_schedule(tmp_path):
         pytest.approx(warmup_cosine_schedule(3e-4, 5, 40)(10))
     ]  # the 40-step schedule's rate for update 11
     run(make_cfg(*common, "trainer.max_steps=20", "trainer.resume=true"), stopped)
-    a = torch.load(straight / "checkpoints" / "last.pt", weights_only=True)
-    b = torch.load(stopped / "checkpoints" / "last.pt", weights_only=True)
+    a = torch.load(checkpoint.last_of(straight / "checkpoints"), weights_only=True)
+    b = torch.load(checkpoint.last_of(stopped / "checkpoints"), weights_only=True)
     assert a["step"] == b["step"] == 20
     for name in a["params"]:
         assert torch.equal(a["params"][name], b["params"][name]), name
@@ -126,27 +127,57 @@ def test_resume_is_bit_identical_with_adam_and_a_schedule(tmp_path):
         assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
 
 
-def test_last_is_a_file_of_its_own_and_a_hard_linked_last_still_loads(tmp_path):
-    """Rewriting last.pt in place (a tool converting it, a user's torch.save) leaves the step file as it was; a
-    directory whose last.pt is a hard link to its step file (as written before) loads and is unlinked by the next
-    save."""
-    for step in (1, 2):
-        checkpoint.save(tmp_path, {"step": step, "params": {"w": torch.full((3,), float(step))}})
-    last, step_file = tmp_path / checkpoint.LAST, tmp_path / "step_00000002.pt"
-    assert last.read_bytes() == step_file.read_bytes() and last.stat().st_ino != step_file.stat().st_ino
-    with open(last, "r+b") as f:  # in place, as torch.save(obj, "last.pt") opens it
+def test_each_save_writes_the_state_once_and_last_names_the_newest(tmp_path):
+    """``last`` names the newest step file: N saves keeping K hold K copies of the state on disk, not K + 1; a
+    step file rewritten in place changes that file alone; a run saved before (``last.pt``, a copy or a hard
+    link) loads, and its next save removes the old copy."""
+    for step in range(1, 5):
+        checkpoint.save(tmp_path, {"step": step, "params": {"w": torch.full((250_000,), float(step))}}, keep=2)
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["last", "step_00000003.pt", "step_00000004.pt"], files
+    one = (tmp_path / "step_00000004.pt").stat().st_size
+    assert sum(p.stat().st_size for p in tmp_path.iterdir()) < 2 * one + 64  # 2 copies and a name
+    assert checkpoint.resolve(tmp_path) == tmp_path / "step_00000004.pt"
+    with open(tmp_path / "step_00000004.pt", "r+b") as f:  # in place, as torch.save(obj, path) opens it
         torch.save({"step": 99, "params": {}}, f)
-    assert checkpoint.load(step_file)["step"] == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt", "step_00000001.pt", "step_00000002.pt"]
-    old = tmp_path / "old"
-    checkpoint.atomic_save({"step": 5, "params": {"w": torch.ones(3)}}, old / "step_00000005.pt")
-    (old / checkpoint.LAST).hardlink_to(old / "step_00000005.pt")
-    assert checkpoint.load(checkpoint.resolve(old))["step"] == 5
-    checkpoint.save(old, {"step": 6, "params": {"w": torch.zeros(3)}})
-    assert (
-        checkpoint.load(old / "step_00000005.pt")["step"] == 5 and checkpoint.load(old / checkpoint.LAST)["step"] == 6
-    )
-    assert (old / "step_00000005.pt").stat().st_nlink == 1
+    assert checkpoint.load(tmp_path / "step_00000003.pt")["step"] == 3
+    for old_last in (shutil.copyfile, os.link):
+        old = tmp_path / old_last.__name__
+        checkpoint.atomic_save({"step": 5, "params": {"w": torch.ones(3)}}, old / "step_00000005.pt")
+        old_last(old / "step_00000005.pt", old / checkpoint.LAST)
+        assert (
+            checkpoint.resolve(old) == old / checkpoint.LAST and checkpoint.load(checkpoint.resolve(old))["step"] == 5
+        )
+        checkpoint.save(old, {"step": 6, "params": {"w": torch.zeros(3)}})
+        assert sorted(p.name for p in old.iterdir()) == ["last", "step_00000005.pt", "step_00000006.pt"]
+        assert checkpoint.load(checkpoint.resolve(old))["step"] == 6
+        assert (
+            checkpoint.load(old / "step_00000005.pt")["step"] == 5 and (old / "step_00000005.pt").stat().st_nlink == 1
+        )
+
+
+def test_a_run_saved_with_a_last_pt_copy_resumes_exactly(tmp_path):
+    """A run directory as runs saved it before ``last`` (its step files and ``last.pt``, a copy of the newest)
+    resumes with ``trainer.resume=true`` and from ``trainer.resume=PATH``, bit-identical to a run straight on; a
+    whole-file run's checkpoints hold the state once per step file."""
+    common = ["model.hidden=16", "trainer.checkpoint_every=3", "trainer.eval_every=0", "trainer.keep_checkpoints=2"]
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    run(make_cfg(*common, "trainer.max_steps=9"), straight)
+    run(make_cfg(*common, "trainer.max_steps=9", "trainer.stop_at=6"), stopped)
+    checkpoints = stopped / "checkpoints"
+    sizes = [p.stat().st_size for p in checkpoints.glob("step_*.pt")]
+    assert len(sizes) == 2 and sum(p.stat().st_size for p in checkpoints.iterdir()) < sum(sizes) + 64
+    (checkpoints / checkpoint.POINTER).unlink()
+    shutil.copyfile(checkpoints / "step_00000006.pt", checkpoints / checkpoint.LAST)  # as saved before
+    branch = tmp_path / "branch"
+    run(make_cfg(*common, "trainer.max_steps=9", f"trainer.resume={stopped}"), branch)
+    run(make_cfg(*common, "trainer.max_steps=9", "trainer.resume=true"), stopped)
+    assert not (checkpoints / checkpoint.LAST).exists()  # the new save's last names the newest
+    a = torch.load(checkpoint.last_of(straight / "checkpoints"), weights_only=True)
+    for other in (stopped, branch):
+        b = torch.load(checkpoint.last_of(other / "checkpoints"), weights_only=True)
+        assert a["step"] == b["step"] == 9
+        assert all(torch.equal(a["params"][name], b["params"][name]) for name in a["params"]), other
 
 
 def test_resume_from_a_chosen_checkpoint_file_starts_there_and_says_so(tmp_path, capsys):
@@ -159,17 +190,19 @@ def test_resume_from_a_chosen_checkpoint_file_starts_there_and_says_so(tmp_path,
     capsys.readouterr()
     run(make_cfg(*common, f"trainer.resume={chosen}"), tmp_path / "branch")
     assert f"resumed from step 3 ({chosen})" in capsys.readouterr().out
-    a, b = (torch.load(d / "checkpoints" / "last.pt", weights_only=True) for d in (straight, tmp_path / "branch"))
+    a, b = (
+        torch.load(checkpoint.last_of(d / "checkpoints"), weights_only=True) for d in (straight, tmp_path / "branch")
+    )
     assert a["step"] == b["step"] == 6
     assert all(torch.equal(a["params"][name], b["params"][name]) for name in a["params"])
-    run(make_cfg(*common, "trainer.max_steps=6", f"trainer.resume={straight}"), tmp_path / "from_dir")  # its last.pt
+    run(make_cfg(*common, "trainer.max_steps=6", f"trainer.resume={straight}"), tmp_path / "from_dir")  # its last
     assert "resumed from step 6" in capsys.readouterr().out
     missing = tmp_path / "nope" / "step_00000003.pt"
     with pytest.raises(ConfigError) as refused:
         run(make_cfg(*common, f"trainer.resume={missing}"), tmp_path / "refused")
     assert str(refused.value) == (
         f"trainer.resume='{missing}': expected true, false or the path of a checkpoint (a step_<N>.pt file, or a run "
-        f"directory for its last.pt); {missing} does not exist"
+        f"directory for its last checkpoint); {missing} does not exist"
     )
     assert not (tmp_path / "refused").exists()
 
@@ -300,10 +333,11 @@ def test_save_and_load_checkpoint_keep_every_ranks_share_and_resume_bit_identica
         assert result["resumed"], f"rank {rank}: training on from the checkpoint differs"
         assert (
             result["refused"]
-            == f"checkpoint {tmp_path / 'last.pt'} was written with another bucket plan (model or bucket caps changed)"
+            == f"checkpoint {tmp_path / 'step_00000002.pt'} was written with another bucket plan (model or bucket caps "
+            "changed)"
         )
     assert not torch.equal(results[0]["error"], results[1]["error"])  # per-rank state, really
-    payload = torch.load(tmp_path / "last.pt", weights_only=True)
+    payload = torch.load(tmp_path / "step_00000002.pt", weights_only=True)
     assert payload["step"] == 2 and len(payload["ranks"]) == 2
     assert payload["ranks"][0]["buffers"] == {}  # rank 0's are the shared entry
     assert {"1.running_mean", "1.running_var"} <= set(payload["ranks"][1]["buffers"])  # rank 1's own statistics

@@ -52,13 +52,13 @@ CASES = [
     (
         ["trainer.resume=/some/file.pt"],
         r"error: trainer\.resume='/some/file\.pt': expected true, false or the path of a "
-        r"checkpoint \(a step_<N>\.pt file, or a run directory for its last\.pt\); "
+        r"checkpoint \(a step_<N>\.pt file, or a run directory for its last checkpoint\); "
         r"/some/file\.pt does not exist",
     ),
     (
         ["trainer.resume=5"],
         r"error: trainer\.resume=5: expected true, false or the path of a checkpoint \(a step_<N>\.pt "
-        r"file, or a run directory for its last\.pt\)",
+        r"file, or a run directory for its last checkpoint\)",
     ),
     (["hooks=powersgd", "hooks.rank=four"], r"error: hooks\.rank=four: expected an integer"),
     (

@@ -48,7 +48,7 @@ CHARLM = [
 
 
 def _params(run_dir: Path) -> dict:
-    return checkpoint.load(run_dir / "checkpoints" / "last.pt")["params"]
+    return checkpoint.load(checkpoint.last_of(run_dir / "checkpoints"))["params"]
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -160,7 +160,9 @@ def test_dropout_on_the_gpu_resumes_where_it_stopped(tmp_path):
     run(compose(*common), tmp_path / "straight")
     run(compose(*common, "trainer.stop_at=6"), tmp_path / "resumed")
     run(compose(*common, "trainer.resume=true"), tmp_path / "resumed")
-    straight, resumed = (checkpoint.load(tmp_path / d / "checkpoints" / "last.pt") for d in ("straight", "resumed"))
+    straight, resumed = (
+        checkpoint.load(checkpoint.last_of(tmp_path / d / "checkpoints")) for d in ("straight", "resumed")
+    )
     # The CUDA generator carried over: after 12 steps it is where the uninterrupted run's is.
     assert straight["ranks"][0]["cuda_rng"].numel() > 0
     assert torch.equal(straight["ranks"][0]["cuda_rng"], resumed["ranks"][0]["cuda_rng"])

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from fdp.dist.interrupt import GRACE_S, Burst, StoppedAtOnce, StopSignals, check_requeue_signal, exit_code, requeue_job
+from fdp.run.checkpoint import last_of
 from fdp.run.rundir import RankStatus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,13 +107,13 @@ def lines(text):
     return [line for line in text.splitlines() if line.strip()]
 
 
-def checkpoint_step(run_dir, name="last.pt"):
-    return torch.load(Path(run_dir) / "checkpoints" / name, weights_only=True)["step"]
+def checkpoint_step(run_dir):
+    return torch.load(last_of(Path(run_dir) / "checkpoints"), weights_only=True)["step"]
 
 
 def interrupted_line(step, signame, run_dir):
     return (
-        f"fdp: interrupted at step {step} by {signame}; checkpoint {run_dir}/checkpoints/last.pt; "
+        f"fdp: interrupted at step {step} by {signame}; checkpoint {last_of(Path(run_dir) / 'checkpoints')}; "
         f"resume with trainer.resume=true hydra.run.dir={run_dir}"
     )
 
@@ -170,7 +171,8 @@ def test_a_second_signal_stops_a_stuck_local_world_at_once(tmp_path):
     assert proc.returncode == 130, err[-3000:]
     step = checkpoint_step(tmp_path)
     assert step % 5 == 0 and lines(err) == [
-        f"fdp: stopped at once by a second SIGINT; the last checkpoint is step {step} ({tmp_path}/checkpoints/last.pt)"
+        f"fdp: stopped at once by a second SIGINT; the last checkpoint is step {step} "
+        f"({last_of(tmp_path / 'checkpoints')})"
     ]
 
 

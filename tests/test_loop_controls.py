@@ -13,6 +13,7 @@ from torch.utils.data import TensorDataset
 from fdp.comm import Comm
 from fdp.data import StepSampler, as_map_data, load_digits
 from fdp.errors import ConfigError
+from fdp.run.checkpoint import last_of
 from fdp.run.config import compose
 from fdp.run.loop_controls import Deadline, run_steps
 from fdp.run.metrics import read_metrics
@@ -32,8 +33,9 @@ SMALL = [
 ]
 
 
-def checkpoint(run_dir, name="last.pt"):
-    return torch.load(Path(run_dir) / "checkpoints" / name, weights_only=True)
+def checkpoint(run_dir, name=None):
+    checkpoints = Path(run_dir) / "checkpoints"
+    return torch.load(last_of(checkpoints) if name is None else checkpoints / name, weights_only=True)
 
 
 def max_diff(a, b):

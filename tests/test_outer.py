@@ -15,6 +15,7 @@ from fdp import Comm, adam, cross_entropy_loss, functionalize, init_train_state,
 from fdp.dist.launch import spawn
 from fdp.hooks import allreduce, lowbit
 from fdp.plan import pack_into_buckets, split_fragments
+from fdp.run.checkpoint import last_of
 from fdp.run.config import ConfigError, DiLoCoConfig, LocalSGDConfig, compose
 from fdp.run.trainer import run, train_worker
 from fdp.run.validate import validate
@@ -380,7 +381,7 @@ POWERSGD = ["hooks=powersgd", "hooks.start_iter=1", "hooks.min_compression_rate=
 
 
 def _checkpoint(run_dir):
-    return torch.load(Path(run_dir) / "checkpoints" / "last.pt", weights_only=True)
+    return torch.load(last_of(Path(run_dir) / "checkpoints"), weights_only=True)
 
 
 # Streaming: two fragments (syncs after steps 2, 6, 10 and 4, 8), each sent behind the next step,

@@ -49,7 +49,7 @@ def test_the_two_process_example_trains_checkpoints_and_resumes_to_the_same_para
     assert lines[-1] == "6 steps straight and 3 + 3 resumed: the same parameters on both ranks"
     assert [line.split(":")[0] for line in lines[:-1]] == ["step 3", "step 6", "step 6"]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
-        "last.pt",
+        "last",
         "step_00000003.pt",
         "step_00000006.pt",
     ]

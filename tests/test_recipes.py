@@ -13,6 +13,7 @@ from _examples import train_example
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from fdp.run.checkpoint import last_of
 from fdp.run.config import SCHEMAS, register_configs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,7 +58,7 @@ def test_default_recipe_trains_from_the_shell(tmp_path):
     assert records[-1]["summary"] and records[-1]["test_acc"] > 0.8
     assert {"step", "loss", "lr", "samples_per_s", "data_wait_ms"} <= set(records[0])
     assert records[-1]["data_wait_ms"] >= 0  # the summary's: how long the steps waited for their batches
-    assert (tmp_path / "checkpoints" / "last.pt").exists()
+    assert last_of(tmp_path / "checkpoints").exists()
     # What the run printed is in Hydra's train.log too: the start-up line and the summary.
     log = (tmp_path / "train.log").read_text()
     startup = [line for line in proc.stdout.splitlines() if line.startswith("[rank0] mlp: ")]

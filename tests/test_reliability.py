@@ -80,7 +80,7 @@ def make_cfg(*overrides):
 
 
 def final_params(run_dir):
-    return torch.load(Path(run_dir) / "checkpoints" / "last.pt", weights_only=True)["params"]
+    return torch.load(checkpoint.last_of(Path(run_dir) / "checkpoints"), weights_only=True)["params"]
 
 
 def assert_same_params(a, b):
@@ -351,7 +351,7 @@ def interrupted(tmp_path_factory):
         seen = {}
         wait_for(lambda: (run_dir / "killed-while-saving").exists())
         wait_for(lambda: not alive(RankStatus.read(run_dir, 0)["pid"]))
-        seen["last_after_save_kill"] = checkpoint.load(checkpoints / checkpoint.LAST)["step"]
+        seen["last_after_save_kill"] = checkpoint.load(checkpoint.last_of(checkpoints))["step"]
         seen["partial"] = sorted(p.name for p in checkpoints.glob(".step_*.tmp"))
         wait_for(lambda: checkpointed(run_dir, 4 * EVERY))
         seen["victim"] = RankStatus.read(run_dir, 1)
@@ -366,7 +366,7 @@ def interrupted(tmp_path_factory):
 
 
 def test_rank_killed_while_saving_leaves_the_previous_checkpoint(interrupted):
-    assert interrupted["last_after_save_kill"] == EVERY  # last.pt still named the previous, whole checkpoint
+    assert interrupted["last_after_save_kill"] == EVERY  # last still named the previous, whole checkpoint
     partial = interrupted["partial"]  # the dead writer's half-written temporary, never renamed
     assert len(partial) == 1 and partial[0].startswith(f".step_{2 * EVERY:08d}.pt."), partial
     assert not list((interrupted["dir"] / "checkpoints").glob(".*.tmp"))  # later saves cleared it
@@ -407,17 +407,15 @@ def recipe(*overrides, timeout=120):
 
 @pytest.fixture(scope="module")
 def previous_run(tmp_path_factory):
-    """A finished run made by the recipe, and a copy of it whose last.pt is cut in half."""
+    """A finished run made by the recipe, and a copy of it whose last checkpoint is cut in half."""
     run_dir = tmp_path_factory.mktemp("previous")
     proc = recipe("trainer.max_steps=4", "model.hidden=16", "trainer.progress=false", f"hydra.run.dir={run_dir}")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert (run_dir / ".hydra" / "config.yaml").exists() and (run_dir / "checkpoints" / "last.pt").exists()
+    assert (run_dir / ".hydra" / "config.yaml").exists() and checkpoint.last_of(run_dir / "checkpoints").exists()
     corrupt = tmp_path_factory.mktemp("corrupt")
     shutil.copytree(run_dir, corrupt, dirs_exist_ok=True)
-    last = corrupt / "checkpoints" / "last.pt"
-    data = last.read_bytes()
-    last.unlink()  # a hard link to step_4: cut a copy, not the step file too
-    last.write_bytes(data[: len(data) // 2])
+    last = checkpoint.last_of(corrupt / "checkpoints")
+    last.write_bytes(last.read_bytes()[: len(last.read_bytes()) // 2])
     return run_dir, corrupt
 
 
@@ -480,12 +478,12 @@ BAD_INPUTS = [
     (
         ["trainer.resume=true", "hydra.run.dir={corrupt}"],
         "validate",
-        r"^checkpoint .*/last\.pt is unreadable \(truncated or corrupted\?\)",
+        r"^checkpoint .*/step_00000004\.pt is unreadable \(truncated or corrupted\?\)",
     ),
     (
         ["trainer.resume=true", "model.hidden=32", "trainer.max_steps=8"],
         "run",
-        r"^checkpoint .*/last\.pt was written with another bucket plan",
+        r"^checkpoint .*/step_00000004\.pt was written with another bucket plan",
     ),
     (
         ["optim.warmup_steps=500", "trainer.max_steps=100"],
@@ -713,12 +711,12 @@ RECIPE_CASES = [
     (
         ["trainer.resume=true", "model.hidden=32"],
         2,
-        r"error: checkpoint .*/last\.pt was written with another bucket plan .*",
+        r"error: checkpoint .*/step_00000004\.pt was written with another bucket plan .*",
     ),
     (
         ["trainer.resume=true", "hydra.run.dir={corrupt}"],
         2,
-        r"error: checkpoint .*/last\.pt is unreadable \(truncated or corrupted\?\): .*",
+        r"error: checkpoint .*/step_00000004\.pt is unreadable \(truncated or corrupted\?\): .*",
     ),
     # Hydra's own errors, one line naming the key and what was expected (fdp.run.cli).
     (

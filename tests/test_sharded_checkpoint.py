@@ -8,6 +8,7 @@ compares with the whole state the saving world gathered (``gather_state``), bit 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from fdp.model.losses import cross_entropy_loss
 from fdp.plan import BucketPlan
 from fdp.run import checkpoint
 from fdp.run.consolidate import consolidate, write_consolidated
+from fdp.run.integrity import MANIFEST, verify
 from fdp.run.sharded_checkpoint import ShardedSaver, load_sharded
 from fdp.step.train_step import make_train_step
 from fdp.update import zero
@@ -176,6 +178,41 @@ def test_another_model_or_a_bad_path_is_refused_in_one_line(saved, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(checkpoint.CheckpointError, match="not an fdp checkpoint"):
         load_sharded(tmp_path / "empty", like, update, plan, Comm())
+
+
+def test_a_checkpoint_saved_without_a_manifest_resumes_and_is_checked_by_its_own_files(saved, tmp_path):
+    """As sharded checkpoints were written before manifest.json: DCP's index and the ranks' parts still say
+    which files must be there and how long each piece file is."""
+    directory, (params, opt_state), _ = saved
+    copy = tmp_path / "checkpoints"
+    shutil.copytree(directory, copy)
+    last = checkpoint.last_of(copy)
+    (last / MANIFEST).unlink()
+    verify(last)
+    step, (got_params, got_opt), _ = _resume_at(0, 1, 0, copy)
+    assert step == 3 and _equal(got_params, params) and _equal(got_opt, opt_state)
+    piece = last / "__2_0.distcp"
+    piece.write_bytes(piece.read_bytes()[:-1])
+    with pytest.raises(checkpoint.CheckpointError, match=rf"^checkpoint {piece} is damaged: .* \(truncated\?\)$"):
+        verify(last)
+
+
+def _refusal_at(rank, world, stage, directory):
+    try:
+        _resume_at(rank, world, stage, directory)
+    except checkpoint.CheckpointError as error:
+        return str(error)
+    return None
+
+
+def test_a_saving_ranks_missing_part_is_refused_on_every_rank(saved, run_ranks, tmp_path):
+    """Without a saving rank's rank<r>.pt its hook state and RNG would start fresh: refused, the same on every rank."""
+    directory, _, _ = saved
+    copy = tmp_path / "checkpoints"
+    shutil.copytree(directory, copy)
+    (checkpoint.last_of(copy) / "rank1.pt").unlink()
+    expected = f"checkpoint {checkpoint.last_of(copy) / 'rank1.pt'} is missing (the checkpoint was written by 4 ranks)"
+    assert run_ranks(_refusal_at, 1, copy) == [expected, expected]
 
 
 def test_a_rank_killed_mid_asynchronous_save_leaves_the_previous_checkpoint_last(run_ranks, tmp_path):

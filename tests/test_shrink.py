@@ -21,6 +21,7 @@ from _procs import alive
 
 from fdp.dist.launch import WorkerFailedError
 from fdp.dist.shrink import ShrinkingWorld, check_shrinkable_batch, shrink_store
+from fdp.run.checkpoint import last_of
 from fdp.run.config import ConfigError, compose
 from fdp.run.rundir import RankStatus
 from fdp.run.trainer import run
@@ -83,7 +84,7 @@ class Signaller:
 
 
 def final_params(run_dir):
-    return torch.load(Path(run_dir) / "checkpoints" / "last.pt", weights_only=True)["params"]
+    return torch.load(last_of(Path(run_dir) / "checkpoints"), weights_only=True)["params"]
 
 
 def records(run_dir):
@@ -279,7 +280,7 @@ def test_a_world_under_min_ranks_ends_in_one_line_with_a_checkpoint_to_resume(tm
     assert match, message
     step = int(match[2])
     assert int(match[1]) == step + 1 and 19 <= step <= signaller.victim["step"]
-    saved = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
+    saved = torch.load(last_of(tmp_path / "checkpoints"), weights_only=True)
     assert saved["step"] == step
     # Usable: the run goes on from it (here on one process) to the end.
     resumed = run(compose(*RUN, "world=single", "trainer.resume=true"), tmp_path)

@@ -13,6 +13,7 @@ import torch
 
 from fdp.dist.launch import LOOPBACK, launch_rank
 from fdp.dist.slurm import JobWorld, expand_nodelist, job_world, port_for_job, slurm_world
+from fdp.run.checkpoint import last_of
 from fdp.run.config import ConfigError
 
 
@@ -164,7 +165,7 @@ def _finish(started):
 
 
 def _params(run_dir):
-    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["params"]
+    return torch.load(last_of(run_dir / "checkpoints"), weights_only=True)["params"]
 
 
 def _losses(run_dir):

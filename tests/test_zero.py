@@ -18,6 +18,7 @@ from fdp.model.builtin import MLP, CharTransformer
 from fdp.model.functional import functionalize
 from fdp.optim import adam, chain, clip_by_global_norm
 from fdp.plan import pack_into_buckets, plan_buckets
+from fdp.run.checkpoint import last_of
 from fdp.run.config import ConfigError, register_configs
 from fdp.run.trainer import run
 from fdp.run.validate import validate
@@ -493,7 +494,7 @@ def _cfg(*overrides):
 
 
 def _last(run_dir):
-    return torch.load(Path(run_dir) / "checkpoints" / "last.pt", weights_only=True)
+    return torch.load(last_of(Path(run_dir) / "checkpoints"), weights_only=True)
 
 
 def test_checkpoints_reshard_across_world_sizes_and_stages(tmp_path):

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["atomic_copy", "atomic_save", "fsync_dir"]
+__all__ = ["atomic_bytes", "atomic_copy", "atomic_save", "fsync_dir"]
 
 
 def fsync_dir(directory: Path) -> None:
@@ -69,3 +69,12 @@ def atomic_copy(source: str | os.PathLike, path: str | os.PathLike) -> Path:
             shutil.copyfileobj(src, f, 16 << 20)
 
     return _write_atomically(Path(path), copy)
+
+
+def atomic_bytes(data: bytes, path: str | os.PathLike) -> Path:
+    """Write ``data`` to ``path`` as ``atomic_save`` writes: readers see the old file or the whole new one.
+
+    >>> atomic_bytes(b"abc", Path(tempfile.mkdtemp()) / "x.bin").read_bytes()
+    b'abc'
+    """
+    return _write_atomically(Path(path), lambda f: f.write(data))

@@ -13,7 +13,8 @@ Tensors are saved on the CPU and restored onto the devices of the live state, so
 on GPUs resumes on the CPU and the reverse, and on another number of GPUs.
 
 Files are written atomically (``fdp.run.atomic``), so a crash mid-write leaves the previous
-checkpoint intact.
+checkpoint intact. Each save writes the state once: ``last``, a small file replaced atomically
+after the step file is whole, names the newest (as a sharded run's does).
 
 ``save_checkpoint`` and ``load_checkpoint`` are the whole of it for a ``TrainState`` on
 any number of ranks (the trainer uses them too): every rank's share is gathered to rank
@@ -35,11 +36,11 @@ import torch.distributed as dist
 from fdp._torch import tree_flatten, tree_paths, tree_unflatten
 from fdp.comm import Comm
 from fdp.plan import BucketPlan
-from fdp.run.atomic import atomic_copy, atomic_save, fsync_dir
+from fdp.run.atomic import atomic_save, fsync_dir
 from fdp.state.train_state import TrainState
 
-LAST = "last.pt"  # a copy of the newest step file
-POINTER = "last"  # a small file naming the newest complete sharded checkpoint (fdp.run.sharded_checkpoint)
+LAST = "last.pt"  # a copy of the newest step file, as runs saved before ``last`` named it (still read)
+POINTER = "last"  # a small file naming the newest complete checkpoint: a step file, or a sharded step directory
 META = "fdp.pt"  # a sharded checkpoint's own description (step, plan, stage, world size, config)
 CHECKPOINTS = "checkpoints"  # a run directory's folder of them (fdp.run.rundir)
 _STEP_FILE = re.compile(r"step_(\d+)\.pt$")
@@ -92,7 +93,7 @@ def read_meta(path: str | os.PathLike) -> dict:
 def load(path: str | os.PathLike, mmap: bool = False) -> dict:
     """Read a checkpoint written by ``save``; any defect is a ``CheckpointError`` naming the file.
 
-    ``mmap=True`` maps the tensors' bytes instead of reading them (see ``check_readable``).
+    ``mmap=True`` maps the tensors' bytes instead of reading them (``fdp.run.integrity`` reads every byte).
     """
     path = Path(path)
     if path.is_dir():  # a sharded checkpoint: its description (the tensors are read by each rank, in pieces)
@@ -108,14 +109,6 @@ def load(path: str | os.PathLike, mmap: bool = False) -> dict:
     if not isinstance(payload, dict) or "step" not in payload or "params" not in payload:
         raise CheckpointError(f"checkpoint {path} is not an fdp checkpoint (no 'step'/'params' entries)")
     return payload
-
-
-def check_readable(path: str | os.PathLike) -> None:
-    """Raise ``CheckpointError`` unless ``path`` is a whole fdp checkpoint; cheap (tensors are mapped, not read)."""
-    try:
-        load(path, mmap=True)
-    except CheckpointError:
-        load(path)  # the plain reader names the defect better (mmap refuses non-zip files first)
 
 
 def saved_config(path: str | os.PathLike) -> dict | None:
@@ -303,26 +296,46 @@ def _outer_place(first: dict, template: TrainState, saved_world: int, path: Path
 
 
 def save(directory: str | os.PathLike, payload: dict, keep: int = 2) -> Path:
-    """Save ``payload`` as ``step_<N>.pt`` and ``last.pt`` in ``directory``; keep the newest ``keep`` step files.
+    """Save ``payload`` as ``step_<N>.pt`` in ``directory`` and make ``last`` name it; keep the newest ``keep``
+    step files.
 
-    ``last.pt`` is a file of its own (a copy, as Lightning's ``last.ckpt``), not a link to
-    the step file: a tool that rewrites one of them in place leaves the other as it was.
+    The state is written once: ``last`` is a small file naming the step file (``last_of``), not a
+    copy nor a link, so no file aliases another (a tool that rewrites a step file in place changes
+    that one alone). A ``last.pt`` copy of a run saved before goes: ``last`` names the newest now.
+
+    >>> import tempfile
+    >>> directory = Path(tempfile.mkdtemp())
+    >>> save(directory, {"step": 7, "params": {}}).name, (directory / POINTER).read_text().strip()
+    ('step_00000007.pt', 'step_00000007.pt')
     """
     directory = Path(directory)
     path = atomic_save(payload, directory / f"step_{int(payload['step']):08d}.pt")
-    atomic_copy(path, directory / LAST)
-    (directory / POINTER).unlink(missing_ok=True)  # last.pt is now the newest (a sharded run's pointer named older)
+    point_last(directory, path.name)
+    (directory / LAST).unlink(missing_ok=True)
     fsync_dir(directory)
     for old in list(step_files(directory).values())[: -keep or None]:
-        old.unlink()
+        if old != path:  # a resumed run saving a step below the newest kept: last names it
+            old.unlink()
     # Temporaries of a writer that was killed mid-save (only one process saves, and it is done).
     for stale in [*directory.glob(".step_*.tmp"), *directory.glob(f".{LAST}.*")]:
         stale.unlink(missing_ok=True)
     return path
 
 
+def point_last(directory: str | os.PathLike, name: str) -> None:
+    """Make ``directory/last`` name ``name`` (a step file or step directory in ``directory``), atomically:
+    a reader sees the name before or the new one, and the rename survives a crash."""
+    directory = Path(directory)
+    scratch = directory / f".{POINTER}.tmp"
+    scratch.write_text(name + "\n")
+    with open(scratch, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(scratch, directory / POINTER)
+    fsync_dir(directory)
+
+
 def resolve(path: str | os.PathLike) -> Path:
-    """The checkpoint file ``path`` names: a file itself, or the ``last.pt`` of a checkpoints or run directory.
+    """The checkpoint ``path`` names: a file or step directory itself, or a checkpoints or run directory's last.
 
     >>> import tempfile
     >>> run = Path(tempfile.mkdtemp())
@@ -331,7 +344,7 @@ def resolve(path: str | os.PathLike) -> Path:
     (True, True)
     """
     path = Path(path)
-    if not path.is_dir() or is_sharded(path):
+    if not path.is_dir() or is_sharded(path) or _STEP_DIR.fullmatch(path.name):
         return path
     if not (path / LAST).exists() and not (path / POINTER).exists() and (path / CHECKPOINTS).is_dir():
         path = path / CHECKPOINTS
@@ -339,7 +352,9 @@ def resolve(path: str | os.PathLike) -> Path:
 
 
 def last_of(checkpoints: str | os.PathLike) -> Path:
-    """The newest complete checkpoint in a checkpoints directory: the one ``last`` names (sharded) or ``last.pt``.
+    """The newest complete checkpoint in a checkpoints directory: the one ``last`` names, or the ``last.pt``
+    copy of a run saved before ``last`` existed. A ``last`` that names no step is itself the answer, so that
+    reading it names the damaged file.
 
     >>> last_of("/nonexistent").name
     'last.pt'
@@ -347,7 +362,11 @@ def last_of(checkpoints: str | os.PathLike) -> Path:
     checkpoints = Path(checkpoints)
     pointer = checkpoints / POINTER
     if pointer.is_file():
-        return checkpoints / pointer.read_text().strip()
+        try:
+            name = pointer.read_text(errors="replace").strip()
+        except OSError:
+            return pointer
+        return checkpoints / name if _STEP_FILE.fullmatch(name) or _STEP_DIR.fullmatch(name) else pointer
     return checkpoints / LAST
 
 
@@ -359,7 +378,7 @@ def save_checkpoint(
     keep: int = 2,
     extra: dict | None = None,
 ) -> Path | None:
-    """Save ``state`` of every rank as ``step_<N>.pt`` and ``last.pt`` in ``directory``; call on every rank.
+    """Save ``state`` of every rank as ``step_<N>.pt`` in ``directory``, named by ``last``; call on every rank.
 
     Rank 0 writes (atomically; the newest ``keep`` step files are kept) and returns the
     path; other ranks return ``None``. The file records ``plan``'s fingerprint, which
@@ -399,7 +418,7 @@ def load_checkpoint(
 ) -> TrainState:
     """This rank's ``TrainState`` from a checkpoint ``save_checkpoint`` wrote; call on every rank.
 
-    ``path`` is a checkpoint file or a directory (its ``last.pt``: ``resolve``). ``like`` is a state
+    ``path`` is a checkpoint file or a directory (the one its ``last`` names: ``resolve``). ``like`` is a state
     of the same run (from ``init_train_state`` or ``fdp.setup_state``): it gives the
     structure of the optimizer and hook states. Rank 0 reads the file with
     ``weights_only=True`` and sends it to the others; a file written with another

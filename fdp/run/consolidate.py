@@ -19,11 +19,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from fdp.run.atomic import atomic_save
+from fdp.run.atomic import atomic_bytes, atomic_save
 from fdp.run.checkpoint import CheckpointError, read_meta, resolve
+from fdp.run.integrity import verify
 
 __all__ = ["consolidate", "write_consolidated"]
 
+SUFFIXES = (".pt", ".safetensors")  # what write_consolidated writes
 _DESCRIPTION = ("format", "shapes", "plain", "loss_scale_paths", "stage", "world_size")
 
 
@@ -81,20 +83,38 @@ def consolidate(path: str | os.PathLike) -> dict:
 
 
 def write_consolidated(path: str | os.PathLike, to: str | os.PathLike | None = None) -> Path:
-    """Consolidate ``path`` into ``to`` (default: ``<checkpoint>.pt`` beside it); ``.safetensors``: the params alone."""
+    """Consolidate ``path`` into ``to`` (default: ``<checkpoint>.pt`` beside it); ``.safetensors``: the params alone.
+
+    Refused in one ``CheckpointError`` before anything is written: a checkpoint that is not a whole sharded
+    one (``fdp.run.integrity``), a target that exists, has another suffix or cannot be written.
+    """
     source = resolve(Path(path))
     if not source.exists():
         raise CheckpointError(f"checkpoint {source} does not exist")
     if not source.is_dir():
         raise CheckpointError(f"checkpoint {source} is not a sharded checkpoint (a step_<N> directory): nothing to do")
-    payload = consolidate(source)
     to = Path(to) if to is not None else source.with_name(source.name + ".pt")
-    if to.suffix == ".safetensors":
-        from safetensors.torch import save_file
+    _check_target(to)
+    verify(source)
+    payload = consolidate(source)
+    try:
+        if to.suffix == ".safetensors":
+            from safetensors.torch import save
 
-        to.parent.mkdir(parents=True, exist_ok=True)
-        save_file(
-            {n: p.contiguous() for n, p in payload["params"].items()}, str(to), metadata={"step": str(payload["step"])}
-        )
-        return to
-    return atomic_save(payload, to)
+            params = {n: p.contiguous() for n, p in payload["params"].items()}
+            return atomic_bytes(save(params, metadata={"step": str(payload["step"])}), to)
+        return atomic_save(payload, to)
+    except OSError as error:  # the disk filled up, or the directory went away: the temporary is gone too
+        raise CheckpointError(f"cannot write {to}: {error.strerror or error}") from None
+
+
+def _check_target(to: Path) -> None:
+    """A new ``.pt`` or ``.safetensors`` file in a directory this process can write."""
+    if to.suffix not in SUFFIXES:
+        raise CheckpointError(f"cannot write {to}: expected a file ending in {' or '.join(SUFFIXES)}")
+    if to.exists() or to.is_symlink():
+        raise CheckpointError(f"cannot write {to}: it exists (remove it, or choose another file with --to)")
+    if not to.parent.is_dir():
+        raise CheckpointError(f"cannot write {to}: its directory {to.parent} does not exist")
+    if not os.access(to.parent, os.W_OK | os.X_OK):
+        raise CheckpointError(f"cannot write {to}: its directory {to.parent} is not writable")

@@ -6,7 +6,7 @@
       .lock                held by the run that owns the directory (flock), naming it
       train.log            what the run printed: start-up, warnings, the summary, errors
       metrics.jsonl        one JSON object per logged step, and the summary (rank 0)
-      checkpoints/         step_<N>.pt and last.pt, a copy of the newest (fdp.run.checkpoint); best/ (trainer.keep_best)
+      checkpoints/         step_<N>.pt and last, naming the newest (fdp.run.checkpoint); best/ (trainer.keep_best)
       plan.txt, plan.json  the bucket plan, as a table and as JSON
       ranks/rank<N>.txt    each rank's pid and the step it is computing (RankStatus)
       rank<N>.log          what ranks other than 0 log
@@ -133,7 +133,7 @@ class RunDir(NamedTuple):
             ok,
             "trainer.resume",
             resume,
-            "true, false or the path of a checkpoint (a step_<N>.pt file, or a run directory for its last.pt)",
+            "true, false or the path of a checkpoint (a step_<N>.pt file, or a run directory for its last checkpoint)",
             ConfigError,
         )
         if resume is False:

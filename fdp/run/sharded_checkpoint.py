@@ -7,7 +7,9 @@ state's leaves one logical 1-D tensor, each rank writing the pieces it owns
 tools read it (``dcp_to_torch_save``). Beside them, ``fdp.pt`` (rank 0: step, plan fingerprint,
 stage, world size, the parameters' shapes, the config and the loop's state) and
 ``rank<r>.pt`` (each rank: its hook state, RNG and buffers), all plain values that load with
-``weights_only=True``.
+``weights_only=True``, and ``manifest.json``, the size and SHA-256 of every other file, each
+rank's recorded by the rank that wrote it (``fdp.run.integrity`` checks a checkpoint against it
+before a run uses it).
 
 Atomic: the ranks write into ``step_<N>.tmp-<token>/``; once DCP has every rank's
 pieces (its last collective), rank 0 renames it ``step_<N>/`` and replaces the small file
@@ -45,14 +47,16 @@ from fdp.comm import Comm
 from fdp.plan import BucketPlan
 from fdp.run.atomic import atomic_save, fsync_dir
 from fdp.run.checkpoint import (
-    POINTER,
+    META,
     CheckpointError,
     agree_on_refusal,
     hook_state_like,
     host_leaves,
+    point_last,
     read_meta,
     sharded_steps,
 )
+from fdp.run.integrity import DCP_METADATA, file_entry, write_manifest
 from fdp.state.train_state import TrainState
 from fdp.update.base import Update
 from fdp.update.pieces import param_shapes
@@ -233,11 +237,21 @@ class ShardedSaver:
         tmp.mkdir(parents=True, exist_ok=True)
         atomic_save(mine, tmp / _rank_file(rank))
         if rank == 0:
-            atomic_save(meta, tmp / "fdp.pt")
+            atomic_save(meta, tmp / META)
         writer = dcp.FileSystemWriter(tmp, sync_files=True)
         dcp.save(tensors, storage_writer=writer, process_group=group, no_dist=group is None)
-        # DCP's last collective gathered every rank's results: every piece is on disk.
+        # DCP's last collective gathered every rank's results: every piece is on disk. Each rank records the
+        # size and checksum of the files it wrote, rank 0 the whole checkpoint's (fdp.run.integrity).
+        written = {p.name: file_entry(p) for p in [tmp / _rank_file(rank), *tmp.glob(f"__{rank}_*.distcp")]}
+        gathered = [written]
+        if group is not None:
+            gathered = [None] * world if rank == 0 else None
+            dist.gather_object(written, gathered, dst=0, group=group)
         if rank == 0:
+            files = {name: file_entry(tmp / name) for name in (META, DCP_METADATA)}
+            for entries in gathered:
+                files.update(entries)
+            write_manifest(tmp, files)
             _publish(directory, tmp, step, keep)
             self.last_write_s = time.perf_counter() - t0
             log.info(
@@ -256,13 +270,7 @@ def _publish(directory: Path, tmp: Path, step: int, keep: int) -> None:
         shutil.rmtree(final)
     os.replace(tmp, final)
     fsync_dir(directory)
-    pointer = directory / POINTER
-    scratch = directory / f".{POINTER}.tmp"
-    scratch.write_text(final.name + "\n")
-    with open(scratch, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(scratch, pointer)
-    fsync_dir(directory)
+    point_last(directory, final.name)
     for old in list(sharded_steps(directory).values())[: -keep or None]:
         shutil.rmtree(old, ignore_errors=True)
     for stale in directory.glob("step_*.tmp-*"):
@@ -302,6 +310,8 @@ def load_sharded(path: str | os.PathLike, like: TrainState, update: Update, plan
         refused = f"checkpoint {path} does not fit this run's state: {str(error).strip().splitlines()[-1][:300]}"
     mine_path = path / _rank_file(comm.rank)
     mine = None
+    if refused is None and comm.rank < int(meta.get("world_size", 0)) and not mine_path.exists():
+        refused = f"checkpoint {mine_path} is missing (the checkpoint was written by {meta['world_size']} ranks)"
     if refused is None and mine_path.exists():
         try:
             mine = torch.load(mine_path, map_location="cpu", weights_only=True)

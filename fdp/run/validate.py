@@ -36,8 +36,9 @@ from fdp.model.streams import check_sample_streams, wants_sample_streams
 from fdp.optim import build_optimizer, check_resumed_schedule
 from fdp.plan.values import check_cap
 from fdp.run.callbacks import check_callbacks
-from fdp.run.checkpoint import check_readable, saved_config
+from fdp.run.checkpoint import saved_config
 from fdp.run.config import SCHEMAS
+from fdp.run.integrity import verify
 from fdp.run.keys import check_keys
 from fdp.run.loggers import check_loggers
 from fdp.run.loop_controls import check_loop_settings
@@ -297,11 +298,11 @@ def _validate_run_dir(cfg: Any, run_dir: RunDir) -> None:
             source.exists(),
             "trainer.resume",
             cfg.trainer.resume,
-            "true, false or the path of a checkpoint (a step_<N>.pt file, or a run directory for its last.pt); "
+            "true, false or the path of a checkpoint (a step_<N>.pt file, or a run directory for its last checkpoint); "
             f"{source} does not exist",
         )
     if source is not None:
-        check_readable(source)  # a truncated or foreign file fails here, before any worker starts
+        verify(source)  # every file whole and present, before the run writes anything or a worker starts
         _as_config_key(
             "trainer.max_steps",
             lambda _: check_resumed_schedule(saved_config(source), _container(cfg)),
