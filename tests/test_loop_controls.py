@@ -235,3 +235,21 @@ def test_max_epochs_sets_the_run_and_its_schedule_from_the_shell_settings(tmp_pa
     lrs = [r["lr"] for r in read_metrics(tmp_path)[0]]
     assert lrs[0] > 0.09 and lrs[-1] < 0.01  # the cosine decays over these 12 steps, not over max_steps=300
     assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["steps"] == 12
+
+
+def test_early_stopping_counts_every_evaluation_whatever_log_every_is(tmp_path):
+    # Evaluations every 8 steps with the default log_every=10: patience=1 with a min_delta no evaluation meets
+    # stops at the second evaluation, step 16 (not at step 80, the second multiple of both).
+    summary = run(
+        compose(
+            *SMALL,
+            "trainer.max_steps=200",
+            "trainer.eval_every=8",
+            "trainer.early_stopping.monitor=test_loss",
+            "trainer.early_stopping.min_delta=10",
+            "trainer.early_stopping.patience=1",
+        ),
+        tmp_path,
+    )
+    assert summary["steps"] == 16 and summary["stopped"] == "early_stopping"
+    assert [r["step"] for r in read_metrics(tmp_path)[0] if "test_loss" in r] == [8, 16]

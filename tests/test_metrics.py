@@ -64,3 +64,22 @@ def test_tensorboard_asked_for_but_not_installed_is_one_line_naming_the_setting_
         "(pip install tensorboard, or pip install -e '.[tensorboard]')"
     )
     validate(compose(*SMALL))  # not asked for: no need for the package
+
+
+@pytest.mark.parametrize("eval_every, log_every", [(8, 10), (3, 2), (4, 1), (5, 7)])
+def test_evaluations_happen_every_eval_every_steps_whatever_log_every_is(tmp_path, eval_every, log_every):
+    # Each "every N steps" setting counts its own steps: evaluations at the multiples of eval_every (and the
+    # last step), records at those and at the multiples of log_every.
+    last = 24
+    settings = [
+        *SMALL,
+        f"trainer.max_steps={last}",
+        f"trainer.eval_every={eval_every}",
+        f"trainer.log_every={log_every}",
+    ]
+    run(compose(*settings), tmp_path)
+    steps, _ = read_metrics(tmp_path)
+    evaluated = [r["step"] for r in steps if "test_loss" in r]
+    assert evaluated == sorted({*range(eval_every, last + 1, eval_every), last})
+    logged = {*range(log_every, last + 1, log_every), last}
+    assert [r["step"] for r in steps] == sorted(logged | set(evaluated))

@@ -67,8 +67,9 @@ class Report:
     def step(
         self, state: TrainState, metrics: dict, stopping: bool = False, average: dict | None = None
     ) -> dict | None:
-        """Count a step; on a logged one (and the last, ``stopping`` early included), write its record
-        and the evaluation when due (not on a run stopping early: it should stop at once).
+        """Count a step; on a logged one (every ``log_every``-th, the last, ``stopping`` early included) or
+        one that evaluates (every ``eval_every``-th and the last, whatever ``log_every`` is; not on a run
+        stopping early: it should stop at once), write its record, with the evaluation's metrics.
 
         ``average``: the params' moving average (``fdp.optim.ema``), evaluated too (``ema_test_loss``...).
         Returns the record of a step that evaluated, rank 0's on every rank, else ``None``.
@@ -78,10 +79,15 @@ class Report:
         self.skipped += metrics["skipped"]
         self.bar.update(1)
         done = number == self.last_step
-        if number % tc.log_every and not done and not stopping:
+        logged = number % tc.log_every == 0 or done or stopping
+        # Each setting counts its own steps: an evaluation is due every eval_every steps, logged or not.
+        evaluates = (tc.eval_every and number % tc.eval_every == 0 or done and not stopping) and has_test_split(
+            self.parts.data
+        )
+        if not logged and not evaluates:
             return
         self.record = self._record(number, metrics)
-        if (tc.eval_every and number % tc.eval_every == 0 or done and not stopping) and has_test_split(self.parts.data):
+        if evaluates:
             # Rank 0's figures; the ranks that evaluate with it are the update's to say (ZeRO stage 3: all of them).
             evaluation = self._evaluate(state, state.params)
             if average is not None:
