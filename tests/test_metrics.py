@@ -70,15 +70,19 @@ def test_tensorboard_asked_for_but_not_installed_is_one_line_naming_the_setting_
 @pytest.mark.parametrize("eval_every, log_every", [(8, 10), (3, 2), (4, 1), (5, 7)])
 def test_evaluations_happen_every_eval_every_steps_whatever_log_every_is(tmp_path, eval_every, log_every):
     # Each "every N steps" setting counts its own steps: evaluations at the multiples of eval_every (and the
-    # last step), records at those and at the multiples of log_every.
+    # last step), records at those and at the multiples of log_every, checkpoints at the multiples of 5.
     last = 24
     settings = [
         *SMALL,
         f"trainer.max_steps={last}",
         f"trainer.eval_every={eval_every}",
         f"trainer.log_every={log_every}",
+        "trainer.checkpoint_every=5",
+        "trainer.keep_checkpoints=100",
     ]
     run(compose(*settings), tmp_path)
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*.pt"))
+    assert saved == [f"step_{s:08d}.pt" for s in (5, 10, 15, 20, 24)]
     steps, _ = read_metrics(tmp_path)
     evaluated = [r["step"] for r in steps if "val_loss" in r]
     assert evaluated == sorted({*range(eval_every, last + 1, eval_every), last})

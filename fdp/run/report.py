@@ -151,13 +151,13 @@ class Report:
             if average is not None:
                 on_average = self._evaluate(state, averaged_as(average, state.params), split)
                 figures = figures and {**figures, **{f"ema_{k}": v for k, v in on_average.items()}}
-            scores = None if figures is None else {**scores, **figures}
+            scores = None if figures is None or scores is None else {**scores, **figures}
         return scores
 
     def tested(self, state: TrainState, average: dict | None = None) -> None:
         """Score the test split once at the end of a run that stopped before its last step (early stopping,
         ``max_time``), where the last step's record did not: a record of its own, and the summary's figures."""
-        if not self.tests_at_end or self.tested_at == state.step:
+        if not self.tests_at_end or self.tested_at == state.step or not self.times.rows:  # scored, or no step run
             return
         evaluation = self._scores(state, ("test",), average)
         self.tested_at = state.step
