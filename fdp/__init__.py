@@ -36,7 +36,8 @@ or of packages above it in this list; ``tests/test_imports.py`` holds every impo
 * ``optim``: optax-style optimizers (``optimizers``), ``(init, update)`` pairs composed with ``chain``
   (``transforms``), learning-rate schedules,
   weight-decay rules, the registry, and the params' moving average (``ema``).
-* ``data``: datasets, batches (any pytree of tensors) and their split over ranks and micro-batches.
+* ``data``: datasets, batches (any pytree of tensors) and their split over ranks and micro-batches, the
+  validation split held out of the training split (``splits``).
 * ``hooks``: gradient-reduction stages (allreduce, fp16, PowerSGD, top-k, int8, low-bit codes) composed with
   ``hooks.chain``.
 * ``model``: what a model computes: any ``nn.Module`` as a pure function (``functional``), the built-in and

@@ -85,11 +85,18 @@ def test_best_checkpoints_rank_by_the_metric_and_keep_k():
 
 def test_settings_are_refused_in_one_line_each():
     for override, message in [
-        ("trainer.early_stopping.patience=0", "trainer.early_stopping.patience=0: expected an integer >= 1"),
+        ("trainer.early_stopping.patience=-1", "trainer.early_stopping.patience=-1: expected an integer >= 0"),
         ("trainer.max_time=1h", "trainer.max_time='1h': expected seconds >= 0 or DD:HH:MM:SS"),
         ("trainer.ema_decay=1.0", "trainer.ema_decay=1.0: expected 0 (off) or a decay in (0, 1)"),
         ("trainer.max_epochs=-1", "trainer.max_epochs=-1: expected an integer >= 0"),
-        ("trainer.keep_best=0", "trainer.keep_best=0: expected an integer >= 1"),
+        ("trainer.keep_best=-1", "trainer.keep_best=-1: expected an integer >= 0"),
+        # A metric named for what is off would do nothing: refused, not ignored.
+        ("trainer.checkpoint_monitor=val_acc", "trainer.checkpoint_monitor='val_acc': expected trainer.keep_best >= 1"),
+        (
+            "trainer.early_stopping.monitor=val_acc",
+            "trainer.early_stopping.monitor='val_acc': expected trainer.early_stopping.patience >= 1",
+        ),
+        ("trainer.early_stopping.monitor=", "trainer.early_stopping.monitor='': expected a metric of the evaluations"),
         ("trainer.checkpoint_mode=up", "trainer.checkpoint_mode='up': expected auto, min or max"),
         ("trainer.loggers=[wandb]", "trainer.loggers=['wandb']: expected a list of tensorboard, csv, mlflow"),
     ]:
@@ -100,18 +107,23 @@ def test_settings_are_refused_in_one_line_each():
         validate(compose("trainer.ema_decay=0.9", "outer=diloco"))
     with pytest.raises(ConfigError, match=r"trainer.max_time=60: expected 0 with world.on_rank_loss=shrink"):
         validate(compose("trainer.max_time=60", "world=local2", "world.on_rank_loss=shrink"))
-    with pytest.raises(ConfigError, match=r"early_stopping.monitor='test_loss': expected '' with trainer.eval_every=0"):
-        validate(compose("trainer.early_stopping.monitor=test_loss", "trainer.eval_every=0"))
+    with pytest.raises(ConfigError, match=r"early_stopping.patience=3: expected 0 with trainer.eval_every=0"):
+        validate(compose("trainer.early_stopping.patience=3", "trainer.eval_every=0"))
 
 
 def test_a_monitor_the_evaluations_lack_is_refused_naming_the_metrics_they_have(tmp_path):
     with pytest.raises(
         ConfigError,
-        match=r"trainer.checkpoint_monitor='val_loss': expected a metric of the "
-        r"evaluations: .*test_acc, test_loss",
+        match=r"trainer.checkpoint_monitor='val_los': expected a metric of the evaluations: .*val_acc, val_loss",
     ):
         run(
-            compose(*SMALL, "trainer.max_steps=2", "trainer.eval_every=2", "trainer.checkpoint_monitor=val_loss"),
+            compose(
+                *SMALL,
+                "trainer.max_steps=2",
+                "trainer.eval_every=2",
+                "trainer.checkpoint_monitor=val_los",
+                "trainer.keep_best=1",
+            ),
             tmp_path,
         )
 
@@ -173,10 +185,9 @@ CONTROLS = [
     "trainer.log_every=2",
     "trainer.ema_decay=0.8",
     # min_delta so large that no evaluation after the first improves: the run stops at the third (step 6)
-    "trainer.early_stopping.monitor=test_loss",
-    "trainer.early_stopping.patience=2",
+    "trainer.early_stopping.patience=2",  # of val_loss, the default
     "trainer.early_stopping.min_delta=100",
-    "trainer.checkpoint_monitor=ema_test_loss",
+    "trainer.checkpoint_monitor=ema_val_loss",
     "trainer.keep_best=2",
     "trainer.loggers=[csv]",
 ]
@@ -196,22 +207,27 @@ def test_two_ranks_at_stage_3_stopped_and_resumed_end_like_one_process_uninterru
     assert max_diff(a["ema"], b["ema"]) <= 1e-5
     assert max_diff(a["ema"], a["params"]) > 1e-3  # an average, not the params
     assert b["loop"]["stopping_waited"] == 2 and len(b["loop"]["best"]) == 2
-    assert abs(one["ema_test_loss"] - two["ema_test_loss"]) <= 1e-4
-    # The two best by ema_test_loss, the same steps on both, each a whole checkpoint of its step.
+    assert abs(one["ema_val_loss"] - two["ema_val_loss"]) <= 1e-4
+    # The test split, scored once at the end of the run it stopped early, alike on both.
+    assert abs(one["ema_test_loss"] - two["ema_test_loss"]) <= 1e-4 and abs(one["test_loss"] - two["test_loss"]) <= 1e-4
+    # The two best by ema_val_loss, the same steps on both, each a whole checkpoint of its step.
     names = [
         sorted(p.name for p in (tmp_path / run_dir / "checkpoints" / "best").iterdir()) for run_dir in ("one", "two")
     ]
     steps = [int(name.split("-")[0].removeprefix("step=")) for name in names[0]]
     assert [n.split("-")[0] for n in names[0]] == [n.split("-")[0] for n in names[1]] and len(steps) == 2
-    records = {r["step"]: r for r in read_metrics(tmp_path / "one")[0]}
-    best = sorted(records[s]["ema_test_loss"] for s in (2, 4, 6))[:2]
-    assert sorted(records[s]["ema_test_loss"] for s in steps) == best
+    records = {r["step"]: r for r in read_metrics(tmp_path / "one")[0] if "loss" in r}
+    best = sorted(records[s]["ema_val_loss"] for s in (2, 4, 6))[:2]
+    assert sorted(records[s]["ema_val_loss"] for s in steps) == best
+    # Model selection saw the validation split only: no test figure before the end.
+    assert [r["step"] for r in read_metrics(tmp_path / "one")[0] if "test_loss" in r] == [6]
     for name, step in zip(names[1], steps):
         assert checkpoint(tmp_path / "two", f"best/{name}")["step"] == step
     # The CSV file has a row per logged step of both invocations, the evaluations' columns included.
     rows = (tmp_path / "two" / "metrics.csv").read_text().splitlines()
-    assert rows[0].startswith("step,loss,") and "ema_test_loss" in rows[0].split(",")
-    assert [int(r.split(",")[0]) for r in rows[1:]] == [2, 4, 5, 6]  # step 5 closed the first invocation
+    assert rows[0].startswith("step,loss,") and "ema_val_loss" in rows[0].split(",")
+    # Step 5 closed the first invocation; the second row of step 6 is the test split's, scored at the end.
+    assert [int(r.split(",")[0]) for r in rows[1:]] == [2, 4, 5, 6, 6]
 
 
 def test_max_epochs_sets_the_run_and_its_schedule_from_the_shell_settings(tmp_path):
@@ -226,14 +242,34 @@ def test_max_epochs_sets_the_run_and_its_schedule_from_the_shell_settings(tmp_pa
             "optim.lr_schedule=warmup_cosine",
             "optim.warmup_steps=0",
             "trainer.checkpoint_every=4",
-            "trainer.checkpoint_monitor=test_acc",
+            "trainer.checkpoint_monitor=val_acc",
+            "trainer.keep_best=1",
         ),
         tmp_path,
     )
-    assert summary["steps"] == math.ceil(1438 / 128) == 12
+    assert summary["steps"] == math.ceil(1294 / 128) == 11  # 1438 training digits, 144 of them held out
     assert [p.name for p in (tmp_path / "checkpoints" / "best").iterdir()] == [
-        f"step=12-test_acc={summary['test_acc']:.6g}.pt"
+        f"step=11-val_acc={summary['val_acc']:.6g}.pt"
     ]
     lrs = [r["lr"] for r in read_metrics(tmp_path)[0]]
-    assert lrs[0] > 0.09 and lrs[-1] < 0.01  # the cosine decays over these 12 steps, not over max_steps=300
-    assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["steps"] == 12
+    assert lrs[0] > 0.09 and lrs[-1] < 0.01  # the cosine decays over these 11 steps, not over max_steps=300
+    assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["steps"] == 11
+
+
+def test_early_stopping_counts_every_evaluation_whatever_log_every_is(tmp_path):
+    # Evaluations every 8 steps with the default log_every=10: patience=1 with a min_delta no evaluation meets
+    # stops at the second evaluation, step 16 (not at step 80, the second multiple of both). Early stopping
+    # watches val_loss unless told.
+    summary = run(
+        compose(
+            *SMALL,
+            "trainer.max_steps=200",
+            "trainer.eval_every=8",
+            "trainer.early_stopping.min_delta=10",
+            "trainer.early_stopping.patience=1",
+        ),
+        tmp_path,
+    )
+    assert summary["steps"] == 16 and summary["stopped"] == "early_stopping"
+    assert [r["step"] for r in read_metrics(tmp_path)[0] if "val_loss" in r] == [8, 16]
+    assert (tmp_path / "train.log").read_text().count("early stopping: val_loss has not improved") == 1

@@ -110,10 +110,11 @@ def test_run_writes_metrics_summary_and_rank_logs(tmp_path):
     )
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [record for record in lines if "summary" not in record]
-    assert [record["step"] for record in steps] == [2, 4, 6]
+    assert [record["step"] for record in steps] == [2, 3, 4, 6]  # logged every 2 steps, evaluated every 3
     for key in ("loss", "lr", "grad_norm", "samples_per_s", "compute_ms", "comm_wait_ms", "bytes_sent"):
         assert all(key in record for record in steps), key
-    assert "test_acc" in steps[-1]
+    assert [record["step"] for record in steps if "val_acc" in record] == [3, 6]
+    assert [record["step"] for record in steps if "test_acc" in record] == [6]
     assert lines[-1]["summary"] and lines[-1]["steps"] == 6
     assert (tmp_path / "rank1.log").exists() and not (tmp_path / "rank0.log").exists()
     for rank in (0, 1):  # one timeline per rank

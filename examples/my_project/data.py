@@ -49,13 +49,20 @@ def make(
     noise: float = 0.05,
     seed: int = 0,
     target: str = "class",
-) -> tuple[Shells, Shells]:
-    """The train and test splits (disjoint seeds, so no point is in both).
+    n_val: int = 0,
+) -> tuple[Shells, Shells] | dict[str, Shells]:
+    """The train and test splits (disjoint seeds, so no point is in both); with ``n_val`` points of a
+    validation split of its own too, a dict of the three (fdp then holds nothing out of ``train``).
 
     >>> train, test = make(n_train=100, n_test=20)
     >>> len(train), len(test)
     (100, 20)
+    >>> sorted(make(n_train=100, n_test=20, n_val=10))
+    ['test', 'train', 'val']
     """
     train = Shells(n_train, features, classes, noise, seed=2 * seed, target=target)
     test = Shells(n_test, features, classes, noise, seed=2 * seed + 1, target=target)
-    return train, test
+    if not n_val:
+        return train, test
+    val = Shells(n_val, features, classes, noise, seed=2**32 + seed, target=target)  # a seed neither split uses
+    return {"train": train, "val": val, "test": test}

@@ -42,6 +42,7 @@ from fdp.data.loaders import (
     train_batches,
 )
 from fdp.data.mapped import MapData, StepSampler, as_map_data, collate
+from fdp.data.splits import SPLITS, check_val_fraction, has_split, hold_out
 
 __all__ = [
     "Dataset",
@@ -64,6 +65,10 @@ __all__ = [
     "train_batches",
     "num_train_samples",
     "has_test_split",
+    "has_split",
+    "hold_out",
+    "check_val_fraction",
+    "SPLITS",
     "model_arguments",
     "targets_shifted",
     "DATASETS",

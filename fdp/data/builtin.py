@@ -40,6 +40,8 @@ class Dataset(NamedTuple):
     block_size: int | None = None
     vocab: str | None = None
     targets_shifted: bool = False
+    val_x: Tensor | None = None  # the validation split, as the test split (fdp.data.splits)
+    val_y: Tensor | None = None
 
     @property
     def is_text(self) -> bool:
@@ -63,7 +65,7 @@ class Dataset(NamedTuple):
 
 
 # Domain tags keep the generators of different uses apart even for equal (seed, n).
-_SPLIT, _EPOCH, _WINDOWS = 0, 1, 2
+_SPLIT, _EPOCH, _WINDOWS, _VALIDATION = 0, 1, 2, 3
 
 
 def _generator(seed: int, tag: int, n: int) -> torch.Generator:

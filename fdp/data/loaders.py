@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 from fdp.data.batches import global_batch, model_inputs, shard
 from fdp.data.builtin import Dataset
 from fdp.data.mapped import MapData, StepSampler
+from fdp.data.splits import has_split
 
 
 def train_batches(
@@ -106,9 +107,7 @@ def has_test_split(data: Dataset | MapData) -> bool:
     >>> has_test_split(load_digits())
     True
     """
-    if isinstance(data, MapData):
-        return data.test is not None
-    return data.test_x is not None and data.test_y is not None
+    return has_split(data, "test")
 
 
 def model_arguments(data: Dataset | MapData) -> dict[str, Any]:
@@ -182,9 +181,9 @@ def targets_shifted(data: Dataset | MapData) -> bool | None:
 
 
 def eval_batches(
-    data: Dataset | MapData, batch_size: int, max_batches: int | None = None, num_workers: int = 0
+    data: Dataset | MapData, batch_size: int, max_batches: int | None = None, num_workers: int = 0, split: str = "test"
 ) -> Iterator[Any]:
-    """Deterministic in-order batches of the test split (the last one may be smaller).
+    """Deterministic in-order batches of the test split, or of ``split`` (``val``), the last one maybe smaller.
 
     Text: consecutive non-overlapping windows ``x = t[jT:(j+1)T]``, ``y = t[jT+1:(j+1)T+1]``.
     ``max_batches`` stops early (``None``: the whole split). A ``MapData`` test split is
@@ -196,16 +195,19 @@ def eval_batches(
     >>> sum(len(y) for _, y in eval_batches(data, batch_size=100))
     359
     """
-    if not has_test_split(data):
-        raise ValueError(f"dataset {data.name!r} has no test split")
+    if not has_split(data, split):
+        raise ValueError(f"dataset {data.name!r} has no {split} split")
     if batch_size <= 0:
         raise ValueError(f"batch_size={batch_size!r}: expected an integer >= 1")
     if isinstance(data, MapData):
-        return itertools.islice(_eval_loader(data.test, batch_size, num_workers, data.collate_fn()), max_batches)
-    return _in_memory_eval_batches(data, batch_size, max_batches)
+        loader = _eval_loader(getattr(data, split), batch_size, num_workers, data.collate_fn())
+        return itertools.islice(loader, max_batches)
+    return _in_memory_eval_batches(
+        getattr(data, f"{split}_x"), getattr(data, f"{split}_y"), data, batch_size, max_batches
+    )
 
 
-_eval_loaders: dict[str, Any] = {}  # one test loader per process, kept while the same split is evaluated
+_eval_loaders: dict[str, Any] = {}  # one evaluation loader per process, kept while the same split is evaluated
 
 
 def _eval_loader(test: Any, batch_size: int, num_workers: int, collate_fn: Any) -> DataLoader:
@@ -228,20 +230,22 @@ def _eval_loader(test: Any, batch_size: int, num_workers: int, collate_fn: Any) 
     return cached
 
 
-def _in_memory_eval_batches(data: Dataset, batch_size: int, max_batches: int | None) -> Iterator[Any]:
+def _in_memory_eval_batches(
+    xs: Tensor, ys: Tensor, data: Dataset, batch_size: int, max_batches: int | None
+) -> Iterator[Any]:
     if data.is_text:
         T = data.block_size
-        n_windows = (data.test_x.shape[0] - 1) // T
+        n_windows = (xs.shape[0] - 1) // T
         starts = torch.arange(n_windows) * T
     else:
-        n_windows = data.test_x.shape[0]
+        n_windows = xs.shape[0]
     n_batches = -(-n_windows // batch_size)
     if max_batches is not None:
         n_batches = min(n_batches, max_batches)
     for b in range(n_batches):
         lo, hi = b * batch_size, min((b + 1) * batch_size, n_windows)
         if data.is_text:
-            windows = data.test_x[starts[lo:hi, None] + torch.arange(T + 1)]
+            windows = xs[starts[lo:hi, None] + torch.arange(T + 1)]
             yield windows[:, :-1], windows[:, 1:]
         else:
-            yield data.test_x[lo:hi], data.test_y[lo:hi]
+            yield xs[lo:hi], ys[lo:hi]

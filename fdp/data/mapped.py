@@ -17,7 +17,8 @@ from fdp.data.batches import LABELS, _epoch_indices, as_batch, batch_size, check
 
 # -- a user's own data: map-style torch Datasets through a DataLoader ----------------------
 class MapData(NamedTuple):
-    """Train and test splits as map-style ``torch.utils.data.Dataset``s, and how their items become a batch.
+    """Train, test and validation splits as map-style ``torch.utils.data.Dataset``s, and how their items become a
+    batch (``val``: the data's own validation split, or one held out of ``train``: ``fdp.data.splits``).
 
     Items are ``(input, target)`` pairs or dicts whose ``labels`` entry is the target
     (Hugging Face's convention; the other entries go to the model by name), made of
@@ -39,6 +40,7 @@ class MapData(NamedTuple):
     train: TorchDataset
     test: TorchDataset | None
     collate: Callable[[list], Any] | None = None
+    val: TorchDataset | None = None  # the validation split: the data's own, or held out (fdp.data.splits)
 
     def collate_fn(self) -> Callable[[list], Any]:
         """The function that makes a batch of a list of items (``collate`` unless the data brings its own)."""
@@ -113,7 +115,9 @@ def _check_split(split: Any, which: str, own_collate: Callable | None) -> None:
 
 
 def as_map_data(name: str, splits: Any) -> MapData:
-    """``MapData`` from what a data target returned, ``(train, test)`` or ``(train, test, collate)``.
+    """``MapData`` from what a data target returned, ``(train, test)`` or ``(train, test, collate)``, or a
+    dict of those with a validation split of its own: ``{"train": ..., "val": ..., "test": ..., "collate": ...}``
+    (``test`` and ``collate`` may be left out).
 
     Errors say what is wrong:
 
@@ -123,6 +127,14 @@ def as_map_data(name: str, splits: Any) -> MapData:
     ValueError: returned a list of 4 items; expected (train, test) or (train, test, collate):
     map-style torch Datasets (test may be None) and a function from a list of items to a batch
     """
+    if isinstance(splits, Mapping):
+        unknown = sorted(set(splits) - set(_SPLIT_KEYS))
+        if unknown or "train" not in splits:
+            raise ValueError(f"returned a dict with keys {sorted(splits)}; expected train, and val, test, collate")
+        val = splits.get("val")
+        splits = (splits["train"], splits.get("test"), splits.get("collate"))
+    else:
+        val = None
     if not isinstance(splits, (tuple, list)) or len(splits) not in (2, 3):
         kind = (
             f"a {type(splits).__name__} of {len(splits)} items"
@@ -142,7 +154,12 @@ def as_map_data(name: str, splits: Any) -> MapData:
     _check_split(train, "train", own_collate)
     if test is not None:
         _check_split(test, "test", own_collate)
-    return MapData(name, train, test, own_collate)
+    if val is not None:
+        _check_split(val, "val", own_collate)
+    return MapData(name, train, test, own_collate, val)
+
+
+_SPLIT_KEYS = ("train", "val", "test", "collate")
 
 
 def _as_default_float(batch: Tensor, value: Any) -> Tensor:

@@ -20,6 +20,7 @@ from fdp.data import (
     Dataset,
     MapData,
     as_map_data,
+    hold_out,
     model_arguments,
     num_train_samples,
     targets_shifted,
@@ -53,17 +54,21 @@ log = logging.getLogger("fdp")
 
 
 # -- building the pieces from config ------------------------------------------------------
-def build_data(cfg: DictConfig) -> Dataset | MapData:
-    """The data ``data._target_`` returns: an in-memory ``Dataset`` (built-ins) or ``(train, test)`` torch Datasets."""
+def build_data(cfg: DictConfig, seed: int = 0) -> Dataset | MapData:
+    """The data ``data._target_`` returns: an in-memory ``Dataset`` (built-ins) or ``(train, test)`` torch Datasets,
+    with its validation split (``data.val_fraction`` of the training split held out by ``seed``, or its own)."""
     node = OmegaConf.to_container(cfg, resolve=True)
     # e.g. max_chars too small for two splits of block_size + 1: "data=stdlib_text: max_chars=..."
     returned = build("data", node, skip=DATA_SETTINGS)
-    if isinstance(returned, Dataset):
-        return returned
+    if not isinstance(returned, Dataset):
+        try:
+            returned = as_map_data(str(cfg.get("_target_")), returned)
+        except ValueError as error:
+            raise ConfigError(f"{label('data', node)}: {error}") from None
     try:
-        return as_map_data(str(cfg.get("_target_")), returned)
+        return hold_out(returned, cfg.get("val_fraction"), seed, cfg.global_batch_size)
     except ValueError as error:
-        raise ConfigError(f"{label('data', node)}: {error}") from None
+        raise ConfigError(str(error)) from None
 
 
 def check_data(cfg: DictConfig, data: Dataset | MapData) -> None:
@@ -132,7 +137,7 @@ def build_run(
     alone (``_built_on_meta``), with the values of a whole build.
     """
     stage = stage_of(cfg)
-    data = build_data(cfg.data) if data is None else data
+    data = build_data(cfg.data, cfg.seed) if data is None else data
     check_data(cfg, data)
     precision = check_precision(cfg.trainer.precision, device.type, cfg.trainer.reduce_dtype)
     criterion = build_loss(OmegaConf.to_container(cfg.loss, resolve=True))

@@ -55,9 +55,17 @@ class CustomModelConfig:
 
 # -- data ------------------------------------------------------------------------------
 # A built-in target returns an in-memory fdp.data.Dataset; a custom one returns
-# (train, test), map-style torch Datasets of (input, target) items read through a DataLoader.
+# (train, test), map-style torch Datasets of (input, target) items read through a DataLoader
+# (or a dict with a validation split of its own, fdp.data.as_map_data).
 @dataclass
-class DigitsConfig:
+class DataShared:
+    # The part of the training split held out to validate on (fdp.data.splits): null is 0.1, or the data's own
+    # validation split where it has one; 0: none (evaluations during training then score the test split).
+    val_fraction: Optional[float] = None
+
+
+@dataclass
+class DigitsConfig(DataShared):
     name: str = "digits"
     _target_: str = "fdp.data.load_digits"
     global_batch_size: int = 64  # samples per step over all ranks and micro-batches
@@ -65,7 +73,7 @@ class DigitsConfig:
 
 
 @dataclass
-class StdlibTextConfig:
+class StdlibTextConfig(DataShared):
     name: str = "stdlib_text"
     _target_: str = "fdp.data.load_stdlib_text"
     global_batch_size: int = 32  # samples per step over all ranks and micro-batches
@@ -75,7 +83,7 @@ class StdlibTextConfig:
 
 
 @dataclass
-class CustomDataConfig:
+class CustomDataConfig(DataShared):
     name: str = "custom"
     _target_: str = MISSING
     global_batch_size: int = 64  # samples per step over all ranks and micro-batches
@@ -83,7 +91,7 @@ class CustomDataConfig:
 
 
 # Settings of fdp, not arguments of a data target.
-DATA_SETTINGS = ("name", "global_batch_size", "num_workers")
+DATA_SETTINGS = ("name", "global_batch_size", "num_workers", "val_fraction")
 
 
 # -- loss ------------------------------------------------------------------------------
@@ -170,10 +178,8 @@ class CustomOptimConfig(OptimShared):
 # -- trainer and world -----------------------------------------------------------------
 @dataclass
 class EarlyStoppingConfig:
-    monitor: str = (
-        ""  # a metric of the evaluations (test_loss, test_acc, ema_test_loss, loss...); "": no early stopping
-    )
-    patience: int = 3  # evaluations without improvement before the run stops
+    monitor: str = "val_loss"  # a metric of the evaluations (val_loss, val_acc, ema_val_loss, loss...)
+    patience: int = 0  # evaluations without improvement before the run stops (0: no early stopping)
     mode: str = "auto"  # auto | min | max (auto: max for an accuracy, min otherwise)
     min_delta: float = 0.0  # the least change that counts as an improvement
 
@@ -184,9 +190,9 @@ class TrainerConfig:
     max_epochs: int = 0  # end after this many passes over the training data, if sooner than max_steps (0: off)
     max_time: Any = 0  # end (with a checkpoint) after this much training time: seconds or DD:HH:MM:SS (0: off)
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
-    checkpoint_monitor: str = ""  # keep the keep_best best checkpoints by this metric in checkpoints/best/ ("": off)
+    checkpoint_monitor: str = "val_loss"  # the metric of the evaluations the best checkpoints are ranked by
     checkpoint_mode: str = "auto"  # auto | min | max, as early_stopping.mode
-    keep_best: int = 1  # checkpoint_monitor: how many of the best checkpoints to keep
+    keep_best: int = 0  # keep this many best checkpoints by checkpoint_monitor in checkpoints/best/ (0: none)
     ema_decay: float = 0.0  # a moving average of the params, evaluated as ema_<metric> and checkpointed (0: off)
     stop_at: int = 0  # end this invocation early at this step, to resume later (0: run to max_steps)
     accum_steps: int = 1  # micro-batches per step (gradients accumulated; the global batch stays)

@@ -1,4 +1,4 @@
-"""Evaluation on the test split: the mean loss, and accuracy where it applies."""
+"""Evaluation on the validation or the test split: the mean loss, and accuracy where it applies."""
 
 from __future__ import annotations
 
@@ -31,8 +31,10 @@ def evaluate(
     fits: int | None = None,
     wrap: Callable[[Callable], Callable] | None = None,
     together: Comm | None = None,
+    split: str = "test",
 ) -> dict:
-    """Mean loss over (up to ``max_batches`` batches of) the test split, and accuracy where it applies.
+    """Mean loss over (up to ``max_batches`` batches of) the test split, or ``split`` (``val``), and accuracy
+    where it applies: ``<split>_loss``, ``<split>_acc``.
 
     ``fits``: the most samples one forward pass may take (a run passes its training micro-batch,
     which is known to fit its memory); each batch is evaluated in pieces of that many, with the
@@ -55,7 +57,7 @@ def evaluate(
     sums, done, seen, last = [0.0, 0, 0, 0], 0, 0, None  # loss, weight, hits, scored
     every = (
         p
-        for batch in eval_batches(data, batch_size, max_batches, num_workers=num_workers)
+        for batch in eval_batches(data, batch_size, max_batches, num_workers=num_workers, split=split)
         for p in pieces(batch, fits or batch_size)
     )
     for index, piece in enumerate(every):
@@ -70,7 +72,7 @@ def evaluate(
         # On the params' device: where the world's collectives run (NCCL takes no CPU tensors).
         sums = together.allreduce(torch.tensor(sums, dtype=torch.float64, device=device)).wait().tolist()
     total_loss, count, correct, scored = sums
-    metrics = {"test_loss": total_loss / count}
+    metrics = {f"{split}_loss": total_loss / count}
     if scored:
-        metrics["test_acc"] = correct / scored
+        metrics[f"{split}_acc"] = correct / scored
     return metrics

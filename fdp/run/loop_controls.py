@@ -6,12 +6,15 @@
   stops at the same step boundary with a checkpoint, as after a stop signal. Rank 0's
   clock decides; its verdict reaches the others through a small all-reduce of its own,
   read one step later, so no step waits for it (``Deadline``).
-* ``trainer.early_stopping``: stop once a monitored metric of the evaluations has not
-  improved for ``patience`` evaluations. Rank 0 evaluates; every rank receives its record
-  (``fdp.run.report``) and updates the same small value, so all decide alike.
-* ``trainer.checkpoint_monitor`` / ``trainer.keep_best``: the ``keep_best`` best
-  checkpoints by that metric, copied to ``checkpoints/best/step=<N>-<metric>=<value>.pt``
+* ``trainer.early_stopping``: stop once a monitored metric of the evaluations (``val_loss`` unless
+  named) has not improved for ``patience`` evaluations (0: never). Rank 0 evaluates; every rank
+  receives its record (``fdp.run.report``) and updates the same small value, so all decide alike.
+* ``trainer.keep_best`` / ``trainer.checkpoint_monitor``: the ``keep_best`` best checkpoints by
+  that metric (``val_loss`` unless named), copied to ``checkpoints/best/step=<N>-<metric>=<value>.pt``
   (atomically) beside the newest ones.
+
+Both watch the evaluations during training, which score the validation split: the test split,
+scored once at the end, never selects a model (``fdp.data.splits``).
 * ``trainer.ema_decay``: a moving average of the params (``fdp.optim.ema``), evaluated as
   ``ema_<metric>`` and saved whole in each checkpoint (``ema``).
 
@@ -39,6 +42,7 @@ from fdp.optim.ema import check_ema_decay, ema
 from fdp.plan import BucketPlan
 from fdp.run.atomic import atomic_copy
 from fdp.run.checkpoint import load
+from fdp.run.config import EarlyStoppingConfig
 from fdp.run.monitor import MODES, Monitor, Stopping, ranked, stopping_update
 from fdp.state.train_state import TrainState
 from fdp.update import zero
@@ -47,12 +51,14 @@ __all__ = [
     "LoopControls",
     "check_loop_settings",
     "check_max_time",
+    "check_monitored_split",
     "read_resumed",
     "run_steps",
     "steps_per_epoch",
 ]
 
 BEST = "best"
+MONITORED = EarlyStoppingConfig.monitor  # what early stopping and the best checkpoints watch unless told
 _BEST_FILE = re.compile(r"^step=(\d+)-.*\.pt$")
 
 
@@ -115,10 +121,10 @@ def check_loop_settings(tc: Any, on_rank_loss: str = "stop", outer: str = "none"
     """The settings of ``trainer`` (``tc``) this module uses, each refused in one line naming its key.
 
     >>> from fdp.run.config import compose
-    >>> check_loop_settings(compose("trainer.early_stopping.patience=0").trainer)
+    >>> check_loop_settings(compose("trainer.early_stopping.patience=-1").trainer)
     Traceback (most recent call last):
     ...
-    fdp.errors.ConfigError: trainer.early_stopping.patience=0: expected an integer >= 1
+    fdp.errors.ConfigError: trainer.early_stopping.patience=-1: expected an integer >= 0 (0: no early stopping)
     """
 
     def check(ok: bool, key: str, value: Any, what: str) -> None:
@@ -147,16 +153,56 @@ def check_loop_settings(tc: Any, on_rank_loss: str = "stop", outer: str = "none"
     )
     early = tc.early_stopping
     check(early.mode in MODES, "early_stopping.mode", early.mode, "auto, min or max")
-    check(early.patience >= 1, "early_stopping.patience", early.patience, "an integer >= 1")
+    check(early.patience >= 0, "early_stopping.patience", early.patience, "an integer >= 0 (0: no early stopping)")
     check(early.min_delta >= 0, "early_stopping.min_delta", early.min_delta, "a number >= 0")
     check(
-        not early.monitor or tc.eval_every > 0,
-        "early_stopping.monitor",
-        early.monitor,
-        "'' with trainer.eval_every=0 (it decides at evaluations: set trainer.eval_every)",
+        not early.patience or tc.eval_every > 0,
+        "early_stopping.patience",
+        early.patience,
+        "0 with trainer.eval_every=0 (early stopping decides at evaluations: set trainer.eval_every)",
     )
     check(tc.checkpoint_mode in MODES, "checkpoint_mode", tc.checkpoint_mode, "auto, min or max")
-    check(tc.keep_best >= 1, "keep_best", tc.keep_best, "an integer >= 1")
+    check(tc.keep_best >= 0, "keep_best", tc.keep_best, "an integer >= 0 (0: no best checkpoints)")
+    # A monitor named while what watches it is off would do nothing: said, not ignored.
+    for key, name, switch, on in (
+        ("early_stopping.monitor", early.monitor, "early_stopping.patience", early.patience),
+        ("checkpoint_monitor", tc.checkpoint_monitor, "keep_best", tc.keep_best),
+    ):
+        check(bool(name), key, name, f"a metric of the evaluations (trainer.{switch}=0 turns it off)")
+        check(
+            on or name == MONITORED,
+            key,
+            name,
+            f"trainer.{switch} >= 1 with a metric named (trainer.{switch}=0: off, the default)",
+        )
+
+
+def check_monitored_split(setting: str, name: str, splits: tuple) -> None:
+    """Refuse a monitored metric of a split the evaluations during training do not score: they score the
+    first of ``splits`` (the validation split, else the test split); the test split beside a validation
+    split is scored only at the end, where it selects nothing.
+
+    >>> check_monitored_split("trainer.keep_best", "val_acc", ("val", "test"))
+    >>> check_monitored_split("trainer.checkpoint_monitor", "ema_test_loss", ("val", "test"))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    fdp.errors.ConfigError: trainer.checkpoint_monitor='ema_test_loss': expected a metric of the validation split, ...
+    """
+    if not splits:
+        raise ConfigError(f"{setting}={name!r}: expected data with a validation or a test split to evaluate on")
+    named = re.match(r"(ema_)?(val|test)_(.*)", name)
+    if named is None or named.group(2) == splits[0]:
+        return
+    ema_, _, rest = named.groups()
+    if splits[0] == "val":
+        why = "the test split is scored once, at the end; data.val_fraction=0 scores it during training instead"
+        raise ConfigError(
+            f"{setting}={name!r}: expected a metric of the validation split, {ema_ or ''}val_{rest} ({why})"
+        )
+    raise ConfigError(
+        f"{setting}={name!r}: expected a metric of the test split, {ema_ or ''}test_{rest} (the data has no "
+        "validation split: set data.val_fraction, or give the data one of its own)"
+    )
 
 
 class Verdict(NamedTuple):
@@ -219,6 +265,8 @@ class LoopControls:
     """Everything above for one rank's loop: call ``stepped`` after each step, ``evaluated`` after each
     evaluation, ``payload`` for each checkpoint (on every rank), ``keep_best`` with the file it wrote.
 
+    ``evaluates``: the data's splits, in ``fdp.data.SPLITS`` order (the first is scored during training).
+
     ``resumed``: the ``loop`` and ``ema`` entries of the checkpoint the run resumes from (``read_resumed``);
     ``end_step``: the run's last step (``run_steps``), whatever step this invocation stops at. ``shard``: the comm
     the state's slices are split over (the update's: a node's under hybrid sharding; by default ``comm``).
@@ -230,7 +278,7 @@ class LoopControls:
         comm: Comm,
         plan: BucketPlan,
         state: TrainState,
-        evaluates: bool,
+        evaluates: tuple,
         end_step: int,
         resumed: dict | None = None,
         shard: Comm | None = None,
@@ -239,9 +287,9 @@ class LoopControls:
         self.shard = shard or comm  # at stage 3 the average is sliced as the params are
         self.eval_every, self.end_step = tc.eval_every, end_step
         early = tc.early_stopping
-        self.early = Monitor.of(early.monitor, early.mode, early.min_delta) if early.monitor else None
+        self.early = Monitor.of(early.monitor, early.mode, early.min_delta) if early.patience else None
         self.patience = early.patience
-        self.best_by = Monitor.of(tc.checkpoint_monitor, tc.checkpoint_mode) if tc.checkpoint_monitor else None
+        self.best_by = Monitor.of(tc.checkpoint_monitor, tc.checkpoint_mode) if tc.keep_best else None
         self.keep = tc.keep_best
         # Checkpoints then hold what an evaluation decides, so the loop evaluates before it saves.
         self.watches = self.early is not None or self.best_by is not None
@@ -249,8 +297,8 @@ class LoopControls:
             ("trainer.early_stopping.monitor", self.early),
             ("trainer.checkpoint_monitor", self.best_by),
         ):
-            if monitor is not None and not evaluates:
-                raise ConfigError(f"{setting}={monitor.name!r}: expected data with a test split to evaluate on")
+            if monitor is not None:
+                check_monitored_split(setting, monitor.name, evaluates)
         loop = (resumed or {}).get("loop") or {}
         self.stopping = Stopping(loop.get("stopping_best"), int(loop.get("stopping_waited", 0)))
         self.best = tuple((float(v), int(s)) for v, s in loop.get("best", ()))

@@ -1,8 +1,11 @@
 """What a run reports while it trains: a record per logged step, evaluations, the bar and the summary.
 
 ``Report`` turns each step's metrics (``fdp.step.train_step``) into the records ``metrics.jsonl``
-holds (rank 0 writes them; every rank computes the same world-mean loss), evaluates on
-the test split when due, and sums the run up at its end.
+holds (rank 0 writes them; every rank computes the same world-mean loss), evaluates when
+due, and sums the run up at its end. Evaluations during training score the validation split
+(``val_*``; the test split where the data has none), so what selects a model (early stopping, the
+best checkpoints) never sees the test split; the test split is scored once, at the run's end
+(``test_*``, in the last record and the summary).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from fdp.comm import Comm
-from fdp.data import has_test_split
+from fdp.data import SPLITS, has_split
 from fdp.optim.ema import averaged_as
 from fdp.run.build import RunParts, display_name
 from fdp.run.evaluate import evaluate
@@ -35,6 +38,10 @@ class Report:
         self.log = self._open_log(resume=first_step > 0) if is_rank0 else None
         self.bar = progress(last_step, first_step, enabled=cfg.trainer.progress and is_rank0)
         self.times, self.skipped, self.last_eval, self.record = StepTimes(), 0, {}, {}
+        # The split the evaluations during training score, and whether the test split waits for the end.
+        self.watched = next((split for split in SPLITS if has_split(parts.data, split)), None)
+        self.tests_at_end = self.watched == "val" and has_split(parts.data, "test")
+        self.tested_at: int | None = None  # the step the test split was scored at the end of
         self.started = time.perf_counter()
         self.shrinks: list[dict] = []  # each time the world went on without a lost rank (fdp.dist.shrink)
         self.grows: list[dict] = []  # each time ranks joined it (fdp.dist.grow)
@@ -67,10 +74,12 @@ class Report:
     def step(
         self, state: TrainState, metrics: dict, stopping: bool = False, average: dict | None = None
     ) -> dict | None:
-        """Count a step; on a logged one (and the last, ``stopping`` early included), write its record
-        and the evaluation when due (not on a run stopping early: it should stop at once).
+        """Count a step; on a logged one (every ``log_every``-th, the last, ``stopping`` early included) or
+        one that evaluates (every ``eval_every``-th and the last, whatever ``log_every`` is; not on a run
+        stopping early: it should stop at once), write its record, with the evaluation's metrics.
 
-        ``average``: the params' moving average (``fdp.optim.ema``), evaluated too (``ema_test_loss``...).
+        ``average``: the params' moving average (``fdp.optim.ema``), evaluated too (``ema_val_loss``...).
+        The last step (not stopping early) scores the test split too.
         Returns the record of a step that evaluated, rank 0's on every rank, else ``None``.
         """
         tc, number = self.cfg.trainer, state.step
@@ -78,15 +87,18 @@ class Report:
         self.skipped += metrics["skipped"]
         self.bar.update(1)
         done = number == self.last_step
-        if number % tc.log_every and not done and not stopping:
+        logged = number % tc.log_every == 0 or done or stopping
+        # Each setting counts its own steps: an evaluation is due every eval_every steps, logged or not.
+        evaluates = self.watched is not None and (
+            tc.eval_every and number % tc.eval_every == 0 or done and not stopping
+        )
+        if not logged and not evaluates:
             return
         self.record = self._record(number, metrics)
-        if (tc.eval_every and number % tc.eval_every == 0 or done and not stopping) and has_test_split(self.parts.data):
-            # Rank 0's figures; the ranks that evaluate with it are the update's to say (ZeRO stage 3: all of them).
-            evaluation = self._evaluate(state, state.params)
-            if average is not None:
-                on_average = self._evaluate(state, averaged_as(average, state.params))
-                evaluation = evaluation and {**evaluation, **{f"ema_{k}": v for k, v in on_average.items()}}
+        if evaluates:
+            tested = self.tests_at_end and done and not stopping
+            evaluation = self._scores(state, (self.watched, "test") if tested else (self.watched,), average)
+            self.tested_at = number if tested else self.tested_at
             if self.comm.rank == 0:
                 self.last_eval = evaluation
                 self.record.update(self.last_eval)
@@ -130,8 +142,32 @@ class Report:
             record["loss_scale"] = m["loss_scale"].item()
         return record
 
-    def _evaluate(self, state: TrainState, params) -> dict | None:
-        """The test metrics of ``params`` (this rank's, as the state holds them), on a rank that evaluates."""
+    def _scores(self, state: TrainState, splits: tuple, average: dict | None) -> dict | None:
+        """The metrics of the params (and of their moving ``average``, ``ema_*``) on ``splits``: rank 0's figures;
+        the ranks that evaluate with it are the update's to say (ZeRO stage 3: all of them), ``None`` on the others."""
+        scores: dict | None = {}
+        for split in splits:
+            figures = self._evaluate(state, state.params, split)
+            if average is not None:
+                on_average = self._evaluate(state, averaged_as(average, state.params), split)
+                figures = figures and {**figures, **{f"ema_{k}": v for k, v in on_average.items()}}
+            scores = None if figures is None or scores is None else {**scores, **figures}
+        return scores
+
+    def tested(self, state: TrainState, average: dict | None = None) -> None:
+        """Score the test split once at the end of a run that stopped before its last step (early stopping,
+        ``max_time``), where the last step's record did not: a record of its own, and the summary's figures."""
+        if not self.tests_at_end or self.tested_at == state.step or not self.times.rows:  # scored, or no step run
+            return
+        evaluation = self._scores(state, ("test",), average)
+        self.tested_at = state.step
+        if self.comm.rank == 0 and evaluation:
+            self.last_eval = {**self.last_eval, **evaluation}
+            if self.log:
+                self.log.write({"step": state.step, **evaluation})
+
+    def _evaluate(self, state: TrainState, params, split: str) -> dict | None:
+        """The metrics of ``params`` (this rank's, as the state holds them) on ``split``, on a rank that evaluates."""
         parts, tc = self.parts, self.cfg.trainer
         # In pieces no larger than what one forward of training takes: what trains within a memory budget evaluates.
         micro = max(1, self.cfg.data.global_batch_size // self.comm.world_size // tc.accum_steps)
@@ -151,6 +187,7 @@ class Report:
                 fits=micro,
                 wrap=wrap,
                 together=together,
+                split=split,
             )
 
     def summary(

@@ -87,7 +87,7 @@ def check_checkpoint_format(value: Any, outer: bool = False, shrink: bool = Fals
             if outer
             else "a world that may shrink keeps per-rank mirrors"
             if shrink
-            else "trainer.checkpoint_monitor copies whole-file checkpoints"
+            else "trainer.keep_best copies whole-file checkpoints"
         )
         raise ValueError(f"trainer.checkpoint_format='sharded': expected whole ({why})")
     return value

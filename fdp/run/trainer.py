@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fdp._torch import preload_compiler
 from fdp.comm import Comm
-from fdp.data import check_global_batch, has_test_split
+from fdp.data import SPLITS, check_global_batch, has_split
 from fdp.dist.allocator import release_free_memory
 from fdp.dist.devices import MemoryPhase, is_out_of_memory, limit_memory
 from fdp.dist.grow import GrowingWorld, joining, prepare_joiner, respawner
@@ -249,6 +249,9 @@ def _train(
             resources.push(lambda failed, *_: None if failed else loop.saver.wait())  # may be gone)
         stop = resources.enter_context(_stop_signals(cfg, comm))
         interrupted = _loop(loop, run_dir, report, status, stop, heartbeat, world)
+        if interrupted is None:  # the test split, once at the end (a stop signal stops at once)
+            with loop.phase("evaluation", loop.state.step):
+                report.tested(loop.state, loop.controls.average)
     rows = report.times.rows
     if comm.rank == 0 and rows:  # what this invocation measured, for the next one's trainer.compile=auto
         compiled.write_record(run_dir.path, choice, rows[0]["step_s"], report.times.median("step_s"))
@@ -280,7 +283,7 @@ def _start(
     except ValueError as error:
         raise ConfigError(str(error)) from None
     with phase("data"):
-        data = build_data(cfg.data)
+        data = build_data(cfg.data, cfg.seed)
     # torch's code that the first gradient (and a build on meta) imports is not the run's memory (a GPU's budget
     # would not count it): loaded before the budget starts.
     preload_compiler()
@@ -301,9 +304,8 @@ def _start(
         steps = run_steps(tc.max_steps, tc.max_epochs, parts.data, cfg.data.global_batch_size)
         last_step = min(steps, tc.stop_at or steps)
         resumed = read_resumed(source, comm) if source is not None else resumed
-        controls = LoopControls(
-            tc, comm, parts.plan, state, has_test_split(parts.data), steps, resumed, shard=parts.update.comm
-        )
+        evaluated = tuple(split for split in SPLITS if has_split(parts.data, split))
+        controls = LoopControls(tc, comm, parts.plan, state, evaluated, steps, resumed, shard=parts.update.comm)
         callbacks = Callbacks.of(OmegaConf.to_container(tc.callbacks, resolve=True), given, run_dir.path, parts.plan)
         callbacks.restore((resumed or {}).get("callbacks"), comm)
         blocked = _not_compiled(cfg, parts)

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 from omegaconf import OmegaConf
 
-from fdp.data import check_global_batch, check_micro_batches
+from fdp.data import check_global_batch, check_micro_batches, check_val_fraction
 from fdp.dist.devices import BACKENDS
 from fdp.dist.grow import check_max_ranks
 from fdp.dist.interrupt import check_requeue_signal
@@ -129,7 +129,7 @@ def _validate_trainer(cfg: Any) -> None:
     _as_config_key(
         "trainer.checkpoint_format",
         lambda value: check_checkpoint_format(
-            value, cfg.outer.name != "none", cfg.world.on_rank_loss == "shrink", bool(t.checkpoint_monitor)
+            value, cfg.outer.name != "none", cfg.world.on_rank_loss == "shrink", t.keep_best > 0
         ),
         t.checkpoint_format,
     )
@@ -261,6 +261,8 @@ def _validate_data_and_model(cfg: Any) -> None:
     d, m = cfg.data, cfg.model
     if "test_fraction" in d:
         _require(0.0 < d.test_fraction < 1.0, "data.test_fraction", d.test_fraction, "a fraction in (0, 1)")
+    if "val_fraction" in d:
+        _as_config_key("data.val_fraction", check_val_fraction, d.val_fraction)
     if "num_workers" in d:
         _require(d.num_workers >= 0, "data.num_workers", d.num_workers, "an integer >= 0")
     if d.name == "stdlib_text":
