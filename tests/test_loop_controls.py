@@ -230,6 +230,26 @@ def test_two_ranks_at_stage_3_stopped_and_resumed_end_like_one_process_uninterru
     assert [int(r.split(",")[0]) for r in rows[1:]] == [2, 4, 5, 6, 6]
 
 
+def test_sharded_best_checkpoints_are_step_directories_of_links_and_resume(tmp_path):
+    """In the sharded format the best checkpoints are their steps' directories, hard-linked (no bytes copied),
+    kept after the step directories are pruned, and each resumes as its step."""
+    sharded = [*SMALL, "world=local2", "trainer.zero_stage=2", "trainer.checkpoint_format=sharded"]
+    best = ["trainer.max_steps=8", "trainer.eval_every=2", "trainer.checkpoint_every=2", "trainer.keep_checkpoints=1"]
+    run(compose(*sharded, *best, "trainer.keep_best=2"), tmp_path / "a")
+    kept = sorted((tmp_path / "a" / "checkpoints" / "best").iterdir())
+    records = {r["step"]: r["val_loss"] for r in read_metrics(tmp_path / "a")[0] if "val_loss" in r}
+    steps = sorted(records, key=records.get)[:2]
+    assert [int(p.name.split("-")[0].removeprefix("step=")) for p in kept] == sorted(steps)
+    assert all(p.is_dir() and (p / "fdp.pt").is_file() and (p / ".metadata").is_file() for p in kept)
+    newest = last_of(tmp_path / "a" / "checkpoints")
+    for p in kept:  # the step still on disk shares its files' inodes with its best copy
+        if p.name.startswith(f"step={int(newest.name.removeprefix('step_'))}-"):
+            assert (p / "fdp.pt").stat().st_ino == (newest / "fdp.pt").stat().st_ino
+    first = kept[0]
+    resumed = run(compose(*sharded, *best, "trainer.keep_best=0", f"trainer.resume='{first}'"), tmp_path / "b")
+    assert resumed["steps"] == 8 and read_metrics(tmp_path / "b")[0][0]["step"] > int(first.name.split("-")[0][5:])
+
+
 def test_max_epochs_sets_the_run_and_its_schedule_from_the_shell_settings(tmp_path):
     # Checkpoints at steps 4 and 8 come before the one evaluation (at the end), which alone ranks.
     summary = run(

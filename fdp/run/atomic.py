@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["atomic_bytes", "atomic_copy", "atomic_save", "fsync_dir"]
+__all__ = ["atomic_bytes", "atomic_copy", "atomic_link_tree", "atomic_save", "fsync_dir"]
 
 
 def fsync_dir(directory: Path) -> None:
@@ -78,3 +78,34 @@ def atomic_bytes(data: bytes, path: str | os.PathLike) -> Path:
     b'abc'
     """
     return _write_atomically(Path(path), lambda f: f.write(data))
+
+
+def atomic_link_tree(source: str | os.PathLike, path: str | os.PathLike) -> Path:
+    """Make directory ``path`` hold ``source``'s files (a complete checkpoint directory), whole or not at all.
+
+    Each file is hard-linked (no bytes copied; copied where the two lie on different file
+    systems) into a temporary directory beside ``path``, which is then renamed: a reader
+    sees no ``path`` or all of it. A ``path`` that exists already is left as it is.
+
+    >>> src = Path(tempfile.mkdtemp()); _ = (src / "a.bin").write_bytes(b"x")
+    >>> sorted(p.name for p in atomic_link_tree(src, src.parent / (src.name + "-kept")).iterdir())
+    ['a.bin']
+    """
+    source, path = Path(source), Path(path)
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        for file in source.iterdir():
+            try:
+                os.link(file, tmp / file.name)
+            except OSError:  # another file system, or one without hard links
+                shutil.copy2(file, tmp / file.name)
+        fsync_dir(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(path.parent)
+    return path

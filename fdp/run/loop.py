@@ -192,7 +192,10 @@ class Loop:
             verdict = controls.evaluated(state.step, evaluated)  # the same on every rank: rank 0's record
             controls.stopped = None if state.step == self.last_step else verdict.stop or out_of_time
             if evaluate_first and (saving or controls.stopped or verdict.keep_best):
-                controls.keep_best(run_dir.checkpoints, self._save(run_dir, state), state.step)
+                written = self._save(run_dir, state)
+                if verdict.keep_best and self.saver is not None:
+                    self.saver.wait()  # a sharded checkpoint is kept among the best once its writes are complete
+                controls.keep_best(run_dir.checkpoints, written, state.step)
             if interrupted:
                 return interrupted
             if (

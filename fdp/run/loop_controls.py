@@ -10,7 +10,8 @@
   named) has not improved for ``patience`` evaluations (0: never). Rank 0 evaluates; every rank
   receives its record (``fdp.run.report``) and updates the same small value, so all decide alike.
 * ``trainer.keep_best`` / ``trainer.checkpoint_monitor``: the ``keep_best`` best checkpoints by
-  that metric (``val_loss`` unless named), copied to ``checkpoints/best/step=<N>-<metric>=<value>.pt``
+  that metric (``val_loss`` unless named), kept as ``checkpoints/best/step=<N>-<metric>=<value>.pt``
+  (a copy) or, in the sharded format, as that step's directory of hard links (no bytes copied)
   (atomically) beside the newest ones.
 
 Both watch the evaluations during training, which score the validation split: the test split,
@@ -28,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+import shutil
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -40,7 +42,7 @@ from fdp.data import Dataset, MapData, num_train_samples
 from fdp.errors import ConfigError, require
 from fdp.optim.ema import check_ema_decay, ema
 from fdp.plan import BucketPlan
-from fdp.run.atomic import atomic_copy
+from fdp.run.atomic import atomic_copy, atomic_link_tree
 from fdp.run.checkpoint import load
 from fdp.run.config import EarlyStoppingConfig
 from fdp.run.monitor import MODES, Monitor, Stopping, ranked, stopping_update
@@ -59,7 +61,7 @@ __all__ = [
 
 BEST = "best"
 MONITORED = EarlyStoppingConfig.monitor  # what early stopping and the best checkpoints watch unless told
-_BEST_FILE = re.compile(r"^step=(\d+)-.*\.pt$")
+_BEST = re.compile(r"^step=(\d+)-")  # a best checkpoint: a file, or a sharded step directory
 
 
 # -- the run's length -------------------------------------------------------------------------
@@ -397,18 +399,23 @@ class LoopControls:
         return out
 
     def keep_best(self, checkpoints: Path, written: Path | None, step: int) -> None:
-        """Rank 0: copy ``written`` (this step's checkpoint) among the best; drop those ranked out."""
-        if written is None or self.best_by is None:
+        """Rank 0: keep ``written`` (this step's checkpoint: a file, or a sharded step directory once its writes are
+        complete) among the best, as a copy or a directory of hard links; drop those ranked out."""
+        if written is None or self.best_by is None or self.comm.rank != 0:
             return
         directory = Path(checkpoints) / BEST
         value = {s: v for v, s in self.best}.get(step)
         if value is not None:
-            atomic_copy(written, directory / f"step={step}-{self.best_by.name}={value:.6g}.pt")
+            name = f"step={step}-{self.best_by.name}={value:.6g}"
+            if written.is_dir():
+                atomic_link_tree(written, directory / name)
+            else:
+                atomic_copy(written, directory / f"{name}.pt")
         kept = {s for _, s in self.best}
         for old in directory.iterdir() if directory.is_dir() else ():  # none yet: no evaluation has ranked
-            match = _BEST_FILE.match(old.name)
+            match = _BEST.match(old.name)
             if match and int(match.group(1)) not in kept:
-                old.unlink()
+                shutil.rmtree(old) if old.is_dir() else old.unlink()
 
     def close(self, finished: bool = True) -> None:
         self.deadline.close(finished)

@@ -69,7 +69,7 @@ FORMAT = "fdp-sharded-1"  # fdp.pt's "format": what this module writes and reads
 FORMATS = ("whole", "sharded")
 
 
-def check_checkpoint_format(value: Any, outer: bool = False, shrink: bool = False, best: bool = False) -> str:
+def check_checkpoint_format(value: Any, outer: bool = False, shrink: bool = False) -> str:
     """``trainer.checkpoint_format``: ``whole`` (one file, rank 0 writes) or ``sharded`` (each rank its share).
 
     >>> check_checkpoint_format("sharded")
@@ -81,14 +81,8 @@ def check_checkpoint_format(value: Any, outer: bool = False, shrink: bool = Fals
     """
     if value not in FORMATS:
         raise ValueError(f"trainer.checkpoint_format={value!r}: expected whole or sharded")
-    if value == "sharded" and (outer or shrink or best):
-        why = (
-            "an outer loop keeps params per rank"
-            if outer
-            else "a world that may shrink keeps per-rank mirrors"
-            if shrink
-            else "trainer.keep_best copies whole-file checkpoints"
-        )
+    if value == "sharded" and (outer or shrink):
+        why = "an outer loop keeps params per rank" if outer else "a world that may shrink keeps per-rank mirrors"
         raise ValueError(f"trainer.checkpoint_format='sharded': expected whole ({why})")
     return value
 

@@ -128,9 +128,7 @@ def _validate_trainer(cfg: Any) -> None:
     _as_config_key("trainer.zero_stage", check_zero_stage, t.zero_stage)
     _as_config_key(
         "trainer.checkpoint_format",
-        lambda value: check_checkpoint_format(
-            value, cfg.outer.name != "none", cfg.world.on_rank_loss == "shrink", t.keep_best > 0
-        ),
+        lambda value: check_checkpoint_format(value, cfg.outer.name != "none", cfg.world.on_rank_loss == "shrink"),
         t.checkpoint_format,
     )
     _as_config_key("trainer.sample_streams", check_sample_streams, t.sample_streams)
