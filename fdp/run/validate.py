@@ -48,7 +48,7 @@ from fdp.step.outer_spec import check_outer
 from fdp.step.reduce import resolve_schedule
 from fdp.step.train_step import check_nonfinite
 from fdp.targets import locate
-from fdp.update.zero import ZERO_STAGES, check_hook_for_stage, check_optimizer_for_stage, check_zero_stage, stage_rules
+from fdp.update.zero import ZERO_STAGES, check_optimizer_for_stage, check_zero_stage, stage_rules
 
 __all__ = ["validate", "validate_run_dir"]
 
@@ -136,7 +136,6 @@ def _validate_trainer(cfg: Any) -> None:
             "their dispatch mode does not compile",
         )
     hook = _as_config_key("hooks", build_hook, _container(cfg.hooks))
-    _as_config_key("trainer.zero_stage", lambda stage: check_hook_for_stage(stage, hook), t.zero_stage)
     _as_config_key("trainer.reduce_dtype", lambda value: check_reduce_dtype(value, t.precision, hook), t.reduce_dtype)
     if t.zero_stage:  # combinations whose state does not shard (yet): refused, not silently unsharded
         _require(
