@@ -29,9 +29,18 @@ broadcasts each rank's slice in place instead. Stages 1 and 2 all-gather the upd
 params on top of the reduction (``sent`` counts the all-reduced buckets plus this rank's
 gathered slices).
 
-    python benchmarks/zero.py [--quick] [--worlds 2 4] [--models mlp transformer]
+With ``--hooks`` each (model, world, stage) runs once per reduction hook (settings in
+``HOOK_SPECS``: compression from the first step, so that the timed steps compress), each
+row compared with stage 0 under the same hook; the rows go to ``zero_hooks.md``. At
+stage 2 a hook that reduces straight into slices (``Hook.shardable``: top-k, the
+low-bit codes) makes only the rank's slice; PowerSGD makes the whole approximation and
+keeps its slice, and its error feedback stays whole (``fdp.hooks.for_slices``).
 
-Writes ``benchmarks/results/zero.md`` and ``zero.json`` (``--quick`` prints only).
+    python benchmarks/zero.py [--quick] [--worlds 2 4] [--models mlp transformer] [--stages 1 2]
+                              [--hooks allreduce powersgd topk lowbit]
+
+Writes ``benchmarks/results/zero.md`` and ``zero.json`` (``zero_hooks.*`` with ``--hooks`` other than
+allreduce alone; ``--quick`` prints only).
 """
 
 from __future__ import annotations
@@ -64,14 +73,22 @@ MODELS = {
     "transformer": {"kind": "charlm", "vocab": 256, "seq": 64, "d_model": 512, "n_layer": 8, "n_head": 8, "batch": 4},
 }
 STAGES = (0, 1, 2)
+HOOK_SPECS = {
+    "allreduce": {"name": "allreduce"},
+    "powersgd": {"name": "powersgd", "rank": 4, "start_iter": 0},
+    "topk": {"name": "topk", "ratio": 0.01},
+    "lowbit": {"name": "lowbit", "format": "fp4", "block": 64},
+    "int8": {"name": "int8"},
+}
 
 
-def worker(model_name: str, stage: int, world: int, warmup: int, steps: int) -> dict:
+def worker(model_name: str, stage: int, world: int, warmup: int, steps: int, hook_name: str = "allreduce") -> dict:
     """One rank of a launch that builds one (model, stage) and times it."""
     from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
     from fdp.comm import Comm
     from fdp.dist.allocator import tune_allocator
     from fdp.dist.launch import WorldLayout, init_distributed
+    from fdp.hooks import build_hook
     from fdp.model.functional import functionalize
     from fdp.optim import adam
     from fdp.plan import plan_buckets
@@ -96,11 +113,14 @@ def worker(model_name: str, stage: int, world: int, warmup: int, steps: int) -> 
     )
     optimizer = adam(LR)
     schedule = resolve_schedule("auto", world)
-    step = make_train_step(loss_fn, optimizer, plan, comm=Comm(), schedule=schedule, donate=True, zero_stage=stage)
+    hook = build_hook(HOOK_SPECS[hook_name])
+    step = make_train_step(
+        loss_fn, optimizer, plan, hook, comm=Comm(), schedule=schedule, donate=True, zero_stage=stage
+    )
     if stage:
-        state = zero.init_state(params, buffers, optimizer, plan, comm)
+        state = zero.init_state(params, buffers, optimizer, plan, comm, hook, stage=stage)
     else:
-        state = init_train_state(params, buffers, optimizer, plan)
+        state = init_train_state(params, buffers, optimizer, plan, hook)
     del params, buffers
     dist.barrier()
     for _ in range(warmup):
@@ -118,6 +138,7 @@ def worker(model_name: str, stage: int, world: int, warmup: int, steps: int) -> 
         "buckets": len(plan),
         "schedule": schedule,
         "state_mib": m["state_mib"],
+        "hook_mib": _nbytes(state.hook_state) / 2**20,
         "ms": [1e3 * t for t in times],
         "wait_ms": [1e3 * w for w in waits],
         "bytes_sent": statistics.median(sent),
@@ -130,11 +151,18 @@ def worker(model_name: str, stage: int, world: int, warmup: int, steps: int) -> 
     return out
 
 
-def _run(model_name: str, stage: int, world: int, warmup: int, steps: int) -> list[dict]:
+def _nbytes(tree) -> int:
+    """Bytes of the tensors in ``tree`` (tuples, NamedTuples and their tensors: a hook state)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    return sum(_nbytes(t) for t in tree) if isinstance(tree, tuple) else 0
+
+
+def _run(model_name: str, stage: int, world: int, warmup: int, steps: int, hook: str) -> list[dict]:
     from fdp.dist.launch import WorldLayout, spawn
 
     layout = WorldLayout("elastic", nproc_per_node=world, backend="gloo", timeout_s=600)
-    results = spawn(worker, (model_name, stage, world, warmup, steps), layout)
+    results = spawn(worker, (model_name, stage, world, warmup, steps, hook), layout)
     return [results[r] for r in range(world)]
 
 
@@ -145,17 +173,21 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--stages", type=int, nargs="+", default=list(STAGES), choices=list(STAGES))
+    parser.add_argument("--hooks", nargs="+", default=["allreduce"], choices=list(HOOK_SPECS))
     args = parser.parse_args()
     warmup, steps = (1, 2) if args.quick else (args.warmup, args.steps)
     load_before, t0 = os.getloadavg()[0], time.perf_counter()
     rows = []
+    stages = sorted({0, *args.stages})  # every row is compared with stage 0
     for world in args.worlds:
         for model_name in args.models:
-            for stage in STAGES:
-                ranks = _run(model_name, stage, world, warmup, steps)
-                row = {"model": model_name, "world": world, "stage": stage, "ranks": ranks}
-                rows.append(row)
-                print(_line(row, rows), flush=True)
+            for hook in args.hooks:
+                for stage in stages:
+                    ranks = _run(model_name, stage, world, warmup, steps, hook)
+                    row = {"model": model_name, "world": world, "stage": stage, "hook": hook, "ranks": ranks}
+                    rows.append(row)
+                    print(_line(row, rows), flush=True)
     meta = {
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
@@ -171,14 +203,19 @@ def main() -> None:
     table = _table(rows, meta)
     print(table)
     if not args.quick:
+        name = "zero" if args.hooks == ["allreduce"] else "zero_hooks"
         RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "zero.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        (RESULTS / "zero.md").write_text(table)
+        (RESULTS / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        (RESULTS / f"{name}.md").write_text(table)
 
 
 def _summary(row: dict, rows: list[dict]) -> dict:
     ranks = row["ranks"]
-    base = next(r for r in rows if r["model"] == row["model"] and r["world"] == row["world"] and r["stage"] == 0)
+    base = next(
+        r
+        for r in rows
+        if (r["model"], r["world"], r.get("hook"), r["stage"]) == (row["model"], row["world"], row.get("hook"), 0)
+    )
     ms = statistics.median(ranks[0]["ms"])
     ms0 = statistics.median(base["ranks"][0]["ms"])
     state = max(r["state_mib"] for r in ranks)
@@ -188,6 +225,7 @@ def _summary(row: dict, rows: list[dict]) -> dict:
         "buckets": ranks[0]["buckets"],
         "state_mib": state,
         "state_ratio": state / state0,
+        "hook_mib": max(r.get("hook_mib", 0.0) for r in ranks),
         "timed_peak": max(r["timed_peak_mib"] for r in ranks),
         "warm_peak": max(r["warm_peak_mib"] for r in ranks),
         "base": max(r["base_mib"] for r in ranks),
@@ -209,7 +247,8 @@ def _iqr(values: list[float]) -> str:
 def _line(row: dict, rows: list[dict]) -> str:
     s = _summary(row, rows)
     return (
-        f"{row['model']} world {row['world']} stage {row['stage']}: state {s['state_mib']:.0f} MiB "
+        f"{row['model']} world {row['world']} hooks={row.get('hook', 'allreduce')} stage {row['stage']}: "
+        f"state {s['state_mib']:.0f} MiB "
         f"({s['state_ratio']:.3f}x), peak RSS {s['timed_peak']:.0f} MiB, step {s['ms']:.0f} ms ({s['ms_ratio']:.2f}x), "
         f"wait {s['wait_ms']:.0f} ms, sent {s['mb_sent']:.0f} MiB"
     )
@@ -229,18 +268,22 @@ def _table(rows: list[dict], meta: dict) -> str:
         "`state MiB`: params + optimizer state + gradient buffers a rank holds between steps (the step's `state_mib`, "
         "largest rank). `peak RSS`: largest rank's VmHWM over the timed steps; `incl. build`: over building and "
         "warm-up; `base`: RSS before building the model. "
-        "`sent`: bytes this rank handed to collectives per step.",
+        "`hook MiB`: the hook's state a rank keeps (error feedback, PowerSGD's Q), whole at every stage. "
+        "`sent`: bytes this rank handed to collectives per step (at stage 2 with the all-gather of the updated "
+        "params).",
         "",
-        "| model | ranks | stage | state MiB/rank | vs stage 0 | peak RSS/rank MiB | incl. build MiB | base MiB | "
-        "step ms | IQR ms | vs stage 0 | comm wait ms | sent MiB/step |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | ranks | hooks | stage | state MiB/rank | vs stage 0 | hook MiB | peak RSS/rank MiB | "
+        "incl. build MiB | base MiB | step ms | IQR ms | vs stage 0 | comm wait ms | sent MiB/step |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         s = _summary(row, rows)
         lines.append(
-            f"| {row['model']} ({s['params_m']:.1f}M, {s['buckets']} buckets) | {row['world']} | {row['stage']} | "
+            f"| {row['model']} ({s['params_m']:.1f}M, {s['buckets']} buckets) | {row['world']} | "
+            f"{row.get('hook', 'allreduce')} | {row['stage']} | "
             f"{s['state_mib']:.0f} | "
-            f"{s['state_ratio']:.3f} | {s['timed_peak']:.0f} | {s['warm_peak']:.0f} | {s['base']:.0f} | {s['ms']:.0f} "
+            f"{s['state_ratio']:.3f} | {s['hook_mib']:.0f} | "
+            f"{s['timed_peak']:.0f} | {s['warm_peak']:.0f} | {s['base']:.0f} | {s['ms']:.0f} "
             f"| {s['iqr']} | {s['ms_ratio']:.2f} | "
             f"{s['wait_ms']:.0f} | {s['mb_sent']:.0f} |"
         )

@@ -137,6 +137,31 @@ class Comm:
         """``allgather`` of a bucket's values, whose parts the hook sums (a ZeRO comm all-to-alls them instead)."""
         return self.allgather(tensor)
 
+    def bucket_parts(self, numel: int) -> tuple[tuple[int, int], ...]:
+        """The ranges of a bucket of ``numel`` elements that ``gather_bucket`` hands out, in the order of its
+        input's equal chunks: here one, the whole bucket, which every rank receives (a ZeRO comm: each rank's
+        slice, chunk ``j`` going to rank ``j``). A hook whose exchange is not elementwise (codes with per-block
+        scales, ``fdp.hooks.lowbit``) lays its input out one chunk per part.
+
+        >>> Comm().bucket_parts(5)
+        ((0, 5),)
+        """
+        return ((0, numel),)
+
+    def kept_range(self, numel: int) -> tuple[int, int]:
+        """``(start, stop)`` of a reduced bucket of ``numel`` elements that this rank keeps: here all of it (a ZeRO
+        comm: its zero-padded slice). A hook that reduces into the kept range alone is ``Hook.shardable``.
+
+        >>> Comm().kept_range(5)
+        (0, 5)
+        """
+        return 0, numel
+
+    @property
+    def whole(self) -> "Comm":
+        """The comm whose bucket collectives leave every rank the whole bucket: this one (a ZeRO comm's inner one)."""
+        return self
+
     def gather(self, tensor: torch.Tensor, dst: int = 0) -> Pending:
         """Every rank's ``tensor``, stacked on rank ``dst`` (shape ``(world_size, *tensor.shape)``); ``None`` elsewhere.
 

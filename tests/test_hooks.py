@@ -30,6 +30,7 @@ from fdp.hooks import (
     bf16,
     build_hook,
     chain,
+    for_slices,
     fp16,
     fp16_compress,
     fp16_decompress,
@@ -989,7 +990,7 @@ def test_optimizer_and_hook_chains_refuse_each_others_members():
 
 # -- hooks=custom: a user's own factory ---------------------------------------------------------------------------
 def _unshardable_clip(max_norm: float = 1.0):
-    """A user's hook that does not declare ``shardable``: refused where ZeRO scatters the bucket."""
+    """A user's hook that does not declare ``shardable``: it makes the whole bucket, of which ZeRO keeps a slice."""
     return chain(
         stateless(lambda grads, comm: grads._replace(buffer=grads.buffer.clamp(-max_norm, max_norm))), allreduce()
     )
@@ -1051,17 +1052,30 @@ def test_a_custom_hook_that_does_not_import_or_returns_no_hook_is_refused_in_one
     assert "\n" not in str(error.value)
 
 
-def test_a_custom_hook_s_shardable_declaration_decides_zero_stages_two_and_three(my_project):
-    from fdp.run.config import ConfigError, compose
+def test_a_custom_hook_is_accepted_at_every_zero_stage_whether_or_not_it_declares_shardable(my_project):
+    from fdp.run.config import compose
     from fdp.run.validate import validate
 
     base = ["world=local2", "hooks=custom"]
-    for stage in (2, 3):  # declared shardable: accepted
-        validate(compose(*base, "hooks._target_=my_project.hooks.clip_then_allreduce", f"trainer.zero_stage={stage}"))
-    undeclared = "hooks._target_=test_hooks._unshardable_clip"
-    validate(compose(*base, undeclared, "trainer.zero_stage=1"))  # stage 1 reduces whole buckets
-    with pytest.raises(ConfigError, match=r"^trainer\.zero_stage=2: hooks 'chain' need the whole reduced bucket"):
-        validate(compose(*base, undeclared, "trainer.zero_stage=2"))
+    for target in ("my_project.hooks.clip_then_allreduce", "test_hooks._unshardable_clip"):
+        for stage in (1, 2, 3):
+            validate(compose(*base, f"hooks._target_={target}", f"trainer.zero_stage={stage}"))
+
+
+def test_a_hook_that_makes_the_whole_bucket_keeps_the_slice_a_scattering_comm_keeps():
+    """for_slices: over a comm that keeps part of each bucket, an unshardable hook runs over the whole comm and
+    hands back its part, zero-padded; a shardable one is left as it is."""
+
+    class _KeepsThird(Comm):  # a one-rank comm that keeps elements [2, 4) of a 3-element bucket, as rank 1 of 2
+        def kept_range(self, numel):
+            return 2, 4
+
+    bucket = _plan([("w", (3,))]).buckets[0]
+    hook = for_slices(_unshardable_clip(2.0))
+    out, _ = run_hook(hook, hook.init(bucket), GradBucket(0, torch.tensor([1.0, -5.0, 3.0]), bucket), _KeepsThird())
+    assert out.buffer.tolist() == [2.0, 0.0]  # clipped to 2, then the slice, padded
+    shardable = topk()
+    assert for_slices(shardable) is shardable
 
 
 # ----------------------------------------------------------------------------- low-bit codes

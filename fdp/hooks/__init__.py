@@ -6,6 +6,7 @@ from fdp.hooks.base import (
     Hook,
     chain,
     checked,
+    for_slices,
     init_hook_states,
     run_hook,
     run_stage,
@@ -26,7 +27,7 @@ from fdp.hooks.int8 import Int8State, int8, int8_compress, int8_decompress, int8
 from fdp.hooks.lowbit import LowBitState, lowbit, lowbit_compress, lowbit_decompress, lowbit_sum
 from fdp.hooks.noop import noop
 from fdp.hooks.powersgd import PowerSGDState, batched_powersgd, powersgd
-from fdp.hooks.registry import HOOKS, build_hook, shardable_hooks
+from fdp.hooks.registry import HOOKS, build_hook
 from fdp.hooks.topk import TopKState, topk
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "allreduce",
     "chain",
     "checked",
+    "for_slices",
     "init_hook_states",
     "run_hook",
     "run_stage",
@@ -68,5 +70,4 @@ __all__ = [
     "LowBitState",
     "HOOKS",
     "build_hook",
-    "shardable_hooks",
 ]

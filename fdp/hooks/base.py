@@ -84,14 +84,16 @@ class GradBucket(NamedTuple):
 class Hook(NamedTuple):
     """A gradient-reduction stage: ``init(bucket) -> state``, ``apply(state, grads, comm) -> (grads, state)``.
 
-    ``shardable`` declares that the stage also works when each rank receives only its
-    slice of the reduced bucket, as ZeRO stages 2 and 3 reduce-scatter it (``fdp.update.zero``):
-    its collectives of the bucket's values are sums (``comm.sum_bucket``) or gathers whose
-    parts it sums (``comm.gather_bucket`` followed by a sum, as ``int8_sum``), named as
-    such so that a sharding comm knows them from its other collectives (a scale, a
-    maximum), and everything after them is elementwise. Stages that need the whole reduced bucket (PowerSGD's
-    projections, top-k's positions) leave it ``False``, the default for a stage that
-    does not say.
+    ``shardable`` declares that the stage reduces straight into the part of the bucket a
+    comm says this rank keeps (``comm.kept_range``: everything over a plain comm, the
+    rank's slice where ZeRO stages 2 and 3 scatter the bucket, ``fdp.update.zero``): its
+    collectives of the bucket's values are sums (``comm.sum_bucket``) or gathers whose
+    parts it sums (``comm.gather_bucket``, as ``int8_sum``), named as such so that a
+    scattering comm knows them from its other collectives (a scale, a maximum), or it
+    sums gathered entries into the kept range alone (``topk``); everything after them is
+    elementwise. A stage that does not say (``False``, the default) makes the whole
+    reduced bucket, and where a rank keeps only a slice, ``for_slices`` runs it over the
+    comm's ``whole`` and keeps the slice (PowerSGD, whose low-rank factors are whole).
     """
 
     init: Callable[[Bucket], Any]
@@ -178,6 +180,39 @@ def checked(hook: Hook) -> Hook:
 
     apply.__qualname__ = stage_name(hook)
     return Hook(hook.init, apply, hook.shardable)
+
+
+def for_slices(hook: Hook) -> Hook:
+    """``hook`` as a comm that keeps only part of each reduced bucket runs it (``comm.kept_range``).
+
+    A ``shardable`` hook reduces into the kept part itself and is returned as it is. Any
+    other runs over the comm's ``whole`` (every bucket collective whole, as at ZeRO stage
+    0) and this rank keeps its part of the result, zero-padded: the whole reduced bucket
+    lives until that copy is made, one bucket per chain in flight (the reduction's
+    buckets in flight, not the model's gradient). Over a plain comm both are ``hook``
+    itself. The state is the hook's own, whole: what it keeps per bucket (an error
+    feedback residual) is as large as at stage 0.
+
+    >>> from fdp.hooks import powersgd
+    >>> sliced = for_slices(powersgd())
+    >>> sliced.shardable, stage_name(sliced)
+    (True, 'powersgd')
+    """
+    if hook.shardable:
+        return hook
+
+    def apply(state: Any, grads: GradBucket, comm: Comm):
+        reduced, state = yield from run_stage(hook.apply(state, grads, comm.whole))
+        start, stop = comm.kept_range(grads.spec.numel)
+        whole = reduced.buffer.reshape(-1)
+        if (start, stop) == (0, whole.numel()):
+            return reduced, state
+        part = whole[start:stop]
+        padding = part.new_zeros(stop - start - part.numel())
+        return reduced._replace(buffer=torch.cat([part, padding]), owned=True), state
+
+    apply.__qualname__ = stage_name(hook)
+    return Hook(hook.init, apply, True)
 
 
 def check_hooks(hooks: tuple, where: str) -> None:

@@ -9,8 +9,10 @@ worth compressing hard: ``lowbit(format)`` is the chain of three stages,
   rank's new error, added to the next sync's gradient (``LowBitState.error``, fp32 and
   checkpointed). The codes (packed two to a byte for 4-bit formats) and the fp32 scales
   go on as one byte tensor.
-* ``lowbit_sum()``: one allgather of every rank's bytes; each rank's codes are decoded
-  with its own scales and summed in fp32, the same sum on every rank.
+* ``lowbit_sum()``: every rank's bytes, gathered (``comm.gather_bucket``: an allgather,
+  or where ZeRO stages 2 and 3 keep slices an all-to-all of each slice's codes); each
+  rank's codes are decoded with its own scales and summed in fp32, the same sum on every
+  rank, over the part of the bucket this rank keeps.
 * ``lowbit_decompress()``: ``sum / world`` in the bucket's own dtype.
 
 Formats: ``int8`` (-127..127), ``fp8`` (e4m3, as torchft's row-wise fp8), ``int4``
@@ -127,11 +129,38 @@ def _wire_sizes(format: str, block: int, numel: int) -> tuple[int, int]:
     return codes, 4 * (padded // block)
 
 
+def _block_span(part: tuple[int, int], numel: int, block: int) -> tuple[int, int]:
+    """``[lo, hi)``: the whole blocks of a bucket of ``numel`` entries that cover ``part`` (empty past its end).
+
+    >>> _block_span((5, 9), 10, 4), _block_span((10, 15), 10, 4)
+    ((4, 10), (10, 10))
+    """
+    start, stop = min(part[0], numel), min(part[1], numel)
+    if start == stop:
+        return start, stop
+    return start - start % block, min(-(-stop // block) * block, numel)
+
+
+def _encode_part(x: torch.Tensor, part: tuple[int, int], format: str, block: int):
+    """``part`` of the flat fp32 ``x`` as one byte tensor (the codes, then the scales, of the whole blocks that
+    cover it, rounded as encoding all of ``x`` rounds them), and what it decodes to over ``part`` within ``x``."""
+    lo, hi = _block_span(part, x.numel(), block)
+    codes, scales = encode(x[lo:hi], format, block)
+    decoded = decode(codes, scales, format, block, hi - lo)[max(part[0] - lo, 0) : min(part[1], x.numel()) - lo]
+    return torch.cat([codes, scales.view(torch.uint8)]), decoded
+
+
 def lowbit_compress(format: str = "fp4", block: int = 64, error_feedback: bool = True) -> Hook:
     """Round the bucket (plus the last error) to ``format`` with one scale per ``block`` entries.
 
     The bytes (codes, then the fp32 scales) go on to ``lowbit_sum()``, with
-    ``(format, block, numel)`` in ``grads.side["lowbit"]``.
+    ``(format, block, numel)`` in ``grads.side["lowbit"]``: one equal, zero-padded chunk per
+    part of the bucket that ``comm.gather_bucket`` hands out (``comm.bucket_parts``), each
+    the codes and scales of the whole blocks covering its part. Over a plain comm that is
+    the whole bucket's; where ZeRO stages 2 and 3 keep slices, every rank's slice, so that
+    the codes go as an all-to-all and a rank decodes its slice alone. A block a slice
+    boundary cuts is sent to both ranks (its codes once more per boundary, at most
+    ``block`` entries).
 
     >>> hook = lowbit_compress("int4", block=32)
     """
@@ -148,17 +177,18 @@ def lowbit_compress(format: str = "fp4", block: int = 64, error_feedback: bool =
         x = grads.buffer.to(torch.float32)
         if error_feedback:
             x = x + state.error
-        codes, scales = encode(x, format, block)
-        new_state = LowBitState(x - decode(codes, scales, format, block, x.numel())) if error_feedback else state
-        wire = torch.cat([codes, scales.view(torch.uint8)])
+        chunks, decoded = zip(*(_encode_part(x, part, format, block) for part in comm.bucket_parts(x.numel())))
+        new_state = LowBitState(x - torch.cat(decoded)) if error_feedback else state
+        width = max(chunk.numel() for chunk in chunks)
+        wire = torch.cat([torch.nn.functional.pad(chunk, (0, width - chunk.numel())) for chunk in chunks])
         return grads._replace(buffer=wire, owned=True, side={**grads.side, SIDE: (format, block, x.numel())}), new_state
 
     apply.__qualname__ = "lowbit_compress"
-    return Hook(init, apply)
+    return Hook(init, apply, shardable=True)
 
 
 def lowbit_sum() -> Hook:
-    """Every rank's low-bit bucket, gathered, decoded and summed in fp32.
+    """Every rank's low-bit bucket, gathered, decoded and summed in fp32: the part of it this rank keeps.
 
     >>> hook = lowbit_sum()
     """
@@ -170,15 +200,19 @@ def lowbit_sum() -> Hook:
                 "put lowbit_compress() before it"
             )
         format, block, numel = grads.side[SIDE]
-        code_bytes, _ = _wire_sizes(format, block, numel)
-        gathered = yield comm.allgather(grads.buffer)
-        total = torch.zeros(numel, dtype=torch.float32, device=gathered.device)
+        start, stop = comm.kept_range(numel)
+        lo, hi = _block_span((start, stop), numel, block)
+        code_bytes, scale_bytes = _wire_sizes(format, block, hi - lo)
+        gathered = yield comm.gather_bucket(grads.buffer)  # row r: rank r's chunk of the part this rank keeps
+        total = torch.zeros(stop - start, dtype=torch.float32, device=gathered.device)
+        end = min(stop, numel)  # past it: padding, zero
+        kept = total[: max(end - start, 0)]
         for row in gathered:  # in rank order: every rank adds the same values in the same order
-            scales = row[code_bytes:].view(torch.float32)
-            total += decode(row[:code_bytes], scales, format, block, numel)
+            scales = row[code_bytes : code_bytes + scale_bytes].clone().view(torch.float32)  # a view needs alignment
+            kept += decode(row[:code_bytes], scales, format, block, hi - lo)[start - lo : end - lo] if hi > lo else 0
         return grads._replace(buffer=total, owned=True)
 
-    return stateless(lowbit_sum)
+    return stateless(lowbit_sum, shardable=True)
 
 
 def lowbit_decompress() -> Hook:
@@ -197,7 +231,7 @@ def lowbit_decompress() -> Hook:
         side = {key: value for key, value in grads.side.items() if key != SIDE}
         return grads._replace(buffer=out, owned=True, side=side)
 
-    return stateless(lowbit_decompress)
+    return stateless(lowbit_decompress, shardable=True)
 
 
 def lowbit(format: str = "fp4", block: int = 64, error_feedback: bool = True) -> Hook:

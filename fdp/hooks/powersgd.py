@@ -47,6 +47,15 @@ batching). Ranks agree without communicating. Each bucket has its own stream: bu
 uses ``RandomState(seed)`` (so a one-bucket plan reproduces PyTorch's draws exactly),
 bucket i > 0 uses ``RandomState([seed, i])``.
 
+At ZeRO stages 2 and 3, where each rank keeps only its slice of a reduced bucket, both
+hooks run as at stage 0 and the rank keeps its slice of the approximation
+(``fdp.hooks.for_slices``): P and Q are all-reduced whole, and every rank needs the
+whole approximation for its error anyway. The same bytes go over the wire; in memory, the
+approximation is made whole, one bucket per chain in flight, until its slice is copied
+out, and the state stays whole: each rank keeps its error feedback for the whole bucket
+(as large as the bucket, in its dtype) and Q, so the hook state does not shrink with the
+stage as the optimizer state does.
+
 Deliberate differences from PyTorch:
 
 * an all-zero column met while orthonormalising (a layer whose gradient is exactly zero,

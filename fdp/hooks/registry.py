@@ -31,7 +31,7 @@ from fdp.hooks.powersgd import batched_powersgd, powersgd
 from fdp.hooks.topk import topk
 from fdp.targets import build
 
-__all__ = ["HOOKS", "build_hook", "shardable_hooks"]
+__all__ = ["HOOKS", "build_hook"]
 
 HOOKS: dict[str, Callable[..., Hook]] = {
     "allreduce": allreduce,
@@ -48,15 +48,6 @@ HOOKS: dict[str, Callable[..., Hook]] = {
     "lowbit": lowbit,
     "noop": noop,
 }
-
-
-def shardable_hooks() -> list[str]:
-    """The registered hooks that work on a slice of the reduced bucket (``Hook.shardable``, with their defaults).
-
-    >>> shardable_hooks()[:3]
-    ['allreduce', 'fp16', 'bf16']
-    """
-    return [name for name, factory in HOOKS.items() if factory().shardable]
 
 
 def _known() -> str:

@@ -2,8 +2,10 @@
 
 Each rank sends only the k entries of (gradient + error) largest in magnitude, as values
 and positions (two allgathers), and every rank adds all ranks' entries into the same
-dense average. What a rank did not send stays in its error and is added the next step,
-so over many steps every part of the gradient gets through.
+dense average, or where ZeRO stages 2 and 3 keep slices (``comm.kept_range``) the
+entries that fall into its slice into that slice alone. What a rank did not send stays
+in its error and is added the next step, so over many steps every part of the gradient
+gets through.
 
 >>> hook = topk(ratio=0.01)
 """
@@ -75,8 +77,13 @@ def topk(ratio: float = 0.01, error_feedback: bool = True, k: int | None = None)
         positions = yield where_pending
         # Divide each contribution before adding, in rank order, as allreduce() divides
         # before summing: with ratio=1 the result is the same to the bit.
-        dense = torch.zeros_like(x).index_add(0, positions.reshape(-1).long(), (values / world).reshape(-1))
+        positions, contributions = positions.reshape(-1).long(), (values / world).reshape(-1)
+        start, stop = comm.kept_range(numel)
+        if (start, stop) != (0, numel):  # the entries in this rank's slice, in the same order
+            inside = (positions >= start) & (positions < stop)
+            positions, contributions = positions[inside] - start, contributions[inside]
+        dense = x.new_zeros(stop - start).index_add(0, positions, contributions)
         error = x.index_fill(0, where, 0).to(state.error.dtype) if error_feedback else None
         return grads._replace(buffer=dense), TopKState(error)
 
-    return Hook(init, apply)
+    return Hook(init, apply, shardable=True)

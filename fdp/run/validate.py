@@ -53,7 +53,6 @@ from fdp.targets import locate
 from fdp.update.zero import (
     ZERO_STAGES,
     check_hook_across_nodes,
-    check_hook_for_stage,
     check_optimizer_for_stage,
     check_zero_stage,
     stage_rules,
@@ -143,7 +142,6 @@ def _validate_trainer(cfg: Any) -> None:
             "their dispatch mode does not compile",
         )
     hook = _as_config_key("hooks", build_hook, _container(cfg.hooks))
-    _as_config_key("trainer.zero_stage", lambda stage: check_hook_for_stage(stage, hook), t.zero_stage)
     _as_config_key("trainer.reduce_dtype", lambda value: check_reduce_dtype(value, t.precision, hook), t.reduce_dtype)
     if t.zero_stage:  # combinations whose state does not shard (yet): refused, not silently unsharded
         _require(

@@ -21,7 +21,7 @@ from fdp.data import split_micro_batches
 from fdp.data.batches import batch_size
 from fdp.dist.devices import device_of, rng_scope
 from fdp.errors import check_bool, check_choice, require
-from fdp.hooks import Hook, allreduce
+from fdp.hooks import Hook, allreduce, for_slices
 from fdp.hooks import checked as with_result_checks
 from fdp.model import remat
 from fdp.model.functional import FunctionalModel
@@ -36,7 +36,7 @@ from fdp.step.reduce import GradReducer, resolve_schedule
 from fdp.step.verdicts import DeferredVerdicts
 from fdp.trace import NullTimeline, Timeline
 from fdp.update.base import Update
-from fdp.update.zero import check_hook_for_stage, check_zero_stage, update_for
+from fdp.update.zero import check_zero_stage, update_for
 
 __all__ = ["NONFINITE", "StepOptions", "TrainStep", "check_nonfinite", "make_train_step"]
 
@@ -214,7 +214,6 @@ def make_train_step(
         reshard_after_forward=opts.reshard_after_forward,
         gather_dtype=opts.precision.gather_dtype,
     )
-    check_hook_for_stage(stage_update.stage, hook)
     refusal = stage_update.refuses_optimizer(optimizer)
     require(not refusal, "optimizer", optimizer.update, f"another optimizer ({refusal})", TypeError)
     refusal = stage_update.refuses_compile() if opts.compile else None
@@ -230,7 +229,7 @@ def make_train_step(
     reducer = GradReducer(
         opts.precision.wrap(forward_loss),
         plan,
-        hook,
+        for_slices(hook),  # where the comm keeps a slice of each bucket, a hook that makes it whole keeps its slice
         update.reduction_comm(comm),
         opts.schedule,
         opts.timeline,

@@ -37,8 +37,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Protocol
 import torch
 
 from fdp.comm import Comm
-from fdp.hooks import Hook, shardable_hooks
-from fdp.hooks import stage_name as hook_label  # the hooks call each hook of a chain a stage
+from fdp.hooks import Hook
 from fdp.model.functional import Buffers, Params
 from fdp.optim import GradientTransformation, apply_gradients, supports_inplace, takes_sum_across
 from fdp.plan import BucketPlan
@@ -80,15 +79,6 @@ class Stage(NamedTuple):
     shards_optimizer: bool
     scatters: bool
     shards_params: bool
-
-    def refuses_hook(self, hook: Hook) -> str | None:
-        """Why this stage cannot reduce through ``hook`` (what a hook needs is declared on it: ``Hook.shardable``)."""
-        if not self.scatters or hook.shardable:
-            return None
-        return (
-            f"hooks {hook_label(hook)!r} need the whole reduced bucket, which stage {self.number} scatters; "
-            f"expected hooks {', '.join(shardable_hooks())} (or zero_stage=1)"
-        )
 
     def refuses_optimizer(self, optimizer: GradientTransformation) -> str | None:
         """Why this stage cannot step with ``optimizer``: a shard of the gradients needs cross-rank sums, and a rule
@@ -205,7 +195,8 @@ class Update(ABC):
       which any stage and world size resumes), ``checkpoint_pieces`` (what this rank writes to, or
       reads from, a sharded one, by ``slice_range``), ``reshard`` after ranks were lost, ``evaluating``
       (what an evaluation runs on);
-    * what it accepts: ``refuses_hook``, ``refuses_optimizer``, ``refuses_compile``
+    * what it accepts: ``refuses_optimizer``, ``refuses_compile`` (every hook chain: one that makes the whole
+      reduced bucket keeps the slice of it a scattering comm keeps, ``fdp.hooks.for_slices``)
       (``rules``: the stage's ``Stage``).
 
     ``for_step(comm, timeline, donate, early)`` is the same update for one train step
@@ -228,9 +219,6 @@ class Update(ABC):
     @property
     def release_buffers(self) -> bool:
         return self.rules.scatters
-
-    def refuses_hook(self, hook: Hook) -> str | None:
-        return self.rules.refuses_hook(hook)
 
     def refuses_optimizer(self, optimizer: GradientTransformation) -> str | None:
         return self.rules.refuses_optimizer(optimizer)

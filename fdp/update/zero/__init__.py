@@ -34,7 +34,6 @@ from typing import Any
 
 from fdp.comm import Comm
 from fdp.errors import check_choice
-from fdp.hooks import Hook
 from fdp.model.functional import FunctionalModel
 from fdp.optim import GradientTransformation
 from fdp.plan import BucketPlan
@@ -61,7 +60,6 @@ __all__ = [
     "Stage",
     "check_zero_stage",
     "stage_rules",
-    "check_hook_for_stage",
     "check_optimizer_for_stage",
     "update_for",
     "make_update",
@@ -108,22 +106,6 @@ def stage_rules(stage: int) -> Stage:
     True
     """
     return STAGES[check_zero_stage(stage)]
-
-
-def check_hook_for_stage(stage: int, hook: Hook) -> None:
-    """Refuse a hook chain that needs the whole reduced bucket under a stage that scatters it.
-
-    What a hook needs is declared once, on the hook (``Hook.shardable``).
-
-    >>> from fdp.hooks import powersgd
-    >>> check_hook_for_stage(2, powersgd())  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    ValueError: zero_stage=2: hooks 'powersgd' need the whole reduced bucket, which stage 2 scatters; expected hooks ...
-    """
-    reason = stage_rules(stage).refuses_hook(hook)
-    if reason:
-        raise ValueError(f"zero_stage={stage}: {reason}")
 
 
 def check_optimizer_for_stage(stage: int, optimizer: GradientTransformation) -> None:

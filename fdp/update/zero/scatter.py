@@ -2,7 +2,7 @@
 
 A shardable hook chain (``Hook.shardable``) sums a bucket's values with
 ``comm.sum_bucket`` or gathers them with ``comm.gather_bucket`` and sums the parts
-(``int8_sum``). Over a ``ScatterComm`` those named calls become the collectives that
+(``int8_sum``, ``lowbit_sum``). Over a ``ScatterComm`` those named calls become the collectives that
 leave each rank only what it steps:
 
 * ``sum_bucket(bucket)`` is a reduce-scatter: this rank's slice of the sum
@@ -17,6 +17,10 @@ leave each rank only what it steps:
 
 Everything else (``allreduce``, ``allgather``: a scale, a maximum) goes to the ranks as
 usual, whatever its length: a 1-element maximum is never taken for a 1-element bucket.
+A hook that reduces into the slice alone asks which one it keeps (``kept_range``; the
+parts ``gather_bucket`` hands out: ``bucket_parts``); one that makes the whole reduced
+bucket (PowerSGD) runs over ``whole``, the inner comm, and keeps its slice
+(``fdp.hooks.for_slices``).
 
 >>> from fdp.comm import Comm
 >>> from fdp.plan import pack_into_buckets
@@ -103,6 +107,20 @@ class ScatterComm:
     def gather_bucket(self, tensor: torch.Tensor) -> Pending:
         """Every rank's copy of this rank's slice of the bucket, ``(N, ceil(n / N))`` (an all-to-all)."""
         return self.inner.all_to_all(self._padded(tensor))
+
+    def bucket_parts(self, numel: int) -> tuple[tuple[int, int], ...]:
+        """Every rank's slice of a bucket of ``numel`` elements, in rank order: what ``gather_bucket`` sends where."""
+        size = math.ceil(numel / self.world_size)
+        return tuple((rank * size, (rank + 1) * size) for rank in range(self.world_size))
+
+    def kept_range(self, numel: int) -> tuple[int, int]:
+        """This rank's slice of a bucket of ``numel`` elements, in its zero-padded layout."""
+        return self.bucket_parts(numel)[self.rank]
+
+    @property
+    def whole(self) -> Comm:
+        """The comm this one scatters over, whose bucket collectives leave every rank the whole bucket."""
+        return self.inner
 
     def allreduce(self, tensor: torch.Tensor) -> Pending:
         return self.inner.allreduce(tensor)
