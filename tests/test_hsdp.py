@@ -19,6 +19,7 @@ from fdp.model.builtin import MLP
 from fdp.model.functional import functionalize
 from fdp.optim import adam, chain, clip_by_global_norm
 from fdp.plan import plan_buckets
+from fdp.run.checkpoint import last_of
 from fdp.run.config import ConfigError, register_configs
 from fdp.run.consolidate import consolidate
 from fdp.run.trainer import run
@@ -173,7 +174,7 @@ def test_checkpoints_move_between_hybrid_and_flat_worlds(tmp_path):
     hybrid, flat = tmp_path / "hybrid", tmp_path / "flat"
     run(_cfg(*COMMON, *HYBRID, "trainer.zero_stage=3"), hybrid)
     run(_cfg(*COMMON, "world=local4", "trainer.zero_stage=3", "trainer.checkpoint_format=sharded"), flat)
-    hybrid_saved, flat_saved = torch.load(hybrid / "checkpoints" / "last.pt", weights_only=True), consolidate(flat)
+    hybrid_saved, flat_saved = torch.load(last_of(hybrid / "checkpoints"), weights_only=True), consolidate(flat)
     hybrid_end, flat_end = _params(hybrid_saved), _params(flat_saved)
     assert _diff(hybrid_end, flat_end) <= 1e-5
     assert _diff(hybrid_saved["ema"], flat_saved["ema"]) <= 1e-5
@@ -183,7 +184,7 @@ def test_checkpoints_move_between_hybrid_and_flat_worlds(tmp_path):
         _cfg(*COMMON, "world=local2", "trainer.zero_stage=2", f"trainer.resume={hybrid}/checkpoints/step_00000003.pt"),
         to_flat,
     )
-    assert _diff(_params(torch.load(to_flat / "checkpoints" / "last.pt", weights_only=True)), hybrid_end) <= 1e-5
+    assert _diff(_params(torch.load(last_of(to_flat / "checkpoints"), weights_only=True)), hybrid_end) <= 1e-5
 
     to_single_rank_nodes = tmp_path / "to_single_rank_nodes"  # 4 groups of 1: every rank holds every slice
     run(
@@ -197,7 +198,7 @@ def test_checkpoints_move_between_hybrid_and_flat_worlds(tmp_path):
         ),
         to_single_rank_nodes,
     )
-    resumed = torch.load(to_single_rank_nodes / "checkpoints" / "last.pt", weights_only=True)
+    resumed = torch.load(last_of(to_single_rank_nodes / "checkpoints"), weights_only=True)
     assert _diff(_params(resumed), hybrid_end) <= 1e-5
 
     to_hybrid = tmp_path / "to_hybrid"
