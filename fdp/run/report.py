@@ -22,7 +22,19 @@ from fdp.run.metrics import MetricsLog, StepTimes, progress
 from fdp.run.rundir import RunDir
 from fdp.state.train_state import TrainState
 
-__all__ = ["Report"]
+__all__ = ["Report", "evaluated_names"]
+
+AVERAGE = "ema_"  # the moving average's evaluation, beside the params': ema_test_loss
+
+
+def evaluated_names(evaluation: tuple[str, ...], average: bool) -> tuple[str, ...]:
+    """The metrics an evaluating step adds to its record: the evaluation's (``fdp.run.evaluate.metric_names``),
+    and with a moving average of the params (``trainer.ema_decay``) the same of the average.
+
+    >>> evaluated_names(("test_loss",), average=True)
+    ('test_loss', 'ema_test_loss')
+    """
+    return (*evaluation, *(f"{AVERAGE}{name}" for name in evaluation if average))
 
 
 class Report:
@@ -86,7 +98,7 @@ class Report:
             evaluation = self._evaluate(state, state.params)
             if average is not None:
                 on_average = self._evaluate(state, averaged_as(average, state.params))
-                evaluation = evaluation and {**evaluation, **{f"ema_{k}": v for k, v in on_average.items()}}
+                evaluation = evaluation and {**evaluation, **{f"{AVERAGE}{k}": v for k, v in on_average.items()}}
             if self.comm.rank == 0:
                 self.last_eval = evaluation
                 self.record.update(self.last_eval)

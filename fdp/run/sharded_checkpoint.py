@@ -89,6 +89,31 @@ def check_checkpoint_format(value: Any, outer: bool = False, shrink: bool = Fals
     return value
 
 
+def check_checkpoint_async(value: Any, checkpoint_format: str = "sharded") -> bool:
+    """``trainer.checkpoint_async``: ``auto`` (asynchronous where the format is ``sharded``), ``true`` or ``false``.
+
+    Only sharded saves are written while training goes on; a whole-file save is written by
+    rank 0 while the loop waits, so ``true`` with it would promise what does not happen.
+
+    >>> check_checkpoint_async("auto", "sharded"), check_checkpoint_async("auto", "whole")
+    (True, False)
+    >>> check_checkpoint_async(True, "whole")  # doctest: +NORMALIZE_WHITESPACE
+    Traceback (most recent call last):
+    ...
+    ValueError: trainer.checkpoint_async=true: expected auto or false with trainer.checkpoint_format=whole (rank 0
+    writes a whole-file save while the loop waits; trainer.checkpoint_format=sharded writes in the background)
+    """
+    if value not in ("auto", True, False):
+        raise ValueError(f"trainer.checkpoint_async={value!r}: expected auto, true or false")
+    if value is True and checkpoint_format != "sharded":
+        raise ValueError(
+            f"trainer.checkpoint_async=true: expected auto or false with trainer.checkpoint_format={checkpoint_format} "
+            "(rank 0 writes a whole-file save while the loop waits; trainer.checkpoint_format=sharded writes in the "
+            "background)"
+        )
+    return value is True or value == "auto" and checkpoint_format == "sharded"
+
+
 def _state_tree(state: TrainState) -> dict:
     return {
         "params": state.params,

@@ -58,7 +58,7 @@ from fdp.run.loop import Loop
 from fdp.run.loop_controls import LoopControls, read_resumed, run_steps
 from fdp.run.out_of_memory import out_of_memory_message
 from fdp.run.rejoin import Joining, RunEnded, enter_world
-from fdp.run.report import Report
+from fdp.run.report import Report, evaluated_names
 from fdp.run.rundir import RankStatus, RunDir, train_log_handler
 from fdp.run.sharded_checkpoint import load_sharded
 from fdp.run.startup import start_run
@@ -282,13 +282,14 @@ def _start(
             world, comm, state, extra = enter_world(cfg, world, parts, state, device)
             rank, world_size = comm.rank, comm.world_size
             resumed, compile = extra["controls"], extra["compile"]
-        if rank == 0:
-            _announce(cfg, run_dir, parts, world_size, device)
         timeline = Timeline(rank) if tc.trace else NullTimeline()
         steps = run_steps(tc.max_steps, tc.max_epochs, parts.data, cfg.data.global_batch_size)
         last_step = min(steps, tc.stop_at or steps)
         resumed = read_resumed(source, comm) if source is not None else resumed
-        controls = LoopControls(tc, comm, parts.plan, state, has_test_split(parts.data), steps, resumed)
+        evaluated = evaluated_names(parts.metrics, bool(tc.ema_decay)) if has_test_split(parts.data) else ()
+        controls = LoopControls(tc, comm, parts.plan, state, evaluated, steps, resumed)  # a monitor refused first
+        if rank == 0:
+            _announce(cfg, run_dir, parts, world_size, device)
         blocked = _not_compiled(cfg, parts)
         # A joiner takes the world's choice (its own is made alone: no collective the others would not make).
         choice = compiled.choose(
