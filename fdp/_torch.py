@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import warnings
 from types import SimpleNamespace
 from typing import Any, Callable
 
@@ -47,6 +48,7 @@ __all__ = [
     "swap_into",
     "swap_back",
     "inductor_default_cache_dir",
+    "single_process_dcp",
 ]
 
 
@@ -295,3 +297,21 @@ def inductor_default_cache_dir() -> str | None:
     except ImportError:
         return None
     return default_cache_dir()
+
+
+# -- distributed checkpoints in one process ---------------------------------------------------------
+@contextlib.contextmanager
+def single_process_dcp(alone: bool = True):
+    """Around a ``torch.distributed.checkpoint`` save or load that runs without a process group (``alone``:
+    ``no_dist=True``, one process): DCP then warns that torch.distributed is disabled, which is what the
+    caller asked for, so that note is dropped for this call; any other warning still shows.
+
+    >>> with single_process_dcp():
+    ...     warnings.warn("torch.distributed is disabled, unavailable or uninitialized, assuming ...")
+    """
+    if not alone:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from fdp._torch import tree_flatten, tree_paths, tree_unflatten
+from fdp._torch import single_process_dcp, tree_flatten, tree_paths, tree_unflatten
 from fdp.comm import Comm
 from fdp.plan import BucketPlan
 from fdp.run.atomic import atomic_save, fsync_dir
@@ -262,7 +262,8 @@ class ShardedSaver:
         if rank == 0:
             atomic_save(meta, tmp / "fdp.pt")
         writer = dcp.FileSystemWriter(tmp, sync_files=True)
-        dcp.save(tensors, storage_writer=writer, process_group=group, no_dist=group is None)
+        with single_process_dcp(group is None):
+            dcp.save(tensors, storage_writer=writer, process_group=group, no_dist=group is None)
         # DCP's last collective gathered every rank's results: every piece is on disk.
         if rank == 0:
             _publish(directory, tmp, step, keep)
@@ -318,9 +319,9 @@ def load_sharded(path: str | os.PathLike, like: TrainState, update: Update, plan
     tree = _state_tree(like)
     tensors, _ = update.checkpoint_pieces(tree, comm, reading=True)
     try:
-        dcp.load(
-            tensors, storage_reader=dcp.FileSystemReader(path), process_group=comm.group, no_dist=comm.world_size == 1
-        )
+        with single_process_dcp(comm.world_size == 1):
+            reader = dcp.FileSystemReader(path)
+            dcp.load(tensors, storage_reader=reader, process_group=comm.group, no_dist=comm.world_size == 1)
     except Exception as error:  # DCP names the first tensor it could not read
         refused = f"checkpoint {path} does not fit this run's state: {str(error).strip().splitlines()[-1][:300]}"
     mine_path = path / _rank_file(comm.rank)

@@ -246,7 +246,10 @@ def _train(
     rows = report.times.rows
     if comm.rank == 0 and rows:  # what this invocation measured, for the next one's trainer.compile=auto
         compiled.write_record(run_dir.path, choice, rows[0]["step_s"], report.times.median("step_s"))
-    summary = report.summary(loop.state, device.type, interrupted, loop.controls.stopped_by)
+    stopped = loop.controls.stopped_by
+    if stopped is None and not interrupted and loop.state.step == cfg.trainer.stop_at < loop.controls.end_step:
+        stopped = "stop_at"  # this invocation ended early as asked: trainer.resume=true goes on
+    summary = report.summary(loop.state, device.type, interrupted, stopped)
     if world is not None:
         world.finish(summary)
     return summary
@@ -282,6 +285,8 @@ def _start(
             world, comm, state, extra = enter_world(cfg, world, parts, state, device)
             rank, world_size = comm.rank, comm.world_size
             resumed, compile = extra["controls"], extra["compile"]
+            # Its own log's first line (rank<N>.log): it prints nothing else a rank other than 0 would not.
+            log.info(f"started again and joined the running world at step {state.step}: rank {rank} of {world_size}")
         timeline = Timeline(rank) if tc.trace else NullTimeline()
         steps = run_steps(tc.max_steps, tc.max_epochs, parts.data, cfg.data.global_batch_size)
         last_step = min(steps, tc.stop_at or steps)
