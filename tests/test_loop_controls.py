@@ -89,7 +89,7 @@ def test_settings_are_refused_in_one_line_each():
         ("trainer.max_epochs=-1", "trainer.max_epochs=-1: expected an integer >= 0"),
         ("trainer.keep_best=0", "trainer.keep_best=0: expected an integer >= 1"),
         ("trainer.checkpoint_mode=up", "trainer.checkpoint_mode='up': expected auto, min or max"),
-        ("trainer.loggers=[wandb]", "trainer.loggers=['wandb']: expected a list of tensorboard, csv, mlflow"),
+        ("trainer.loggers=[comet]", "trainer.loggers=['comet']: expected a list of tensorboard, csv, mlflow, wandb"),
     ]:
         with pytest.raises(ConfigError) as error:
             validate(compose(override))
