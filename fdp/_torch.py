@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import warnings
 from types import SimpleNamespace
 from typing import Any, Callable
 
@@ -51,6 +52,7 @@ __all__ = [
     "mark_chunk",
     "chunk_of",
     "chunk_load_planner",
+    "single_process_dcp",
 ]
 
 
@@ -378,3 +380,21 @@ def chunk_load_planner() -> Any:
             return LoadPlan(requests)
 
     return ChunkLoadPlanner()
+
+
+# -- distributed checkpoints in one process ---------------------------------------------------------
+@contextlib.contextmanager
+def single_process_dcp(alone: bool = True):
+    """Around a ``torch.distributed.checkpoint`` save or load that runs without a process group (``alone``:
+    ``no_dist=True``, one process): DCP then warns that torch.distributed is disabled, which is what the
+    caller asked for, so that note is dropped for this call; any other warning still shows.
+
+    >>> with single_process_dcp():
+    ...     warnings.warn("torch.distributed is disabled, unavailable or uninitialized, assuming ...")
+    """
+    if not alone:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield

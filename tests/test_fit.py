@@ -177,7 +177,7 @@ def test_torch_utils_checkpoint_in_a_model_is_one_line_naming_the_setting_to_use
         build_run(cfg, Comm())
     assert str(caught.value) == (
         f"model._target_='{__name__}.Checkpointed': its forward calls torch.utils.checkpoint, which fdp's torch.func "
-        "gradients do not run; expected a forward without it, and trainer.activation_checkpointing=true to recompute "
+        "gradients do not run; expected a forward without it, and trainer.activation_checkpointing=blocks to recompute "
         "activations instead"
     )
     assert not [w for w in recwarn if "checkpoint" in str(w.filename)]  # nor torch's warning from the first-batch probe

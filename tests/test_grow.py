@@ -104,6 +104,10 @@ def _check_grown_back(result, reference, rank):
 
 def test_rank_2_killed_is_started_again_rejoins_and_the_run_ends_on_three_ranks(lost2, reference):
     _check_grown_back(lost2, reference, 2)
+    # The rank started again says so in its own log (it was left empty).
+    (joined,) = [line for line in (lost2["dir"] / "rank2.log").read_text().splitlines() if "joined" in line]
+    step = lost2["summary"]["grows"][0]["step"]
+    assert joined == f"[rank2] started again and joined the running world at step {step}: rank 2 of 3", joined
 
 
 def test_rank_0_killed_rejoins_and_the_run_keeps_its_owner_and_summary(lost0, reference):

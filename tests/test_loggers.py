@@ -79,3 +79,21 @@ def test_tensorboard_setting_is_the_tensorboard_logger():
     assert check_loggers(["mlflow", "csv", "tensorboard"]) == ("tensorboard", "csv", "mlflow")
     with pytest.raises(ValueError, match=r"loggers=\['csv', 'csv'\]: expected a list of"):
         check_loggers(["csv", "csv"])
+
+
+def test_wandb_logs_a_stopped_and_resumed_run_offline_to_one_run_of_local_files(tmp_path, monkeypatch):
+    """Without an API key W&B runs offline: each invocation writes its records and the run's settings under
+    <run dir>/wandb/offline-run-*/, both as the one W&B run (its id kept in the run directory), sending nothing."""
+    for name in ("WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))  # no key from `wandb login` either
+    monkeypatch.setenv("HOME", str(tmp_path))
+    settings = [*SMALL, "trainer.max_steps=4", "trainer.log_every=2", "trainer.eval_every=4", "trainer.loggers=[wandb]"]
+    run(compose(*settings, "trainer.stop_at=2"), tmp_path)
+    run(compose(*settings, "trainer.resume=true"), tmp_path)
+    run_id = (tmp_path / "wandb" / "fdp-run-id").read_text().strip()
+    files = sorted((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert [f.name for f in files] == [f"run-{run_id}.wandb"] * 2, files
+    for f in files:
+        written = f.read_bytes()
+        assert b"grad_norm" in written and b"max_steps" in written  # a logged record, and the settings

@@ -118,7 +118,7 @@ def test_select_modes_and_refusals():
     assert remat.select(module, "blocks", policy=["_Block", "Linear"]) == blocks + [module.head]  # nested Linears once
     assert remat.modules_of("blocks", functionalize(module)[0]) == blocks
     with pytest.raises(ConfigError) as error:
-        remat.from_config("blocks", ["Block"], 2, module)
+        remat.from_config("blocks", ["Block"], None, module)
     assert str(error.value) == (
         "trainer.activation_checkpointing_policy=['Block']: expected the model's classes (none is Block; it has "
         "CharTransformer, Dropout, Embedding, GELU, LayerNorm, Linear, Sequential, _Block, _CausalSelfAttention)"

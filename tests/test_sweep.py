@@ -49,3 +49,15 @@ def test_a_sweep_runs_past_a_job_refused_once_started_and_ends_with_a_table(tmp_
     assert refused[:3] == ["0", "loss=causal_lm", "refused"] and refused[-1] == "-"
     assert done[:3] == ["1", "loss=cross_entropy", "done"] and float(done[3]) > 0 and 0 <= float(done[5]) <= 1
     assert (Path(done[-1]) / "metrics.jsonl").is_file()
+
+
+def test_a_sweep_whose_launcher_runs_jobs_in_processes_of_their_own_still_ends_with_its_table(tmp_path):
+    """Under submitit_local each job runs (and Hydra calls on_job_end) in a process of its own: the table is
+    made from the rows those processes wrote (it was missing)."""
+    proc = _sweep(tmp_path, "hydra/launcher=submitit_local", "hooks=allreduce,fp16")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = proc.stdout.splitlines()[-4:]
+    assert table[0].startswith("job | overrides       | status | loss"), proc.stdout[-3000:]
+    rows = [[cell.strip() for cell in row.split("|")] for row in table[2:]]
+    assert [row[:3] for row in rows] == [["0", "hooks=allreduce", "done"], ["1", "hooks=fp16", "done"]]
+    assert all((Path(row[-1]) / "metrics.jsonl").is_file() and float(row[3]) > 0 for row in rows)

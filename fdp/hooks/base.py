@@ -234,11 +234,13 @@ def check_hooks(hooks: tuple, where: str) -> None:
         raise TypeError(f"{where} argument {i} is {_describe(hook)}: expected a Hook (init, apply)")
 
 
-def chain(*hooks: Hook) -> Hook:
-    """Compose hooks left to right; the state is the tuple of their states.
+def chain(*hooks: Hook, name: str = "chain") -> Hook:
+    """Compose hooks left to right; the state is the tuple of their states. ``name``: what errors call it
+    (``stage_name``), the factory's own where a hook is a chain inside (``lowbit``).
 
     >>> from fdp.hooks import allreduce, fp16_compress, fp16_decompress
-    >>> hook = chain(fp16_compress(), allreduce(), fp16_decompress())
+    >>> stage_name(chain(fp16_compress(), allreduce(), fp16_decompress()))
+    'chain'
     """
     if not hooks:
         raise ValueError("chain() needs at least one hook")
@@ -260,7 +262,7 @@ def chain(*hooks: Hook) -> Hook:
             new_states.append(state)
         return grads, tuple(new_states)
 
-    apply.__qualname__ = "chain"
+    apply.__qualname__ = name
     return Hook(init, apply, all(hook.shardable for hook in hooks))
 
 

@@ -75,12 +75,12 @@ def bf16_decompress() -> Hook:
 
 def fp16() -> Hook:
     """``chain(fp16_compress(), allreduce(), fp16_decompress())``: DDP's ``fp16_compress_hook``."""
-    return chain(fp16_compress(), allreduce(), fp16_decompress())
+    return chain(fp16_compress(), allreduce(), fp16_decompress(), name="fp16")
 
 
 def bf16() -> Hook:
     """``chain(bf16_compress(), allreduce(), bf16_decompress())``: DDP's ``bf16_compress_hook``, on gloo too."""
-    return chain(bf16_compress(), allreduce(), bf16_decompress())
+    return chain(bf16_compress(), allreduce(), bf16_decompress(), name="bf16")
 
 
 def reduced_in(dtype: torch.dtype, hook: Hook) -> Hook:

@@ -123,4 +123,4 @@ def int8(error_feedback: bool = True) -> Hook:
 
     >>> hook = int8()
     """
-    return chain(int8_compress(error_feedback), int8_sum(), int8_decompress())
+    return chain(int8_compress(error_feedback), int8_sum(), int8_decompress(), name="int8")

@@ -40,7 +40,17 @@ from fdp.errors import check_bool, check_int, require
 from fdp.hooks.base import GradBucket, Hook, chain, expect_floating, stateless
 from fdp.plan import Bucket
 
-__all__ = ["FORMATS", "LowBitState", "lowbit", "lowbit_compress", "lowbit_sum", "lowbit_decompress", "encode", "decode"]
+__all__ = [
+    "FORMATS",
+    "LowBitState",
+    "check_block",
+    "lowbit",
+    "lowbit_compress",
+    "lowbit_sum",
+    "lowbit_decompress",
+    "encode",
+    "decode",
+]
 
 SIDE = "lowbit"  # the key of (format, block, numel) in GradBucket.side
 
@@ -59,6 +69,31 @@ class LowBitState(NamedTuple):
 def _check_format(format: str, block: int) -> tuple[str, int]:
     require(format in FORMATS, "format", format, ", ".join(FORMATS))
     return format, check_int("block", block, 2)
+
+
+def check_block(block: int, largest: int) -> int:
+    """``block`` for a plan whose largest bucket holds ``largest`` entries: at most that many.
+
+    Each bucket is padded to a whole number of blocks and the padding is sent with the
+    codes, so a block larger than every bucket only adds zeros to the wire (one block of
+    the bucket's own size gives the same codes and scale).
+
+    >>> check_block(64, 1000)
+    64
+    >>> check_block(10**8, 1000)  # doctest: +NORMALIZE_WHITESPACE
+    Traceback (most recent call last):
+    ...
+    ValueError: block=100000000: expected at most 1000, the entries of the plan's largest bucket (a larger block
+    pads every bucket with zeros that are sent too; a smaller trainer.bucket_cap_mb makes smaller buckets)
+    """
+    require(
+        isinstance(block, int) and block <= largest,
+        "block",
+        block,
+        f"at most {largest}, the entries of the plan's largest bucket (a larger block pads every bucket with zeros "
+        "that are sent too; a smaller trainer.bucket_cap_mb makes smaller buckets)",
+    )
+    return block
 
 
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -239,4 +274,4 @@ def lowbit(format: str = "fp4", block: int = 64, error_feedback: bool = True) ->
 
     >>> hook = lowbit("fp8", block=128)
     """
-    return chain(lowbit_compress(format, block, error_feedback), lowbit_sum(), lowbit_decompress())
+    return chain(lowbit_compress(format, block, error_feedback), lowbit_sum(), lowbit_decompress(), name="lowbit")

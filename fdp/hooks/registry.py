@@ -49,6 +49,19 @@ HOOKS: dict[str, Callable[..., Hook]] = {
     "noop": noop,
 }
 
+# Halves of a hook, registered for chains written out stage by stage (conf/hooks/fp16_powersgd.yaml), not hooks a
+# run picks alone: they are left out where a refusal lists the hooks to pick instead.
+CHAIN_STAGES = ("fp16_compress", "fp16_decompress", "bf16_compress", "bf16_decompress")
+
+
+def shardable_hooks() -> list[str]:
+    """The registered hooks that work on a slice of the reduced bucket (``Hook.shardable``, with their defaults).
+
+    >>> shardable_hooks()[:3]
+    ['allreduce', 'fp16', 'bf16']
+    """
+    return [name for name, factory in HOOKS.items() if name not in CHAIN_STAGES and factory().shardable]
+
 
 def _known() -> str:
     return ", ".join([*HOOKS, "chain", "custom"])

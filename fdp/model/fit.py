@@ -63,11 +63,12 @@ def check_first_batch(
     names: Names = Names(),
     declared_classes: int | None = None,
     targets_shifted: bool | None = None,
-) -> None:
+) -> Any:
     """Run ``model`` and ``criterion`` on ``batch``; a ``ConfigError`` of one line if they do not fit it.
 
     ``declared_classes`` is what the data says its classes are, ``targets_shifted`` whether
-    it says its targets are the next tokens already (``None``: it does not say).
+    it says its targets are the next tokens already (``None``: it does not say). Returns the
+    model's outputs (what the run's evaluations will score: ``fdp.model.losses.scores_accuracy``).
     """
     fits = f"{names.model} does not fit {names.data} with {names.loss}"
     try:
@@ -107,6 +108,7 @@ def check_first_batch(
         raise ConfigError(f"{names.loss}: returned {got}; expected a floating-point scalar")
     # Last: a model and loss that run may still disagree with the data on which token each position predicts.
     check_alignment(criterion, _token_ids(args, kwargs), targets, names, targets_shifted)
+    return outputs
 
 
 def _scores_classes(criterion: Criterion) -> bool:
@@ -257,7 +259,7 @@ def untransformable(error: BaseException, model: str = "model") -> ConfigError |
     if _raised_under(error, "torch/utils/checkpoint.py"):
         return ConfigError(
             f"{model}: its forward calls torch.utils.checkpoint, which fdp's torch.func gradients "
-            "do not run; expected a forward without it, and trainer.activation_checkpointing=true to recompute "
+            "do not run; expected a forward without it, and trainer.activation_checkpointing=blocks to recompute "
             "activations instead"
         )
     if _SAVED_TENSOR_HOOKS in text:

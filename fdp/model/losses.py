@@ -48,6 +48,7 @@ __all__ = [
     "eval_metrics",
     "logits_of",
     "make_loss_fn",
+    "scores_accuracy",
     "mse",
     "planner_loss",
     "weigh_micro_batches",
@@ -357,6 +358,23 @@ def _scores_and_targets(criterion: Criterion, outputs: Any, targets: Tensor) -> 
     if scores.dim() != targets.dim() + 1 or scores.shape[:-1] != targets.shape:
         return None
     return scores, targets
+
+
+def scores_accuracy(criterion: Criterion, outputs: Any, targets: Any) -> bool:
+    """Whether accuracy applies to ``outputs`` against ``targets`` (class scores for integer targets), as
+    ``batch_metrics`` scores it; shapes and dtypes decide, so outputs on ``meta`` tell too.
+
+    >>> scores_accuracy(cross_entropy, torch.zeros(2, 3), torch.zeros(2, dtype=torch.int64))
+    True
+    >>> scores_accuracy(mse, torch.zeros(2, 1), torch.ones(2, 1))
+    False
+    """
+    if not isinstance(targets, Tensor):
+        return False
+    try:
+        return _scores_and_targets(criterion, outputs, targets) is not None
+    except ValueError:  # a loss whose alignment refuses these (it said so on the first batch)
+        return False
 
 
 def batch_metrics(criterion: Criterion, outputs: Any, targets: Tensor) -> tuple[float, int, int, int]:

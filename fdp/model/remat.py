@@ -57,10 +57,12 @@ __all__ = [
     "modules_of",
     "recomputing",
     "repeated_blocks",
+    "resolved_mode",
     "select",
 ]
 
 MODES = ("none", "blocks", "every_k")
+DEFAULT_K = 2  # every_k: every second block
 _recomputing = 0  # > 0 while a checkpointed module's forward runs again in backward
 
 
@@ -210,33 +212,60 @@ def modules_of(spec: Any, model: Any = None) -> list[nn.Module]:
     return select(module, "blocks", policy=entries)
 
 
-def from_config(mode: str, policy: Iterable[str], k: int, module: nn.Module) -> list[nn.Module]:
+def from_config(mode: str, policy: Iterable[str], k: int | None, module: nn.Module) -> list[nn.Module]:
     """The modules ``trainer.activation_checkpointing`` (with ``_policy`` and ``_k``) choose in ``module``.
 
     The mode and ``k`` are checked with the rest of the config (``check_mode``,
-    ``check_k``); a policy naming no class of the model is refused here, where the
-    model is known, with a ``ConfigError`` that names the setting.
+    ``check_k``); a policy alone turns on ``blocks`` (``resolved_mode``); a policy naming no
+    class of the model is refused here, where the model is known, with a ``ConfigError`` that names the setting.
 
-    >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
     >>> net = nn.Sequential(*[nn.Sequential(nn.Linear(2, 2), nn.ReLU()) for _ in range(4)])
-    >>> len(from_config("every_k", [], 2, net)), len(from_config("blocks", ["Linear"], 2, net))
+    >>> len(from_config("every_k", [], None, net)), len(from_config("none", ["Linear"], None, net))
     (2, 4)
     """
+    mode = resolved_mode(mode, policy)
     try:
-        return select(module, mode, list(policy), k, setting="trainer.activation_checkpointing_policy")
+        return select(module, mode, list(policy), check_k(k, mode), setting="trainer.activation_checkpointing_policy")
     except ValueError as error:
         raise ConfigError(str(error)) from None
 
 
-def check_k(k: Any) -> int:
-    """``activation_checkpointing_k``: checkpoint every k-th block under ``every_k`` (an integer >= 1).
+def check_k(k: Any, mode: str = "every_k") -> int:
+    """``activation_checkpointing_k``: checkpoint every k-th block under ``every_k`` (an integer >= 1; ``None``: 2).
 
+    It picks among the blocks only under ``every_k``: set with another mode it would do nothing.
+
+    >>> check_k(None), check_k(3)
+    (2, 3)
     >>> check_k(0)
     Traceback (most recent call last):
     ...
     ValueError: activation_checkpointing_k=0: expected an integer >= 1
+    >>> check_k(3, "blocks")
+    Traceback (most recent call last):
+    ...
+    ValueError: activation_checkpointing_k=3: expected it unset with trainer.activation_checkpointing=blocks (k picks \
+every k-th block under every_k)
     """
+    if k is None:
+        return DEFAULT_K
+    require(
+        mode == "every_k",
+        "activation_checkpointing_k",
+        k,
+        f"it unset with trainer.activation_checkpointing={mode} (k picks every k-th block under every_k)",
+    )
     return check_int("activation_checkpointing_k", k, low=1)
+
+
+def resolved_mode(mode: str, policy: Iterable[Any] = ()) -> str:
+    """The mode a run checkpoints with: a policy with the mode ``none`` turns on ``blocks``, as Lightning's
+    ``activation_checkpointing_policy`` turns checkpointing on.
+
+    >>> resolved_mode("none", ["Block"]), resolved_mode("none"), resolved_mode("every_k", ["Block"])
+    ('blocks', 'none', 'every_k')
+    """
+    return "blocks" if mode == "none" and list(policy) else mode
 
 
 def checkpointed(loss_fn: Callable, modules: Iterable[nn.Module]) -> Callable:

@@ -31,7 +31,7 @@ from torch import nn
 from fdp.errors import require
 from fdp.optim.transforms import DecayMask
 
-__all__ = ["DECAY_FILTERS", "decay_rule", "embedding_names"]
+__all__ = ["DECAY_FILTERS", "check_decay_filter", "decay_rule", "embedding_names"]
 
 DECAY_FILTERS = ("all", "weights")
 
@@ -60,6 +60,29 @@ def decay_rule(decay_filter: str | Sequence[str], embeddings: Iterable[str] = ()
         f"{' or '.join(DECAY_FILTERS)}, or a non-empty list of name patterns ([*.bias, *norm*])",
     )
     return lambda name, param: not any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+
+
+def check_decay_filter(decay_filter: str | Sequence[str], names: Iterable[str]) -> None:
+    """Refuse a list of patterns of which one matches none of the params ``names``: it would exempt nothing.
+
+    >>> check_decay_filter(["*.bias"], ["fc.weight", "fc.bias"])
+    >>> check_decay_filter(["*.bias", "norm*"], ["fc.weight", "fc.bias"])  # doctest: +NORMALIZE_WHITESPACE
+    Traceback (most recent call last):
+    ...
+    ValueError: decay_filter=['*.bias', 'norm*']: expected patterns that each match a param's name
+    (norm* matches none of fc.weight, fc.bias)
+    """
+    if isinstance(decay_filter, str):
+        return
+    names = list(names)
+    for pattern in decay_filter:
+        shown = ", ".join(names[:8]) + (f", ... ({len(names)} params)" if len(names) > 8 else "")
+        require(
+            any(fnmatch.fnmatchcase(name, pattern) for name in names),
+            "decay_filter",
+            list(decay_filter),
+            f"patterns that each match a param's name ({pattern} matches none of {shown})",
+        )
 
 
 def embedding_names(module: nn.Module) -> frozenset[str]:

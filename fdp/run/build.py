@@ -17,31 +17,38 @@ from omegaconf import DictConfig, OmegaConf
 
 from fdp.comm import Comm
 from fdp.data import (
+    SPLITS,
     Dataset,
     MapData,
     as_map_data,
+    has_split,
     hold_out,
     model_arguments,
     num_train_samples,
     targets_shifted,
     train_batches,
 )
-from fdp.data.batches import batch_size, head
+from fdp.data.batches import batch_size, head, model_inputs
 from fdp.dist.allocator import tune_allocator
 from fdp.dist.devices import batch_to_device, to_device
 from fdp.errors import ConfigError
 from fdp.hooks import Hook
 from fdp.hooks.hierarchical import check_node_size, hierarchical, node_comms
+from fdp.hooks.lowbit import check_block
 from fdp.hooks.registry import build_hook
+from fdp.model import remat
 from fdp.model.builtin import count_parameters
 from fdp.model.deferred import NotDeferrable, meta_wins, record_build
 from fdp.model.fit import Names, check_first_batch, untransformable
 from fdp.model.functional import FunctionalModel, functionalize
-from fdp.model.losses import Criterion, build_loss, cross_entropy, make_loss_fn, planner_loss
+from fdp.model.losses import Criterion, build_loss, cross_entropy, make_loss_fn, planner_loss, scores_accuracy
 from fdp.model.precision import Precision, check_precision
 from fdp.optim import GradientTransformation, build_optimizer, embedding_names
+from fdp.optim.decay import check_decay_filter
 from fdp.plan import BucketPlan, plan_buckets
+from fdp.plan.fragments import split_fragments
 from fdp.run.config import DATA_SETTINGS
+from fdp.run.evaluate import metric_names
 from fdp.run.loop_controls import run_steps
 from fdp.state.train_state import TrainState
 from fdp.step.outer import init_outer_state
@@ -81,6 +88,39 @@ def check_data(cfg: DictConfig, data: Dataset | MapData) -> None:
         )
 
 
+def check_plan_settings(cfg: DictConfig, plan: BucketPlan, names: list[str]) -> None:
+    """The settings ``validate`` cannot check without the bucket plan and the params' ``names``: every rank
+    refuses them alike, before the first state is made (the run directory is then rolled back).
+
+    >>> from fdp.plan import pack_into_buckets
+    >>> from fdp.run.config import compose
+    >>> plan = pack_into_buckets([("w", (3,), "float32", "cpu")])
+    >>> check_plan_settings(compose("hooks=lowbit", "hooks.block=8"), plan, ["w"])
+    Traceback (most recent call last):
+    ...
+    fdp.errors.ConfigError: hooks.block=8: expected at most 3, the entries of the plan's largest bucket (a larger \
+block pads every bucket with zeros that are sent too; a smaller trainer.bucket_cap_mb makes smaller buckets)
+    """
+    if cfg.outer.name != "none":
+        try:
+            split_fragments(plan, cfg.outer.fragments)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+    largest = max(bucket.numel for bucket in plan.buckets)
+    spec = OmegaConf.to_container(cfg.hooks, resolve=True)
+    stages = [(f"hooks.stages[{i}]", s) for i, s in enumerate(spec.get("stages") or [])] or [("hooks", spec)]
+    for path, stage in stages:
+        if isinstance(stage, dict) and stage.get("name") == "lowbit":
+            try:
+                check_block(stage.get("block", 64), largest)
+            except ValueError as error:
+                raise ConfigError(f"{path}.{error}") from None
+    try:
+        check_decay_filter(cfg.optim.get("decay_filter", "all"), names)
+    except ValueError as error:
+        raise ConfigError(f"optim.{error}") from None
+
+
 def build_module(cfg: DictConfig, data: Dataset | MapData) -> torch.nn.Module:
     """The model ``model._target_`` names, given what the data decides where its signature asks for it."""
     module = build("model", OmegaConf.to_container(cfg, resolve=True), offered=model_arguments(data))
@@ -101,13 +141,16 @@ def display_name(node: DictConfig) -> str:
 
 def check_fit(
     cfg: DictConfig, model: FunctionalModel, criterion: Criterion, params, buffers, batch, data: Dataset | MapData
-) -> None:
-    """Run the model and the loss on the first batch: a model/data/loss that do not fit is refused before step 1."""
+) -> tuple[str, ...]:
+    """Run the model and the loss on the first batch: a model/data/loss that do not fit is refused before step 1.
+    Returns the metrics the run's evaluations during training will report (``fdp.run.evaluate.metric_names``)."""
     node = OmegaConf.to_container(cfg.model, resolve=True)
     names = Names(label("model", cfg.model), label("data", cfg.data), label("loss", cfg.loss), classes_setting(node))
-    check_first_batch(
+    outputs = check_first_batch(
         model, criterion, params, buffers, batch, names, model_arguments(data)["num_classes"], targets_shifted(data)
     )
+    watched = next((split for split in SPLITS if has_split(data, split)), "test")  # what evaluations score
+    return metric_names(scores_accuracy(criterion, outputs, model_inputs(batch)[2]), watched)
 
 
 class RunParts(NamedTuple):
@@ -123,6 +166,7 @@ class RunParts(NamedTuple):
     criterion: Criterion = cross_entropy
     precision: Precision = Precision()
     update: Update | None = None  # the ZeRO stage's update (fdp.update.zero.update_for): the state's whole life
+    metrics: tuple[str, ...] = ("test_loss",)  # what an evaluation reports (fdp.run.evaluate.metric_names)
 
 
 def build_run(
@@ -144,7 +188,12 @@ def build_run(
     pieces = _built_on_meta(cfg, data, device, precision, criterion, comm) if stage.shards_params else None
     if pieces is None:
         pieces = _built_whole(cfg, data, device, precision, criterion, comm)
-    model, params, buffers, plan, embeddings, num_params, make = pieces
+    model, params, buffers, plan, embeddings, num_params, make, metrics = pieces
+    check_plan_settings(cfg, plan, list(params))
+    tc = cfg.trainer  # a policy naming no class of the model: refused here, before the run announces itself
+    remat.from_config(
+        tc.activation_checkpointing, tc.activation_checkpointing_policy, tc.activation_checkpointing_k, model.module
+    )
     hook = build_hook(OmegaConf.to_container(cfg.hooks))
     # world.hierarchical: a sharded state splits over each node and is replicated across them (hybrid sharding);
     # a replicated one reduces inside each node first and runs the hook chain across them.
@@ -177,7 +226,7 @@ def build_run(
     state = state._replace(
         outer=init_outer_state(check_outer(OmegaConf.to_container(cfg.outer)), state.params, plan, hook)
     )
-    return RunParts(model, data, plan, hook, optimizer, state, num_params, criterion, precision, update)
+    return RunParts(model, data, plan, hook, optimizer, state, num_params, criterion, precision, update, metrics)
 
 
 class _ModelPieces(NamedTuple):
@@ -190,6 +239,7 @@ class _ModelPieces(NamedTuple):
     embeddings: Any
     num_params: int
     make: Callable[[str], torch.Tensor] | None = None
+    metrics: tuple[str, ...] = ("test_loss",)  # what the run's evaluations report (check_fit)
 
 
 def _built_whole(
@@ -203,8 +253,8 @@ def _built_whole(
     model, params, buffers = functionalize(module, keep_module_weights=False)  # the state holds the weights
     params, buffers = to_device(params, device), to_device(buffers, device)
     params, buffers = precision.cast(params), precision.cast(buffers)  # bf16-true: the plan's buckets follow
-    plan = _checked_plan(cfg, data, model, params, buffers, precision, criterion, comm, device)
-    return _ModelPieces(model, params, buffers, plan, embeddings, num_params)
+    plan, metrics = _checked_plan(cfg, data, model, params, buffers, precision, criterion, comm, device)
+    return _ModelPieces(model, params, buffers, plan, embeddings, num_params, metrics=metrics)
 
 
 def _built_on_meta(
@@ -225,7 +275,7 @@ def _built_on_meta(
     model, params, buffers = functionalize(module, keep_module_weights=False)
     try:
         params, buffers = precision.cast(params), precision.cast(buffers)
-        plan = _checked_plan(cfg, data, model, params, buffers, precision, criterion, comm, device)
+        plan, metrics = _checked_plan(cfg, data, model, params, buffers, precision, criterion, comm, device)
     except Exception as error:  # the whole build gives the real verdict: a misfit is refused there, in its words
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
         return _whole_instead(cfg, comm, f"its forward cannot run on the meta device ({reason})")
@@ -237,7 +287,7 @@ def _built_on_meta(
     def make(name: str) -> torch.Tensor:
         return precision.cast({name: make_param(name)})[name].to(device)
 
-    return _ModelPieces(model, params, buffers, plan, embeddings, num_params, make)
+    return _ModelPieces(model, params, buffers, plan, embeddings, num_params, make, metrics)
 
 
 def _whole_instead(cfg: DictConfig, comm: Comm, reason: str) -> None:
@@ -248,8 +298,9 @@ def _whole_instead(cfg: DictConfig, comm: Comm, reason: str) -> None:
 
 def _checked_plan(
     cfg: DictConfig, data, model: FunctionalModel, params, buffers, precision: Precision, criterion, comm, device
-) -> BucketPlan:
-    """The model run on the first batch (``check_fit``) and its bucket plan, traced on ``meta`` where the params are."""
+) -> tuple[BucketPlan, tuple[str, ...]]:
+    """The model run on the first batch (``check_fit``: the metrics its evaluations report) and its bucket plan,
+    traced on ``meta`` where the params are."""
     loss_fn = make_loss_fn(model, criterion)
     example = next(train_batches(data, cfg.data.global_batch_size, cfg.seed, comm.rank, comm.world_size, 0, 1))
     example = batch_to_device(
@@ -259,9 +310,9 @@ def _checked_plan(
     # mixes the two on meta (fdp.model.deferred.meta_wins), so the batch's own values stay real where it reads them.
     on_meta = any(p.is_meta for p in params.values())
     with meta_wins(device) if on_meta else contextlib.nullcontext():
-        check_fit(cfg, model, criterion, params, buffers, example, data)
+        metrics = check_fit(cfg, model, criterion, params, buffers, example, data)
         try:  # the first gradient of the run: what torch.func cannot run in the model fails here
-            return plan_buckets(
+            plan = plan_buckets(
                 planner_loss(loss_fn, buffers),
                 params,
                 head(example, 2),  # the order is any batch's; two samples keep BatchNorm's training mode
@@ -276,6 +327,7 @@ def _checked_plan(
             if refusal is None:
                 raise
             raise refusal from None
+    return plan, metrics
 
 
 def stage_of(cfg: DictConfig) -> zero.Stage:

@@ -68,6 +68,8 @@ def _expected_type(schema: Any, key: str) -> str | None:
     if optional:
         kind = next(a for a in typing.get_args(kind) if a is not type(None))
     words = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(kind)
+    if typing.get_origin(kind) is list:
+        words = "a list in brackets"
     if words is None:
         return None
     return f"{words} or null" if optional else words
@@ -95,6 +97,9 @@ def _bad_value(cause: Any, override: str | None) -> str:
     full_key = str(getattr(cause, "full_key", "") or "")
     key = full_key.rpartition(".")[2]
     expected = _expected_type(getattr(cause, "object_type", None), key) or "a value of the key's type"
+    setting, _, value = (override or "").partition("=")
+    if expected == "a list in brackets" and value and not value.startswith("["):  # loggers=csv: one item, unbracketed
+        expected += f" ({setting}=[{value}])"
     return f"{override or full_key}: expected {expected}"
 
 

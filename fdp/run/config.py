@@ -202,7 +202,8 @@ class TrainerConfig:
     checkpoint_every: int = 100  # 0: checkpoint only at the end
     keep_checkpoints: int = 2  # step checkpoints kept (older ones are pruned; best ones apart)
     checkpoint_format: str = "whole"  # whole (rank 0 writes one file) | sharded (each rank its share, DCP's format)
-    checkpoint_async: bool = True  # checkpoint_format=sharded: write while training goes on (the loop waits to stage)
+    # auto | true | false: write while training goes on, the loop waiting only to stage (auto: true where sharded)
+    checkpoint_async: Any = "auto"
     resume: Any = False  # true: continue hydra.run.dir from its last checkpoint | PATH: start from that checkpoint
     reschedule: bool = False  # resume with another max_steps: stretch the learning-rate schedule over it (else refused)
     bucket_cap_mb: float = 25.0  # the most MiB of gradients one bucket reduces (as DDP's bucket_cap_mb)
@@ -223,16 +224,16 @@ class TrainerConfig:
         "auto"  # auto | true | false: dropout masks per sample, alike on any world (auto: if it may shrink)
     )
     # none | blocks | every_k: modules whose activations backward recomputes (fdp.model.remat): the repeated blocks, or
-    # the classes named in the policy ([Block]); every_k: every k-th of them
+    # the classes named in the policy ([Block], which alone turns on blocks); every_k: every k-th of them (null: 2)
     activation_checkpointing: str = "none"
     activation_checkpointing_policy: List[str] = field(default_factory=list)  # module classes to checkpoint
-    activation_checkpointing_k: int = 2  # every_k: checkpoint every k-th module
+    activation_checkpointing_k: Optional[int] = None  # every_k: checkpoint every k-th module (unset: 2)
     reshard_after_forward: bool = (
         True  # zero_stage=3: release each bucket's params after forward, gather again for backward
     )
     trace: bool = False  # write a Chrome trace per rank to <run dir>/trace/ (for short diagnostic runs)
     tensorboard: bool = False  # the same as "tensorboard" in loggers
-    loggers: List[str] = field(default_factory=list)  # tensorboard | csv | mlflow, beside metrics.jsonl (rank 0)
+    loggers: List[str] = field(default_factory=list)  # tensorboard | csv | mlflow | wandb, beside metrics.jsonl
     # your own code in the loop: [{_target_: my_pkg.callbacks.Log, every: 10}, ...] (fdp.run.callbacks)
     callbacks: List[Any] = field(default_factory=list)
     progress: bool = True  # a progress bar on rank 0's terminal

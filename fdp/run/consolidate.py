@@ -19,6 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from fdp._torch import single_process_dcp
 from fdp.run.atomic import atomic_bytes, atomic_save
 from fdp.run.checkpoint import CheckpointError, read_meta, resolve
 from fdp.run.integrity import verify
@@ -46,7 +47,8 @@ def consolidate(path: str | os.PathLike) -> dict:
         for key, md in stored.items()
         if isinstance(md, TensorStorageMetadata)
     }
-    dcp.load(whole, storage_reader=reader, no_dist=True)
+    with single_process_dcp():
+        dcp.load(whole, storage_reader=reader, no_dist=True)
     shapes = {name: tuple(shape) for name, shape in meta["shapes"].items()}
 
     def shaped(key: str, value: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,17 @@ from fdp.model.functional import FunctionalModel
 from fdp.model.losses import Criterion, cross_entropy, eval_metrics
 from fdp.model.precision import Precision
 
-__all__ = ["evaluate"]
+__all__ = ["evaluate", "metric_names"]
+
+
+def metric_names(accuracy: bool, split: str = "test") -> tuple[str, ...]:
+    """The metrics ``evaluate`` returns on ``split``, by name: the mean loss, and the accuracy where it applies
+    (``fdp.model.losses.scores_accuracy``). What a monitor may watch is checked against these before step 1.
+
+    >>> metric_names(True, "val"), metric_names(False)
+    (('val_loss', 'val_acc'), ('test_loss',))
+    """
+    return (f"{split}_loss", f"{split}_acc") if accuracy else (f"{split}_loss",)
 
 
 @torch.no_grad()
@@ -72,7 +82,4 @@ def evaluate(
         # On the params' device: where the world's collectives run (NCCL takes no CPU tensors).
         sums = together.allreduce(torch.tensor(sums, dtype=torch.float64, device=device)).wait().tolist()
     total_loss, count, correct, scored = sums
-    metrics = {f"{split}_loss": total_loss / count}
-    if scored:
-        metrics[f"{split}_acc"] = correct / scored
-    return metrics
+    return dict(zip(metric_names(bool(scored), split), (total_loss / count, correct / scored if scored else None)))

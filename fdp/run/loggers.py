@@ -1,4 +1,4 @@
-"""Where a run's records go besides ``metrics.jsonl``: ``trainer.loggers=[tensorboard,csv,mlflow]``.
+"""Where a run's records go besides ``metrics.jsonl``: ``trainer.loggers=[tensorboard,csv,mlflow,wandb]``.
 
 * ``tensorboard``: scalars under ``<run dir>/tb/`` (``fdp.run.metrics.TensorBoardLog``; also
   ``trainer.tensorboard=true``). View with ``tensorboard --logdir <run dir>/tb``.
@@ -8,6 +8,11 @@
   plain file store is refused by MLflow 3 unless opted into), with the run's settings as
   params. View with ``mlflow ui --backend-store-uri sqlite:///<run dir>/mlflow.db``.
   An optional extra (``pip install -e '.[mlflow]'``); refused in one line when missing.
+* ``wandb``: a Weights & Biases run with the run's settings as its config, its files under
+  ``<run dir>/wandb/``. Offline (local files only; ``wandb sync <run dir>/wandb/offline-run-*``
+  uploads them later) unless an API key is set (``WANDB_API_KEY`` or ``wandb login``) or
+  ``WANDB_MODE`` says otherwise; ``WANDB_PROJECT`` names the project (default ``fdp``).
+  An optional extra (``pip install -e '.[wandb]'``); refused in one line when missing.
 
 Rank 0 writes them all; a resumed run goes on in the same files and the same MLflow run.
 """
@@ -20,6 +25,7 @@ import io
 import logging
 import os
 import time
+import uuid
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -28,9 +34,20 @@ from typing import Any
 from fdp.errors import ConfigError
 from fdp.run.metrics import TensorBoardLog, check_tensorboard
 
-__all__ = ["LOGGERS", "CsvLog", "MlflowLog", "check_loggers", "check_mlflow", "mlflow_uri", "open_loggers"]
+__all__ = [
+    "LOGGERS",
+    "CsvLog",
+    "MlflowLog",
+    "WandbLog",
+    "check_loggers",
+    "check_mlflow",
+    "check_wandb",
+    "mlflow_uri",
+    "open_loggers",
+    "wandb_mode",
+]
 
-LOGGERS = ("tensorboard", "csv", "mlflow")
+LOGGERS = ("tensorboard", "csv", "mlflow", "wandb")
 CSV_FILE = "metrics.csv"
 MLFLOW_FILE = "mlflow.db"
 MLFLOW_EXPERIMENT = "fdp"
@@ -42,10 +59,10 @@ def check_loggers(names: Iterable[str], tensorboard: bool = False) -> tuple[str,
 
     >>> check_loggers(["csv"], tensorboard=False)
     ('csv',)
-    >>> check_loggers(["wandb"])
+    >>> check_loggers(["neptune"])
     Traceback (most recent call last):
     ...
-    ValueError: loggers=['wandb']: expected a list of tensorboard, csv, mlflow
+    ValueError: loggers=['neptune']: expected a list of tensorboard, csv, mlflow, wandb
     """
     names = list(names)
     if any(name not in LOGGERS for name in names) or len(set(names)) != len(names):
@@ -55,7 +72,39 @@ def check_loggers(names: Iterable[str], tensorboard: bool = False) -> tuple[str,
         check_tensorboard()
     if "mlflow" in chosen:
         check_mlflow()
+    if "wandb" in chosen:
+        check_wandb()
     return chosen
+
+
+def check_wandb() -> None:
+    """Refuse ``wandb`` among the loggers in one line when the package is missing."""
+    if importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            "trainer.loggers=[wandb]: expected the wandb package to be installed "
+            "(pip install wandb, or pip install -e '.[wandb]')"
+        )
+
+
+def wandb_mode(environ: dict | None = None, netrc_file: str | Path | None = None) -> str:
+    """W&B's mode for a run: ``WANDB_MODE`` where set, else ``online`` with an API key (``WANDB_API_KEY``, or
+    the one ``wandb login`` keeps in ``~/.netrc``), else ``offline``: local files only, nothing sent.
+
+    >>> wandb_mode({}, netrc_file="/nonexistent"), wandb_mode({"WANDB_API_KEY": "k"}), wandb_mode({"WANDB_MODE": "x"})
+    ('offline', 'online', 'x')
+    """
+    import netrc
+
+    environ = os.environ if environ is None else environ
+    if environ.get("WANDB_MODE"):
+        return environ["WANDB_MODE"]
+    if environ.get("WANDB_API_KEY"):
+        return "online"
+    try:
+        known = netrc.netrc(netrc_file).authenticators("api.wandb.ai")
+    except (OSError, netrc.NetrcParseError):
+        known = None
+    return "online" if known else "offline"
 
 
 def check_mlflow() -> None:
@@ -87,6 +136,8 @@ def open_loggers(names: Iterable[str], run_dir: str | Path, resume: bool, settin
             made.append(CsvLog(run_dir, resume))
         elif name == "mlflow":
             made.append(MlflowLog(run_dir, resume, settings or {}))
+        elif name == "wandb":
+            made.append(WandbLog(run_dir, resume, settings or {}))
     return made
 
 
@@ -210,3 +261,52 @@ class MlflowLog:
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id, status=self.status)
+
+
+class WandbLog:
+    """Each logged step's numbers in one W&B run, its files under ``<run dir>/wandb/`` (see the module).
+
+    A resumed run goes on in the same W&B run: its id is kept in ``<run dir>/wandb/fdp-run-id``.
+    """
+
+    def __init__(self, run_dir: str | Path, resume: bool = False, settings: dict | None = None):
+        check_wandb()
+        import wandb
+
+        run_dir = Path(run_dir).resolve()
+        (run_dir / "wandb").mkdir(parents=True, exist_ok=True)
+        id_file = run_dir / "wandb" / "fdp-run-id"
+        run_id = id_file.read_text().strip() if resume and id_file.is_file() else None
+        if not run_id:
+            run_id = uuid.uuid4().hex[:12]  # W&B run ids: lowercase letters and digits
+            id_file.write_text(run_id + "\n")
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "fdp"),
+            name=run_dir.name,
+            id=run_id,
+            resume="allow",
+            dir=str(run_dir),
+            config=settings or {},
+            mode=wandb_mode(),
+            # fdp's own output stays as it is: W&B neither wraps the console nor prints its banner
+            settings=wandb.Settings(console="off", silent=True, x_disable_stats=True, disable_git=True),
+        )
+        self.exit_code = 0
+
+    def write(self, record: dict) -> None:
+        if record.get("summary"):
+            self.exit_code = 1 if record.get("interrupted") else 0
+            return
+        step = record.get("step")
+        if step is None or record.get("shrink") or record.get("grow"):
+            return
+        numbers = {
+            k: float(v)
+            for k, v in record.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
+        if numbers:
+            self.run.log(numbers, step=int(step))
+
+    def close(self) -> None:
+        self.run.finish(exit_code=self.exit_code)

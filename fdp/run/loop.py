@@ -34,7 +34,7 @@ from fdp.run.loop_controls import LoopControls
 from fdp.run.rejoin import heal
 from fdp.run.report import Report
 from fdp.run.rundir import RankStatus, RunDir
-from fdp.run.sharded_checkpoint import ShardedSaver
+from fdp.run.sharded_checkpoint import ShardedSaver, check_checkpoint_async
 from fdp.state.train_state import TrainState
 from fdp.step.outer import make_outer_step
 from fdp.step.outer_spec import check_outer
@@ -133,7 +133,9 @@ class Loop:
         self.since = time.perf_counter()
         tc = cfg.trainer
         self.saver = (
-            ShardedSaver(comm, tc.checkpoint_async, cfg.world.timeout_s) if tc.checkpoint_format == "sharded" else None
+            ShardedSaver(comm, check_checkpoint_async(tc.checkpoint_async), cfg.world.timeout_s)
+            if tc.checkpoint_format == "sharded"
+            else None
         )
         self.join(comm)
 

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from fdp.comm import Comm
 from fdp.data import Dataset, MapData, num_train_samples
-from fdp.errors import ConfigError, require
+from fdp.errors import ConfigError, one_of, require
 from fdp.optim.ema import check_ema_decay, ema
 from fdp.plan import BucketPlan
 from fdp.run.atomic import atomic_copy, atomic_link_tree
@@ -54,6 +54,7 @@ __all__ = [
     "check_loop_settings",
     "check_max_time",
     "check_monitored_split",
+    "check_monitored",
     "read_resumed",
     "run_steps",
     "steps_per_epoch",
@@ -101,6 +102,11 @@ def check_max_time(value: Any) -> float:
 
     >>> check_max_time("00:01:30:00"), check_max_time(90), check_max_time(0)
     (5400.0, 90.0, 0.0)
+    >>> check_max_time("00:99:00")
+    Traceback (most recent call last):
+    ...
+    ValueError: max_time='00:99:00': expected seconds >= 0 or DD:HH:MM:SS (e.g. 00:12:00:00 for 12 hours); its \
+minutes field is 99, not below 60
     >>> check_max_time("1h")
     Traceback (most recent call last):
     ...
@@ -110,6 +116,9 @@ def check_max_time(value: Any) -> float:
     if isinstance(value, str) and ":" in value:
         parts = value.split(":")
         require(len(parts) <= 4 and all(p.strip().isdigit() for p in parts), "max_time", value, what)
+        # Every field but the first counts within its unit (the first may be any number: 90:00 is 90 minutes).
+        for part, (field, bound) in zip(reversed(parts[1:]), (("seconds", 60), ("minutes", 60), ("hours", 24))):
+            require(int(part) < bound, "max_time", value, f"{what}; its {field} field is {part}, not below {bound}")
         return float(sum(int(p) * unit for p, unit in zip(reversed(parts), (1, 60, 3600, 86400))))
     try:
         seconds = float(value)
@@ -207,6 +216,29 @@ def check_monitored_split(setting: str, name: str, splits: tuple) -> None:
     )
 
 
+TRAINING = ("loss",)  # the training loss, in every record an evaluation adds to: a monitor may watch it too
+
+
+def check_monitored(setting: str, name: str, evaluated: tuple[str, ...]) -> None:
+    """Refuse, before step 1, a monitored metric the run's records will not hold when it evaluates.
+
+    >>> check_monitored("trainer.checkpoint_monitor", "test_los", ("test_loss", "test_acc"))
+    Traceback (most recent call last):
+    ...
+    fdp.errors.ConfigError: trainer.checkpoint_monitor='test_los': expected a metric of the evaluations: \
+test_loss, test_acc or loss
+    """
+    if not evaluated:
+        raise ConfigError(f"{setting}={name!r}: expected data with a validation or a test split to evaluate on")
+    require(
+        name in (*evaluated, *TRAINING),
+        setting,
+        name,
+        f"a metric of the evaluations: {one_of((*evaluated, *TRAINING))}",
+        ConfigError,
+    )
+
+
 class Verdict(NamedTuple):
     """What an evaluation decided: copy this step's checkpoint to the best ones; stop (why)."""
 
@@ -267,8 +299,9 @@ class LoopControls:
     """Everything above for one rank's loop: call ``stepped`` after each step, ``evaluated`` after each
     evaluation, ``payload`` for each checkpoint (on every rank), ``keep_best`` with the file it wrote.
 
-    ``evaluates``: the data's splits, in ``fdp.data.SPLITS`` order (the first is scored during training).
-
+    ``evaluates``: the data's splits, in ``fdp.data.SPLITS`` order (the first is scored during training);
+    ``evaluated``: the metrics an evaluation during training adds to the record (``fdp.run.report.evaluated_names``;
+    empty: the run does not evaluate): a monitored metric is checked against both before step 1;
     ``resumed``: the ``loop`` and ``ema`` entries of the checkpoint the run resumes from (``read_resumed``);
     ``end_step``: the run's last step (``run_steps``), whatever step this invocation stops at. ``shard``: the comm
     the state's slices are split over (the update's: a node's under hybrid sharding; by default ``comm``).
@@ -281,6 +314,7 @@ class LoopControls:
         plan: BucketPlan,
         state: TrainState,
         evaluates: tuple,
+        evaluated: tuple[str, ...],
         end_step: int,
         resumed: dict | None = None,
         shard: Comm | None = None,
@@ -301,6 +335,7 @@ class LoopControls:
         ):
             if monitor is not None:
                 check_monitored_split(setting, monitor.name, evaluates)
+                check_monitored(setting, monitor.name, evaluated)
         loop = (resumed or {}).get("loop") or {}
         self.stopping = Stopping(loop.get("stopping_best"), int(loop.get("stopping_waited", 0)))
         self.best = tuple((float(v), int(s)) for v, s in loop.get("best", ()))

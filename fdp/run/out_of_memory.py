@@ -14,7 +14,9 @@ import re
 from omegaconf import DictConfig
 
 from fdp.dist.devices import MemoryPhase
+from fdp.model import remat
 from fdp.run.build import stage_of
+from fdp.run.sharded_checkpoint import check_checkpoint_async
 
 __all__ = ["out_of_memory_message"]
 
@@ -32,7 +34,8 @@ def out_of_memory_message(cfg: DictConfig, rank: int, world: int, phase: MemoryP
     )
     # Recomputing activations in backward (fdp.model.remat) keeps a step's peak lower, where it is not on yet.
     stage = stage_of(cfg).number
-    remat_hint = "" if tc.activation_checkpointing != "none" else "trainer.activation_checkpointing=blocks, "
+    on = remat.resolved_mode(tc.activation_checkpointing, tc.activation_checkpointing_policy) != "none"
+    remat_hint = "" if on else "trainer.activation_checkpointing=blocks, "
     where, expected = {
         "data": (
             "loading the data",
@@ -65,7 +68,7 @@ def _save_hint(tc: DictConfig, stage: int) -> str:
             f"a larger budget, or trainer.checkpoint_format=sharded: rank 0 holds the whole state while it writes "
             f"it (trainer.zero_stage={stage})"
         )
-    if tc.checkpoint_async:
+    if check_checkpoint_async(tc.checkpoint_async):
         return (
             "a larger budget, or trainer.checkpoint_async=false: an asynchronous save stages a copy of this rank's "
             "state on the CPU while it is written"

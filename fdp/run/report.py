@@ -25,7 +25,19 @@ from fdp.run.metrics import MetricsLog, StepTimes, progress
 from fdp.run.rundir import RunDir
 from fdp.state.train_state import TrainState
 
-__all__ = ["Report"]
+__all__ = ["Report", "evaluated_names"]
+
+AVERAGE = "ema_"  # the moving average's evaluation, beside the params': ema_test_loss
+
+
+def evaluated_names(evaluation: tuple[str, ...], average: bool) -> tuple[str, ...]:
+    """The metrics an evaluating step adds to its record: the evaluation's (``fdp.run.evaluate.metric_names``),
+    and with a moving average of the params (``trainer.ema_decay``) the same of the average.
+
+    >>> evaluated_names(("test_loss",), average=True)
+    ('test_loss', 'ema_test_loss')
+    """
+    return (*evaluation, *(f"{AVERAGE}{name}" for name in evaluation if average))
 
 
 class Report:

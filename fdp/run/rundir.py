@@ -214,6 +214,7 @@ class Ownership:
     def __init__(self, run_dir: Path, fd: int | None, before: set[str], previous: dict[str, str]):
         self.run_dir, self._fd, self._before = run_dir, fd, before
         self.previous = previous  # the dead owner whose stale lock this run took over (empty: none)
+        self.kept = False  # refused after it trained and saved: what it made is kept (``_roll_back``)
         self._depth = 1
 
     def release(self, refused: bool = False) -> None:
@@ -237,6 +238,7 @@ class Ownership:
     def _roll_back(self) -> None:
         new = sorted(_paths(self.run_dir) - self._before - {LOCK}, key=lambda p: -p.count(os.sep))
         if any(p.startswith(CHECKPOINTS + os.sep) and p.endswith(".pt") for p in new):
+            self.kept = True
             return  # it trained and saved: not a refusal to undo
         for rel in new:
             path = self.run_dir / rel
@@ -328,17 +330,20 @@ def own_run_dir(run_dir: str | Path, say: Callable[[str], None] | None = None) -
         owned = _held[key] = _take(run_dir)
         if owned.previous:
             (say or (lambda line: print(line, file=sys.stderr, flush=True)))(_stale_note(run_dir, owned.previous))
-    refused = False
+    refused, why = False, None
     try:
         yield owned
-    except (ConfigError, CheckpointError):
-        refused = True
+    except (ConfigError, CheckpointError) as error:
+        refused, why = True, error
         raise
     except BaseException as error:  # a local world's workers refused: the same as refusing here
-        refused = getattr(error, "error_type", None) in REFUSED_TYPES
+        refused, why = getattr(error, "error_type", None) in REFUSED_TYPES, error
         raise
     finally:
         owned.release(refused=refused)
+        if refused and owned.kept:  # it trained and saved first: the run stays, and its log says why it ended
+            with contextlib.suppress(OSError), open(run_dir / TRAIN_LOG, "a") as log:
+                log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} error: {why}\n")
 
 
 # -- what the run prints, also in <run dir>/train.log ------------------------------------------

@@ -42,7 +42,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from fdp._torch import chunk_load_planner, chunk_of, mark_chunk, tree_flatten, tree_paths, tree_unflatten
+from fdp._torch import (
+    chunk_load_planner,
+    chunk_of,
+    mark_chunk,
+    single_process_dcp,
+    tree_flatten,
+    tree_paths,
+    tree_unflatten,
+)
 from fdp.comm import Comm
 from fdp.plan import BucketPlan
 from fdp.run.atomic import atomic_save, fsync_dir
@@ -85,6 +93,31 @@ def check_checkpoint_format(value: Any, outer: bool = False, shrink: bool = Fals
         why = "an outer loop keeps params per rank" if outer else "a world that may shrink keeps per-rank mirrors"
         raise ValueError(f"trainer.checkpoint_format='sharded': expected whole ({why})")
     return value
+
+
+def check_checkpoint_async(value: Any, checkpoint_format: str = "sharded") -> bool:
+    """``trainer.checkpoint_async``: ``auto`` (asynchronous where the format is ``sharded``), ``true`` or ``false``.
+
+    Only sharded saves are written while training goes on; a whole-file save is written by
+    rank 0 while the loop waits, so ``true`` with it would promise what does not happen.
+
+    >>> check_checkpoint_async("auto", "sharded"), check_checkpoint_async("auto", "whole")
+    (True, False)
+    >>> check_checkpoint_async(True, "whole")  # doctest: +NORMALIZE_WHITESPACE
+    Traceback (most recent call last):
+    ...
+    ValueError: trainer.checkpoint_async=true: expected auto or false with trainer.checkpoint_format=whole (rank 0
+    writes a whole-file save while the loop waits; trainer.checkpoint_format=sharded writes in the background)
+    """
+    if value not in ("auto", True, False):
+        raise ValueError(f"trainer.checkpoint_async={value!r}: expected auto, true or false")
+    if value is True and checkpoint_format != "sharded":
+        raise ValueError(
+            f"trainer.checkpoint_async=true: expected auto or false with trainer.checkpoint_format={checkpoint_format} "
+            "(rank 0 writes a whole-file save while the loop waits; trainer.checkpoint_format=sharded writes in the "
+            "background)"
+        )
+    return value is True or value == "auto" and checkpoint_format == "sharded"
 
 
 def _state_tree(state: TrainState) -> dict:
@@ -233,7 +266,8 @@ class ShardedSaver:
         if rank == 0:
             atomic_save(meta, tmp / META)
         writer = dcp.FileSystemWriter(tmp, sync_files=True)
-        dcp.save(tensors, storage_writer=writer, process_group=group, no_dist=group is None)
+        with single_process_dcp(group is None):
+            dcp.save(tensors, storage_writer=writer, process_group=group, no_dist=group is None)
         # DCP's last collective gathered every rank's results: every piece is on disk. Each rank records the
         # size and checksum of the files it wrote, rank 0 the whole checkpoint's (fdp.run.integrity).
         written = {p.name: file_entry(p) for p in [tmp / _rank_file(rank), *tmp.glob(f"__{rank}_*.distcp")]}
@@ -293,13 +327,14 @@ def load_sharded(path: str | os.PathLike, like: TrainState, update: Update, plan
     tree = _state_tree(like)
     tensors, _ = update.checkpoint_pieces(tree, comm, reading=True)
     try:
-        dcp.load(
-            tensors,
-            storage_reader=dcp.FileSystemReader(path),
-            planner=chunk_load_planner(),
-            process_group=comm.group,
-            no_dist=comm.world_size == 1,
-        )
+        with single_process_dcp(comm.world_size == 1):
+            dcp.load(
+                tensors,
+                storage_reader=dcp.FileSystemReader(path),
+                planner=chunk_load_planner(),
+                process_group=comm.group,
+                no_dist=comm.world_size == 1,
+            )
     except Exception as error:  # DCP names the first tensor it could not read
         refused = f"checkpoint {path} does not fit this run's state: {str(error).strip().splitlines()[-1][:300]}"
     mine_path = path / _rank_file(comm.rank)

@@ -6,7 +6,9 @@ refused is refused whole, in one line naming the job (exit 2), rather than after
 jobs before it have trained. A job that fails once started (a model that does not fit
 its data) ends in its one line and the sweep goes on with the next. The sweep ends with
 a table of its jobs (status, final loss, test metrics, time, run directory) and the
-worst exit status of its jobs.
+worst exit status of its jobs. Each job's row is also written to ``<sweep dir>/.fdp-jobs/<num>.json``
+by the process that ran it: a launcher that runs jobs in processes of their own (``submitit_local``,
+SLURM) calls ``on_job_end`` there, and the sweep's own process reads the rows back for its table.
 
 >>> print(sweep_table([Job(0, "hooks=allreduce", 0, 1.5, "multirun/x/0", {"loss": 0.25, "test_acc": 0.9})]))
 job | overrides       | status | loss   | test_loss | test_acc | time_s | run dir
@@ -55,6 +57,20 @@ def _varying(jobs: list[list[str]]) -> list[list[str]]:
     """Each job's overrides that tell it apart: those common to every job are left out."""
     common = set.intersection(*map(set, jobs)) if len(jobs) > 1 else set()
     return [[word for word in job if word not in common] for job in jobs]
+
+
+JOB_ROWS = ".fdp-jobs"  # <sweep dir>/.fdp-jobs/<num>.json: a job's row, written by the process that ran it
+
+
+def _written(rows: Path) -> list[Job]:
+    """The rows the jobs' processes wrote under ``rows`` (none where the directory is missing)."""
+    jobs = []
+    for path in sorted(rows.glob("*.json")) if rows.is_dir() else ():
+        try:
+            jobs.append(Job(**json.loads(path.read_text())))
+        except (OSError, ValueError, TypeError):
+            continue  # a row cut short: the job is left out of the table rather than the table lost
+    return jobs
 
 
 def _summary(run_dir: Path) -> dict:
@@ -150,16 +166,25 @@ class SweepTable(Callback):
         status = status if isinstance(status, int) else 0
         overrides = " ".join(OmegaConf.to_container(config.hydra.overrides.task))
         shown = str(run_dir) if run_dir.is_dir() else "-"  # a refused job leaves none
-        self.jobs.append(
-            Job(config.hydra.job.num, overrides, status, time.monotonic() - self.started, shown, _summary(run_dir))
-        )
+        job = Job(config.hydra.job.num, overrides, status, time.monotonic() - self.started, shown, _summary(run_dir))
+        self.jobs.append(job)
+        # Where the sweep's process finds it when the launcher ran this job in a process of its own.
+        rows = run_dir.parents[len(Path(str(config.hydra.sweep.subdir)).parts) - 1] / JOB_ROWS
+        try:
+            rows.mkdir(parents=True, exist_ok=True)
+            (rows / f"{job.num}.json").write_text(json.dumps(job._asdict()))
+        except OSError:  # the table of this process still has it
+            pass
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        if not self.jobs:
+        ended = {job.num: job for job in _written(Path(str(config.hydra.sweep.dir)) / JOB_ROWS)}
+        ended.update({job.num: job for job in self.jobs})  # those this process ran
+        ran = [ended[num] for num in sorted(ended)]
+        if not ran:
             return
-        varying = _varying([j.overrides.split() for j in self.jobs])
-        jobs = [j._replace(overrides=" ".join(words)) for j, words in zip(self.jobs, varying)]
+        varying = _varying([j.overrides.split() for j in ran])
+        jobs = [j._replace(overrides=" ".join(words)) for j, words in zip(ran, varying)]
         print(sweep_table(jobs), flush=True)
-        worst = max((j.status for j in self.jobs), key=lambda s: (s != 0, s))
+        worst = max((j.status for j in ran), key=lambda s: (s != 0, s))
         if worst:
             raise SystemExit(worst)

@@ -60,7 +60,7 @@ from fdp.run.loop import Loop
 from fdp.run.loop_controls import LoopControls, read_resumed, run_steps
 from fdp.run.out_of_memory import out_of_memory_message
 from fdp.run.rejoin import Joining, RunEnded, enter_world
-from fdp.run.report import Report
+from fdp.run.report import Report, evaluated_names
 from fdp.run.rundir import RankStatus, RunDir, train_log_handler
 from fdp.run.sharded_checkpoint import load_sharded
 from fdp.run.startup import start_run
@@ -255,7 +255,10 @@ def _train(
     rows = report.times.rows
     if comm.rank == 0 and rows:  # what this invocation measured, for the next one's trainer.compile=auto
         compiled.write_record(run_dir.path, choice, rows[0]["step_s"], report.times.median("step_s"))
-    summary = report.summary(loop.state, device.type, interrupted, loop.controls.stopped_by)
+    stopped = loop.controls.stopped_by
+    if stopped is None and not interrupted and loop.state.step == cfg.trainer.stop_at < loop.controls.end_step:
+        stopped = "stop_at"  # this invocation ended early as asked: trainer.resume=true goes on
+    summary = report.summary(loop.state, device.type, interrupted, stopped)
     loop.callbacks.run_end(comm, loop.state, summary)
     if world is not None:
         world.finish(summary)
@@ -298,16 +301,21 @@ def _start(
             world, comm, state, extra = enter_world(cfg, world, parts, state, device)
             rank, world_size = comm.rank, comm.world_size
             resumed, compile = extra["controls"], extra["compile"]
-        if rank == 0:
-            _announce(cfg, run_dir, parts, world_size, device)
+            # Its own log's first line (rank<N>.log): it prints nothing else a rank other than 0 would not.
+            log.info(f"started again and joined the running world at step {state.step}: rank {rank} of {world_size}")
         timeline = Timeline(rank) if tc.trace else NullTimeline()
         steps = run_steps(tc.max_steps, tc.max_epochs, parts.data, cfg.data.global_batch_size)
         last_step = min(steps, tc.stop_at or steps)
         resumed = read_resumed(source, comm) if source is not None else resumed
-        evaluated = tuple(split for split in SPLITS if has_split(parts.data, split))
-        controls = LoopControls(tc, comm, parts.plan, state, evaluated, steps, resumed, shard=parts.update.comm)
+        splits = tuple(split for split in SPLITS if has_split(parts.data, split))
+        evaluated = evaluated_names(parts.metrics, bool(tc.ema_decay)) if splits else ()
+        controls = LoopControls(  # a monitor refused first
+            tc, comm, parts.plan, state, splits, evaluated, steps, resumed, shard=parts.update.comm
+        )
         callbacks = Callbacks.of(OmegaConf.to_container(tc.callbacks, resolve=True), given, run_dir.path, parts.plan)
         callbacks.restore((resumed or {}).get("callbacks"), comm)
+        if rank == 0:
+            _announce(cfg, run_dir, parts, world_size, device)
         blocked = _not_compiled(cfg, parts)
         # A joiner takes the world's choice (its own is made alone: no collective the others would not make).
         choice = compiled.choose(

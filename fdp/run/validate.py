@@ -43,7 +43,7 @@ from fdp.run.keys import check_keys
 from fdp.run.loggers import check_loggers
 from fdp.run.loop_controls import check_loop_settings
 from fdp.run.rundir import RunDir
-from fdp.run.sharded_checkpoint import check_checkpoint_format
+from fdp.run.sharded_checkpoint import check_checkpoint_async, check_checkpoint_format
 from fdp.state.replicas import check_sync_buffers
 from fdp.step.compiled import check_compile
 from fdp.step.outer_spec import check_outer
@@ -130,9 +130,16 @@ def _validate_trainer(cfg: Any) -> None:
         lambda value: check_checkpoint_format(value, cfg.outer.name != "none", cfg.world.on_rank_loss == "shrink"),
         t.checkpoint_format,
     )
+    _as_config_key(
+        "trainer.checkpoint_async", lambda value: check_checkpoint_async(value, t.checkpoint_format), t.checkpoint_async
+    )
     _as_config_key("trainer.sample_streams", check_sample_streams, t.sample_streams)
     _as_config_key("trainer.activation_checkpointing", remat.check_mode, t.activation_checkpointing)
-    _as_config_key("trainer.activation_checkpointing_k", remat.check_k, t.activation_checkpointing_k)
+    _as_config_key(
+        "trainer.activation_checkpointing_k",
+        lambda k: remat.check_k(k, remat.resolved_mode(t.activation_checkpointing, t.activation_checkpointing_policy)),
+        t.activation_checkpointing_k,
+    )
     if wants_sample_streams(t.sample_streams, cfg.world.on_rank_loss):
         _require(
             t.compile is not True,
@@ -157,7 +164,8 @@ def _validate_trainer(cfg: Any) -> None:
             t.reduce_dtype == "float32",
             "trainer.reduce_dtype",
             t.reduce_dtype,
-            "float32 with world.hierarchical=true at trainer.zero_stage=0",
+            "float32 with world.hierarchical=true at trainer.zero_stage=0 (the hook then runs across nodes only, "
+            "on each node's float32 sum; hooks=bf16 sends bfloat16 across nodes)",
         )
     refusal = stage_rules(t.zero_stage).refuses_compile()
     if refusal:
@@ -194,6 +202,12 @@ def _validate_world(cfg: Any) -> None:
     if kind.starts_ranks:  # there the world size is known only to the launched processes
         return
     world = w.nnodes * w.nproc_per_node
+    _require(
+        not (w.respawn and world == 1),
+        "world.respawn",
+        w.respawn,
+        "false on one process (a lost rank leaves no world to rejoin; world=local2 or more)",
+    )
     per_rank = _as_config_key(
         "data.global_batch_size", lambda size: check_global_batch(size, world), d.global_batch_size
     )
@@ -216,6 +230,12 @@ def _validate_respawn(w: Any, kind: Any, outer: Any) -> None:
     _require(w.respawn_delay_s >= 0, "world.respawn_delay_s", w.respawn_delay_s, "seconds >= 0")
     _require(w.max_respawns >= 0, "world.max_respawns", w.max_respawns, "an integer >= 0")
     if w.respawn:
+        _require(
+            w.max_respawns >= 1,
+            "world.max_respawns",
+            w.max_respawns,
+            "an integer >= 1 with world.respawn=true (0 starts no rank again: set world.respawn=false)",
+        )
         _require(
             w.on_rank_loss == "shrink",
             "world.respawn",

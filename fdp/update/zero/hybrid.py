@@ -29,7 +29,7 @@ from fdp.comm import Comm, new_group
 from fdp.hooks import Hook, stage_name
 from fdp.hooks.base import GradBucket, run_stage
 from fdp.hooks.hierarchical import check_node_size
-from fdp.hooks.registry import HOOKS
+from fdp.hooks.registry import shardable_hooks
 from fdp.plan import Bucket, BucketPlan, ParamSlot
 from fdp.update.zero.layout import shard_key, shard_numel
 from fdp.update.zero.scatter import ScatterComm
@@ -84,11 +84,9 @@ def check_hook_across_nodes(hook: Hook) -> None:
     ValueError: hooks 'powersgd' need the whole reduced bucket, which hybrid sharding (world.hierarchical=true ...
     """
     if not hook.shardable:  # PowerSGD's matrices: a node's slice of a bucket cuts through them
-        # the options a user names (not a chain's inner compress/decompress stages)
-        slices = [name for name, factory in HOOKS.items() if factory().shardable and "compress" not in name]
         raise ValueError(
             f"hooks {stage_name(hook)!r} need the whole reduced bucket, which hybrid sharding (world.hierarchical=true "
-            f"with a ZeRO stage) splits over each node; expected hooks {', '.join(slices)}"
+            f"with a ZeRO stage) splits over each node; expected hooks {', '.join(shardable_hooks())}"
         )
 
 
