@@ -18,7 +18,6 @@ extensions = [
     "sphinx.ext.autosummary",
 ]
 exclude_patterns = ["_build", "**/.ipynb_checkpoints"]
-suppress_warnings = ["myst.header"]  # headings move a level between README and a page
 
 # Notebooks are shown with their saved outputs; the tests execute them.
 nb_execution_mode = "off"

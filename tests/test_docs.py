@@ -50,6 +50,13 @@ def _example(marker: str) -> str:
     return code
 
 
+def test_the_readmes_links_lead_to_files_of_the_repository():
+    """README.md is read on GitHub, outside the site whose build checks its own links."""
+    links = re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", (ROOT / "README.md").read_text())
+    assert len(links) >= 10, links
+    assert not [link for link in links if not (ROOT / link).is_file()]
+
+
 # The examples whose output the tests below check; every other one must run and exit 0.
 ONE_PROCESS, TWO_PROCESSES, CALLBACKS = "# pure: `state` is unchanged", "fdp.spawn(worker", "class LossLog(Callback)"
 
