@@ -1,6 +1,6 @@
 """A shell command ``python SCRIPT ARGS...`` run as the shell runs it, minus the interpreter's start-up.
 
-Tests that run many short recipe commands (README commands, refusals that end before step 1) spend most
+Tests that run many short recipe commands (the docs' commands, refusals that end before step 1) spend most
 of their time importing torch, torch._dynamo and fdp again in each fresh interpreter: 5 s each on a loaded
 2-core machine. ``start`` forks the command instead from the forkserver that tests/conftest.py keeps, which
 imported them once, and runs the script there as the interpreter would: ``sys.argv``, ``sys.path`` (the
@@ -12,8 +12,8 @@ gives the exit status, and the interpreter's exit functions run before it exits.
 
 A local world's workers fork from the command's process unless ``fork_workers=False`` (fdp.spawn's
 ``start_method="fork"``): they keep its imports, output files, environment and process group. Spawned workers
-stay covered where a test needs them: tests/test_interrupt.py (the terminal's signal to the group), the
-README's Python examples (the worker function must pickle), and each group's one ``fresh`` command, which
+stay covered where a test needs them: tests/test_interrupt.py (the terminal's signal to the group),
+the docs' Python examples (the worker function must pickle), and each group's one ``fresh`` command, which
 starts from a fresh interpreter as the shell does (``-c`` and ``-m`` commands keep ``subprocess``).
 """
 

@@ -1,6 +1,8 @@
-"""The config reference: every key's meaning read from the schemas, the generated page, and ``--help``."""
+"""The reference pages: every config key's meaning read from the schemas, the generated page and ``--help``; the API
+page lists every public name."""
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -39,3 +41,12 @@ def test_help_from_the_shell_prints_the_reference_and_exits_0(tmp_path):
     assert proc.stdout.startswith("usage: python recipes/train.py")
     assert "hooks.rank" in proc.stdout and "the rank of each gradient matrix's approximation" in proc.stdout
     assert "error" not in proc.stderr
+
+
+def test_the_api_page_lists_every_public_name_of_fdp_once():
+    """docs/reference/api.md's autosummary is fdp.__all__: a public name added or removed shows on the site."""
+    import fdp
+
+    text = (ROOT / "docs" / "reference" / "api.md").read_text()
+    listed = re.findall(r"^   (\w+)$", text.split(".. autosummary::", 1)[1], re.M)
+    assert sorted(listed) == sorted(fdp.__all__), sorted(set(listed) ^ set(fdp.__all__))

@@ -363,13 +363,14 @@ def test_a_rank_waiting_on_a_live_peer_stops_once_the_world_is_reported_broken(r
         assert 0.9 <= waited < 3, waited  # at the report, not at the 8 s timeout
 
 
-def test_the_readmes_shrink_commands_are_accepted_as_written():
-    """README's commands for a shrinking world (which the README tests do not run: a rank must be lost) pass
-    validation."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text().replace("\\\n", " ")
+def test_the_fault_tolerance_pages_shrink_commands_are_accepted_as_written():
+    """The fault-tolerance page's commands for a shrinking world (which tests/test_docs.py does not run: a rank
+    must be lost) pass validation."""
+    page = Path(__file__).resolve().parents[1] / "docs" / "guide" / "fault-tolerance.md"
+    text = page.read_text().replace("\\\n", " ")
     commands = [
         line
-        for line in readme.splitlines()
+        for line in text.splitlines()
         if "recipes/train.py" in line and "on_rank_loss=shrink" in line and not line.lstrip().startswith(("Under", "`"))
     ]
     assert len(commands) == 2, commands

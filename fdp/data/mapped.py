@@ -17,8 +17,8 @@ from fdp.data.batches import LABELS, _epoch_indices, as_batch, batch_size, check
 
 # -- a user's own data: map-style torch Datasets through a DataLoader ----------------------
 class MapData(NamedTuple):
-    """Train, test and validation splits as map-style ``torch.utils.data.Dataset``s, and how their items become a
-    batch (``val``: the data's own validation split, or one held out of ``train``: ``fdp.data.splits``).
+    """Train, test and validation splits as map-style ``torch.utils.data.Dataset`` objects, and how their items
+    become a batch (``val``: the data's own validation split, or one held out of ``train``: ``fdp.data.splits``).
 
     Items are ``(input, target)`` pairs or dicts whose ``labels`` entry is the target
     (Hugging Face's convention; the other entries go to the model by name), made of
@@ -189,7 +189,7 @@ def collate(items: list) -> Any:
 
 
 class StepSampler(Sampler):
-    """Rank ``rank``'s sample indices for each optimizer step ``start_step .. stop_step - 1``.
+    """Rank ``rank``'s sample indices for each optimizer step ``start_step`` to ``stop_step - 1``.
 
     Step ``s``'s global batch is positions ``s * G .. (s + 1) * G - 1`` of the stream of
     one permutation per epoch seeded by ``(seed, epoch)`` (the order ``global_batch``

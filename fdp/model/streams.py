@@ -246,7 +246,7 @@ class SampleStreams:
         self._queue: list[torch.Tensor | None] = []  # each coming micro-batch's keys
 
     def keys(self, step: int, first: int, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """The keys of global samples ``first .. first + count - 1`` at step ``step`` (int64, 32-bit values)."""
+        """The keys of global samples ``first`` to ``first + count - 1`` at step ``step`` (int64, 32-bit values)."""
         base = _mix(_mix(_mix(self.seed & _M32) ^ ((self.seed >> 32) & _M32)) ^ (step & _M32))
         index = torch.arange(first, first + count, dtype=torch.int64, device=device)
         return _mix(index.mul_(_SAMPLE).add_(base).bitwise_and_(_M32))

@@ -1,5 +1,7 @@
-"""The Python examples in README.md run exactly as written, and so does every shell command of
-README.md and examples/README.md that is not marked an illustration."""
+"""Every Python example and shell command of README.md and the site's pages (docs/**/*.md) runs exactly as
+written, and so does every shell command of examples/README.md, unless the block is marked an illustration
+(``<!-- illustration: why -->`` on the line before it). An example or command that appears on two pages runs
+once."""
 
 from __future__ import annotations
 
@@ -16,11 +18,47 @@ import _recipe
 from _paths import pythonpath_first
 
 ROOT = Path(__file__).resolve().parents[1]
+# README.md first: its first command is the run started from a fresh interpreter
+PAGES = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").rglob("*.md") if "_build" not in p.parts)]
+MARKER = re.compile(r"<!-- illustration: (.+?) -->\n$")
 
 
-def _python_blocks() -> list[str]:
-    section = (ROOT / "README.md").read_text().split("## Using it from Python", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```python\n(.*?)```", section, re.S)
+def _blocks(path: Path, language: str) -> list[tuple[str | None, str]]:
+    """Each fenced block of ``language`` in ``path``: (why it is an illustration, or None; its text)."""
+    text = path.read_text()
+    blocks = []
+    for match in re.finditer(rf"```{language}\n(.*?)```", text, re.S):
+        marker = MARKER.search(text[: match.start()])
+        blocks.append((marker.group(1) if marker else None, match.group(1)))
+    return blocks
+
+
+def _python_examples() -> list[str]:
+    """The Python examples of the pages that run, each once (in the order the pages show them)."""
+    examples = []
+    for path in PAGES:
+        for why, code in _blocks(path, "python"):
+            assert why is None or why.strip(), f"{path.name}: an illustration says why"
+            if why is None and code not in examples:
+                examples.append(code)
+    return examples
+
+
+def _example(marker: str) -> str:
+    """The one Python example that contains ``marker``."""
+    (code,) = [code for code in _python_examples() if marker in code]
+    return code
+
+
+def test_the_readmes_links_lead_to_files_of_the_repository():
+    """README.md is read on GitHub, outside the site whose build checks its own links."""
+    links = re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", (ROOT / "README.md").read_text())
+    assert len(links) >= 10, links
+    assert not [link for link in links if not (ROOT / link).is_file()]
+
+
+# The examples whose output the tests below check; every other one must run and exit 0.
+ONE_PROCESS, TWO_PROCESSES, CALLBACKS = "# pure: `state` is unchanged", "fdp.spawn(worker", "class LossLog(Callback)"
 
 
 def _env() -> dict:
@@ -36,14 +74,13 @@ def _run(code: str, cwd: Path, timeout: int) -> subprocess.CompletedProcess:
 
 
 def test_the_one_process_example_runs(tmp_path):
-    (code,) = [block for block in _python_blocks() if "fdp.spawn(" not in block]
+    code = _example(ONE_PROCESS)
     done = _run(code + "\nassert state.step == 1 and metrics['loss'] > 0\n", tmp_path, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_the_two_process_example_trains_checkpoints_and_resumes_to_the_same_params(tmp_path):
-    (code,) = [block for block in _python_blocks() if "fdp.spawn(" in block]
-    done = _run(code, tmp_path, timeout=500)
+    done = _run(_example(TWO_PROCESSES), tmp_path, timeout=500)
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.strip().splitlines()
     assert lines[-1] == "6 steps straight and 3 + 3 resumed: the same parameters on both ranks"
@@ -56,29 +93,31 @@ def test_the_two_process_example_trains_checkpoints_and_resumes_to_the_same_para
 
 
 def test_the_callbacks_example_runs_and_its_callback_writes_every_fifth_step(tmp_path):
-    text = (ROOT / "README.md").read_text()
-    section = text.split("### Your own code in the loop: callbacks", 1)[1].split("\n### ", 1)[0]
-    (code,) = re.findall(r"```python\n(.*?)```", section, re.S)
-    done = _run(code, tmp_path, timeout=300)
+    done = _run(_example(CALLBACKS), tmp_path, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "4 lines"
     lines = (tmp_path / "outputs" / "callbacks" / "losses.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [5, 10, 15, 20]
 
 
-# -- every shell command of the READMEs ---------------------------------------------------------
-ILLUSTRATION = re.compile(r"<!-- illustration: (.+?) -->\n```bash\n", re.S)
-MAX_STEPS = 40  # the main README's runs, capped (a later override wins); examples/README.md's run as written
+def test_every_other_python_example_runs(tmp_path):
+    """The examples no test above reads (a notebook's forked workers, ...): each exits 0 as written."""
+    others = [
+        code for code in _python_examples() if not any(m in code for m in (ONE_PROCESS, TWO_PROCESSES, CALLBACKS))
+    ]
+    assert others, "the pages have examples besides the three checked above"
+    failures = []
+    for n, code in enumerate(others):
+        cwd = tmp_path / f"example{n}"
+        cwd.mkdir()
+        done = _run(code, cwd, timeout=300)
+        if done.returncode != 0:
+            failures.append(f"{code.splitlines()[0]} ...\n  -> exit {done.returncode}: {done.stderr[-1500:]}")
+    assert not failures, "\n".join(failures)
 
 
-def _shell_blocks(path: Path) -> list[tuple[str | None, str]]:
-    """Each ```bash block of ``path``: (why it is an illustration, or None; its text)."""
-    text = path.read_text()
-    blocks = []
-    for match in re.finditer(r"```bash\n(.*?)```", text, re.S):
-        marker = re.search(r"<!-- illustration: (.+?) -->\n$", text[: match.start()])
-        blocks.append((marker.group(1) if marker else None, match.group(1)))
-    return blocks
+# -- every shell command of the pages and examples/README.md --------------------------------------
+MAX_STEPS = 40  # the pages' runs, capped (a later override wins); examples/README.md's run as written
 
 
 def _commands(block: str) -> list[str]:
@@ -124,28 +163,35 @@ def _run_chain(chain: list, fresh: bool) -> list[str]:
     return failures
 
 
-def test_every_shell_command_in_the_readmes_runs_or_is_marked_an_illustration(tmp_path):
+def test_every_shell_command_of_the_pages_runs_or_is_marked_an_illustration(tmp_path):
     """Each command of a ```bash block runs from the repository root and exits 0; a block it
-    cannot run here (GPUs, clusters, installs) says so in an HTML comment before it. The main
-    README's runs are capped at MAX_STEPS steps. Commands that share a run directory (a run
-    stopped, then resumed) run in order; the others two at a time. The first runs from a fresh interpreter,
-    the others forked from one that imported torch and fdp already (tests/_recipe.py): as the shell runs them
-    but for the imports, most of a short run's time."""
+    cannot run here (GPUs, clusters, installs) says so in an HTML comment before it. The pages' runs are
+    capped at MAX_STEPS steps. Commands that share a run directory (a run stopped, then resumed) run in order;
+    the others two at a time, and a command that stands alone on two pages (README's first run, also on the
+    shell page) once. The first runs from a fresh interpreter, the others forked from one that imported torch
+    and fdp already (tests/_recipe.py): as the shell runs them but for the imports, most of a short run's time."""
     chains: dict[str, list] = {}
-    for path, cap in ((ROOT / "README.md", True), (ROOT / "examples" / "README.md", False)):
-        for n, (why, block) in enumerate(_shell_blocks(path)):
+    alone: set[tuple[str, bool]] = set()
+    sources = [(path, True) for path in PAGES] + [(ROOT / "examples" / "README.md", False)]
+    for path, cap in sources:
+        for n, (why, block) in enumerate(_blocks(path, "bash")):
             if why is not None:
                 assert why.strip(), f"{path.name}: an illustration says why"
                 continue
-            tmp, dirs = tmp_path / f"{path.parent.name}{n}", {}
+            tmp, dirs = tmp_path / f"{path.relative_to(ROOT).with_suffix('')}{n}".replace("/", "_"), {}
             tmp.mkdir()
             for command in _commands(block):
+                if "hydra.run.dir=" not in command:
+                    if (command, cap) in alone:
+                        continue
+                    alone.add((command, cap))
                 argv, env = _runnable(command, tmp, dirs, cap)
                 chains.setdefault(next(w for w in argv if w.startswith("hydra.run.dir=")), []).append(
                     (argv, env, command)
                 )
     assert sum(map(len, chains.values())) >= 10
-    first = next(iter(chains.values()))  # the bare `python recipes/train.py`: from a fresh interpreter
+    first = next(iter(chains.values()))  # README's bare `python recipes/train.py`: from a fresh interpreter
+    assert first[0][2] == "python recipes/train.py", first[0][2]
     # The longest first (local worlds start their workers from fresh interpreters), so that no long one runs alone
     # at the end while the other thread has nothing left.
     order = sorted(chains.values(), key=lambda chain: -sum(1 + 2 * ("world=local2" in c) for *_, c in chain))
