@@ -80,24 +80,44 @@ def refusal(a: Feature, b: Feature, compose=None) -> str | None:
     if compose is None:
         from fdp.run.config import compose
     try:
-        validate(compose(*_merged(a, b)))
+        cfg = compose(*_merged(a, b))
+    except Exception as error:  # Hydra's or OmegaConf's refusal of a key or value
+        return str(error).strip().splitlines()[0]
+    try:
+        validate(cfg)
     except (ConfigError, ValueError) as error:
         return str(error).strip().splitlines()[0]
     return None
 
 
 def refused_pairs() -> list[tuple[Feature, Feature, str]]:
-    """Every pair of ``FEATURES`` (each feature alone too) the checks refuse, with the line they give."""
+    """Every pair of ``FEATURES`` (each feature alone too) the checks refuse, with the line they give.
+
+    Hydra composes each choice of config groups once (its start is the cost: about a second); a pair's
+    ``key=value`` settings are set on a copy, as Hydra's overrides would set them."""
+    import copy
+
+    import yaml
     from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
 
     from fdp.run.config import CONF_DIR, register_configs
 
     register_configs()
+    groups: dict[tuple[str, ...], object] = {}
     out = []
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):  # once: Hydra's start is the cost
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
 
         def composed(*overrides: str):
-            return compose("config", overrides=list(overrides))
+            chosen = tuple(o for o in overrides if "." not in o.split("=", 1)[0])
+            if chosen not in groups:
+                groups[chosen] = compose("config", overrides=list(chosen))
+            cfg = copy.deepcopy(groups[chosen])
+            for override in overrides:
+                key, value = override.split("=", 1)
+                if "." in key:
+                    OmegaConf.update(cfg, key, yaml.safe_load(value), merge=True)
+            return cfg
 
         for a, b in itertools.combinations_with_replacement(FEATURES, 2):
             line = refusal(a, b, composed)
