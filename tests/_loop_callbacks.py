@@ -35,7 +35,7 @@ class Recorder(Callback):
 
     def on_evaluation_end(self, event):
         self.counts["evaluation_end"] += 1
-        self._write(event, "evaluation_end", test_loss=event.metrics["test_loss"])
+        self._write(event, "evaluation_end", val_loss=event.metrics["val_loss"])
 
     def on_save(self, event):
         self.counts["save"] += 1

@@ -19,7 +19,7 @@ class ExportBest(Callback):
 
     every_rank = True
 
-    def __init__(self, metric: str = "test_loss", mode: str = "min"):
+    def __init__(self, metric: str = "val_loss", mode: str = "min"):
         if mode not in ("min", "max"):
             raise ValueError(f"mode={mode!r}: expected min or max")
         self.metric, self.mode, self.best = metric, mode, None

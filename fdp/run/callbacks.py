@@ -3,7 +3,7 @@
 A callback is an object with any of these methods (``Callback`` has them all, doing nothing):
 
 * ``on_step_end(event)``: after every step, with the step's metrics (this rank's: ``loss`` is its share's);
-* ``on_evaluation_end(event)``: after each evaluation, with its record (rank 0's on every rank: ``test_loss``...);
+* ``on_evaluation_end(event)``: after each evaluation, with its record (rank 0's on every rank: ``val_loss``...);
   the evaluations every run of the settings makes (not the one closing a ``trainer.stop_at`` invocation);
 * ``on_save(event)``: once a checkpoint is complete, ``event.checkpoint`` its path (with the whole-file format
   only rank 0's is known: ``None`` on the others; an asynchronous sharded write is waited for first);
