@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from fdp._torch import preload_compiler
 from fdp.comm import Comm
 from fdp.data import check_global_batch, has_test_split
-from fdp.dist.allocator import release_free_memory
+from fdp.dist.allocator import PeakMemory, release_free_memory
 from fdp.dist.devices import MemoryPhase, is_out_of_memory, limit_memory
 from fdp.dist.grow import GrowingWorld, joining, prepare_joiner, respawner
 from fdp.dist.heartbeat import Heartbeat
@@ -54,6 +54,8 @@ from fdp.model.precision import set_matmul_precision
 from fdp.model.streams import wants_sample_streams
 from fdp.run import checkpoint
 from fdp.run.build import RunParts, build_data, build_run, display_name, tune_allocator_for
+from fdp.run.forecast import first_use_mib
+from fdp.run.forecast_run import start_line
 from fdp.run.loop import Loop
 from fdp.run.loop_controls import LoopControls, read_resumed, run_steps
 from fdp.run.out_of_memory import out_of_memory_message
@@ -272,6 +274,8 @@ def _start(
     # would not count it): loaded before the budget starts.
     preload_compiler()
     limit_memory(cfg.world.memory_per_rank_mb, device)  # from here: what the run adds to the data it loaded
+    peak = PeakMemory(device)  # what the summary says the run held at most, over this (fdp.run.forecast's peak)
+    fixed = first_use_mib() if device.type == "cpu" else 0.0
     with phase("build"):  # to the first step: what setting up the loop holds is the build's too
         parts = build_run(cfg, comm, device, data)
         source = None if joiner else _resume_source(cfg, run_dir)
@@ -284,6 +288,7 @@ def _start(
             resumed, compile = extra["controls"], extra["compile"]
         if rank == 0:
             _announce(cfg, run_dir, parts, world_size, device)
+            log.info(start_line(cfg, parts, world_size, fixed))
         timeline = Timeline(rank) if tc.trace else NullTimeline()
         steps = run_steps(tc.max_steps, tc.max_epochs, parts.data, cfg.data.global_batch_size)
         last_step = min(steps, tc.stop_at or steps)
@@ -299,6 +304,7 @@ def _start(
         compile = choice.compile if compile is None else compile
         loop = Loop(cfg, parts, comm, timeline, device, state, last_step, compile, controls, phase, world)
         report = Report(cfg, run_dir, parts, comm, state.step, last_step)
+        report.peak = peak
     return loop, report, choice
 
 
