@@ -227,6 +227,7 @@ class Terms(NamedTuple):
     recomputed: int
     fixed: int
     build_params: int  # what a build makes at once beyond the state it keeps (the whole params at stages 0-2)
+    collectives: int  # gloo's own buffers for the buckets a step reduces (CPU worlds of more than one rank)
     update: int  # the optimizer's temporaries over one bucket
 
 
@@ -259,6 +260,7 @@ class Forecast(NamedTuple):
             "hook state": t.hooks,
             "outer loop / moving average": t.extra_state,
             "gathers in flight": t.gathers,
+            "collective buffers": t.collectives,
             "checkpoint staging": t.staging,
             "activations (micro-batch)": t.activations,
         }
@@ -279,12 +281,12 @@ class Forecast(NamedTuple):
 def phase_peaks(t: Terms, stage: int) -> dict[str, int]:
     """Each phase's peak (bytes over the loaded process) from the terms.
 
-    >>> t = Terms(100, 100, 100, 200, 0, 0, 0, 0, 50, 10, 0, 7, 100, 20)
+    >>> t = Terms(100, 100, 100, 200, 0, 0, 0, 0, 50, 10, 0, 7, 100, 0, 20)
     >>> phase_peaks(t, stage=0)
     {'build': 507, 'step': 487, 'update': 427, 'save': 487}
     """
     held = t.params + t.grads_held + t.optimizer + t.hooks + t.extra_state + t.fixed
-    in_step = max(0, t.grads_step - t.grads_held)
+    in_step = max(0, t.grads_step - t.grads_held) + t.collectives
     # Backward holds the kept activations and their gradients, and one recomputed module's (BACKWARD_FACTOR).
     backward = int(BACKWARD_FACTOR * t.activations + RECOMPUTE_FACTOR * t.recomputed)
     step = held + in_step + t.gathers + max(backward, t.activations + 2 * t.largest_activation)
@@ -323,7 +325,7 @@ def forecast(
     >>> plan = pack_into_buckets([("w", (1024, 1024), "float32", "cpu")])
     >>> [forecast(plan, sgd(0.1, momentum=0.9), allreduce(), Activations(0, 0), stage=s, world=4, rank=1).peak // MiB
     ...  for s in range(4)]
-    [20, 14, 14, 10]
+    [24, 18, 18, 14]
     """
     params = params_bytes(plan, stage, world)
     share = slice_bytes(plan, world)
@@ -355,6 +357,8 @@ def forecast(
         # The optimizer's elementwise temporaries, about its state's size; at stages 0-2 the first step also lays the
         # params out in their buckets (a copy; the heap keeps the memory the old ones free).
         update=opt + (plan.nbytes if stage < 3 else 0),
+        # Measured on 2 CPU ranks: gloo holds about a bucket's size of its own for each bucket it reduces in a step.
+        collectives=plan.nbytes if world > 1 and plan.buckets[0].device == "cpu" else 0,
     )
     sent = step_bytes_sent(plan, stage, world, hook_ratio, gather_itemsize, reshard)
     links = _links(sent, world, node_size, outer, plan.nbytes)
