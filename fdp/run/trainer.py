@@ -280,6 +280,8 @@ def _start(
         parts = build_run(cfg, comm, device, data)
         source = None if joiner else _resume_source(cfg, run_dir)
         state = _first_state(source, parts, comm)
+        # The forecast's trace before the heap gives back what building left free: it costs the run nothing after.
+        forecast_line = start_line(cfg, parts, world_size, fixed) if rank == 0 and not joiner else None
         release_free_memory()  # what building left free (the whole params, at ZeRO stages that shard them)
         resumed, compile = None, None
         if joiner:  # built alone: now into the running world, healed from its ranks (fdp.run.rejoin)
@@ -288,7 +290,7 @@ def _start(
             resumed, compile = extra["controls"], extra["compile"]
         if rank == 0:
             _announce(cfg, run_dir, parts, world_size, device)
-            log.info(start_line(cfg, parts, world_size, fixed))
+            log.info(forecast_line or "memory forecast: none (a rank joining a running world)")
         timeline = Timeline(rank) if tc.trace else NullTimeline()
         steps = run_steps(tc.max_steps, tc.max_epochs, parts.data, cfg.data.global_batch_size)
         last_step = min(steps, tc.stop_at or steps)
