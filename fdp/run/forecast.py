@@ -291,8 +291,10 @@ def phase_peaks(t: Terms, stage: int) -> dict[str, int]:
     backward = int(BACKWARD_FACTOR * t.activations + RECOMPUTE_FACTOR * t.recomputed)
     step = held + in_step + t.gathers + max(backward, t.activations + 2 * t.largest_activation)
     update = held + in_step + t.update
-    # A save follows a step: measured on the CPU, what it allocates does not fit in the blocks the step freed.
-    return {"build": held + t.build_params, "step": step, "update": update, "save": max(step, update) + t.staging}
+    # A save follows a step. At stages 0-2 the heap keeps what a step frees (fdp.dist.allocator), and measured on the
+    # CPU what a save allocates does not fit in those blocks; stage 3 maps its large blocks and hands them back.
+    after = held if stage == 3 else max(step, update)
+    return {"build": held + t.build_params, "step": step, "update": update, "save": after + t.staging}
 
 
 def forecast(
