@@ -48,7 +48,9 @@ def main() -> None:
     try:
         cfg = resolve_world(cfg)
         validate(cfg)
+        before = forecast.resident_mib()
         parts = build_run(cfg, Comm())
+        fixed += forecast.built_mib(before, parts.state)  # what the build left beyond its state (the model's code)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(cli.REFUSED)

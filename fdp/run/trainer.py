@@ -54,7 +54,7 @@ from fdp.model.precision import set_matmul_precision
 from fdp.model.streams import wants_sample_streams
 from fdp.run import checkpoint
 from fdp.run.build import RunParts, build_data, build_run, display_name, tune_allocator_for
-from fdp.run.forecast import first_use_mib
+from fdp.run.forecast import built_mib, first_use_mib
 from fdp.run.forecast_run import start_line
 from fdp.run.loop import Loop
 from fdp.run.loop_controls import LoopControls, read_resumed, run_steps
@@ -281,7 +281,8 @@ def _start(
         source = None if joiner else _resume_source(cfg, run_dir)
         state = _first_state(source, parts, comm)
         # The forecast's trace before the heap gives back what building left free: it costs the run nothing after.
-        forecast_line = start_line(cfg, parts, world_size, fixed) if rank == 0 and not joiner else None
+        built = fixed + built_mib(peak.base + fixed, state) if device.type == "cpu" else 0.0  # the fixed part, measured
+        forecast_line = start_line(cfg, parts, world_size, built) if rank == 0 and not joiner else None
         release_free_memory()  # what building left free (the whole params, at ZeRO stages that shard them)
         resumed, compile = None, None
         if joiner:  # built alone: now into the running world, healed from its ranks (fdp.run.rejoin)
