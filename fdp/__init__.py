@@ -43,7 +43,8 @@ or of packages above it in this list; ``tests/test_imports.py`` holds every impo
 * ``model``: what a model computes: any ``nn.Module`` as a pure function (``functional``), the built-in and
   Hugging Face models (``builtin``), mixed precision (``precision``), per-sample random streams
   (``streams``), activation checkpointing (``remat``), losses and the first-batch check (``losses``, ``fit``),
-  a model built on ``meta`` and made one tensor at a time with a whole build's values (``deferred``).
+  a model built on ``meta`` and made one tensor at a time with a whole build's values (``deferred``), what a
+  forward keeps for backward (``activations``).
 * ``dist``: the world of processes: this process's heap (``allocator``), a rank's place in a job (``slurm``,
   ``launchers``: one class per launcher, ``devices``), stop signals (``interrupt``), starting and joining a
   world (``launch``), a rank kept by the process its launcher watches (``keeper``) and a world that goes on
@@ -61,10 +62,10 @@ or of packages above it in this list; ``tests/test_imports.py`` holds every impo
   ``evaluate``, ``rundir``), the world on this machine (``world``), the one start-up (``startup``), a run's
   pieces (``build``), its report, epochs, time limits, early stopping and best checkpoints
   (``loop_controls``), your own code called in the loop (``callbacks``), the loop of one world (``loop``), a
-  rank's run from start to summary (``trainer``), what a rank out of memory says (``out_of_memory``), the shell
-  entry (``cli``) and sweeps (``sweep``); sharded,
-  asynchronous checkpoints in DCP's format (``sharded_checkpoint``), their consolidation into one file
-  (``consolidate``) and a checkpoint of either format checked whole before use (``integrity``).
+  rank's run from start to summary (``trainer``), what a rank out of memory says (``out_of_memory``), the memory
+  a run will need, forecast from its plan (``forecast``, ``forecast_run``), the shell entry (``cli``) and sweeps
+  (``sweep``); sharded, asynchronous checkpoints in DCP's format (``sharded_checkpoint``), their consolidation
+  into one file (``consolidate``) and a checkpoint of either format checked whole before use (``integrity``).
 * ``checkpoint``: the ``python -m fdp.checkpoint consolidate RUN_DIR`` command.
 """
 

@@ -2,18 +2,23 @@
 
     python recipes/plan.py model=charlm data=stdlib_text trainer.bucket_cap_mb=4
     python recipes/plan.py model=convnet +plan_json=plan.json      # also save it as JSON
+    python recipes/plan.py world=local4 trainer.zero_stage=3 world.memory_per_rank_mb=500  # will it fit?
 
 The plan is built exactly as ``recipes/train.py`` builds it before step 1, for the world
-and ZeRO stage the config names. Nothing is written but the JSON asked for (no run
-directory), and a mistake ends in one ``error:`` line with exit status 2, as a run does.
+and ZeRO stage the config names. Then the memory forecast (``fdp.run.forecast``): each rank's
+memory by part, the peak and its phase, the bytes a step sends, and the same run at stages 0-3
+(with ``world.memory_per_rank_mb``: which fit, and the largest micro-batch each allows). Nothing
+is written but the JSON asked for (its ``memory`` section holds the forecast; no run directory),
+and a mistake ends in one ``error:`` line with exit status 2, as a run does.
 """
 
 import json
 import sys
 
+from fdp._torch import preload_compiler
 from fdp.comm import Comm
 from fdp.errors import ConfigError
-from fdp.run import cli
+from fdp.run import cli, forecast, forecast_run
 from fdp.run.build import build_run, display_name
 from fdp.run.config import compose
 
@@ -38,14 +43,18 @@ def main() -> None:
 
     overrides, json_path = _split(sys.argv[1:])
     cfg = compose(*overrides)  # Hydra's own errors: one line from cli.main
+    preload_compiler()  # as a rank does before its budget starts: not part of what the forecast counts
+    fixed = forecast.first_use_mib()  # before anything else runs torch's first operations
     try:
         cfg = resolve_world(cfg)
         validate(cfg)
-        plan = build_run(cfg, Comm()).plan
+        before = forecast.resident_mib()
+        parts = build_run(cfg, Comm())
+        fixed += forecast.built_mib(before, parts.state)  # what the build left beyond its state (the model's code)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(cli.REFUSED)
-    world = cfg.world.nnodes * cfg.world.nproc_per_node
+    plan, world = parts.plan, cfg.world.nnodes * cfg.world.nproc_per_node
     params = sum(s.numel for b in plan.buckets for s in b.slots)
     print(
         f"model={display_name(cfg.model)}: {params:,} params in {len(plan)} buckets, for world={cfg.world.name} "
@@ -53,9 +62,32 @@ def main() -> None:
     )
     print(plan)
     print(f"fingerprint: {plan.fingerprint()}")
+    activations = forecast_run.activations_of(cfg, parts)
+    mine = forecast_run.run_forecasts(cfg, parts, world, fixed, activations)
+    stages = forecast_run.run_forecasts(cfg, parts, world, fixed, activations, stages=range(4))
+    print()
+    print(
+        forecast_run.describe(
+            mine, stages, cfg.world.memory_per_rank_mb, _largest(cfg, parts, world, fixed, activations)
+        )
+    )
     if json_path:
         with open(json_path, "w") as f:
-            json.dump(plan.to_dict(), f, indent=1)
+            json.dump({**plan.to_dict(), "memory": forecast_run.memory_section(mine, stages)}, f, indent=1)
+
+
+def _largest(cfg, parts, world: int, fixed: float, activations) -> dict[int, int] | None:
+    """The largest micro-batch each stage fits under ``world.memory_per_rank_mb`` (``None`` without a budget)."""
+    budget = cfg.world.memory_per_rank_mb
+    if not budget:
+        return None
+
+    def fits(stage: int, micro: int) -> bool:
+        ranks = forecast_run.run_forecasts(cfg, parts, world, fixed, activations, [stage], micro)
+        return max(f.peak for f in ranks) <= budget * forecast.MiB
+
+    most = max(1, cfg.data.global_batch_size // world)
+    return {s: forecast.largest_micro_batch(lambda m, s=s: fits(s, m), most) for s in range(4)}
 
 
 if __name__ == "__main__":

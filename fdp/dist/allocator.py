@@ -6,8 +6,11 @@
 from __future__ import annotations
 
 import ctypes
+import re
 
-__all__ = ["tune_allocator", "release_free_memory", "budget_accounting"]
+import torch
+
+__all__ = ["tune_allocator", "release_free_memory", "budget_accounting", "resident_mib", "PeakMemory"]
 
 
 _MAPPED_FROM = 8 * 2**20  # stage 3's buckets at least this large are mapped (see tune_allocator)
@@ -95,3 +98,52 @@ def release_free_memory() -> None:
     libc = _glibc()
     if libc is not None and hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)
+
+
+def _status_mib(field: str) -> float:
+    """``field`` of ``/proc/self/status`` (``VmRSS``, ``VmHWM``) in MiB; 0 where there is no ``/proc``."""
+    try:
+        with open("/proc/self/status") as status:
+            return int(re.search(rf"{field}:\s+(\d+)", status.read()).group(1)) / 1024
+    except (OSError, AttributeError):
+        return 0.0
+
+
+def resident_mib() -> float:
+    """This process's resident memory now (RSS), in MiB.
+
+    >>> resident_mib() > 0
+    True
+    """
+    return _status_mib("VmRSS")
+
+
+class PeakMemory:
+    """The most memory this process held from ``start`` on, over what it held at ``start``: on a GPU torch's
+    allocated memory, on the CPU the resident memory (its high-water mark, reset at ``start`` through
+    ``/proc/self/clear_refs``).
+
+    >>> peak = PeakMemory(torch.device("cpu"))
+    >>> x = torch.ones(2**22)  # 16 MiB, written
+    >>> peak.mib() >= 15
+    True
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            self.base = torch.cuda.memory_allocated(device) / 2**20
+            return
+        try:
+            with open("/proc/self/clear_refs", "w") as refs:
+                refs.write("5")
+        except OSError:  # not Linux: the high-water mark of the whole process
+            pass
+        self.base = resident_mib()
+
+    def mib(self) -> float:
+        """The peak since ``start`` over what was held then."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2**20 - self.base
+        return max(_status_mib("VmHWM"), resident_mib()) - self.base

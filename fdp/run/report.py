@@ -43,6 +43,8 @@ def evaluated_names(evaluation: tuple[str, ...], average: bool) -> tuple[str, ..
 class Report:
     """The metrics of one rank's run (see the module docstring)."""
 
+    peak = None  # this rank's fdp.dist.allocator.PeakMemory since the budget began: the summary's peak_mib
+
     def __init__(self, cfg: DictConfig, run_dir: RunDir, parts: RunParts, comm: Comm, first_step: int, last_step: int):
         self.cfg, self.run_dir, self.parts, self.comm = cfg, run_dir, parts, comm
         self.last_step = last_step
@@ -231,6 +233,7 @@ class Report:
             "samples_per_s": gbs / times.median("step_s"),
             "skipped_steps": self.skipped,
             "state_mib": self.record.get("state_mib"),
+            **({"peak_mib": round(self.peak.mib(), 1)} if self.peak else {}),
             "run_dir": str(self.run_dir.path),
             **({"shrinks": self.shrinks} if self.shrinks else {}),
             **({"grows": self.grows} if self.grows else {}),

@@ -34,7 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 from fdp._torch import preload_compiler
 from fdp.comm import Comm
 from fdp.data import SPLITS, check_global_batch, has_split
-from fdp.dist.allocator import release_free_memory
+from fdp.dist.allocator import PeakMemory, release_free_memory
 from fdp.dist.devices import MemoryPhase, is_out_of_memory, limit_memory
 from fdp.dist.grow import GrowingWorld, joining, prepare_joiner, respawner
 from fdp.dist.heartbeat import Heartbeat
@@ -56,6 +56,8 @@ from fdp.model.streams import wants_sample_streams
 from fdp.run import checkpoint
 from fdp.run.build import RunParts, build_data, build_run, display_name, tune_allocator_for
 from fdp.run.callbacks import Callbacks, check_given
+from fdp.run.forecast import built_mib, first_use_mib
+from fdp.run.forecast_run import start_line
 from fdp.run.loop import Loop
 from fdp.run.loop_controls import LoopControls, read_resumed, run_steps
 from fdp.run.out_of_memory import out_of_memory_message
@@ -291,10 +293,15 @@ def _start(
     # would not count it): loaded before the budget starts.
     preload_compiler()
     limit_memory(cfg.world.memory_per_rank_mb, device)  # from here: what the run adds to the data it loaded
+    peak = PeakMemory(device)  # what the summary says the run held at most, over this (fdp.run.forecast's peak)
+    fixed = first_use_mib() if device.type == "cpu" else 0.0
     with phase("build"):  # to the first step: what setting up the loop holds is the build's too
         parts = build_run(cfg, comm, device, data)
         source = None if joiner else _resume_source(cfg, run_dir)
         state = _first_state(source, parts, comm)
+        # The forecast's trace before the heap gives back what building left free: it costs the run nothing after.
+        built = fixed + built_mib(peak.base + fixed, state) if device.type == "cpu" else 0.0  # the fixed part, measured
+        forecast_line = start_line(cfg, parts, world_size, built) if rank == 0 and not joiner else None
         release_free_memory()  # what building left free (the whole params, at ZeRO stages that shard them)
         resumed, compile = None, None
         if joiner:  # built alone: now into the running world, healed from its ranks (fdp.run.rejoin)
@@ -316,6 +323,7 @@ def _start(
         callbacks.restore((resumed or {}).get("callbacks"), comm)
         if rank == 0:
             _announce(cfg, run_dir, parts, world_size, device)
+            log.info(forecast_line or "memory forecast: none (a rank joining a running world)")
         blocked = _not_compiled(cfg, parts)
         # A joiner takes the world's choice (its own is made alone: no collective the others would not make).
         choice = compiled.choose(
@@ -326,6 +334,7 @@ def _start(
         compile = choice.compile if compile is None else compile
         loop = Loop(cfg, parts, comm, timeline, device, state, last_step, compile, controls, phase, world, callbacks)
         report = Report(cfg, run_dir, parts, comm, state.step, last_step)
+        report.peak = peak
     return loop, report, choice
 
 

@@ -1,0 +1,421 @@
+"""Before a run: the memory each rank will need, by part and phase, and the bytes each step sends.
+
+Everything here follows from the static plan (every bucket, slice and gather is known
+before step 1), the optimizer's and hooks' state made on ``meta`` (the sizes without the
+memory), and the activations a forward keeps, counted on a tiny trace of one and two
+samples and scaled to the micro-batch (``fdp.model.activations``). Each part is a small
+pure function of those values; ``forecast`` adds them up phase by phase:
+
+* ``build``: building the model and its train state (stages 0-2 make the whole params
+  and lay them out, stage 3 only its slices and one parameter);
+* ``step``: forward and backward of one micro-batch, with what the rank holds between steps,
+  its gradient buffers and, at stage 3, the buckets gathered in flight;
+* ``update``: the optimizer's step over the reduced gradients, bucket by bucket;
+* ``save``: a checkpoint (an asynchronous sharded save keeps a staging copy of the rank's
+  share; a whole-file save at a sharding stage gathers the whole state on rank 0).
+
+``fixed`` is what a rank process adds at its first gradient whatever the model
+(torch's first meta and autograd operations, the process group's threads and buffers,
+the allocator's caches): measured by ``first_use_mib`` in the forecasting process.
+The peak is over what the process held once it had loaded its data (what
+``world.memory_per_rank_mb`` counts); ``recipes/plan.py`` prints it, and a run prints it at
+start and its own measured peak in its summary.
+
+>>> from fdp.plan import pack_into_buckets
+>>> plan = pack_into_buckets([("w", (1000, 1000), "float32", "cpu")])
+>>> params_bytes(plan, stage=3, world=3) * 3 - plan.nbytes  # the padding of the last slice: 2 elements
+8
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from fdp.dist.allocator import resident_mib
+from fdp.hooks import Hook
+from fdp.optim import GradientTransformation
+from fdp.plan import BucketPlan
+from fdp.update.zero.layout import shard_key, shard_numel
+
+__all__ = [
+    "MiB",
+    "Forecast",
+    "Terms",
+    "params_bytes",
+    "slice_bytes",
+    "tree_bytes",
+    "optimizer_state_bytes",
+    "hook_state_bytes",
+    "grad_buffer_bytes",
+    "gathers_in_flight",
+    "staging_bytes",
+    "step_bytes_sent",
+    "forecast",
+    "first_use_mib",
+    "built_mib",
+    "largest_micro_batch",
+    "phase_peaks",
+]
+
+MiB = 2**20
+PHASES = ("build", "step", "update", "save")
+# Measured on the CPU (benchmarks/results/forecast.md): a step's resident memory beyond its state grows by about
+# 1.6x the activations its forward keeps (backward's gradients of them, and the heap's blocks they free split for
+# those), and by about 3.3x the activations one checkpointed block makes again while backward recomputes it (its
+# forward runs again under a gradient transform of its own, beside the block's gradients).
+BACKWARD_FACTOR = 1.6
+RECOMPUTE_FACTOR = 3.3
+COPY_BUFFER = 16 * MiB  # a whole-file save copies step_<N>.pt to last.pt through a buffer this large (fdp.run.atomic)
+
+
+# -- the parts, one pure function each --------------------------------------------------------
+def slice_bytes(plan: BucketPlan, world: int) -> int:
+    """Bytes of one rank's slices of every bucket (``1/world`` of each, the last ones padded).
+
+    >>> from fdp.plan import pack_into_buckets
+    >>> slice_bytes(pack_into_buckets([("w", (5,), "float32", "cpu")]), world=2)  # 3 of the 6 padded elements
+    12
+    """
+    return sum(shard_numel(b, world) * b.torch_dtype.itemsize for b in plan.buckets)
+
+
+def params_bytes(plan: BucketPlan, stage: int, world: int) -> int:
+    """Bytes of params a rank holds between steps: the whole params, or at stage 3 its slices.
+
+    >>> from fdp.plan import pack_into_buckets
+    >>> params_bytes(pack_into_buckets([("w", (5,), "float32", "cpu")]), stage=0, world=2)
+    20
+    """
+    return slice_bytes(plan, world) if stage == 3 else plan.nbytes
+
+
+def tree_bytes(tree: Any) -> int:
+    """Bytes of the tensors of a pytree (``meta`` tensors count their size), each storage once.
+
+    >>> tree_bytes({"a": torch.ones(3), "b": (torch.empty(2, device="meta"), 1.0)})
+    20
+    """
+    seen: dict[Any, int] = {}
+    for leaf in torch.utils._pytree.tree_leaves(tree):
+        if isinstance(leaf, torch.Tensor):
+            seen[leaf.untyped_storage()._cdata] = leaf.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def _meta_params(plan: BucketPlan, stage: int, world: int) -> dict[str, torch.Tensor]:
+    """What the optimizer steps on a rank, on ``meta``: the params whole, or one flat slice per bucket."""
+    if stage == 0:
+        return {s.name: torch.empty(s.shape, dtype=b.torch_dtype, device="meta") for b in plan.buckets for s in b.slots}
+    return {
+        shard_key(b.index): torch.empty(shard_numel(b, world), dtype=b.torch_dtype, device="meta") for b in plan.buckets
+    }
+
+
+def optimizer_state_bytes(optimizer: GradientTransformation, plan: BucketPlan, stage: int, world: int) -> int:
+    """Bytes of the optimizer state a rank holds: of the whole params at stage 0, of its slices from stage 1.
+
+    >>> from fdp import sgd
+    >>> from fdp.plan import pack_into_buckets
+    >>> plan = pack_into_buckets([("w", (10,), "float32", "cpu")])
+    >>> optimizer_state_bytes(sgd(0.1, momentum=0.9), plan, stage=0, world=4)  # one momentum per param
+    40
+    >>> optimizer_state_bytes(sgd(0.1, momentum=0.9), plan, stage=1, world=4)  # of 3 of the 12 padded
+    12
+    """
+    return tree_bytes(optimizer.init(_meta_params(plan, stage, world)))
+
+
+def hook_state_bytes(hook: Hook, plan: BucketPlan) -> int:
+    """Bytes of the hook chain's state over every bucket (PowerSGD's factors, error feedback), made on ``meta``.
+
+    >>> from fdp.hooks import allreduce, int8
+    >>> from fdp.plan import pack_into_buckets
+    >>> plan = pack_into_buckets([("w", (10,), "float32", "cpu")])
+    >>> hook_state_bytes(allreduce(), plan), hook_state_bytes(int8(), plan)  # int8 keeps its rounding error
+    (0, 40)
+    """
+    meta = plan.to_dict()
+    meta = BucketPlan.from_dict({**meta, "buckets": [{**b, "device": "meta"} for b in meta["buckets"]]})
+    return tree_bytes([hook.init(b) for b in meta.buckets])
+
+
+def grad_buffer_bytes(plan: BucketPlan, stage: int, held: bool) -> int:
+    """Bytes of gradient bucket buffers: kept between steps at stages 0 and 1 (``held``); during a step the
+    whole gradient at stages 0-2, and at stage 3 the buckets backward fills at once (two of the largest).
+
+    >>> from fdp.plan import pack_into_buckets
+    >>> plan = pack_into_buckets([("a", (8,), "float32", "cpu"), ("b", (4,), "float32", "cpu")], 1e-5, 1e-5)
+    >>> [grad_buffer_bytes(plan, s, held=True) for s in range(4)], grad_buffer_bytes(plan, 3, held=False)
+    ([48, 48, 0, 0], 48)
+    """
+    if held:
+        return plan.nbytes if stage < 2 else 0
+    if stage < 3:
+        return plan.nbytes
+    return sum(sorted((b.nbytes for b in plan.buckets), reverse=True)[:2])
+
+
+def gathers_in_flight(plan: BucketPlan, world: int, itemsize: int | None = None, reshard: bool = True) -> int:
+    """Bytes of params stage 3 holds gathered at once: the bucket being read and the next one, issued with it
+    (``reshard=False`` keeps every bucket from forward to its gradient: the whole params).
+
+    >>> from fdp.plan import pack_into_buckets
+    >>> plan = pack_into_buckets([("a", (8,), "float32", "cpu"), ("b", (4,), "float32", "cpu")], 1e-5, 1e-5)
+    >>> gathers_in_flight(plan, world=3)  # 9 + 6 padded elements
+    60
+    """
+    sizes = [shard_numel(b, world) * world * (itemsize or b.torch_dtype.itemsize) for b in plan.buckets]
+    return sum(sizes) if not reshard else sum(sorted(sizes, reverse=True)[:2])
+
+
+def staging_bytes(held_share: int, whole_state: int, fmt: str, asynchronous: bool, rank: int, stage: int) -> int:
+    """Bytes a save adds on ``rank``: an asynchronous sharded save's staging copy of the rank's share (params
+    and optimizer state); a whole-file save on rank 0 copies the file to ``last.pt`` through a buffer (up to
+    16 MiB) and, at a stage that shards, first gathers the whole state.
+
+    >>> staging_bytes(100, 400, "sharded", True, rank=1, stage=3), staging_bytes(100, 400, "whole", True, 0, 3)
+    (100, 800)
+    """
+    if fmt == "sharded":
+        return held_share if asynchronous else 0
+    if rank:
+        return 0
+    return min(COPY_BUFFER, whole_state) + (whole_state if stage > 0 else 0)
+
+
+def step_bytes_sent(
+    plan: BucketPlan,
+    stage: int,
+    world: int,
+    ratio: float = 1.0,
+    gather_itemsize: int | None = None,
+    reshard: bool = True,
+) -> int:
+    """Bytes a rank sends per step (the payload it hands each collective, as ``fdp.comm.Comm`` counts it): every
+    bucket reduced (``ratio``: the hook's compression), and from stage 1 its slices gathered (at stage 3 in forward
+    and again in backward, ``reshard``).
+
+    >>> from fdp.plan import pack_into_buckets
+    >>> plan = pack_into_buckets([("w", (10,), "float32", "cpu")])
+    >>> [step_bytes_sent(plan, s, world=2) for s in range(4)]
+    [40, 60, 60, 80]
+    """
+    if world == 1:
+        return 0
+    reduced = int(plan.nbytes * ratio)
+    if stage == 0:
+        return reduced
+    slices = sum(shard_numel(b, world) * (gather_itemsize or b.torch_dtype.itemsize) for b in plan.buckets)
+    return reduced + slices * (2 if stage == 3 and reshard else 1)
+
+
+# -- adding them up ---------------------------------------------------------------------------
+class Terms(NamedTuple):
+    """What a forecast is made of (bytes), for one rank at one stage."""
+
+    params: int
+    grads_held: int
+    grads_step: int
+    optimizer: int
+    hooks: int
+    extra_state: int  # an outer loop's anchor and momentum, the params' moving average
+    gathers: int
+    staging: int
+    activations: int
+    largest_activation: int
+    recomputed: int
+    fixed: int
+    build_params: int  # what a build makes at once beyond the state it keeps (the whole params at stages 0-2)
+    collectives: int  # gloo's own buffers for the buckets a step reduces (CPU worlds of more than one rank)
+    update: int  # the optimizer's temporaries over one bucket
+
+
+class Forecast(NamedTuple):
+    """The memory one rank needs by part and phase (bytes), and the bytes it sends per step."""
+
+    rank: int
+    stage: int
+    terms: Terms
+    phases: dict[str, int]
+    bytes_sent: dict[str, int]
+
+    @property
+    def peak(self) -> int:
+        return max(self.phases.values())
+
+    @property
+    def phase(self) -> str:
+        return max(self.phases, key=self.phases.get)
+
+    def parts(self) -> dict[str, float]:
+        """The parts in MiB, by the names ``recipes/plan.py`` prints."""
+        t = self.terms
+        named = {
+            "fixed per process": t.fixed,
+            "params" + (" (slices)" if self.stage == 3 else ""): t.params,
+            "gradient buckets (held)": t.grads_held,
+            "gradient buckets (in a step)": t.grads_step,
+            "optimizer state" + (" (slices)" if self.stage else ""): t.optimizer,
+            "hook state": t.hooks,
+            "outer loop / moving average": t.extra_state,
+            "gathers in flight": t.gathers,
+            "collective buffers": t.collectives,
+            "checkpoint staging": t.staging,
+            "activations (micro-batch)": t.activations,
+        }
+        return {name: round(value / MiB, 2) for name, value in named.items()}
+
+    def to_dict(self) -> dict:
+        return {
+            "rank": self.rank,
+            "stage": self.stage,
+            "peak_mib": round(self.peak / MiB, 2),
+            "phase": self.phase,
+            "phases_mib": {k: round(v / MiB, 2) for k, v in self.phases.items()},
+            "parts_mib": self.parts(),
+            "bytes_sent": self.bytes_sent,
+        }
+
+
+def phase_peaks(t: Terms, stage: int) -> dict[str, int]:
+    """Each phase's peak (bytes over the loaded process) from the terms.
+
+    >>> t = Terms(100, 100, 100, 200, 0, 0, 0, 0, 50, 10, 0, 7, 100, 0, 20)
+    >>> phase_peaks(t, stage=0)
+    {'build': 507, 'step': 487, 'update': 427, 'save': 487}
+    """
+    held = t.params + t.grads_held + t.optimizer + t.hooks + t.extra_state + t.fixed
+    in_step = max(0, t.grads_step - t.grads_held) + t.collectives
+    # Backward holds the kept activations and their gradients, and one recomputed module's (BACKWARD_FACTOR).
+    backward = int(BACKWARD_FACTOR * t.activations + RECOMPUTE_FACTOR * t.recomputed)
+    step = held + in_step + t.gathers + max(backward, t.activations + 2 * t.largest_activation)
+    update = held + in_step + t.update
+    # A save follows a step. At stages 0-2 the heap keeps what a step frees (fdp.dist.allocator), and measured on the
+    # CPU what a save allocates does not fit in those blocks; stage 3 maps its large blocks and hands them back.
+    after = held if stage == 3 else max(step, update)
+    return {"build": held + t.build_params, "step": step, "update": update, "save": after + t.staging}
+
+
+def forecast(
+    plan: BucketPlan,
+    optimizer: GradientTransformation,
+    hook: Hook,
+    activations,
+    *,
+    stage: int,
+    world: int,
+    rank: int = 0,
+    fixed: int = 0,
+    extra_state: int = 0,
+    checkpoint_format: str = "whole",
+    checkpoint_async: bool = False,
+    gather_itemsize: int | None = None,
+    reshard: bool = True,
+    hook_ratio: float = 1.0,
+    node_size: int = 0,
+    outer: bool = False,
+) -> Forecast:
+    """One rank's forecast at ``stage`` over ``world`` ranks; ``activations``: an ``fdp.model.activations``
+    ``Activations`` for the micro-batch; ``extra_state``: bytes of state beyond params and optimizer
+    (outer loop, moving average) for the whole params, sharded with them at stage 3.
+
+    >>> from fdp import sgd
+    >>> from fdp.hooks import allreduce
+    >>> from fdp.model.activations import Activations
+    >>> from fdp.plan import pack_into_buckets
+    >>> plan = pack_into_buckets([("w", (1024, 1024), "float32", "cpu")])
+    >>> [forecast(plan, sgd(0.1, momentum=0.9), allreduce(), Activations(0, 0), stage=s, world=4, rank=1).peak // MiB
+    ...  for s in range(4)]
+    [24, 18, 18, 14]
+    """
+    params = params_bytes(plan, stage, world)
+    share = slice_bytes(plan, world)
+    opt = optimizer_state_bytes(optimizer, plan, stage, world)
+    whole_opt = opt if stage == 0 else optimizer_state_bytes(optimizer, plan, 0, world)
+    terms = Terms(
+        params=params,
+        grads_held=grad_buffer_bytes(plan, stage, held=True),
+        grads_step=grad_buffer_bytes(plan, stage, held=False),
+        optimizer=opt,
+        hooks=hook_state_bytes(hook, plan),
+        extra_state=extra_state * share // plan.nbytes if stage == 3 else extra_state,
+        gathers=gathers_in_flight(plan, world, gather_itemsize, reshard) if stage == 3 else 0,
+        staging=staging_bytes(
+            (share if stage else plan.nbytes) + opt,
+            plan.nbytes + whole_opt,
+            checkpoint_format,
+            checkpoint_async,
+            rank,
+            stage,
+        )
+        if not (stage == 3 and checkpoint_format == "whole" and rank)
+        else 0,
+        activations=activations.kept,
+        largest_activation=activations.largest,
+        recomputed=activations.recomputed,
+        fixed=fixed,
+        build_params=plan.nbytes if stage < 3 else max(s.numel for b in plan.buckets for s in b.slots) * 4,
+        # The optimizer's elementwise temporaries, about its state's size; at stages 0-2 the first step also lays the
+        # params out in their buckets (a copy; the heap keeps the memory the old ones free).
+        update=opt + (plan.nbytes if stage < 3 else 0),
+        # Measured on 2 CPU ranks: gloo holds about a bucket's size of its own for each bucket it reduces in a step.
+        collectives=plan.nbytes if world > 1 and plan.buckets[0].device == "cpu" else 0,
+    )
+    sent = step_bytes_sent(plan, stage, world, hook_ratio, gather_itemsize, reshard)
+    links = _links(sent, world, node_size, outer, plan.nbytes)
+    return Forecast(rank, stage, terms, phase_peaks(terms, stage), links)
+
+
+def _links(sent: int, world: int, node_size: int, outer: bool, params: int) -> dict[str, int]:
+    """Bytes per step on each link: inside a node, across nodes (``world.hierarchical``), per outer sync."""
+    if outer:  # local steps send nothing; a sync averages the params
+        return {"per_step": 0, "per_outer_sync": params if world > 1 else 0}
+    if node_size and world > node_size:  # hierarchical: the node's sum inside, the leaders' chain across
+        return {"inside_node": sent, "across_nodes": sent // node_size}
+    return {"per_step": sent}
+
+
+def largest_micro_batch(fits: Callable[[int], bool], most: int) -> int:
+    """The largest micro-batch ``b <= most`` with ``fits(b)`` (forecasts grow with it), or 0.
+
+    >>> largest_micro_batch(lambda b: b * 10 <= 75, most=64)
+    7
+    """
+    low, high = 0, most
+    while low < high:
+        middle = (low + high + 1) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def built_mib(before_mib: float, state: Any) -> float:
+    """What building a run left resident beyond the state it made: the model's own code imported at its first
+    build, the first forwards' one-time costs, the heap's blocks the build freed in pieces. Measured: resident memory
+    now over ``before_mib`` (taken before the build), less the bytes of ``state`` (a ``TrainState``).
+
+    >>> built_mib(resident_mib(), {"w": torch.ones(4)}) < 1
+    True
+    """
+    held = tree_bytes([getattr(state, f, None) for f in ("params", "buffers", "opt_state", "hook_state", "outer")])
+    if isinstance(state, dict):
+        held = tree_bytes(state)
+    return max(0.0, resident_mib() - before_mib - held / MiB)
+
+
+def first_use_mib() -> float:
+    """What this process's resident memory grows by at the first operations every rank makes whatever its model:
+    a meta-device op, a ``torch.func`` gradient, a small matmul. Call it once, before anything else runs them.
+
+    >>> first_use_mib() >= 0
+    True
+    """
+    before = resident_mib()
+    x = torch.ones(8, 8, requires_grad=False)
+    torch.empty(8, 8, device="meta").add_(1)
+    torch.func.grad(lambda w: torch.nn.functional.linear(x, w).square().sum())(torch.ones(8, 8))
+    return max(0.0, resident_mib() - before)
