@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 import fdp
 from fdp.data import global_batch, load_stdlib_text, shard
-from fdp.dist.launch import WorldLayout, init_distributed, spawn
+from fdp.procs.launch import WorldLayout, init_distributed, spawn
 from fdp.model.builtin import CharTransformer
 from fdp.update import zero
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from fdp.comm import Comm
-from fdp.dist.devices import limit_memory
+from fdp.procs.devices import limit_memory
 from fdp.model.builtin import count_parameters
 from fdp.model.deferred import NotDeferrable, record_build
 from fdp.model.losses import make_loss_fn

@@ -55,8 +55,8 @@ class Report:
         self.tests_at_end = self.watched == "val" and has_split(parts.data, "test")
         self.tested_at: int | None = None  # the step the test split was scored at the end of
         self.started = time.perf_counter()
-        self.shrinks: list[dict] = []  # each time the world went on without a lost rank (fdp.dist.shrink)
-        self.grows: list[dict] = []  # each time ranks joined it (fdp.dist.grow)
+        self.shrinks: list[dict] = []  # each time the world went on without a lost rank (fdp.procs.shrink)
+        self.grows: list[dict] = []  # each time ranks joined it (fdp.procs.grow)
 
     def shrunk(self, comm: Comm, record: dict) -> None:
         """The world went on without a lost rank from step ``record["step"]``: note it (a line of

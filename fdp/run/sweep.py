@@ -117,7 +117,7 @@ class SweepTable(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from hydra.core.global_hydra import GlobalHydra
 
-        from fdp.dist.launchers import launcher_of
+        from fdp.procs.launchers import launcher_of
         from fdp.errors import ConfigError
         from fdp.run.cli import REFUSED, hydra_error_line
         from fdp.run.validate import validate

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from fdp.comm import Comm, wait_watched
-from fdp.dist.launch import broadcast_from_rank0, check_same_plan
+from fdp.procs.launch import broadcast_from_rank0, check_same_plan
 from fdp.errors import check_choice
 from fdp.model.functional import Buffers, Params
 from fdp.plan import BucketPlan

@@ -19,7 +19,7 @@ import torch
 from fdp.comm import Comm
 from fdp.data import split_micro_batches
 from fdp.data.batches import batch_size
-from fdp.dist.devices import device_of, rng_scope
+from fdp.procs.devices import device_of, rng_scope
 from fdp.errors import check_bool, check_choice, require
 from fdp.hooks import Hook, allreduce, for_slices
 from fdp.hooks import checked as with_result_checks
