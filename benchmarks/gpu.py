@@ -108,11 +108,11 @@ def _build(variant: str, spec: dict, batch, device: torch.device, world: int):
 def _build_fdp(spec: dict, batch, device: torch.device, world: int):
     from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
     from fdp.comm import Comm
-    from fdp.procs.devices import to_device
     from fdp.hooks import allreduce
     from fdp.model.functional import functionalize
     from fdp.optim import adamw
     from fdp.plan import plan_buckets
+    from fdp.procs.devices import to_device
 
     model, params, buffers = functionalize(_module(spec, device), keep_module_weights=False)
     params, buffers = to_device(params, device), to_device(buffers, device)

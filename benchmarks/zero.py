@@ -86,12 +86,12 @@ def worker(model_name: str, stage: int, world: int, warmup: int, steps: int, hoo
     """One rank of a launch that builds one (model, stage) and times it."""
     from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
     from fdp.comm import Comm
-    from fdp.procs.allocator import tune_allocator
-    from fdp.procs.launch import WorldLayout, init_distributed
     from fdp.hooks import build_hook
     from fdp.model.functional import functionalize
     from fdp.optim import adam
     from fdp.plan import plan_buckets
+    from fdp.procs.allocator import tune_allocator
+    from fdp.procs.launch import WorldLayout, init_distributed
     from fdp.step.reduce import resolve_schedule
     from fdp.update import zero
 

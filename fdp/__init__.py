@@ -71,11 +71,6 @@ or of packages above it in this list; ``tests/test_imports.py`` holds every impo
 from fdp import hooks
 from fdp.comm import Comm, Pending
 from fdp.data import MapData, StepSampler, model_inputs
-from fdp.procs.devices import Placement, batch_to_device, place, resolve_backend, to_device
-from fdp.procs.interrupt import StoppedAtOnce, StopSignals
-from fdp.procs.keeper import LostRank
-from fdp.procs.launch import WorldLayout, broadcast_from_rank0, check_same_plan, init_distributed, spawn
-from fdp.procs.launchers import Launcher, launcher_of, register_launcher
 from fdp.errors import ConfigError
 from fdp.hooks import GradBucket, Hook, init_hook_states
 from fdp.model.builtin import hf_model
@@ -107,6 +102,11 @@ from fdp.optim import (
 from fdp.optim.ema import Ema, ema
 from fdp.plan import Bucket, BucketPlan, ParamSlot, gradient_ready_order, plan_buckets
 from fdp.plan.buckets import allocate, lay_out, pack, unpack
+from fdp.procs.devices import Placement, batch_to_device, place, resolve_backend, to_device
+from fdp.procs.interrupt import StoppedAtOnce, StopSignals
+from fdp.procs.keeper import LostRank
+from fdp.procs.launch import WorldLayout, broadcast_from_rank0, check_same_plan, init_distributed, spawn
+from fdp.procs.launchers import Launcher, launcher_of, register_launcher
 from fdp.run.callbacks import Callback, CallbackError, LoopEvent
 from fdp.run.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from fdp.run.loggers import CsvLog, MlflowLog

@@ -11,11 +11,11 @@ from typing import Mapping
 import pytest
 
 import fdp
+from fdp.errors import ConfigError
 from fdp.procs.interrupt import stop_signal_names
 from fdp.procs.launch import launch_rank
 from fdp.procs.launchers import LAUNCHERS, Launched, Launcher, launcher_of, register_launcher
 from fdp.procs.shrink import launched_world
-from fdp.errors import ConfigError
 from fdp.run.config import compose
 from fdp.run.validate import validate
 from fdp.run.world import layout_of, placement_of

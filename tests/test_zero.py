@@ -12,12 +12,12 @@ from hydra import compose, initialize_config_dir
 
 from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
 from fdp.comm import Comm
-from fdp.procs.launch import WorkerFailedError
 from fdp.hooks import noop, topk
 from fdp.model.builtin import MLP, CharTransformer
 from fdp.model.functional import functionalize
 from fdp.optim import adam, chain, clip_by_global_norm
 from fdp.plan import pack_into_buckets, plan_buckets
+from fdp.procs.launch import WorkerFailedError
 from fdp.run.checkpoint import last_of
 from fdp.run.config import ConfigError, register_configs
 from fdp.run.trainer import run

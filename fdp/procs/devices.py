@@ -29,9 +29,9 @@ import torch
 
 from fdp._torch import tree_map
 from fdp.data.batches import as_batch
+from fdp.errors import ConfigError
 from fdp.procs.allocator import budget_accounting
 from fdp.procs.launchers import launcher_of
-from fdp.errors import ConfigError
 
 ACCELERATORS = ("auto", "cpu", "gpu")
 BACKENDS = ("auto", "gloo", "nccl")

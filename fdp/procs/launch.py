@@ -29,11 +29,11 @@ import torch
 import torch.distributed as dist
 
 from fdp.comm import Comm
+from fdp.errors import ConfigError
+from fdp.plan import BucketPlan
 from fdp.procs.devices import device_of_rank, resolve_backend, use_device
 from fdp.procs.interrupt import StoppedAtOnce, relay_to_workers
 from fdp.procs.launchers import Launcher, launcher_of
-from fdp.errors import ConfigError
-from fdp.plan import BucketPlan
 
 LOOPBACK = "127.0.0.1"
 START_METHODS = ("spawn", "fork", "forkserver")

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from typing import ClassVar, Mapping, NamedTuple
 
-from fdp.procs.slurm import job_world
 from fdp.errors import ConfigError, expected
+from fdp.procs.slurm import job_world
 
 __all__ = ["Launched", "Launcher", "LAUNCHERS", "launcher_of", "register_launcher"]
 

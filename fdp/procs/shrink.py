@@ -49,11 +49,11 @@ import torch.distributed as dist
 
 from fdp._torch import live_groups
 from fdp.comm import Comm
+from fdp.errors import check_choice
 from fdp.procs.heartbeat import Heartbeat
 from fdp.procs.keeper import LostRank, keep
 from fdp.procs.launch import RankLostError
 from fdp.procs.launchers import Launched, launcher_of
-from fdp.errors import check_choice
 
 __all__ = [
     "END_KEY",

@@ -29,8 +29,6 @@ from fdp.data import (
     train_batches,
 )
 from fdp.data.batches import batch_size, head, model_inputs
-from fdp.procs.allocator import tune_allocator
-from fdp.procs.devices import batch_to_device, to_device
 from fdp.errors import ConfigError
 from fdp.hooks import Hook
 from fdp.hooks.hierarchical import check_node_size, hierarchical, node_comms
@@ -47,6 +45,8 @@ from fdp.optim import GradientTransformation, build_optimizer, embedding_names
 from fdp.optim.decay import check_decay_filter
 from fdp.plan import BucketPlan, plan_buckets
 from fdp.plan.fragments import split_fragments
+from fdp.procs.allocator import tune_allocator
+from fdp.procs.devices import batch_to_device, to_device
 from fdp.run.config import DATA_SETTINGS
 from fdp.run.evaluate import metric_names
 from fdp.run.loop_controls import run_steps

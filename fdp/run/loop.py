@@ -19,14 +19,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from fdp.comm import Comm
 from fdp.data import train_batches
+from fdp.model import remat
+from fdp.model.losses import make_loss_fn
+from fdp.model.streams import wants_sample_streams
 from fdp.procs.devices import MemoryPhase, batch_to_device
 from fdp.procs.grow import GrowingWorld
 from fdp.procs.interrupt import StopSignals
 from fdp.procs.launch import RankLostError
 from fdp.procs.shrink import Shrink, ShrinkingWorld
-from fdp.model import remat
-from fdp.model.losses import make_loss_fn
-from fdp.model.streams import wants_sample_streams
 from fdp.run import checkpoint
 from fdp.run.build import RunParts
 from fdp.run.callbacks import Callbacks

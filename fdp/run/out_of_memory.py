@@ -13,8 +13,8 @@ import re
 
 from omegaconf import DictConfig
 
-from fdp.procs.devices import MemoryPhase
 from fdp.model import remat
+from fdp.procs.devices import MemoryPhase
 from fdp.run.build import stage_of
 from fdp.run.sharded_checkpoint import check_checkpoint_async
 

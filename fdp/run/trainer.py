@@ -34,6 +34,9 @@ from omegaconf import DictConfig, OmegaConf
 from fdp._torch import preload_compiler
 from fdp.comm import Comm
 from fdp.data import SPLITS, check_global_batch, has_split
+from fdp.errors import ConfigError
+from fdp.model.precision import set_matmul_precision
+from fdp.model.streams import wants_sample_streams
 from fdp.procs.allocator import release_free_memory
 from fdp.procs.devices import MemoryPhase, is_out_of_memory, limit_memory
 from fdp.procs.grow import GrowingWorld, joining, prepare_joiner, respawner
@@ -50,9 +53,6 @@ from fdp.procs.launch import (
 )
 from fdp.procs.launchers import launcher_of
 from fdp.procs.shrink import ShrinkingWorld, check_shrinkable_batch, keep_rank, launched_world, shrink_store
-from fdp.errors import ConfigError
-from fdp.model.precision import set_matmul_precision
-from fdp.model.streams import wants_sample_streams
 from fdp.run import checkpoint
 from fdp.run.build import RunParts, build_data, build_run, display_name, tune_allocator_for
 from fdp.run.callbacks import Callbacks, check_given

@@ -22,11 +22,6 @@ import torch
 from omegaconf import OmegaConf
 
 from fdp.data import check_global_batch, check_micro_batches, check_val_fraction
-from fdp.procs.devices import BACKENDS
-from fdp.procs.grow import check_max_ranks
-from fdp.procs.interrupt import check_requeue_signal
-from fdp.procs.launchers import launcher_of
-from fdp.procs.shrink import check_on_rank_loss, check_shrinkable_batch
 from fdp.errors import ConfigError, one_of, require
 from fdp.hooks import build_hook
 from fdp.hooks.hierarchical import check_node_size
@@ -35,6 +30,11 @@ from fdp.model.precision import check_matmul_precision, check_precision, check_r
 from fdp.model.streams import check_sample_streams, wants_sample_streams
 from fdp.optim import build_optimizer, check_resumed_schedule
 from fdp.plan.values import check_cap
+from fdp.procs.devices import BACKENDS
+from fdp.procs.grow import check_max_ranks
+from fdp.procs.interrupt import check_requeue_signal
+from fdp.procs.launchers import launcher_of
+from fdp.procs.shrink import check_on_rank_loss, check_shrinkable_batch
 from fdp.run.callbacks import check_callbacks
 from fdp.run.checkpoint import saved_config
 from fdp.run.config import SCHEMAS

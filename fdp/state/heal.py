@@ -23,9 +23,9 @@ import torch.distributed as dist
 
 from fdp._torch import tree_flatten, tree_unflatten
 from fdp.comm import Comm, new_group, wait_watched
-from fdp.procs.devices import seeded_cuda_rng
 from fdp.plan import BucketPlan
 from fdp.plan.buckets import crosses_flat, lay_out
+from fdp.procs.devices import seeded_cuda_rng
 from fdp.state.replicas import rank_seed
 from fdp.state.train_state import TrainState
 

@@ -13,13 +13,13 @@ from typing import Any, NamedTuple
 import torch
 
 from fdp._torch import tree_flatten
-from fdp.procs.devices import device_of, seeded_cuda_rng
 from fdp.hooks import Hook, allreduce, init_hook_states
 from fdp.model.functional import Buffers, Params
 from fdp.model.precision import LossScale, Precision
 from fdp.optim import GradientTransformation
 from fdp.plan import BucketPlan
 from fdp.plan.buckets import crosses_flat, lay_out
+from fdp.procs.devices import device_of, seeded_cuda_rng
 from fdp.state.checks import check_state_against_plan
 
 __all__ = ["TrainState", "init_train_state", "state_nbytes"]
