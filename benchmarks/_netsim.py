@@ -499,7 +499,7 @@ def ddp_worker(args) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from fdp.data import global_batch, shard
-    from fdp.dist.allocator import tune_allocator
+    from fdp.procs.allocator import tune_allocator
     from fdp.run.build import build_data, build_module
 
     tune_allocator()  # as fdp's trainer does in every rank

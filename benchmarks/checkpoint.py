@@ -148,7 +148,7 @@ def _fsdp2(spec: dict, comm, directory: Path, saves: int) -> dict:
 
 
 def worker(spec: dict, side: str, world: int, saves: int, directory: str) -> dict:
-    from fdp.dist.launch import WorldLayout, init_distributed
+    from fdp.procs.launch import WorldLayout, init_distributed
 
     comm = init_distributed(WorldLayout("elastic", nproc_per_node=world, backend="gloo", timeout_s=1800))
     torch.set_num_threads(1)
@@ -160,7 +160,7 @@ def worker(spec: dict, side: str, world: int, saves: int, directory: str) -> dic
 
 
 def _run(spec: dict, side: str, world: int, saves: int) -> dict:
-    from fdp.dist.launch import WorldLayout, spawn
+    from fdp.procs.launch import WorldLayout, spawn
 
     directory = Path(tempfile.mkdtemp(prefix="fdp-ckpt-bench-", dir=os.environ.get("FDP_BENCH_DIR")))
     try:

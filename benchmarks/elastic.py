@@ -7,9 +7,9 @@ local world of 3 gloo ranks, a char transformer with dropout, Adam, a checkpoint
 
 * ``world.on_rank_loss=restart`` with ``world.max_restarts=1`` (torchelastic's model: every
   process is stopped and started again, and the world resumes from the last checkpoint);
-* ``world.on_rank_loss=shrink`` (the survivors go on with 2 ranks, ``fdp.dist.shrink``);
+* ``world.on_rank_loss=shrink`` (the survivors go on with 2 ranks, ``fdp.procs.shrink``);
 * ``shrink`` with ``world.respawn=true`` (``grow``: the lost rank's keeper starts it again at
-  once, it joins at a step boundary and heals from the survivors, ``fdp.dist.grow``);
+  once, it joins at a step boundary and heals from the survivors, ``fdp.procs.grow``);
 * ``torchft`` 0.2.0: three replica groups of one process each (``benchmarks._torchft_replica``:
   the same model, data split, Adam and gloo) under its ``Manager`` with a lighthouse in this
   process (a quorum every step, DDP-style fault tolerance: a step whose all-reduce failed is
@@ -233,7 +233,7 @@ def _lookup_us(calls: int = 2000) -> tuple[float, float]:
 
     import torch.distributed as dist
 
-    from fdp.dist.grow import GrowingWorld
+    from fdp.procs.grow import GrowingWorld
 
     store = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30)

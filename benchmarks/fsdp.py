@@ -217,7 +217,7 @@ def _count_collectives() -> list[int]:
 
 
 def _timed(step, state, warmup: int, steps: int, n_params: int, measure) -> dict:
-    from fdp.dist.allocator import release_free_memory
+    from fdp.procs.allocator import release_free_memory
 
     release_free_memory()  # the whole model both sides built before sharding it (fdp's trainer does the same)
     dist.barrier()
@@ -242,8 +242,8 @@ def _timed(step, state, warmup: int, steps: int, n_params: int, measure) -> dict
 
 
 def worker(spec: dict, side: str, world: int, warmup: int, steps: int) -> dict:
-    from fdp.dist.allocator import tune_allocator
-    from fdp.dist.launch import WorldLayout, init_distributed
+    from fdp.procs.allocator import tune_allocator
+    from fdp.procs.launch import WorldLayout, init_distributed
 
     # fdp's trainer's allocator policy; FSDP2 gathers and frees params like stage 3 and gets its policy.
     tune_allocator(sharded_params=side.startswith(("fdp stage 3", "FSDP2")))
@@ -261,7 +261,7 @@ def worker(spec: dict, side: str, world: int, warmup: int, steps: int) -> dict:
 
 
 def _run(spec: dict, side: str, world: int, warmup: int, steps: int) -> list[dict]:
-    from fdp.dist.launch import WorldLayout, spawn
+    from fdp.procs.launch import WorldLayout, spawn
 
     layout = WorldLayout("elastic", nproc_per_node=world, backend="gloo", timeout_s=1200)
     results = spawn(worker, (spec, side, world, warmup, steps), layout)

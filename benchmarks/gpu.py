@@ -108,11 +108,11 @@ def _build(variant: str, spec: dict, batch, device: torch.device, world: int):
 def _build_fdp(spec: dict, batch, device: torch.device, world: int):
     from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
     from fdp.comm import Comm
-    from fdp.dist.devices import to_device
     from fdp.hooks import allreduce
     from fdp.model.functional import functionalize
     from fdp.optim import adamw
     from fdp.plan import plan_buckets
+    from fdp.procs.devices import to_device
 
     model, params, buffers = functionalize(_module(spec, device), keep_module_weights=False)
     params, buffers = to_device(params, device), to_device(buffers, device)
@@ -138,7 +138,7 @@ def _build_fdp(spec: dict, batch, device: torch.device, world: int):
 
 def worker(layout, models: list[str], variants: list[str], reps: int, warmup: int, steps: int) -> dict:
     """One rank: every model and variant in rotating blocks; step intervals from CUDA events."""
-    from fdp.dist.launch import init_distributed
+    from fdp.procs.launch import init_distributed
 
     comm = init_distributed(layout)  # NCCL process group (DDP needs one even for a world of 1); the rank's GPU current
     rank, world = comm.rank, comm.world_size
@@ -185,7 +185,7 @@ def _quantile(xs: list[float], q: float) -> float:
 
 
 def _run_world(world: int, models: list[str], variants: list[str], args) -> dict:
-    from fdp.dist.launch import WorldLayout, spawn
+    from fdp.procs.launch import WorldLayout, spawn
 
     layout = WorldLayout(
         "elastic",

@@ -88,11 +88,11 @@ def _torch_step(spec: dict, attention: str, batch, device: torch.device, compile
 def _fdp_step(spec: dict, attention: str, batch, device: torch.device, compile: bool):
     from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
     from fdp.data.batches import head
-    from fdp.dist.devices import to_device
     from fdp.model.functional import functionalize
     from fdp.model.precision import Precision
     from fdp.optim import adamw
     from fdp.plan import plan_buckets
+    from fdp.procs.devices import to_device
 
     precision = Precision("bf16-mixed")
     model, params, buffers = functionalize(_module(spec, attention, device), keep_module_weights=False)

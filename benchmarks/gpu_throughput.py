@@ -112,11 +112,11 @@ def torch_side(spec: dict, device: torch.device, compile: bool, fp8: bool = Fals
 
 def fdp_side(spec: dict, device: torch.device, compile: bool, fp8: bool = False):
     from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
-    from fdp.dist.devices import to_device
     from fdp.model.functional import functionalize
     from fdp.model.precision import Precision
     from fdp.optim import adamw
     from fdp.plan import plan_buckets
+    from fdp.procs.devices import to_device
 
     precision = Precision("bf16-mixed")
     model, params, buffers = functionalize(gpt2(spec, device, fp8), keep_module_weights=False)

@@ -19,7 +19,7 @@ Variants, each stepping with AdamW through torch's fused kernel, one bucket cap 
 * ``fdp compiled``: the same with ``compile=True`` (one rank; its compile time apart).
 
 A world of 1 (eager, DDP, fdp, fdp compiled) and one of 2 processes (DDP, fdp), each a
-launch of ``fdp.dist.launch.spawn``. Variants run in alternating blocks (the order rotates each
+launch of ``fdp.procs.launch.spawn``. Variants run in alternating blocks (the order rotates each
 repetition); each step is timed alone (``perf_counter``); medians of rank 0's steps.
 Then, on one rank, the breakdown of fdp's step, from counters around the functions that
 do each part (the rest is the step's own code: metrics, RNG, micro-batches, checks) and
@@ -297,7 +297,7 @@ def worker(
 ) -> dict:
     import torch
 
-    from fdp.dist.launch import init_distributed
+    from fdp.procs.launch import init_distributed
 
     comm = init_distributed(layout)
     torch.set_num_threads(1)
@@ -341,7 +341,7 @@ def worker(
 
 
 def _run_world(world: int, structures, variants, args) -> dict:
-    from fdp.dist.launch import WorldLayout, spawn
+    from fdp.procs.launch import WorldLayout, spawn
 
     layout = WorldLayout("elastic", nproc_per_node=world, backend="gloo", timeout_s=900.0)
     import importlib

@@ -34,11 +34,11 @@ import torch.distributed as dist  # noqa: E402
 
 from fdp import cross_entropy_loss, make_train_step, planner_loss  # noqa: E402
 from fdp.comm import Comm  # noqa: E402
-from fdp.dist.launch import WorldLayout, init_distributed, spawn  # noqa: E402
 from fdp.model.builtin import CharTransformer  # noqa: E402
 from fdp.model.functional import functionalize  # noqa: E402
 from fdp.optim import adam  # noqa: E402
 from fdp.plan import plan_buckets  # noqa: E402
+from fdp.procs.launch import WorldLayout, init_distributed, spawn  # noqa: E402
 from fdp.update import zero  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 
 from fdp.data import as_map_data, eval_batches, train_batches
 from fdp.data.mapped import collate
-from fdp.dist.launch import WorldLayout, init_distributed, spawn
+from fdp.procs.launch import WorldLayout, init_distributed, spawn
 
 RESULTS = Path(__file__).resolve().parent / "results" / "loader_workers.md"
 STEPS, EVALS, WORKERS = 60, 3, 2

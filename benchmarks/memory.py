@@ -22,7 +22,7 @@ What is measured, per variant (the larger rank):
   ``/proc/self/clear_refs``): the median over the timed steps.
 * ``step ms``: the median step time (rank 0).
 * ``largest batch``: the most sequences per rank whose steps run under
-  ``world.memory_per_rank_mb`` (``--budget-mb``; ``fdp.dist.devices.limit_memory``, what fdp's
+  ``world.memory_per_rank_mb`` (``--budget-mb``; ``fdp.procs.devices.limit_memory``, what fdp's
   trainer applies: on the CPU a limit on the process's data segment counted from before
   the model is built), found by doubling the batch and then bisecting, each try a fresh
   launch of two steps.
@@ -183,7 +183,7 @@ def _fdp_step(spec: dict, batch, stage: int, checkpoint: bool, comm):
 
 def _held_mib(device: torch.device) -> float:
     """What the process holds now: allocated GPU memory, or RSS once glibc has handed back what is free."""
-    from fdp.dist.allocator import release_free_memory
+    from fdp.procs.allocator import release_free_memory
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -203,12 +203,12 @@ def _peak_mib(device: torch.device) -> float:
 
 def worker(model_name: str, variant: str, batch_size: int, warmup: int, steps: int, budget_mb: float) -> dict:
     """One rank: build the variant, warm up, and measure each timed step's peak over what it held before it."""
-    from fdp.dist.allocator import tune_allocator
-    from fdp.dist.devices import limit_memory
+    from fdp.procs.allocator import tune_allocator
+    from fdp.procs.devices import limit_memory
 
     ranks, stage, checkpoint = VARIANTS[variant]
     tune_allocator(sharded_params=stage == 3)  # fdp's trainer's allocator policy, the torch sides under it too
-    from fdp.dist.launch import WorldLayout, init_distributed
+    from fdp.procs.launch import WorldLayout, init_distributed
 
     comm = init_distributed(WorldLayout("elastic", nproc_per_node=ranks, backend="gloo", timeout_s=600))
     torch.set_num_threads(1)
@@ -241,7 +241,7 @@ def worker(model_name: str, variant: str, batch_size: int, warmup: int, steps: i
 
 
 def _launch(model_name: str, variant: str, batch: int, warmup: int, steps: int, budget_mb: float = 0.0) -> list[dict]:
-    from fdp.dist.launch import WorldLayout, spawn
+    from fdp.procs.launch import WorldLayout, spawn
 
     ranks = VARIANTS[variant][0]
     layout = WorldLayout("elastic", nproc_per_node=ranks, backend="gloo", timeout_s=600)
@@ -250,13 +250,13 @@ def _launch(model_name: str, variant: str, batch: int, warmup: int, steps: int, 
 
 
 def _fits(model_name: str, variant: str, batch: int, budget_mb: float) -> bool:
-    from fdp.dist.launch import WorkerFailedError
+    from fdp.procs.launch import WorkerFailedError
 
     try:
         _launch(model_name, variant, batch, warmup=1, steps=1, budget_mb=budget_mb)
         return True
     except WorkerFailedError as error:
-        from fdp.dist.devices import is_out_of_memory
+        from fdp.procs.devices import is_out_of_memory
 
         if is_out_of_memory(RuntimeError(str(error))) or "MemoryError" in str(error):
             return False
@@ -298,7 +298,7 @@ def interleaved_times(model_name: str, steps: int) -> dict:
         plan_buckets,
         planner_loss,
     )
-    from fdp.dist.allocator import tune_allocator
+    from fdp.procs.allocator import tune_allocator
 
     tune_allocator()
     torch.set_num_threads(1)
@@ -455,7 +455,7 @@ def _batch_table(rows: list[dict], meta: dict) -> str:
         f"torch {meta['torch']}, {meta['cpus']} CPU cores shared with other jobs "
         f"(load {meta['load_before']:.1f} before, "
         f"{meta['load_after']:.1f} after); on {meta['device']}. Sequences per rank whose steps run under the budget "
-        "(fdp.dist.devices.limit_memory from before the model is built; doubling from the measured batch, then "
+        "(fdp.procs.devices.limit_memory from before the model is built; doubling from the measured batch, then "
         f"bisecting to within a quarter; a fresh launch of 1 warm-up + 1 step per try). Wall {meta['wall_s']} s.",
         "",
         "| model | variant | largest batch | vs without checkpointing |",
@@ -483,7 +483,7 @@ def _table(rows: list[dict], meta: dict) -> str:
     search = (
         "`largest batch`: sequences per rank whose steps run under "
         f"world.memory_per_rank_mb={meta['budget_mb']:g} "
-        "(fdp.dist.devices.limit_memory from before the model is built; doubling, then bisecting to within a quarter; "
+        "(fdp.procs.devices.limit_memory from before the model is built; doubling, then bisecting to within a quarter; "
         "a fresh launch per try)."
         if meta["budget_mb"]
         else "No largest-batch search in this run."

@@ -38,7 +38,7 @@ TINY = ("model=charlm", "model.d_model=16", "model.n_layer=1", "model.n_head=2")
 
 def worker(stage: int, world: int) -> dict:
     from fdp.comm import Comm
-    from fdp.dist.launch import WorldLayout, init_distributed
+    from fdp.procs.launch import WorldLayout, init_distributed
     from fdp.run.build import build_data, build_run
     from fdp.run.config import compose
 
@@ -58,7 +58,7 @@ def worker(stage: int, world: int) -> dict:
 
 
 def measure(stage: int, world: int) -> list[dict]:
-    from fdp.dist.launch import WorldLayout, spawn
+    from fdp.procs.launch import WorldLayout, spawn
 
     layout = WorldLayout("elastic", nproc_per_node=world, backend="gloo", timeout_s=600)
     results = spawn(worker, (stage, world), layout)

@@ -36,8 +36,8 @@ import torch.distributed as dist
 
 import fdp
 from fdp.data import global_batch, load_stdlib_text, shard
-from fdp.dist.launch import WorldLayout, init_distributed, spawn
 from fdp.model.builtin import CharTransformer
+from fdp.procs.launch import WorldLayout, init_distributed, spawn
 from fdp.update import zero
 
 RESULTS = Path(__file__).resolve().parent / "results" / "shrink_overhead.md"

@@ -1,4 +1,4 @@
-"""What agreeing on a stop flag after every step costs (fdp.dist.interrupt.StopSignals.agreed).
+"""What agreeing on a stop flag after every step costs (fdp.procs.interrupt.StopSignals.agreed).
 
 Two gloo ranks train a small MLP (the step of the recipe's default run: a few ms, where a
 per-step cost shows most) three ways, interleaved in one run:
@@ -30,8 +30,8 @@ import torch.distributed as dist
 from torch import nn
 
 import fdp
-from fdp.dist.interrupt import StopSignals
-from fdp.dist.launch import WorldLayout, init_distributed, spawn
+from fdp.procs.interrupt import StopSignals
+from fdp.procs.launch import WorldLayout, init_distributed, spawn
 
 RESULTS = Path(__file__).resolve().parent / "results" / "stop_flag.md"
 WAYS = ("none", "blocking", "pipelined", "fdp", "none again")  # the last: the noise floor
@@ -86,7 +86,7 @@ def main() -> None:
     rows = [f"| {way} | {ms[way]:.3f} | {ms[way] / ms['none']:.3f} |" for way in WAYS]
     table = "\n".join(
         [
-            "# Stop-flag agreement per step (fdp.dist.interrupt)",
+            "# Stop-flag agreement per step (fdp.procs.interrupt)",
             "",
             f"2 gloo ranks, one thread each, MLP 64-{args.hidden}-10, batch 32 per rank, {args.steps} steps x "
             f"{args.rounds} interleaved rounds (median); torch {torch.__version__}; load average {load:.1f} at the "

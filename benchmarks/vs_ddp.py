@@ -4,7 +4,7 @@ Two models: an MLP of ~25M parameters (24 x Linear(1024, 1024) + ReLU, a 10-way 
 batch 32 per rank) and a ``CharTransformer`` of ~16M (d_model 512, 5 layers, 8 heads,
 vocab 256; batch 4 x 64 tokens per rank). Random inputs, a fixed batch per rank.
 
-Both sides: 2 ranks started by ``fdp.dist.launch.spawn`` (PyTorch's elastic launcher), gloo,
+Both sides: 2 ranks started by ``fdp.procs.launch.spawn`` (PyTorch's elastic launcher), gloo,
 one torch thread per rank, SGD(lr 0.01, momentum 0.9), bucket caps 25 MiB (first 1 MiB),
 a mean allreduce. A step is everything: forward, backward, reduction, optimizer.
 
@@ -38,7 +38,7 @@ jobs on the machine falls on all of them alike. Reported per variant:
   100-200 MiB); ``--quick`` reports the in-process figure (median over blocks);
 * how much CPU other processes took during the run (``/proc/stat`` minus the ranks' own).
 
-``fdp.dist.allocator.tune_allocator()`` runs in each rank first, as fdp's trainer does; it is
+``fdp.procs.allocator.tune_allocator()`` runs in each rank first, as fdp's trainer does; it is
 process-wide, so DDP runs under it too (``--allocator default`` leaves glibc alone).
 
     python benchmarks/vs_ddp.py [--quick] [--hooks] [--allocator tuned|default]
@@ -245,8 +245,8 @@ def worker(
     With ``budget_s``, each model gets an equal share of it, and a repetition after the first
     starts only if the last one would still fit (rank 0 decides, so the ranks agree).
     """
-    from fdp.dist.allocator import tune_allocator
-    from fdp.dist.launch import WorldLayout, init_distributed
+    from fdp.procs.allocator import tune_allocator
+    from fdp.procs.launch import WorldLayout, init_distributed
 
     if allocator == "tuned":
         tune_allocator()
@@ -323,8 +323,8 @@ def _measure_model(
 
 def rss_worker(model_name: str, variant: str, warmup: int, steps: int, allocator: str) -> tuple[float, float]:
     """One rank of a fresh launch that runs one variant: (RSS before building it, peak RSS of its timed steps)."""
-    from fdp.dist.allocator import tune_allocator
-    from fdp.dist.launch import WorldLayout, init_distributed
+    from fdp.procs.allocator import tune_allocator
+    from fdp.procs.launch import WorldLayout, init_distributed
 
     if allocator == "tuned":
         tune_allocator()
@@ -345,7 +345,7 @@ def rss_worker(model_name: str, variant: str, warmup: int, steps: int, allocator
 
 
 def _run_models(models: list[str], variants: list[str], args) -> dict:
-    from fdp.dist.launch import WorldLayout, spawn
+    from fdp.procs.launch import WorldLayout, spawn
 
     layout = WorldLayout("elastic", nproc_per_node=2, backend="gloo", timeout_s=600.0)
     res = spawn(
@@ -362,7 +362,7 @@ def _fresh_rss(results: dict, variants: list[str], args) -> None:
     Memory the variants leave behind in a shared process (glibc's heap, caches) shifts the
     next one's RSS by ~100-200 MiB; the in-process figures stay in the JSON.
     """
-    from fdp.dist.launch import WorldLayout, spawn
+    from fdp.procs.launch import WorldLayout, spawn
 
     layout = WorldLayout("elastic", nproc_per_node=2, backend="gloo", timeout_s=600.0)
     for m in results:

@@ -6,7 +6,7 @@ batch 4 x 64 tokens per rank). Random inputs, a fixed batch per rank. Adam (lr 1
 ``donate=True`` and the schedule fdp's trainer picks (``overlap``), bucket caps 25 MiB
 (first 1 MiB), gloo on loopback, one torch thread per rank.
 
-Every (model, world, stage) runs in a fresh launch of its ranks (``fdp.dist.launch.spawn``), so
+Every (model, world, stage) runs in a fresh launch of its ranks (``fdp.procs.launch.spawn``), so
 its memory is its own: build, warm up, time some steps. Reported per row:
 
 * ``state_mib``: what the step's metrics say this rank holds between steps (params,
@@ -86,12 +86,12 @@ def worker(model_name: str, stage: int, world: int, warmup: int, steps: int, hoo
     """One rank of a launch that builds one (model, stage) and times it."""
     from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
     from fdp.comm import Comm
-    from fdp.dist.allocator import tune_allocator
-    from fdp.dist.launch import WorldLayout, init_distributed
     from fdp.hooks import build_hook
     from fdp.model.functional import functionalize
     from fdp.optim import adam
     from fdp.plan import plan_buckets
+    from fdp.procs.allocator import tune_allocator
+    from fdp.procs.launch import WorldLayout, init_distributed
     from fdp.step.reduce import resolve_schedule
     from fdp.update import zero
 
@@ -159,7 +159,7 @@ def _nbytes(tree) -> int:
 
 
 def _run(model_name: str, stage: int, world: int, warmup: int, steps: int, hook: str) -> list[dict]:
-    from fdp.dist.launch import WorldLayout, spawn
+    from fdp.procs.launch import WorldLayout, spawn
 
     layout = WorldLayout("elastic", nproc_per_node=world, backend="gloo", timeout_s=600)
     results = spawn(worker, (model_name, stage, world, warmup, steps, hook), layout)

@@ -12,7 +12,7 @@ One word per idea:
 * **update**: reduced buckets to new params and optimizer state, one per ZeRO stage (``update.base``, ``update.zero``).
 * **step**: one ``train_step(state, batch) -> (state, metrics)``; ``state.step`` counts them.
 * **launcher**: what starts the ranks (``world.launcher``: none, elastic, torchrun, slurm), one class
-  each (``dist.launchers``).
+  each (``procs.launchers``).
 * **world**: the ranks training together (its size, layout and process group; ``run.world`` resolves a
   config's on this machine); a world may shrink when a rank is lost, and grow back when one joins.
 * **rank**: one process of a world, computing on one device.
@@ -45,7 +45,7 @@ or of packages above it in this list; ``tests/test_imports.py`` holds every impo
   (``streams``), activation checkpointing (``remat``), losses and the first-batch check (``losses``, ``fit``),
   a model built on ``meta`` and made one tensor at a time with a whole build's values (``deferred``), what a
   forward keeps for backward (``activations``).
-* ``dist``: the world of processes: this process's heap (``allocator``), a rank's place in a job (``slurm``,
+* ``procs``: the world of processes: this process's heap (``allocator``), a rank's place in a job (``slurm``,
   ``launchers``: one class per launcher, ``devices``), stop signals (``interrupt``), starting and joining a
   world (``launch``), a rank kept by the process its launcher watches (``keeper``) and a world that goes on
   without a lost rank (``shrink``) and one that a rank joins again at a step boundary (``grow``).
@@ -72,11 +72,6 @@ or of packages above it in this list; ``tests/test_imports.py`` holds every impo
 from fdp import hooks
 from fdp.comm import Comm, Pending
 from fdp.data import MapData, StepSampler, model_inputs
-from fdp.dist.devices import Placement, batch_to_device, place, resolve_backend, to_device
-from fdp.dist.interrupt import StoppedAtOnce, StopSignals
-from fdp.dist.keeper import LostRank
-from fdp.dist.launch import WorldLayout, broadcast_from_rank0, check_same_plan, init_distributed, spawn
-from fdp.dist.launchers import Launcher, launcher_of, register_launcher
 from fdp.errors import ConfigError
 from fdp.hooks import GradBucket, Hook, init_hook_states
 from fdp.model.builtin import hf_model
@@ -108,6 +103,11 @@ from fdp.optim import (
 from fdp.optim.ema import Ema, ema
 from fdp.plan import Bucket, BucketPlan, ParamSlot, gradient_ready_order, plan_buckets
 from fdp.plan.buckets import allocate, lay_out, pack, unpack
+from fdp.procs.devices import Placement, batch_to_device, place, resolve_backend, to_device
+from fdp.procs.interrupt import StoppedAtOnce, StopSignals
+from fdp.procs.keeper import LostRank
+from fdp.procs.launch import WorldLayout, broadcast_from_rank0, check_same_plan, init_distributed, spawn
+from fdp.procs.launchers import Launcher, launcher_of, register_launcher
 from fdp.run.callbacks import Callback, CallbackError, LoopEvent
 from fdp.run.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from fdp.run.loggers import CsvLog, MlflowLog

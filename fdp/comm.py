@@ -27,7 +27,7 @@ def wait_watched(work: Any, watch: Watch | None) -> None:
 
     A rank whose collective waits on a live peer (which waits on a lost one) would
     otherwise learn of the loss only at the collective's timeout; the first rank to see
-    it says so where ``watch`` looks (``fdp.dist.shrink``), and the wait ends at once. Only
+    it says so where ``watch`` looks (``fdp.procs.shrink``), and the wait ends at once. Only
     for gloo: NCCL's timed wait blocks the host until the device is done.
 
     >>> wait_watched(None, None)
@@ -84,7 +84,7 @@ class Comm:
     ``bytes_sent`` counts the payload this rank contributes (the tensor handed to each
     collective), the figure a compression ratio is taken against.
 
-    ``watch``: asked while a collective waits (``wait_watched``); ``fdp.dist.shrink`` sets it.
+    ``watch``: asked while a collective waits (``wait_watched``); ``fdp.procs.shrink`` sets it.
 
     >>> comm = Comm()            # no process group: a world of one
     >>> comm.allreduce(torch.ones(3)).wait()

@@ -47,7 +47,7 @@ def _fork_workers() -> None:
     """Local worlds' workers forked from this process (``start_method="fork"``, what fdp.spawn offers notebooks)
     instead of spawned: a spawned worker imports torch and fdp again, 5 s of a short run's time. A forked one
     keeps this process's output files, environment and process group, as a spawned one does."""
-    from fdp.dist.launch import WorldLayout
+    from fdp.procs.launch import WorldLayout
 
     defaults = dict(
         zip(WorldLayout._fields[-len(WorldLayout.__new__.__defaults__) :], WorldLayout.__new__.__defaults__)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import fdp.run.world
-from fdp.dist.launch import WorldLayout, init_distributed, spawn
+from fdp.procs.launch import WorldLayout, init_distributed, spawn
 
 torch.set_num_threads(1)
 

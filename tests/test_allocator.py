@@ -1,4 +1,4 @@
-"""This process's memory (fdp.dist.allocator): under a CPU budget the data segment counts what the process holds."""
+"""This process's memory (fdp.procs.allocator): under a CPU budget the data segment counts what the process holds."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 _PROBE = """
 import re, threading
 import torch
-from fdp.dist.allocator import budget_accounting, tune_allocator
+from fdp.procs.allocator import budget_accounting, tune_allocator
 
 def data():
     return int(re.search(r"VmData:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) * 1024

@@ -10,7 +10,7 @@ import torch
 from omegaconf import OmegaConf
 
 import fdp.run.world
-from fdp.dist.devices import (
+from fdp.procs.devices import (
     Placement,
     batch_to_device,
     parse_devices,

@@ -19,9 +19,9 @@ from torch.utils import _pytree as pytree
 
 import fdp
 from fdp.data import global_batch, load_dataset, shard
-from fdp.dist.devices import batch_to_device, to_device
 from fdp.hooks import allreduce
 from fdp.model.builtin import build_model
+from fdp.procs.devices import batch_to_device, to_device
 from fdp.run import checkpoint
 from fdp.run.config import compose
 from fdp.run.trainer import run

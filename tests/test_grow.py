@@ -1,4 +1,4 @@
-"""A world that grows back (world.respawn=true, fdp.dist.grow, fdp.state.heal).
+"""A world that grows back (world.respawn=true, fdp.procs.grow, fdp.state.heal).
 
 Three gloo ranks train a tiny character transformer with dropout under Adam
 (world-size-invariant: per-sample streams under ``shrink``); a rank is SIGKILLed once it
@@ -18,7 +18,7 @@ import torch.distributed as dist
 from _procs import alive
 from test_shrink import RUN, Signaller, assert_close_params, final_params, records
 
-from fdp.dist.grow import GrowingWorld, JoinRefused
+from fdp.procs.grow import GrowingWorld, JoinRefused
 from fdp.run.config import ConfigError, compose
 from fdp.run.trainer import run
 from fdp.run.validate import validate

@@ -1,4 +1,4 @@
-"""Stopping a run with a signal: real signals to real recipe processes (fdp.dist.interrupt).
+"""Stopping a run with a signal: real signals to real recipe processes (fdp.procs.interrupt).
 
 Each run is the tiny MLP on digits with a step budget it never reaches; the test waits
 until the ranks are training (``ranks/rank<N>.txt``), signals them as a terminal, a
@@ -24,7 +24,7 @@ import _recipe
 import pytest
 import torch
 
-from fdp.dist.interrupt import GRACE_S, Burst, StoppedAtOnce, StopSignals, check_requeue_signal, exit_code, requeue_job
+from fdp.procs.interrupt import GRACE_S, Burst, StoppedAtOnce, StopSignals, check_requeue_signal, exit_code, requeue_job
 from fdp.run.checkpoint import last_of
 from fdp.run.rundir import RankStatus
 

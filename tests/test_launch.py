@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from fdp.dist.launch import WorldLayout, init_distributed, spawn
+from fdp.procs.launch import WorldLayout, init_distributed, spawn
 from fdp.run.config import ConfigError, compose
 from fdp.run.world import layout_of
 
@@ -22,7 +22,7 @@ SCRIPT = textwrap.dedent("""
     import fdp
     from fdp.data import global_batch, load_digits, shard
     from fdp.hooks import allreduce
-    from fdp.dist.launch import WorkerFailedError
+    from fdp.procs.launch import WorkerFailedError
 
     data = load_digits(seed=0)
     torch.matmul(torch.randn(256, 256), torch.randn(256, 256))  # the parent's thread pool is up before the fork
@@ -172,7 +172,7 @@ def test_the_failure_named_is_the_cause_not_the_broken_connection_it_left_a_peer
     """A rank out of memory leaves its group; a peer's read error may be recorded first, and must not be named."""
     from types import SimpleNamespace
 
-    from fdp.dist.launch import _root_failure
+    from fdp.procs.launch import _root_failure
 
     def failed(at, text):
         return SimpleNamespace(timestamp=at, message={"message": text, "extraInfo": {}}, pid=1, exitcode=1)

@@ -1,5 +1,5 @@
-"""fdp.dist.launchers: each launcher answers what depends on how the ranks were started, a new one is
-one class and one registry entry, and no module but fdp.dist.launchers compares a launcher's name."""
+"""fdp.procs.launchers: each launcher answers what depends on how the ranks were started, a new one is
+one class and one registry entry, and no module but fdp.procs.launchers compares a launcher's name."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from typing import Mapping
 import pytest
 
 import fdp
-from fdp.dist.interrupt import stop_signal_names
-from fdp.dist.launch import launch_rank
-from fdp.dist.launchers import LAUNCHERS, Launched, Launcher, launcher_of, register_launcher
-from fdp.dist.shrink import launched_world
 from fdp.errors import ConfigError
+from fdp.procs.interrupt import stop_signal_names
+from fdp.procs.launch import launch_rank
+from fdp.procs.launchers import LAUNCHERS, Launched, Launcher, launcher_of, register_launcher
+from fdp.procs.shrink import launched_world
 from fdp.run.config import compose
 from fdp.run.validate import validate
 from fdp.run.world import layout_of, placement_of
@@ -99,7 +99,7 @@ class OpenMPI(Launcher):
 
 
 def test_a_new_launcher_is_one_class_and_one_registry_entry(monkeypatch):
-    monkeypatch.setattr(fdp.dist.launchers, "LAUNCHERS", dict(LAUNCHERS))  # registered for this test only
+    monkeypatch.setattr(fdp.procs.launchers, "LAUNCHERS", dict(LAUNCHERS))  # registered for this test only
     register_launcher(OpenMPI)
     for name, value in {
         "OMPI_COMM_WORLD_RANK": "6",

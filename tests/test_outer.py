@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from fdp import Comm, adam, cross_entropy_loss, functionalize, init_train_state, plan_buckets, planner_loss, sgd
-from fdp.dist.launch import spawn
 from fdp.hooks import allreduce, lowbit
 from fdp.plan import pack_into_buckets, split_fragments
+from fdp.procs.launch import spawn
 from fdp.run.checkpoint import last_of
 from fdp.run.config import ConfigError, DiLoCoConfig, LocalSGDConfig, compose
 from fdp.run.trainer import run, train_worker

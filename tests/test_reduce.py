@@ -9,12 +9,12 @@ from torch import nn
 from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
 from fdp.comm import Comm
 from fdp.data import global_batch, load_digits, shard
-from fdp.dist.launch import check_same_plan
 from fdp.hooks import Hook, allreduce
 from fdp.model.builtin import MLP, ConvNet
 from fdp.model.functional import functionalize
 from fdp.optim import sgd
 from fdp.plan import pack_into_buckets, plan_buckets
+from fdp.procs.launch import check_same_plan
 from fdp.step.chains import Reduction
 
 STEPS = 20

@@ -34,10 +34,10 @@ from omegaconf import OmegaConf
 from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
 from fdp.comm import Comm
 from fdp.data import load_digits, shard_dataset
-from fdp.dist.launch import RankLostError, WorkerFailedError, WorldLayout, init_distributed, loopback_interface, spawn
 from fdp.model.functional import functionalize
 from fdp.optim import sgd
 from fdp.plan import plan_buckets
+from fdp.procs.launch import RankLostError, WorkerFailedError, WorldLayout, init_distributed, loopback_interface, spawn
 from fdp.run import checkpoint
 from fdp.run.config import ConfigError, register_configs
 from fdp.run.rundir import RankStatus

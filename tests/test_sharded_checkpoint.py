@@ -217,7 +217,7 @@ def test_a_saving_ranks_missing_part_is_refused_on_every_rank(saved, run_ranks, 
 
 def test_a_rank_killed_mid_asynchronous_save_leaves_the_previous_checkpoint_last(run_ranks, tmp_path):
     """Rank 1 dies while its write of step 4 is in flight: ``last`` still names step 2, which resumes exactly."""
-    from fdp.dist.launch import WorkerFailedError
+    from fdp.procs.launch import WorkerFailedError
 
     with pytest.raises((WorkerFailedError, RuntimeError)):
         run_ranks(_save_at, 3, tmp_path, 4, True, True, world_size=2, timeout_s=20)

@@ -1,4 +1,4 @@
-"""A world that loses a rank and goes on in place (world.on_rank_loss=shrink, fdp.dist.shrink, fdp.dist.keeper).
+"""A world that loses a rank and goes on in place (world.on_rank_loss=shrink, fdp.procs.shrink, fdp.procs.keeper).
 
 Three gloo ranks train a tiny character transformer with dropout under Adam; rank 2 is
 SIGKILLed (or SIGSTOPped) from outside once it starts step 30 of 60, through the pid in
@@ -19,8 +19,8 @@ import pytest
 import torch
 from _procs import alive
 
-from fdp.dist.launch import WorkerFailedError
-from fdp.dist.shrink import ShrinkingWorld, check_shrinkable_batch, shrink_store
+from fdp.procs.launch import WorkerFailedError
+from fdp.procs.shrink import ShrinkingWorld, check_shrinkable_batch, shrink_store
 from fdp.run.checkpoint import last_of
 from fdp.run.config import ConfigError, compose
 from fdp.run.rundir import RankStatus

@@ -11,8 +11,8 @@ import _recipe
 import pytest
 import torch
 
-from fdp.dist.launch import LOOPBACK, launch_rank
-from fdp.dist.slurm import JobWorld, expand_nodelist, job_world, port_for_job, slurm_world
+from fdp.procs.launch import LOOPBACK, launch_rank
+from fdp.procs.slurm import JobWorld, expand_nodelist, job_world, port_for_job, slurm_world
 from fdp.run.checkpoint import last_of
 from fdp.run.config import ConfigError
 

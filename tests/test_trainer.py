@@ -250,7 +250,7 @@ def test_evaluation_in_pieces_gives_the_whole_batches_result():
 
 
 def test_out_of_memory_lines_name_the_phase_and_what_to_change():
-    from fdp.dist.devices import MemoryPhase
+    from fdp.procs.devices import MemoryPhase
     from fdp.run.out_of_memory import out_of_memory_message
 
     cfg = make_cfg("world.memory_per_rank_mb=500", "data.global_batch_size=64", "trainer.accum_steps=2")

@@ -12,12 +12,12 @@ from hydra import compose, initialize_config_dir
 
 from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
 from fdp.comm import Comm
-from fdp.dist.launch import WorkerFailedError
 from fdp.hooks import noop, topk
 from fdp.model.builtin import MLP, CharTransformer
 from fdp.model.functional import functionalize
 from fdp.optim import adam, chain, clip_by_global_norm
 from fdp.plan import pack_into_buckets, plan_buckets
+from fdp.procs.launch import WorkerFailedError
 from fdp.run.checkpoint import last_of
 from fdp.run.config import ConfigError, register_configs
 from fdp.run.trainer import run
@@ -677,7 +677,7 @@ def test_a_run_that_does_not_fit_a_rank_fails_at_stage_zero_and_trains_at_stage_
     assert summary["steps"] == 3
 
 
-# -- the mirror of the next rank's slices (a world that may shrink, fdp.dist.shrink) ----------------------------
+# -- the mirror of the next rank's slices (a world that may shrink, fdp.procs.shrink) ----------------------------
 def _mirrored_steps(rank, world):
     """Stage 1 with a mirror, clipped Adam (a cross-rank norm): each rank's opt state and mirror after 6 steps."""
     loss_fn, params, buffers, batches, plan, _ = _model_and_plan(rank, world, 1)

@@ -66,7 +66,7 @@ def train_batches(
 
 def _ignore_sigint(worker_id: int) -> None:
     # A Ctrl-C reaches every process of the terminal's group: the training process stops
-    # at a step boundary (fdp.dist.interrupt) and still needs its loader's workers until then.
+    # at a step boundary (fdp.procs.interrupt) and still needs its loader's workers until then.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 

@@ -29,8 +29,6 @@ from fdp.data import (
     train_batches,
 )
 from fdp.data.batches import batch_size, head, model_inputs
-from fdp.dist.allocator import tune_allocator
-from fdp.dist.devices import batch_to_device, to_device
 from fdp.errors import ConfigError
 from fdp.hooks import Hook
 from fdp.hooks.hierarchical import check_node_size, hierarchical, node_comms
@@ -47,6 +45,8 @@ from fdp.optim import GradientTransformation, build_optimizer, embedding_names
 from fdp.optim.decay import check_decay_filter
 from fdp.plan import BucketPlan, plan_buckets
 from fdp.plan.fragments import split_fragments
+from fdp.procs.allocator import tune_allocator
+from fdp.procs.devices import batch_to_device, to_device
 from fdp.run.config import DATA_SETTINGS
 from fdp.run.evaluate import metric_names
 from fdp.run.loop_controls import run_steps
@@ -336,7 +336,7 @@ def stage_of(cfg: DictConfig) -> zero.Stage:
 
 
 def tune_allocator_for(cfg: DictConfig) -> None:
-    """This process's heap tuned for the run's stage (``fdp.dist.allocator``): first thing in a worker, before anything
+    """This process's heap tuned for the run's stage (``fdp.procs.allocator``): first thing in a worker, before anything
     is allocated (a stage that gathers its params keeps large blocks out of the heap)."""
     tune_allocator(sharded_params=stage_of(cfg).shards_params, bucket_bytes=int(cfg.trainer.bucket_cap_mb * 2**20))
 

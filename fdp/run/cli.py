@@ -31,10 +31,10 @@ import typing
 from pathlib import Path
 from typing import Any, Callable
 
-from fdp.dist.interrupt import StoppedAtOnce, exit_code, requeue_job, stop_signal_names
-from fdp.dist.launch import RankLostError, RankOutOfMemoryError, WorkerFailedError
-from fdp.dist.launchers import launcher_of
 from fdp.errors import ConfigError
+from fdp.procs.interrupt import StoppedAtOnce, exit_code, requeue_job, stop_signal_names
+from fdp.procs.launch import RankLostError, RankOutOfMemoryError, WorkerFailedError
+from fdp.procs.launchers import launcher_of
 from fdp.run.checkpoint import CheckpointError, last_of
 from fdp.run.keys import unknown_key_line
 from fdp.run.metrics import summary_line

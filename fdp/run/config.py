@@ -247,7 +247,7 @@ class WorldConfig:
     nproc_per_node: int = 1  # processes (ranks) per machine
     backend: str = "auto"  # auto | gloo | nccl (auto: NCCL when every rank has a GPU of its own)
     accelerator: str = "auto"  # auto | cpu | gpu (auto: the GPUs when there are any)
-    devices: Any = "auto"  # auto | N | -1 | "0,2" | [0,2]: see fdp.dist.devices
+    devices: Any = "auto"  # auto | N | -1 | "0,2" | [0,2]: see fdp.procs.devices
     timeout_s: float = 300.0  # the longest a collective may wait for a peer before the rank is lost
     max_restarts: int = 0  # on_rank_loss=restart: restarts of the world from its last checkpoint
     on_rank_loss: str = (

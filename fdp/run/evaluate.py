@@ -9,10 +9,10 @@ import torch
 from fdp.comm import Comm
 from fdp.data import Dataset, MapData, eval_batches
 from fdp.data.batches import pieces
-from fdp.dist.devices import batch_to_device, device_of
 from fdp.model.functional import FunctionalModel
 from fdp.model.losses import Criterion, cross_entropy, eval_metrics
 from fdp.model.precision import Precision
+from fdp.procs.devices import batch_to_device, device_of
 
 __all__ = ["evaluate", "metric_names"]
 

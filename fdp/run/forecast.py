@@ -33,10 +33,10 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from fdp.dist.allocator import resident_mib
 from fdp.hooks import Hook
 from fdp.optim import GradientTransformation
 from fdp.plan import BucketPlan
+from fdp.procs.allocator import resident_mib
 from fdp.update.zero.layout import shard_key, shard_numel
 
 __all__ = [
@@ -292,7 +292,7 @@ def phase_peaks(t: Terms, stage: int) -> dict[str, int]:
     backward = int(BACKWARD_FACTOR * t.activations + RECOMPUTE_FACTOR * t.recomputed)
     step = held + in_step + t.gathers + max(backward, t.activations + 2 * t.largest_activation)
     update = held + in_step + t.update
-    # A save follows a step. At stages 0-2 the heap keeps what a step frees (fdp.dist.allocator), and measured on the
+    # A save follows a step. At stages 0-2 the heap keeps what a step frees (fdp.procs.allocator), and measured on the
     # CPU what a save allocates does not fit in those blocks; stage 3 maps its large blocks and hands them back.
     after = held if stage == 3 else max(step, update)
     return {"build": held + t.build_params, "step": step, "update": update, "save": after + t.staging}

@@ -33,11 +33,11 @@ def activations_of(cfg, parts, device: torch.device = torch.device("cpu")) -> Ca
     the first batch, with ``trainer.activation_checkpointing`` as set (``fdp.model.activations``)."""
     from fdp.data import train_batches
     from fdp.data.batches import head
-    from fdp.dist.devices import batch_to_device
     from fdp.model import remat
     from fdp.model.activations import traced_pair
     from fdp.model.deferred import meta_wins
     from fdp.model.losses import make_loss_fn, planner_loss
+    from fdp.procs.devices import batch_to_device
 
     tc, plan = cfg.trainer, parts.plan
     modules = remat.from_config(

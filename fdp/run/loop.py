@@ -4,8 +4,8 @@
 where the loop stands (the newest state, the one before it); ``Loop.run`` trains to the last
 step or a stop, saving when due (``save_state``: sharded or whole, as ``trainer.checkpoint_format``
 says), calling the run's callbacks at each of these points (``fdp.run.callbacks``); ``Loop.shrink`` goes on
-without lost ranks (``fdp.dist.shrink``), ``Loop.grow`` admits
-ranks that asked to join (``fdp.dist.grow``). ``fdp.run.trainer`` starts it and owns its resources.
+without lost ranks (``fdp.procs.shrink``), ``Loop.grow`` admits
+ranks that asked to join (``fdp.procs.grow``). ``fdp.run.trainer`` starts it and owns its resources.
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from fdp.comm import Comm
 from fdp.data import train_batches
-from fdp.dist.devices import MemoryPhase, batch_to_device
-from fdp.dist.grow import GrowingWorld
-from fdp.dist.interrupt import StopSignals
-from fdp.dist.launch import RankLostError
-from fdp.dist.shrink import Shrink, ShrinkingWorld
 from fdp.model import remat
 from fdp.model.losses import make_loss_fn
 from fdp.model.streams import wants_sample_streams
+from fdp.procs.devices import MemoryPhase, batch_to_device
+from fdp.procs.grow import GrowingWorld
+from fdp.procs.interrupt import StopSignals
+from fdp.procs.launch import RankLostError
+from fdp.procs.shrink import Shrink, ShrinkingWorld
 from fdp.run import checkpoint
 from fdp.run.build import RunParts
 from fdp.run.callbacks import Callbacks
@@ -74,7 +74,7 @@ def make_step(
     tc = cfg.trainer
     options = dict(
         # donate: the loop never looks at a state again once it has the next (but a world that
-        # shrinks may go back to it: fdp.dist.shrink)
+        # shrinks may go back to it: fdp.procs.shrink)
         accum_steps=tc.accum_steps,
         schedule=tc.schedule,
         nonfinite=tc.nonfinite,
@@ -225,7 +225,7 @@ class Loop:
         return written
 
     def grow(self, report: Report, stop: StopSignals) -> None:
-        """Admit the ranks that asked to join, at this boundary (``fdp.dist.grow``): a larger world, healed from
+        """Admit the ranks that asked to join, at this boundary (``fdp.procs.grow``): a larger world, healed from
         this one, the global batch split again."""
         world, began = self.world, time.perf_counter()
         self.train_step.settle()
@@ -251,7 +251,7 @@ class Loop:
     def shrink(
         self, world: ShrinkingWorld, error: RuntimeError, run_dir: RunDir, report: Report, stop: StopSignals
     ) -> None:
-        """Go on without the ranks that stopped answering (``fdp.dist.shrink``); re-raise ``error`` if none did."""
+        """Go on without the ranks that stopped answering (``fdp.procs.shrink``); re-raise ``error`` if none did."""
         silent = world.silent()
         if not silent:  # every rank still beats: not a lost rank
             raise error

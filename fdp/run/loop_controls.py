@@ -371,7 +371,7 @@ class LoopControls:
         return None
 
     def back(self) -> None:
-        """Undo the last step's update of the average (the world went back to the step before: ``fdp.dist.shrink``)."""
+        """Undo the last step's update of the average (the world went back to the step before: ``fdp.procs.shrink``)."""
         self.average = self._before
 
     @property

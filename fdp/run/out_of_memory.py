@@ -1,6 +1,6 @@
 """What a rank that ran out of memory says: the part of the run it was in, and what to change for it.
 
->>> from fdp.dist.devices import MemoryPhase
+>>> from fdp.procs.devices import MemoryPhase
 >>> from fdp.run.config import compose
 >>> phase = MemoryPhase()
 >>> out_of_memory_message(compose("world.memory_per_rank_mb=500"), 0, 1, phase, MemoryError())[:56]
@@ -13,8 +13,8 @@ import re
 
 from omegaconf import DictConfig
 
-from fdp.dist.devices import MemoryPhase
 from fdp.model import remat
+from fdp.procs.devices import MemoryPhase
 from fdp.run.build import stage_of
 from fdp.run.sharded_checkpoint import check_checkpoint_async
 

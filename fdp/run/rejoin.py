@@ -1,4 +1,4 @@
-"""A rank of a run that joins its running world (``fdp.dist.grow``) and the heal every rank of a world that grew does.
+"""A rank of a run that joins its running world (``fdp.procs.grow``) and the heal every rank of a world that grew does.
 
 The trainer (``fdp.run.trainer``) builds a joining rank's pieces alone, then ``enter_world``
 takes it into the running world, healed from its ranks; the ranks already there call
@@ -11,8 +11,8 @@ import torch
 from omegaconf import DictConfig
 
 from fdp.comm import Comm
-from fdp.dist.grow import GrowingWorld
-from fdp.dist.shrink import launched_world, shrink_store
+from fdp.procs.grow import GrowingWorld
+from fdp.procs.shrink import launched_world, shrink_store
 from fdp.run.build import RunParts
 from fdp.state.heal import fresh_rank_parts, share_state
 from fdp.state.train_state import TrainState

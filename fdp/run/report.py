@@ -43,7 +43,7 @@ def evaluated_names(evaluation: tuple[str, ...], average: bool) -> tuple[str, ..
 class Report:
     """The metrics of one rank's run (see the module docstring)."""
 
-    peak = None  # this rank's fdp.dist.allocator.PeakMemory since the budget began: the summary's peak_mib
+    peak = None  # this rank's fdp.procs.allocator.PeakMemory since the budget began: the summary's peak_mib
 
     def __init__(self, cfg: DictConfig, run_dir: RunDir, parts: RunParts, comm: Comm, first_step: int, last_step: int):
         self.cfg, self.run_dir, self.parts, self.comm = cfg, run_dir, parts, comm
@@ -57,8 +57,8 @@ class Report:
         self.tests_at_end = self.watched == "val" and has_split(parts.data, "test")
         self.tested_at: int | None = None  # the step the test split was scored at the end of
         self.started = time.perf_counter()
-        self.shrinks: list[dict] = []  # each time the world went on without a lost rank (fdp.dist.shrink)
-        self.grows: list[dict] = []  # each time ranks joined it (fdp.dist.grow)
+        self.shrinks: list[dict] = []  # each time the world went on without a lost rank (fdp.procs.shrink)
+        self.grows: list[dict] = []  # each time ranks joined it (fdp.procs.grow)
 
     def shrunk(self, comm: Comm, record: dict) -> None:
         """The world went on without a lost rank from step ``record["step"]``: note it (a line of

@@ -179,7 +179,7 @@ class RankStatus:
 _held: dict[str, "Ownership"] = {}  # real path -> this process's ownership of it
 
 
-# What a local world's worker raised that refuses the run (fdp.dist.launch.WorkerFailedError.error_type).
+# What a local world's worker raised that refuses the run (fdp.procs.launch.WorkerFailedError.error_type).
 REFUSED_TYPES = ("ConfigError", "CheckpointError", "RunDirInUse", "RunDoesNotFit")
 
 

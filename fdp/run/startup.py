@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 
 from omegaconf import DictConfig
 
-from fdp.dist.launchers import launcher_of
+from fdp.procs.launchers import launcher_of
 from fdp.run.rundir import RUN_LOGGER, own_run_dir
 from fdp.run.validate import validate, validate_run_dir
 from fdp.run.world import resolve_world

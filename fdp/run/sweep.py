@@ -117,8 +117,8 @@ class SweepTable(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from hydra.core.global_hydra import GlobalHydra
 
-        from fdp.dist.launchers import launcher_of
         from fdp.errors import ConfigError
+        from fdp.procs.launchers import launcher_of
         from fdp.run.cli import REFUSED, hydra_error_line
         from fdp.run.validate import validate
         from fdp.run.world import resolve_world

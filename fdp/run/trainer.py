@@ -8,12 +8,12 @@ The entry chain, one name per step:
 * ``run_ranks``: this process's ranks: a local world's workers started with the elastic launcher
   (``fdp.spawn``), or the one rank a launcher started here;
 * ``run_rank``: one rank, in its own process (kept by a keeper under ``world.on_rank_loss=shrink``,
-  ``fdp.dist.keeper``): join the world, then ``_train``;
+  ``fdp.procs.keeper``): join the world, then ``_train``;
 * ``_train``: ``_start`` (build the run's pieces, ``fdp.run.build``; resume or start), the loop's
   resources (stop signals, heartbeat, the rank's status, the timeline) in one ``ExitStack``, and
   ``_loop`` over the steps (``fdp.run.loop.Loop``). Under ``world.on_rank_loss=shrink`` a lost rank does not end
   the loop: the survivors regroup and go on from the last step they all completed
-  (``Loop.shrink``, ``fdp.dist.shrink``).
+  (``Loop.shrink``, ``fdp.procs.shrink``).
 """
 
 from __future__ import annotations
@@ -34,13 +34,16 @@ from omegaconf import DictConfig, OmegaConf
 from fdp._torch import preload_compiler
 from fdp.comm import Comm
 from fdp.data import SPLITS, check_global_batch, has_split
-from fdp.dist.allocator import PeakMemory, release_free_memory
-from fdp.dist.devices import MemoryPhase, is_out_of_memory, limit_memory
-from fdp.dist.grow import GrowingWorld, joining, prepare_joiner, respawner
-from fdp.dist.heartbeat import Heartbeat
-from fdp.dist.interrupt import StopSignals, stop_signal_names
-from fdp.dist.keeper import LostRank
-from fdp.dist.launch import (
+from fdp.errors import ConfigError
+from fdp.model.precision import set_matmul_precision
+from fdp.model.streams import wants_sample_streams
+from fdp.procs.allocator import PeakMemory, release_free_memory
+from fdp.procs.devices import MemoryPhase, is_out_of_memory, limit_memory
+from fdp.procs.grow import GrowingWorld, joining, prepare_joiner, respawner
+from fdp.procs.heartbeat import Heartbeat
+from fdp.procs.interrupt import StopSignals, stop_signal_names
+from fdp.procs.keeper import LostRank
+from fdp.procs.launch import (
     RankLostError,
     RankOutOfMemoryError,
     RunDoesNotFit,
@@ -48,11 +51,8 @@ from fdp.dist.launch import (
     init_distributed,
     spawn,
 )
-from fdp.dist.launchers import launcher_of
-from fdp.dist.shrink import ShrinkingWorld, check_shrinkable_batch, keep_rank, launched_world, shrink_store
-from fdp.errors import ConfigError
-from fdp.model.precision import set_matmul_precision
-from fdp.model.streams import wants_sample_streams
+from fdp.procs.launchers import launcher_of
+from fdp.procs.shrink import ShrinkingWorld, check_shrinkable_batch, keep_rank, launched_world, shrink_store
 from fdp.run import checkpoint
 from fdp.run.build import RunParts, build_data, build_run, display_name, tune_allocator_for
 from fdp.run.callbacks import Callbacks, check_given
@@ -159,13 +159,13 @@ def run_rank(cfg: DictConfig, run_dir: str, callbacks: Sequence = ()) -> dict | 
     ``callbacks``: objects called in the loop besides ``trainer.callbacks``' (``fdp.run.callbacks``).
 
     Under ``world.on_rank_loss=shrink`` this process keeps the rank as its child
-    (``fdp.dist.keeper``) and returns ``LostRank`` for a rank the world went on without
+    (``fdp.procs.keeper``) and returns ``LostRank`` for a rank the world went on without
     (under ``torchrun`` and SLURM, the run's summary once the others are done).
     """
     cfg = OmegaConf.create(cfg) if not isinstance(cfg, DictConfig) else cfg
     w = cfg.world
     if w.on_rank_loss == "shrink" and launched_world(w.launcher).world_size > 1:
-        # world.respawn: the keeper starts a lost rank again, and it joins the world (fdp.dist.grow)
+        # world.respawn: the keeper starts a lost rank again, and it joins the world (fdp.procs.grow)
         again = (
             (lambda store, cleared: respawner(store, cleared, w.max_respawns, w.respawn_delay_s, w.timeout_s))
             if w.respawn
@@ -177,7 +177,7 @@ def run_rank(cfg: DictConfig, run_dir: str, callbacks: Sequence = ()) -> dict | 
     return _join_and_train(cfg, run_dir, callbacks)
 
 
-run_rank.handles_stop_signals = True  # fdp.dist.launch.spawn: it installs fdp.dist.interrupt's handlers itself
+run_rank.handles_stop_signals = True  # fdp.procs.launch.spawn: it installs fdp.procs.interrupt's handlers itself
 train_worker = run_rank  # its earlier name
 
 
@@ -186,7 +186,7 @@ def _join_and_train(cfg: DictConfig, run_dir: str, callbacks: Sequence = ()) -> 
     tune_allocator_for(cfg)
     layout = layout_of(cfg)
     joiner = cfg.world.on_rank_loss == "shrink" and joining()
-    # A rank that joins a running world builds alone first, then joins (in _start, fdp.dist.grow).
+    # A rank that joins a running world builds alone first, then joins (in _start, fdp.procs.grow).
     backend = prepare_joiner(layout) if joiner else None
     comm = Comm() if joiner else init_distributed(layout)
     device = layout.device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -351,7 +351,7 @@ def _heartbeat(comm: Comm, world: ShrinkingWorld | None):
 
 @contextlib.contextmanager
 def _stop_signals(cfg: DictConfig, comm: Comm):
-    """fdp.dist.interrupt: SIGINT/SIGTERM (and the launcher's requeue signal) stop every rank after the same step."""
+    """fdp.procs.interrupt: SIGINT/SIGTERM (and the launcher's requeue signal) stop every rank after the same step."""
     kind = launcher_of(cfg.world.launcher)
     stop = (
         StopSignals(stop_signal_names(kind.name, cfg.world.requeue_signal), repeat_stops_at_once=kind.alone)

@@ -22,11 +22,6 @@ import torch
 from omegaconf import OmegaConf
 
 from fdp.data import check_global_batch, check_micro_batches, check_val_fraction
-from fdp.dist.devices import BACKENDS
-from fdp.dist.grow import check_max_ranks
-from fdp.dist.interrupt import check_requeue_signal
-from fdp.dist.launchers import launcher_of
-from fdp.dist.shrink import check_on_rank_loss, check_shrinkable_batch
 from fdp.errors import ConfigError, one_of, require
 from fdp.hooks import build_hook
 from fdp.hooks.hierarchical import check_node_size
@@ -35,6 +30,11 @@ from fdp.model.precision import check_matmul_precision, check_precision, check_r
 from fdp.model.streams import check_sample_streams, wants_sample_streams
 from fdp.optim import build_optimizer, check_resumed_schedule
 from fdp.plan.values import check_cap
+from fdp.procs.devices import BACKENDS
+from fdp.procs.grow import check_max_ranks
+from fdp.procs.interrupt import check_requeue_signal
+from fdp.procs.launchers import launcher_of
+from fdp.procs.shrink import check_on_rank_loss, check_shrinkable_batch
 from fdp.run.callbacks import check_callbacks
 from fdp.run.checkpoint import saved_config
 from fdp.run.config import SCHEMAS
@@ -225,7 +225,7 @@ def _validate_world(cfg: Any) -> None:
 
 
 def _validate_respawn(w: Any, kind: Any, outer: Any) -> None:
-    """A world that grows back (``fdp.dist.grow``): its settings, each refused in one line."""
+    """A world that grows back (``fdp.procs.grow``): its settings, each refused in one line."""
     _require(w.max_ranks >= 0, "world.max_ranks", w.max_ranks, "an integer >= 0 (0: the starting size)")
     _require(w.respawn_delay_s >= 0, "world.respawn_delay_s", w.respawn_delay_s, "seconds >= 0")
     _require(w.max_respawns >= 0, "world.max_respawns", w.max_respawns, "an integer >= 0")

@@ -13,10 +13,10 @@ from typing import Callable
 
 from omegaconf import DictConfig
 
-from fdp.dist.devices import Placement, place, probe_gpus, visible_gpus
-from fdp.dist.launch import WorldLayout, refuse_world_of_one
-from fdp.dist.launchers import launcher_of
 from fdp.errors import ConfigError
+from fdp.procs.devices import Placement, place, probe_gpus, visible_gpus
+from fdp.procs.launch import WorldLayout, refuse_world_of_one
+from fdp.procs.launchers import launcher_of
 from fdp.run.rundir import RUN_LOGGER
 
 __all__ = ["placement_of", "layout_of", "resolve_world"]

@@ -18,11 +18,11 @@ import torch.distributed as dist
 
 from fdp._torch import tree_flatten
 from fdp.comm import Comm
-from fdp.dist.launch import refuse_world_of_one
 from fdp.errors import check_int
 from fdp.hooks.base import Hook, stage_name
 from fdp.optim import GradientTransformation
 from fdp.plan import BucketPlan
+from fdp.procs.launch import refuse_world_of_one
 
 __all__ = [
     "check_step_arguments",

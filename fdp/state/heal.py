@@ -1,4 +1,4 @@
-"""A rank that joins a running world takes the train state from the ranks that have it (``fdp.dist.grow``).
+"""A rank that joins a running world takes the train state from the ranks that have it (``fdp.procs.grow``).
 
 Ranks ``0 .. senders - 1`` of the new world hold the state (the survivors); the others
 join. What every survivor holds alike (the step, params, buffers, optimizer state, loss
@@ -23,9 +23,9 @@ import torch.distributed as dist
 
 from fdp._torch import tree_flatten, tree_unflatten
 from fdp.comm import Comm, new_group, wait_watched
-from fdp.dist.devices import seeded_cuda_rng
 from fdp.plan import BucketPlan
 from fdp.plan.buckets import crosses_flat, lay_out
+from fdp.procs.devices import seeded_cuda_rng
 from fdp.state.replicas import rank_seed
 from fdp.state.train_state import TrainState
 

@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 
 from fdp.comm import Comm, wait_watched
-from fdp.dist.launch import broadcast_from_rank0, check_same_plan
 from fdp.errors import check_choice
 from fdp.model.functional import Buffers, Params
 from fdp.plan import BucketPlan
+from fdp.procs.launch import broadcast_from_rank0, check_same_plan
 from fdp.state.train_state import init_train_state
 
 __all__ = ["BUFFER_SYNC", "agreed_start", "check_sync_buffers", "rank_seed", "setup_state", "sync_buffers"]

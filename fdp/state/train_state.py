@@ -13,13 +13,13 @@ from typing import Any, NamedTuple
 import torch
 
 from fdp._torch import tree_flatten
-from fdp.dist.devices import device_of, seeded_cuda_rng
 from fdp.hooks import Hook, allreduce, init_hook_states
 from fdp.model.functional import Buffers, Params
 from fdp.model.precision import LossScale, Precision
 from fdp.optim import GradientTransformation
 from fdp.plan import BucketPlan
 from fdp.plan.buckets import crosses_flat, lay_out
+from fdp.procs.devices import device_of, seeded_cuda_rng
 from fdp.state.checks import check_state_against_plan
 
 __all__ = ["TrainState", "init_train_state", "state_nbytes"]
@@ -35,7 +35,7 @@ class TrainState(NamedTuple):
     when they are not on one); ``loss_scale`` the dynamic ``LossScale`` of ``16-mixed``
     precision (``None`` otherwise); ``outer`` the outer loop's state when training syncs
     only every few steps (``fdp.step.outer``); ``mirror``, under ZeRO stage 1 in a world that may
-    shrink (``fdp.dist.shrink``), the optimizer state of the next rank's slices (rank ``r`` keeps
+    shrink (``fdp.procs.shrink``), the optimizer state of the next rank's slices (rank ``r`` keeps
     rank ``r + 1``'s, mod the world size), so that a lost rank's slices survive it (empty
     otherwise; never saved: a checkpoint holds the whole state).
     """

@@ -19,7 +19,6 @@ import torch
 from fdp.comm import Comm
 from fdp.data import split_micro_batches
 from fdp.data.batches import batch_size
-from fdp.dist.devices import device_of, rng_scope
 from fdp.errors import check_bool, check_choice, require
 from fdp.hooks import Hook, allreduce, for_slices
 from fdp.hooks import checked as with_result_checks
@@ -30,6 +29,7 @@ from fdp.model.precision import Precision, scaled_micro_batches, unscale, unscal
 from fdp.model.streams import SampleStreams
 from fdp.optim import GradientTransformation, current_lr
 from fdp.plan import BucketPlan
+from fdp.procs.devices import device_of, rng_scope
 from fdp.state import checks, replicas
 from fdp.state.train_state import TrainState, state_nbytes
 from fdp.step.reduce import GradReducer, resolve_schedule

@@ -303,7 +303,7 @@ class Update(ABC):
         self, state: TrainState, old_members: tuple[int, ...], new_members: tuple[int, ...], comm: Comm
     ) -> TrainState:
         """``state``, made for the world ``old_members``, for the ranks of ``new_members`` (whose world is ``comm``)
-        after ranks were lost, or joined (``fdp.dist.grow``: a joiner holds the survivors' state); a collective."""
+        after ranks were lost, or joined (``fdp.procs.grow``: a joiner holds the survivors' state); a collective."""
         return state
 
 

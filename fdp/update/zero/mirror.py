@@ -1,4 +1,4 @@
-"""A ZeRO stage-1 state split again over the ranks a lost rank left (``fdp.dist.shrink``).
+"""A ZeRO stage-1 state split again over the ranks a lost rank left (``fdp.procs.shrink``).
 
 Each rank holds the optimizer state of its own slices and, in ``TrainState.mirror``,
 that of the next rank's (``fdp.update.zero.sharded`` steps both). When ranks are lost, every
@@ -8,7 +8,7 @@ survivor that holds it, the whole flat state of each bucket is put together, and
 survivor takes its new slice, and the next one's as its new mirror. The params are
 whole on every rank already; they are laid out again for the new slice boundaries.
 
-A world that grows back (``fdp.dist.grow``) splits its state the same way: every old slice
+A world that grows back (``fdp.procs.grow``) splits its state the same way: every old slice
 is held by its owner, the joiner holds none and receives its slice and mirror.
 """
 

@@ -6,7 +6,7 @@ launcher's class, instead of by comparing its name across the code:
 * ``none``: this process is the whole world (a world of one, no process group);
 * ``elastic``: fdp starts the ranks itself on this machine (``fdp.spawn``, torch's elastic agent);
 * ``torchrun``: ``torchrun`` started one process per rank and set torch's variables;
-* ``slurm``: each rank is a task of a SLURM (or submitit) job and reads its place from the job (``fdp.dist.slurm``).
+* ``slurm``: each rank is a task of a SLURM (or submitit) job and reads its place from the job (``fdp.procs.slurm``).
 
 A new launcher is a subclass of ``Launcher`` answering the same questions, registered by
 name with ``register_launcher`` (``world.launcher=<name>`` then picks it).
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from typing import ClassVar, Mapping, NamedTuple
 
-from fdp.dist.slurm import job_world
 from fdp.errors import ConfigError, expected
+from fdp.procs.slurm import job_world
 
 __all__ = ["Launched", "Launcher", "LAUNCHERS", "launcher_of", "register_launcher"]
 
@@ -150,7 +150,7 @@ class Torchrun(Launcher):
 
 
 class Slurm(Launcher):
-    """``world.launcher=slurm``: each rank is a task of a SLURM or submitit job (``fdp.dist.slurm``).
+    """``world.launcher=slurm``: each rank is a task of a SLURM or submitit job (``fdp.procs.slurm``).
 
     SLURM warns a job before its time limit or a preemption with ``world.requeue_signal``;
     the run stops on it and asks SLURM to requeue the job. Signals SLURM sends while a

@@ -7,7 +7,7 @@
 * ``torchrun``: each process was started by ``torchrun`` and reads its rank, world size
   and rendezvous from the environment.
 * ``slurm``: each process is a task of a SLURM job (``srun``, or Hydra's submitit
-  launcher) and reads its place in the job from the job's environment (``fdp.dist.slurm``).
+  launcher) and reads its place in the job from the job's environment (``fdp.procs.slurm``).
 
 ``spawn`` starts the workers of a local world; with ``start_method="fork"`` they are
 forked from the calling process, so the function they run may be one defined in a
@@ -29,11 +29,11 @@ import torch
 import torch.distributed as dist
 
 from fdp.comm import Comm
-from fdp.dist.devices import device_of_rank, resolve_backend, use_device
-from fdp.dist.interrupt import StoppedAtOnce, relay_to_workers
-from fdp.dist.launchers import Launcher, launcher_of
 from fdp.errors import ConfigError
 from fdp.plan import BucketPlan
+from fdp.procs.devices import device_of_rank, resolve_backend, use_device
+from fdp.procs.interrupt import StoppedAtOnce, relay_to_workers
+from fdp.procs.launchers import Launcher, launcher_of
 
 LOOPBACK = "127.0.0.1"
 START_METHODS = ("spawn", "fork", "forkserver")
@@ -50,7 +50,7 @@ class WorldLayout(NamedTuple):
     backend: str = "auto"  # auto | gloo | nccl
     timeout_s: float = 300.0
     max_restarts: int = 0
-    accelerator: str = "cpu"  # cpu | gpu (resolved: see fdp.dist.devices.place)
+    accelerator: str = "cpu"  # cpu | gpu (resolved: see fdp.procs.devices.place)
     device_ids: tuple[int, ...] = ()  # gpu: local rank r computes on cuda:device_ids[r]
     start_method: str = "spawn"  # spawn | fork (notebooks, python -c) | forkserver: how spawn starts workers
 
@@ -60,7 +60,7 @@ class WorldLayout(NamedTuple):
 
     @property
     def kind(self) -> Launcher:
-        """The launcher that starts this world's ranks (``fdp.dist.launchers``)."""
+        """The launcher that starts this world's ranks (``fdp.procs.launchers``)."""
         return launcher_of(self.launcher)
 
     def device(self, local_rank: int) -> torch.device:
@@ -292,7 +292,7 @@ def init_distributed(layout: WorldLayout) -> Comm:
 
     Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``,
     which both the elastic launcher and ``torchrun`` set; under ``slurm`` they are first
-    set from the job's environment (``fdp.dist.slurm.job_world``). Every collective of the
+    set from the job's environment (``fdp.procs.slurm.job_world``). Every collective of the
     group times out after ``layout.timeout_s`` seconds instead of hanging. On a GPU layout
     the rank's GPU becomes its current device first (NCCL and CUDA tensors made without a
     device go there). ``launcher="none"`` (a world of one, no process group) is refused in a process a launcher

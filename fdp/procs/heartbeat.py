@@ -2,7 +2,7 @@
 
 A collective that fails says only that some peer is gone or late. The heartbeats tell a
 rank that was killed, stopped or cut off (its counter stands still) from one that only
-saw the failure too (``fdp.dist.shrink`` drops the first kind and goes on; a world that
+saw the failure too (``fdp.procs.shrink`` drops the first kind and goes on; a world that
 does not shrink names it in its error).
 
 >>> Heartbeat(0, 1, store=None).start().silent_ranks() is None  # no store: unknown

@@ -1,6 +1,6 @@
 """A world that grows back: a new rank joins a running world at a step boundary and heals from its peers.
 
-The mirror of ``fdp.dist.shrink`` (same store, same generations of process groups): under
+The mirror of ``fdp.procs.shrink`` (same store, same generations of process groups): under
 ``world.on_rank_loss=shrink`` a world may grow back to ``world.max_ranks`` ranks (default:
 the size it started with). A rank that joins (a lost rank's process started again by its
 keeper, ``world.respawn=true``; or any process started with ``FDP_JOIN=1`` beside the
@@ -22,7 +22,7 @@ node admitted by ``--nnodes MIN:MAX`` or a SLURM task started again runs):
 
 A join is therefore never in the middle of a step or an outer-loop period: a request
 made during one waits for the boundary. Keys live beside the shrink's, under
-``fdp/dist/shrink/<attempt>/join/``.
+``fdp/procs/shrink/<attempt>/join/``.
 
 >>> check_max_ranks(0, 3), check_max_ranks(4, 3)
 (3, 4)
@@ -39,10 +39,10 @@ import torch
 import torch.distributed as dist
 
 from fdp._torch import preload_compiler
-from fdp.dist.devices import resolve_backend, use_device
-from fdp.dist.keeper import LostRank
-from fdp.dist.launch import RankLostError, WorldLayout, loopback_interface
-from fdp.dist.shrink import END_KEY, MEMBERS_KEY, ShrinkingWorld, fence_key
+from fdp.procs.devices import resolve_backend, use_device
+from fdp.procs.keeper import LostRank
+from fdp.procs.launch import RankLostError, WorldLayout, loopback_interface
+from fdp.procs.shrink import END_KEY, MEMBERS_KEY, ShrinkingWorld, fence_key
 
 __all__ = ["JOIN_ENV", "GrowingWorld", "JoinRefused", "check_max_ranks", "joining", "prepare_joiner", "respawner"]
 
@@ -97,7 +97,7 @@ def prepare_joiner(layout: WorldLayout) -> str:
 def respawner(
     store: Callable[[], dist.Store], cleared: list[int], max_respawns: int, delay_s: float, timeout_s: float
 ) -> Callable[[LostRank], bool]:
-    """What a keeper asks after its rank was lost (``fdp.dist.keeper.keep``'s ``respawn``): start it again?
+    """What a keeper asks after its rank was lost (``fdp.procs.keeper.keep``'s ``respawn``): start it again?
 
     Yes, up to ``max_respawns`` times, once the others went on without it (its fence is in
     the store; ``cleared[0]`` becomes the fence's generation, so that the keeper's ``fenced``

@@ -4,7 +4,7 @@ torch's launchers watch their worker processes all or nothing: when one worker d
 the elastic agent (``fdp.spawn`` for local worlds, and ``torchrun``) stops every other
 one (``torch.multiprocessing``'s ``ProcessContext.join`` terminates the rest, and the
 agent's monitor loop then restarts or ends the group). A world that shrinks in place
-(``world.on_rank_loss=shrink``, ``fdp.dist.shrink``) needs its surviving ranks to outlive a
+(``world.on_rank_loss=shrink``, ``fdp.procs.shrink``) needs its surviving ranks to outlive a
 dead peer under those launchers, without touching the agent's private internals. So
 the process the launcher starts does not train: it is a keeper that forks the rank,
 waits for it and reports to the launcher as a worker that finished:
@@ -16,10 +16,10 @@ waits for it and reports to the launcher as a worker that finished:
   launcher sees a worker that finished and leaves the others running.
 
 A keeper may start its rank again after a loss (``respawn``, ``world.respawn=true``): the new
-process joins the running world at a step boundary (``fdp.dist.grow``).
+process joins the running world at a step boundary (``fdp.procs.grow``).
 
 The rank dies with its keeper (``PR_SET_PDEATHSIG``), so stopping the launcher still
-stops it; the stop signals the launcher passes on (``fdp.dist.interrupt``) are forwarded to it.
+stops it; the stop signals the launcher passes on (``fdp.procs.interrupt``) are forwarded to it.
 The rank is forked, so the keeper must not have used CUDA (a forked child cannot): fdp's
 keepers touch no GPU before forking, and the rank takes its GPU itself.
 

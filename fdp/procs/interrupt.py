@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from fdp.comm import Watch, wait_watched
-from fdp.dist.launchers import launcher_of
+from fdp.procs.launchers import launcher_of
 
 __all__ = [
     "StopSignals",
@@ -192,7 +192,7 @@ class StopSignals:
         return self
 
     def rejoin(self, world_size: int, watch: Watch | None = None) -> "StopSignals":
-        """Join a new world (``fdp.dist.shrink``): the old group is gone; a flag already raised is kept."""
+        """Join a new world (``fdp.procs.shrink``): the old group is gone; a flag already raised is kept."""
         self._group, self._pending, self._countdown, self._last_steps = None, None, 0, 1
         self._since = time.perf_counter()
         return self.join(world_size, watch)

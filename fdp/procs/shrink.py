@@ -12,7 +12,7 @@ follow the samples, ``fdp.model.streams``), so when a rank dies or hangs the sur
    (``ShrinkingWorld.watch``: gloo fails a collective only on the rank whose own peer is
    gone; the rest would wait for their timeout);
 2. agree on the members of the next generation (the first survivor's proposal wins, in
-   the store) and mark the others lost, so that their keepers (``fdp.dist.keeper``) kill a
+   the store) and mark the others lost, so that their keepers (``fdp.procs.keeper``) kill a
    hung rank and tell the launcher it finished;
 3. meet in the store, drop the process groups and make a new one over the survivors (a
    new key space per generation on the same store, ranks renumbered densely in their
@@ -28,7 +28,7 @@ error feedback, its generator); a lost rank's is dropped with it.
 
 The store is one all ranks reach and no rank holds: the launcher's (``fdp.spawn``), the
 agent's (``torchrun``), or rank 0's keeper's (``slurm``); keys live under
-``fdp/dist/shrink/<attempt>/``.
+``fdp/procs/shrink/<attempt>/``.
 
 >>> check_on_rank_loss("shrink")
 'shrink'
@@ -49,11 +49,11 @@ import torch.distributed as dist
 
 from fdp._torch import live_groups
 from fdp.comm import Comm
-from fdp.dist.heartbeat import Heartbeat
-from fdp.dist.keeper import LostRank, keep
-from fdp.dist.launch import RankLostError
-from fdp.dist.launchers import Launched, launcher_of
 from fdp.errors import check_choice
+from fdp.procs.heartbeat import Heartbeat
+from fdp.procs.keeper import LostRank, keep
+from fdp.procs.launch import RankLostError
+from fdp.procs.launchers import Launched, launcher_of
 
 __all__ = [
     "END_KEY",
@@ -114,7 +114,7 @@ def shrink_store(timeout_s: float) -> dist.Store:
         is_master=False,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
-    return dist.PrefixStore(f"fdp/dist/shrink/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
+    return dist.PrefixStore(f"fdp/procs/shrink/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
 
 
 def fence_key(rank: int) -> str:
@@ -143,10 +143,10 @@ def keep_rank(
     timeout_s: float,
     respawn: Callable[[Callable[[], dist.Store], list], Callable[[LostRank], bool]] | None = None,
 ) -> Any:
-    """``entry(*args)`` as a rank this process keeps (``fdp.dist.keeper``), in a world that may shrink.
+    """``entry(*args)`` as a rank this process keeps (``fdp.procs.keeper``), in a world that may shrink.
 
     ``respawn(store, cleared)``: what the keeper asks after a loss, whether to start the rank again
-    (``fdp.dist.grow.respawner``); a rank started again returns the run's summary (the last
+    (``fdp.procs.grow.respawner``); a rank started again returns the run's summary (the last
     world's rank 0's) once the run ends, whichever rank it became.
 
     Where no launcher holds a store all ranks reach (SLURM), rank 0's keeper holds one,
@@ -167,7 +167,7 @@ def keep_rank(
                 wait_for_workers=False,
                 timeout=datetime.timedelta(seconds=timeout_s),
             )
-        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # every rank joins as a client (fdp.dist.launch)
+        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # every rank joins as a client (fdp.procs.launch)
     stores: list = []
 
     def store() -> dist.Store:
@@ -175,7 +175,7 @@ def keep_rank(
             stores.append(shrink_store(timeout_s))
         return stores[0]
 
-    cleared = [0]  # the generation of the last fence a respawned rank was started after (fdp.dist.grow)
+    cleared = [0]  # the generation of the last fence a respawned rank was started after (fdp.procs.grow)
 
     def fenced() -> bool:
         try:
@@ -258,7 +258,7 @@ class ShrinkingWorld:
         self.store, self.me, self.backend, self.timeout_s, self.min_ranks = store, me, backend, timeout_s, min_ranks
         self.members: tuple[int, ...] = tuple(range(world_size)) if members is None else tuple(members)
         self.generation = generation
-        # Every launch rank that may ever be a member beats under its own key (a world may grow back: fdp.dist.grow).
+        # Every launch rank that may ever be a member beats under its own key (a world may grow back: fdp.procs.grow).
         beating = max(beating, world_size, *self.members, me + 1)
         self.heartbeat = Heartbeat(me, beating, store=dist.PrefixStore(_HEARTBEATS, store)).start()
         if members is None and me == 0:
@@ -296,7 +296,7 @@ class ShrinkingWorld:
 
     def regroup(self, lost: list[int], joined: tuple[int, ...] = ()) -> Comm:
         """The process group of the members but ``lost`` (and any that do not arrive), and ``joined`` after
-        them (a world that grows back, ``fdp.dist.grow``); its ``Comm``.
+        them (a world that grows back, ``fdp.procs.grow``); its ``Comm``.
 
         Raises ``RankLostError`` when this rank is no longer a member (the others went on
         without it) or no group can be formed.

@@ -29,9 +29,9 @@ import torch
 
 from fdp._torch import tree_map
 from fdp.data.batches import as_batch
-from fdp.dist.allocator import budget_accounting
-from fdp.dist.launchers import launcher_of
 from fdp.errors import ConfigError
+from fdp.procs.allocator import budget_accounting
+from fdp.procs.launchers import launcher_of
 
 ACCELERATORS = ("auto", "cpu", "gpu")
 BACKENDS = ("auto", "gloo", "nccl")
@@ -317,7 +317,7 @@ def limit_memory(budget_mib: float, device: torch.device) -> None:
     On a GPU it is torch's per-process fraction of the device's memory; on the CPU a
     limit on the process's data segment (``RLIMIT_DATA``, the heap and private mappings a
     process writes), counted from what it holds now, the allocator set to make that count
-    what the run holds (``fdp.dist.allocator.budget_accounting``). 0 sets no limit.
+    what the run holds (``fdp.procs.allocator.budget_accounting``). 0 sets no limit.
     """
     if budget_mib <= 0:
         return
