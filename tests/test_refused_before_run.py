@@ -39,13 +39,13 @@ CASES = [
     ),
     # Monitored metrics: checked against what the evaluations report, before step 1.
     (
-        ["trainer.early_stopping.monitor=test_los", "trainer.eval_every=1"],
-        r"trainer\.early_stopping\.monitor='test_los': expected a metric of the evaluations: test_loss, test_acc "
+        ["trainer.early_stopping.monitor=val_los", "trainer.early_stopping.patience=1", "trainer.eval_every=1"],
+        r"trainer\.early_stopping\.monitor='val_los': expected a metric of the evaluations: val_loss, val_acc "
         r"or loss",
     ),
     (
-        ["trainer.checkpoint_monitor=ema_test_loss"],
-        r"trainer\.checkpoint_monitor='ema_test_loss': expected a metric of the evaluations: test_loss, test_acc "
+        ["trainer.checkpoint_monitor=ema_val_loss", "trainer.keep_best=1"],  # no trainer.ema_decay: no average
+        r"trainer\.checkpoint_monitor='ema_val_loss': expected a metric of the evaluations: val_loss, val_acc "
         r"or loss",
     ),
     # A policy alone turns activation checkpointing on, so the classes it names are checked.
@@ -82,14 +82,14 @@ CASES = [
     # Refusals that say why, in the config's words.
     (["trainer.loggers=csv"], r"trainer\.loggers=csv: expected a list in brackets \(trainer\.loggers=\[csv\]\)"),
     (
-        ["world=local2", "hooks=lowbit", "trainer.zero_stage=2"],
-        r"trainer\.zero_stage=2: hooks 'lowbit' need the whole reduced bucket, which stage 2 scatters; "
-        r"expected hooks allreduce, fp16, bf16, int8, noop \(or zero_stage=1\)",
+        ["world=local4", "world.hierarchical=true", "world.node_size=2", "trainer.zero_stage=2", "hooks=powersgd"],
+        r"hooks 'powersgd' need the whole reduced bucket, which hybrid sharding \(world\.hierarchical=true with a "
+        r"ZeRO stage\) splits over each node; expected hooks allreduce, fp16, bf16, topk, int8, lowbit, noop",
     ),
     (
         ["world=local2", "world.hierarchical=true", "trainer.precision=bf16-mixed", "trainer.reduce_dtype=bfloat16"],
-        r"trainer\.reduce_dtype='bfloat16': expected float32 with world\.hierarchical=true \(the hook then runs "
-        r"across nodes only, on each node's float32 sum; hooks=bf16 sends bfloat16 across nodes\)",
+        r"trainer\.reduce_dtype='bfloat16': expected float32 with world\.hierarchical=true at trainer\.zero_stage=0 "
+        r"\(the hook then runs across nodes only, on each node's float32 sum; hooks=bf16 sends bfloat16 across nodes\)",
     ),
 ]
 

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable, Mapping, NamedTuple
 import torch
 from torch import nn
 
+from fdp._torch import tree_flatten
 from fdp.data.batches import head
 
 __all__ = ["Activations", "saved_activations", "traced_pair", "per_sample"]
@@ -79,7 +80,7 @@ def saved_activations(
         return t
 
     def enter(module: nn.Module, args: tuple) -> None:
-        for leaf in torch.utils._pytree.tree_leaves(args):
+        for leaf in tree_flatten(args)[0]:
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
                 key = _storage_key(leaf)
                 inputs[key] = max(leaf.numel() * leaf.element_size(), inputs.get(key, 0))

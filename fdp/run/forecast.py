@@ -33,6 +33,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+from fdp._torch import tree_flatten
 from fdp.hooks import Hook
 from fdp.optim import GradientTransformation
 from fdp.plan import BucketPlan
@@ -98,7 +99,7 @@ def tree_bytes(tree: Any) -> int:
     20
     """
     seen: dict[Any, int] = {}
-    for leaf in torch.utils._pytree.tree_leaves(tree):
+    for leaf in tree_flatten(tree)[0]:
         if isinstance(leaf, torch.Tensor):
             seen[leaf.untyped_storage()._cdata] = leaf.untyped_storage().nbytes()
     return sum(seen.values())
