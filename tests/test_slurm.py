@@ -209,7 +209,12 @@ def test_slurm_jobs_through_submitit_local_and_srun_variables_equal_local2(tmp_p
     ]
     outputs = [_finish(p) for p in procs]
     job = sweep / "0"  # the sweep's one job: both of its tasks wrote here
-    assert sorted(p.name for p in sweep.iterdir()) == [".submitit", "0", "multirun.yaml"]
+    assert sorted(p.name for p in sweep.iterdir()) == [
+        ".fdp-jobs",
+        ".submitit",
+        "0",
+        "multirun.yaml",
+    ]  # .fdp-jobs: each job's row of the sweep table
     for run_dir in (job, srun):
         assert sorted(p.name for p in (run_dir / "ranks").iterdir()) == ["rank0.txt", "rank1.txt"]
         assert (run_dir / "rank1.log").exists() and not (run_dir / ".hydra" / "resume-1").exists()

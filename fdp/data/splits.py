@@ -89,6 +89,8 @@ def hold_out(data: Dataset | MapData, fraction: float | None, seed: int, global_
         return _hold_out_text(data, fraction)
     n = len(data.train) if isinstance(data, MapData) else data.train_x.shape[0]
     n_val = int(round(n * fraction))
+    if global_batch_size > n:  # no split leaves such a batch: the batch's own check names it (check_global_batch)
+        return data
     require(
         n_val >= 1 and n - n_val >= global_batch_size,
         "data.val_fraction",
