@@ -39,13 +39,13 @@ import torch.distributed as dist
 
 from fdp.comm import Comm
 from fdp.data import Dataset, MapData, num_train_samples
-from fdp.errors import ConfigError, one_of, require
+from fdp.errors import ConfigError, require
 from fdp.optim.ema import check_ema_decay, ema
 from fdp.plan import BucketPlan
 from fdp.run.atomic import atomic_copy, atomic_link_tree
 from fdp.run.checkpoint import load
 from fdp.run.config import EarlyStoppingConfig
-from fdp.run.monitor import MODES, Monitor, Stopping, ranked, stopping_update
+from fdp.run.monitor import MODES, Monitor, Stopping, check_monitored, check_monitored_split, ranked, stopping_update
 from fdp.state.train_state import TrainState
 from fdp.update import zero
 
@@ -53,8 +53,6 @@ __all__ = [
     "LoopControls",
     "check_loop_settings",
     "check_max_time",
-    "check_monitored_split",
-    "check_monitored",
     "read_resumed",
     "run_steps",
     "steps_per_epoch",
@@ -186,57 +184,6 @@ def check_loop_settings(tc: Any, on_rank_loss: str = "stop", outer: str = "none"
             name,
             f"trainer.{switch} >= 1 with a metric named (trainer.{switch}=0: off, the default)",
         )
-
-
-def check_monitored_split(setting: str, name: str, splits: tuple) -> None:
-    """Refuse a monitored metric of a split the evaluations during training do not score: they score the
-    first of ``splits`` (the validation split, else the test split); the test split beside a validation
-    split is scored only at the end, where it selects nothing.
-
-    >>> check_monitored_split("trainer.keep_best", "val_acc", ("val", "test"))
-    >>> check_monitored_split("trainer.checkpoint_monitor", "ema_test_loss", ("val", "test"))  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    fdp.errors.ConfigError: trainer.checkpoint_monitor='ema_test_loss': expected a metric of the validation split, ...
-    """
-    if not splits:
-        raise ConfigError(f"{setting}={name!r}: expected data with a validation or a test split to evaluate on")
-    named = re.match(r"(ema_)?(val|test)_(.*)", name)
-    if named is None or named.group(2) == splits[0]:
-        return
-    ema_, _, rest = named.groups()
-    if splits[0] == "val":
-        why = "the test split is scored once, at the end; data.val_fraction=0 scores it during training instead"
-        raise ConfigError(
-            f"{setting}={name!r}: expected a metric of the validation split, {ema_ or ''}val_{rest} ({why})"
-        )
-    raise ConfigError(
-        f"{setting}={name!r}: expected a metric of the test split, {ema_ or ''}test_{rest} (the data has no "
-        "validation split: set data.val_fraction, or give the data one of its own)"
-    )
-
-
-TRAINING = ("loss",)  # the training loss, in every record an evaluation adds to: a monitor may watch it too
-
-
-def check_monitored(setting: str, name: str, evaluated: tuple[str, ...]) -> None:
-    """Refuse, before step 1, a monitored metric the run's records will not hold when it evaluates.
-
-    >>> check_monitored("trainer.checkpoint_monitor", "test_los", ("test_loss", "test_acc"))
-    Traceback (most recent call last):
-    ...
-    fdp.errors.ConfigError: trainer.checkpoint_monitor='test_los': expected a metric of the evaluations: \
-test_loss, test_acc or loss
-    """
-    if not evaluated:
-        raise ConfigError(f"{setting}={name!r}: expected data with a validation or a test split to evaluate on")
-    require(
-        name in (*evaluated, *TRAINING),
-        setting,
-        name,
-        f"a metric of the evaluations: {one_of((*evaluated, *TRAINING))}",
-        ConfigError,
-    )
 
 
 class Verdict(NamedTuple):

@@ -1,4 +1,5 @@
-"""A metric the evaluations are judged by: which way is better, early stopping's count, the best kept.
+"""A metric the evaluations are judged by: which way is better, early stopping's count, the best kept, and
+whether a run's evaluations will report it at all (checked before step 1).
 
 Small values updated once per evaluation, the same on every rank (each receives rank 0's
 record), and saved with the loop's state (``fdp.run.loop_controls``), so a resumed run
@@ -14,9 +15,18 @@ import math
 import re
 from typing import NamedTuple
 
-from fdp.errors import ConfigError, require
+from fdp.errors import ConfigError, one_of, require
 
-__all__ = ["MODES", "Monitor", "Stopping", "check_mode", "ranked", "stopping_update"]
+__all__ = [
+    "MODES",
+    "Monitor",
+    "Stopping",
+    "check_mode",
+    "check_monitored",
+    "check_monitored_split",
+    "ranked",
+    "stopping_update",
+]
 
 MODES = ("auto", "min", "max")
 
@@ -100,3 +110,54 @@ def ranked(best: tuple, value: float, step: int, keep: int, monitor: Monitor) ->
     entries.insert(position, (value, step))
     entries = entries[:keep]
     return tuple(entries), position < keep
+
+
+def check_monitored_split(setting: str, name: str, splits: tuple) -> None:
+    """Refuse a monitored metric of a split the evaluations during training do not score: they score the
+    first of ``splits`` (the validation split, else the test split); the test split beside a validation
+    split is scored only at the end, where it selects nothing.
+
+    >>> check_monitored_split("trainer.keep_best", "val_acc", ("val", "test"))
+    >>> check_monitored_split("trainer.checkpoint_monitor", "ema_test_loss", ("val", "test"))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    fdp.errors.ConfigError: trainer.checkpoint_monitor='ema_test_loss': expected a metric of the validation split, ...
+    """
+    if not splits:
+        raise ConfigError(f"{setting}={name!r}: expected data with a validation or a test split to evaluate on")
+    named = re.match(r"(ema_)?(val|test)_(.*)", name)
+    if named is None or named.group(2) == splits[0]:
+        return
+    ema_, _, rest = named.groups()
+    if splits[0] == "val":
+        why = "the test split is scored once, at the end; data.val_fraction=0 scores it during training instead"
+        raise ConfigError(
+            f"{setting}={name!r}: expected a metric of the validation split, {ema_ or ''}val_{rest} ({why})"
+        )
+    raise ConfigError(
+        f"{setting}={name!r}: expected a metric of the test split, {ema_ or ''}test_{rest} (the data has no "
+        "validation split: set data.val_fraction, or give the data one of its own)"
+    )
+
+
+TRAINING = ("loss",)  # the training loss, in every record an evaluation adds to: a monitor may watch it too
+
+
+def check_monitored(setting: str, name: str, evaluated: tuple[str, ...]) -> None:
+    """Refuse, before step 1, a monitored metric the run's records will not hold when it evaluates.
+
+    >>> check_monitored("trainer.checkpoint_monitor", "test_los", ("test_loss", "test_acc"))
+    Traceback (most recent call last):
+    ...
+    fdp.errors.ConfigError: trainer.checkpoint_monitor='test_los': expected a metric of the evaluations: \
+test_loss, test_acc or loss
+    """
+    if not evaluated:
+        raise ConfigError(f"{setting}={name!r}: expected data with a validation or a test split to evaluate on")
+    require(
+        name in (*evaluated, *TRAINING),
+        setting,
+        name,
+        f"a metric of the evaluations: {one_of((*evaluated, *TRAINING))}",
+        ConfigError,
+    )
