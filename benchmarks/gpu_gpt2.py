@@ -67,13 +67,13 @@ def _batch(spec: dict, device: torch.device):
     return tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device)
 
 
-def _torch_step(spec: dict, attention: str, batch, device: torch.device, compile: bool):
-    module = _module(spec, attention, device)
+def torch_train_step(module: torch.nn.Module, device: torch.device, compile: bool):
+    """Eager torch's step (``torch.compile``'s with ``compile``) of ``module``: ``step((x, y)) -> loss``."""
     forward = torch.compile(module) if compile else module
     opt = torch.optim.AdamW(module.parameters(), lr=LR, fused=device.type == "cuda")
-    x, y = batch
 
-    def step() -> torch.Tensor:
+    def step(batch) -> torch.Tensor:
+        x, y = batch
         opt.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=torch.bfloat16):
             logits = forward(x).logits
@@ -83,6 +83,11 @@ def _torch_step(spec: dict, attention: str, batch, device: torch.device, compile
         return loss.detach()
 
     return step
+
+
+def _torch_step(spec: dict, attention: str, batch, device: torch.device, compile: bool):
+    step = torch_train_step(_module(spec, attention, device), device, compile)
+    return lambda: step(batch)
 
 
 def _fdp_step(spec: dict, attention: str, batch, device: torch.device, compile: bool):

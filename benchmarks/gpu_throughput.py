@@ -37,8 +37,7 @@ for path in (REPO, REPO / "benchmarks"):
         sys.path.insert(0, str(path))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from gpu_gpt2 import LR, SPEC, _module  # noqa: E402
+from gpu_gpt2 import LR, SPEC, _module, torch_train_step  # noqa: E402
 
 KINDS = {  # kernel name fragments by kind, first match wins (cuDNN's attention names hold "sm90", Triton's "copy")
     "attention": ("sdpa", "flash", "fmha", "attention", "cudnn::fusion"),
@@ -93,21 +92,7 @@ def batches(spec: dict, device: torch.device, count: int = 8) -> list:
 
 
 def torch_side(spec: dict, device: torch.device, compile: bool, fp8: bool = False):
-    module = gpt2(spec, device, fp8)
-    forward = torch.compile(module) if compile else module
-    opt = torch.optim.AdamW(module.parameters(), lr=LR, fused=True)
-
-    def step(batch) -> torch.Tensor:
-        x, y = batch
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = forward(x).logits
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-        loss.backward()
-        opt.step()
-        return loss.detach()
-
-    return step
+    return torch_train_step(gpt2(spec, device, fp8), device, compile)
 
 
 def fdp_side(spec: dict, device: torch.device, compile: bool, fp8: bool = False):

@@ -27,7 +27,7 @@ from fdp.state.train_state import TrainState
 
 __all__ = ["Report", "evaluated_names"]
 
-AVERAGE = "ema_"  # the moving average's evaluation, beside the params': ema_test_loss
+AVERAGE = "ema_"  # the moving average's evaluation, beside the params': ema_val_loss
 
 
 def evaluated_names(evaluation: tuple[str, ...], average: bool) -> tuple[str, ...]:
@@ -164,7 +164,7 @@ class Report:
             figures = self._evaluate(state, state.params, split)
             if average is not None:
                 on_average = self._evaluate(state, averaged_as(average, state.params), split)
-                figures = figures and {**figures, **{f"ema_{k}": v for k, v in on_average.items()}}
+                figures = figures and {**figures, **{f"{AVERAGE}{k}": v for k, v in on_average.items()}}
             scores = None if figures is None or scores is None else {**scores, **figures}
         return scores
 
