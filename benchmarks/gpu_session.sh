@@ -13,8 +13,8 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 # The suite, every test named as it ends (-v), so a run cut short still lists what failed; SIGINT at its limit
 # makes pytest print its summary of what ran, and failures.txt gets each failure as it happens. mlflow's stack is too large to carry: its one test is left out.
 FDP_FAILURES="$OUT/failures.txt" taskset -c 0-11 timeout -s INT -k 20 "$SUITE_S" python3 -m pytest -v -n 11 -p no:cacheprovider --timeout 150 \
-  -rfE --tb=short --durations=20 --ignore=tests/test_notebooks.py -p benchmarks.failures_plugin \
-  --deselect tests/test_loggers.py::test_a_run_stopped_and_resumed_logs_to_csv_and_one_mlflow_run_with_its_settings \
+  -rfE --tb=short --durations=20 --ignore=tests/docs/test_notebooks.py -p benchmarks.failures_plugin \
+  --deselect tests/run/test_loggers.py::test_a_run_stopped_and_resumed_logs_to_csv_and_one_mlflow_run_with_its_settings \
   > "$OUT/suite.txt" 2>&1 &
 suite=$!
 taskset -c 12-15 timeout "$BENCH_S" python3 benchmarks/gpu_throughput.py --out "$OUT" 2>&1 \

@@ -1,7 +1,7 @@
 """A world that grows back under local SGD equals a run stopped and resumed at each new size (too long for the suite).
 
 Three gloo ranks under ``outer=local_sgd outer.sync_every=4`` and ``world.respawn=true`` (the settings of
-``tests/test_grow.py``); rank 2 is SIGKILLed as it starts step 20: the world shrinks to two, the rank is started
+``tests/procs/test_grow.py``); rank 2 is SIGKILLed as it starts step 20: the world shrinks to two, the rank is started
 again and joins at a sync step. The reference stops a run at the shrink's step, resumes it on two ranks to the
 join's step, then on three ranks to the end. Printed: the steps and the largest difference of the final params
 (goal: 0); written to ``benchmarks/results/grow_outer.md``.

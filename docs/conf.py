@@ -1,5 +1,5 @@
 """Sphinx settings for fdp's site: Markdown pages (myst-parser), notebooks shown as saved (myst-nb, not executed:
-tests/test_notebooks.py runs them), and the API reference from the docstrings (autodoc, autosummary).
+tests/docs/test_notebooks.py runs them), and the API reference from the docstrings (autodoc, autosummary).
 
 Build: python -m sphinx -W --keep-going -b html docs docs/_build/html
 """

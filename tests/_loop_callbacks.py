@@ -1,5 +1,5 @@
 """Callbacks the tests name in configs (``_target_: _loop_callbacks.Recorder``) and hand from Python: importable,
-so that a local world's ranks can build or unpickle them (tests/test_callbacks.py)."""
+so that a local world's ranks can build or unpickle them (tests/run/test_callbacks.py)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ gives the exit status, and the interpreter's exit functions run before it exits.
 
 A local world's workers fork from the command's process unless ``fork_workers=False`` (fdp.spawn's
 ``start_method="fork"``): they keep its imports, output files, environment and process group. Spawned workers
-stay covered where a test needs them: tests/test_interrupt.py (the terminal's signal to the group),
+stay covered where a test needs them: tests/e2e/test_interrupt.py (the terminal's signal to the group),
 the docs' Python examples (the worker function must pickle), and each group's one ``fresh`` command, which
 starts from a fresh interpreter as the shell does (``-c`` and ``-m`` commands keep ``subprocess``).
 """
@@ -169,3 +169,17 @@ def run(
     """``subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)``, forked
     unless ``fresh``."""
     return start(argv, env, cwd, fresh, fork_workers).result(timeout)
+
+
+def recipe(name: str, *overrides: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python recipes/NAME OVERRIDES...`` from a fresh interpreter in the repository's root, as the shell runs it."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(
+        [sys.executable, str(root / "recipes" / name), *overrides],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=root,
+        env=env,
+    )

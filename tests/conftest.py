@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.forkserver
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,11 +21,21 @@ torch.set_num_threads(1)
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 
-def pytest_collection_modifyitems(config, items):
-    """``@pytest.mark.gpu`` tests need CUDA: skipped where there is none.
+TESTS = Path(__file__).resolve().parent
+# Marks a folder of tests/ gives every test in it (registered in pyproject.toml).
+FOLDER_MARKS = {"e2e": pytest.mark.e2e, "docs": pytest.mark.docs}
 
-    The mark belongs on a whole module (``pytestmark``): the other modules hide the GPUs.
+
+def pytest_collection_modifyitems(config, items):
+    """Tests in tests/e2e/ and tests/docs/ get their folder's mark. ``@pytest.mark.gpu`` tests need CUDA: skipped
+    where there is none.
+
+    The gpu mark belongs on a whole module (``pytestmark``): the other modules hide the GPUs.
     """
+    for item in items:
+        folder = item.path.relative_to(TESTS).parts[0] if item.path.is_relative_to(TESTS) else None
+        if folder in FOLDER_MARKS:
+            item.add_marker(FOLDER_MARKS[folder])
     loose = [
         item.nodeid
         for item in items

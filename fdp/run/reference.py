@@ -2,7 +2,7 @@
 
 A key's meaning is the comment its schema field carries in ``fdp.run.config`` (on the
 field's lines, or on the comment lines just above it), so the reference cannot drift
-from the schemas: a field without one fails ``tests/test_reference.py``.
+from the schemas: a field without one fails ``tests/run/test_reference.py``.
 
 >>> doc = next(d for d in key_docs() if d.key == "trainer.eval_every")
 >>> doc.default, doc.meaning.startswith("0: evaluate only at the end")

@@ -1,0 +1,152 @@
+"""The memory forecast (fdp.run.forecast): each part equals what it counts, the stages order as they shard, the
+recipe's JSON section, and a run's measured peak within the forecast's goal."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+import torch
+from _recipe import recipe
+
+from fdp import adam, functionalize, sgd
+from fdp.hooks import allreduce
+from fdp.model.activations import Activations, per_sample, saved_activations
+from fdp.model.losses import cross_entropy_loss, planner_loss
+from fdp.plan import plan_buckets
+from fdp.run import forecast
+
+
+def _mlp():
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(33, 50), torch.nn.ReLU(), torch.nn.Linear(50, 7))
+    model, params, buffers = functionalize(module, keep_module_weights=False)
+    loss = planner_loss(cross_entropy_loss(model), buffers)
+    batch = (torch.randn(4, 33), torch.randint(0, 7, (4,)))
+    plan = plan_buckets(loss, params, batch, bucket_cap_mb=0.002, first_bucket_cap_mb=0.001)
+    return params, loss, batch, plan
+
+
+def test_params_and_slices_count_every_element_and_the_padding():
+    params, _, _, plan = _mlp()
+    assert len(plan) > 1
+    whole = sum(p.numel() * p.element_size() for p in params.values())
+    assert forecast.params_bytes(plan, stage=0, world=3) == whole
+    for world in (1, 2, 3, 4):
+        expected = sum(math.ceil(b.numel / world) * 4 for b in plan.buckets)  # each bucket padded to world slices
+        assert forecast.params_bytes(plan, stage=3, world=world) == expected
+        assert whole <= world * expected < whole + world * 4 * len(plan)
+
+
+@pytest.mark.parametrize("make,per_param", [(lambda: sgd(0.1, momentum=0.9), 1), (lambda: adam(1e-3), 2)])
+def test_optimizer_state_is_what_the_optimizer_makes(make, per_param):
+    params, _, _, plan = _mlp()
+    optimizer = make()
+    real = forecast.tree_bytes(optimizer.init(params))  # the state the optimizer makes for real params
+    whole = sum(p.numel() * 4 for p in params.values())
+    assert forecast.optimizer_state_bytes(optimizer, plan, stage=0, world=2) == real
+    assert per_param * whole <= real <= per_param * whole + 64  # momentum / two moments (and a step count)
+    sliced = forecast.optimizer_state_bytes(optimizer, plan, stage=1, world=2)
+    assert (
+        per_param * forecast.slice_bytes(plan, 2)
+        <= sliced
+        <= per_param * forecast.slice_bytes(plan, 2) + 64 * len(plan)
+    )
+
+
+def test_saved_activations_are_what_backward_keeps():
+    params, loss, batch, _ = _mlp()
+    leaves = {n: p.detach().requires_grad_() for n, p in params.items()}
+    counted = saved_activations(loss, leaves, batch)
+    # The first layer keeps its input (4 x 33), the ReLU its output (4 x 50, the second layer's input too), the
+    # loss its log-softmax (4 x 7), the targets (4 int64) and the mean's one-element count.
+    assert counted.kept == 4 * (33 + 50 + 7) * 4 + 4 * 8 + 4
+    assert counted.largest == 4 * 50 * 4
+    # Scaled from one and two samples to eight: linear in the samples here.
+    big = (torch.randn(8, 33), torch.randint(0, 7, (8,)))
+    assert per_sample(loss, params, batch, samples=8) == saved_activations(loss, leaves, big)
+
+
+def test_stages_need_less_memory_as_they_shard_more():
+    _, _, _, plan = _mlp()
+    rows = [
+        forecast.forecast(plan, adam(1e-3), allreduce(), Activations(1000, 100), stage=s, world=4) for s in range(4)
+    ]
+    held = [r.terms.params + r.terms.grads_held + r.terms.optimizer for r in rows]
+    assert held == sorted(held, reverse=True) and held[3] < held[2] < held[0]
+    assert held[3] == min(held)
+    assert rows[0].terms.optimizer == 2 * rows[0].terms.params  # Adam's two moments (its step count is no tensor)
+    assert [r.bytes_sent["per_step"] for r in rows] == [
+        forecast.step_bytes_sent(plan, s, 4) for s in range(4)
+    ] and rows[0].bytes_sent["per_step"] == plan.nbytes
+
+
+def test_the_largest_micro_batch_is_the_last_that_fits():
+    assert forecast.largest_micro_batch(lambda b: b <= 37, most=64) == 37
+    assert forecast.largest_micro_batch(lambda b: False, most=64) == 0
+    assert forecast.largest_micro_batch(lambda b: True, most=64) == 64
+
+
+def test_plan_recipe_prints_the_forecast_and_saves_its_json_section(tmp_path):
+    out = tmp_path / "plan.json"
+    proc = recipe(
+        "plan.py",
+        "model=mlp",
+        "world=local2",
+        "trainer.zero_stage=3",
+        "world.memory_per_rank_mb=400",
+        f"+plan_json={out}",
+        f"hydra.run.dir={tmp_path}",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = proc.stdout
+    assert re.search(r"^peak +[\d.]+ +\w+ +[\d.]+ +\w+$", text, re.M), text
+    assert re.search(r"^stage \| params .* \| fits 400 MiB \| largest micro-batch$", text, re.M), text
+    memory = json.loads(out.read_text())["memory"]
+    assert memory["peak_mib"] > 0 and memory["phase"] in forecast.PHASES
+    assert [r["rank"] for r in memory["ranks"]] == [0, 1]
+    assert [s["stage"] for s in memory["stages"]] == [0, 1, 2, 3]
+    part_names = set(memory["ranks"][0]["parts_mib"])
+    assert {
+        "params (slices)",
+        "optimizer state (slices)",
+        "activations (micro-batch)",
+        "fixed per process",
+    } <= part_names
+    assert memory["ranks"][0]["peak_mib"] == memory["peak_mib"]
+    held = [s["parts_mib"]["optimizer state" + (" (slices)" if s["stage"] else "")] for s in memory["stages"]]
+    assert held[3] <= held[0] / 2  # sharded over 2 ranks
+
+
+def test_a_run_measures_a_peak_within_the_forecasts_goal(tmp_path):
+    """A run logs the forecast's peak at start and its measured peak in the summary: the forecast never more than 5%
+    below it (what says "fits" fits), and not far above (a char transformer at stage 3 on 2 ranks, AdamW, a
+    whole-file checkpoint at the end: benchmarks/results/forecast.md's row, 1.00-1.05 there). The upper bound is
+    looser than the table's 10%: this run's measured peak moved between 164 and 181 MiB from run to run on a
+    shared machine (the heap, and which gathers and reductions are in flight at once)."""
+    proc = recipe(
+        "train.py",
+        "world=local2",
+        "model=charlm",
+        "model.d_model=256",
+        "model.n_layer=4",
+        "model.n_head=4",
+        "data=stdlib_text",
+        "data.block_size=128",
+        "data.max_chars=200000",
+        "data.global_batch_size=16",
+        "optim=adamw",
+        "trainer.zero_stage=3",
+        "trainer.max_steps=2",
+        "trainer.eval_every=0",
+        "trainer.eval_batches=2",
+        "trainer.progress=false",
+        f"hydra.run.dir={tmp_path}",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = (tmp_path / "train.log").read_text()
+    predicted = float(re.search(r"memory forecast: peak (\d+) MiB per rank in (\w+)", log).group(1))
+    measured = float(re.search(r"peak_mib=([\d.]+)", log).group(1))
+    assert 0.95 <= predicted / measured <= 1.25, (predicted, measured)
