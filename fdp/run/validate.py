@@ -159,14 +159,6 @@ def _validate_trainer(cfg: Any) -> None:
         )
     if cfg.world.hierarchical and t.zero_stage:  # hybrid sharding: the chain reduces each rank's slice across nodes
         _as_config_key("hooks", lambda _: check_hook_across_nodes(hook), _container(cfg.hooks))
-    if cfg.world.hierarchical and not t.zero_stage:  # the hook is wrapped into one across nodes, in its own dtype
-        _require(
-            t.reduce_dtype == "float32",
-            "trainer.reduce_dtype",
-            t.reduce_dtype,
-            "float32 with world.hierarchical=true at trainer.zero_stage=0 (the hook then runs across nodes only, "
-            "on each node's float32 sum; hooks=bf16 sends bfloat16 across nodes)",
-        )
     refusal = stage_rules(t.zero_stage).refuses_compile()
     if refusal:
         _require(
