@@ -14,12 +14,15 @@ import threading
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 from _procs import alive
 from test_shrink import RUN, Signaller, assert_close_params, final_params, records
 
 from fdp.procs.grow import GrowingWorld, JoinRefused
+from fdp.run.checkpoint import last_of
 from fdp.run.config import ConfigError, compose
+from fdp.run.rundir import RankStatus
 from fdp.run.trainer import run
 from fdp.run.validate import validate
 
@@ -117,6 +120,24 @@ def test_rank_0_killed_rejoins_and_the_run_keeps_its_owner_and_summary(lost0, re
     lines = records(lost0["dir"])
     assert lines[-1]["summary"] and lines[-1]["grows"] == lost0["summary"]["grows"]
     assert [r["step"] for r in lines if "loss" in r and "step" in r][-1] == STEPS
+
+
+def test_max_time_counts_the_training_time_across_a_shrink_and_a_join(tmp_path):
+    """The clock goes on through the shrink and the join: the run stops on three ranks at one step, its time spent,
+    the rank that joined having taken the training time so far from the world's rank 0."""
+    limit = 30
+    signaller = Signaller(tmp_path, signal.SIGKILL, rank=2, step=KILL_AT)
+    try:
+        settings = [o for o in COMMON if not o.startswith("trainer.max_steps")]
+        summary = run(compose(*settings, *RESPAWN, "trainer.max_steps=100000", f"trainer.max_time={limit}"), tmp_path)
+    finally:
+        signaller.done()
+    assert summary["stopped"] == "max_time" and summary["world"] == 3, summary
+    assert [s["lost"] for s in summary["shrinks"]] == [[2]] and [g["joined"] for g in summary["grows"]] == [[2]]
+    saved = torch.load(last_of(tmp_path / "checkpoints"), weights_only=True)
+    assert saved["step"] == summary["steps"] > summary["grows"][0]["step"]
+    assert limit <= saved["loop"]["elapsed_s"] < limit + 15, saved["loop"]
+    assert {RankStatus.read(tmp_path, rank)["step"] for rank in range(3)} == {summary["steps"]}
 
 
 # -- the admission, on a real store --------------------------------------------------------------------

@@ -105,8 +105,6 @@ def test_settings_are_refused_in_one_line_each():
         assert str(error.value).startswith(message) and "\n" not in str(error.value), override
     with pytest.raises(ConfigError, match=r"trainer.ema_decay=0.9: expected 0 with outer=diloco"):
         validate(compose("trainer.ema_decay=0.9", "outer=diloco"))
-    with pytest.raises(ConfigError, match=r"trainer.max_time=60: expected 0 with world.on_rank_loss=shrink"):
-        validate(compose("trainer.max_time=60", "world=local2", "world.on_rank_loss=shrink"))
     with pytest.raises(ConfigError, match=r"early_stopping.patience=3: expected 0 with trainer.eval_every=0"):
         validate(compose("trainer.early_stopping.patience=3", "trainer.eval_every=0"))
 

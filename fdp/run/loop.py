@@ -245,7 +245,9 @@ class Loop:
             f"rank {', '.join(map(str, world.joined))} joined: going on from step {self.state.step} on "
             f"{comm.world_size} ranks ({record['seconds']:.1f} s)"
         )
-        self.join(comm)  # the order the joiner makes its groups in: the step's, then the stop flag's
+        # The order the joiner makes its groups in: max_time's (fdp.run.loop_controls), the step's, the stop flag's.
+        self.controls.join(comm)
+        self.join(comm)
         stop.rejoin(comm.world_size, comm.watch)
 
     def shrink(
@@ -286,5 +288,6 @@ class Loop:
                 f"world.min_ranks={self.cfg.world.min_ranks}; the last checkpoint is step {step} "
                 "(continue with trainer.resume=true)"
             )
+        self.controls.join(comm)  # max_time's clock goes on in the smaller world
         stop.rejoin(comm.world_size, comm.watch)
         self.join(comm)

@@ -126,7 +126,7 @@ minutes field is 99, not below 60
     return seconds
 
 
-def check_loop_settings(tc: Any, on_rank_loss: str = "stop", outer: str = "none") -> None:
+def check_loop_settings(tc: Any, outer: str = "none") -> None:
     """The settings of ``trainer`` (``tc``) this module uses, each refused in one line naming its key.
 
     >>> from fdp.run.config import compose
@@ -147,12 +147,6 @@ def check_loop_settings(tc: Any, on_rank_loss: str = "stop", outer: str = "none"
 
     check(tc.max_epochs >= 0, "max_epochs", tc.max_epochs, "an integer >= 0 (0: max_steps alone)")
     named("max_time", check_max_time, tc.max_time)
-    check(
-        not check_max_time(tc.max_time) or on_rank_loss != "shrink",
-        "max_time",
-        tc.max_time,
-        "0 with world.on_rank_loss=shrink (its clock is not carried to a new world)",
-    )
     named("ema_decay", check_ema_decay, tc.ema_decay)
     check(
         not tc.ema_decay or outer == "none",
@@ -204,8 +198,16 @@ class Deadline:
 
     def __init__(self, limit_s: float, elapsed_s: float, comm: Comm):
         self.limit_s, self.before_s, self.started = limit_s, elapsed_s, time.perf_counter()
+        self._group, self._pending = None, None
+        self.join(comm)
+
+    def join(self, comm: Comm) -> None:
+        """Agree in the world of ``comm`` from now on (every rank calls it at the same point: a world that shrank or
+        grew makes its group where a joining rank makes it, before the step's). The clock goes on: a rank that
+        joins took the training time so far from the world's rank 0 (``LoopControls.payload``), and only the new
+        rank 0's clock decides. A verdict in flight in the old world is dropped: rank 0 raises it again."""
         self.rank, self._group, self._pending = comm.rank, None, None
-        if limit_s and comm.world_size > 1:
+        if self.limit_s and comm.world_size > 1:
             from fdp._torch import group_timeout
 
             ranks = dist.get_process_group_ranks(comm.group) if comm.group is not None else list(range(comm.world_size))
@@ -316,6 +318,11 @@ class LoopControls:
         if self.deadline.passed():
             return f"max_time={self.deadline_s:g} s reached after {self.deadline.elapsed_s():.1f} s of training"
         return None
+
+    def join(self, comm: Comm) -> None:
+        """Go on in the world of ``comm`` (one that shrank or grew: ``fdp.run.loop``), the training time with it."""
+        self.comm = comm
+        self.deadline.join(comm)
 
     def back(self) -> None:
         """Undo the last step's update of the average (the world went back to the step before: ``fdp.procs.shrink``)."""
