@@ -17,7 +17,8 @@
 Both watch the evaluations during training, which score the validation split: the test split,
 scored once at the end, never selects a model (``fdp.data.splits``).
 * ``trainer.ema_decay``: a moving average of the params (``fdp.optim.ema``), evaluated as
-  ``ema_<metric>`` and saved whole in each checkpoint (``ema``).
+  ``ema_<metric>`` and saved whole in each checkpoint (``ema``). Under an outer loop it follows
+  the anchor, the params every rank agreed on at the last sync (``agreed_params``).
 
 What these decide with (the stopping counter, the best values so far, the training time,
 the average) is saved in every checkpoint (``loop``, ``ema``), so a resumed run goes on
@@ -126,7 +127,7 @@ minutes field is 99, not below 60
     return seconds
 
 
-def check_loop_settings(tc: Any, outer: str = "none") -> None:
+def check_loop_settings(tc: Any) -> None:
     """The settings of ``trainer`` (``tc``) this module uses, each refused in one line naming its key.
 
     >>> from fdp.run.config import compose
@@ -148,12 +149,6 @@ def check_loop_settings(tc: Any, outer: str = "none") -> None:
     check(tc.max_epochs >= 0, "max_epochs", tc.max_epochs, "an integer >= 0 (0: max_steps alone)")
     named("max_time", check_max_time, tc.max_time)
     named("ema_decay", check_ema_decay, tc.ema_decay)
-    check(
-        not tc.ema_decay or outer == "none",
-        "ema_decay",
-        tc.ema_decay,
-        f"0 with outer={outer} (its ranks' params differ between syncs: no one average to keep)",
-    )
     early = tc.early_stopping
     check(early.mode in MODES, "early_stopping.mode", early.mode, "auto, min or max")
     check(early.patience >= 0, "early_stopping.patience", early.patience, "an integer >= 0 (0: no early stopping)")
@@ -244,6 +239,17 @@ class Deadline:
 
 
 # -- the loop's controls ---------------------------------------------------------------------------
+def agreed_params(state: TrainState) -> dict:
+    """The params every rank holds alike, which the moving average follows: under an outer loop
+    (``fdp.step.outer``) its anchor, the params of each fragment's last sync (between syncs each rank's
+    own params differ); else the params.
+
+    >>> agreed_params(TrainState(0, {"w": torch.ones(1)}, {}, (), (), None))["w"].tolist()
+    [1.0]
+    """
+    return state.outer.anchor if state.outer else state.params
+
+
 class LoopControls:
     """Everything above for one rank's loop: call ``stepped`` after each step, ``evaluated`` after each
     evaluation, ``payload`` for each checkpoint (on every rank), ``keep_best`` with the file it wrote.
@@ -297,7 +303,7 @@ class LoopControls:
 
     def _resumed_average(self, saved: dict | None, state: TrainState) -> dict:
         if saved is None:  # a new run, or one that turns the average on when resumed
-            return self.ema.init(state.params)
+            return self.ema.init(agreed_params(state))
         if zero.params_sharded(state.params, self.plan):  # this rank's slices of the whole average
             whole = TrainState(0, saved, {}, (), (), state.rng)
             return self.ema.init(zero.shard_state(whole, self.plan, self.shard, stage=3).params)
@@ -314,7 +320,7 @@ class LoopControls:
     def stepped(self, state: TrainState) -> str | None:
         """After each step on every rank: update the average; why to stop now (max_time), or ``None``."""
         if self.ema is not None:
-            self._before, self.average = self.average, self.ema.update(self.average, state.params)
+            self._before, self.average = self.average, self.ema.update(self.average, agreed_params(state))
         if self.deadline.passed():
             return f"max_time={self.deadline_s:g} s reached after {self.deadline.elapsed_s():.1f} s of training"
         return None

@@ -171,7 +171,7 @@ def _validate_trainer(cfg: Any) -> None:
     _as_config_key("trainer.zero_stage", lambda stage: check_optimizer_for_stage(stage, optimizer), t.zero_stage)
     _as_config_key("trainer.loggers", lambda names: check_loggers(names, t.tensorboard), list(t.loggers))
     check_callbacks(_container(t.callbacks))
-    check_loop_settings(t, cfg.outer.name)
+    check_loop_settings(t)
     _as_config_key("outer", check_outer, _container(cfg.outer))
 
 
