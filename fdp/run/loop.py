@@ -37,7 +37,7 @@ from fdp.run.rundir import RankStatus, RunDir
 from fdp.run.sharded_checkpoint import ShardedSaver, check_checkpoint_async
 from fdp.state.train_state import TrainState
 from fdp.step.outer import make_outer_step
-from fdp.step.outer_spec import check_outer
+from fdp.step.outer_spec import check_outer, join_boundaries
 from fdp.step.train_step import TrainStep, make_train_step
 from fdp.trace import Timeline
 from fdp.update import zero
@@ -125,10 +125,8 @@ class Loop:
         self.cfg, self.parts, self.timeline, self.device, self.last_step = cfg, parts, timeline, device, last_step
         self.compile, self.controls, self.phase, self.world = compile, controls, phase, world
         self.callbacks = callbacks or Callbacks(run_dir=".")
-        # A world grows at the boundary of an outer-loop period (between steps without one); never while a sync is in
-        # flight across steps (outer.overlap: 0, no growing).
-        outer = cfg.outer
-        self.period = 0 if outer.get("overlap", 0) else outer.get("sync_every", 1) if outer.name != "none" else 1
+        # A world grows at the boundary of an outer-loop period (between steps without one), where no sync is in flight.
+        self.boundaries = join_boundaries(check_outer(OmegaConf.to_container(cfg.outer)))
         self.state = self.before = state
         self.since = time.perf_counter()
         tc = cfg.trainer
@@ -202,9 +200,8 @@ class Loop:
                 return interrupted
             if (
                 isinstance(self.world, GrowingWorld)
-                and self.period
                 and not controls.stopped
-                and self.world.due(state.step, self.period)
+                and self.world.due(state.step, *self.boundaries)
             ):
                 self.grow(report, stop)
         if controls.stopped and self.comm.rank == 0:

@@ -189,7 +189,7 @@ def _validate_world(cfg: Any) -> None:
     _require(w.min_ranks >= 1, "world.min_ranks", w.min_ranks, "an integer >= 1")
     if w.on_rank_loss == "shrink":
         _validate_shrink(cfg)
-    _validate_respawn(w, kind, cfg.outer)
+    _validate_respawn(w, kind)
     _require(d.global_batch_size >= 1, "data.global_batch_size", d.global_batch_size, "an integer >= 1")
     if kind.starts_ranks:  # there the world size is known only to the launched processes
         return
@@ -216,7 +216,7 @@ def _validate_world(cfg: Any) -> None:
         )
 
 
-def _validate_respawn(w: Any, kind: Any, outer: Any) -> None:
+def _validate_respawn(w: Any, kind: Any) -> None:
     """A world that grows back (``fdp.procs.grow``): its settings, each refused in one line."""
     _require(w.max_ranks >= 0, "world.max_ranks", w.max_ranks, "an integer >= 0 (0: the starting size)")
     _require(w.respawn_delay_s >= 0, "world.respawn_delay_s", w.respawn_delay_s, "seconds >= 0")
@@ -239,13 +239,6 @@ def _validate_respawn(w: Any, kind: Any, outer: Any) -> None:
             "world.respawn",
             w.respawn,
             "false under torchrun and SLURM (there the launcher or the job starts the replacement, with FDP_JOIN=1)",
-        )
-        overlap = outer.get("overlap", 0) if outer.name != "none" else 0
-        _require(
-            not overlap,
-            "outer.overlap",
-            overlap,
-            "0 with world.respawn=true (a sync in flight would cross the boundary a rank joins at)",
         )
 
 
