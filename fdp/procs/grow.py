@@ -13,7 +13,8 @@ node admitted by ``--nnodes MIN:MAX`` or a SLURM task started again runs):
    ranks, stops there with one line (``JoinRefused``); else asks to join (``join/<n>``);
 3. waits for its answer. The running world's rank 0 sees the request at a step
    boundary and schedules the join two boundaries later (two outer-loop periods under
-   local SGD/DiLoCo: the ranks are at most one period apart), where every member will be
+   local SGD/DiLoCo, after steps no sync is in flight at: the ranks are at most one period
+   apart; ``fdp.step.outer_spec.join_boundaries``), where every member will be
    (``GrowingWorld.due``). There the members propose the larger world in the store
    (``ShrinkingWorld.regroup`` with ``joined``), answer the joiner, and all meet in a
    new generation's group, the joiner last;
@@ -145,19 +146,20 @@ class GrowingWorld(ShrinkingWorld):
         self._plan: dict | None = None
 
     # -- the members' side ---------------------------------------------------------------------
-    def due(self, step: int, period: int = 1) -> bool:
+    def due(self, step: int, period: int = 1, phase: int = 0) -> bool:
         """After ``step`` on every member: whether a join was scheduled for this boundary (one store
-        round trip per step: rank 0 counts the requests, the others look for its schedule)."""
+        round trip per step: rank 0 counts the requests, the others look for its schedule). The boundaries
+        are the steps ``s`` with ``s % period == phase`` (``fdp.step.outer_spec.join_boundaries``)."""
         key = f"gen{self.generation}/grow"
         if self._plan is None or self._plan["generation"] != self.generation:
             self._plan = None
             if self.rank == 0:
-                self._plan = self._schedule(step, period, key)
+                self._plan = self._schedule(step, period, phase, key)
             elif self.store.check([key]):
                 self._plan = json.loads(self.store.get(key))
         return self._plan is not None and self._plan["at"] == step
 
-    def _schedule(self, step: int, period: int, key: str) -> dict | None:
+    def _schedule(self, step: int, period: int, phase: int, key: str) -> dict | None:
         count = self.store.add(_COUNT, 0)
         admitted = int(self.store.get(_ADMITTED)) if self.store.check([_ADMITTED]) else 0
         ids = []
@@ -184,7 +186,7 @@ class GrowingWorld(ShrinkingWorld):
         # Counted admitted at the boundary only: a world that shrinks before it schedules them again.
         plan = {
             "generation": self.generation,
-            "at": (step // period + 2) * period,
+            "at": ((step - phase) // period + 2) * period + phase,
             "asked": step,
             "ids": [n for n, _ in taken],
             "ranks": [r for _, r in taken],

@@ -202,8 +202,10 @@ def build_run(
         node_size = _node_size(cfg, comm)
         if stage.shards_optimizer:
             groups = zero.shard_groups(node_size, comm.watch)
-        else:
-            hook = hierarchical(hook, node_comms(node_size), comm.world_size // node_size)
+        else:  # trainer.reduce_dtype applies on the leg across nodes (each node's float32 sum sent in it), as at
+            # ZeRO stages (fdp.update.zero.hybrid): the step then reduces in no other dtype of its own
+            hook = hierarchical(precision.reducing(hook), node_comms(node_size), comm.world_size // node_size)
+            precision = precision._replace(reduce_dtype="float32")
     # The schedule spans the run: max_steps, or fewer where trainer.max_epochs ends it sooner.
     steps = run_steps(cfg.trainer.max_steps, cfg.trainer.max_epochs, data, cfg.data.global_batch_size)
     optimizer = build_optimizer(OmegaConf.to_container(cfg.optim), steps, embeddings=embeddings)

@@ -37,7 +37,7 @@ from fdp.run.rundir import RankStatus, RunDir
 from fdp.run.sharded_checkpoint import ShardedSaver, check_checkpoint_async
 from fdp.state.train_state import TrainState
 from fdp.step.outer import make_outer_step
-from fdp.step.outer_spec import check_outer
+from fdp.step.outer_spec import check_outer, join_boundaries
 from fdp.step.train_step import TrainStep, make_train_step
 from fdp.trace import Timeline
 from fdp.update import zero
@@ -125,10 +125,8 @@ class Loop:
         self.cfg, self.parts, self.timeline, self.device, self.last_step = cfg, parts, timeline, device, last_step
         self.compile, self.controls, self.phase, self.world = compile, controls, phase, world
         self.callbacks = callbacks or Callbacks(run_dir=".")
-        # A world grows at the boundary of an outer-loop period (between steps without one); never while a sync is in
-        # flight across steps (outer.overlap: 0, no growing).
-        outer = cfg.outer
-        self.period = 0 if outer.get("overlap", 0) else outer.get("sync_every", 1) if outer.name != "none" else 1
+        # A world grows at the boundary of an outer-loop period (between steps without one), where no sync is in flight.
+        self.boundaries = join_boundaries(check_outer(OmegaConf.to_container(cfg.outer)))
         self.state = self.before = state
         self.since = time.perf_counter()
         tc = cfg.trainer
@@ -202,9 +200,8 @@ class Loop:
                 return interrupted
             if (
                 isinstance(self.world, GrowingWorld)
-                and self.period
                 and not controls.stopped
-                and self.world.due(state.step, self.period)
+                and self.world.due(state.step, *self.boundaries)
             ):
                 self.grow(report, stop)
         if controls.stopped and self.comm.rank == 0:
@@ -245,7 +242,9 @@ class Loop:
             f"rank {', '.join(map(str, world.joined))} joined: going on from step {self.state.step} on "
             f"{comm.world_size} ranks ({record['seconds']:.1f} s)"
         )
-        self.join(comm)  # the order the joiner makes its groups in: the step's, then the stop flag's
+        # The order the joiner makes its groups in: max_time's (fdp.run.loop_controls), the step's, the stop flag's.
+        self.controls.join(comm)
+        self.join(comm)
         stop.rejoin(comm.world_size, comm.watch)
 
     def shrink(
@@ -286,5 +285,6 @@ class Loop:
                 f"world.min_ranks={self.cfg.world.min_ranks}; the last checkpoint is step {step} "
                 "(continue with trainer.resume=true)"
             )
+        self.controls.join(comm)  # max_time's clock goes on in the smaller world
         stop.rejoin(comm.world_size, comm.watch)
         self.join(comm)

@@ -159,14 +159,6 @@ def _validate_trainer(cfg: Any) -> None:
         )
     if cfg.world.hierarchical and t.zero_stage:  # hybrid sharding: the chain reduces each rank's slice across nodes
         _as_config_key("hooks", lambda _: check_hook_across_nodes(hook), _container(cfg.hooks))
-    if cfg.world.hierarchical and not t.zero_stage:  # the hook is wrapped into one across nodes, in its own dtype
-        _require(
-            t.reduce_dtype == "float32",
-            "trainer.reduce_dtype",
-            t.reduce_dtype,
-            "float32 with world.hierarchical=true at trainer.zero_stage=0 (the hook then runs across nodes only, "
-            "on each node's float32 sum; hooks=bf16 sends bfloat16 across nodes)",
-        )
     refusal = stage_rules(t.zero_stage).refuses_compile()
     if refusal:
         _require(
@@ -179,7 +171,7 @@ def _validate_trainer(cfg: Any) -> None:
     _as_config_key("trainer.zero_stage", lambda stage: check_optimizer_for_stage(stage, optimizer), t.zero_stage)
     _as_config_key("trainer.loggers", lambda names: check_loggers(names, t.tensorboard), list(t.loggers))
     check_callbacks(_container(t.callbacks))
-    check_loop_settings(t, cfg.world.on_rank_loss, cfg.outer.name)
+    check_loop_settings(t)
     _as_config_key("outer", check_outer, _container(cfg.outer))
 
 
@@ -197,7 +189,7 @@ def _validate_world(cfg: Any) -> None:
     _require(w.min_ranks >= 1, "world.min_ranks", w.min_ranks, "an integer >= 1")
     if w.on_rank_loss == "shrink":
         _validate_shrink(cfg)
-    _validate_respawn(w, kind, cfg.outer)
+    _validate_respawn(w, kind)
     _require(d.global_batch_size >= 1, "data.global_batch_size", d.global_batch_size, "an integer >= 1")
     if kind.starts_ranks:  # there the world size is known only to the launched processes
         return
@@ -224,7 +216,7 @@ def _validate_world(cfg: Any) -> None:
         )
 
 
-def _validate_respawn(w: Any, kind: Any, outer: Any) -> None:
+def _validate_respawn(w: Any, kind: Any) -> None:
     """A world that grows back (``fdp.procs.grow``): its settings, each refused in one line."""
     _require(w.max_ranks >= 0, "world.max_ranks", w.max_ranks, "an integer >= 0 (0: the starting size)")
     _require(w.respawn_delay_s >= 0, "world.respawn_delay_s", w.respawn_delay_s, "seconds >= 0")
@@ -247,13 +239,6 @@ def _validate_respawn(w: Any, kind: Any, outer: Any) -> None:
             "world.respawn",
             w.respawn,
             "false under torchrun and SLURM (there the launcher or the job starts the replacement, with FDP_JOIN=1)",
-        )
-        overlap = outer.get("overlap", 0) if outer.name != "none" else 0
-        _require(
-            not overlap,
-            "outer.overlap",
-            overlap,
-            "0 with world.respawn=true (a sync in flight would cross the boundary a rank joins at)",
         )
 
 

@@ -228,10 +228,6 @@ def test_checkpoints_move_between_hybrid_and_flat_worlds(tmp_path):
             ["hooks=powersgd", "trainer.zero_stage=1"],
             "hooks 'powersgd' need the whole reduced bucket, which hybrid sharding",
         ),
-        (
-            ["trainer.zero_stage=0", "trainer.precision=bf16-mixed", "trainer.reduce_dtype=bfloat16"],
-            "trainer.reduce_dtype='bfloat16': expected float32 with world.hierarchical=true at trainer.zero_stage=0",
-        ),
     ],
 )
 def test_what_hybrid_sharding_cannot_take_is_refused_in_one_line(overrides, message):
@@ -240,8 +236,11 @@ def test_what_hybrid_sharding_cannot_take_is_refused_in_one_line(overrides, mess
     assert str(error.value).startswith(message) and "\n" not in str(error.value)
 
 
-def test_hybrid_sharding_takes_a_reduce_dtype():
-    validate(_cfg(*HYBRID, "trainer.zero_stage=3", "trainer.precision=bf16-mixed", "trainer.reduce_dtype=bfloat16"))
+@pytest.mark.parametrize("stage", [0, 3])
+def test_hierarchical_worlds_take_a_reduce_dtype_at_every_stage(stage):
+    validate(
+        _cfg(*HYBRID, f"trainer.zero_stage={stage}", "trainer.precision=bf16-mixed", "trainer.reduce_dtype=bfloat16")
+    )
 
 
 def test_int8_error_feedback_moves_between_hybrid_and_flat_worlds(tmp_path):
