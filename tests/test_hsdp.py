@@ -2,6 +2,7 @@
 flat ZeRO at the same stage and to one process on the union batch, a fraction of flat's bytes across the groups,
 and checkpoints that move between hybrid and flat worlds."""
 
+import dataclasses
 import math
 import shutil
 from pathlib import Path
@@ -25,6 +26,7 @@ from fdp.run.consolidate import consolidate
 from fdp.run.trainer import run
 from fdp.run.validate import validate
 from fdp.step.chains import Reduction
+from fdp.step.outer import init_outer_state, make_outer_step
 from fdp.update import zero
 from fdp.update.zero.scatter import ScatterComm
 
@@ -259,3 +261,112 @@ def test_int8_error_feedback_moves_between_hybrid_and_flat_worlds(tmp_path):
         tmp_path / "flat",
     )
     assert summary["steps"] == 5 and math.isfinite(summary["loss"])
+
+
+# -- an outer loop over hybrid-sharded replicas: each group of NODE ranks is one -------------------------------------
+OUTER_STEPS = 7
+
+
+def _outer_spec(name, sync_every=2, **settings):
+    from fdp.run.config import DiLoCoConfig, LocalSGDConfig
+    from fdp.step.outer_spec import check_outer
+
+    schema = {"local_sgd": LocalSGDConfig, "diloco": DiLoCoConfig}[name]
+    return check_outer(dataclasses.asdict(schema(sync_every=sync_every, **settings)))
+
+
+def _outer_batches(world):
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(4 * world, MODEL[0], generator=g), torch.randint(0, MODEL[-1], (4 * world,), generator=g))
+        for _ in range(OUTER_STEPS)
+    ]
+
+
+def _outer_run(rank, world, stage, spec, groups):
+    """Stage ``stage`` under the outer loop ``spec``: each rank's whole params at the end, and each step's
+    (synced, bytes sent across the groups)."""
+    torch.manual_seed(0)
+    model, params, buffers = functionalize(MLP(*MODEL))
+    loss_fn = cross_entropy_loss(model)
+    batches = [(x[rank * 4 : (rank + 1) * 4], y[rank * 4 : (rank + 1) * 4]) for x, y in _outer_batches(world)]
+    plan = plan_buckets(
+        planner_loss(loss_fn, buffers), params, batches[0], bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB
+    )
+    comm = Comm()
+    update = zero.update_for(stage, adam(1e-2), plan, comm, model=model, groups=groups)
+    state = update.first_state(params, buffers, None, comm)
+    replica = update.replica()
+    state = state._replace(outer=init_outer_state(spec, replica.pieces(state.params), replica.plan))
+    step = make_outer_step(loss_fn, adam(1e-2), plan, spec, allreduce(), comm, donate=True, update=update, model=model)
+    trace = []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        trace.append((metrics["synced"], metrics["bytes_sent"]))
+    whole = zero.whole_params(state, plan, update.comm)
+    return {name: p.detach().clone() for name, p in whole.items()}, trace
+
+
+def _outer_ranks(rank, world, runs):
+    groups = zero.shard_groups(NODE)
+    return {key: _outer_run(rank, world, stage, _outer_spec(*spec), groups) for key, (stage, spec) in runs.items()}
+
+
+def _torch_outer(world, name, sync_every, lr, momentum, nesterov):
+    """The outer loop in plain torch, in one process: each group of NODE ranks one replica (Adam on the group's union
+    batch, as DDP in the group steps), the mean of the replicas' ``anchor - params`` stepping the anchor with SGD."""
+    replicas = world // NODE
+    modules = []
+    for _ in range(replicas):
+        torch.manual_seed(0)
+        modules.append(MLP(*MODEL))
+    inner = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in modules]
+    anchor = [torch.nn.Parameter(p.detach().clone()) for p in modules[0].parameters()]
+    outer = torch.optim.SGD(anchor, lr=lr, momentum=momentum, nesterov=nesterov)
+    width = 4 * NODE
+    for step, (x, y) in enumerate(_outer_batches(world), start=1):
+        for g, (module, opt) in enumerate(zip(modules, inner)):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(
+                module(x[g * width : (g + 1) * width]), y[g * width : (g + 1) * width]
+            ).backward()
+            opt.step()
+        if step % sync_every == 0:
+            with torch.no_grad():
+                for i, a in enumerate(anchor):
+                    a.grad = sum(a - list(m.parameters())[i] for m in modules) / replicas
+                outer.step()
+                for module in modules:
+                    for a, p in zip(anchor, module.parameters()):
+                        p.copy_(a)
+    return [dict(m.named_parameters()) for m in modules]
+
+
+OUTER_RUNS = {
+    **{f"diloco{stage}": (stage, ("diloco",)) for stage in (1, 2, 3)},
+    "local_sgd2": (2, ("local_sgd", 3)),
+}
+
+
+def test_an_outer_loop_over_hybrid_sharded_replicas_equals_plain_torch_over_per_group_ddp(run_ranks):
+    """2 groups x 2 ranks, each group one replica: DiLoCo at stages 1-3 (syncs after steps 2, 4, 6) and local SGD at
+    stage 2 (after steps 3, 6) end where a plain-torch outer loop over two replicas stepping on their groups' union
+    batches does (<= 1e-5, one step past the last sync), and send across the groups only at syncs: each rank its
+    slices, 1/NODE of the model."""
+    world = 4
+    results = run_ranks(_outer_ranks, OUTER_RUNS, world_size=world)
+    references = {
+        "diloco": _torch_outer(world, "diloco", 2, 0.7, 0.9, True),
+        "local_sgd": _torch_outer(world, "local_sgd", 3, 1.0, 0.0, False),
+    }
+    numel = sum(p.numel() for p in MLP(*MODEL).parameters())
+    for rank, ranks_runs in enumerate(results):
+        for key, (params, trace) in ranks_runs.items():
+            stage, (name, *every) = OUTER_RUNS[key]
+            reference = references[name][rank // NODE]
+            assert max((params[n] - reference[n].detach()).abs().max().item() for n in reference) <= 1e-5, key
+            sync_every = every[0] if every else 2
+            syncs = [s for s in range(1, OUTER_STEPS + 1) if s % sync_every == 0]
+            assert [s for s, (synced, _) in enumerate(trace, 1) if synced] == syncs, key
+            assert [s for s, (_, sent) in enumerate(trace, 1) if sent] == syncs, key
+            assert all(numel / NODE * 4 <= sent <= (numel / NODE + 8) * 4 for synced, sent in trace if sent), key

@@ -27,11 +27,13 @@ from fdp.state.train_state import TrainState
 from fdp.trace import NullTimeline, Timeline
 from fdp.update.base import Update
 from fdp.update.pieces import SliceRange, state_pieces
+from fdp.update.replica import Replica
 from fdp.update.zero.convert import gather_state, init_state, shard_state, unsharded_template
 from fdp.update.zero.decay import sliced_optimizer
-from fdp.update.zero.hybrid import ShardGroups, across_replicas
+from fdp.update.zero.hybrid import ShardGroups, across_replicas, refuses_outer
 from fdp.update.zero.layout import shard_range
 from fdp.update.zero.mirror import reshard_survivors
+from fdp.update.zero.replicas import SliceReplica
 
 __all__ = ["SlicedUpdate"]
 
@@ -118,6 +120,15 @@ class SlicedUpdate(Update):
             return super().checkpoint_pieces(tree, comm, reading)
         # Another group's slices are group 0's: written once, by it. Whole tensors are split over the world.
         return state_pieces(tree, self.plan, comm.rank, comm.world_size, lambda index: (0, 0))
+
+    def replica(self) -> Replica:
+        """One group of a hybrid world (``fdp.update.zero.replicas``); a flat world is refused (``refuses_outer``)."""
+        reason = refuses_outer(self.stage, self.groups is not None)
+        if reason:
+            raise ValueError(
+                f"zero_stage={self.stage}: expected world.hierarchical=true under an outer loop ({reason})"
+            )
+        return SliceReplica(self)
 
     def reshard(
         self, state: TrainState, old_members: tuple[int, ...], new_members: tuple[int, ...], comm: Comm
