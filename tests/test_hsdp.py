@@ -370,3 +370,46 @@ def test_an_outer_loop_over_hybrid_sharded_replicas_equals_plain_torch_over_per_
             assert [s for s, (synced, _) in enumerate(trace, 1) if synced] == syncs, key
             assert [s for s, (_, sent) in enumerate(trace, 1) if sent] == syncs, key
             assert all(numel / NODE * 4 <= sent <= (numel / NODE + 8) * 4 for synced, sent in trace if sent), key
+
+
+OUTER_RUN = [
+    "optim=adam",
+    "model.hidden=24",
+    "trainer.max_steps=6",
+    "data.global_batch_size=16",
+    "trainer.bucket_cap_mb=0.01",
+    "trainer.first_bucket_cap_mb=0.002",
+    "trainer.checkpoint_every=3",
+    *HYBRID,
+    "trainer.zero_stage=3",
+    "outer=diloco",
+    "outer.sync_every=2",
+]
+
+
+def test_an_outer_loop_over_hybrid_sharded_replicas_resumes_mid_period_as_uninterrupted(tmp_path):
+    """DiLoCo at stage 3 on 2 groups x 2 ranks, stopped after step 3 (syncs after 2, 4, 6) and resumed from its
+    whole-file checkpoint: every rank ends as in the run that went on, to the bit. Mid-period each group saved its own
+    params, whole; the anchor and the outer moments are saved whole too, so any layout can read them."""
+    run(_cfg(*OUTER_RUN), tmp_path / "whole")
+    run(_cfg(*OUTER_RUN, "trainer.stop_at=3"), tmp_path / "parts")
+    halfway = torch.load(tmp_path / "parts" / "checkpoints" / "step_00000003.pt", weights_only=True)
+    ranks = halfway["ranks"]
+    assert _diff(ranks[0]["params"], ranks[1]["params"]) == 0 and _diff(ranks[0]["params"], ranks[2]["params"]) > 0
+    run(_cfg(*OUTER_RUN, "trainer.resume=true"), tmp_path / "parts")
+    whole, parts = (torch.load(last_of(tmp_path / d / "checkpoints"), weights_only=True) for d in ("whole", "parts"))
+    assert whole["step"] == parts["step"] == 6
+    for mine, theirs in zip(whole["ranks"], parts["ranks"], strict=True):
+        assert _diff(mine["params"], theirs["params"]) == 0
+        for key in ("outer", "opt_state"):
+            for a, b in zip(mine[key], theirs[key], strict=True):
+                assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, key
+
+
+def test_a_flat_zero_world_is_one_replica_and_refuses_an_outer_loop():
+    with pytest.raises(ConfigError) as error:
+        validate(_cfg("world=local4", "trainer.zero_stage=2", "outer=diloco"))
+    message = str(error.value)
+    assert message.startswith("trainer.zero_stage=2: expected 0 with outer=diloco (a flat ZeRO world is one replica")
+    assert "world.hierarchical=true" in message and "\n" not in message
+    validate(_cfg(*HYBRID, "trainer.zero_stage=2", "outer=diloco", "outer.fragments=2", "hooks=lowbit"))

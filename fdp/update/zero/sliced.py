@@ -10,7 +10,9 @@ the next rank's slices (``mirror``), can go on (``fdp.update.zero.mirror``).
 With ``groups`` (hybrid sharding, ``fdp.update.zero.hybrid``) the state is split over this
 rank's group, not the world: ``comm`` is the group's, the reduction hands each rank its slice
 at every stage (``across_replicas``), a whole-file checkpoint is gathered inside group 0 and
-a sharded one has its slices written by group 0 alone (every group holds the same ones).
+a sharded one has its slices written by group 0 alone (every group holds the same ones). Under an outer loop the
+groups step apart between syncs (``fdp.update.zero.replicas``): every group gathers its whole state, outer state
+included (``gather_outer``), and each rank saves its group's, as each rank of a stage-0 outer loop saves its own.
 """
 
 from __future__ import annotations
@@ -28,7 +30,15 @@ from fdp.trace import NullTimeline, Timeline
 from fdp.update.base import Update
 from fdp.update.pieces import SliceRange, state_pieces
 from fdp.update.replica import Replica
-from fdp.update.zero.convert import gather_state, init_state, shard_state, unsharded_template
+from fdp.update.zero.convert import (
+    gather_outer,
+    gather_state,
+    init_state,
+    outer_template,
+    shard_outer,
+    shard_state,
+    unsharded_template,
+)
 from fdp.update.zero.decay import sliced_optimizer
 from fdp.update.zero.hybrid import ShardGroups, across_replicas, refuses_outer
 from fdp.update.zero.layout import shard_range
@@ -101,15 +111,22 @@ class SlicedUpdate(Update):
         )
 
     def to_checkpoint(self, state: TrainState, comm: Comm) -> TrainState:
+        shard = self._shard_comm(comm)
+        if state.outer:  # replicas step apart between syncs: each rank saves its group's whole state (as stage 0's)
+            whole = gather_state(state, self.plan, shard)
+            return whole._replace(outer=gather_outer(state.outer, self.plan, shard))
         if self.groups is not None and self.groups.replicas.rank != 0:
             return state  # group 0 holds every slice as well: only it gathers, to world rank 0
-        return gather_state(state, self.plan, self._shard_comm(comm), to=0)
+        return gather_state(state, self.plan, shard, to=0)
 
     def checkpoint_template(self, state: TrainState) -> TrainState:
-        return unsharded_template(state, self.optimizer, self.plan)
+        template = unsharded_template(state, self.optimizer, self.plan)
+        return template._replace(outer=outer_template(state.outer, self.plan))
 
     def from_checkpoint(self, whole: TrainState, comm: Comm) -> TrainState:
-        return shard_state(whole, self.plan, self._shard_comm(comm), self.stage, mirror=self.mirror)
+        shard = self._shard_comm(comm)
+        state = shard_state(whole, self.plan, shard, self.stage, mirror=self.mirror)
+        return state._replace(outer=shard_outer(whole.outer, self.plan, shard))
 
     def slice_range(self, comm: Comm) -> SliceRange:
         buckets, shard = self.plan.buckets, self._shard_comm(comm)
