@@ -50,7 +50,14 @@ from fdp.update.zero.convert import (
     unsharded_template,
     whole_params,
 )
-from fdp.update.zero.hybrid import ShardGroups, across_replicas, check_hook_across_nodes, refuses_outer, shard_groups
+from fdp.update.zero.hybrid import (
+    ShardGroups,
+    across_replicas,
+    check_hook_across_nodes,
+    refuses_outer,
+    shard_groups,
+    slice_plan,
+)
 from fdp.update.zero.layout import padded_slice, shard_key, shard_range
 from fdp.update.zero.mirror import LostSlices, reshard_survivors
 from fdp.update.zero.params import ParamShardedUpdate
@@ -85,6 +92,7 @@ __all__ = [
     "across_replicas",
     "check_hook_across_nodes",
     "refuses_outer",
+    "slice_plan",
 ]
 
 ZERO_STAGES = tuple(stage.number for stage in STAGES)
