@@ -315,6 +315,8 @@ def _outer_run(rank, world, stage, spec, hook, groups):
 OUTER_RUNS = {
     **{f"diloco{stage}": (stage, "diloco", {"sync_every": 2}, None, {2: 0, 4: 0, 6: 0}) for stage in (1, 2, 3)},
     "local_sgd2": (2, "local_sgd", {"sync_every": 3}, None, {3: 0, 6: 0}),
+    # Post-local: the gradients reduced over the world for two steps, then syncs after steps 4 and 6.
+    "post_local1": (1, "diloco", {"sync_every": 2, "start_step": 2}, None, {4: 0, 6: 0}),
     # Streaming: two fragments, each sent behind the next step (landing after steps 3, 5, 7).
     **{
         f"streaming{stage}": (
@@ -340,11 +342,11 @@ def _outer_ranks(rank, world, runs):
     }
 
 
-def _torch_outer(world, fragments, sends, overlap, lr, momentum, nesterov):
+def _torch_outer(world, fragments, sends, overlap, lr, momentum, nesterov, start_step=0):
     """The outer loop in plain torch, in one process: each group of NODE ranks one replica (Adam on the group's union
     batch, as DDP in the group steps); each fragment (param names) an anchor of its own, stepped by SGD with the
     mean of the replicas' ``anchor - params`` sent after the steps ``sends`` names it, ``overlap`` steps later, each
-    replica keeping its steps since on top."""
+    replica keeping its steps since on top. Up to ``start_step`` every replica steps on the whole world's batch."""
     replicas = world // NODE
     modules = []
     for _ in range(replicas):
@@ -374,10 +376,14 @@ def _torch_outer(world, fragments, sends, overlap, lr, momentum, nesterov):
     for step, (x, y) in enumerate(_outer_batches(world), start=1):
         for g, opt in enumerate(inner):
             opt.zero_grad()
-            part = slice(g * width, (g + 1) * width)
+            part = slice(None) if step <= start_step else slice(g * width, (g + 1) * width)
             torch.nn.functional.cross_entropy(modules[g](x[part]), y[part]).backward()
             opt.step()
         with torch.no_grad():
+            if step == start_step:
+                for anchor, names in zip(anchors, fragments):
+                    for a, n in zip(anchor, names):
+                        a.copy_(named[0][n])
             land(in_flight.pop(step, None))
             if step in sends:
                 f = sends[step]
@@ -404,15 +410,18 @@ def test_an_outer_loop_over_hybrid_sharded_replicas_equals_plain_torch_over_per_
     references = {
         "diloco": _torch_outer(world, whole, {2: 0, 4: 0, 6: 0}, 0, 0.7, 0.9, True),
         "local_sgd": _torch_outer(world, whole, {3: 0, 6: 0}, 0, 1.0, 0.0, False),
+        "post_local": _torch_outer(world, whole, {4: 0, 6: 0}, 0, 0.7, 0.9, True, start_step=2),
         "streaming": _torch_outer(world, streamed, {2: 0, 4: 1, 6: 0}, 1, 0.7, 0.9, True),
     }
     for rank, ranks_runs in enumerate(results):
         for key, (params, trace, anchor) in ranks_runs.items():
             stage, name, settings, hook, sends = OUTER_RUNS[key]
-            kind = "streaming" if "fragments" in settings else name
+            kind = "streaming" if "fragments" in settings else "post_local" if "start_step" in settings else name
+            per_step = list(range(1, settings.get("start_step", 0) + 1))  # gradients reduced every step
             landed = [s + settings.get("overlap", 0) for s in sends]
-            assert [s for s, (synced, _) in enumerate(trace, 1) if synced] == landed, key
-            assert [s for s, (_, sent) in enumerate(trace, 1) if sent] == list(sends), key
+            assert [s for s, (synced, _) in enumerate(trace, 1) if synced] == per_step + landed, key
+            assert [s for s, (_, sent) in enumerate(trace, 1) if sent] == per_step + list(sends), key
+            trace = trace[len(per_step) :]
             parts = slices if "fragments" in settings else [[math.ceil(b.numel / NODE) for b in plan.buckets]]
             if hook:  # 4 bits an entry and an fp32 scale a block of 16, per slice of the fragment's buckets
                 sizes = [sum((n + (-n % 16)) // 2 + 4 * ((n + 15) // 16) for n in part) for part in parts]

@@ -197,7 +197,8 @@ def make_outer_step(
             new_state, metrics = synced(state, batch)
             outer = state.outer
             if number == spec.start_step:  # per-step sync ends here: the outer loop starts from these params
-                outer = outer._replace(anchor={name: p.detach().clone() for name, p in new_state.params.items()})
+                pieces = replica.pieces(new_state.params)
+                outer = outer._replace(anchor={name: p.detach().clone() for name, p in pieces.items()})
             return new_state._replace(outer=outer), {**metrics, "synced": 1}
         # The local step keeps no chain state; the configured chain's state is kept for later.
         new_state, metrics = local(state._replace(hook_state=local_hook_states), batch)
