@@ -153,7 +153,12 @@ def _validate_trainer(cfg: Any) -> None:
     _as_config_key("trainer.reduce_dtype", lambda value: check_reduce_dtype(value, t.precision, hook), t.reduce_dtype)
     reason = refuses_outer(t.zero_stage, cfg.world.hierarchical) if cfg.outer.name != "none" else None
     if reason:  # an outer loop syncs replicas: a hybrid world's groups
-        _require(False, "trainer.zero_stage", t.zero_stage, f"0 with outer={cfg.outer.name} ({reason})")
+        _require(
+            False,
+            "trainer.zero_stage",
+            t.zero_stage,
+            f"0 with outer={cfg.outer.name}, or world.hierarchical=true ({reason})",
+        )
     if cfg.world.hierarchical and t.zero_stage:  # hybrid sharding: the chain reduces each rank's slice across nodes
         _as_config_key("hooks", lambda _: check_hook_across_nodes(hook), _container(cfg.hooks))
     if cfg.world.hierarchical and not t.zero_stage:  # the hook is wrapped into one across nodes, in its own dtype
