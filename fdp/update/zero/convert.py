@@ -124,7 +124,14 @@ def _names_of(sharded: dict, plan: BucketPlan) -> list[str]:
 def gather_outer(outer: Any, plan: BucketPlan, comm: Comm) -> Any:
     """An outer loop's state over hybrid-sharded replicas (``fdp.update.zero.replicas``: anchor, outer moments and a
     sync in flight, held by slice) whole, keyed by param as a replica of whole params keeps it; every rank of the group
-    ``comm`` receives it (a collective)."""
+    ``comm`` receives it (a collective).
+
+    >>> from fdp.plan import pack_into_buckets
+    >>> plan = pack_into_buckets([("w", (3,), "float32", "cpu")])
+    >>> whole = gather_outer(({"bucket0": torch.arange(3.0)}, 2), plan, Comm())
+    >>> whole, shard_outer(whole, plan, Comm())[0]["bucket0"].tolist()
+    (({'w': tensor([0., 1., 2.])}, 2), [0.0, 1.0, 2.0])
+    """
     return _map_dicts(outer, _by_buckets(plan), lambda sharded: _whole(sharded, plan, comm, _names_of(sharded, plan)))
 
 
