@@ -451,16 +451,37 @@ OUTER_RUN = [
 ]
 
 
-def test_an_outer_loop_over_hybrid_sharded_replicas_resumes_mid_period_as_uninterrupted(tmp_path):
-    """DiLoCo at stage 3 on 2 groups x 2 ranks, stopped after step 3 (syncs after 2, 4, 6) and resumed from its
-    whole-file checkpoint: every rank ends as in the run that went on, to the bit. Mid-period each group saved its own
-    params, whole; the anchor and the outer moments are saved whole too, so any layout can read them."""
-    run(_cfg(*OUTER_RUN), tmp_path / "whole")
-    run(_cfg(*OUTER_RUN, "trainer.stop_at=3"), tmp_path / "parts")
-    halfway = torch.load(tmp_path / "parts" / "checkpoints" / "step_00000003.pt", weights_only=True)
+# Stopped after step 3 (syncs after 2, 4, 6); streaming at stage 1 stopped after step 4, its fragment 1 sent then and
+# landing after step 5 (fragment syncs sent after 2, 4, 6), as fp4 codes with error feedback.
+RESUMED = {
+    "stage3": ([], 3),
+    "stage1_streaming_fp4": (
+        [
+            "trainer.zero_stage=1",
+            "outer.sync_every=4",
+            "outer.fragments=2",
+            "outer.overlap=1",
+            "hooks=lowbit",
+            "hooks.block=16",
+        ],
+        4,
+    ),
+}
+
+
+@pytest.mark.parametrize("variant", list(RESUMED))
+def test_an_outer_loop_over_hybrid_sharded_replicas_resumes_mid_period_as_uninterrupted(tmp_path, variant):
+    """DiLoCo on 2 groups x 2 ranks stopped mid-period and resumed from its whole-file checkpoint: every rank ends as
+    in the run that went on, to the bit. Mid-period each group saved its own params, whole; the anchor, the outer
+    moments and a sync in flight are saved whole too, so any layout can read them."""
+    overrides, stop = RESUMED[variant]
+    runs = [*OUTER_RUN, *overrides]
+    run(_cfg(*runs), tmp_path / "whole")
+    run(_cfg(*runs, f"trainer.stop_at={stop}"), tmp_path / "parts")
+    halfway = torch.load(tmp_path / "parts" / "checkpoints" / f"step_{stop:08d}.pt", weights_only=True)
     ranks = halfway["ranks"]
     assert _diff(ranks[0]["params"], ranks[1]["params"]) == 0 and _diff(ranks[0]["params"], ranks[2]["params"]) > 0
-    run(_cfg(*OUTER_RUN, "trainer.resume=true"), tmp_path / "parts")
+    run(_cfg(*runs, "trainer.resume=true"), tmp_path / "parts")
     whole, parts = (torch.load(last_of(tmp_path / d / "checkpoints"), weights_only=True) for d in ("whole", "parts"))
     assert whole["step"] == parts["step"] == 6
     for mine, theirs in zip(whole["ranks"], parts["ranks"], strict=True):
