@@ -481,6 +481,10 @@ def test_an_outer_loop_over_hybrid_sharded_replicas_resumes_mid_period_as_uninte
     halfway = torch.load(tmp_path / "parts" / "checkpoints" / f"step_{stop:08d}.pt", weights_only=True)
     ranks = halfway["ranks"]
     assert _diff(ranks[0]["params"], ranks[1]["params"]) == 0 and _diff(ranks[0]["params"], ranks[2]["params"]) > 0
+    # The anchor comes first in the saved outer state, whole, in the model's order: as a stage-0 replica keeps it.
+    in_model_order = sorted(halfway["params"], key=lambda n: (int(n.split(".")[1]), n.endswith("bias")))  # net.<i>
+    shapes = [halfway["params"][name].shape for name in in_model_order]
+    assert [a.shape for a in ranks[0]["outer"][: len(shapes)]] == shapes
     run(_cfg(*runs, "trainer.resume=true"), tmp_path / "parts")
     whole, parts = (torch.load(last_of(tmp_path / d / "checkpoints"), weights_only=True) for d in ("whole", "parts"))
     assert whole["step"] == parts["step"] == 6

@@ -116,15 +116,17 @@ def _by_names(plan: BucketPlan) -> Callable[[dict], bool]:
     return lambda tree: set(tree) <= names
 
 
-def _names_of(sharded: dict, plan: BucketPlan) -> list[str]:
-    """The params of the buckets whose slices ``sharded`` holds, in plan order."""
-    return [name for b in plan.buckets if shard_key(b.index) in sharded for name in b.names]
+def _names_of(sharded: dict, plan: BucketPlan, order: list[str] | None) -> list[str]:
+    """The params of the buckets whose slices ``sharded`` holds, in ``order`` (by default the plan's)."""
+    names = {name for b in plan.buckets if shard_key(b.index) in sharded for name in b.names}
+    return [name for name in order or plan.names if name in names]
 
 
-def gather_outer(outer: Any, plan: BucketPlan, comm: Comm) -> Any:
+def gather_outer(outer: Any, plan: BucketPlan, comm: Comm, order: list[str] | None = None) -> Any:
     """An outer loop's state over hybrid-sharded replicas (``fdp.update.zero.replicas``: anchor, outer moments and a
     sync in flight, held by slice) whole, keyed by param as a replica of whole params keeps it; every rank of the group
-    ``comm`` receives it (a collective).
+    ``comm`` receives it (a collective). ``order``: the params' order in the model, in which a replica of whole
+    params (stage 0) keeps them, so that its checkpoint's outer state and this one read alike.
 
     >>> from fdp.plan import pack_into_buckets
     >>> plan = pack_into_buckets([("w", (3,), "float32", "cpu")])
@@ -132,7 +134,9 @@ def gather_outer(outer: Any, plan: BucketPlan, comm: Comm) -> Any:
     >>> whole, shard_outer(whole, plan, Comm())[0]["bucket0"].tolist()
     (({'w': tensor([0., 1., 2.])}, 2), [0.0, 1.0, 2.0])
     """
-    return _map_dicts(outer, _by_buckets(plan), lambda sharded: _whole(sharded, plan, comm, _names_of(sharded, plan)))
+    return _map_dicts(
+        outer, _by_buckets(plan), lambda sharded: _whole(sharded, plan, comm, _names_of(sharded, plan, order))
+    )
 
 
 def shard_outer(outer: Any, plan: BucketPlan, comm: Comm) -> Any:
@@ -140,13 +144,13 @@ def shard_outer(outer: Any, plan: BucketPlan, comm: Comm) -> Any:
     return _map_dicts(outer, _by_names(plan), lambda named: _slices(named, plan, comm.rank, comm.world_size))
 
 
-def outer_template(outer: Any, plan: BucketPlan) -> Any:
+def outer_template(outer: Any, plan: BucketPlan, order: list[str] | None = None) -> Any:
     """A state of ``gather_outer``'s structure for ``outer`` (held by slice), to restore a checkpoint into: empty
-    placeholders keyed by param, on the slices' device."""
+    placeholders keyed by param (in ``order``), on the slices' device."""
 
     def placeholders(sharded: dict) -> dict:
         first = next(iter(sharded.values()))
-        return {name: first.new_empty(0) for name in _names_of(sharded, plan)}
+        return {name: first.new_empty(0) for name in _names_of(sharded, plan, order)}
 
     return _map_dicts(outer, _by_buckets(plan), placeholders)
 

@@ -35,6 +35,7 @@ from fdp.update.zero.convert import (
     gather_state,
     init_state,
     outer_template,
+    params_sharded,
     shard_outer,
     shard_state,
     unsharded_template,
@@ -114,14 +115,21 @@ class SlicedUpdate(Update):
         shard = self._shard_comm(comm)
         if state.outer:  # replicas step apart between syncs: each rank saves its group's whole state (as stage 0's)
             whole = gather_state(state, self.plan, shard)
-            return whole._replace(outer=gather_outer(state.outer, self.plan, shard))
+            return whole._replace(outer=gather_outer(state.outer, self.plan, shard, self._model_order(state)))
         if self.groups is not None and self.groups.replicas.rank != 0:
             return state  # group 0 holds every slice as well: only it gathers, to world rank 0
         return gather_state(state, self.plan, shard, to=0)
 
     def checkpoint_template(self, state: TrainState) -> TrainState:
         template = unsharded_template(state, self.optimizer, self.plan)
-        return template._replace(outer=outer_template(state.outer, self.plan))
+        return template._replace(outer=outer_template(state.outer, self.plan, self._model_order(state)))
+
+    def _model_order(self, state: TrainState) -> list[str]:
+        """The params in the model's order, a stage-0 state's (the params' own, or at stage 3 the model's)."""
+        if not params_sharded(state.params, self.plan):
+            return list(state.params)
+        model = getattr(self, "model", None)
+        return [name for name, _ in model.module.named_parameters()] if model is not None else list(self.plan.names)
 
     def from_checkpoint(self, whole: TrainState, comm: Comm) -> TrainState:
         shard = self._shard_comm(comm)
