@@ -225,9 +225,10 @@ def build_run(
         state = update.first_state_made(make, buffers, hook, comm, seed=cfg.seed, precision=precision)
     else:
         state = update.first_state(params, buffers, hook, comm, seed=cfg.seed, precision=precision)
-    state = state._replace(
-        outer=init_outer_state(check_outer(OmegaConf.to_container(cfg.outer)), state.params, plan, hook)
-    )
+    outer = check_outer(OmegaConf.to_container(cfg.outer))
+    if outer.name != "none":  # the anchor of what each rank syncs: its params, or its group's slices of them
+        replica = update.replica()
+        state = state._replace(outer=init_outer_state(outer, replica.pieces(state.params), replica.plan, hook))
     return RunParts(model, data, plan, hook, optimizer, state, num_params, criterion, precision, update, metrics)
 
 

@@ -55,6 +55,7 @@ from fdp.update.zero import (
     check_hook_across_nodes,
     check_optimizer_for_stage,
     check_zero_stage,
+    refuses_outer,
     stage_rules,
 )
 
@@ -150,12 +151,13 @@ def _validate_trainer(cfg: Any) -> None:
         )
     hook = _as_config_key("hooks", build_hook, _container(cfg.hooks))
     _as_config_key("trainer.reduce_dtype", lambda value: check_reduce_dtype(value, t.precision, hook), t.reduce_dtype)
-    if t.zero_stage:  # combinations whose state does not shard (yet): refused, not silently unsharded
+    reason = refuses_outer(t.zero_stage, cfg.world.hierarchical) if cfg.outer.name != "none" else None
+    if reason:  # an outer loop syncs replicas: a hybrid world's groups
         _require(
-            cfg.outer.name == "none",
+            False,
             "trainer.zero_stage",
             t.zero_stage,
-            f"0 with outer={cfg.outer.name} (an outer loop keeps whole optimizer states)",
+            f"0 with outer={cfg.outer.name}, or world.hierarchical=true ({reason})",
         )
     if cfg.world.hierarchical and t.zero_stage:  # hybrid sharding: the chain reduces each rank's slice across nodes
         _as_config_key("hooks", lambda _: check_hook_across_nodes(hook), _container(cfg.hooks))

@@ -48,6 +48,7 @@ from fdp.state.train_state import TrainState
 from fdp.trace import NullTimeline, Timeline
 from fdp.update.bucket_stats import bucket_norm, describe_bucket, finite_flag, global_norm
 from fdp.update.pieces import SliceRange, state_pieces
+from fdp.update.replica import Replica
 
 __all__ = [
     "STAGES",
@@ -298,6 +299,10 @@ class Update(ABC):
         """The pieces of logical tensors in ``tree`` (parts of a state of this stage) that this rank writes to a
         sharded checkpoint, or (``reading``) reads into, filling ``tree`` in place (``fdp.update.pieces``)."""
         return state_pieces(tree, self.plan, comm.rank, comm.world_size, self.slice_range(comm), reading)
+
+    def replica(self) -> Replica:
+        """One replica of an outer loop under this update (``fdp.update.replica``): here every rank is one."""
+        return Replica(self, self.plan)
 
     def reshard(
         self, state: TrainState, old_members: tuple[int, ...], new_members: tuple[int, ...], comm: Comm
