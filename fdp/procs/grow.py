@@ -138,9 +138,12 @@ class GrowingWorld(ShrinkingWorld):
     joined and which were there before it.
     """
 
-    def __init__(self, *args, max_ranks: int = 0, **kwargs):
+    def __init__(self, *args, max_ranks: int = 0, group: int = 1, **kwargs):
         super().__init__(*args, beating=max_ranks, **kwargs)
         self.max_ranks = max_ranks or len(self.members)
+        # Joiners are admitted in whole groups of this many (world.hierarchical's nodes: fdp.procs.shrink.whole_groups);
+        # the others wait for theirs.
+        self.group = group
         self.before: tuple[int, ...] = self.members
         self.asked_at: int | None = None
         self._plan: dict | None = None
@@ -180,8 +183,14 @@ class GrowingWorld(ShrinkingWorld):
             ).append((number, rank))
         for number, rank in refused:
             self.store.set(f"join/{number}/answer", json.dumps({"refused": self._full(rank)}))
+        # A group's first joiners wait for the rest of it.
+        whole = max(0, len(taken) - (len(self.members) + len(taken)) % self.group)
+        if whole < len(taken):
+            waiting, taken = taken[whole:], taken[:whole]
+            ids = [number for number in ids if number < waiting[0][0]]  # answered up to the first one that waits
         if not taken:
-            self.store.set(_ADMITTED, str(ids[-1]))
+            if ids:
+                self.store.set(_ADMITTED, str(ids[-1]))
             return None
         # Counted admitted at the boundary only: a world that shrinks before it schedules them again.
         plan = {
@@ -239,6 +248,7 @@ class GrowingWorld(ShrinkingWorld):
         min_ranks: int = 1,
         max_ranks: int = 0,
         wait_s: float | None = None,
+        group: int = 1,
     ) -> "GrowingWorld | None":
         """Ask to join the running world as launch rank ``me`` and join it at its next boundary; ``None``
         when the run ended first. ``JoinRefused`` (one line) when it has ``max_ranks`` ranks already."""
@@ -267,6 +277,7 @@ class GrowingWorld(ShrinkingWorld):
             timeout_s,
             min_ranks,
             max_ranks=max_ranks,
+            group=group,
             members=tuple(answer["before"]),
             generation=answer["generation"] - 1,
         )

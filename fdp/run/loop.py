@@ -26,9 +26,9 @@ from fdp.procs.devices import MemoryPhase, batch_to_device
 from fdp.procs.grow import GrowingWorld
 from fdp.procs.interrupt import StopSignals
 from fdp.procs.launch import RankLostError
-from fdp.procs.shrink import Shrink, ShrinkingWorld
+from fdp.procs.shrink import Shrink, ShrinkingWorld, whole_groups
 from fdp.run import checkpoint
-from fdp.run.build import RunParts
+from fdp.run.build import RunParts, node_size_of, regrouped
 from fdp.run.callbacks import Callbacks
 from fdp.run.loop_controls import LoopControls
 from fdp.run.rejoin import heal
@@ -141,6 +141,8 @@ class Loop:
         """The step function and this rank's batches for the world of ``comm``, from ``state`` on."""
         cfg = self.cfg
         self.comm = comm
+        if getattr(self, "train_step", None) is not None:  # the world changed: the old step leaves the model
+            self.train_step.abandon()
         self.train_step = make_step(
             cfg, self.parts, comm, self.timeline, self.compile, donate=cfg.world.on_rank_loss != "shrink"
         )
@@ -228,7 +230,8 @@ class Loop:
         self.train_step.settle()
         comm = world.admit()
         extra = {"controls": self.controls.payload(self.state.step), "compile": self.compile}
-        self.state, _ = heal(world, self.parts, self.state, comm, self.device, self.cfg.seed, extra)
+        parts, self.state, _ = heal(self.cfg, world, self.parts, self.state, comm, self.device, extra)
+        self.regroup(parts, report)
         self.before = self.state
         record = {
             "step": self.state.step,
@@ -247,6 +250,12 @@ class Loop:
         self.join(comm)
         stop.rejoin(comm.world_size, comm.watch)
 
+    def regroup(self, parts: RunParts, report: Report) -> None:
+        """Go on with ``parts`` made for a new world (``fdp.run.build.regrouped``): the loop's, its report's and its
+        controls' (their evaluations and averages run on the update's groups)."""
+        self.parts = report.parts = parts
+        self.controls.shard = parts.update.comm
+
     def shrink(
         self, world: ShrinkingWorld, error: RuntimeError, run_dir: RunDir, report: Report, stop: StopSignals
     ) -> None:
@@ -256,12 +265,16 @@ class Loop:
             raise error
         world.report_broken()  # the others' collectives may wait on a live peer: they end now
         members = set(world.members)
-        comm = world.regroup(silent)
+        leaving = whole_groups(world.members, silent, node_size_of(self.cfg))  # a lost rank's node steps out whole
+        if world.me in leaving:
+            log.info(f"rank {world.me} steps out with its node: rank {', '.join(map(str, silent))} was lost")
+        comm = world.regroup(leaving)
         lost = tuple(sorted(members - set(world.members)))
         step = world.agree_on_step(self.state.step, comm)
         if self.state.step != step:  # this rank finished the step its peers dropped: back to the one before
             self.state = self.before
             self.controls.back()
+        self.regroup(regrouped(self.cfg, self.parts, comm), report)
         try:
             self.state = self.parts.update.reshard(self.state, tuple(sorted(members)), world.members, comm)
         except zero.LostSlices as lost_slices:

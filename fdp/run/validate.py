@@ -213,7 +213,9 @@ def _validate_world(cfg: Any) -> None:
         largest = _as_config_key("world.max_ranks", lambda most: check_max_ranks(most, world), w.max_ranks)
         _as_config_key(
             "data.global_batch_size",
-            lambda size: check_shrinkable_batch(size, largest, w.min_ranks, t.accum_steps),
+            lambda size: check_shrinkable_batch(
+                size, largest, w.min_ranks, t.accum_steps, (w.node_size or w.nproc_per_node) if w.hierarchical else 1
+            ),
             d.global_batch_size,
         )
 
@@ -250,14 +252,14 @@ def _validate_shrink(cfg: Any) -> None:
     _require(
         w.max_restarts == 0, "world.max_restarts", w.max_restarts, f"0 {why} (a lost rank shrinks the world instead)"
     )
+    # A hierarchical world loses whole nodes, each holding a replica of every slice (fdp.procs.shrink.whole_groups).
     keeping = [stage for stage in ZERO_STAGES if stage_rules(stage).refuses_mirror() is None]
     _require(
-        t.zero_stage in keeping,
+        t.zero_stage in keeping or w.hierarchical,
         "trainer.zero_stage",
         t.zero_stage,
-        f"{one_of(keeping)} {why} ({stage_rules(t.zero_stage).refuses_mirror()})",
+        f"{one_of(keeping)} {why} unless world.hierarchical=true ({stage_rules(t.zero_stage).refuses_mirror()})",
     )
-    _require(not w.hierarchical, "world.hierarchical", w.hierarchical, f"false {why} (the nodes are fixed)")
 
 
 def _validate_data_and_model(cfg: Any) -> None:

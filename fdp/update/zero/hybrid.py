@@ -54,14 +54,15 @@ class ShardGroups(NamedTuple):
     replicas: Comm
 
 
-def shard_groups(node_size: int, watch=None) -> ShardGroups:
+def shard_groups(node_size: int, watch=None, least: int = 2) -> ShardGroups:
     """Make the groups of hybrid sharding over the world (every rank must call it, in the same order).
 
-    ``node_size`` must split the world into two or more groups (``check_node_size``); ``watch``
+    ``node_size`` must split the world into ``least`` or more groups (``check_node_size``; one is
+    enough for a world that lost the others, ``fdp.procs.shrink.whole_groups``); ``watch``
     is asked while their collectives wait (``fdp.comm.wait_watched``).
     """
     world, rank = dist.get_world_size(), dist.get_rank()
-    check_node_size(world, node_size)
+    check_node_size(world, node_size, least)
     shard = None
     for first in range(0, world, node_size):  # new_group is collective: every rank makes every group
         group = new_group(list(range(first, first + node_size)))

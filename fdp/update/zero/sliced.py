@@ -5,7 +5,9 @@ compared, rank 0's params and buffers taken), then sharded for the stage without
 building the whole optimizer state (``fdp.update.zero.convert.init_state``). A checkpoint holds
 the whole state, gathered to rank 0 (``gather_state``), so that any stage and world size
 resumes it (``shard_state``). After ranks were lost only stage 1, whose ranks each keep
-the next rank's slices (``mirror``), can go on (``fdp.update.zero.mirror``).
+the next rank's slices (``mirror``), can go on (``fdp.update.zero.mirror``), or, at every
+stage, a hybrid world, whose groups leave whole (``fdp.procs.shrink.whole_groups``): each group
+left holds every slice already.
 
 With ``groups`` (hybrid sharding, ``fdp.update.zero.hybrid``) the state is split over this
 rank's group, not the world: ``comm`` is the group's, the reduction hands each rank its slice
@@ -158,6 +160,8 @@ class SlicedUpdate(Update):
     def reshard(
         self, state: TrainState, old_members: tuple[int, ...], new_members: tuple[int, ...], comm: Comm
     ) -> TrainState:
+        if self.groups is not None:  # whole groups left or joined (fdp.procs.shrink.whole_groups): the same slices
+            return state
         reason = self.rules.refuses_mirror()
         if reason:
             raise ValueError(f"zero_stage={self.stage}: cannot go on without a lost rank ({reason})")
