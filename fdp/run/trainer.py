@@ -114,9 +114,6 @@ def _announce(cfg: DictConfig, run_dir: RunDir, parts: RunParts, world: int, dev
 
 def _not_compiled(cfg: DictConfig, parts: RunParts) -> str | None:
     """Why this run's step cannot compile (what ``trainer.compile=auto`` says), or ``None``."""
-    refusal = parts.update.refuses_compile()
-    if refusal:
-        return refusal
     if wants_sample_streams(cfg.trainer.sample_streams, cfg.world.on_rank_loss):
         return "per-sample random streams (trainer.sample_streams) run in a dispatch mode, which does not compile"
     return None

@@ -167,14 +167,6 @@ def _validate_trainer(cfg: Any) -> None:
             "float32 with world.hierarchical=true at trainer.zero_stage=0 (the hook then runs across nodes only, "
             "on each node's float32 sum; hooks=bf16 sends bfloat16 across nodes)",
         )
-    refusal = stage_rules(t.zero_stage).refuses_compile()
-    if refusal:
-        _require(
-            t.compile is not True,
-            "trainer.compile",
-            t.compile,
-            f"auto or false with trainer.zero_stage={t.zero_stage} ({refusal})",
-        )
     optimizer = _as_config_key("optim", lambda spec: build_optimizer(spec, t.max_steps), _container(cfg.optim))
     _as_config_key("trainer.zero_stage", lambda stage: check_optimizer_for_stage(stage, optimizer), t.zero_stage)
     _as_config_key("trainer.loggers", lambda names: check_loggers(names, t.tensorboard), list(t.loggers))
