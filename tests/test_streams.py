@@ -187,3 +187,20 @@ def test_sample_streams_settings_that_cannot_run_are_refused_in_one_line(overrid
     with pytest.raises(ConfigError) as error:
         validate(compose(*overrides))
     assert str(error.value).startswith(expected), str(error.value)
+
+
+def test_a_compiled_function_runs_uncompiled_under_the_streams_mode_the_reason_compile_is_refused():
+    """The refusal of trainer.compile=true with per-sample streams (fdp.model.streams.NOT_COMPILED) holds while this
+    does: dynamo compiles no frame of a function called in the streams' dispatch mode (its draws stay per sample)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    streams = SampleStreams(seed=3)
+    dropout = lambda x: F.dropout(x, 0.5, training=True).sum(1)  # noqa: E731
+    counter = CompileCounterWithBackend("aot_eager")
+    streams.begin(step=1, first=0, sizes=[4])
+    eager = streams.wrap(dropout)(torch.ones(4, 6))
+    streams.begin(step=1, first=0, sizes=[4])
+    compiled = streams.wrap(torch.compile(dropout, backend=counter))(torch.ones(4, 6))
+    assert counter.frame_count == 0 and torch.equal(compiled, eager)
+    torch.compile(dropout, backend=counter)(torch.ones(4, 6))
+    assert counter.frame_count == 1  # outside the mode the same function compiles

@@ -27,7 +27,7 @@ from fdp.hooks import build_hook
 from fdp.hooks.hierarchical import check_node_size
 from fdp.model import remat
 from fdp.model.precision import check_matmul_precision, check_precision, check_reduce_dtype
-from fdp.model.streams import check_sample_streams, wants_sample_streams
+from fdp.model.streams import NOT_COMPILED, check_sample_streams, wants_sample_streams
 from fdp.optim import build_optimizer, check_resumed_schedule
 from fdp.plan.values import check_cap
 from fdp.procs.devices import BACKENDS
@@ -146,7 +146,7 @@ def _validate_trainer(cfg: Any) -> None:
             "trainer.compile",
             t.compile,
             "auto or false with per-sample streams (trainer.sample_streams, on with world.on_rank_loss=shrink): "
-            "their dispatch mode does not compile",
+            + NOT_COMPILED,
         )
     hook = _as_config_key("hooks", build_hook, _container(cfg.hooks))
     _as_config_key("trainer.reduce_dtype", lambda value: check_reduce_dtype(value, t.precision, hook), t.reduce_dtype)
