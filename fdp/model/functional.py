@@ -15,7 +15,16 @@ import torch
 from torch import nn
 from torch.func import functional_call, vjp
 
-from fdp._torch import release_storage, swap_back, swap_into, tensor_slots
+from fdp._torch import (
+    release_storage,
+    storage_alias,
+    swap_back,
+    swap_into,
+    tensor_slots,
+    tree_flatten,
+    tree_map,
+    tree_unflatten,
+)
 
 Params = dict[str, torch.Tensor]
 Buffers = dict[str, torch.Tensor]
@@ -116,6 +125,36 @@ def grad_and_value(fn: Callable) -> Callable:
         with torch.no_grad():
             (grads,) = backward(torch.ones_like(value), retain_graph=False)
         return grads, (value, aux)
+
+    return run
+
+
+def autograd_grad_and_value(fn: Callable) -> Callable:
+    """``grad_and_value``'s ``run(primal, *rest) -> (grads, (value, aux))`` by plain autograd, outside ``torch.func``.
+
+    The primal's tensors enter as fresh leaves on their storage, each with a version
+    counter of its own (ZeRO stage 3 releases a param's memory after the forward and
+    gathers the same values into it again for backward, writes autograd would otherwise
+    take for a change), and ``fn`` runs on them with autograd recording; a tensor no path reaches gets a zero
+    gradient, as under ``torch.func``. Code compiled by ``torch.compile`` runs inside it:
+    an eager ``torch.func`` transform refuses a compiled call, which is how ZeRO stage 3
+    compiles the model's blocks between its gathers (``fdp.step.compiled.compiled_regions``).
+
+    >>> w = torch.tensor([1.0, 2.0])
+    >>> run = autograd_grad_and_value(lambda w, x: ((w * x).sum(), x.max()))
+    >>> grads, (value, aux) = run(w, torch.tensor([3.0, 4.0]))
+    >>> grads.tolist(), value.item(), aux.item(), w.requires_grad
+    ([3.0, 4.0], 11.0, 4.0, False)
+    """
+
+    def run(primal: Any, *rest: Any) -> tuple[Any, tuple[torch.Tensor, Any]]:
+        leaves, spec = tree_flatten(primal)
+        leaves = [storage_alias(t, 0, tuple(t.shape), t.stride()).requires_grad_() for t in leaves]
+        with torch.enable_grad():
+            value, aux = fn(tree_unflatten(leaves, spec), *rest)
+        grads = torch.autograd.grad(value, leaves, allow_unused=True, materialize_grads=True)
+        detached = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, aux)
+        return tree_unflatten(list(grads), spec), (value.detach(), detached)
 
     return run
 

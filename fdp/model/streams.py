@@ -45,12 +45,21 @@ __all__ = [
     "RANDOM_OPS",
     "check_sample_streams",
     "wants_sample_streams",
+    "NOT_COMPILED",
     "position",
     "rehearsal",
     "replaying",
 ]
 
 SETTINGS = ("auto", True, False)
+# Why a step on per-sample streams is not compiled, stated once. The streams themselves are integer
+# arithmetic a compiler could take; what it cannot take is where they enter, a dispatch mode that swaps
+# each random op as it runs: dynamo runs a function eagerly while such a mode is active, so the step
+# would not compile (tests/test_streams.py). Compiling them needs the random ops replaced before tracing
+# (a function mode dynamo traces, or a graph pass), which is not built.
+NOT_COMPILED = (
+    "their random ops are swapped in a Python dispatch mode, under which torch.compile runs the step uncompiled"
+)
 _M32 = 0xFFFFFFFF
 _MUL = 0x45D9F3B  # the multiplier of a 32-bit integer hash (< 2**27: products stay inside int64)
 _SAMPLE = 0x9E3779B9  # odd steps that spread consecutive counters over the 32-bit range

@@ -36,7 +36,7 @@ from fdp.comm import Comm
 from fdp.data import SPLITS, check_global_batch, has_split
 from fdp.errors import ConfigError
 from fdp.model.precision import set_matmul_precision
-from fdp.model.streams import wants_sample_streams
+from fdp.model.streams import NOT_COMPILED, wants_sample_streams
 from fdp.procs.allocator import PeakMemory, release_free_memory
 from fdp.procs.devices import MemoryPhase, is_out_of_memory, limit_memory
 from fdp.procs.grow import GrowingWorld, joining, prepare_joiner, respawner
@@ -114,11 +114,8 @@ def _announce(cfg: DictConfig, run_dir: RunDir, parts: RunParts, world: int, dev
 
 def _not_compiled(cfg: DictConfig, parts: RunParts) -> str | None:
     """Why this run's step cannot compile (what ``trainer.compile=auto`` says), or ``None``."""
-    refusal = parts.update.refuses_compile()
-    if refusal:
-        return refusal
     if wants_sample_streams(cfg.trainer.sample_streams, cfg.world.on_rank_loss):
-        return "per-sample random streams (trainer.sample_streams) run in a dispatch mode, which does not compile"
+        return f"per-sample random streams (trainer.sample_streams): {NOT_COMPILED}"
     return None
 
 

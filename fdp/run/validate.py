@@ -27,7 +27,7 @@ from fdp.hooks import build_hook
 from fdp.hooks.hierarchical import check_node_size
 from fdp.model import remat
 from fdp.model.precision import check_matmul_precision, check_precision, check_reduce_dtype
-from fdp.model.streams import check_sample_streams, wants_sample_streams
+from fdp.model.streams import NOT_COMPILED, check_sample_streams, wants_sample_streams
 from fdp.optim import build_optimizer, check_resumed_schedule
 from fdp.plan.values import check_cap
 from fdp.procs.devices import BACKENDS
@@ -147,7 +147,7 @@ def _validate_trainer(cfg: Any) -> None:
             "trainer.compile",
             t.compile,
             "auto or false with per-sample streams (trainer.sample_streams, on with world.on_rank_loss=shrink): "
-            "their dispatch mode does not compile",
+            + NOT_COMPILED,
         )
     hook = _as_config_key("hooks", build_hook, _container(cfg.hooks))
     _as_config_key("trainer.reduce_dtype", lambda value: check_reduce_dtype(value, t.precision, hook), t.reduce_dtype)
@@ -161,14 +161,6 @@ def _validate_trainer(cfg: Any) -> None:
         )
     if cfg.world.hierarchical and t.zero_stage:  # hybrid sharding: the chain reduces each rank's slice across nodes
         _as_config_key("hooks", lambda _: check_hook_across_nodes(hook), _container(cfg.hooks))
-    refusal = stage_rules(t.zero_stage).refuses_compile()
-    if refusal:
-        _require(
-            t.compile is not True,
-            "trainer.compile",
-            t.compile,
-            f"auto or false with trainer.zero_stage={t.zero_stage} ({refusal})",
-        )
     optimizer = _as_config_key("optim", lambda spec: build_optimizer(spec, t.max_steps), _container(cfg.optim))
     _as_config_key("trainer.zero_stage", lambda stage: check_optimizer_for_stage(stage, optimizer), t.zero_stage)
     _as_config_key("trainer.loggers", lambda names: check_loggers(names, t.tensorboard), list(t.loggers))

@@ -7,7 +7,19 @@ the weight casts). It is compiled on the first step (the time is logged once) an
 after: params, buffers, the batch and the loss scale are graph inputs, so new values of
 the same shapes do not recompile.
 
-Only the ``after`` schedule is compiled. Under ``overlap`` the backward's tensor hooks
+At ZeRO stage 3 the params are gathered in module hooks and their gradients
+reduce-scattered from tensor hooks, collectives and bookkeeping that stay out of any
+graph. There the step compiles in regions, as FSDP2 runs are compiled: each of the
+model's repeated blocks (``region_modules``) is one compiled region whose params the
+gather makes whole at its hooks, outside it (``compiled_regions``), and the gradient is
+taken by plain autograd (``fdp.model.functional.autograd_grad_and_value``), since an eager
+``torch.func`` transform refuses compiled code. The other way, the whole forward compiled
+with the gather's hooks as graph breaks, splits it at every module that holds params (11
+breaks and 14 graphs on a 4-block transformer, against one graph shared by the blocks,
+and twice the compile time), and in the step its compiled block frames read a bucket the
+gather had released (``benchmarks/compile_stage3.py``).
+
+Elsewhere only the ``after`` schedule is compiled. Under ``overlap`` the backward's tensor hooks
 start collectives and hook chains from inside the transform, side effects the compiler
 cannot put in a graph; a compiled step therefore reduces after backward (one log line
 says so).
@@ -31,8 +43,10 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from fdp._torch import inductor_default_cache_dir
+from fdp.model import remat
 
 log = logging.getLogger("fdp")
 
@@ -113,6 +127,68 @@ def compile_grad(grad_fn: Callable) -> Callable:
         out = compiled(*args)
         first = False
         log.info(f"trainer.compile: compiled the gradient computation in {time.perf_counter() - t0:.1f} s")
+        return out
+
+    return run
+
+
+def region_modules(module: nn.Module) -> list[nn.Module]:
+    """The modules a ZeRO stage-3 step compiles, one region each: the model's repeated blocks (a transformer's
+    layers, ``fdp.model.remat.repeated_blocks``), else each module that holds params and has none inside it.
+
+    >>> block = lambda: nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    >>> len(region_modules(nn.Sequential(nn.Linear(2, 2), nn.ModuleList([block(), block()]))))
+    2
+    >>> [type(m).__name__ for m in region_modules(nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 1)))]
+    ['Linear', 'Linear']
+    """
+    blocks = remat.repeated_blocks(module)
+    if blocks:
+        return blocks
+
+    def holds(m: nn.Module) -> bool:
+        return any(True for _ in m.parameters(recurse=False))
+
+    return [m for m in module.modules() if holds(m) and not any(holds(inner) for inner in list(m.modules())[1:])]
+
+
+def compiled_regions(loss_fn: Callable, modules: list[nn.Module]) -> Callable:
+    """``loss_fn`` whose calls run each of ``modules``' ``forward`` under ``torch.compile``; the rest runs eager.
+
+    The module's hooks stay outside its compiled forward (they run in ``nn.Module.__call__``), which is where
+    ZeRO stage 3 gathers and releases params (``ParamGather.hold_by``). The compiled forwards are installed for
+    the call alone, as ``fdp.model.remat.checkpointed`` installs its own, so an evaluation runs the model as it
+    is; blocks of one class share their compiled code. The first call, which compiles, logs its time once.
+
+    >>> lin = nn.Linear(3, 1)
+    >>> loss = compiled_regions(lambda x: lin(x).sum(), [lin])
+    >>> "forward" in vars(lin)
+    False
+    """
+    compiled = [(m, torch.compile(m.forward)) for m in modules]
+    first = True
+
+    def run(*args, **kwargs):
+        nonlocal first
+        t0 = time.perf_counter()
+        installed = []
+        try:
+            for m, forward in compiled:
+                installed.append((m, m.__dict__.get("forward")))
+                m.forward = forward
+            out = loss_fn(*args, **kwargs)
+        finally:
+            for m, own in reversed(installed):
+                if own is None:
+                    del m.forward
+                else:
+                    m.forward = own
+        if first:
+            first = False
+            log.info(
+                f"trainer.compile: the first forward, compiling {len(modules)} regions, took "
+                f"{time.perf_counter() - t0:.1f} s"
+            )
         return out
 
     return run

@@ -25,11 +25,11 @@ from fdp._torch import HAS_DISABLE_FUNCTORCH, disable_functorch, foreach
 from fdp.comm import Comm
 from fdp.errors import check_choice
 from fdp.hooks.base import Hook
-from fdp.model.functional import grad_and_value
+from fdp.model.functional import autograd_grad_and_value, grad_and_value
 from fdp.plan import Bucket, BucketPlan
 from fdp.plan import buckets as bucket_buffers
 from fdp.step.chains import Reduction
-from fdp.step.compiled import compile_grad, compiled_schedule
+from fdp.step.compiled import compile_grad, compiled_regions, compiled_schedule, region_modules
 from fdp.trace import NullTimeline, Timeline
 from fdp.update.base import NullGather
 
@@ -105,15 +105,21 @@ class GradReducer:
         release_buffers: bool = False,
         gather: Any = NullGather(),
         flat_params: bool = True,
+        eager_modules: Any = (),
     ):
         schedule = resolve_schedule(schedule, comm.world_size)
-        if compile:
+        regions = compile and gather.gathers  # stage 3: compiled blocks between eager gathers (fdp.step.compiled)
+        if compile and not regions:
             schedule = compiled_schedule(schedule)
         if gather.gathers:  # the params are released bucket by bucket as their gradients complete
             schedule = resolve_schedule("overlap", world_size=2)
         self.plan, self.hook, self.comm, self.schedule, self.timeline = plan, hook, comm, schedule, timeline
         self.release_buffers, self.gather = release_buffers or gather.gathers, gather
         self.loss_fn = self._marking_forward_end(gather.wrap_loss(loss_fn))
+        if regions:
+            units = region_modules(gather.model.module)
+            gather.hold_by(units)
+            self.loss_fn = compiled_regions(self.loss_fn, [u for u in units if all(u is not m for m in eager_modules)])
         # Views stay views of the buffers when their memory is released and given back; released ones get
         # memory again when first written (``_start_next``, ``_store``, the tensor hooks).
         if self.release_buffers:
@@ -124,11 +130,12 @@ class GradReducer:
         self._table = _slot_table(plan, views)
         # The backward runs once torch.func's transform is left (fdp.model.functional.grad_and_value);
         # params laid out one flat buffer per bucket cross the transform as those buffers.
-        self._plain_grad = grad_and_value(self.loss_fn)
-        self._hooked_grad = grad_and_value(self._traced_loss)
-        self._flat_grad = grad_and_value(self._flat_loss)
-        self._hooked_flat_grad = grad_and_value(self._traced_flat_loss)
-        if compile:  # the compiler takes the whole of torch.func's own transform in one graph
+        grad = autograd_grad_and_value if regions else grad_and_value  # torch.func refuses compiled code
+        self._plain_grad = grad(self.loss_fn)
+        self._hooked_grad = grad(self._traced_loss)
+        self._flat_grad = grad(self._flat_loss)
+        self._hooked_flat_grad = grad(self._traced_flat_loss)
+        if compile and not regions:  # the compiler takes the whole of torch.func's own transform in one graph
             self._plain_grad = compile_grad(func_grad_and_value(self.loss_fn, has_aux=True))
         # One compiled path, the params tree's, whatever the params' layout: no second compile.
         # Params sharded by ZeRO keep their own layout (``flat_params=False``).

@@ -218,16 +218,15 @@ def make_train_step(
     )
     refusal = stage_update.refuses_optimizer(optimizer)
     require(not refusal, "optimizer", optimizer.update, f"another optimizer ({refusal})", TypeError)
-    refusal = stage_update.refuses_compile() if opts.compile else None
-    require(not refusal, "compile", opts.compile, f"False ({refusal})")
     early = opts.donate and opts.nonfinite == "raise"
     update = stage_update.for_step(comm, opts.timeline, opts.donate, early)
     hook = update.reduction_hook(hook)  # hybrid sharding: the chain runs across the groups, on each rank's slice
     streams = SampleStreams(opts.sample_seed) if opts.sample_seed is not None else None
     batch_rank = comm.rank if opts.batch_rank is None else opts.batch_rank
     forward_loss = streams.wrap(loss_fn) if streams else loss_fn
-    if opts.checkpoint_modules:
-        forward_loss = remat.checkpointed(forward_loss, remat.modules_of(opts.checkpoint_modules, opts.model))
+    checkpointed = remat.modules_of(opts.checkpoint_modules, opts.model) if opts.checkpoint_modules else []
+    if checkpointed:
+        forward_loss = remat.checkpointed(forward_loss, checkpointed)
     reducer = GradReducer(
         opts.precision.wrap(forward_loss),
         plan,
@@ -239,6 +238,7 @@ def make_train_step(
         release_buffers=update.release_buffers,
         gather=update.gather,
         flat_params=update.flat_params,
+        eager_modules=checkpointed,  # their recomputation runs under torch.func, which refuses compiled code
     )
     verdicts = DeferredVerdicts()
     state_verified, state_mib = False, None

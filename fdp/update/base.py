@@ -70,8 +70,6 @@ class Stage(NamedTuple):
     Each ``refuses_*`` gives the reason a stage cannot take something (a phrase the
     caller puts after the setting it names), or ``None``.
 
-    >>> STAGES[3].refuses_compile()
-    'ZeRO stage 3 gathers params in module hooks, which do not compile'
     >>> STAGES[1].refuses_mirror() is None
     True
     >>> STAGES[2].refuses_mirror()
@@ -97,12 +95,6 @@ class Stage(NamedTuple):
         if takes_sum_across(optimizer):
             return None
         return f"ZeRO stage {self.number} steps a shard of the gradients, which needs an update that takes sum_across="
-
-    def refuses_compile(self) -> str | None:
-        """Why this stage's step cannot run under ``torch.compile``."""
-        if not self.shards_params:
-            return None
-        return f"ZeRO stage {self.number} gathers params in module hooks, which do not compile"
 
     def refuses_mirror(self) -> str | None:
         """Why this stage keeps no copy of the next rank's slices (``TrainState.mirror``), and so cannot lose a rank
@@ -215,7 +207,7 @@ class Update(ABC):
       which any stage and world size resumes), ``checkpoint_pieces`` (what this rank writes to, or
       reads from, a sharded one, by ``slice_range``), ``reshard`` after ranks were lost, ``evaluating``
       (what an evaluation runs on);
-    * what it accepts: ``refuses_optimizer``, ``refuses_compile`` (every hook chain: one that makes the whole
+    * what it accepts: ``refuses_optimizer`` (every hook chain: one that makes the whole
       reduced bucket keeps the slice of it a scattering comm keeps, ``fdp.hooks.for_slices``)
       (``rules``: the stage's ``Stage``).
 
@@ -242,9 +234,6 @@ class Update(ABC):
 
     def refuses_optimizer(self, optimizer: GradientTransformation) -> str | None:
         return self.rules.refuses_optimizer(optimizer)
-
-    def refuses_compile(self) -> str | None:
-        return self.rules.refuses_compile()
 
     @contextlib.contextmanager
     def evaluating(

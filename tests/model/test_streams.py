@@ -207,3 +207,20 @@ def test_zero_stage_3s_recording_forward_leaves_the_steps_dropout_masks_alone():
         trained[stage] = zero.whole_params(state, plan, update.comm)
     for name, value in trained[0].items():
         torch.testing.assert_close(trained[3][name], value, rtol=0, atol=1e-6)
+
+
+def test_a_compiled_function_runs_uncompiled_under_the_streams_mode_the_reason_compile_is_refused():
+    """The refusal of trainer.compile=true with per-sample streams (fdp.model.streams.NOT_COMPILED) holds while this
+    does: dynamo compiles no frame of a function called in the streams' dispatch mode (its draws stay per sample)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    streams = SampleStreams(seed=3)
+    dropout = lambda x: F.dropout(x, 0.5, training=True).sum(1)  # noqa: E731
+    counter = CompileCounterWithBackend("aot_eager")
+    streams.begin(step=1, first=0, sizes=[4])
+    eager = streams.wrap(dropout)(torch.ones(4, 6))
+    streams.begin(step=1, first=0, sizes=[4])
+    compiled = streams.wrap(torch.compile(dropout, backend=counter))(torch.ones(4, 6))
+    assert counter.frame_count == 0 and torch.equal(compiled, eager)
+    torch.compile(dropout, backend=counter)(torch.ones(4, 6))
+    assert counter.frame_count == 1  # outside the mode the same function compiles

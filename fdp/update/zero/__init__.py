@@ -170,8 +170,8 @@ def update_for(
     >>> from fdp import sgd
     >>> from fdp.plan import pack_into_buckets
     >>> update = update_for(1, sgd(0.1), pack_into_buckets([("w", (3,), "float32", "cpu")]), Comm())
-    >>> update.stage, update.release_buffers, update.refuses_compile()
-    (1, False, None)
+    >>> update.stage, update.release_buffers
+    (1, False)
     """
     check_zero_stage(stage)
     check_optimizer_for_stage(stage, optimizer)

@@ -120,13 +120,9 @@ class ParamGather:
         by_name = {name: view for part in views for name, view in part.items()}
         self.views = {name: by_name[name] for name in plan.names}
         self._bucket_of = {storage_id(flat): index for index, flat in enumerate(self.flats)}
+        self.model = model
         self._holders = self._holders_of(model)
-        self._handles = [
-            h
-            for m in model.module.modules()
-            if id(m) in self._holders or m is model.module
-            for h in (m.register_forward_pre_hook(self._pre_hook), m.register_forward_hook(self._post_hook))
-        ]
+        self._handles = self._hook_holders()
         self._schedule: _Schedule | None = None
         self._pinned: set[int] = set()
         self._pending: dict[int, Pending] = {}
@@ -136,20 +132,53 @@ class ParamGather:
         self._new_forward()
         self._done: set[int] = set()
 
-    def _holders_of(self, model: FunctionalModel) -> dict[int, tuple[int, ...]]:
-        """The buckets whose params each module holds itself (through ties too), by module id."""
+    def _holders_of(self, model: FunctionalModel, units: tuple[nn.Module, ...] = ()) -> dict[int, tuple[int, ...]]:
+        """The buckets whose params each module holds, by module id: a unit's are those of every param inside
+        it, and the modules inside a unit hold none; any other module's, those it holds itself (through ties too).
+        """
         where = {name: b.index for b in self.plan.buckets for name in b.names}
         kept_as = dict(model.ties)
+        unit_ids = {id(u) for u in units}
+        inside: set[int] = set()
         holders: dict[int, tuple[int, ...]] = {}
         for prefix, module in model.module.named_modules():
+            if id(module) in inside:
+                continue
+            whole = id(module) in unit_ids
+            if whole:
+                inside.update(id(m) for m in module.modules())
             names = [
                 f"{prefix}.{n}" if prefix else n
-                for n, _ in module.named_parameters(recurse=False, remove_duplicate=False)
+                for n, _ in module.named_parameters(recurse=whole, remove_duplicate=False)
             ]
             buckets = sorted({where[kept_as.get(n, n)] for n in names if kept_as.get(n, n) in where})
             if buckets:
                 holders[id(module)] = tuple(buckets)
         return holders
+
+    def _hook_holders(self) -> list:
+        root = self.model.module
+        return [
+            h
+            for m in root.modules()
+            if id(m) in self._holders or m is root
+            for h in (m.register_forward_pre_hook(self._pre_hook), m.register_forward_hook(self._post_hook))
+        ]
+
+    def hold_by(self, units: list[nn.Module]) -> None:
+        """Gather and release at the forward hooks of ``units`` alone, each holding every bucket its params are in.
+
+        Between those hooks nothing of the gather runs, so each unit's forward (a
+        transformer block) can be one compiled region, its collectives outside it, as
+        FSDP2 shards and compiles each block (``fdp.step.compiled.compiled_regions``).
+        Called before the first step (the schedule is learnt at the units' hooks).
+        """
+        if self._schedule is not None:
+            raise RuntimeError("ParamGather.hold_by: called after the first step learnt where to gather")
+        for handle in self._handles:
+            handle.remove()
+        self._holders = self._holders_of(self.model, tuple(units))
+        self._handles = self._hook_holders()
 
     def _new_forward(self) -> None:
         self._events: list[tuple[int, str]] = []
@@ -194,9 +223,11 @@ class ParamGather:
         self._first, self._last = first, last
         self._new_forward()
         devices = [torch.device(f.device) for f in self.flats if torch.device(f.device).type == "cuda"][:1]
-        # Beside the step's forward: the samples' streams (fdp.model.streams) are drawn, not taken.
-        with torch.no_grad(), torch.random.fork_rng(devices=devices), rehearsal(), _Recorder(self):
-            loss_fn(*args, **kwargs)
+        # Beside the step's forward: the samples' streams (fdp.model.streams) are drawn, not taken; compiled
+        # regions run eager here, since the recording mode must see their ops one by one.
+        with torch.no_grad(), torch.random.fork_rng(devices=devices), rehearsal():
+            with torch.compiler.set_stance("force_eager"), _Recorder(self):
+                loss_fn(*args, **kwargs)
         for index in range(len(self.flats)):
             self._release(index, force=True)
         self._schedule = _Schedule(list(self._events), first, last, self._pinned)
