@@ -43,7 +43,7 @@ RUNS = REPO / "benchmarks" / "runs"  # logs and run directories (git ignores it)
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.netsim import Cluster, NetsimError, node_command, node_env  # noqa: E402,F401
+from benchmarks.netsim import DEFAULT_PREFIX, Cluster, NetsimError, node_command, node_env  # noqa: E402,F401
 
 PYTHON = sys.executable
 WARMUP_STEPS = 2  # fdp's StepTimes skips the first 2 steps; the DDP worker does the same
@@ -227,12 +227,19 @@ def _kill_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
 
 
 def run_ranks(
-    argv: list[str], logs: list[Path], timeout_s: float, netsim: bool, extra_env: dict | None = None, per_node: int = 1
+    argv: list[str],
+    logs: list[Path],
+    timeout_s: float,
+    netsim: bool,
+    extra_env: dict | None = None,
+    per_node: int = 1,
+    prefix: str = DEFAULT_PREFIX,
 ) -> list[int]:
     """Run ``argv`` once per rank (``len(logs)`` ranks); return the exit codes.
 
     ``netsim``: rank K runs in node K // ``per_node`` with torchrun's env; otherwise ``argv``
-    runs once on this host (a ``world=local2`` recipe spawns its ranks). Either way fdp is
+    runs once on this host (a ``world=local2`` recipe spawns its ranks); ``prefix`` names the cluster's
+    namespaces (``Cluster(prefix=...)``). Either way fdp is
     imported from this checkout, whatever else is installed.
     """
     world = len(logs) if netsim else 1
@@ -250,7 +257,7 @@ def run_ranks(
                 env.update(node_env(node, world, port))
                 env.update(RANK=str(k), LOCAL_RANK=str(local), GROUP_RANK=str(node))
                 env["LOCAL_WORLD_SIZE"] = str(world)  # all nodes share this host's cores: see the module doc
-                cmd = node_command(node, argv)
+                cmd = node_command(node, argv, prefix)
             else:
                 cmd = list(argv)
             f = open(log, "w")

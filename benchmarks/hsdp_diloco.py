@@ -1,0 +1,240 @@
+"""Benchmark: DiLoCo over hybrid-sharded replicas against flat DiLoCo and DDP, on two simulated nodes at 100 Mbit/s.
+
+The cluster of ``benchmarks/hsdp_netsim.py`` (two netsim namespaces of two gloo ranks, the
+link shaped to RATE) and its char transformer (~3.2M params), trained for STEPS steps on a
+learnable synthetic stream (each sample counts up from a random token by a random stride
+of 1-7, mod the vocabulary; rank r's batch at step t is the same on every side), Adam lr 1e-3:
+
+* ``DDP``: fdp stage 0, no outer loop: every step all-reduces the gradients across the nodes;
+* ``DiLoCo flat``: ``outer=diloco`` at stage 0, every rank a replica (4 replicas);
+* ``DiLoCo HSDP``: ``outer=diloco trainer.zero_stage=3 world.hierarchical=true world.node_size=2``:
+  each node one replica, stage 3 inside it, the sync slice to slice across the nodes.
+
+DiLoCo: a sync every SYNC_EVERY steps, outer Nesterov SGD (lr 0.7, momentum 0.9). Per step, rank 0
+keeps the wall time since the first step began and the loss averaged over the four ranks (an
+8-byte all-reduce outside the step, on every side). Reported: time to DDP's loss (the mean of its
+last 4 steps; a side reaches it when the mean of its last 4 steps falls to it), time to flat DiLoCo's
+final loss, the whole run's time, and the bytes that left a node over the run (``tx_bytes`` of its link).
+
+    python benchmarks/hsdp_diloco.py [--rate 100mbit] [--steps 40]   # root
+
+Writes ``benchmarks/results/hsdp_diloco.{md,json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script: make ``fdp`` and ``benchmarks`` importable
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from benchmarks.hsdp_netsim import LR, NODE_SIZE, NODES, PREFIX, SPEC, WORLD, _node_counters  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "results"
+SIDES = ("DDP", "DiLoCo flat", "DiLoCo HSDP")
+SYNC_EVERY = 8
+WINDOW = 4  # steps a loss is averaged over before it is compared with a target
+
+
+def stream_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s batch at ``step``: samples that count up from a random token by a random stride.
+
+    >>> x, y = stream_batch(0, 1)
+    >>> x.shape, bool(((y - x) % SPEC["vocab"] == (x[:, 1:2] - x[:, :1]) % SPEC["vocab"]).all())
+    (torch.Size([4, 64]), True)
+    """
+    g = torch.Generator().manual_seed(1_000_003 * step + rank)
+    start = torch.randint(0, SPEC["vocab"], (SPEC["batch"], 1), generator=g)
+    stride = torch.randint(1, 8, (SPEC["batch"], 1), generator=g)
+    tokens = (start + stride * torch.arange(SPEC["seq"] + 1)) % SPEC["vocab"]
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def time_to(losses: list[float], seconds: list[float], target: float, window: int = WINDOW) -> float | None:
+    """Seconds until the mean of the last ``window`` losses first falls to ``target`` (None: never).
+
+    >>> time_to([5.0, 4.0, 3.0, 2.0], [1.0, 2.0, 3.0, 4.0], 3.0, window=2)
+    4.0
+    >>> time_to([5.0, 4.0], [1.0, 2.0], 1.0, window=2) is None
+    True
+    """
+    for i in range(window - 1, len(losses)):
+        if statistics.mean(losses[i - window + 1 : i + 1]) <= target:
+            return seconds[i]
+    return None
+
+
+def _step(side: str, comm):
+    from benchmarks.fsdp import _module
+    from benchmarks.hsdp_netsim import BUCKET_CAP_MB, FIRST_BUCKET_CAP_MB
+    from fdp import adam, cross_entropy_loss, functionalize, make_train_step, plan_buckets, planner_loss
+    from fdp.run.config import DiLoCoConfig
+    from fdp.step.outer import init_outer_state, make_outer_step
+    from fdp.step.outer_spec import check_outer
+    from fdp.update import zero
+
+    model, params, buffers = functionalize(_module(SPEC), keep_module_weights=False)
+    loss_fn = cross_entropy_loss(model)
+    plan = plan_buckets(
+        planner_loss(loss_fn, buffers),
+        params,
+        stream_batch(0, comm.rank),
+        bucket_cap_mb=BUCKET_CAP_MB,
+        first_bucket_cap_mb=FIRST_BUCKET_CAP_MB,
+    )
+    stage = 3 if side == "DiLoCo HSDP" else 0
+    groups = zero.shard_groups(NODE_SIZE) if stage else None
+    update = zero.update_for(stage, adam(LR), plan, comm, model=model, groups=groups)
+    state = update.first_state(params, buffers, None, comm)
+    if side == "DDP":
+        return make_train_step(loss_fn, adam(LR), plan, comm=comm, update=update, donate=True, model=model), state
+    spec = check_outer(dataclasses.asdict(DiLoCoConfig(sync_every=SYNC_EVERY)))
+    replica = update.replica()
+    state = state._replace(outer=init_outer_state(spec, replica.pieces(state.params), replica.plan))
+    return make_outer_step(loss_fn, adam(LR), plan, spec, comm=comm, donate=True, update=update, model=model), state
+
+
+def worker(side: str, steps: int, out: str) -> None:
+    """One rank of a side: STEPS steps, timed from the first; rank 0 writes the losses and times to ``out``."""
+    from fdp.procs.allocator import tune_allocator
+    from fdp.procs.launch import WorldLayout, init_distributed
+
+    tune_allocator(sharded_params=side == "DiLoCo HSDP")
+    comm = init_distributed(WorldLayout("torchrun", backend="gloo", timeout_s=1800))
+    torch.set_num_threads(1)
+    step, state = _step(side, comm)
+    dist.barrier()
+    before = _node_counters(comm)
+    losses, seconds = [], []
+    t0 = time.perf_counter()
+    for t in range(steps):
+        state, metrics = step(state, stream_batch(t, comm.rank))
+        loss = torch.tensor([float(metrics["loss"])], dtype=torch.float64)
+        dist.all_reduce(loss)  # the loss over the four ranks' batches, on every side the same way
+        losses.append(float(loss) / WORLD)
+        seconds.append(time.perf_counter() - t0)
+    dist.barrier()
+    after = _node_counters(comm)
+    if comm.rank == 0:
+        node_bytes = statistics.mean(b - a for a, b in zip(before, after))
+        Path(out).write_text(json.dumps({"side": side, "losses": losses, "seconds": seconds, "node_bytes": node_bytes}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _run(side: str, steps: int, run_dir: Path, timeout_s: float) -> dict:
+    from benchmarks._netsim import run_ranks, tail
+
+    stem = side.replace(" ", "_")
+    out, logs = run_dir / f"{stem}.json", [run_dir / f"{stem}.rank{k}.log" for k in range(WORLD)]
+    argv = [sys.executable, str(Path(__file__).resolve()), "worker", side, str(steps), str(out)]
+    codes = run_ranks(argv, logs, timeout_s, netsim=True, per_node=NODE_SIZE, prefix=PREFIX)
+    if any(codes) or not out.exists():
+        return {"side": side, "error": f"exit codes {codes}: {tail(logs[0])}"}
+    return json.loads(out.read_text())
+
+
+def _table(rows: dict, meta: dict) -> str:
+    ddp, flat = rows.get("DDP"), rows.get("DiLoCo flat")
+    target = statistics.mean(ddp["losses"][-WINDOW:]) if ddp and "losses" in ddp else None
+    flat_target = statistics.mean(flat["losses"][-WINDOW:]) if flat and "losses" in flat else None
+    lines = [
+        f"# DiLoCo over hybrid-sharded replicas against flat DiLoCo and DDP at {meta['rate']} ({meta['date']})",
+        "",
+        f"torch {meta['torch']}, Python {meta['python']}, {meta['cpus']} CPU cores shared with other jobs; "
+        f"**load average (1 min) {meta['load_before']:.1f} before, {meta['load_after']:.1f} after**: absolute times "
+        "are rough, ratios within the table less so.",
+        f"netsim (`benchmarks/netsim`): 2 namespaces of 2 gloo ranks, tbf at {meta['rate']} per node and direction. "
+        f"CharTransformer {json.dumps(SPEC)}, Adam lr {LR}, {meta['steps']} steps on a learnable synthetic stream "
+        "(`stream_batch`), the same batches on every side. DiLoCo: a sync every "
+        f"{SYNC_EVERY} steps, outer Nesterov SGD lr 0.7 momentum 0.9. DDP: fdp stage 0, no outer loop. "
+        "DiLoCo flat: stage 0, 4 replicas of one rank. DiLoCo HSDP: `trainer.zero_stage=3 world.hierarchical=true "
+        "world.node_size=2`, 2 replicas of one node each.",
+        f"`time to DDP's loss`: until the mean of the last {WINDOW} losses (over the four ranks) falls to DDP's final "
+        f"one ({target if target is None else f'{target:.4f}'}); `time to flat DiLoCo's loss`: the same to flat "
+        f"DiLoCo's ({flat_target if flat_target is None else f'{flat_target:.4f}'}). Times from the first step's "
+        "start, build excluded. `MB out/node`: the node link's `tx_bytes` over the whole run, mean of the two nodes.",
+        f"Command: `python benchmarks/hsdp_diloco.py` (root). Wall {meta['wall_s']:.0f} s.",
+        "",
+        "| side | run s | s/step | final loss (last 4) | time to DDP's loss s | time to flat DiLoCo's loss s "
+        "| MB out/node/run | vs DDP |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def when(r, tgt):
+        if tgt is None:
+            return "-"
+        s = time_to(r["losses"], r["seconds"], tgt)
+        return "not reached" if s is None else f"{s:.0f}"
+
+    for side in SIDES:
+        r = rows.get(side)
+        if r is None:
+            continue
+        if "error" in r:
+            lines.append(f"| {side} | failed | | | | | | |")
+            continue
+        vs = f"{r['node_bytes'] / ddp['node_bytes']:.3f}" if ddp and "node_bytes" in ddp else "-"
+        lines.append(
+            f"| {side} | {r['seconds'][-1]:.0f} | {r['seconds'][-1] / len(r['seconds']):.2f} | "
+            f"{statistics.mean(r['losses'][-WINDOW:]):.4f} | {when(r, target)} | {when(r, flat_target)} | "
+            f"{r['node_bytes'] / 1e6:.1f} | {vs} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "worker":
+        side, steps, out = sys.argv[2:5]
+        worker(side, int(steps), out)
+        return
+    from benchmarks._netsim import Cluster, work_dir
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rate", default="100mbit")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES)
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per launch")
+    parser.add_argument("--name", default="hsdp_diloco", help="stem of the result files")
+    args = parser.parse_args()
+    run_dir = work_dir(args.name)
+    load_before, t0 = os.getloadavg()[0], time.perf_counter()
+    rows = {}
+    with Cluster(nodes=NODES, prefix=PREFIX) as net:
+        print(net.up(rate=args.rate), flush=True)
+        for side in args.sides:
+            rows[side] = _run(side, args.steps, run_dir, args.timeout)
+            print(json.dumps(rows[side]), flush=True)
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "load_before": load_before,
+        "load_after": os.getloadavg()[0],
+        "wall_s": time.perf_counter() - t0,
+        "rate": args.rate,
+        "steps": args.steps,
+    }
+    text = _table(rows, meta)
+    print(text)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{args.name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (RESULTS / f"{args.name}.md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
