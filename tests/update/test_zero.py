@@ -483,6 +483,28 @@ def test_clipping_sees_the_global_norm_across_slices():
         assert not torch.allclose(own[mine], expected[mine])  # a slice's own norm would clip differently
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_an_optimizer_with_no_state_steps_at_every_stage_as_at_stage_zero(stage):
+    """SGD without momentum keeps nothing per param: its empty state is taken as sliced, not refused as whole."""
+    from fdp.optim import sgd
+
+    torch.manual_seed(0)
+    model, params, buffers = functionalize(MLP(6, 8, 1, 3))
+    loss_fn = cross_entropy_loss(model)
+    batch = (torch.randn(4, 6), torch.randint(0, 3, (4,)))
+    plan = plan_buckets(planner_loss(loss_fn, buffers), params, batch)
+    trained = {}
+    for s in (0, stage):
+        update = zero.update_for(s, sgd(0.1), plan, Comm(), model=model)
+        step = make_train_step(loss_fn, sgd(0.1), plan, comm=Comm(), update=update, model=model)
+        state = update.first_state({k: v.clone() for k, v in params.items()}, buffers, None, Comm())
+        for _ in range(2):
+            state, _ = step(state, batch)
+        trained[s] = zero.whole_params(state, plan, update.comm)
+    for name, value in trained[0].items():
+        torch.testing.assert_close(trained[stage][name], value, rtol=0, atol=1e-7)
+
+
 def test_slices_cover_every_bucket_once_and_round_trip():
     plan = pack_into_buckets(
         [("a", (3,), "float32", "cpu"), ("b", (2, 2), "float32", "cpu"), ("c", (5,), "float32", "cpu")],

@@ -65,10 +65,21 @@ def _map_named(tree: Any, names: frozenset, fn: Callable[[dict], Any]) -> Any:
 
 
 def is_sharded(opt_state: Any, plan: BucketPlan) -> bool:
-    """Whether ``opt_state`` holds slices keyed by bucket (``shard_state``) rather than whole params."""
-    found = []
-    _map_named(opt_state, frozenset(shard_keys(plan)), lambda d: found.append(d))
-    return bool(found)
+    """Whether ``opt_state`` holds slices keyed by bucket (``shard_state``) rather than whole params.
+
+    A state that holds nothing per param (SGD without momentum) is both: nothing in it is whole.
+
+    >>> from fdp.plan import pack_into_buckets
+    >>> plan = pack_into_buckets([("w", (5,), "float32", "cpu")])
+    >>> is_sharded({"m": {"w": torch.zeros(5)}}, plan), is_sharded({"m": {"bucket0": torch.zeros(3)}}, plan)
+    (False, True)
+    >>> is_sharded((), plan)
+    True
+    """
+    sliced, whole = [], []
+    _map_named(opt_state, frozenset(shard_keys(plan)), sliced.append)
+    _map_named(opt_state, frozenset(plan.names), whole.append)
+    return bool(sliced) or not whole
 
 
 def params_sharded(params: Params, plan: BucketPlan) -> bool:
