@@ -3,7 +3,9 @@
 Four gloo ranks on loopback stand for two nodes of two (ranks 0-1 and 2-3). Each runs a
 char transformer (d_model 128, 4 layers, vocab 64; batch 4 x 32 tokens per rank, Adam)
 for a few steps at ZeRO stages 1, 2 and 3, once flat (the state split over all four
-ranks) and once hybrid (``fdp.update.zero.hybrid``: split inside each node, replicated across).
+ranks) and once hybrid (``fdp.update.zero.hybrid``: split inside each node, replicated across);
+then one DiLoCo run, flat (every rank a replica) and over hybrid-sharded replicas at stages 1-3
+(``fdp.update.zero.replicas``: each node one replica, syncing slice to slice).
 
 Counted per rank and step: the bytes this rank hands to collectives (``Comm``'s payload
 counter) whose group spans both nodes, and to those that stay inside its node. Every
@@ -21,6 +23,7 @@ Writes ``benchmarks/results/hsdp_bytes.md``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,10 +42,14 @@ from fdp.model.functional import functionalize  # noqa: E402
 from fdp.optim import adam  # noqa: E402
 from fdp.plan import plan_buckets  # noqa: E402
 from fdp.procs.launch import WorldLayout, init_distributed, spawn  # noqa: E402
+from fdp.run.config import DiLoCoConfig  # noqa: E402
+from fdp.step.outer import init_outer_state, make_outer_step  # noqa: E402
+from fdp.step.outer_spec import check_outer  # noqa: E402
 from fdp.update import zero  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 NODE, WORLD = 2, 4
+OUTER_STEPS, SYNC_EVERY = 16, 8
 
 
 @dataclass
@@ -92,7 +99,28 @@ def _measure(rank: int, world: int, steps: int) -> dict:
             )
             spanning = world_bytes + across  # the world comm spans both nodes
             out[(stage, mode)] = (spanning, inside)
+    for stage in (0, 1, 2, 3):  # DiLoCo: every rank a replica (flat, stage 0), or every node's group one (hsdp)
+        out[("diloco", stage)] = _outer_run(stage, params, buffers, loss_fn, batch, plan, model, made)
     return out
+
+
+def _outer_run(stage: int, params, buffers, loss_fn, batch, plan, model, made: zero.ShardGroups) -> tuple:
+    """One DiLoCo run of OUTER_STEPS steps (a sync every SYNC_EVERY): the bytes across nodes and inside, in all."""
+    comm = CountingComm()
+    groups = zero.ShardGroups(CountingComm(made.shard.group), CountingComm(made.replicas.group))
+    spec = check_outer(dataclasses.asdict(DiLoCoConfig(sync_every=SYNC_EVERY)))
+    update = zero.update_for(stage, adam(1e-3), plan, comm, model=model, groups=groups if stage else None)
+    state = update.first_state(params, buffers, None, comm)
+    replica = update.replica()
+    state = state._replace(outer=init_outer_state(spec, replica.pieces(state.params), replica.plan))
+    before = (comm.total, groups.shard.total, groups.replicas.total)  # the first state's checks are not the run's
+    step = make_outer_step(loss_fn, adam(1e-3), plan, spec, comm=comm, donate=True, update=update, model=model)
+    for _ in range(OUTER_STEPS):
+        state, _ = step(state, batch)
+    world_bytes, inside, across = (
+        after - start for after, start in zip((comm.total, groups.shard.total, groups.replicas.total), before)
+    )
+    return world_bytes + across, inside
 
 
 def _rank(steps: int, layout: WorldLayout) -> dict:
@@ -127,6 +155,23 @@ def main() -> None:
         for mode in ("flat", "hsdp"):
             across, inside = rows[(stage, mode)]
             lines.append(f"| {stage} | {mode} | {across / mib:.3f} | {inside / mib:.3f} | {across / flat:.3f} |")
+    lines += [
+        "",
+        f"DiLoCo, one run of {OUTER_STEPS} steps with a sync every {SYNC_EVERY} (`outer=diloco`): flat, every rank",
+        "a replica (stage 0); hsdp, each node's group one (`world.hierarchical=true`, the stage's",
+        "steps inside the node, each rank syncing its slices across); against the per-step runs above.",
+        "",
+        "| stage | world | across nodes (MiB/run) | inside the node (MiB/run) | across / flat DiLoCo |",
+        "|---|---|---|---|---|",
+    ]
+    flat = rows[("diloco", 0)][0]
+    for stage in (0, 1, 2, 3):
+        across, inside = rows[("diloco", stage)]
+        mode = "hsdp" if stage else "flat"
+        lines.append(f"| {stage} | {mode} | {across / mib:.3f} | {inside / mib:.3f} | {across / flat:.3f} |")
+    for stage in (1, 2, 3):
+        across = rows[(stage, "flat")][0] * OUTER_STEPS
+        lines.append(f"| {stage} | flat, every step | {across / mib:.3f} | - | {across / flat:.3f} |")
     text = "\n".join(lines) + "\n"
     print(text)
     RESULTS.mkdir(exist_ok=True)

@@ -293,6 +293,23 @@ class Comm:
         return counters
 
 
+class Alone(Comm):
+    """A world of one inside a larger one: every collective completes at once, unsent (an outer loop's
+    replica stepping on its own between syncs, ``fdp.step.outer``).
+
+    >>> Alone().world_size, Alone().allreduce(torch.ones(2)).wait().tolist()
+    (1, [1.0, 1.0])
+    """
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    @property
+    def rank(self) -> int:
+        return 0
+
+
 def new_group(ranks: list[int]) -> dist.ProcessGroup:
     """``dist.new_group(ranks)`` with the default group's timeout (every rank must call it, in one order).
 

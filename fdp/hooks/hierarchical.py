@@ -24,8 +24,9 @@ from fdp.hooks.base import GradBucket, Hook, run_stage
 __all__ = ["NodeComms", "check_node_size", "hierarchical", "node_comms"]
 
 
-def check_node_size(world_size: int, node_size: int) -> int:
-    """The number of nodes; a ``ValueError`` unless ``node_size`` splits the world into two or more.
+def check_node_size(world_size: int, node_size: int, least: int = 2) -> int:
+    """The number of nodes; a ``ValueError`` unless ``node_size`` splits the world into ``least`` or more (one is
+    enough for a world that lost its other nodes: ``fdp.procs.shrink.whole_groups``).
 
     >>> check_node_size(4, 2)
     2
@@ -36,7 +37,7 @@ def check_node_size(world_size: int, node_size: int) -> int:
     """
     if node_size < 1 or world_size % node_size:
         raise ValueError(f"world.node_size={node_size}: expected a divisor of the world size {world_size}")
-    if world_size // node_size < 2:
+    if world_size // node_size < least:
         raise ValueError(
             f"world.hierarchical=true: expected more than one node, got one node of {node_size} processes "
             "(set world.node_size to the processes per node)"
@@ -51,17 +52,19 @@ class NodeComms(NamedTuple):
     leaders: Comm | None
 
 
-def node_comms(node_size: int) -> NodeComms:
-    """Make the groups of ``hierarchical`` (every rank must call it, in the same order)."""
+def node_comms(node_size: int, least: int = 2, watch=None) -> NodeComms:
+    """Make the groups of ``hierarchical`` (every rank must call it, in the same order); ``least``: the fewest
+    nodes accepted (``check_node_size``); ``watch`` is asked while their collectives wait
+    (``fdp.comm.wait_watched``: a world that may shrink ends them once a rank is reported lost)."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    check_node_size(world, node_size)
+    check_node_size(world, node_size, least)
     node = None
     for first in range(0, world, node_size):  # new_group is collective: every rank makes every group
         group = new_group(list(range(first, first + node_size)))
         if first <= rank < first + node_size:
             node = group
     leaders = new_group(list(range(0, world, node_size)))
-    return NodeComms(Comm(node), Comm(leaders) if rank % node_size == 0 else None)
+    return NodeComms(Comm(node, watch=watch), Comm(leaders, watch=watch) if rank % node_size == 0 else None)
 
 
 class _Shadow(Comm):

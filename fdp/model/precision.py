@@ -238,12 +238,21 @@ def check_reduce_dtype(reduce_dtype: str, precision: str = "bf16-mixed", hook: H
     """``reduce_dtype``: ``float32`` (any precision) or ``bfloat16`` (``bf16-mixed`` averaging with ``allreduce``).
 
     With ``32-true`` a bfloat16 average is the ``bf16`` hook's job, and under ``16-mixed`` and
-    ``bf16-true`` the gradients are already 16-bit; another hook has its own wire format.
+    ``bf16-true`` the gradients are already 16-bit. ``reduce_dtype`` is the dtype the gradient
+    is averaged in (FSDP2's); a hook other than ``allreduce`` averages no gradient: PowerSGD
+    sums low-rank factors of it and orthonormalises them, top-k gathers each rank's largest
+    entries, the low-bit codes send integers of ``hooks.format``. What those send is the
+    hook's own format, not a dtype of the average.
 
     >>> check_reduce_dtype("bfloat16", "32-true")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
     ValueError: reduce_dtype='bfloat16': expected float32 with precision=32-true (bfloat16 is for bf16-mixed; ...)
+    >>> from fdp.hooks import topk
+    >>> check_reduce_dtype("bfloat16", "bf16-mixed", topk())  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: reduce_dtype='bfloat16': expected float32 with hooks 'topk', which average no gradient in a dtype: ...
     """
     check_choice("reduce_dtype", reduce_dtype, tuple(REDUCE_DTYPES))
     if reduce_dtype == "float32":
@@ -255,8 +264,9 @@ def check_reduce_dtype(reduce_dtype: str, precision: str = "bf16-mixed", hook: H
         )
     if hook is not None and stage_name(hook) != "allreduce":
         raise ValueError(
-            f"reduce_dtype={reduce_dtype!r}: expected float32 with hooks {stage_name(hook)!r}, which reduce in "
-            "their own format (bfloat16 averages with hooks=allreduce)"
+            f"reduce_dtype={reduce_dtype!r}: expected float32 with hooks {stage_name(hook)!r}, which average no "
+            "gradient in a dtype: they send a payload of their own format (low-rank factors, selected entries, "
+            "low-bit codes); bfloat16 averages with hooks=allreduce"
         )
     return reduce_dtype
 

@@ -16,6 +16,9 @@ device (integer arithmetic on the device, no generator state).
   without it). A model whose first forward draws nothing runs without the mode after
   it, so only models with randomness pay its host cost (a Python call per op of the
   forward).
+* A forward run beside the step's (ZeRO stage 3's recording forward, ``fdp.update.zero.gather``)
+  runs inside ``rehearsal()``: it draws the micro-batch's streams without taking its keys from
+  the queue, so the step's own forward draws what it would have drawn without it.
 * Random ops whose first dimension is not the batch (``randperm``, a noise tensor of a
   fixed shape), ops given an explicit ``generator`` and ops the mode does not know
   (``randint``, ``multinomial``, ``exponential_``) still draw from the step's generator
@@ -43,6 +46,7 @@ __all__ = [
     "check_sample_streams",
     "wants_sample_streams",
     "position",
+    "rehearsal",
     "replaying",
 ]
 
@@ -261,7 +265,7 @@ class SampleStreams:
         """``loss_fn`` whose calls (one per micro-batch, in ``begin``'s order) run on the samples' streams."""
 
         def on_sample_streams(*args, **kwargs):
-            keys = self._queue.pop(0) if self._queue else None
+            keys = (self._queue[0] if _REHEARSING else self._queue.pop(0)) if self._queue else None
             if keys is None:
                 return loss_fn(*args, **kwargs)
             mode = _PerSample(keys)
@@ -272,6 +276,28 @@ class SampleStreams:
             return out
 
         return on_sample_streams
+
+
+_REHEARSING: list[bool] = []  # inside rehearsal(): forwards beside the step's own
+
+
+@contextlib.contextmanager
+def rehearsal():
+    """Forwards run beside the step's own: they draw the next micro-batch's streams and leave its keys queued.
+
+    >>> streams = SampleStreams(seed=2)
+    >>> dropout = streams.wrap(lambda x: torch.nn.functional.dropout(x, 0.5, training=True))
+    >>> streams.begin(step=1, first=0, sizes=[3])
+    >>> with rehearsal():
+    ...     rehearsed = dropout(torch.ones(3, 4))
+    >>> torch.equal(dropout(torch.ones(3, 4)), rehearsed)
+    True
+    """
+    _REHEARSING.append(True)
+    try:
+        yield
+    finally:
+        _REHEARSING.pop()
 
 
 def position() -> tuple[torch.Tensor, int] | None:

@@ -2,8 +2,9 @@
 
 ``ema(decay)`` keeps ``average = decay * average + (1 - decay) * params`` after every
 step (``trainer.ema_decay``). The params it follows are the same on every rank of a data-
-parallel world and for any world size, so the average is too. Under ZeRO stage 3 each rank
-averages its own slices, which together are the average of the whole params
+parallel world and for any world size, so the average is too (under an outer loop the run
+follows the anchor, the params every rank agreed on at the last sync: ``fdp.run.loop_controls``).
+Under ZeRO stage 3 each rank averages its own slices, which together are the average of the whole params
 (``fdp.update.zero``). Params kept in 16 bits are averaged in float32: a decay of 0.999 moves the
 average by less than a bfloat16's resolution per step. The trainer evaluates the average
 beside the params (``ema_test_loss``...) and checkpoints it whole (``fdp.run.loop_controls``).

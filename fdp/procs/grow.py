@@ -13,7 +13,8 @@ node admitted by ``--nnodes MIN:MAX`` or a SLURM task started again runs):
    ranks, stops there with one line (``JoinRefused``); else asks to join (``join/<n>``);
 3. waits for its answer. The running world's rank 0 sees the request at a step
    boundary and schedules the join two boundaries later (two outer-loop periods under
-   local SGD/DiLoCo: the ranks are at most one period apart), where every member will be
+   local SGD/DiLoCo, after steps no sync is in flight at: the ranks are at most one period
+   apart; ``fdp.step.outer_spec.join_boundaries``), where every member will be
    (``GrowingWorld.due``). There the members propose the larger world in the store
    (``ShrinkingWorld.regroup`` with ``joined``), answer the joiner, and all meet in a
    new generation's group, the joiner last;
@@ -137,27 +138,31 @@ class GrowingWorld(ShrinkingWorld):
     joined and which were there before it.
     """
 
-    def __init__(self, *args, max_ranks: int = 0, **kwargs):
+    def __init__(self, *args, max_ranks: int = 0, group: int = 1, **kwargs):
         super().__init__(*args, beating=max_ranks, **kwargs)
         self.max_ranks = max_ranks or len(self.members)
+        # Joiners are admitted in whole groups of this many (world.hierarchical's nodes: fdp.procs.shrink.whole_groups);
+        # the others wait for theirs.
+        self.group = group
         self.before: tuple[int, ...] = self.members
         self.asked_at: int | None = None
         self._plan: dict | None = None
 
     # -- the members' side ---------------------------------------------------------------------
-    def due(self, step: int, period: int = 1) -> bool:
+    def due(self, step: int, period: int = 1, phase: int = 0) -> bool:
         """After ``step`` on every member: whether a join was scheduled for this boundary (one store
-        round trip per step: rank 0 counts the requests, the others look for its schedule)."""
+        round trip per step: rank 0 counts the requests, the others look for its schedule). The boundaries
+        are the steps ``s`` with ``s % period == phase`` (``fdp.step.outer_spec.join_boundaries``)."""
         key = f"gen{self.generation}/grow"
         if self._plan is None or self._plan["generation"] != self.generation:
             self._plan = None
             if self.rank == 0:
-                self._plan = self._schedule(step, period, key)
+                self._plan = self._schedule(step, period, phase, key)
             elif self.store.check([key]):
                 self._plan = json.loads(self.store.get(key))
         return self._plan is not None and self._plan["at"] == step
 
-    def _schedule(self, step: int, period: int, key: str) -> dict | None:
+    def _schedule(self, step: int, period: int, phase: int, key: str) -> dict | None:
         count = self.store.add(_COUNT, 0)
         admitted = int(self.store.get(_ADMITTED)) if self.store.check([_ADMITTED]) else 0
         ids = []
@@ -178,13 +183,19 @@ class GrowingWorld(ShrinkingWorld):
             ).append((number, rank))
         for number, rank in refused:
             self.store.set(f"join/{number}/answer", json.dumps({"refused": self._full(rank)}))
+        # A group's first joiners wait for the rest of it.
+        whole = max(0, len(taken) - (len(self.members) + len(taken)) % self.group)
+        if whole < len(taken):
+            waiting, taken = taken[whole:], taken[:whole]
+            ids = [number for number in ids if number < waiting[0][0]]  # answered up to the first one that waits
         if not taken:
-            self.store.set(_ADMITTED, str(ids[-1]))
+            if ids:
+                self.store.set(_ADMITTED, str(ids[-1]))
             return None
         # Counted admitted at the boundary only: a world that shrinks before it schedules them again.
         plan = {
             "generation": self.generation,
-            "at": (step // period + 2) * period,
+            "at": ((step - phase) // period + 2) * period + phase,
             "asked": step,
             "ids": [n for n, _ in taken],
             "ranks": [r for _, r in taken],
@@ -237,6 +248,7 @@ class GrowingWorld(ShrinkingWorld):
         min_ranks: int = 1,
         max_ranks: int = 0,
         wait_s: float | None = None,
+        group: int = 1,
     ) -> "GrowingWorld | None":
         """Ask to join the running world as launch rank ``me`` and join it at its next boundary; ``None``
         when the run ended first. ``JoinRefused`` (one line) when it has ``max_ranks`` ranks already."""
@@ -265,6 +277,7 @@ class GrowingWorld(ShrinkingWorld):
             timeout_s,
             min_ranks,
             max_ranks=max_ranks,
+            group=group,
             members=tuple(answer["before"]),
             generation=answer["generation"] - 1,
         )

@@ -22,6 +22,12 @@ follow the samples, ``fdp.model.streams``), so when a rank dies or hangs the sur
    to the state before it: the step is pure, ``donate=False``, so that state is intact)
    and go on from it with the global batch split over fewer ranks.
 
+Under ``world.hierarchical=true`` the ranks form groups of ``world.node_size`` (a node each),
+and the group is what a world loses: a lost rank's group steps out whole (``whole_groups``), so
+that every group left is whole and holds, at a ZeRO stage, a replica of every slice of the
+state (``fdp.update.zero.hybrid``): nothing is re-split or sent, and the world goes on with
+fewer replicas.
+
 ``world.min_ranks`` ends the run when fewer ranks remain (with a checkpoint of that
 step and one line naming the lost ranks). Each rank keeps its own per-rank state (hook
 error feedback, its generator); a lost rank's is dropped with it.
@@ -64,6 +70,7 @@ __all__ = [
     "check_on_rank_loss",
     "check_shrinkable_batch",
     "keep_rank",
+    "whole_groups",
     "launched_world",
     "shrink_store",
 ]
@@ -84,26 +91,45 @@ def check_on_rank_loss(value: str) -> str:
     return check_choice("on_rank_loss", value, ON_RANK_LOSS)
 
 
-def check_shrinkable_batch(global_batch_size: int, world_size: int, min_ranks: int, accum_steps: int = 1) -> None:
-    """Every world a shrink can leave (``min_ranks`` to ``world_size`` ranks) splits the global batch evenly.
+def check_shrinkable_batch(
+    global_batch_size: int, world_size: int, min_ranks: int, accum_steps: int = 1, group: int = 1
+) -> None:
+    """Every world a shrink can leave (``min_ranks`` to ``world_size`` ranks, whole groups of ``group`` ranks: see
+    ``whole_groups``) splits the global batch evenly.
 
     >>> check_shrinkable_batch(12, 4, 1)
+    >>> check_shrinkable_batch(8, 4, 1, group=2)  # worlds of 2 and 4 ranks
     >>> check_shrinkable_batch(10, 4, 1)
     Traceback (most recent call last):
     ...
     ValueError: data.global_batch_size=10: expected a multiple of every world size from world.min_ranks=1 to 4 \
 times trainer.accum_steps=1 (e.g. 12, a multiple of 12, their least common multiple), for world.on_rank_loss=shrink
     """
-    sizes = range(max(1, min_ranks), world_size + 1)
+    sizes = [n for n in range(max(1, min_ranks), world_size + 1) if n % group == 0] or [world_size]
     bad = [n for n in sizes if global_batch_size % (n * accum_steps)]
     if bad:
         lcm = math.lcm(*(n * accum_steps for n in sizes))
         fits = -(-global_batch_size // lcm) * lcm  # the nearest batch at least as large that every world splits
+        nodes = f" in whole nodes of world.node_size={group}" if group > 1 else ""
         raise ValueError(
             f"data.global_batch_size={global_batch_size}: expected a multiple of every world size from "
-            f"world.min_ranks={min_ranks} to {world_size} times trainer.accum_steps={accum_steps} "
+            f"world.min_ranks={min_ranks} to {world_size}{nodes} "
+            f"times trainer.accum_steps={accum_steps} "
             f"(e.g. {fits}, a multiple of {lcm}, their least common multiple), for world.on_rank_loss=shrink"
         )
+
+
+def whole_groups(members: tuple[int, ...], lost: list[int], group: int) -> list[int]:
+    """The members that leave the world when ``lost`` are lost, in groups of ``group`` consecutive members (a
+    node each, ``world.hierarchical``): every member of a group that lost one; ``lost`` alone where ``group`` is 1.
+
+    >>> whole_groups((0, 1, 2, 3), [2], 2)  # launch rank 3 steps out with rank 2's node
+    [2, 3]
+    >>> whole_groups((0, 1, 4, 5), [1, 5], 2), whole_groups((0, 1, 2), [1], 1)
+    ([0, 1, 4, 5], [1])
+    """
+    hit = {members.index(rank) // group for rank in lost if rank in members}
+    return sorted({*lost, *(rank for index, rank in enumerate(members) if index // group in hit)})
 
 
 def shrink_store(timeout_s: float) -> dist.Store:
@@ -220,7 +246,8 @@ def _wait_for_end(store: dist.Store, world_size: int, timeout_s: float) -> dict:
 
 
 class Shrink(NamedTuple):
-    """One shrink of the world: the step it went on from, the launch ranks lost, the new size and the seconds lost."""
+    """One shrink of the world: the step it went on from, the launch ranks lost (with the rest of their nodes under
+    ``world.hierarchical``: ``whole_groups``), the new size and the seconds lost."""
 
     step: int
     lost: tuple[int, ...]

@@ -170,13 +170,19 @@ class RunParts(NamedTuple):
 
 
 def build_run(
-    cfg: DictConfig, comm: Comm, device: torch.device = torch.device("cpu"), data: Dataset | MapData | None = None
+    cfg: DictConfig,
+    comm: Comm,
+    device: torch.device = torch.device("cpu"),
+    data: Dataset | MapData | None = None,
+    alone: bool = False,
 ) -> RunParts:
     """Build model, data, plan, hooks, optimizer and the first train state on this rank, on ``device``.
 
     The weights are made on the CPU from the seed (the same on any device) and moved;
     the plan then records the device from the params, and hook and optimizer state are
-    made where the buckets and params are. ``data``: the run's data set, when already loaded.
+    made where the buckets and params are. ``data``: the run's data set, when already loaded. ``alone``: a rank
+    that joins a running world builds alone, without ``world.hierarchical``'s groups (``regrouped`` makes them
+    once it is in the world).
     A stage that shards the params builds the model on ``meta`` and makes each rank's slices
     alone (``_built_on_meta``), with the values of a whole build.
     """
@@ -198,16 +204,22 @@ def build_run(
     # world.hierarchical: a sharded state splits over each node and is replicated across them (hybrid sharding);
     # a replicated one reduces inside each node first and runs the hook chain across them.
     groups = None
-    if cfg.world.hierarchical:
+    if cfg.world.hierarchical and not alone:
         node_size = _node_size(cfg, comm)
         if stage.shards_optimizer:
             groups = zero.shard_groups(node_size, comm.watch)
-        else:
-            hook = hierarchical(hook, node_comms(node_size), comm.world_size // node_size)
+        else:  # trainer.reduce_dtype applies on the leg across nodes (each node's float32 sum sent in it), as at
+            # ZeRO stages (fdp.update.zero.hybrid): the step then reduces in no other dtype of its own
+            hook = hierarchical(
+                precision.reducing(hook), node_comms(node_size, watch=comm.watch), comm.world_size // node_size
+            )
+            precision = precision._replace(reduce_dtype="float32")
     # The schedule spans the run: max_steps, or fewer where trainer.max_epochs ends it sooner.
     steps = run_steps(cfg.trainer.max_steps, cfg.trainer.max_epochs, data, cfg.data.global_batch_size)
     optimizer = build_optimizer(OmegaConf.to_container(cfg.optim), steps, embeddings=embeddings)
-    # A world that may shrink keeps, where the state is sharded, the next rank's slices too (fdp.update.zero.mirror).
+    # A world that may shrink keeps, where the state is sharded, the next rank's slices too (fdp.update.zero.mirror);
+    # a hierarchical one has a replica of every slice in each other group instead (fdp.procs.shrink.whole_groups).
+    mirror = cfg.world.on_rank_loss == "shrink" and stage.shards_optimizer and not cfg.world.hierarchical
     update = zero.update_for(
         stage.number,
         optimizer,
@@ -215,7 +227,7 @@ def build_run(
         comm,
         model=model,
         reshard_after_forward=cfg.trainer.reshard_after_forward,
-        mirror=cfg.world.on_rank_loss == "shrink" and stage.shards_optimizer,
+        mirror=mirror,
         gather_dtype=precision.gather_dtype,
         groups=groups,
     )
@@ -223,9 +235,10 @@ def build_run(
         state = update.first_state_made(make, buffers, hook, comm, seed=cfg.seed, precision=precision)
     else:
         state = update.first_state(params, buffers, hook, comm, seed=cfg.seed, precision=precision)
-    state = state._replace(
-        outer=init_outer_state(check_outer(OmegaConf.to_container(cfg.outer)), state.params, plan, hook)
-    )
+    outer = check_outer(OmegaConf.to_container(cfg.outer))
+    if outer.name != "none":  # the anchor of what each rank syncs: its params, or its group's slices of them
+        replica = update.replica()
+        state = state._replace(outer=init_outer_state(outer, replica.pieces(state.params), replica.plan, hook))
     return RunParts(model, data, plan, hook, optimizer, state, num_params, criterion, precision, update, metrics)
 
 
@@ -341,10 +354,42 @@ def tune_allocator_for(cfg: DictConfig) -> None:
     tune_allocator(sharded_params=stage_of(cfg).shards_params, bucket_bytes=int(cfg.trainer.bucket_cap_mb * 2**20))
 
 
+def node_size_of(cfg: DictConfig) -> int:
+    """The ranks of a node under ``world.hierarchical``: ``world.node_size``, or one launch's; 1 without it (a
+    world that shrinks loses whole nodes: ``fdp.procs.shrink.whole_groups``)."""
+    if not cfg.world.hierarchical:
+        return 1
+    return cfg.world.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world.nproc_per_node))
+
+
+def regrouped(cfg: DictConfig, parts: RunParts, comm: Comm) -> RunParts:
+    """``parts`` for the world of ``comm`` after it lost or gained whole nodes (``world.hierarchical``; a
+    collective): the hook across its nodes (stage 0), or the update over its groups (hybrid sharding). One node
+    left is a world of one group. Without ``world.hierarchical``, ``parts`` as they are."""
+    if not cfg.world.hierarchical:
+        return parts
+    node_size = node_size_of(cfg)
+    hook = build_hook(OmegaConf.to_container(cfg.hooks))
+    if not parts.update.rules.shards_optimizer:
+        nodes = check_node_size(comm.world_size, node_size, least=1)
+        return parts._replace(hook=hierarchical(hook, node_comms(node_size, 1, comm.watch), nodes))
+    update = zero.update_for(
+        parts.update.stage,
+        parts.optimizer,
+        parts.plan,
+        comm,
+        model=parts.model,
+        reshard_after_forward=cfg.trainer.reshard_after_forward,
+        gather_dtype=parts.precision.gather_dtype,
+        groups=zero.shard_groups(node_size, comm.watch, least=1),
+    )
+    return parts._replace(update=update)
+
+
 def _node_size(cfg: DictConfig, comm: Comm) -> int:
     """The processes of a node (``world.hierarchical``): ``world.node_size``, or one launch's; refused unless it
     splits the world into two or more nodes."""
-    node_size = cfg.world.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", cfg.world.nproc_per_node))
+    node_size = node_size_of(cfg)
     try:
         check_node_size(comm.world_size, node_size)
     except ValueError as error:

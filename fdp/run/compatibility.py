@@ -46,6 +46,7 @@ FEATURES = (
     _f("hooks=lowbit", "hooks=lowbit"),
     _f("outer=local_sgd", "outer=local_sgd"),
     _f("outer=diloco", "outer=diloco"),
+    _f("outer.overlap=1", "outer=diloco", "outer.overlap=1"),
     _f("on_rank_loss=shrink", "world.on_rank_loss=shrink"),
     _f("respawn", "world.on_rank_loss=shrink", "world.respawn=true"),
     _f("hierarchical", "world=local4", "world.hierarchical=true", "world.node_size=2"),

@@ -26,9 +26,9 @@ from fdp.procs.devices import MemoryPhase, batch_to_device
 from fdp.procs.grow import GrowingWorld
 from fdp.procs.interrupt import StopSignals
 from fdp.procs.launch import RankLostError
-from fdp.procs.shrink import Shrink, ShrinkingWorld
+from fdp.procs.shrink import Shrink, ShrinkingWorld, whole_groups
 from fdp.run import checkpoint
-from fdp.run.build import RunParts
+from fdp.run.build import RunParts, node_size_of, regrouped
 from fdp.run.callbacks import Callbacks
 from fdp.run.loop_controls import LoopControls
 from fdp.run.rejoin import heal
@@ -37,7 +37,7 @@ from fdp.run.rundir import RankStatus, RunDir
 from fdp.run.sharded_checkpoint import ShardedSaver, check_checkpoint_async
 from fdp.state.train_state import TrainState
 from fdp.step.outer import make_outer_step
-from fdp.step.outer_spec import check_outer
+from fdp.step.outer_spec import check_outer, join_boundaries
 from fdp.step.train_step import TrainStep, make_train_step
 from fdp.trace import Timeline
 from fdp.update import zero
@@ -125,10 +125,8 @@ class Loop:
         self.cfg, self.parts, self.timeline, self.device, self.last_step = cfg, parts, timeline, device, last_step
         self.compile, self.controls, self.phase, self.world = compile, controls, phase, world
         self.callbacks = callbacks or Callbacks(run_dir=".")
-        # A world grows at the boundary of an outer-loop period (between steps without one); never while a sync is in
-        # flight across steps (outer.overlap: 0, no growing).
-        outer = cfg.outer
-        self.period = 0 if outer.get("overlap", 0) else outer.get("sync_every", 1) if outer.name != "none" else 1
+        # A world grows at the boundary of an outer-loop period (between steps without one), where no sync is in flight.
+        self.boundaries = join_boundaries(check_outer(OmegaConf.to_container(cfg.outer)))
         self.state = self.before = state
         self.since = time.perf_counter()
         tc = cfg.trainer
@@ -143,6 +141,8 @@ class Loop:
         """The step function and this rank's batches for the world of ``comm``, from ``state`` on."""
         cfg = self.cfg
         self.comm = comm
+        if getattr(self, "train_step", None) is not None:  # the world changed: the old step leaves the model
+            self.train_step.abandon()
         self.train_step = make_step(
             cfg, self.parts, comm, self.timeline, self.compile, donate=cfg.world.on_rank_loss != "shrink"
         )
@@ -202,9 +202,8 @@ class Loop:
                 return interrupted
             if (
                 isinstance(self.world, GrowingWorld)
-                and self.period
                 and not controls.stopped
-                and self.world.due(state.step, self.period)
+                and self.world.due(state.step, *self.boundaries)
             ):
                 self.grow(report, stop)
         if controls.stopped and self.comm.rank == 0:
@@ -231,7 +230,8 @@ class Loop:
         self.train_step.settle()
         comm = world.admit()
         extra = {"controls": self.controls.payload(self.state.step), "compile": self.compile}
-        self.state, _ = heal(world, self.parts, self.state, comm, self.device, self.cfg.seed, extra)
+        parts, self.state, _ = heal(self.cfg, world, self.parts, self.state, comm, self.device, extra)
+        self.regroup(parts, report)
         self.before = self.state
         record = {
             "step": self.state.step,
@@ -245,8 +245,16 @@ class Loop:
             f"rank {', '.join(map(str, world.joined))} joined: going on from step {self.state.step} on "
             f"{comm.world_size} ranks ({record['seconds']:.1f} s)"
         )
-        self.join(comm)  # the order the joiner makes its groups in: the step's, then the stop flag's
+        # The order the joiner makes its groups in: max_time's (fdp.run.loop_controls), the step's, the stop flag's.
+        self.controls.join(comm)
+        self.join(comm)
         stop.rejoin(comm.world_size, comm.watch)
+
+    def regroup(self, parts: RunParts, report: Report) -> None:
+        """Go on with ``parts`` made for a new world (``fdp.run.build.regrouped``): the loop's, its report's and its
+        controls' (their evaluations and averages run on the update's groups)."""
+        self.parts = report.parts = parts
+        self.controls.shard = parts.update.comm
 
     def shrink(
         self, world: ShrinkingWorld, error: RuntimeError, run_dir: RunDir, report: Report, stop: StopSignals
@@ -257,12 +265,16 @@ class Loop:
             raise error
         world.report_broken()  # the others' collectives may wait on a live peer: they end now
         members = set(world.members)
-        comm = world.regroup(silent)
+        leaving = whole_groups(world.members, silent, node_size_of(self.cfg))  # a lost rank's node steps out whole
+        if world.me in leaving:
+            log.info(f"rank {world.me} steps out with its node: rank {', '.join(map(str, silent))} was lost")
+        comm = world.regroup(leaving)
         lost = tuple(sorted(members - set(world.members)))
         step = world.agree_on_step(self.state.step, comm)
         if self.state.step != step:  # this rank finished the step its peers dropped: back to the one before
             self.state = self.before
             self.controls.back()
+        self.regroup(regrouped(self.cfg, self.parts, comm), report)
         try:
             self.state = self.parts.update.reshard(self.state, tuple(sorted(members)), world.members, comm)
         except zero.LostSlices as lost_slices:
@@ -286,5 +298,6 @@ class Loop:
                 f"world.min_ranks={self.cfg.world.min_ranks}; the last checkpoint is step {step} "
                 "(continue with trainer.resume=true)"
             )
+        self.controls.join(comm)  # max_time's clock goes on in the smaller world
         stop.rejoin(comm.world_size, comm.watch)
         self.join(comm)

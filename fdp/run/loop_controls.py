@@ -17,7 +17,8 @@
 Both watch the evaluations during training, which score the validation split: the test split,
 scored once at the end, never selects a model (``fdp.data.splits``).
 * ``trainer.ema_decay``: a moving average of the params (``fdp.optim.ema``), evaluated as
-  ``ema_<metric>`` and saved whole in each checkpoint (``ema``).
+  ``ema_<metric>`` and saved whole in each checkpoint (``ema``). Under an outer loop it follows
+  the anchor, the params every rank agreed on at the last sync (``agreed_params``).
 
 What these decide with (the stopping counter, the best values so far, the training time,
 the average) is saved in every checkpoint (``loop``, ``ema``), so a resumed run goes on
@@ -126,7 +127,7 @@ minutes field is 99, not below 60
     return seconds
 
 
-def check_loop_settings(tc: Any, on_rank_loss: str = "stop", outer: str = "none") -> None:
+def check_loop_settings(tc: Any) -> None:
     """The settings of ``trainer`` (``tc``) this module uses, each refused in one line naming its key.
 
     >>> from fdp.run.config import compose
@@ -147,19 +148,7 @@ def check_loop_settings(tc: Any, on_rank_loss: str = "stop", outer: str = "none"
 
     check(tc.max_epochs >= 0, "max_epochs", tc.max_epochs, "an integer >= 0 (0: max_steps alone)")
     named("max_time", check_max_time, tc.max_time)
-    check(
-        not check_max_time(tc.max_time) or on_rank_loss != "shrink",
-        "max_time",
-        tc.max_time,
-        "0 with world.on_rank_loss=shrink (its clock is not carried to a new world)",
-    )
     named("ema_decay", check_ema_decay, tc.ema_decay)
-    check(
-        not tc.ema_decay or outer == "none",
-        "ema_decay",
-        tc.ema_decay,
-        f"0 with outer={outer} (its ranks' params differ between syncs: no one average to keep)",
-    )
     early = tc.early_stopping
     check(early.mode in MODES, "early_stopping.mode", early.mode, "auto, min or max")
     check(early.patience >= 0, "early_stopping.patience", early.patience, "an integer >= 0 (0: no early stopping)")
@@ -204,8 +193,16 @@ class Deadline:
 
     def __init__(self, limit_s: float, elapsed_s: float, comm: Comm):
         self.limit_s, self.before_s, self.started = limit_s, elapsed_s, time.perf_counter()
+        self._group, self._pending = None, None
+        self.join(comm)
+
+    def join(self, comm: Comm) -> None:
+        """Agree in the world of ``comm`` from now on (every rank calls it at the same point: a world that shrank or
+        grew makes its group where a joining rank makes it, before the step's). The clock goes on: a rank that
+        joins took the training time so far from the world's rank 0 (``LoopControls.payload``), and only the new
+        rank 0's clock decides. A verdict in flight in the old world is dropped: rank 0 raises it again."""
         self.rank, self._group, self._pending = comm.rank, None, None
-        if limit_s and comm.world_size > 1:
+        if self.limit_s and comm.world_size > 1:
             from fdp._torch import group_timeout
 
             ranks = dist.get_process_group_ranks(comm.group) if comm.group is not None else list(range(comm.world_size))
@@ -242,6 +239,17 @@ class Deadline:
 
 
 # -- the loop's controls ---------------------------------------------------------------------------
+def agreed_params(state: TrainState) -> dict:
+    """The params every rank holds alike, which the moving average follows: under an outer loop
+    (``fdp.step.outer``) its anchor, the params of each fragment's last sync (between syncs each rank's
+    own params differ); else the params.
+
+    >>> agreed_params(TrainState(0, {"w": torch.ones(1)}, {}, (), (), None))["w"].tolist()
+    [1.0]
+    """
+    return state.outer.anchor if state.outer else state.params
+
+
 class LoopControls:
     """Everything above for one rank's loop: call ``stepped`` after each step, ``evaluated`` after each
     evaluation, ``payload`` for each checkpoint (on every rank), ``keep_best`` with the file it wrote.
@@ -295,7 +303,7 @@ class LoopControls:
 
     def _resumed_average(self, saved: dict | None, state: TrainState) -> dict:
         if saved is None:  # a new run, or one that turns the average on when resumed
-            return self.ema.init(state.params)
+            return self.ema.init(agreed_params(state))
         if zero.params_sharded(state.params, self.plan):  # this rank's slices of the whole average
             whole = TrainState(0, saved, {}, (), (), state.rng)
             return self.ema.init(zero.shard_state(whole, self.plan, self.shard, stage=3).params)
@@ -312,10 +320,15 @@ class LoopControls:
     def stepped(self, state: TrainState) -> str | None:
         """After each step on every rank: update the average; why to stop now (max_time), or ``None``."""
         if self.ema is not None:
-            self._before, self.average = self.average, self.ema.update(self.average, state.params)
+            self._before, self.average = self.average, self.ema.update(self.average, agreed_params(state))
         if self.deadline.passed():
             return f"max_time={self.deadline_s:g} s reached after {self.deadline.elapsed_s():.1f} s of training"
         return None
+
+    def join(self, comm: Comm) -> None:
+        """Go on in the world of ``comm`` (one that shrank or grew: ``fdp.run.loop``), the training time with it."""
+        self.comm = comm
+        self.deadline.join(comm)
 
     def back(self) -> None:
         """Undo the last step's update of the average (the world went back to the step before: ``fdp.procs.shrink``)."""

@@ -11,10 +11,11 @@ import torch
 from omegaconf import DictConfig
 
 from fdp.comm import Comm
+from fdp.hooks.base import init_hook_states
 from fdp.procs.grow import GrowingWorld
 from fdp.procs.shrink import launched_world, shrink_store
-from fdp.run.build import RunParts
-from fdp.state.heal import fresh_rank_parts, share_state
+from fdp.run.build import RunParts, node_size_of, regrouped
+from fdp.state.heal import fresh_rank_parts, share_replicas, share_state
 from fdp.state.train_state import TrainState
 
 __all__ = ["Joining", "RunEnded", "enter_world", "heal"]
@@ -39,26 +40,38 @@ class Joining:
 
 
 def heal(
+    cfg: DictConfig,
     world: GrowingWorld,
     parts: RunParts,
     state: TrainState,
     comm: Comm,
     device: torch.device,
-    seed: int,
     extra: dict | None = None,
-) -> tuple[TrainState, dict]:
-    """Every rank of a world that grew: the joiners take the survivors' state (and ``extra``, rank 0's), with
-    their own per-rank parts; then the update splits it again over the larger world (ZeRO-1's slices)."""
-    state, extra = share_state(state, extra, comm, len(world.before), device)
+) -> tuple[RunParts, TrainState, dict]:
+    """Every rank of a world that grew: its parts for the larger world (``world.hierarchical``'s groups,
+    ``regrouped``); the joiners take the survivors' state (and ``extra``, rank 0's), with their own per-rank
+    parts; then the update splits it again over the larger world (ZeRO-1's slices). Under hybrid sharding each
+    joiner takes its replica's state (``share_replicas``) and starts its hook state afresh for its slices."""
+    parts = regrouped(cfg, parts, comm)
+    groups = getattr(parts.update, "groups", None)
+    if groups is None:
+        state, extra = share_state(state, extra, comm, len(world.before), device)
+    else:  # whole groups joined: the survivors' groups are replicas 0 .. before // node_size - 1
+        state, extra = share_replicas(
+            state, extra, groups.replicas, len(world.before) // groups.shard.world_size, device
+        )
     if world.me in world.joined:
-        state = fresh_rank_parts(state, parts.plan, seed, comm.rank)
-    return parts.update.reshard(state, world.before, world.members, comm), extra
+        state = fresh_rank_parts(state, parts.plan, cfg.seed, comm.rank, sharded=groups is not None)
+        if groups is not None:
+            state = state._replace(hook_state=init_hook_states(parts.update.reduction_hook(parts.hook), parts.plan))
+    return parts, parts.update.reshard(state, world.before, world.members, comm), extra
 
 
 def enter_world(
     cfg: DictConfig, joining: Joining, parts: RunParts, state: TrainState, device: torch.device
-) -> tuple[GrowingWorld, Comm, TrainState, dict]:
-    """A rank built alone, into the running world at its next boundary: the world, its comm, the healed state and
+) -> tuple[GrowingWorld, Comm, RunParts, TrainState, dict]:
+    """A rank built alone, into the running world at its next boundary: the world, its comm, its parts for that
+    world (``regrouped``), the healed state and
     what the loop takes from the world's rank 0 (``controls``: the loop's own state; ``compile``). ``RunEnded``
     when the run ended first."""
     w = cfg.world
@@ -69,10 +82,11 @@ def enter_world(
         w.timeout_s,
         w.min_ranks,
         max_ranks=w.max_ranks or launched_world(w.launcher).world_size,
+        group=node_size_of(cfg),
     )
     if world is None:
         raise RunEnded()
     joining.world = world
     comm = world.comm()
-    state, extra = heal(world, parts, state, comm, device, cfg.seed)
-    return world, comm, state, extra
+    parts, state, extra = heal(cfg, world, parts, state, comm, device)
+    return world, comm, parts, state, extra

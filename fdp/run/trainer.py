@@ -54,7 +54,7 @@ from fdp.procs.launch import (
 from fdp.procs.launchers import launcher_of
 from fdp.procs.shrink import ShrinkingWorld, check_shrinkable_batch, keep_rank, launched_world, shrink_store
 from fdp.run import checkpoint
-from fdp.run.build import RunParts, build_data, build_run, display_name, tune_allocator_for
+from fdp.run.build import RunParts, build_data, build_run, display_name, node_size_of, tune_allocator_for
 from fdp.run.callbacks import Callbacks, check_given
 from fdp.run.forecast import built_mib, first_use_mib
 from fdp.run.forecast_run import start_line
@@ -205,6 +205,7 @@ def _join_and_train(cfg: DictConfig, run_dir: str, callbacks: Sequence = ()) -> 
                 cfg.world.timeout_s,
                 cfg.world.min_ranks,
                 max_ranks=cfg.world.max_ranks,
+                group=node_size_of(cfg),
             )
         )
         comm = comm if joiner else world.comm()
@@ -284,7 +285,9 @@ def _start(
     try:
         check_global_batch(cfg.data.global_batch_size, world_size)  # under torchrun the world is known only here
         if world is not None:
-            check_shrinkable_batch(cfg.data.global_batch_size, world_size, cfg.world.min_ranks, tc.accum_steps)
+            check_shrinkable_batch(
+                cfg.data.global_batch_size, world_size, cfg.world.min_ranks, tc.accum_steps, node_size_of(cfg)
+            )
     except ValueError as error:
         raise ConfigError(str(error)) from None
     with phase("data"):
@@ -296,7 +299,7 @@ def _start(
     peak = PeakMemory(device)  # what the summary says the run held at most, over this (fdp.run.forecast's peak)
     fixed = first_use_mib() if device.type == "cpu" else 0.0
     with phase("build"):  # to the first step: what setting up the loop holds is the build's too
-        parts = build_run(cfg, comm, device, data)
+        parts = build_run(cfg, comm, device, data, alone=joiner)
         source = None if joiner else _resume_source(cfg, run_dir)
         state = _first_state(source, parts, comm)
         # The forecast's trace before the heap gives back what building left free: it costs the run nothing after.
@@ -305,7 +308,7 @@ def _start(
         release_free_memory()  # what building left free (the whole params, at ZeRO stages that shard them)
         resumed, compile = None, None
         if joiner:  # built alone: now into the running world, healed from its ranks (fdp.run.rejoin)
-            world, comm, state, extra = enter_world(cfg, world, parts, state, device)
+            world, comm, parts, state, extra = enter_world(cfg, world, parts, state, device)
             rank, world_size = comm.rank, comm.world_size
             resumed, compile = extra["controls"], extra["compile"]
             # Its own log's first line (rank<N>.log): it prints nothing else a rank other than 0 would not.

@@ -55,6 +55,7 @@ from fdp.update.zero import (
     check_hook_across_nodes,
     check_optimizer_for_stage,
     check_zero_stage,
+    refuses_outer,
     stage_rules,
 )
 
@@ -150,23 +151,16 @@ def _validate_trainer(cfg: Any) -> None:
         )
     hook = _as_config_key("hooks", build_hook, _container(cfg.hooks))
     _as_config_key("trainer.reduce_dtype", lambda value: check_reduce_dtype(value, t.precision, hook), t.reduce_dtype)
-    if t.zero_stage:  # combinations whose state does not shard (yet): refused, not silently unsharded
+    reason = refuses_outer(t.zero_stage, cfg.world.hierarchical) if cfg.outer.name != "none" else None
+    if reason:  # an outer loop syncs replicas: a hybrid world's groups
         _require(
-            cfg.outer.name == "none",
+            False,
             "trainer.zero_stage",
             t.zero_stage,
-            f"0 with outer={cfg.outer.name} (an outer loop keeps whole optimizer states)",
+            f"0 with outer={cfg.outer.name}, or world.hierarchical=true ({reason})",
         )
     if cfg.world.hierarchical and t.zero_stage:  # hybrid sharding: the chain reduces each rank's slice across nodes
         _as_config_key("hooks", lambda _: check_hook_across_nodes(hook), _container(cfg.hooks))
-    if cfg.world.hierarchical and not t.zero_stage:  # the hook is wrapped into one across nodes, in its own dtype
-        _require(
-            t.reduce_dtype == "float32",
-            "trainer.reduce_dtype",
-            t.reduce_dtype,
-            "float32 with world.hierarchical=true at trainer.zero_stage=0 (the hook then runs across nodes only, "
-            "on each node's float32 sum; hooks=bf16 sends bfloat16 across nodes)",
-        )
     refusal = stage_rules(t.zero_stage).refuses_compile()
     if refusal:
         _require(
@@ -179,7 +173,7 @@ def _validate_trainer(cfg: Any) -> None:
     _as_config_key("trainer.zero_stage", lambda stage: check_optimizer_for_stage(stage, optimizer), t.zero_stage)
     _as_config_key("trainer.loggers", lambda names: check_loggers(names, t.tensorboard), list(t.loggers))
     check_callbacks(_container(t.callbacks))
-    check_loop_settings(t, cfg.world.on_rank_loss, cfg.outer.name)
+    check_loop_settings(t)
     _as_config_key("outer", check_outer, _container(cfg.outer))
 
 
@@ -197,7 +191,7 @@ def _validate_world(cfg: Any) -> None:
     _require(w.min_ranks >= 1, "world.min_ranks", w.min_ranks, "an integer >= 1")
     if w.on_rank_loss == "shrink":
         _validate_shrink(cfg)
-    _validate_respawn(w, kind, cfg.outer)
+    _validate_respawn(w, kind)
     _require(d.global_batch_size >= 1, "data.global_batch_size", d.global_batch_size, "an integer >= 1")
     if kind.starts_ranks:  # there the world size is known only to the launched processes
         return
@@ -219,12 +213,14 @@ def _validate_world(cfg: Any) -> None:
         largest = _as_config_key("world.max_ranks", lambda most: check_max_ranks(most, world), w.max_ranks)
         _as_config_key(
             "data.global_batch_size",
-            lambda size: check_shrinkable_batch(size, largest, w.min_ranks, t.accum_steps),
+            lambda size: check_shrinkable_batch(
+                size, largest, w.min_ranks, t.accum_steps, (w.node_size or w.nproc_per_node) if w.hierarchical else 1
+            ),
             d.global_batch_size,
         )
 
 
-def _validate_respawn(w: Any, kind: Any, outer: Any) -> None:
+def _validate_respawn(w: Any, kind: Any) -> None:
     """A world that grows back (``fdp.procs.grow``): its settings, each refused in one line."""
     _require(w.max_ranks >= 0, "world.max_ranks", w.max_ranks, "an integer >= 0 (0: the starting size)")
     _require(w.respawn_delay_s >= 0, "world.respawn_delay_s", w.respawn_delay_s, "seconds >= 0")
@@ -248,13 +244,6 @@ def _validate_respawn(w: Any, kind: Any, outer: Any) -> None:
             w.respawn,
             "false under torchrun and SLURM (there the launcher or the job starts the replacement, with FDP_JOIN=1)",
         )
-        overlap = outer.get("overlap", 0) if outer.name != "none" else 0
-        _require(
-            not overlap,
-            "outer.overlap",
-            overlap,
-            "0 with world.respawn=true (a sync in flight would cross the boundary a rank joins at)",
-        )
 
 
 def _validate_shrink(cfg: Any) -> None:
@@ -263,14 +252,14 @@ def _validate_shrink(cfg: Any) -> None:
     _require(
         w.max_restarts == 0, "world.max_restarts", w.max_restarts, f"0 {why} (a lost rank shrinks the world instead)"
     )
+    # A hierarchical world loses whole nodes, each holding a replica of every slice (fdp.procs.shrink.whole_groups).
     keeping = [stage for stage in ZERO_STAGES if stage_rules(stage).refuses_mirror() is None]
     _require(
-        t.zero_stage in keeping,
+        t.zero_stage in keeping or w.hierarchical,
         "trainer.zero_stage",
         t.zero_stage,
-        f"{one_of(keeping)} {why} ({stage_rules(t.zero_stage).refuses_mirror()})",
+        f"{one_of(keeping)} {why} unless world.hierarchical=true ({stage_rules(t.zero_stage).refuses_mirror()})",
     )
-    _require(not w.hierarchical, "world.hierarchical", w.hierarchical, f"false {why} (the nodes are fixed)")
 
 
 def _validate_data_and_model(cfg: Any) -> None:

@@ -8,6 +8,11 @@ the loop needs beside the state), then each tensor comes from one survivor in tu
 a large state is sent by all of them, each sending a part (under an outer loop, where
 ranks differ between syncs, all of it from rank 0). Nothing is read from disk.
 
+Under hybrid sharding (``fdp.update.zero.hybrid``) the survivors' states differ (each holds its
+slices) and whole groups join (``fdp.procs.shrink.whole_groups``): ``share_replicas`` gives each
+joiner the state of its replica, the survivor at its place in the first group, over the
+replicas' group.
+
 What is per rank is not sent: the joiner's hook state starts empty as a fresh rank's
 does (error feedback), and its generators start from the seed as rank ``r``'s would
 (``fdp.state.replicas.rank_seed``). A ZeRO-1 state is split again afterwards by the
@@ -29,7 +34,7 @@ from fdp.procs.devices import seeded_cuda_rng
 from fdp.state.replicas import rank_seed
 from fdp.state.train_state import TrainState
 
-__all__ = ["PER_RANK", "fresh_rank_parts", "share_state"]
+__all__ = ["PER_RANK", "fresh_rank_parts", "share_replicas", "share_state"]
 
 PER_RANK = ("hook_state", "rng", "cuda_rng")  # never sent: each rank's own
 
@@ -85,12 +90,47 @@ def share_state(
     return state._replace(**tree_unflatten(leaves, spec)), extra
 
 
-def fresh_rank_parts(state: TrainState, plan: BucketPlan, seed: int, rank: int) -> TrainState:
+def share_replicas(
+    state: TrainState, extra: Any, replicas: Comm, senders: int, device: torch.device
+) -> tuple[TrainState, Any]:
+    """On every rank (a collective of each replicas' group ``replicas``: the ranks holding the same slices, one per
+    group, the survivors' groups first): the state and ``extra`` of replica 0 on the joiners (replicas ``senders``
+    and up; their own per-rank fields kept); the survivors' own on them.
+
+    >>> state = TrainState(3, {"w": torch.ones(2)}, {}, (), (), torch.empty(0))
+    >>> share_replicas(state, {"x": 1}, Comm(), 1, torch.device("cpu"))[1]
+    {'x': 1}
+    """
+    if replicas.world_size <= senders:
+        return state, extra
+    joining = replicas.rank >= senders
+    shared = {name: getattr(state, name) for name in TrainState._fields if name not in PER_RANK}
+    leaves, spec = tree_flatten(shared)
+    box: list[Any] = [(spec, [_Slot(t) if isinstance(t, torch.Tensor) else t for t in leaves], extra)]
+    dist.broadcast_object_list(box, group=replicas.group, group_src=0)
+    spec, skeleton, sent_extra = box[0]
+    if joining:
+        leaves = [
+            torch.empty(s.shape, dtype=s.dtype, device=device if s.on_device else "cpu") if isinstance(s, _Slot) else s
+            for s in skeleton
+        ]
+    # Replica 0 sends every tensor; the other survivors receive what they hold already (replicas are equal).
+    held = [t if joining or replicas.rank == 0 else t.clone() for t in leaves if isinstance(t, torch.Tensor)]
+    works = [dist.broadcast(t, group=replicas.group, group_src=0, async_op=True) for t in held]
+    for work in works:
+        wait_watched(work, replicas.watch)
+    if not joining:
+        return state, extra
+    return state._replace(**tree_unflatten(leaves, spec)), sent_extra
+
+
+def fresh_rank_parts(state: TrainState, plan: BucketPlan, seed: int, rank: int, sharded: bool = False) -> TrainState:
     """A joiner's ``state`` (sent whole, ``share_state``) with what a fresh rank ``rank`` starts with: its generators
-    from the seed, and its params laid out as the step takes them (one flat buffer per bucket where it does)."""
+    from the seed, and its params laid out as the step takes them (one flat buffer per bucket where it does; never
+    ``sharded`` ones, which keep ZeRO's layout)."""
     rng = torch.Generator().manual_seed(rank_seed(seed, rank)).get_state()
     params = state.params
-    if crosses_flat(plan):
+    if crosses_flat(plan) and not sharded:
         params = lay_out(plan, params)
     device = next(iter(params.values())).device if params else torch.device("cpu")
     return state._replace(params=params, rng=rng, cuda_rng=seeded_cuda_rng(rank_seed(seed, rank), device))

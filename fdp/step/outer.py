@@ -47,7 +47,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from fdp._torch import foreach
-from fdp.comm import Comm
+from fdp.comm import Alone, Comm
 from fdp.hooks import Hook, allreduce, init_hook_states
 from fdp.model.functional import Params
 from fdp.optim import GradientTransformation, apply_gradients, apply_updates, sgd
@@ -62,6 +62,7 @@ from fdp.step.outer_spec import (
     sending_fragment,
 )
 from fdp.step.train_step import TrainStep, make_train_step
+from fdp.update.replica import Replica
 
 
 class OuterState(NamedTuple):
@@ -122,18 +123,6 @@ def _fragment_names(plan: BucketPlan, spec: OuterSpec, anchor: Params) -> list[l
     return [[name for name in anchor if where[name] == f] for f in range(len(fragments))]
 
 
-class _Alone(Comm):
-    """A world of one inside a larger one: every collective completes at once, unsent."""
-
-    @property
-    def world_size(self) -> int:
-        return 1
-
-    @property
-    def rank(self) -> int:
-        return 0
-
-
 def make_outer_step(
     loss_fn: Callable,
     optimizer: GradientTransformation,
@@ -179,14 +168,22 @@ def make_outer_step(
         if spec.start_step
         else None
     )
-    # Each rank steps alone on its share of the global batch: its samples keep their global numbers.
+    # A replica steps alone between syncs (a rank, or a hybrid-sharded group with ZeRO's update inside it:
+    # fdp.update.replica), and syncs its pieces (the whole params, or the group's slices) with the other replicas.
+    update = step_options.get("update")
+    replica = update.replica() if update is not None else Replica(None, plan)
+    inner_options = step_options if replica.inner is None else {**step_options, "update": replica.inner}
+    # Each rank steps on its share of the global batch: its samples keep their global numbers.
     local = make_train_step(
-        loss_fn, optimizer, plan, allreduce(), _Alone(), donate=donate, **{"batch_rank": comm.rank, **step_options}
+        loss_fn, optimizer, plan, allreduce(), Alone(), donate=donate, **{"batch_rank": comm.rank, **inner_options}
     )
     local_hook_states = init_hook_states(allreduce(), plan)
     # A sync in flight across steps gets a group of its own: the collectives issued
     # meanwhile (a logged loss, a checkpoint's gather) then cannot cross its own.
-    sync = _Sync(plan, spec, hook, comm.on_own_group() if spec.overlap else comm, outer_optimizer(spec), donate)
+    sync_comm = replica.sync_comm(comm, bool(spec.overlap))
+    sync = _Sync(
+        replica.plan, spec, hook, sync_comm, outer_optimizer(spec), donate, replica.buffers_comm(comm, sync_comm)
+    )
     flight: tuple[Params, Reduction] | None = None  # the sync on the wire: (its OuterState.in_flight, reduction)
 
     def step(state: TrainState, batch: tuple) -> tuple[TrainState, dict]:
@@ -200,7 +197,8 @@ def make_outer_step(
             new_state, metrics = synced(state, batch)
             outer = state.outer
             if number == spec.start_step:  # per-step sync ends here: the outer loop starts from these params
-                outer = outer._replace(anchor={name: p.detach().clone() for name, p in new_state.params.items()})
+                pieces = replica.pieces(new_state.params)
+                outer = outer._replace(anchor={name: p.detach().clone() for name, p in pieces.items()})
             return new_state._replace(outer=outer), {**metrics, "synced": 1}
         # The local step keeps no chain state; the configured chain's state is kept for later.
         new_state, metrics = local(state._replace(hook_state=local_hook_states), batch)
@@ -208,6 +206,11 @@ def make_outer_step(
         t0, wait_s, sent, count, landed = time.perf_counter(), 0.0, 0, 0, 0
         ours = flight is not None and flight[0] is state.outer.in_flight
         landing = landing_fragment(spec, number) if spec.overlap else None
+        sending = sending_fragment(spec, number)
+        # A sync works on this rank's pieces of the params (under hybrid sharding, its slices: fdp.update.replica).
+        whole = new_state.params
+        if landing is not None or sending is not None:
+            new_state = new_state._replace(params=replica.pieces(whole))
         if landing is not None:
             # Sent `overlap` steps ago by this step function or, for a resumed (or
             # replayed) state, sent again now from the state: the same values either way.
@@ -216,7 +219,6 @@ def make_outer_step(
             flight, landed = None, 1
         elif ours:
             flight[1].poll()
-        sending = sending_fragment(spec, number)
         if sending is not None:
             if spec.overlap:
                 in_flight = sync.pseudo_gradient(sending, new_state.outer, new_state.params)
@@ -226,6 +228,10 @@ def make_outer_step(
                 reduction = sync.launch_from(sending, new_state.outer, new_state.params)
                 new_state, wait_s, sent, count = sync.land(sending, new_state, reduction, delayed=False)
                 landed = 1
+        if landed:
+            new_state = new_state._replace(params=replica.placed(whole, new_state.params, donate))
+        else:
+            new_state = new_state._replace(params=whole)
         # What the sync's own group sent this step: a sync sent, or the next round of one polled on.
         more_sent, more_count = sync.comm.take_counters() if spec.overlap else (0, 0)
         step_s = metrics["step_s"] + time.perf_counter() - t0
@@ -262,9 +268,17 @@ class _Sync:
     """Sends fragments' pseudo-gradients through the plan and hook chain, and steps the anchor with them."""
 
     def __init__(
-        self, plan: BucketPlan, spec: OuterSpec, hook: Hook, comm: Comm, outer_opt: GradientTransformation, donate: bool
+        self,
+        plan: BucketPlan,
+        spec: OuterSpec,
+        hook: Hook,
+        comm: Comm,
+        outer_opt: GradientTransformation,
+        donate: bool,
+        buffers_comm: Comm | None = None,
     ):
         self.hook, self.comm, self.outer_opt, self.donate, self.mix = hook, comm, outer_opt, donate, spec.mix
+        self.buffers_comm = buffers_comm or comm  # the ranks the buffers are averaged over
         flats = allocate(plan)  # scratch the reduction works in, refilled at every sync
         self.fragments = []
         for buckets in split_fragments(plan, spec.fragments):
@@ -369,9 +383,11 @@ class _Sync:
         for i, new in zip(part.buckets, reduction.hook_states):
             hook_state[i] = new
         t0 = time.perf_counter()
-        buffers = _averaged(state.buffers, self.comm)
+        buffers = _averaged(state.buffers, self.buffers_comm)
         wait_s = stats.wait_s + time.perf_counter() - t0
         sent, count = self.comm.take_counters()
+        if self.buffers_comm is not self.comm:
+            sent, count = (a + b for a, b in zip((sent, count), self.buffers_comm.take_counters()))
         new_outer = OuterState(anchor, opt_states, tuple(hook_state), outer.syncs + 1, outer.in_flight)
         new_state = state._replace(params=params, buffers=buffers, outer=new_outer)
         return new_state, wait_s, stats.bytes_sent + sent, stats.collectives + count

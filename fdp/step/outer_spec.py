@@ -20,6 +20,7 @@ __all__ = [
     "check_outer",
     "fragment_offsets",
     "is_sync_step",
+    "join_boundaries",
     "landing_fragment",
     "sending_fragment",
 ]
@@ -186,6 +187,23 @@ def is_sync_step(spec: OuterSpec, step: int) -> bool:
     [6, 10]
     """
     return sending_fragment(spec, step) is not None
+
+
+def join_boundaries(spec: OuterSpec) -> tuple[int, int]:
+    """``(period, phase)``: the steps ``s`` with ``s % period == phase``, after which a rank may join a world
+    (``fdp.procs.grow``). Under an outer loop, once a period: after the step the last fragment's sync lands on
+    (``overlap`` steps after its send; with fragments every other fragment's has landed by then too, as
+    ``overlap`` is shorter than the steps between fragment syncs), so no sync is ever in flight there: one sent
+    by the old world is the old world's average, which the new world cannot finish.
+
+    >>> join_boundaries(OuterSpec("diloco", 4, 0, 0.7, 0.9, True, 1, 1, "strided", None))
+    (4, 1)
+    >>> join_boundaries(OuterSpec("none", 1, 0, 1.0, 0.0, False, 0, 1, "strided", None))
+    (1, 0)
+    """
+    if spec.name == "none":
+        return 1, 0
+    return spec.sync_every, (spec.start_step + spec.overlap) % spec.sync_every
 
 
 def landing_fragment(spec: OuterSpec, step: int) -> int | None:

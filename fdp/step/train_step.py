@@ -155,15 +155,17 @@ class StepOptions(NamedTuple):
 
 
 class TrainStep(NamedTuple):
-    """``train_step(state, batch) -> (new_state, metrics)``, and ``settle()``.
+    """``train_step(state, batch) -> (new_state, metrics)``, ``settle()`` and ``abandon()``.
 
     ``settle()`` reads the last step's finiteness verdict where the step left it unread
     (on a GPU, so as not to stall the device) and raises if it was not finite: call it
-    before keeping a state for good (a checkpoint, the end of a run).
+    before keeping a state for good (a checkpoint, the end of a run). ``abandon()``: the step
+    is not run again (its world changed): what it left on the model (stage 3's gather hooks) goes.
     """
 
     run: Callable[[TrainState, Any], tuple[TrainState, dict]]
     settle: Callable[[], None]
+    abandon: Callable[[], None] = lambda: None
 
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict]:
         return self.run(state, batch)
@@ -309,7 +311,7 @@ def make_train_step(
             t0, computed, step_update, new_state, state.loss_scale, loss_scale, skipped, state_mib
         )
 
-    return TrainStep(train_step, verdicts.settle)
+    return TrainStep(train_step, verdicts.settle, update.gather.abandon)
 
 
 def _explain(number: int, step_update: Any) -> Callable[[bool], FloatingPointError]:

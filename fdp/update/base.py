@@ -48,6 +48,7 @@ from fdp.state.train_state import TrainState
 from fdp.trace import NullTimeline, Timeline
 from fdp.update.bucket_stats import bucket_norm, describe_bucket, finite_flag, global_norm
 from fdp.update.pieces import SliceRange, state_pieces
+from fdp.update.replica import Replica
 
 __all__ = [
     "STAGES",
@@ -71,8 +72,10 @@ class Stage(NamedTuple):
 
     >>> STAGES[3].refuses_compile()
     'ZeRO stage 3 gathers params in module hooks, which do not compile'
-    >>> STAGES[1].refuses_mirror() is None, STAGES[2].refuses_mirror()
-    (True, "ZeRO stage 2 keeps no whole reduced gradient to step a copy of the next rank's slices with")
+    >>> STAGES[1].refuses_mirror() is None
+    True
+    >>> STAGES[2].refuses_mirror()
+    "ZeRO stage 2 keeps no copy of the next rank's slices (a mirror: +33% state per rank, +17-50% bytes per step)"
     """
 
     number: int
@@ -102,10 +105,24 @@ class Stage(NamedTuple):
         return f"ZeRO stage {self.number} gathers params in module hooks, which do not compile"
 
     def refuses_mirror(self) -> str | None:
-        """Why this stage cannot keep the next rank's slices (``TrainState.mirror``), and so cannot lose a rank."""
+        """Why this stage keeps no copy of the next rank's slices (``TrainState.mirror``), and so cannot lose a rank
+        in a flat world (a hierarchical one keeps a replica of every slice in each other node instead).
+
+        Stage 1 steps the mirror from the whole reduced gradient it holds. Stages 2 and 3 hold only their slice
+        of it: a mirror would need the next rank's slice too and would hold its state, counted on 4 ranks of a
+        0.4M-param transformer under Adam (``benchmarks/results/zero_mirror.md``): +33% state per rank at stage 2,
+        +100% at stage 3 (the next rank's param slices too: stage 3's memory saving halved), +50% bytes per step
+        for one more reduce-scatter leg (+17% with each owner sending its reduced slice on; +25% at stage 3), and
+        the optimizer's work twice (+2.2% per step, ``results/shrink_overhead.md``), every step, to save a restart
+        from the last checkpoint when a rank is lost (a shrink loses 3.4x less time than a restart, the
+        fault-tolerance guide). The stages that shard for memory are refused the copy that would spend it."""
         if not self.scatters:  # stage 0 holds everything; stage 1 steps the mirror from its whole reduced gradient
             return None
-        return f"ZeRO stage {self.number} keeps no whole reduced gradient to step a copy of the next rank's slices with"
+        more = "+100%" if self.shards_params else "+33%"
+        return (
+            f"ZeRO stage {self.number} keeps no copy of the next rank's slices (a mirror: {more} state per rank, "
+            "+17-50% bytes per step)"
+        )
 
 
 STAGES = (
@@ -138,6 +155,9 @@ class NullGather:
         pass
 
     def stop(self) -> None:
+        pass
+
+    def abandon(self) -> None:
         pass
 
 
@@ -298,6 +318,10 @@ class Update(ABC):
         """The pieces of logical tensors in ``tree`` (parts of a state of this stage) that this rank writes to a
         sharded checkpoint, or (``reading``) reads into, filling ``tree`` in place (``fdp.update.pieces``)."""
         return state_pieces(tree, self.plan, comm.rank, comm.world_size, self.slice_range(comm), reading)
+
+    def replica(self) -> Replica:
+        """One replica of an outer loop under this update (``fdp.update.replica``): here every rank is one."""
+        return Replica(self, self.plan)
 
     def reshard(
         self, state: TrainState, old_members: tuple[int, ...], new_members: tuple[int, ...], comm: Comm

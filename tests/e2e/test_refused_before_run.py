@@ -86,11 +86,6 @@ CASES = [
         r"hooks 'powersgd' need the whole reduced bucket, which hybrid sharding \(world\.hierarchical=true with a "
         r"ZeRO stage\) splits over each node; expected hooks allreduce, fp16, bf16, topk, int8, lowbit, noop",
     ),
-    (
-        ["world=local2", "world.hierarchical=true", "trainer.precision=bf16-mixed", "trainer.reduce_dtype=bfloat16"],
-        r"trainer\.reduce_dtype='bfloat16': expected float32 with world\.hierarchical=true at trainer\.zero_stage=0 "
-        r"\(the hook then runs across nodes only, on each node's float32 sum; hooks=bf16 sends bfloat16 across nodes\)",
-    ),
 ]
 
 

@@ -68,3 +68,44 @@ def test_hierarchical_without_two_whole_nodes_is_refused_in_one_line(overrides, 
     with pytest.raises(ConfigError) as error:
         validate(compose(*overrides))
     assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+# -- trainer.reduce_dtype on the leg across nodes -----------------------------------------------------
+RUN = [
+    "model=mlp",
+    "model.hidden=16",
+    "data.global_batch_size=16",
+    "trainer.max_steps=3",
+    "trainer.eval_every=0",
+    "trainer.progress=false",
+    "trainer.precision=bf16-mixed",
+    "world=local4",
+    "world.backend=gloo",
+    "world.hierarchical=true",
+    "world.node_size=2",
+]
+
+
+def _final_params(run_dir):
+    from fdp.run.checkpoint import last_of
+
+    return torch.load(last_of(run_dir / "checkpoints"), weights_only=True)["params"]
+
+
+def test_reduce_dtype_bfloat16_sends_each_nodes_float32_sum_across_nodes_in_bfloat16_as_hooks_bf16(tmp_path):
+    """At stage 0 the hook runs across nodes on each node's float32 sum: ``reduce_dtype=bfloat16`` casts that sum
+    for the leg across nodes, which is what ``hooks=bf16`` does there; the float32 default differs."""
+    from fdp.run.trainer import run
+
+    runs = {
+        "reduce_dtype": ["trainer.reduce_dtype=bfloat16"],
+        "bf16_hook": ["hooks=bf16"],
+        "float32": [],
+    }
+    params = {}
+    for name, overrides in runs.items():
+        run(compose(*RUN, *overrides), tmp_path / name)
+        params[name] = _final_params(tmp_path / name)
+    for key in params["float32"]:
+        torch.testing.assert_close(params["reduce_dtype"][key], params["bf16_hook"][key], rtol=0, atol=0)
+    assert any(not torch.equal(params["reduce_dtype"][k], params["float32"][k]) for k in params["float32"])

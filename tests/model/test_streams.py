@@ -19,6 +19,7 @@ from fdp.run.config import compose
 from fdp.run.trainer import run
 from fdp.run.validate import validate
 from fdp.state.replicas import setup_state
+from fdp.update import zero
 
 SEED = 11
 
@@ -187,3 +188,22 @@ def test_sample_streams_settings_that_cannot_run_are_refused_in_one_line(overrid
     with pytest.raises(ConfigError) as error:
         validate(compose(*overrides))
     assert str(error.value).startswith(expected), str(error.value)
+
+
+def test_zero_stage_3s_recording_forward_leaves_the_steps_dropout_masks_alone():
+    """Stage 3 learns when to gather from one extra forward on its first step (and again in a world that changed):
+    it draws the samples' streams without taking them, so the step's masks are the samples' own, as at stage 0."""
+    data = load_stdlib_text(block_size=8, max_chars=4000)
+    batch = global_batch(data, 0, GLOBAL, 0)
+    trained = {}
+    for stage in (0, 3):
+        torch.manual_seed(0)
+        model, params, buffers = functionalize(CharTransformer(data.num_classes, 8, 16, 1, 2, dropout=0.3))
+        loss_fn = cross_entropy_loss(model)
+        plan = plan_buckets(planner_loss(loss_fn, buffers), params, batch)
+        update = zero.update_for(stage, adam(1e-3), plan, Comm(), model=model)
+        step = make_train_step(loss_fn, adam(1e-3), plan, comm=Comm(), update=update, model=model, sample_seed=SEED)
+        state, _ = step(update.first_state(params, buffers, None, Comm()), batch)
+        trained[stage] = zero.whole_params(state, plan, update.comm)
+    for name, value in trained[0].items():
+        torch.testing.assert_close(trained[3][name], value, rtol=0, atol=1e-6)

@@ -14,12 +14,15 @@ import threading
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 from _procs import alive
 from test_shrink import RUN, Signaller, assert_close_params, final_params, records
 
 from fdp.procs.grow import GrowingWorld, JoinRefused
+from fdp.run.checkpoint import last_of
 from fdp.run.config import ConfigError, compose
+from fdp.run.rundir import RankStatus
 from fdp.run.trainer import run
 from fdp.run.validate import validate
 
@@ -64,10 +67,14 @@ def reference(tmp_path_factory):
 
 
 def _lost_and_back(tmp_path_factory, rank):
-    run_dir = tmp_path_factory.mktemp(f"lost{rank}")
+    return _lost_and_back_with(tmp_path_factory.mktemp(f"lost{rank}"), rank, [*COMMON, *RESPAWN])
+
+
+def _lost_and_back_with(run_dir, rank, settings):
+    run_dir.mkdir(exist_ok=True)
     signaller = Signaller(run_dir, signal.SIGKILL, rank=rank, step=KILL_AT)
     try:
-        summary = run(compose(*COMMON, *RESPAWN), run_dir)
+        summary = run(compose(*settings), run_dir)
     finally:
         signaller.done()
     return {"dir": run_dir, "summary": summary, "victim": signaller.victim}
@@ -117,6 +124,52 @@ def test_rank_0_killed_rejoins_and_the_run_keeps_its_owner_and_summary(lost0, re
     lines = records(lost0["dir"])
     assert lines[-1]["summary"] and lines[-1]["grows"] == lost0["summary"]["grows"]
     assert [r["step"] for r in lines if "loss" in r and "step" in r][-1] == STEPS
+
+
+# DiLoCo whose syncs are sent after steps 4, 8, ... and land a step later (outer.overlap=1): no sync is in flight
+# after steps 1, 5, 9, ..., where a rank may join.
+OVERLAP = ["outer=diloco", "outer.sync_every=4", "outer.overlap=1"]
+
+
+def test_under_an_overlapped_outer_loop_a_rank_joins_after_a_sync_landed_as_a_run_resumed_there(tmp_path):
+    """The join waits for the boundary after a sync in flight has landed; the world then goes on as a run stopped
+    at the shrink's step, resumed on two ranks to the join's step and resumed on three (the joiner takes rank 0's
+    params, inner and outer states, as a rank new to a resumed world does)."""
+    settings = [*COMMON, *RESPAWN, *OVERLAP]
+    grown = _lost_and_back_with(tmp_path / "grown", 2, settings)
+    summary = grown["summary"]
+    (shrink,) = summary["shrinks"]
+    (grow,) = summary["grows"]
+    assert shrink["lost"] == [2] and grow["joined"] == [2] and summary["world"] == 3 and summary["steps"] == STEPS
+    assert grow["step"] % 4 == 1, grow  # a sync sent after step 4n landed after step 4n + 1
+    reference = tmp_path / "reference"
+    run(compose(*settings, f"trainer.stop_at={shrink['step']}"), reference)
+    run(
+        compose(*settings, "world.nproc_per_node=2", f"trainer.stop_at={grow['step']}", "trainer.resume=true"),
+        reference,
+    )
+    run(compose(*settings, "trainer.resume=true"), reference)
+    ours, theirs = [torch.load(last_of(d / "checkpoints"), weights_only=True) for d in (grown["dir"], reference)]
+    for rank in range(3):
+        assert_close_params(ours["ranks"][rank]["params"], theirs["ranks"][rank]["params"])
+
+
+def test_max_time_counts_the_training_time_across_a_shrink_and_a_join(tmp_path):
+    """The clock goes on through the shrink and the join: the run stops on three ranks at one step, its time spent,
+    the rank that joined having taken the training time so far from the world's rank 0."""
+    limit = 30
+    signaller = Signaller(tmp_path, signal.SIGKILL, rank=2, step=KILL_AT)
+    try:
+        settings = [o for o in COMMON if not o.startswith("trainer.max_steps")]
+        summary = run(compose(*settings, *RESPAWN, "trainer.max_steps=100000", f"trainer.max_time={limit}"), tmp_path)
+    finally:
+        signaller.done()
+    assert summary["stopped"] == "max_time" and summary["world"] == 3, summary
+    assert [s["lost"] for s in summary["shrinks"]] == [[2]] and [g["joined"] for g in summary["grows"]] == [[2]]
+    saved = torch.load(last_of(tmp_path / "checkpoints"), weights_only=True)
+    assert saved["step"] == summary["steps"] > summary["grows"][0]["step"]
+    assert limit <= saved["loop"]["elapsed_s"] < limit + 15, saved["loop"]
+    assert {RankStatus.read(tmp_path, rank)["step"] for rank in range(3)} == {summary["steps"]}
 
 
 # -- the admission, on a real store --------------------------------------------------------------------

@@ -103,10 +103,6 @@ def test_settings_are_refused_in_one_line_each():
         with pytest.raises(ConfigError) as error:
             validate(compose(override))
         assert str(error.value).startswith(message) and "\n" not in str(error.value), override
-    with pytest.raises(ConfigError, match=r"trainer.ema_decay=0.9: expected 0 with outer=diloco"):
-        validate(compose("trainer.ema_decay=0.9", "outer=diloco"))
-    with pytest.raises(ConfigError, match=r"trainer.max_time=60: expected 0 with world.on_rank_loss=shrink"):
-        validate(compose("trainer.max_time=60", "world=local2", "world.on_rank_loss=shrink"))
     with pytest.raises(ConfigError, match=r"early_stopping.patience=3: expected 0 with trainer.eval_every=0"):
         validate(compose("trainer.early_stopping.patience=3", "trainer.eval_every=0"))
 
@@ -293,3 +289,39 @@ def test_early_stopping_counts_every_evaluation_whatever_log_every_is(tmp_path):
     assert summary["steps"] == 16 and summary["stopped"] == "early_stopping"
     assert [r["step"] for r in read_metrics(tmp_path)[0] if "val_loss" in r] == [8, 16]
     assert (tmp_path / "train.log").read_text().count("early stopping: val_loss has not improved") == 1
+
+
+# -- the average under an outer loop: of the anchors, the params every rank agreed on --------------------
+def test_under_an_outer_loop_the_average_follows_the_anchor_every_rank_agreed_on(tmp_path):
+    """Local SGD on two ranks, syncing every 2 steps: between syncs each rank's params are its own, the anchor (the
+    params of the last sync) is every rank's; the saved average is the moving average of the anchors, by hand."""
+    decay, steps = 0.5, 6
+    run(
+        compose(
+            *SMALL,
+            "world=local2",
+            "world.backend=gloo",
+            f"trainer.max_steps={steps}",
+            "trainer.eval_every=0",
+            "trainer.checkpoint_every=1",
+            f"trainer.keep_checkpoints={steps}",
+            f"trainer.ema_decay={decay}",
+            "outer=local_sgd",
+            "outer.sync_every=2",
+        ),
+        tmp_path,
+    )
+    saved = [checkpoint(tmp_path, f"step_{step:08d}.pt") for step in range(1, steps + 1)]
+    names = list(saved[0]["params"])
+    # The outer state's leaves begin with the anchor, in the params' order; rank 0's and rank 1's alike.
+    anchors = [dict(zip(names, ck["ranks"][0]["outer"][: len(names)])) for ck in saved]
+    assert all(
+        max_diff(dict(zip(names, ck["ranks"][1]["outer"][: len(names)])), a) == 0 for ck, a in zip(saved, anchors)
+    )
+    assert max_diff(anchors[1], saved[1]["ranks"][0]["params"]) == 0  # a sync (step 2): every rank at the anchor
+    assert max_diff(saved[0]["ranks"][0]["params"], saved[0]["ranks"][1]["params"]) > 0  # step 1: ranks apart
+    average = dict(anchors[0])  # the anchor before the first sync: the params the run started from
+    for ck, anchor in zip(saved, anchors):
+        average = {n: decay * average[n] + (1 - decay) * anchor[n] for n in names}
+        assert max_diff(ck["ema"], average) <= 1e-6, ck["step"]
+    assert max_diff(saved[-1]["ema"], anchors[-1]) > 1e-3  # an average, not the last anchor

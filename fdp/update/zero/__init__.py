@@ -21,7 +21,8 @@ the number, how the state starts, what a checkpoint holds (the whole state,
 shrink, stage 1 also keeps the next rank's slices of the optimizer state
 (``TrainState.mirror``), and ``reshard_survivors`` splits the state again over the ranks
 left (``fdp.update.zero.mirror``). With ``world.hierarchical`` the state is sharded inside each
-node's group and replicated across the nodes (hybrid sharding, ``fdp.update.zero.hybrid``).
+node's group and replicated across the nodes (hybrid sharding, ``fdp.update.zero.hybrid``); an outer loop
+then syncs the groups as its replicas, slice to slice (``fdp.update.zero.replicas``).
 What each stage accepts is stated once, in ``fdp.update.base.STAGES``.
 
 >>> check_zero_stage(1)
@@ -49,7 +50,14 @@ from fdp.update.zero.convert import (
     unsharded_template,
     whole_params,
 )
-from fdp.update.zero.hybrid import ShardGroups, across_replicas, check_hook_across_nodes, shard_groups
+from fdp.update.zero.hybrid import (
+    ShardGroups,
+    across_replicas,
+    check_hook_across_nodes,
+    refuses_outer,
+    shard_groups,
+    slice_plan,
+)
 from fdp.update.zero.layout import padded_slice, shard_key, shard_range
 from fdp.update.zero.mirror import LostSlices, reshard_survivors
 from fdp.update.zero.params import ParamShardedUpdate
@@ -83,6 +91,8 @@ __all__ = [
     "shard_groups",
     "across_replicas",
     "check_hook_across_nodes",
+    "refuses_outer",
+    "slice_plan",
 ]
 
 ZERO_STAGES = tuple(stage.number for stage in STAGES)

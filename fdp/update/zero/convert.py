@@ -45,6 +45,9 @@ __all__ = [
     "is_sharded",
     "params_sharded",
     "mirrors",
+    "gather_outer",
+    "shard_outer",
+    "outer_template",
 ]
 
 
@@ -79,11 +82,77 @@ def params_sharded(params: Params, plan: BucketPlan) -> bool:
 
 
 def _slices(named: dict, plan: BucketPlan, rank: int, world: int) -> dict:
-    """This rank's slice of every bucket of the whole tensors ``named``, each with storage of its own."""
+    """This rank's slice of every bucket of the whole tensors ``named`` (of the buckets they fill), each with storage
+    of its own."""
     return {
         shard_key(b.index): padded_flat(b, world, named)[slice(*shard_range(b, rank, world))].clone()
         for b in plan.buckets
+        if b.names[0] in named
     }
+
+
+def _map_dicts(tree: Any, match: Callable[[dict], bool], fn: Callable[[dict], Any]) -> Any:
+    """``tree`` with every non-empty dict that ``match``es replaced by ``fn(dict)``."""
+    if isinstance(tree, dict) and tree and match(tree):
+        return fn(tree)
+    if isinstance(tree, dict):
+        return {key: _map_dicts(value, match, fn) for key, value in tree.items()}
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return type(tree)(*(_map_dicts(member, match, fn) for member in tree))
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_map_dicts(member, match, fn) for member in tree)
+    return tree
+
+
+def _by_buckets(plan: BucketPlan) -> Callable[[dict], bool]:
+    """Whether a dict is keyed by slices of some of ``plan``'s buckets (an outer loop's anchor, moments, fragments)."""
+    keys = frozenset(shard_keys(plan))
+    return lambda tree: set(tree) <= keys
+
+
+def _by_names(plan: BucketPlan) -> Callable[[dict], bool]:
+    """Whether a dict is keyed by the params of whole buckets of ``plan``."""
+    names = frozenset(plan.names)
+    return lambda tree: set(tree) <= names
+
+
+def _names_of(sharded: dict, plan: BucketPlan, order: list[str] | None) -> list[str]:
+    """The params of the buckets whose slices ``sharded`` holds, in ``order`` (by default the plan's)."""
+    names = {name for b in plan.buckets if shard_key(b.index) in sharded for name in b.names}
+    return [name for name in order or plan.names if name in names]
+
+
+def gather_outer(outer: Any, plan: BucketPlan, comm: Comm, order: list[str] | None = None) -> Any:
+    """An outer loop's state over hybrid-sharded replicas (``fdp.update.zero.replicas``: anchor, outer moments and a
+    sync in flight, held by slice) whole, keyed by param as a replica of whole params keeps it; every rank of the group
+    ``comm`` receives it (a collective). ``order``: the params' order in the model, in which a replica of whole
+    params (stage 0) keeps them, so that its checkpoint's outer state and this one read alike.
+
+    >>> from fdp.plan import pack_into_buckets
+    >>> plan = pack_into_buckets([("w", (3,), "float32", "cpu")])
+    >>> whole = gather_outer(({"bucket0": torch.arange(3.0)}, 2), plan, Comm())
+    >>> whole, shard_outer(whole, plan, Comm())[0]["bucket0"].tolist()
+    (({'w': tensor([0., 1., 2.])}, 2), [0.0, 1.0, 2.0])
+    """
+    return _map_dicts(
+        outer, _by_buckets(plan), lambda sharded: _whole(sharded, plan, comm, _names_of(sharded, plan, order))
+    )
+
+
+def shard_outer(outer: Any, plan: BucketPlan, comm: Comm) -> Any:
+    """``gather_outer``'s whole outer state as this rank's slices of it in the group ``comm``."""
+    return _map_dicts(outer, _by_names(plan), lambda named: _slices(named, plan, comm.rank, comm.world_size))
+
+
+def outer_template(outer: Any, plan: BucketPlan, order: list[str] | None = None) -> Any:
+    """A state of ``gather_outer``'s structure for ``outer`` (held by slice), to restore a checkpoint into: empty
+    placeholders keyed by param (in ``order``), on the slices' device."""
+
+    def placeholders(sharded: dict) -> dict:
+        first = next(iter(sharded.values()))
+        return {name: first.new_empty(0) for name in _names_of(sharded, plan, order)}
+
+    return _map_dicts(outer, _by_buckets(plan), placeholders)
 
 
 def _mirrored(comm: Comm) -> int:
@@ -176,7 +245,9 @@ def _whole(
     """
     named: dict[str, torch.Tensor] = {}
     for bucket in plan.buckets:
-        piece = sharded[shard_key(bucket.index)]
+        piece = sharded.get(shard_key(bucket.index))
+        if piece is None:  # a part of the buckets (an outer loop's fragment): the others are not asked for
+            continue
         if to is None:
             full = comm.allgather(piece).wait().reshape(-1)
         else:

@@ -43,6 +43,7 @@ from fdp._torch import TorchDispatchMode, disable_functorch, storage_id, tree_fl
 from fdp.comm import Comm, Pending
 from fdp.model.functional import FunctionalModel
 from fdp.model.remat import recomputing
+from fdp.model.streams import rehearsal
 from fdp.plan import BucketPlan
 from fdp.plan.buckets import allocate_released, regrow, release, slot_views
 from fdp.trace import NullTimeline, Timeline
@@ -169,6 +170,13 @@ class ParamGather:
             self._release(index, force=True)
         self._active, self._shards = False, {}
 
+    def abandon(self) -> None:
+        """Leave the model for good, what is on the wire not waited for: a world that lost a rank mid-step goes on
+        with another gather (its group may be gone), and this one's hooks would gather again in its forwards."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self._pending, self._active, self._shards = [], {}, False, {}
+
     def wrap_loss(self, loss_fn: Callable) -> Callable:
         """``loss_fn`` run with its params gathered as the schedule says (learnt on its first call)."""
 
@@ -186,7 +194,8 @@ class ParamGather:
         self._first, self._last = first, last
         self._new_forward()
         devices = [torch.device(f.device) for f in self.flats if torch.device(f.device).type == "cuda"][:1]
-        with torch.no_grad(), torch.random.fork_rng(devices=devices), _Recorder(self):
+        # Beside the step's forward: the samples' streams (fdp.model.streams) are drawn, not taken.
+        with torch.no_grad(), torch.random.fork_rng(devices=devices), rehearsal(), _Recorder(self):
             loss_fn(*args, **kwargs)
         for index in range(len(self.flats)):
             self._release(index, force=True)

@@ -34,7 +34,16 @@ from fdp.plan import Bucket, BucketPlan, ParamSlot
 from fdp.update.zero.layout import shard_key, shard_numel
 from fdp.update.zero.scatter import ScatterComm
 
-__all__ = ["ShardGroups", "shard_groups", "slice_bucket", "across_replicas", "check_hook_across_nodes"]
+__all__ = [
+    "ShardGroups",
+    "shard_groups",
+    "replica_group",
+    "refuses_outer",
+    "slice_bucket",
+    "slice_plan",
+    "across_replicas",
+    "check_hook_across_nodes",
+]
 
 
 class ShardGroups(NamedTuple):
@@ -45,24 +54,53 @@ class ShardGroups(NamedTuple):
     replicas: Comm
 
 
-def shard_groups(node_size: int, watch=None) -> ShardGroups:
+def shard_groups(node_size: int, watch=None, least: int = 2) -> ShardGroups:
     """Make the groups of hybrid sharding over the world (every rank must call it, in the same order).
 
-    ``node_size`` must split the world into two or more groups (``check_node_size``); ``watch``
+    ``node_size`` must split the world into ``least`` or more groups (``check_node_size``; one is
+    enough for a world that lost the others, ``fdp.procs.shrink.whole_groups``); ``watch``
     is asked while their collectives wait (``fdp.comm.wait_watched``).
     """
     world, rank = dist.get_world_size(), dist.get_rank()
-    groups = check_node_size(world, node_size)
-    shard = replicas = None
+    check_node_size(world, node_size, least)
+    shard = None
     for first in range(0, world, node_size):  # new_group is collective: every rank makes every group
         group = new_group(list(range(first, first + node_size)))
         if first <= rank < first + node_size:
             shard = group
-    for offset in range(node_size):
-        group = new_group([offset + n * node_size for n in range(groups)])
+    return ShardGroups(Comm(shard, watch=watch), replica_group(node_size, watch))
+
+
+def replica_group(node_size: int, watch=None) -> Comm:
+    """This rank's replicas under hybrid sharding (ranks ``r % node_size``, ``+ node_size``, ...), on a process group
+    made now: every rank must call it, in the same order (each call makes new groups)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    replicas = None
+    for offset in range(node_size):  # new_group is collective: every rank makes every group
+        group = new_group([offset + n * node_size for n in range(world // node_size)])
         if rank % node_size == offset:
             replicas = group
-    return ShardGroups(Comm(shard, watch=watch), Comm(replicas, watch=watch))
+    return Comm(replicas, watch=watch)
+
+
+def refuses_outer(stage: int, hierarchical: bool) -> str | None:
+    """Why an outer loop (``outer=local_sgd|diloco``) cannot run over ZeRO stage ``stage``, or ``None``.
+
+    An outer loop syncs replicas that step apart between syncs. Under hybrid sharding each group is one
+    (``fdp.update.zero.replicas``); a flat ZeRO world is a single replica whose every step already reduces over
+    every rank: there is no other replica to sync with and no traffic between syncs to save.
+
+    >>> refuses_outer(3, hierarchical=True) is None, refuses_outer(0, hierarchical=False) is None
+    (True, True)
+    >>> refuses_outer(2, hierarchical=False).startswith("a flat ZeRO world is one replica")
+    True
+    """
+    if not stage or hierarchical:
+        return None
+    return (
+        "a flat ZeRO world is one replica, whose every step reduces over all ranks: an outer loop would have no "
+        "other replica to sync with; world.hierarchical=true makes each node's group of world.node_size ranks one"
+    )
 
 
 def slice_bucket(bucket: Bucket, shards: int) -> Bucket:
@@ -72,6 +110,17 @@ def slice_bucket(bucket: Bucket, shards: int) -> Bucket:
     return Bucket(
         bucket.index, bucket.dtype, bucket.device, (ParamSlot(shard_key(bucket.index), (size,), 0, size),), size
     )
+
+
+def slice_plan(plan: BucketPlan, shards: int) -> BucketPlan:
+    """One rank's slices of every bucket of ``plan`` among ``shards``, as a plan of their own (``slice_bucket``): what
+    an outer loop over hybrid-sharded replicas syncs (``fdp.update.zero.replicas``).
+
+    >>> from fdp.plan import pack_into_buckets
+    >>> slice_plan(pack_into_buckets([("w", (5,), "float32", "cpu")]), 2).names
+    ('bucket0',)
+    """
+    return BucketPlan([slice_bucket(b, shards) for b in plan.buckets], plan.bucket_cap_mb, plan.first_bucket_cap_mb)
 
 
 def check_hook_across_nodes(hook: Hook) -> None:

@@ -5,12 +5,16 @@ compared, rank 0's params and buffers taken), then sharded for the stage without
 building the whole optimizer state (``fdp.update.zero.convert.init_state``). A checkpoint holds
 the whole state, gathered to rank 0 (``gather_state``), so that any stage and world size
 resumes it (``shard_state``). After ranks were lost only stage 1, whose ranks each keep
-the next rank's slices (``mirror``), can go on (``fdp.update.zero.mirror``).
+the next rank's slices (``mirror``), can go on (``fdp.update.zero.mirror``), or, at every
+stage, a hybrid world, whose groups leave whole (``fdp.procs.shrink.whole_groups``): each group
+left holds every slice already.
 
 With ``groups`` (hybrid sharding, ``fdp.update.zero.hybrid``) the state is split over this
 rank's group, not the world: ``comm`` is the group's, the reduction hands each rank its slice
 at every stage (``across_replicas``), a whole-file checkpoint is gathered inside group 0 and
-a sharded one has its slices written by group 0 alone (every group holds the same ones).
+a sharded one has its slices written by group 0 alone (every group holds the same ones). Under an outer loop the
+groups step apart between syncs (``fdp.update.zero.replicas``): every group gathers its whole state, outer state
+included (``gather_outer``), and each rank saves its group's, as each rank of a stage-0 outer loop saves its own.
 """
 
 from __future__ import annotations
@@ -27,11 +31,22 @@ from fdp.state.train_state import TrainState
 from fdp.trace import NullTimeline, Timeline
 from fdp.update.base import Update
 from fdp.update.pieces import SliceRange, state_pieces
-from fdp.update.zero.convert import gather_state, init_state, shard_state, unsharded_template
+from fdp.update.replica import Replica
+from fdp.update.zero.convert import (
+    gather_outer,
+    gather_state,
+    init_state,
+    outer_template,
+    params_sharded,
+    shard_outer,
+    shard_state,
+    unsharded_template,
+)
 from fdp.update.zero.decay import sliced_optimizer
-from fdp.update.zero.hybrid import ShardGroups, across_replicas
+from fdp.update.zero.hybrid import ShardGroups, across_replicas, refuses_outer
 from fdp.update.zero.layout import shard_range
 from fdp.update.zero.mirror import reshard_survivors
+from fdp.update.zero.replicas import SliceReplica
 
 __all__ = ["SlicedUpdate"]
 
@@ -99,15 +114,29 @@ class SlicedUpdate(Update):
         )
 
     def to_checkpoint(self, state: TrainState, comm: Comm) -> TrainState:
+        shard = self._shard_comm(comm)
+        if state.outer:  # replicas step apart between syncs: each rank saves its group's whole state (as stage 0's)
+            whole = gather_state(state, self.plan, shard)
+            return whole._replace(outer=gather_outer(state.outer, self.plan, shard, self._model_order(state)))
         if self.groups is not None and self.groups.replicas.rank != 0:
             return state  # group 0 holds every slice as well: only it gathers, to world rank 0
-        return gather_state(state, self.plan, self._shard_comm(comm), to=0)
+        return gather_state(state, self.plan, shard, to=0)
 
     def checkpoint_template(self, state: TrainState) -> TrainState:
-        return unsharded_template(state, self.optimizer, self.plan)
+        template = unsharded_template(state, self.optimizer, self.plan)
+        return template._replace(outer=outer_template(state.outer, self.plan, self._model_order(state)))
+
+    def _model_order(self, state: TrainState) -> list[str]:
+        """The params in the model's order, a stage-0 state's (the params' own, or at stage 3 the model's)."""
+        if not params_sharded(state.params, self.plan):
+            return list(state.params)
+        model = getattr(self, "model", None)
+        return [name for name, _ in model.module.named_parameters()] if model is not None else list(self.plan.names)
 
     def from_checkpoint(self, whole: TrainState, comm: Comm) -> TrainState:
-        return shard_state(whole, self.plan, self._shard_comm(comm), self.stage, mirror=self.mirror)
+        shard = self._shard_comm(comm)
+        state = shard_state(whole, self.plan, shard, self.stage, mirror=self.mirror)
+        return state._replace(outer=shard_outer(whole.outer, self.plan, shard))
 
     def slice_range(self, comm: Comm) -> SliceRange:
         buckets, shard = self.plan.buckets, self._shard_comm(comm)
@@ -119,9 +148,20 @@ class SlicedUpdate(Update):
         # Another group's slices are group 0's: written once, by it. Whole tensors are split over the world.
         return state_pieces(tree, self.plan, comm.rank, comm.world_size, lambda index: (0, 0))
 
+    def replica(self) -> Replica:
+        """One group of a hybrid world (``fdp.update.zero.replicas``); a flat world is refused (``refuses_outer``)."""
+        reason = refuses_outer(self.stage, self.groups is not None)
+        if reason:
+            raise ValueError(
+                f"zero_stage={self.stage}: expected world.hierarchical=true under an outer loop ({reason})"
+            )
+        return SliceReplica(self)
+
     def reshard(
         self, state: TrainState, old_members: tuple[int, ...], new_members: tuple[int, ...], comm: Comm
     ) -> TrainState:
+        if self.groups is not None:  # whole groups left or joined (fdp.procs.shrink.whole_groups): the same slices
+            return state
         reason = self.rules.refuses_mirror()
         if reason:
             raise ValueError(f"zero_stage={self.stage}: cannot go on without a lost rank ({reason})")
