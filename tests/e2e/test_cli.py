@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -112,14 +111,7 @@ def test_a_mistake_is_one_error_line_with_exit_status_2_and_no_run_directory(ref
 def test_hydra_full_error_still_gives_hydras_own_report(tmp_path):
     """Hydra's documented switch: with HYDRA_FULL_ERROR=1 the user gets the full trace."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "recipes" / "train.py"), "trainer.max_stpes=5"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = _recipe.run([sys.executable, str(ROOT / "recipes" / "train.py"), "trainer.max_stpes=5"], env, tmp_path, 120)
     assert proc.returncode == 1 and "Traceback" in proc.stderr and "ConfigCompositionException" in proc.stderr
 
 

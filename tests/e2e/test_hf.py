@@ -160,7 +160,6 @@ def test_llama_and_bert_train_like_torch_on_the_same_padded_batches(name, shift)
 
 # -- through the recipe: examples/hf_text, dict batches from Hugging Face's collator -----------------
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-CONF = str(Path(__file__).resolve().parents[2] / "conf")
 # Shorter than the README's run, and without dropout (each rank draws its own masks).
 SHORT = [
     "trainer.max_steps=8",
@@ -177,16 +176,11 @@ SHORT = [
 
 def _in_process(run_dir, *overrides):
     """The README's command minus its world, run in this process (one rank)."""
-    from hydra import compose, initialize_config_dir
-
-    from fdp.run.config import register_configs
+    from fdp.run.config import compose
     from fdp.run.trainer import run
 
-    register_configs()
     args = [a for a in example_command("hf_text") if not a.startswith("world=")]
-    with initialize_config_dir(config_dir=CONF, version_base=None):
-        cfg = compose("config", overrides=["trainer.progress=false", *args, *SHORT, *overrides])
-    return run(cfg, run_dir)
+    return run(compose("trainer.progress=false", *args, *SHORT, *overrides), run_dir)
 
 
 def _params(run_dir):

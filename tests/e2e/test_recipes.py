@@ -10,11 +10,10 @@ import _recipe
 import pytest
 from _examples import train_example
 from _recipe import recipe
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from fdp.run.checkpoint import last_of
-from fdp.run.config import SCHEMAS, register_configs
+from fdp.run.config import SCHEMAS, compose, register_configs
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
@@ -29,8 +28,7 @@ def group_options():
 
 @pytest.mark.parametrize("group,option", list(group_options()))
 def test_every_config_composes_against_its_schema(group, option):
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        cfg = compose("config", overrides=[f"{group}={option}"])
+    cfg = compose(f"{group}={option}")
     node = cfg[group]
     if group in SCHEMAS and group != "world":
         assert node.name in SCHEMAS[group]

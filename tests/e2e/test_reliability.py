@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 from _paths import pythonpath_first
 from _procs import alive
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
@@ -40,13 +39,13 @@ from fdp.plan import plan_buckets
 from fdp.procs.launch import RankLostError, WorkerFailedError, WorldLayout, init_distributed, loopback_interface, spawn
 from fdp.run import checkpoint
 from fdp.run.config import ConfigError, register_configs
+from fdp.run.config import compose as make_cfg
 from fdp.run.rundir import RankStatus
 from fdp.run.trainer import run, train_worker
 from fdp.run.validate import validate
 from fdp.run.world import layout_of
 
 ROOT = Path(__file__).resolve().parents[2]
-CONF = str(ROOT / "conf")
 register_configs()
 
 TINY = ["model.hidden=16", "data.global_batch_size=16", "trainer.eval_every=0", "trainer.progress=false"]
@@ -72,11 +71,6 @@ REFERENCE = [
     f"trainer.max_steps={STEPS}",
     f"trainer.checkpoint_every={EVERY}",
 ]
-
-
-def make_cfg(*overrides):
-    with initialize_config_dir(config_dir=CONF, version_base=None):
-        return compose("config", overrides=list(overrides))
 
 
 def final_params(run_dir):

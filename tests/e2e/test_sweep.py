@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _recipe
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model.hidden=8", "trainer.max_steps=2", "trainer.eval_batches=1", "trainer.progress=false"]
 
@@ -15,14 +17,8 @@ TINY = ["model.hidden=8", "trainer.max_steps=2", "trainer.eval_batches=1", "trai
 def _sweep(cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("HYDRA_FULL_ERROR", None)
-    return subprocess.run(
-        [sys.executable, str(ROOT / "recipes" / "train.py"), "-m", *overrides, *TINY],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    # Forked from the preloaded server (tests/_recipe.py): a sweep's own start-up is mostly the imports.
+    return _recipe.run([sys.executable, str(ROOT / "recipes" / "train.py"), "-m", *overrides, *TINY], env, cwd)
 
 
 def test_a_sweep_with_a_job_that_would_be_refused_runs_no_job(tmp_path):

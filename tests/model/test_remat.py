@@ -137,19 +137,8 @@ def test_select_modes_and_refusals():
 
 
 def test_the_config_settings_are_checked_before_anything_runs():
-    from pathlib import Path
-
-    from hydra import compose, initialize_config_dir
-
-    from fdp.run.config import register_configs
+    from fdp.run.config import compose as cfg
     from fdp.run.validate import validate
-
-    register_configs()
-
-    def cfg(*overrides):
-        conf = str(Path(__file__).resolve().parents[2] / "conf")
-        with initialize_config_dir(config_dir=conf, version_base=None):
-            return compose("config", overrides=list(overrides))
 
     with pytest.raises(ConfigError, match=r"^trainer.activation_checkpointing=.all.: expected none, blocks or every_k"):
         validate(cfg("trainer.activation_checkpointing=all"))

@@ -1,10 +1,11 @@
 """Device selection (``world.accelerator``, ``world.devices``, ``world.backend``) with the GPU count faked."""
 
+import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
+import _recipe
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -266,9 +267,10 @@ def test_device_refusals_through_the_recipe_exit_2_with_one_line(tmp_path):
             *overrides,
             f"hydra.run.dir={tmp_path / str(i)}",
         ]
-        procs.append(subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        # Forked from the preloaded server (tests/_recipe.py): a refusal before step 1 is mostly the imports.
+        procs.append(_recipe.start(command, env=dict(os.environ), cwd=ROOT))
     for (overrides, expected), proc in zip(RECIPE_REFUSALS, procs):
-        _, stderr = proc.communicate(timeout=180)
-        lines = [line for line in stderr.splitlines() if line.strip()]
-        assert proc.returncode == 2, (overrides, stderr)
+        done = proc.result(timeout=180)
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        assert done.returncode == 2, (overrides, done.stderr)
         assert len(lines) == 1 and re.search(expected, lines[0]), (overrides, lines)

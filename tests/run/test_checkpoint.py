@@ -5,26 +5,22 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 from fdp._torch import tree_flatten, tree_map
 from fdp.model.builtin import MLP
 from fdp.optim import warmup_cosine_schedule
 from fdp.run import checkpoint
-from fdp.run.config import ConfigError, register_configs
+from fdp.run.config import ConfigError, compose, register_configs
 from fdp.run.trainer import run
 
-CONF = str(Path(__file__).resolve().parents[2] / "conf")
 register_configs()
 
 
 def make_cfg(*overrides):
-    with initialize_config_dir(config_dir=CONF, version_base=None):
-        return compose("config", overrides=["trainer.progress=false", *overrides])
+    return compose("trainer.progress=false", *overrides)
 
 
 def test_atomic_save_replaces_whole_files(tmp_path):

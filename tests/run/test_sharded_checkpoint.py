@@ -12,7 +12,6 @@ import shutil
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +24,7 @@ from fdp.model.builtin import CharTransformer
 from fdp.model.losses import cross_entropy_loss
 from fdp.plan import BucketPlan
 from fdp.run import checkpoint
+from fdp.run.config import compose
 from fdp.run.consolidate import consolidate, write_consolidated
 from fdp.run.integrity import MANIFEST, verify
 from fdp.run.sharded_checkpoint import ShardedSaver, load_sharded
@@ -244,16 +244,6 @@ RUN = [
 ]
 
 
-def _compose(*overrides):
-    from hydra import compose, initialize_config_dir
-
-    from fdp.run.config import register_configs
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[2] / "conf"), version_base=None):
-        return compose("config", overrides=list(overrides))
-
-
 @pytest.mark.timeout(900)  # a four-rank run, a two-rank one and two in one process
 def test_four_ranks_at_stage_3_checkpoint_and_two_resume_under_a_memory_cap_like_an_uninterrupted_run(tmp_path):
     """SGD with momentum, asynchronous sharded saves: 4 ranks at stage 3 stopped at step 4, resumed on 2 ranks at
@@ -263,11 +253,11 @@ def test_four_ranks_at_stage_3_checkpoint_and_two_resume_under_a_memory_cap_like
 
     one_process = [*RUN, "optim=sgd", "optim.momentum=0.9"]
     sgd = [*one_process, "trainer.zero_stage=3"]
-    whole = run(_compose(*one_process), tmp_path / "straight")  # uninterrupted, on the union batch
-    run(_compose(*sgd, "world=local4", "trainer.stop_at=4"), tmp_path / "four")
+    whole = run(compose(*one_process), tmp_path / "straight")  # uninterrupted, on the union batch
+    run(compose(*sgd, "world=local4", "trainer.stop_at=4"), tmp_path / "four")
     step4 = tmp_path / "four" / "checkpoints" / "step_00000004"
     assert checkpoint.read_meta(step4)["world_size"] == 4
-    two = run(_compose(*sgd, "world=local2", "world.memory_per_rank_mb=1500", "trainer.resume=true"), tmp_path / "four")
+    two = run(compose(*sgd, "world=local2", "world.memory_per_rank_mb=1500", "trainer.resume=true"), tmp_path / "four")
     # Evaluated at stage 3 by every rank, each forward gathering its buckets: the figures of the whole params.
     assert two["test_loss"] == pytest.approx(whole["test_loss"], rel=1e-5)
     assert two["test_acc"] == whole["test_acc"]
@@ -279,7 +269,7 @@ def test_four_ranks_at_stage_3_checkpoint_and_two_resume_under_a_memory_cap_like
     assert all(torch.allclose(resumed["params"][n], p, atol=1e-5, rtol=0) for n, p in straight["params"].items())
     logged = "".join(p.read_text() for p in (tmp_path / "four").glob("*.log"))
     assert "checkpoint step 4: the loop blocked" in logged and "written in" in logged
-    run(_compose(*one_process, f"trainer.resume={step4}"), tmp_path / "one")
+    run(compose(*one_process, f"trainer.resume={step4}"), tmp_path / "one")
     one = consolidate(tmp_path / "one")
     assert one["step"] == 8 and all(
         torch.allclose(one["params"][n], p, atol=1e-5) for n, p in straight["params"].items()

@@ -6,14 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from _configs import quiet as make_cfg
 from _paths import pythonpath_first
-from hydra import compose, initialize_config_dir
 
 from fdp.run.checkpoint import last_of
 from fdp.run.config import register_configs
 from fdp.run.trainer import run
 
-CONF = str(Path(__file__).resolve().parents[2] / "conf")
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 register_configs()
 
@@ -50,11 +49,6 @@ def examples_on_path(monkeypatch):
     """examples/ importable here and in the workers, as ``PYTHONPATH=examples`` does from the shell."""
     monkeypatch.syspath_prepend(str(EXAMPLES))
     monkeypatch.setenv("PYTHONPATH", pythonpath_first(EXAMPLES))
-
-
-def make_cfg(*overrides):
-    with initialize_config_dir(config_dir=CONF, version_base=None):
-        return compose("config", overrides=["trainer.progress=false", "trainer.eval_every=0", *overrides])
 
 
 def final_params(run_dir):

@@ -6,8 +6,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from _configs import quiet as _cfg
 from _paths import pythonpath_first
-from hydra import compose, initialize_config_dir
 
 from fdp.run.config import ConfigError, register_configs
 from fdp.run.trainer import run
@@ -18,11 +18,6 @@ from fdp.step.compiled import CompileChoice, CompileCosts, check_compile, costs_
 REPO = Path(__file__).resolve().parents[2]
 register_configs()
 KNOWN = CompileCosts(compile_s=25.0, saving_s=0.004, measured=False)
-
-
-def _cfg(*overrides):
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        return compose("config", overrides=["trainer.progress=false", "trainer.eval_every=0", *overrides])
 
 
 @pytest.mark.parametrize(

@@ -5,11 +5,10 @@ and checkpoints that move between hybrid and flat worlds."""
 import dataclasses
 import math
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
+from _configs import quiet as _cfg
 
 from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
 from fdp.comm import Comm
@@ -31,7 +30,6 @@ from fdp.step.outer_spec import check_outer
 from fdp.update import zero
 from fdp.update.zero.scatter import ScatterComm
 
-CONF = str(Path(__file__).resolve().parents[2] / "conf")
 register_configs()
 
 STEPS = 4
@@ -140,11 +138,6 @@ def test_hybrid_sharding_equals_flat_zero_and_one_process(run_ranks):
         assert flat_bytes == sum(numels) * 4
         assert hybrid_bytes == sum(math.ceil(n / NODE) for n in numels) * 4
         assert bf16_bytes == hybrid_bytes // 2
-
-
-def _cfg(*overrides):
-    with initialize_config_dir(config_dir=CONF, version_base=None):
-        return compose("config", overrides=["trainer.progress=false", "trainer.eval_every=0", *overrides])
 
 
 COMMON = [

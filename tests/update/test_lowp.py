@@ -2,11 +2,9 @@
 gathers params in bf16, and ``reduce_dtype`` is the dtype gradients are averaged in. Compared with torch's
 FSDP2 on two gloo ranks, and with the ``bf16`` hook they share their reduction with."""
 
-from pathlib import Path
-
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
+from _configs import quiet as _cfg
 
 from fdp import init_train_state, make_train_step, planner_loss
 from fdp.comm import Comm
@@ -20,7 +18,6 @@ from fdp.run.config import ConfigError, register_configs
 from fdp.run.validate import validate
 from fdp.update import zero
 
-CONF = str(Path(__file__).resolve().parents[2] / "conf")
 register_configs()
 
 SIZES = (13, 24, 24, 5)  # odd sizes: slices start inside parameters and the last one runs into padding
@@ -154,8 +151,3 @@ def test_reduce_dtype_refusals_are_one_line():
     validate(_cfg("trainer.reduce_dtype=bfloat16", "trainer.precision=bf16-mixed", "trainer.zero_stage=3"))
     with pytest.raises(ValueError, match=r"^reduce_dtype='bfloat16': expected float32 with hooks 'powersgd'"):
         Precision("bf16-mixed", reduce_dtype="bfloat16").reducing(powersgd())
-
-
-def _cfg(*overrides):
-    with initialize_config_dir(config_dir=CONF, version_base=None):
-        return compose("config", overrides=["trainer.progress=false", "trainer.eval_every=0", *overrides])

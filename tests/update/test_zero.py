@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
+from _configs import quiet as _cfg
 
 from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
 from fdp.comm import Comm
@@ -24,7 +24,6 @@ from fdp.run.trainer import run
 from fdp.run.validate import validate
 from fdp.update import zero
 
-CONF = str(Path(__file__).resolve().parents[2] / "conf")
 register_configs()
 
 STEPS = 30
@@ -547,11 +546,6 @@ def test_refusals_are_one_line():
     step = make_train_step(loss_fn, adam(1e-2), plan, zero_stage=1)
     with pytest.raises(ValueError, match="optimizer state is not sharded"):
         step(init_train_state(params, buffers, adam(1e-2), plan), batch)
-
-
-def _cfg(*overrides):
-    with initialize_config_dir(config_dir=CONF, version_base=None):
-        return compose("config", overrides=["trainer.progress=false", "trainer.eval_every=0", *overrides])
 
 
 def _last(run_dir):
