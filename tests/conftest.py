@@ -123,6 +123,15 @@ def _rank_entry(fn, args, layout):
         dist.destroy_process_group()
 
 
+def _run_ranks(
+    fn, *args, world_size: int = 2, timeout_s: float = COLLECTIVE_TIMEOUT_S, backend: str = "gloo", **devices
+):
+    # ``devices``: ``accelerator`` and ``device_ids`` of the WorldLayout (GPU tests).
+    layout = WorldLayout("elastic", nproc_per_node=world_size, backend=backend, timeout_s=timeout_s, **devices)
+    results = spawn(_rank_entry, (fn, args, layout), layout)
+    return [results[rank] for rank in range(world_size)]
+
+
 @pytest.fixture
 def run_ranks():
     """``run_ranks(fn, *args, world_size=2)`` runs ``fn(rank, world_size, *args)`` on gloo ranks (CPU unless told).
@@ -130,11 +139,10 @@ def run_ranks():
     ``fn`` must be a module-level function (it is pickled into spawned workers). Returns
     the results as a list indexed by rank; a rank that raises fails the call.
     """
+    return _run_ranks
 
-    def run(fn, *args, world_size: int = 2, timeout_s: float = COLLECTIVE_TIMEOUT_S, backend: str = "gloo", **devices):
-        # ``devices``: ``accelerator`` and ``device_ids`` of the WorldLayout (GPU tests).
-        layout = WorldLayout("elastic", nproc_per_node=world_size, backend=backend, timeout_s=timeout_s, **devices)
-        results = spawn(_rank_entry, (fn, args, layout), layout)
-        return [results[rank] for rank in range(world_size)]
 
-    return run
+@pytest.fixture(scope="module")
+def module_run_ranks():
+    """``run_ranks`` for a module's fixture: ranks started once, whose results several tests read."""
+    return _run_ranks

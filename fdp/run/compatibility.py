@@ -14,10 +14,11 @@ True
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import NamedTuple
 
-__all__ = ["Feature", "FEATURES", "refusal", "refused_pairs", "compatibility_markdown"]
+__all__ = ["Feature", "FEATURES", "refusal", "pair_configs", "refused_pairs", "compatibility_markdown"]
 
 BASE = ("world=local2", "trainer.progress=false")
 
@@ -91,11 +92,21 @@ def refusal(a: Feature, b: Feature, compose=None) -> str | None:
     return None
 
 
-def refused_pairs() -> list[tuple[Feature, Feature, str]]:
-    """Every pair of ``FEATURES`` (each feature alone too) the checks refuse, with the line they give.
+def pair_configs() -> list[tuple[Feature, Feature, object, str | None]]:
+    """Every pair of ``FEATURES`` (each feature alone too) as ``(a, b, config, refusal)``: the config both compose
+    to, and the checks' one line for it (``None`` where the pair composes; the config ``None`` where Hydra refused
+    it). ``tests/test_pairwise.py`` trains the pairs that compose; the page lists those refused.
 
-    Hydra composes each choice of config groups once (its start is the cost: about a second); a pair's
-    ``key=value`` settings are set on a copy, as Hydra's overrides would set them."""
+    Composed once in a process (the page and the pairwise test read the same); each call gets its own configs."""
+    import copy
+
+    return [(a, b, copy.deepcopy(cfg), line) for a, b, cfg, line in _composed_pairs()]
+
+
+@functools.cache
+def _composed_pairs() -> tuple[tuple[Feature, Feature, object, str | None], ...]:
+    """``pair_configs``, composed. Hydra composes each choice of config groups once (its start is the cost: about
+    a second); a pair's ``key=value`` settings are set on a copy, as Hydra's overrides would set them."""
     import copy
 
     import yaml
@@ -106,6 +117,7 @@ def refused_pairs() -> list[tuple[Feature, Feature, str]]:
 
     register_configs()
     groups: dict[tuple[str, ...], object] = {}
+    made: list = []
     out = []
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
 
@@ -118,13 +130,19 @@ def refused_pairs() -> list[tuple[Feature, Feature, str]]:
                 key, value = override.split("=", 1)
                 if "." in key:
                     OmegaConf.update(cfg, key, yaml.safe_load(value), merge=True)
+            made.append(cfg)
             return cfg
 
         for a, b in itertools.combinations_with_replacement(FEATURES, 2):
+            made.clear()
             line = refusal(a, b, composed)
-            if line is not None:
-                out.append((a, b, line))
-    return out
+            out.append((a, b, made[0] if made else None, line))
+    return tuple(out)
+
+
+def refused_pairs() -> list[tuple[Feature, Feature, str]]:
+    """Every pair of ``FEATURES`` (each feature alone too) the checks refuse, with the line they give."""
+    return [(a, b, line) for a, b, _, line in _composed_pairs() if line is not None]
 
 
 def compatibility_markdown() -> str:

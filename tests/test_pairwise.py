@@ -1,0 +1,356 @@
+"""Every pair of features that composes trains, and trains as its reference does.
+
+The pairs are those of ``fdp.run.compatibility.FEATURES`` that the config checks accept
+(``pair_configs``: a pair refused there is on docs/reference/compatibility.md with its reason, which
+tests/test_compatibility.py checks); a refusal removed from the code adds its pair here by itself.
+
+The rule. Each setting a feature turns on either leaves the math alone (``EXACT``: the ZeRO stage, hierarchical
+reduction, the checkpoint format, activation checkpointing, shrink/respawn while no rank is lost, early stopping,
+keep_best and max_time while they do not stop the run, compile up to float rounding) or changes it (``MATH``:
+precision, reduce_dtype, hooks, outer loops, the moving average of the params (what is evaluated, not the params),
+and the model, data and world it runs on). A pair's reference is the run with its ``EXACT`` settings back at their
+defaults: it must end with the same params, step losses and moving average, within float rounding in fp32
+(``TIGHT``), looser where compile (``COMPILED``) or a 16-bit format (``LOW_PRECISION``) is involved. Stage 2 x
+PowerSGD equals stage 0 x PowerSGD; stage 3 x compile equals stage 0 uncompiled. One exception, by design:
+hierarchical reduction with a hook whose codes are not linear in the gradient (``NODE_SUM_HOOKS``: top-k, low-bit)
+compresses each node's sum, so it equals the run with one rank per node (two ranks), not the flat world of four.
+
+How, within the suite's time. The ranks start once (``run_ranks``: two, and four for ``hierarchical``, two nodes of
+two) and build each pair's run in-process from its config through the run's own path: ``fdp.run.build.build_run``
+(data, model, plan, hook, optimizer, ZeRO update, first state), ``fdp.run.loop.Loop`` (its step and this rank's
+batches, as ``fdp.run.trainer`` makes them) and ``fdp.run.loop_controls.LoopControls`` (the moving average,
+max_time's clock, the monitors' checks), three steps of a small model each. A pair with a checkpoint format saves
+its state after step 2 in that format (``fdp.run.loop.save_state``), resumes from it as a run does
+(``fdp.run.trainer``'s resume, the loop's state too) and takes its last step from there; its reference does not.
+References are computed once and shared by the pairs that have them. What this in-process form does not run is
+covered by the whole runs at the end (``WHOLE_RUNS``): the keeper that holds each rank of a world that may shrink
+or respawn, early stopping and keep_best deciding on real evaluations, max_time's deadline inside a running loop,
+and a sharded checkpoint resumed by a second invocation.
+"""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from fdp.comm import Comm
+from fdp.run.compatibility import BASE, FEATURES, pair_configs
+
+# The first test to read ``trained`` trains ~260 runs on two ranks and ~26 on four: about a minute and a half on
+# an unloaded 2-core machine, several on a loaded one.
+pytestmark = pytest.mark.timeout(900)
+
+STEPS = 3
+SAVED_AT = 2  # a pair's checkpoint, resumed for its last step
+SETTINGS = {"trainer.max_steps": STEPS, "trainer.eval_every": 0, "trainer.checkpoint_every": 0}
+# Where the pair has them: PowerSGD compresses from step 1 (not after 10 steps reduced whole), an outer loop syncs
+# at step 2, so that each acts within the run.
+ACTING = {"hooks.start_iter": 0, "outer.sync_every": SAVED_AT}
+# The char model small (activation_checkpointing's pairs run it): two blocks, a short context.
+TINY_CHARLM = {
+    "model.d_model": 16,
+    "model.n_layer": 2,
+    "model.n_head": 2,
+    "data.block_size": 8,
+    "data.max_chars": 5000,
+    "data.global_batch_size": 12,
+}
+# Hooks whose codes are not linear in the gradient: under world.hierarchical they compress each node's sum, so the
+# pair equals the run with one rank per node (a node's ranks split its samples contiguously), not the flat world.
+NODE_SUM_HOOKS = {"topk", "lowbit"}
+# Settings that leave the params alone (while nothing triggers them), and those that change them.
+EXACT = {
+    "trainer.zero_stage",
+    "trainer.compile",
+    "world.hierarchical",
+    "world.node_size",
+    "trainer.checkpoint_format",
+    "trainer.activation_checkpointing",
+    "world.on_rank_loss",
+    "world.respawn",
+    "trainer.early_stopping.patience",
+    "trainer.keep_best",
+    "trainer.max_time",
+}
+MATH = {"trainer.precision", "trainer.reduce_dtype", "hooks", "outer", "trainer.ema_decay", "model", "data", "world"}
+TIGHT = dict(rtol=1e-5, atol=1e-6)
+COMPILED = dict(rtol=1e-4, atol=1e-5)
+LOW_PRECISION = dict(rtol=2e-2, atol=2e-3)
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0]
+
+
+def test_every_feature_setting_is_classified_as_exact_or_math_changing():
+    unknown = {_key(o) for f in FEATURES for o in f.overrides} - EXACT - MATH
+    assert not unknown, f"classify {sorted(unknown)} in tests/test_pairwise.py: EXACT or MATH"
+    assert all("." in key for key in EXACT), "an exact setting is a key, not a config group: reset to its default"
+
+
+def _reference(cfg, defaults):
+    """``cfg`` with its exact settings at their defaults (and one rank per node where a hook codes node sums)."""
+    ref = copy.deepcopy(cfg)
+    if cfg.world.hierarchical and cfg.hooks.name in NODE_SUM_HOOKS and cfg.trainer.zero_stage == 0:
+        ref.world.nproc_per_node = cfg.world.nproc_per_node // cfg.world.node_size
+    for key in EXACT:
+        OmegaConf.update(ref, key, OmegaConf.select(defaults, key), merge=False)
+    return ref
+
+
+def _small(cfg):
+    """``cfg`` with the test's settings: few steps, each feature acting within them, a tiny model."""
+    settings = {**SETTINGS, **(TINY_CHARLM if cfg.model.name == "charlm" else {})}
+    settings.update({key: value for key, value in ACTING.items() if OmegaConf.select(cfg, key) is not None})
+    for key, value in settings.items():
+        OmegaConf.update(cfg, key, value, merge=False)
+    return cfg
+
+
+def _resumes(cfg) -> bool:
+    """Whether a pair's run saves and resumes in its checkpoint's format (its reference does not)."""
+    return cfg.trainer.checkpoint_format != "whole"
+
+
+def _tolerance(cfg) -> dict:
+    if cfg.trainer.precision != "32-true" or cfg.trainer.reduce_dtype != "float32":
+        return LOW_PRECISION
+    return COMPILED if cfg.trainer.compile is True else TIGHT
+
+
+# -- in the ranks ---------------------------------------------------------------------------------------
+def _controls(cfg, parts, comm, state, resumed=None):
+    from fdp.data import SPLITS, has_split
+    from fdp.run.loop_controls import LoopControls
+    from fdp.run.report import evaluated_names
+
+    splits = tuple(split for split in SPLITS if has_split(parts.data, split))
+    evaluated = evaluated_names(parts.metrics, bool(cfg.trainer.ema_decay)) if splits else ()
+    return LoopControls(cfg.trainer, comm, parts.plan, state, splits, evaluated, STEPS, resumed, parts.update.comm)
+
+
+_DATA: dict = {}  # each data set loaded once in a rank, as a run loads it once for its build and its loop
+
+
+def _data(cfg):
+    from fdp.run.build import build_data
+
+    key = OmegaConf.to_yaml(cfg.data) + str(cfg.seed)
+    if key not in _DATA:
+        _DATA[key] = build_data(cfg.data, cfg.seed)
+    return _DATA[key]
+
+
+def _train(cfg, comm: Comm, resume: bool, directory: Path) -> dict:
+    """This rank's run of ``cfg`` for ``STEPS`` steps (saved after step ``SAVED_AT`` and resumed there if
+    ``resume``); on rank 0 its whole params, step losses and moving average."""
+    from fdp.procs.devices import MemoryPhase
+    from fdp.run import trainer
+    from fdp.run.build import build_run
+    from fdp.run.loop import Loop, save_state
+    from fdp.run.loop_controls import read_resumed
+    from fdp.run.rundir import RunDir
+    from fdp.trace import NullTimeline
+
+    if cfg.trainer.compile is True:  # a fresh compile, as a run's own process makes (dynamo's cache is by code)
+        torch._dynamo.reset()
+    parts = build_run(cfg, comm, data=_data(cfg))
+    controls = _controls(cfg, parts, comm, parts.state)
+    device = torch.device("cpu")
+    loop = Loop(cfg, parts, comm, NullTimeline(), device, parts.state, STEPS, cfg.trainer.compile is True, controls,
+                MemoryPhase())  # fmt: skip
+    losses = []
+    try:
+        state = parts.state
+        for step in range(1, STEPS + 1):
+            state, metrics = loop.train_step(state, next(loop.batches))
+            losses.append(float(metrics["loss"]))
+            controls.stepped(state)
+            if resume and step == SAVED_AT:
+                loop.train_step.settle()
+                run_dir = RunDir(directory)
+                written = save_state(run_dir, state, comm, cfg, parts, controls.payload(step), loop.saver)
+                if loop.saver is not None:
+                    loop.saver.wait()
+                written = _broadcast(written, comm)
+                state = trainer._resume(written, parts, comm)
+                controls.close()
+                controls = _controls(cfg, parts, comm, state, read_resumed(written, comm))
+        loop.train_step.settle()
+        whole = parts.update.to_checkpoint(state, comm)
+        average = controls.payload(state.step).get("ema")
+    finally:
+        controls.close()
+    if comm.rank != 0:
+        return {}
+    params = {name: t.detach().float().cpu().clone() for name, t in whole.params.items()}
+    return {"params": params, "losses": losses, "ema": average}
+
+
+def _broadcast(value, comm: Comm):
+    """Rank 0's ``value`` on every rank (the path rank 0 wrote)."""
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, group=comm.group, group_src=0)
+    return box[0]
+
+
+def _train_all(rank: int, world: int, jobs: list) -> dict:
+    """Each job ``(name, config, resume)`` trained in turn; a job that fails gives its error's line."""
+    torch.manual_seed(0)
+    comm = Comm()
+    out = {}
+    with tempfile.TemporaryDirectory(prefix=f"pairwise-{rank}-") as scratch:
+        for index, (name, container, resume) in enumerate(jobs):
+            directory = Path(scratch) / str(index) if rank == 0 else Path(scratch)
+            directory = _broadcast(str(directory), comm)
+            began, cpu = time.perf_counter(), time.process_time()
+            try:
+                out[name] = _train(OmegaConf.create(container), comm, resume, Path(directory))
+                out[name].update(seconds=time.perf_counter() - began, cpu_s=time.process_time() - cpu)
+            except Exception as error:  # noqa: BLE001 - every pair is reported, not only the first to fail
+                out[name] = {"error": f"{type(error).__name__}: {error}".splitlines()[0]}
+                if rank == 0:
+                    out[name]["traceback"] = traceback.format_exc()
+    return out
+
+
+# -- the pairs -------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pairs():
+    """``(pair name, its config, its reference's config)`` for every pair the checks accept."""
+    from fdp.run.config import compose
+
+    defaults = compose(*BASE)
+    out = []
+    for a, b, cfg, refused in pair_configs():
+        if refused is not None:
+            continue
+        _small(cfg)
+        name = a.name if a == b else f"{a.name} x {b.name}"
+        out.append((name, cfg, _reference(cfg, defaults)))
+    return out
+
+
+# The features a whole run has that the in-process form does not, combined into few whole runs (each combination
+# composes: the page's pairs among them are accepted): the keeper of each rank of a world that may shrink and
+# respawn, early stopping and keep_best deciding on real evaluations, max_time's deadline in a running loop, and a
+# sharded checkpoint resumed by a second invocation (trainer.stop_at, then trainer.resume=true).
+WHOLE_RUNS = {
+    "respawn_stage1": (("respawn", "zero_stage=1", "early_stopping", "keep_best=1", "ema_decay=0.9"), ()),
+    "sharded_stage3_resumed": (
+        ("checkpoint_format=sharded", "zero_stage=3", "max_time", "early_stopping", "keep_best=1"),
+        (f"trainer.stop_at={SAVED_AT}",),
+    ),
+}
+WHOLE = ("trainer.eval_every=1", "trainer.checkpoint_every=1", f"trainer.max_steps={STEPS}")
+
+
+def _whole_run_overrides(names: tuple[str, ...]) -> list[str]:
+    by_name = {f.name: f for f in FEATURES}
+    return [*BASE, *(o for name in names for o in by_name[name].overrides), *WHOLE]
+
+
+@pytest.fixture(scope="module")
+def trained(pairs, module_run_ranks):
+    """Every pair, every reference and every whole run's reference trained, by world size: one start of the
+    ranks each. ``{name: (its result, its reference's result, its reference's config)}``."""
+    from fdp.run.config import compose
+
+    defaults = compose(*BASE)
+    wholes = []
+    for name, (names, _) in WHOLE_RUNS.items():
+        cfg = _small(compose(*_whole_run_overrides(names)))
+        wholes.append((name, None, _reference(cfg, defaults)))
+    by_world: dict[int, list] = {}
+    references: dict[str, str] = {}
+    for name, cfg, ref in [*pairs, *wholes]:
+        ref_yaml = OmegaConf.to_yaml(ref)
+        if ref_yaml not in references:
+            references[ref_yaml] = f"reference {len(references)}"
+            by_world.setdefault(int(ref.world.nproc_per_node), []).append(
+                (references[ref_yaml], OmegaConf.to_container(ref, resolve=True), False)
+            )
+        if cfg is not None:
+            job = (name, OmegaConf.to_container(cfg, resolve=True), _resumes(cfg))
+            by_world.setdefault(int(cfg.world.nproc_per_node), []).append(job)
+    results = {}
+    for world, jobs in sorted(by_world.items()):
+        began = time.perf_counter()
+        results.update(module_run_ranks(_train_all, jobs, world_size=world, timeout_s=120)[0])
+        took = sorted((r.get("cpu_s", 0.0), name) for name, r in results.items() if name in {job[0] for job in jobs})
+        print(
+            f"pairwise: {len(jobs)} runs on {world} ranks in {time.perf_counter() - began:.1f} s "
+            f"(rank 0's CPU {sum(t for t, _ in took):.1f} s); the most CPU: {took[-4:]}"
+        )
+    return {
+        name: (results.get(name), results[references[OmegaConf.to_yaml(ref)]], ref)
+        for name, _, ref in [*pairs, *wholes]
+    }
+
+
+def _mismatch(name, got, want, tolerance, same_world: bool = True) -> str | None:
+    """Why a pair's run is not its reference's (``None`` if it is). The step losses are rank 0's batch's: compared
+    only on worlds of one size."""
+    if "error" in got:
+        return f"{name}: {got['error']}"
+    if "error" in want:
+        return f"{name}: its reference failed: {want['error']}"
+    for what in ("losses", "params", "ema")[0 if same_world else 1 :]:
+        a, b = got[what], want[what]
+        if a is None and b is None:
+            continue
+        try:
+            torch.testing.assert_close(a, b, **tolerance)
+        except AssertionError as error:
+            return f"{name}: {what} differ from the reference's: {str(error).strip().splitlines()[0]}"
+    return None
+
+
+def test_every_pair_that_composes_trains_as_its_reference(pairs, trained):
+    assert len(pairs) >= 150, f"only {len(pairs)} pairs compose: expected the page's (pair_configs)"
+    failures = [
+        _mismatch(name, *trained[name][:2], _tolerance(cfg), cfg.world.nproc_per_node == ref.world.nproc_per_node)
+        for name, cfg, ref in pairs
+    ]
+    failures = [line for line in failures if line]
+    assert not failures, f"{len(failures)} of {len(pairs)} pairs:\n" + "\n".join(failures)
+
+
+def _final(run_dir: Path) -> dict:
+    """The params and moving average of a whole run's last checkpoint (whole or sharded)."""
+    from fdp.run.checkpoint import is_sharded, last_of
+    from fdp.run.consolidate import consolidate
+
+    last = last_of(run_dir / "checkpoints")
+    payload = consolidate(last) if is_sharded(last) else torch.load(last, weights_only=True)
+    return {"params": payload["params"], "ema": payload.get("ema")}
+
+
+@pytest.mark.parametrize("name", list(WHOLE_RUNS))
+def test_whole_runs_of_the_features_a_step_does_not_show_train_as_their_reference(name, trained, tmp_path):
+    from fdp.run.config import compose
+    from fdp.run.loop_controls import BEST
+    from fdp.run.trainer import run
+
+    names, first = WHOLE_RUNS[name]
+    overrides = _whole_run_overrides(names)
+    if first:  # the first invocation stops early; the second resumes from its checkpoint
+        run(compose(*overrides, *first), tmp_path)
+        overrides = [*overrides, "trainer.resume=true"]
+    summary = run(compose(*overrides), tmp_path)
+    assert summary["steps"] == STEPS and not summary.get("stopped"), summary  # nothing triggered
+    assert any((tmp_path / "checkpoints" / BEST).iterdir())  # keep_best kept one, ranked on evaluations
+    want = trained[name][1]
+    got = _final(tmp_path)
+    torch.testing.assert_close(got["params"], want["params"], **TIGHT)
+    if want["ema"] is not None:
+        torch.testing.assert_close(got["ema"], want["ema"], **TIGHT)
