@@ -55,7 +55,7 @@ SETTINGS = ("auto", True, False)
 # Why a step on per-sample streams is not compiled, stated once. The streams themselves are integer
 # arithmetic a compiler could take; what it cannot take is where they enter, a dispatch mode that swaps
 # each random op as it runs: dynamo runs a function eagerly while such a mode is active, so the step
-# would not compile (tests/test_streams.py). Compiling them needs the random ops replaced before tracing
+# would not compile (tests/model/test_streams.py). Compiling them needs the random ops replaced before tracing
 # (a function mode dynamo traces, or a graph pass), which is not built.
 NOT_COMPILED = (
     "their random ops are swapped in a Python dispatch mode, under which torch.compile runs the step uncompiled"
