@@ -20,9 +20,19 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
+from typing import Any, Callable
 
-__all__ = ["ConfigError", "expected", "require", "one_of", "check_choice", "check_bool", "check_int", "check_real"]
+__all__ = [
+    "ConfigError",
+    "as_config_key",
+    "expected",
+    "require",
+    "one_of",
+    "check_choice",
+    "check_bool",
+    "check_int",
+    "check_real",
+]
 
 
 class ConfigError(ValueError):
@@ -47,6 +57,26 @@ def require(ok: bool, setting: str, value: Any, what: str, error: type[Exception
     """
     if not ok:
         raise error(expected(setting, value, what))
+
+
+def as_config_key(key: str, check: Callable[[Any], Any], value: Any) -> Any:
+    """Run the check of the module that uses a setting, a refusal naming its config key (a ``ConfigError``).
+
+    Modules name a setting as their Python argument (``schedule='x': expected ...``); the
+    registries already give the group's path (``hooks.rank=0: expected ...``).
+
+    >>> as_config_key("trainer.rank", lambda value: check_int("rank", value, low=1), 0)
+    Traceback (most recent call last):
+    ...
+    fdp.errors.ConfigError: trainer.rank=0: expected an integer >= 1
+    """
+    try:
+        return check(value)
+    except ValueError as error:
+        message, group, arg = str(error), *key.rpartition(".")[::2]
+        if group and message.startswith(arg):
+            message = f"{group}.{message}"
+        raise ConfigError(message) from None
 
 
 def one_of(choices: Any) -> str:

@@ -16,13 +16,14 @@ fdp.errors.ConfigError: trainer.accum_steps=0: expected an integer >= 1
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from omegaconf import OmegaConf
 
 from fdp.data import check_global_batch, check_micro_batches, check_val_fraction
 from fdp.errors import ConfigError, one_of, require
+from fdp.errors import as_config_key as _as_config_key
 from fdp.hooks import build_hook
 from fdp.hooks.hierarchical import check_node_size
 from fdp.model import remat
@@ -64,21 +65,6 @@ __all__ = ["validate", "validate_run_dir"]
 
 def _require(ok: bool, setting: str, value: Any, what: str) -> None:
     require(ok, setting, value, what, ConfigError)
-
-
-def _as_config_key(key: str, check: Callable[[Any], Any], value: Any) -> Any:
-    """Run the check of the module that uses a setting, with its message naming the config key.
-
-    Modules name a setting as their Python argument (``schedule='x': expected ...``); the
-    registries already give the group's path (``hooks.rank=0: expected ...``).
-    """
-    try:
-        return check(value)
-    except ValueError as error:
-        message, group, arg = str(error), *key.rpartition(".")[::2]
-        if group and message.startswith(arg):
-            message = f"{group}.{message}"
-        raise ConfigError(message) from None
 
 
 def _container(node: Any) -> Any:
