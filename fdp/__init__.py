@@ -62,8 +62,9 @@ or of packages above it in this list; ``tests/test_imports.py`` holds every impo
   ``evaluate``, ``rundir``), the world on this machine (``world``), the one start-up (``startup``), a run's
   pieces (``build``), its report, epochs, time limits, early stopping and best checkpoints
   (``loop_controls``), your own code called in the loop (``callbacks``), the loop of one world (``loop``), a
-  rank's run from start to summary (``trainer``), what a rank out of memory says (``out_of_memory``), the memory
-  a run will need, forecast from its plan (``forecast``, ``forecast_run``), the shell entry (``cli``), its
+  rank's run from start to summary (``trainer``), what a lost rank does (``rank_loss``: restart, shrink, or
+  shrink and respawn, chosen once), what a rank out of memory says (``out_of_memory``), the memory a run will
+  need, forecast from its plan (``forecast``, ``forecast_run``), the shell entry (``cli``), its
   ``--help`` and the docs' pages drawn from the schemas and the checks (``reference``, ``compatibility``) and
   sweeps (``sweep``); sharded, asynchronous checkpoints in DCP's format (``sharded_checkpoint``), their
   consolidation into one file (``consolidate``) and a checkpoint of either format checked whole before use

@@ -348,18 +348,18 @@ def check_sample_streams(value: Any) -> bool | str:
     return value
 
 
-def wants_sample_streams(setting: bool | str, on_rank_loss: str) -> bool:
+def wants_sample_streams(setting: bool | str, may_shrink: bool) -> bool:
     """Whether a run draws its forward's randomness per sample (``trainer.sample_streams``).
 
     ``auto`` draws per sample where the result must not depend on the world size while
-    the run goes: a world that may shrink (``world.on_rank_loss=shrink``). Elsewhere each
+    the run goes: a world that may shrink (``may_shrink``: ``fdp.run.rank_loss`` says). Elsewhere each
     rank's generator is used, since the streams' dispatch mode costs a Python call per op
     of a forward that draws (about twice fdp's host time per step at tiny widths, a few
     per cent on a model whose compute dominates: ``benchmarks/shrink_overhead.py``).
 
-    >>> wants_sample_streams("auto", "restart"), wants_sample_streams("auto", "shrink")
+    >>> wants_sample_streams("auto", may_shrink=False), wants_sample_streams("auto", may_shrink=True)
     (False, True)
-    >>> wants_sample_streams(True, "restart")
+    >>> wants_sample_streams(True, may_shrink=False)
     True
     """
-    return on_rank_loss == "shrink" if setting == "auto" else bool(setting)
+    return may_shrink if setting == "auto" else bool(setting)

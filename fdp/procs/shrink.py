@@ -35,9 +35,6 @@ error feedback, its generator); a lost rank's is dropped with it.
 The store is one all ranks reach and no rank holds: the launcher's (``fdp.spawn``), the
 agent's (``torchrun``), or rank 0's keeper's (``slurm``); keys live under
 ``fdp/procs/shrink/<attempt>/``.
-
->>> check_on_rank_loss("shrink")
-'shrink'
 """
 
 from __future__ import annotations
@@ -55,7 +52,6 @@ import torch.distributed as dist
 
 from fdp._torch import live_groups
 from fdp.comm import Comm
-from fdp.errors import check_choice
 from fdp.procs.heartbeat import Heartbeat
 from fdp.procs.keeper import LostRank, keep
 from fdp.procs.launch import RankLostError
@@ -64,10 +60,8 @@ from fdp.procs.launchers import Launched, launcher_of
 __all__ = [
     "END_KEY",
     "MEMBERS_KEY",
-    "ON_RANK_LOSS",
     "Shrink",
     "ShrinkingWorld",
-    "check_on_rank_loss",
     "check_shrinkable_batch",
     "keep_rank",
     "whole_groups",
@@ -75,20 +69,8 @@ __all__ = [
     "shrink_store",
 ]
 
-ON_RANK_LOSS = ("restart", "shrink")
 _RETIRED: list[Any] = []  # the process groups of earlier generations (see step 3 of the module docstring)
 _ARRIVE_POLL_S = 0.01
-
-
-def check_on_rank_loss(value: str) -> str:
-    """``world.on_rank_loss``: ``restart`` (the world ends, ``world.max_restarts`` restarts it) or ``shrink``.
-
-    >>> check_on_rank_loss("ignore")
-    Traceback (most recent call last):
-    ...
-    ValueError: on_rank_loss='ignore': expected restart or shrink
-    """
-    return check_choice("on_rank_loss", value, ON_RANK_LOSS)
 
 
 def check_shrinkable_batch(

@@ -50,6 +50,7 @@ from fdp.procs.devices import batch_to_device, to_device
 from fdp.run.config import DATA_SETTINGS
 from fdp.run.evaluate import metric_names
 from fdp.run.loop_controls import run_steps
+from fdp.run.rank_loss import rank_loss_of
 from fdp.state.train_state import TrainState
 from fdp.step.outer import init_outer_state
 from fdp.step.outer_spec import check_outer
@@ -217,9 +218,8 @@ def build_run(
     # The schedule spans the run: max_steps, or fewer where trainer.max_epochs ends it sooner.
     steps = run_steps(cfg.trainer.max_steps, cfg.trainer.max_epochs, data, cfg.data.global_batch_size)
     optimizer = build_optimizer(OmegaConf.to_container(cfg.optim), steps, embeddings=embeddings)
-    # A world that may shrink keeps, where the state is sharded, the next rank's slices too (fdp.update.zero.mirror);
-    # a hierarchical one has a replica of every slice in each other group instead (fdp.procs.shrink.whole_groups).
-    mirror = cfg.world.on_rank_loss == "shrink" and stage.shards_optimizer and not cfg.world.hierarchical
+    # A world that may shrink keeps, where the state is sharded, the next rank's slices too (fdp.run.rank_loss).
+    mirror = rank_loss_of(cfg.world).mirrors(stage.shards_optimizer, cfg.world.hierarchical)
     update = zero.update_for(
         stage.number,
         optimizer,

@@ -21,7 +21,6 @@ from fdp.comm import Comm
 from fdp.data import train_batches
 from fdp.model import remat
 from fdp.model.losses import make_loss_fn
-from fdp.model.streams import wants_sample_streams
 from fdp.procs.devices import MemoryPhase, batch_to_device
 from fdp.procs.grow import GrowingWorld
 from fdp.procs.interrupt import StopSignals
@@ -31,6 +30,7 @@ from fdp.run import checkpoint
 from fdp.run.build import RunParts, node_size_of, regrouped
 from fdp.run.callbacks import Callbacks
 from fdp.run.loop_controls import LoopControls
+from fdp.run.rank_loss import rank_loss_of
 from fdp.run.rejoin import heal
 from fdp.run.report import Report
 from fdp.run.rundir import RankStatus, RunDir
@@ -85,7 +85,7 @@ def make_step(
         compile=compile,
         update=parts.update,
         # Dropout masks by sample, the same on any number of ranks (fdp.model.streams), or each rank's generator.
-        sample_seed=cfg.seed if wants_sample_streams(tc.sample_streams, cfg.world.on_rank_loss) else None,
+        sample_seed=cfg.seed if rank_loss_of(cfg.world).sample_streams(tc.sample_streams) else None,
         checkpoint_modules=remat.from_config(
             tc.activation_checkpointing,
             tc.activation_checkpointing_policy,
@@ -144,7 +144,7 @@ class Loop:
         if getattr(self, "train_step", None) is not None:  # the world changed: the old step leaves the model
             self.train_step.abandon()
         self.train_step = make_step(
-            cfg, self.parts, comm, self.timeline, self.compile, donate=cfg.world.on_rank_loss != "shrink"
+            cfg, self.parts, comm, self.timeline, self.compile, donate=rank_loss_of(cfg.world).donates_state
         )
         self.batches = train_batches(
             self.parts.data,

@@ -36,10 +36,10 @@ from fdp.comm import Comm
 from fdp.data import SPLITS, check_global_batch, has_split
 from fdp.errors import ConfigError
 from fdp.model.precision import set_matmul_precision
-from fdp.model.streams import NOT_COMPILED, wants_sample_streams
+from fdp.model.streams import NOT_COMPILED
 from fdp.procs.allocator import PeakMemory, release_free_memory
 from fdp.procs.devices import MemoryPhase, is_out_of_memory, limit_memory
-from fdp.procs.grow import GrowingWorld, joining, prepare_joiner, respawner
+from fdp.procs.grow import GrowingWorld, prepare_joiner
 from fdp.procs.heartbeat import Heartbeat
 from fdp.procs.interrupt import StopSignals, stop_signal_names
 from fdp.procs.keeper import LostRank
@@ -61,6 +61,7 @@ from fdp.run.forecast_run import start_line
 from fdp.run.loop import Loop
 from fdp.run.loop_controls import LoopControls, read_resumed, run_steps
 from fdp.run.out_of_memory import out_of_memory_message
+from fdp.run.rank_loss import rank_loss_of
 from fdp.run.rejoin import Joining, RunEnded, enter_world
 from fdp.run.report import Report, evaluated_names
 from fdp.run.rundir import RankStatus, RunDir, train_log_handler
@@ -114,7 +115,7 @@ def _announce(cfg: DictConfig, run_dir: RunDir, parts: RunParts, world: int, dev
 
 def _not_compiled(cfg: DictConfig, parts: RunParts) -> str | None:
     """Why this run's step cannot compile (what ``trainer.compile=auto`` says), or ``None``."""
-    if wants_sample_streams(cfg.trainer.sample_streams, cfg.world.on_rank_loss):
+    if rank_loss_of(cfg.world).sample_streams(cfg.trainer.sample_streams):
         return f"per-sample random streams (trainer.sample_streams): {NOT_COMPILED}"
     return None
 
@@ -160,16 +161,17 @@ def run_rank(cfg: DictConfig, run_dir: str, callbacks: Sequence = ()) -> dict | 
     (under ``torchrun`` and SLURM, the run's summary once the others are done).
     """
     cfg = OmegaConf.create(cfg) if not isinstance(cfg, DictConfig) else cfg
-    w = cfg.world
-    if w.on_rank_loss == "shrink" and launched_world(w.launcher).world_size > 1:
+    w, rank_loss = cfg.world, rank_loss_of(cfg.world)
+    if rank_loss.keeps_rank(w.launcher):
         # world.respawn: the keeper starts a lost rank again, and it joins the world (fdp.procs.grow)
-        again = (
-            (lambda store, cleared: respawner(store, cleared, w.max_respawns, w.respawn_delay_s, w.timeout_s))
-            if w.respawn
-            else None
-        )
         return keep_rank(
-            _join_and_train, cfg, run_dir, callbacks, launcher=w.launcher, timeout_s=w.timeout_s, respawn=again
+            _join_and_train,
+            cfg,
+            run_dir,
+            callbacks,
+            launcher=w.launcher,
+            timeout_s=w.timeout_s,
+            respawn=rank_loss.respawner(),
         )
     return _join_and_train(cfg, run_dir, callbacks)
 
@@ -182,7 +184,8 @@ def _join_and_train(cfg: DictConfig, run_dir: str, callbacks: Sequence = ()) -> 
     """Join the world, train this rank in it (``_train``), leave it."""
     tune_allocator_for(cfg)
     layout = layout_of(cfg)
-    joiner = cfg.world.on_rank_loss == "shrink" and joining()
+    rank_loss = rank_loss_of(cfg.world)
+    joiner = rank_loss.joins()
     # A rank that joins a running world builds alone first, then joins (in _start, fdp.procs.grow).
     backend = prepare_joiner(layout) if joiner else None
     comm = Comm() if joiner else init_distributed(layout)
@@ -190,7 +193,7 @@ def _join_and_train(cfg: DictConfig, run_dir: str, callbacks: Sequence = ()) -> 
     directory = RunDir(Path(run_dir))
     phase = MemoryPhase()
     world = None
-    if cfg.world.on_rank_loss == "shrink" and (comm.world_size > 1 or joiner):
+    if rank_loss.goes_on(comm.world_size, joiner):
         world = (
             Joining(launched_world(cfg.world.launcher).rank, backend)
             if joiner

@@ -22,20 +22,18 @@ import torch
 from omegaconf import OmegaConf
 
 from fdp.data import check_global_batch, check_micro_batches, check_val_fraction
-from fdp.errors import ConfigError, one_of, require
+from fdp.errors import ConfigError, require
 from fdp.errors import as_config_key as _as_config_key
 from fdp.hooks import build_hook
 from fdp.hooks.hierarchical import check_node_size
 from fdp.model import remat
 from fdp.model.precision import check_matmul_precision, check_precision, check_reduce_dtype
-from fdp.model.streams import NOT_COMPILED, check_sample_streams, wants_sample_streams
+from fdp.model.streams import NOT_COMPILED, check_sample_streams
 from fdp.optim import build_optimizer, check_resumed_schedule
 from fdp.plan.values import check_cap
 from fdp.procs.devices import BACKENDS
-from fdp.procs.grow import check_max_ranks
 from fdp.procs.interrupt import check_requeue_signal
 from fdp.procs.launchers import launcher_of
-from fdp.procs.shrink import check_on_rank_loss, check_shrinkable_batch
 from fdp.run.callbacks import check_callbacks
 from fdp.run.checkpoint import saved_config
 from fdp.run.config import SCHEMAS
@@ -43,6 +41,7 @@ from fdp.run.integrity import verify
 from fdp.run.keys import check_keys
 from fdp.run.loggers import check_loggers
 from fdp.run.loop_controls import check_loop_settings
+from fdp.run.rank_loss import check_one_process, check_rank_loss, check_rank_loss_in_world, rank_loss_of
 from fdp.run.rundir import RunDir
 from fdp.run.sharded_checkpoint import check_checkpoint_async, check_checkpoint_format
 from fdp.state.replicas import check_sync_buffers
@@ -52,12 +51,10 @@ from fdp.step.reduce import resolve_schedule
 from fdp.step.train_step import check_nonfinite
 from fdp.targets import locate
 from fdp.update.zero import (
-    ZERO_STAGES,
     check_hook_across_nodes,
     check_optimizer_for_stage,
     check_zero_stage,
     refuses_outer,
-    stage_rules,
 )
 
 __all__ = ["validate", "validate_run_dir"]
@@ -97,6 +94,7 @@ def validate_run_dir(cfg: Any, run_dir: Any) -> None:
 
 def _validate_trainer(cfg: Any) -> None:
     t, device = cfg.trainer, _device(cfg.world)
+    rank_loss = _as_config_key("world.on_rank_loss", rank_loss_of, cfg.world)
     for key in ("max_steps", "accum_steps", "log_every", "keep_checkpoints"):
         _require(t[key] >= 1, f"trainer.{key}", t[key], "an integer >= 1")
     for key in ("eval_every", "checkpoint_every", "stop_at"):
@@ -114,7 +112,7 @@ def _validate_trainer(cfg: Any) -> None:
     _as_config_key("trainer.zero_stage", check_zero_stage, t.zero_stage)
     _as_config_key(
         "trainer.checkpoint_format",
-        lambda value: check_checkpoint_format(value, cfg.outer.name != "none", cfg.world.on_rank_loss == "shrink"),
+        lambda value: check_checkpoint_format(value, cfg.outer.name != "none", rank_loss.shrinks),
         t.checkpoint_format,
     )
     _as_config_key(
@@ -127,7 +125,7 @@ def _validate_trainer(cfg: Any) -> None:
         lambda k: remat.check_k(k, remat.resolved_mode(t.activation_checkpointing, t.activation_checkpointing_policy)),
         t.activation_checkpointing_k,
     )
-    if wants_sample_streams(t.sample_streams, cfg.world.on_rank_loss):
+    if rank_loss.sample_streams(t.sample_streams):
         _require(
             t.compile is not True,
             "trainer.compile",
@@ -165,79 +163,19 @@ def _validate_world(cfg: Any) -> None:
     _require(w.max_restarts >= 0, "world.max_restarts", w.max_restarts, "an integer >= 0")
     _require(w.memory_per_rank_mb >= 0, "world.memory_per_rank_mb", w.memory_per_rank_mb, "MiB >= 0 (0: no limit)")
     _as_config_key("world.requeue_signal", check_requeue_signal, w.requeue_signal)
-    _as_config_key("world.on_rank_loss", check_on_rank_loss, w.on_rank_loss)
-    _require(w.min_ranks >= 1, "world.min_ranks", w.min_ranks, "an integer >= 1")
-    if w.on_rank_loss == "shrink":
-        _validate_shrink(cfg)
-    _validate_respawn(w, kind)
+    check_rank_loss(cfg, kind)
     _require(d.global_batch_size >= 1, "data.global_batch_size", d.global_batch_size, "an integer >= 1")
     if kind.starts_ranks:  # there the world size is known only to the launched processes
         return
     world = w.nnodes * w.nproc_per_node
-    _require(
-        not (w.respawn and world == 1),
-        "world.respawn",
-        w.respawn,
-        "false on one process (a lost rank leaves no world to rejoin; world=local2 or more)",
-    )
+    check_one_process(w, world)
     per_rank = _as_config_key(
         "data.global_batch_size", lambda size: check_global_batch(size, world), d.global_batch_size
     )
     _as_config_key("trainer.accum_steps", lambda accum: check_micro_batches(per_rank, accum), t.accum_steps)
     if w.hierarchical:  # under torchrun the world is known only at run time: the worker checks it
         _as_config_key("world.node_size", lambda size: check_node_size(world, size), w.node_size or w.nproc_per_node)
-    if w.on_rank_loss == "shrink":
-        _require(w.min_ranks <= world, "world.min_ranks", w.min_ranks, f"at most the world's {world} ranks")
-        largest = _as_config_key("world.max_ranks", lambda most: check_max_ranks(most, world), w.max_ranks)
-        _as_config_key(
-            "data.global_batch_size",
-            lambda size: check_shrinkable_batch(
-                size, largest, w.min_ranks, t.accum_steps, (w.node_size or w.nproc_per_node) if w.hierarchical else 1
-            ),
-            d.global_batch_size,
-        )
-
-
-def _validate_respawn(w: Any, kind: Any) -> None:
-    """A world that grows back (``fdp.procs.grow``): its settings, each refused in one line."""
-    _require(w.max_ranks >= 0, "world.max_ranks", w.max_ranks, "an integer >= 0 (0: the starting size)")
-    _require(w.respawn_delay_s >= 0, "world.respawn_delay_s", w.respawn_delay_s, "seconds >= 0")
-    _require(w.max_respawns >= 0, "world.max_respawns", w.max_respawns, "an integer >= 0")
-    if w.respawn:
-        _require(
-            w.max_respawns >= 1,
-            "world.max_respawns",
-            w.max_respawns,
-            "an integer >= 1 with world.respawn=true (0 starts no rank again: set world.respawn=false)",
-        )
-        _require(
-            w.on_rank_loss == "shrink",
-            "world.respawn",
-            w.respawn,
-            "false unless world.on_rank_loss=shrink (a rank started again joins a world that went on)",
-        )
-        _require(
-            not kind.starts_ranks,
-            "world.respawn",
-            w.respawn,
-            "false under torchrun and SLURM (there the launcher or the job starts the replacement, with FDP_JOIN=1)",
-        )
-
-
-def _validate_shrink(cfg: Any) -> None:
-    """What a world that shrinks in place cannot do (yet): each refused in one line."""
-    w, t, why = cfg.world, cfg.trainer, "with world.on_rank_loss=shrink"
-    _require(
-        w.max_restarts == 0, "world.max_restarts", w.max_restarts, f"0 {why} (a lost rank shrinks the world instead)"
-    )
-    # A hierarchical world loses whole nodes, each holding a replica of every slice (fdp.procs.shrink.whole_groups).
-    keeping = [stage for stage in ZERO_STAGES if stage_rules(stage).refuses_mirror() is None]
-    _require(
-        t.zero_stage in keeping or w.hierarchical,
-        "trainer.zero_stage",
-        t.zero_stage,
-        f"{one_of(keeping)} {why} unless world.hierarchical=true ({stage_rules(t.zero_stage).refuses_mirror()})",
-    )
+    check_rank_loss_in_world(cfg, world)
 
 
 def _validate_data_and_model(cfg: Any) -> None:

@@ -13,9 +13,10 @@ from fdp.data import global_batch, load_stdlib_text, shard
 from fdp.errors import ConfigError
 from fdp.model.builtin import CharTransformer
 from fdp.model.losses import cross_entropy_loss
-from fdp.model.streams import SampleStreams, wants_sample_streams
+from fdp.model.streams import SampleStreams
 from fdp.run.checkpoint import last_of
 from fdp.run.config import compose
+from fdp.run.rank_loss import rank_loss_of
 from fdp.run.trainer import run
 from fdp.run.validate import validate
 from fdp.state.replicas import setup_state
@@ -171,7 +172,7 @@ def test_world_single_and_local2_train_the_same_params_with_dropout(tmp_path):
 def test_sample_streams_auto_draws_per_sample_where_the_world_may_shrink(overrides, streams):
     cfg = compose("model=charlm", "data=stdlib_text", "model.dropout=0.1", *overrides)
     validate(cfg)
-    assert wants_sample_streams(cfg.trainer.sample_streams, cfg.world.on_rank_loss) is streams
+    assert rank_loss_of(cfg.world).sample_streams(cfg.trainer.sample_streams) is streams
 
 
 @pytest.mark.parametrize(
