@@ -22,7 +22,7 @@ from pathlib import Path
 
 import _recipe
 import pytest
-import torch
+from _saved import saved
 
 from fdp.procs.interrupt import GRACE_S, Burst, StoppedAtOnce, StopSignals, check_requeue_signal, exit_code, requeue_job
 from fdp.run.checkpoint import last_of
@@ -108,7 +108,7 @@ def lines(text):
 
 
 def checkpoint_step(run_dir):
-    return torch.load(last_of(Path(run_dir) / "checkpoints"), weights_only=True)["step"]
+    return saved(Path(run_dir))["step"]
 
 
 def interrupted_line(step, signame, run_dir):

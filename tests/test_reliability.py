@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from _paths import pythonpath_first
 from _procs import alive
+from _saved import saved
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -71,6 +72,7 @@ REFERENCE = [
     *LOCAL2,
     f"trainer.max_steps={STEPS}",
     f"trainer.checkpoint_every={EVERY}",
+    "trainer.checkpoint_format=whole",  # its files, written by rank 0 (sharded ones: tests/test_sharded_checkpoint.py)
 ]
 
 
@@ -80,7 +82,7 @@ def make_cfg(*overrides):
 
 
 def final_params(run_dir):
-    return torch.load(checkpoint.last_of(Path(run_dir) / "checkpoints"), weights_only=True)["params"]
+    return saved(Path(run_dir))["params"]
 
 
 def assert_same_params(a, b):
@@ -806,6 +808,7 @@ def test_nonfinite_skip_keeps_every_rank_unchanged_and_counts_skips(tmp_path):
     cfg = make_cfg(
         *DIVERGING,
         "trainer.nonfinite=skip",
+        "trainer.checkpoint_format=whole",  # each rank's params, added to the whole file's rank parts
         f"trainer.max_steps={steps}",
         "trainer.log_every=1",
         "trainer.checkpoint_every=1",

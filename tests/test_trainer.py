@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 from _paths import pythonpath_first
+from _saved import saved
 from hydra import compose, initialize_config_dir
 
-from fdp.run.checkpoint import last_of
 from fdp.run.config import register_configs
 from fdp.run.trainer import run
 
@@ -58,7 +58,7 @@ def make_cfg(*overrides):
 
 
 def final_params(run_dir):
-    return torch.load(last_of(Path(run_dir) / "checkpoints"), weights_only=True)["params"]
+    return saved(Path(run_dir))["params"]
 
 
 def max_diff(a, b):
@@ -152,7 +152,7 @@ def test_loss_setting_picks_the_training_loss(tmp_path, examples_on_path):
 
 
 def _checkpoint(run_dir):
-    return torch.load(last_of(Path(run_dir) / "checkpoints"), weights_only=True)
+    return saved(Path(run_dir))
 
 
 def test_own_hook_and_optimizer_from_config_resume_exactly_at_zero_stage_two(tmp_path, examples_on_path):
