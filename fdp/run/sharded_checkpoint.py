@@ -23,7 +23,15 @@ process group of its own while training goes on. The next save, the end of the r
 an interrupt wait for it (``ShardedSaver.wait``).
 
 Loading, each rank asks for the ranges it will own at its own stage and world size and
-reads them straight into its state's tensors, from whichever pieces hold them.
+reads them straight into its state's tensors, from whichever pieces hold them; at stage 1 in
+a world that may shrink, its mirror of the next rank's optimizer-state slices
+(``TrainState.mirror``) from the same pieces, which are written once.
+
+Under an outer loop (``fdp.step.outer``) the ranks step apart between syncs: each writes its
+own params, inner optimizer state and in-flight pseudo-gradient whole, keyed ``rank<r>/...``,
+beside the anchor and outer optimizer state they share (``outer...``, in pieces); its
+pseudo-gradient's hook state goes in ``rank<r>.pt``. A rank the saving world did not have
+starts from rank 0's, as from a whole-file checkpoint (``fdp.run.checkpoint``).
 """
 
 from __future__ import annotations
@@ -67,7 +75,7 @@ from fdp.run.checkpoint import (
 from fdp.run.integrity import DCP_METADATA, file_entry, write_manifest
 from fdp.state.train_state import TrainState
 from fdp.update.base import Update
-from fdp.update.pieces import param_shapes, state_pieces
+from fdp.update.pieces import param_shapes, rank_pieces, state_pieces
 from fdp.update.zero.layout import shard_range
 
 __all__ = ["ShardedSaver", "load_sharded", "check_checkpoint_format", "resolved_format", "FORMATS", "FORMAT"]
@@ -149,14 +157,12 @@ def _state_tree(state: TrainState) -> dict:
 
 
 def _own_pieces(state: TrainState, plan: BucketPlan, rank: int, reading: bool = False) -> tuple[dict, dict]:
-    """Under an outer loop, what rank ``rank`` alone holds (its params, optimizer state and in-flight
-    pseudo-gradient, ``outer.overlap``): whole tensors keyed ``rank<r>/...``, written by that rank; and their
-    leaves that are not tensors (an optimizer's step count), by their unprefixed paths."""
+    """Under an outer loop, what rank ``rank`` alone holds: its params, optimizer state and in-flight
+    pseudo-gradient (``outer.overlap``), whole (``fdp.update.pieces.rank_pieces``)."""
     if not state.outer:
         return {}, {}
     own = {"params": state.params, "opt_state": state.opt_state, "outer.in_flight": state.outer.in_flight}
-    tensors, plain = state_pieces(own, plan, 0, 1, reading=reading)
-    return {f"rank{rank}/{key}": t for key, t in tensors.items()}, plain
+    return rank_pieces(own, plan, rank, reading)
 
 
 def _mirror_pieces(state: TrainState, plan: BucketPlan, comm: Comm) -> dict:
@@ -196,7 +202,9 @@ def _rank_file(rank: int) -> str:
 class ShardedSaver:
     """Writes sharded checkpoints of one world (see the module docstring); one write in flight at most.
 
-    Made on every rank; ``save`` and ``wait`` are called by every rank at the same points.
+    Made on every rank at the same point (it makes the writers' process group: a collective, here and not at the
+    first save, where a rank that failed before it would leave the others waiting on the group's rendezvous);
+    ``save`` and ``wait`` are called by every rank at the same points.
 
     >>> import tempfile
     >>> from fdp import cross_entropy_loss, functionalize, plan_buckets, planner_loss, sgd
@@ -217,12 +225,13 @@ class ShardedSaver:
 
     def __init__(self, comm: Comm, asynchronous: bool = True, timeout_s: float = 300.0):
         self.comm, self.asynchronous, self.timeout_s = comm, asynchronous, timeout_s
-        self._group = None  # the writers' own process group, made at the first save (every rank at once)
+        self._group = None  # the writers' own process group
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         # The staging copy, kept from one save to the next: its pages are touched once, not at every save.
         self._staging: dict[str, torch.Tensor] = {}
         self.last_blocked_s = self.last_write_s = 0.0
+        self._writers()
 
     def _writers(self):
         if self.comm.world_size > 1 and self._group is None:
