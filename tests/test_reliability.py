@@ -122,7 +122,9 @@ class Background(threading.Thread):
 
 
 def checkpointed(run_dir, step):
-    return (Path(run_dir) / "checkpoints" / f"step_{step:08d}.pt").exists()
+    """Whether checkpoint ``step`` is complete, in either format (a sharded one's directory is renamed in whole)."""
+    checkpoints = Path(run_dir) / "checkpoints"
+    return (checkpoints / f"step_{step:08d}.pt").exists() or (checkpoints / f"step_{step:08d}").is_dir()
 
 
 # -- the uninterrupted run, and what listened while it ran ---------------------------------

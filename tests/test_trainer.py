@@ -253,7 +253,8 @@ def test_out_of_memory_lines_name_the_phase_and_what_to_change():
     from fdp.procs.devices import MemoryPhase
     from fdp.run.out_of_memory import out_of_memory_message
 
-    cfg = make_cfg("world.memory_per_rank_mb=500", "data.global_batch_size=64", "trainer.accum_steps=2")
+    common = ["world.memory_per_rank_mb=500", "data.global_batch_size=64", "trainer.accum_steps=2"]
+    cfg = make_cfg(*common, "trainer.checkpoint_format=whole")
     phase = MemoryPhase()
     expected = {
         "data": "loading the data (MemoryError); the run does not fit world.memory_per_rank_mb=500: expected more "
@@ -280,3 +281,6 @@ def test_out_of_memory_lines_name_the_phase_and_what_to_change():
     ):
         sharded = make_cfg("trainer.checkpoint_format=sharded", f"trainer.checkpoint_async={asynchronous}")
         assert hint in out_of_memory_message(sharded, 1, 2, phase, MemoryError())
+    # The default format is sharded on two ranks (asynchronous) and whole on one.
+    assert "trainer.checkpoint_async=false" in out_of_memory_message(make_cfg(*common), 1, 2, phase, MemoryError())
+    assert "rank 0 holds the whole state" in out_of_memory_message(make_cfg(*common), 0, 1, phase, MemoryError())
