@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -313,13 +314,33 @@ def save(directory: str | os.PathLike, payload: dict, keep: int = 2) -> Path:
     point_last(directory, path.name)
     (directory / LAST).unlink(missing_ok=True)
     fsync_dir(directory)
-    for old in list(step_files(directory).values())[: -keep or None]:
-        if old != path:  # a resumed run saving a step below the newest kept: last names it
-            old.unlink()
+    prune(directory, keep, path)
     # Temporaries of a writer that was killed mid-save (only one process saves, and it is done).
     for stale in [*directory.glob(".step_*.tmp"), *directory.glob(f".{LAST}.*")]:
         stale.unlink(missing_ok=True)
     return path
+
+
+def prune(directory: str | os.PathLike, keep: int, current: Path) -> None:
+    """Remove all but the newest ``keep`` checkpoints in ``directory``, step files and sharded step directories
+    alike (a run resumed on another number of ranks may write the other format), never ``current``: a resumed run
+    saving a step below the newest kept, which ``last`` names.
+
+    >>> import tempfile
+    >>> directory = Path(tempfile.mkdtemp())
+    >>> (directory / "step_00000001").mkdir(); _ = (directory / "step_00000002.pt").write_bytes(b"")
+    >>> prune(directory, 1, directory / "step_00000002.pt"); sorted(p.name for p in directory.iterdir())
+    ['step_00000002.pt']
+    """
+    directory = Path(directory)
+    found = sorted([*step_files(directory).items(), *sharded_steps(directory).items()], key=lambda entry: entry[0])
+    for _, old in found[: -keep or None]:
+        if old == current:
+            continue
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
 
 
 def point_last(directory: str | os.PathLike, name: str) -> None:

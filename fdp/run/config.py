@@ -201,7 +201,9 @@ class TrainerConfig:
     eval_batches: int = 20  # batches of the held-out split per evaluation
     checkpoint_every: int = 100  # 0: checkpoint only at the end
     keep_checkpoints: int = 2  # step checkpoints kept (older ones are pruned; best ones apart)
-    checkpoint_format: str = "whole"  # whole (rank 0 writes one file) | sharded (each rank its share, DCP's format)
+    # auto (sharded on more than one rank, whole on one) | whole (rank 0 writes one file) | sharded (each rank its
+    # share, DCP's format)
+    checkpoint_format: str = "auto"
     # auto | true | false: write while training goes on, the loop waiting only to stage (auto: true where sharded)
     checkpoint_async: Any = "auto"
     resume: Any = False  # true: continue hydra.run.dir from its last checkpoint | PATH: start from that checkpoint

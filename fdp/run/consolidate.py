@@ -59,11 +59,8 @@ def consolidate(path: str | os.PathLike) -> dict:
             else value
         )
 
-    params = {_name(k, "params"): shaped(k, v) for k, v in whole.items() if k.startswith("params[")}
-    buffers = {_name(k, "buffers"): v for k, v in whole.items() if k.startswith("buffers[")}
-    opt = {k[len("opt_state") :]: shaped(k, v) for k, v in whole.items() if k.startswith("opt_state")}
-    opt.update({k[len("opt_state") :]: v for k, v in meta.get("plain", {}).items() if k.startswith("opt_state")})
     plain = meta.get("plain", {})
+    buffers = {_name(k, "buffers"): v for k, v in whole.items() if k.startswith("buffers[")}
     loss_scale = [whole.get(f"loss_scale{p}", plain.get(f"loss_scale{p}")) for p in meta.get("loss_scale_paths", [])]
     ranks = []
     for rank in range(int(meta["world_size"])):
@@ -71,7 +68,18 @@ def consolidate(path: str | os.PathLike) -> dict:
         mine["buffers"] = {
             n: b for n, b in mine.get("buffers", {}).items() if not torch.equal(b, buffers.get(n, b + 1))
         }
+        if "outer_paths" in mine:  # an outer loop's: each rank's own params, optimizer state and outer state
+            own = {**plain, **mine.pop("plain", {})}
+            params, opt = _params_and_opt(whole, own, f"rank{rank}/", shaped)
+            outer = _outer_leaves(whole, own, mine.pop("outer_paths"), mine.pop("outer_hook_state"), rank, shaped)
+            mine.update(params=params, opt_state=list(opt.values()), opt_state_paths=list(opt), outer=outer)
         ranks.append(mine)
+    # The model's params and optimizer state: every rank's alike, or under an outer loop rank 0's (as a whole file's).
+    params, opt = (
+        (ranks[0]["params"], dict(zip(ranks[0]["opt_state_paths"], ranks[0]["opt_state"])))
+        if ranks and "outer" in ranks[0]
+        else _params_and_opt(whole, plain, "", shaped)
+    )
     return {
         **{k: v for k, v in meta.items() if k not in _DESCRIPTION},
         "params": params,
@@ -82,6 +90,33 @@ def consolidate(path: str | os.PathLike) -> dict:
         "ranks": ranks,
         "consolidated_from": str(path),
     }
+
+
+def _params_and_opt(whole: dict, plain: dict, prefix: str, shaped) -> tuple[dict, dict]:
+    """The params by name and the optimizer state by path stored under ``prefix`` (``rank<r>/`` for one rank's)."""
+    params = {
+        _name(k[len(prefix) :], "params"): shaped(k, v) for k, v in whole.items() if k.startswith(prefix + "params[")
+    }
+    opt = {k[len(prefix + "opt_state") :]: shaped(k, v) for k, v in whole.items() if k.startswith(prefix + "opt_state")}
+    opt.update({k[len("opt_state") :]: v for k, v in plain.items() if k.startswith("opt_state")})
+    return params, opt
+
+
+def _outer_leaves(whole: dict, plain: dict, paths: list, hook_state: list, rank: int, shaped) -> list:
+    """One rank's outer-loop state as a whole file's leaves (``fdp.run.checkpoint.rank_payload``), in its
+    ``paths``' order: the anchor and outer optimizer state every rank's alike, the in-flight pseudo-gradient and
+    the hook state its own."""
+    hooks, leaves = iter(hook_state), []
+    for path in paths:
+        if path.startswith(".hook_state"):
+            leaves.append(next(hooks))
+        elif path.startswith(".in_flight"):
+            key = f"rank{rank}/outer.in_flight" + path[len(".in_flight") :]
+            leaves.append(shaped(key, whole[key]))
+        else:
+            key = "outer" + path
+            leaves.append(shaped(key, whole[key]) if key in whole else plain.get(key))
+    return leaves
 
 
 def write_consolidated(path: str | os.PathLike, to: str | os.PathLike | None = None) -> Path:

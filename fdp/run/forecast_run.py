@@ -14,6 +14,7 @@ import torch
 
 from fdp.plan import BucketPlan
 from fdp.run.forecast import Forecast, MiB, forecast
+from fdp.run.sharded_checkpoint import resolved_format
 
 __all__ = ["activations_of", "run_forecasts", "describe", "memory_section", "start_line", "micro_samples"]
 
@@ -102,7 +103,7 @@ def run_forecasts(
                     rank=rank,
                     fixed=int(fixed_mib * MiB),
                     extra_state=_extra_state_bytes(cfg, parts.plan),
-                    checkpoint_format=cfg.trainer.checkpoint_format,
+                    checkpoint_format=resolved_format(cfg.trainer.checkpoint_format, world),
                     checkpoint_async=cfg.trainer.checkpoint_async,
                     gather_itemsize=gather.itemsize if gather is not None else None,
                     reshard=cfg.trainer.reshard_after_forward,

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fdp.comm import Comm
 from fdp.data import train_batches
+from fdp.errors import ConfigError
 from fdp.model import remat
 from fdp.model.losses import make_loss_fn
 from fdp.procs.devices import MemoryPhase, batch_to_device
@@ -34,7 +35,7 @@ from fdp.run.rank_loss import rank_loss_of
 from fdp.run.rejoin import heal
 from fdp.run.report import Report
 from fdp.run.rundir import RankStatus, RunDir
-from fdp.run.sharded_checkpoint import ShardedSaver, check_checkpoint_async
+from fdp.run.sharded_checkpoint import ShardedSaver, check_checkpoint_async, resolved_format
 from fdp.state.train_state import TrainState
 from fdp.step.outer import make_outer_step
 from fdp.step.outer_spec import check_outer, join_boundaries
@@ -42,7 +43,7 @@ from fdp.step.train_step import TrainStep, make_train_step
 from fdp.trace import Timeline
 from fdp.update import zero
 
-__all__ = ["Loop", "make_step", "save_state"]
+__all__ = ["Loop", "make_step", "save_state", "saver_for"]
 
 log = logging.getLogger("fdp")
 
@@ -65,6 +66,20 @@ def save_state(
     return checkpoint.save_checkpoint(
         run_dir.checkpoints, state, parts.plan, comm, keep=cfg.trainer.keep_checkpoints, extra=extra
     )
+
+
+def saver_for(cfg: DictConfig, comm: Comm, launched: int) -> ShardedSaver | None:
+    """The writer of the run's sharded checkpoints on the world of ``comm``, or ``None`` where the run's format
+    (``trainer.checkpoint_format``, ``auto`` resolved at the size of the world it ``launched`` with: a world that
+    shrinks keeps its format) is whole."""
+    tc = cfg.trainer
+    if resolved_format(tc.checkpoint_format, launched) != "sharded":
+        try:  # under torchrun the size is known only now: true on one process is refused here
+            check_checkpoint_async(tc.checkpoint_async, "whole")
+        except ValueError as error:
+            raise ConfigError(f"{error} (trainer.checkpoint_format=auto on one process)") from None
+        return None
+    return ShardedSaver(comm, check_checkpoint_async(tc.checkpoint_async), cfg.world.timeout_s)
 
 
 def make_step(
@@ -129,20 +144,18 @@ class Loop:
         self.boundaries = join_boundaries(check_outer(OmegaConf.to_container(cfg.outer)))
         self.state = self.before = state
         self.since = time.perf_counter()
-        tc = cfg.trainer
-        self.saver = (
-            ShardedSaver(comm, check_checkpoint_async(tc.checkpoint_async), cfg.world.timeout_s)
-            if tc.checkpoint_format == "sharded"
-            else None
-        )
+        self.saver: ShardedSaver | None = None
+        self.launched = comm.world_size
         self.join(comm)
 
     def join(self, comm: Comm) -> None:
-        """The step function and this rank's batches for the world of ``comm``, from ``state`` on."""
+        """The step function, this rank's batches and its checkpoints' writer for the world of ``comm``, from
+        ``state`` on."""
         cfg = self.cfg
         self.comm = comm
-        if getattr(self, "train_step", None) is not None:  # the world changed: the old step leaves the model
-            self.train_step.abandon()
+        # A world that shrank or grew writes over its own groups: the last world's write is complete (grow) or
+        # abandoned with that world's groups (shrink; its temporary directory goes at the next save).
+        self.saver = saver_for(cfg, comm, self.launched)
         self.train_step = make_step(
             cfg, self.parts, comm, self.timeline, self.compile, donate=rank_loss_of(cfg.world).donates_state
         )
@@ -228,6 +241,8 @@ class Loop:
         this one, the global batch split again."""
         world, began = self.world, time.perf_counter()
         self.train_step.settle()
+        if self.saver is not None:
+            self.saver.wait()  # written by this world, over its groups, before the world changes
         comm = world.admit()
         extra = {"controls": self.controls.payload(self.state.step), "compile": self.compile}
         parts, self.state, _ = heal(self.cfg, world, self.parts, self.state, comm, self.device, extra)
@@ -264,6 +279,8 @@ class Loop:
         if not silent:  # every rank still beats: not a lost rank
             raise error
         world.report_broken()  # the others' collectives may wait on a live peer: they end now
+        if self.saver is not None:  # a write in flight needs the lost rank: it ends before this world's groups do
+            self.saver.abandon()
         members = set(world.members)
         leaving = whole_groups(world.members, silent, node_size_of(self.cfg))  # a lost rank's node steps out whole
         if world.me in leaving:
@@ -292,7 +309,10 @@ class Loop:
             f"({shrink.seconds_lost:.1f} s lost)"
         )
         if comm.world_size < self.cfg.world.min_ranks:
-            save_state(run_dir, self.state, comm, self.cfg, self.parts)
+            saver = saver_for(self.cfg, comm, self.launched)
+            if saver is not None:
+                saver.asynchronous = False  # the run ends here: the checkpoint is complete before it does
+            save_state(run_dir, self.state, comm, self.cfg, self.parts, saver=saver)
             raise RankLostError(
                 f"rank {', '.join(map(str, gone))} lost by step {step + 1}: {comm.world_size} left, fewer than "
                 f"world.min_ranks={self.cfg.world.min_ranks}; the last checkpoint is step {step} "

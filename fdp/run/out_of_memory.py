@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from fdp.model import remat
 from fdp.procs.devices import MemoryPhase
 from fdp.run.build import stage_of
-from fdp.run.sharded_checkpoint import check_checkpoint_async
+from fdp.run.sharded_checkpoint import check_checkpoint_async, resolved_format
 
 __all__ = ["out_of_memory_message"]
 
@@ -55,15 +55,15 @@ def out_of_memory_message(cfg: DictConfig, rank: int, world: int, phase: MemoryP
         ),
         "save": (
             f"saving the checkpoint of step {phase.step}",
-            _save_hint(tc, stage),
+            _save_hint(tc, stage, world),
         ),
     }[phase.name]
     return f"rank {rank} ran out of memory {where} ({reason}); the run does not fit {within}: expected {expected}"
 
 
-def _save_hint(tc: DictConfig, stage: int) -> str:
+def _save_hint(tc: DictConfig, stage: int, world: int) -> str:
     """What lets a save fit, by how the checkpoint is written."""
-    if tc.checkpoint_format != "sharded":
+    if resolved_format(tc.checkpoint_format, world) != "sharded":
         return (
             f"a larger budget, or trainer.checkpoint_format=sharded: rank 0 holds the whole state while it writes "
             f"it (trainer.zero_stage={stage})"

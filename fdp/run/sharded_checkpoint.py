@@ -23,7 +23,15 @@ process group of its own while training goes on. The next save, the end of the r
 an interrupt wait for it (``ShardedSaver.wait``).
 
 Loading, each rank asks for the ranges it will own at its own stage and world size and
-reads them straight into its state's tensors, from whichever pieces hold them.
+reads them straight into its state's tensors, from whichever pieces hold them; at stage 1 in
+a world that may shrink, its mirror of the next rank's optimizer-state slices
+(``TrainState.mirror``) from the same pieces, which are written once.
+
+Under an outer loop (``fdp.step.outer``) the ranks step apart between syncs: each writes its
+own params, inner optimizer state and in-flight pseudo-gradient whole, keyed ``rank<r>/...``,
+beside the anchor and outer optimizer state they share (``outer...``, in pieces); its
+pseudo-gradient's hook state goes in ``rank<r>.pt``. A rank the saving world did not have
+starts from rank 0's, as from a whole-file checkpoint (``fdp.run.checkpoint``).
 """
 
 from __future__ import annotations
@@ -61,38 +69,52 @@ from fdp.run.checkpoint import (
     hook_state_like,
     host_leaves,
     point_last,
+    prune,
     read_meta,
-    sharded_steps,
 )
 from fdp.run.integrity import DCP_METADATA, file_entry, write_manifest
 from fdp.state.train_state import TrainState
 from fdp.update.base import Update
-from fdp.update.pieces import param_shapes
+from fdp.update.pieces import param_shapes, rank_pieces, state_pieces
+from fdp.update.zero.layout import shard_range
 
-__all__ = ["ShardedSaver", "load_sharded", "check_checkpoint_format", "FORMATS", "FORMAT"]
+__all__ = ["ShardedSaver", "load_sharded", "check_checkpoint_format", "resolved_format", "FORMATS", "FORMAT"]
 
 log = logging.getLogger("fdp")
 
 FORMAT = "fdp-sharded-1"  # fdp.pt's "format": what this module writes and reads
-FORMATS = ("whole", "sharded")
+FORMATS = ("auto", "whole", "sharded")
 
 
-def check_checkpoint_format(value: Any, outer: bool = False, shrink: bool = False) -> str:
-    """``trainer.checkpoint_format``: ``whole`` (one file, rank 0 writes) or ``sharded`` (each rank its share).
+def check_checkpoint_format(value: Any) -> str:
+    """``trainer.checkpoint_format``: ``auto`` (``resolved_format``), ``whole`` (one file, rank 0 writes) or
+    ``sharded`` (each rank its share).
 
     >>> check_checkpoint_format("sharded")
     'sharded'
     >>> check_checkpoint_format("dcp")
     Traceback (most recent call last):
     ...
-    ValueError: trainer.checkpoint_format='dcp': expected whole or sharded
+    ValueError: trainer.checkpoint_format='dcp': expected auto, whole or sharded
     """
     if value not in FORMATS:
-        raise ValueError(f"trainer.checkpoint_format={value!r}: expected whole or sharded")
-    if value == "sharded" and (outer or shrink):
-        why = "an outer loop keeps params per rank" if outer else "a world that may shrink keeps per-rank mirrors"
-        raise ValueError(f"trainer.checkpoint_format='sharded': expected whole ({why})")
+        raise ValueError(f"trainer.checkpoint_format={value!r}: expected auto, whole or sharded")
     return value
+
+
+def resolved_format(value: str, world_size: int | None) -> str:
+    """The format a run of ``world_size`` ranks writes: ``auto`` is ``sharded`` on more than one rank (no rank
+    holds the whole state, and the loop waits only for a copy) and ``whole`` on one (one file, nothing to split);
+    ``None``: a world size known only at run time (under ``torchrun``), ``auto`` left as is.
+
+    >>> [resolved_format("auto", 4), resolved_format("auto", 1), resolved_format("whole", 4)]
+    ['sharded', 'whole', 'whole']
+    >>> resolved_format("auto", None)
+    'auto'
+    """
+    if value != "auto" or world_size is None:
+        return value
+    return "sharded" if world_size > 1 else "whole"
 
 
 def check_checkpoint_async(value: Any, checkpoint_format: str = "sharded") -> bool:
@@ -121,12 +143,43 @@ def check_checkpoint_async(value: Any, checkpoint_format: str = "sharded") -> bo
 
 
 def _state_tree(state: TrainState) -> dict:
+    """The logical tensors every rank holds pieces of. Under an outer loop the params and optimizer state are each
+    rank's own (``_own_tree``); the anchor and outer optimizer state are every rank's alike."""
+    if state.outer:
+        shared = state.outer._replace(hook_state=(), in_flight={})  # the hook state and in-flight sync: per rank
+        return {"outer": shared, "loss_scale": state.loss_scale, "buffers": state.buffers}
     return {
         "params": state.params,
         "opt_state": state.opt_state,
         "loss_scale": state.loss_scale,
         "buffers": state.buffers,
     }
+
+
+def _own_pieces(state: TrainState, plan: BucketPlan, rank: int, reading: bool = False) -> tuple[dict, dict]:
+    """Under an outer loop, what rank ``rank`` alone holds: its params, optimizer state and in-flight
+    pseudo-gradient (``outer.overlap``), whole (``fdp.update.pieces.rank_pieces``)."""
+    if not state.outer:
+        return {}, {}
+    own = {"params": state.params, "opt_state": state.opt_state, "outer.in_flight": state.outer.in_flight}
+    return rank_pieces(own, plan, rank, reading)
+
+
+def _mirror_pieces(state: TrainState, plan: BucketPlan, comm: Comm) -> dict:
+    """Reading, the pieces a stage-1 state's mirror of the next rank's slices (``TrainState.mirror``, a world that
+    may shrink) is filled from: that rank's ranges of the optimizer state's logical tensors (never saved twice)."""
+    if not state.mirror:
+        return {}
+    mirrored, world = (comm.rank + 1) % comm.world_size, comm.world_size
+    tensors, _ = state_pieces(
+        {"opt_state": state.mirror},
+        plan,
+        comm.rank,
+        world,
+        lambda index: shard_range(plan.buckets[index], mirrored, world),
+        reading=True,
+    )
+    return tensors
 
 
 def _staged(tensor: torch.Tensor, pin: bool, into: torch.Tensor | None = None) -> torch.Tensor:
@@ -138,6 +191,10 @@ def _staged(tensor: torch.Tensor, pin: bool, into: torch.Tensor | None = None) -
     return mark_chunk(copy, *chunk) if chunk else copy
 
 
+def _plain_values(plain: dict) -> dict:
+    return {k: v for k, v in plain.items() if isinstance(v, (int, float, bool, str, type(None)))}
+
+
 def _rank_file(rank: int) -> str:
     return f"rank{rank}.pt"
 
@@ -145,7 +202,9 @@ def _rank_file(rank: int) -> str:
 class ShardedSaver:
     """Writes sharded checkpoints of one world (see the module docstring); one write in flight at most.
 
-    Made on every rank; ``save`` and ``wait`` are called by every rank at the same points.
+    Made on every rank at the same point (it makes the writers' process group: a collective, here and not at the
+    first save, where a rank that failed before it would leave the others waiting on the group's rendezvous);
+    ``save`` and ``wait`` are called by every rank at the same points.
 
     >>> import tempfile
     >>> from fdp import cross_entropy_loss, functionalize, plan_buckets, planner_loss, sgd
@@ -166,12 +225,13 @@ class ShardedSaver:
 
     def __init__(self, comm: Comm, asynchronous: bool = True, timeout_s: float = 300.0):
         self.comm, self.asynchronous, self.timeout_s = comm, asynchronous, timeout_s
-        self._group = None  # the writers' own process group, made at the first save (every rank at once)
+        self._group = None  # the writers' own process group
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         # The staging copy, kept from one save to the next: its pages are touched once, not at every save.
         self._staging: dict[str, torch.Tensor] = {}
         self.last_blocked_s = self.last_write_s = 0.0
+        self._writers()
 
     def _writers(self):
         if self.comm.world_size > 1 and self._group is None:
@@ -190,6 +250,15 @@ class ShardedSaver:
         if error is not None:
             raise CheckpointError(f"the asynchronous checkpoint write failed: {error}") from error
 
+    def abandon(self) -> None:
+        """After a lost rank: let the write in flight end (it fails within the writers' group's timeout, at its next
+        collective with the lost rank, or completes) and drop it; its temporary directory goes at the next save."""
+        if self._thread is not None:
+            self._thread.join(self.timeout_s + 5)
+            if self._thread.is_alive() or self._error is not None:
+                log.warning(f"the checkpoint write in flight was abandoned: {self._error or 'still waiting'}")
+        self._thread, self._error = None, None
+
     def save(
         self,
         directory: str | os.PathLike,
@@ -204,6 +273,8 @@ class ShardedSaver:
         self.wait()
         comm, group = self.comm, self._writers()
         tensors, plain = update.checkpoint_pieces(_state_tree(state), comm)
+        own, own_plain = _own_pieces(state, plan, comm.rank)
+        tensors.update(own)
         pin = torch.cuda.is_available() and any(t.is_cuda for t in tensors.values())
         if self.asynchronous:  # the loop goes on with the state: the thread writes a copy
             tensors = {key: _staged(t, pin, self._staging.get(key)) for key, t in tensors.items()}
@@ -214,6 +285,12 @@ class ShardedSaver:
             "cuda_rng": state.cuda_rng,
             "buffers": {n: b.detach().cpu().clone() for n, b in state.buffers.items()},
         }
+        if state.outer:  # each rank's own: the pseudo-gradient's hook state, its optimizer's step count
+            mine.update(
+                plain=_plain_values(own_plain),
+                outer_hook_state=host_leaves(state.outer.hook_state),
+                outer_paths=tree_paths(state.outer),
+            )
         meta = {
             "format": FORMAT,
             "step": int(state.step),
@@ -221,7 +298,7 @@ class ShardedSaver:
             "stage": update.stage,
             "world_size": comm.world_size,
             "shapes": {name: list(shape) for name, shape in param_shapes(plan).items()},
-            "plain": {k: v for k, v in plain.items() if isinstance(v, (int, float, bool, str, type(None)))},
+            "plain": _plain_values(plain),
             "loss_scale_paths": tree_paths(state.loss_scale),
             **(extra or {}),
         }
@@ -299,8 +376,7 @@ def _publish(directory: Path, tmp: Path, step: int, keep: int) -> None:
     os.replace(tmp, final)
     fsync_dir(directory)
     point_last(directory, final.name)
-    for old in list(sharded_steps(directory).values())[: -keep or None]:
-        shutil.rmtree(old, ignore_errors=True)
+    prune(directory, keep, final)
     for stale in directory.glob("step_*.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
 
@@ -324,28 +400,39 @@ def load_sharded(path: str | os.PathLike, like: TrainState, update: Update, plan
             f"plan {str(meta.get('plan_fingerprint'))[:12]}, this run's {plan.on_cpu().fingerprint()[:12]}"
         )
     agree_on_refusal(refused, comm)
-    tree = _state_tree(like)
-    tensors, _ = update.checkpoint_pieces(tree, comm, reading=True)
+    saved_world = int(meta.get("world_size", 0))
+    # Under an outer loop a rank the saving world did not have goes on from rank 0's own params (as a whole-file
+    # checkpoint's does: fdp.run.checkpoint).
+    source = comm.rank if comm.rank < saved_world else 0
+    tensors, _ = update.checkpoint_pieces(_state_tree(like), comm, reading=True)
+    tensors.update(_own_pieces(like, plan, source, reading=True)[0])
     try:
-        with single_process_dcp(comm.world_size == 1):
-            dcp.load(
-                tensors,
-                storage_reader=dcp.FileSystemReader(path),
-                planner=chunk_load_planner(),
-                process_group=comm.group,
-                no_dist=comm.world_size == 1,
-            )
+        # The mirror reads the same logical tensors as the optimizer state, other ranges: a read of its own.
+        for wanted in (tensors, _mirror_pieces(like, plan, comm)):
+            if wanted or wanted is tensors:
+                with single_process_dcp(comm.world_size == 1):
+                    dcp.load(
+                        wanted,
+                        storage_reader=dcp.FileSystemReader(path),
+                        planner=chunk_load_planner(),
+                        process_group=comm.group,
+                        no_dist=comm.world_size == 1,
+                    )
     except Exception as error:  # DCP names the first tensor it could not read
         refused = f"checkpoint {path} does not fit this run's state: {str(error).strip().splitlines()[-1][:300]}"
-    mine_path = path / _rank_file(comm.rank)
-    mine = None
-    if refused is None and comm.rank < int(meta.get("world_size", 0)) and not mine_path.exists():
-        refused = f"checkpoint {mine_path} is missing (the checkpoint was written by {meta['world_size']} ranks)"
-    if refused is None and mine_path.exists():
-        try:
-            mine = torch.load(mine_path, map_location="cpu", weights_only=True)
-        except Exception as error:
-            refused = f"checkpoint {mine_path} is unreadable: {type(error).__name__}"
+    mine, own = None, None
+    for rank in dict.fromkeys((comm.rank, source) if like.outer else (comm.rank,)):
+        rank_path = path / _rank_file(rank)
+        if refused is None and rank < saved_world and not rank_path.exists():
+            refused = f"checkpoint {rank_path} is missing (the checkpoint was written by {meta['world_size']} ranks)"
+        if refused is None and rank_path.exists():
+            try:
+                loaded = torch.load(rank_path, map_location="cpu", weights_only=True)
+            except Exception as error:
+                refused = f"checkpoint {rank_path} is unreadable: {type(error).__name__}"
+            else:
+                mine = loaded if rank == comm.rank else mine
+                own = loaded if rank == source else own
     state = like
     if refused is None and mine is not None:  # a rank the saving world did not have starts its hook state fresh
         try:
@@ -359,13 +446,27 @@ def load_sharded(path: str | os.PathLike, like: TrainState, update: Update, plan
             state = like._replace(
                 hook_state=hook_state, rng=mine["rng"], cuda_rng=cuda_rng if on_gpu else like.cuda_rng, buffers=buffers
             )
+    if refused is None and like.outer:
+        try:  # the pseudo-gradient's hook state is each rank's own: a rank new to the world starts it fresh
+            outer_hook_state = (
+                hook_state_like(like.outer.hook_state, mine["outer_hook_state"], path)
+                if mine is not None and "outer_hook_state" in mine
+                else like.outer.hook_state
+            )
+        except CheckpointError as error:
+            refused = str(error)
     agree_on_refusal(refused, comm)
-    plain = meta.get("plain", {})
-    return state._replace(
+    plain = {**meta.get("plain", {}), **((own or {}).get("plain", {}))}
+    state = state._replace(
         step=int(meta["step"]),
         opt_state=_with_plain(state.opt_state, "opt_state", plain),
         loss_scale=_with_plain(state.loss_scale, "loss_scale", plain),
+        mirror=_with_plain(state.mirror, "opt_state", plain),
     )
+    if like.outer:
+        outer = _with_plain(state.outer._replace(hook_state=()), "outer", plain)
+        state = state._replace(outer=outer._replace(hook_state=outer_hook_state))
+    return state
 
 
 def _with_plain(tree: Any, prefix: str, plain: dict) -> Any:
@@ -376,8 +477,3 @@ def _with_plain(tree: Any, prefix: str, plain: dict) -> Any:
         [leaf if isinstance(leaf, torch.Tensor) else plain.get(prefix + p, leaf) for p, leaf in zip(paths, leaves)],
         spec,
     )
-
-
-def state_leaves_nbytes(state: TrainState) -> int:
-    """Bytes of the tensors a checkpoint of ``state`` holds on this rank (params, optimizer state, buffers)."""
-    return sum(t.numel() * t.element_size() for t in tree_flatten(_state_tree(state))[0] if isinstance(t, torch.Tensor))

@@ -449,7 +449,7 @@ def run_ranks(cfg: DictConfig, run_dir: str | Path, callbacks: Sequence = ()) ->
 def _lost_message(run_dir: RunDir, error: WorkerFailedError) -> str:
     step = RankStatus.read(run_dir, error.rank).get("step")
     at = f" at step {step}" if step else " before step 1"
-    steps = list(checkpoint.step_files(run_dir.checkpoints))
+    steps = sorted({*checkpoint.step_files(run_dir.checkpoints), *checkpoint.sharded_steps(run_dir.checkpoints)})
     resume = (
         (
             f"the last checkpoint is step {steps[-1]} (continue with trainer.resume=true, or set "

@@ -43,7 +43,7 @@ from fdp.run.loggers import check_loggers
 from fdp.run.loop_controls import check_loop_settings
 from fdp.run.rank_loss import check_one_process, check_rank_loss, check_rank_loss_in_world, rank_loss_of
 from fdp.run.rundir import RunDir
-from fdp.run.sharded_checkpoint import check_checkpoint_async, check_checkpoint_format
+from fdp.run.sharded_checkpoint import check_checkpoint_async, check_checkpoint_format, resolved_format
 from fdp.state.replicas import check_sync_buffers
 from fdp.step.compiled import check_compile
 from fdp.step.outer_spec import check_outer
@@ -110,13 +110,13 @@ def _validate_trainer(cfg: Any) -> None:
     _as_config_key("trainer.matmul_precision", check_matmul_precision, t.matmul_precision)
     _as_config_key("trainer.compile", lambda value: check_compile(value, device), t.compile)
     _as_config_key("trainer.zero_stage", check_zero_stage, t.zero_stage)
+    _as_config_key("trainer.checkpoint_format", check_checkpoint_format, t.checkpoint_format)
+    # auto's format is known where the world size is (under torchrun, only to the ranks: fdp.run.loop.saver_for)
+    checkpoint_format = resolved_format(t.checkpoint_format, _known_world_size(cfg.world))
     _as_config_key(
-        "trainer.checkpoint_format",
-        lambda value: check_checkpoint_format(value, cfg.outer.name != "none", rank_loss.shrinks),
-        t.checkpoint_format,
-    )
-    _as_config_key(
-        "trainer.checkpoint_async", lambda value: check_checkpoint_async(value, t.checkpoint_format), t.checkpoint_async
+        "trainer.checkpoint_async",
+        lambda value: check_checkpoint_async(value, "sharded" if checkpoint_format == "auto" else checkpoint_format),
+        t.checkpoint_async,
     )
     _as_config_key("trainer.sample_streams", check_sample_streams, t.sample_streams)
     _as_config_key("trainer.activation_checkpointing", remat.check_mode, t.activation_checkpointing)
@@ -151,6 +151,15 @@ def _validate_trainer(cfg: Any) -> None:
     check_callbacks(_container(t.callbacks))
     check_loop_settings(t)
     _as_config_key("outer", check_outer, _container(cfg.outer))
+
+
+def _known_world_size(w: Any) -> int | None:
+    """The world's size where it is known before the ranks start; ``None`` under a launcher that starts them."""
+    try:
+        kind = launcher_of(w.launcher)
+    except ConfigError:  # refused in its own words by _validate_world
+        return None
+    return None if kind.starts_ranks else w.nnodes * w.nproc_per_node
 
 
 def _validate_world(cfg: Any) -> None:

@@ -36,7 +36,7 @@ import torch
 from fdp._torch import mark_chunk, tree_flatten, tree_paths
 from fdp.plan import BucketPlan
 
-__all__ = ["state_pieces", "logical_key", "param_shapes", "SliceRange"]
+__all__ = ["state_pieces", "rank_pieces", "logical_key", "param_shapes", "SliceRange"]
 
 SliceRange = Callable[[int], tuple[int, int]]  # bucket index -> this rank's (start, stop) in its padded flat layout
 
@@ -120,3 +120,19 @@ def state_pieces(
                 continue
             tensors[key] = leaf  # a leaf of no parameter: whole everywhere
     return tensors, plain
+
+
+def rank_pieces(
+    tree: dict[str, Any], plan: BucketPlan, rank: int, reading: bool = False
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """``state_pieces`` of what rank ``rank`` alone holds (an outer loop's own params between syncs): whole
+    logical tensors keyed ``rank<r>/...``, that rank's to write; and the leaves that are not tensors, unprefixed.
+
+    >>> from fdp.plan import pack_into_buckets
+    >>> plan = pack_into_buckets([("w", (2,), "float32", "cpu")])
+    >>> tensors, _ = rank_pieces({"params": {"w": torch.ones(2)}}, plan, rank=3)
+    >>> list(tensors), tensors["rank3/params['w']"].global_shape
+    (["rank3/params['w']"], (2,))
+    """
+    tensors, plain = state_pieces(tree, plan, 0, 1, reading=reading)
+    return {f"rank{rank}/{key}": t for key, t in tensors.items()}, plain

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _saved import saved
 from torch.utils import _pytree as pytree
 
 import fdp
@@ -22,7 +23,6 @@ from fdp.data import global_batch, load_dataset, shard
 from fdp.hooks import allreduce
 from fdp.model.builtin import build_model
 from fdp.procs.devices import batch_to_device, to_device
-from fdp.run import checkpoint
 from fdp.run.config import compose
 from fdp.run.trainer import run
 
@@ -48,7 +48,7 @@ CHARLM = [
 
 
 def _params(run_dir: Path) -> dict:
-    return checkpoint.load(checkpoint.last_of(run_dir / "checkpoints"))["params"]
+    return saved(run_dir)["params"]
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -160,9 +160,7 @@ def test_dropout_on_the_gpu_resumes_where_it_stopped(tmp_path):
     run(compose(*common), tmp_path / "straight")
     run(compose(*common, "trainer.stop_at=6"), tmp_path / "resumed")
     run(compose(*common, "trainer.resume=true"), tmp_path / "resumed")
-    straight, resumed = (
-        checkpoint.load(checkpoint.last_of(tmp_path / d / "checkpoints")) for d in ("straight", "resumed")
-    )
+    straight, resumed = (saved(tmp_path / d) for d in ("straight", "resumed"))
     # The CUDA generator carried over: after 12 steps it is where the uninterrupted run's is.
     assert straight["ranks"][0]["cuda_rng"].numel() > 0
     assert torch.equal(straight["ranks"][0]["cuda_rng"], resumed["ranks"][0]["cuda_rng"])

@@ -17,6 +17,7 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 from _examples import example_command, train_example  # noqa: E402
+from _saved import saved  # noqa: E402
 
 from fdp import init_train_state, make_train_step, planner_loss  # noqa: E402
 from fdp.comm import Comm  # noqa: E402
@@ -26,7 +27,6 @@ from fdp.model.functional import functionalize  # noqa: E402
 from fdp.model.losses import TokenCrossEntropy, make_loss_fn  # noqa: E402
 from fdp.optim import adam  # noqa: E402
 from fdp.plan import plan_buckets  # noqa: E402
-from fdp.run.checkpoint import last_of  # noqa: E402
 
 # The classes are imported lazily by transformers: once here, for the processes forked from this one too.
 _ = transformers.GPT2LMHeadModel, transformers.ByT5Tokenizer, transformers.DataCollatorForLanguageModeling
@@ -184,7 +184,7 @@ def _in_process(run_dir, *overrides):
 
 
 def _params(run_dir):
-    return torch.load(last_of(Path(run_dir) / "checkpoints"), weights_only=True)["params"]
+    return saved(Path(run_dir))["params"]
 
 
 def test_hf_example_trains_on_two_processes_as_on_one_and_resumes_bit_exactly(tmp_path, monkeypatch):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import _recipe
 import pytest
-import torch
+from _saved import saved
 
 from fdp.procs.interrupt import GRACE_S, Burst, StoppedAtOnce, StopSignals, check_requeue_signal, exit_code, requeue_job
 from fdp.run.checkpoint import last_of
@@ -108,7 +108,7 @@ def lines(text):
 
 
 def checkpoint_step(run_dir):
-    return torch.load(last_of(Path(run_dir) / "checkpoints"), weights_only=True)["step"]
+    return saved(Path(run_dir))["step"]
 
 
 def interrupted_line(step, signame, run_dir):
@@ -162,6 +162,10 @@ def test_a_second_signal_stops_a_stuck_local_world_at_once(tmp_path):
     second signal kills the workers and the run ends with one line naming the last checkpoint."""
     proc = start(tmp_path, "world=local2", "world.backend=gloo", "world.timeout_s=60", "trainer.checkpoint_every=5")
     wait_training(proc, tmp_path, ranks=(0, 1), steps=7)
+    # Two ranks write sharded checkpoints in the background: step 5's complete (named by last) before rank 1 stops.
+    while not (tmp_path / "checkpoints" / "last").exists():
+        assert proc.poll() is None
+        time.sleep(0.05)
     os.kill(RankStatus.read(tmp_path, 1)["pid"], signal.SIGSTOP)
     os.kill(proc.pid, signal.SIGTERM)
     time.sleep(GRACE_S + 0.3)  # a second signal sooner would be the same request (test_a_burst_of_signals...)

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from _paths import pythonpath_first
 from _procs import alive
+from _saved import saved
 from omegaconf import OmegaConf
 
 from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
@@ -70,11 +71,12 @@ REFERENCE = [
     *LOCAL2,
     f"trainer.max_steps={STEPS}",
     f"trainer.checkpoint_every={EVERY}",
+    "trainer.checkpoint_format=whole",  # its files, written by rank 0 (sharded ones: tests/test_sharded_checkpoint.py)
 ]
 
 
 def final_params(run_dir):
-    return torch.load(checkpoint.last_of(Path(run_dir) / "checkpoints"), weights_only=True)["params"]
+    return saved(Path(run_dir))["params"]
 
 
 def assert_same_params(a, b):
@@ -114,7 +116,9 @@ class Background(threading.Thread):
 
 
 def checkpointed(run_dir, step):
-    return (Path(run_dir) / "checkpoints" / f"step_{step:08d}.pt").exists()
+    """Whether checkpoint ``step`` is complete, in either format (a sharded one's directory is renamed in whole)."""
+    checkpoints = Path(run_dir) / "checkpoints"
+    return (checkpoints / f"step_{step:08d}.pt").exists() or (checkpoints / f"step_{step:08d}").is_dir()
 
 
 # -- the uninterrupted run, and what listened while it ran ---------------------------------
@@ -800,6 +804,7 @@ def test_nonfinite_skip_keeps_every_rank_unchanged_and_counts_skips(tmp_path):
     cfg = make_cfg(
         *DIVERGING,
         "trainer.nonfinite=skip",
+        "trainer.checkpoint_format=whole",  # each rank's params, added to the whole file's rank parts
         f"trainer.max_steps={steps}",
         "trainer.log_every=1",
         "trainer.checkpoint_every=1",

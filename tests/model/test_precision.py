@@ -11,6 +11,7 @@ import logging
 
 import pytest
 import torch
+from _saved import saved
 from torch import nn
 
 from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
@@ -22,7 +23,6 @@ from fdp.model.precision import LossScale, Precision, check_precision, init_loss
 from fdp.optim import adam, sgd
 from fdp.plan import plan_buckets
 from fdp.run import checkpoint
-from fdp.run.checkpoint import last_of
 from fdp.run.config import ConfigError, compose
 from fdp.run.validate import validate
 
@@ -273,8 +273,8 @@ def test_16_mixed_run_resumes_bit_exact(tmp_path):
     run(compose(*common), straight)
     run(compose(*common, "trainer.stop_at=5"), stopped)
     run(compose(*common, "trainer.resume=true"), stopped)
-    a = torch.load(last_of(straight / "checkpoints"), weights_only=True)
-    b = torch.load(last_of(stopped / "checkpoints"), weights_only=True)
+    a = saved(straight)
+    b = saved(stopped)
     assert a["step"] == b["step"] == 10
     assert [t.item() for t in a["loss_scale"]] == [t.item() for t in b["loss_scale"]] == [2.0**16, 10]
     for name in a["params"]:

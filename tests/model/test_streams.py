@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from _saved import saved
 
 from fdp import adam, functionalize, make_train_step, plan_buckets, planner_loss
 from fdp.comm import Comm
@@ -14,7 +15,6 @@ from fdp.errors import ConfigError
 from fdp.model.builtin import CharTransformer
 from fdp.model.losses import cross_entropy_loss
 from fdp.model.streams import SampleStreams
-from fdp.run.checkpoint import last_of
 from fdp.run.config import compose
 from fdp.run.rank_loss import rank_loss_of
 from fdp.run.trainer import run
@@ -155,7 +155,7 @@ def test_world_single_and_local2_train_the_same_params_with_dropout(tmp_path):
     params = {}
     for world in ("single", "local2"):
         run(compose(*common, f"world={world}"), tmp_path / world)
-        params[world] = torch.load(last_of(tmp_path / world / "checkpoints"), weights_only=True)["params"]
+        params[world] = saved(tmp_path / world)["params"]
     for name, value in params["single"].items():
         torch.testing.assert_close(params["local2"][name], value, rtol=0, atol=1e-5)
 

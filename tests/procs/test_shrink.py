@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 from _procs import alive
+from _saved import saved
 
 from fdp.procs.launch import WorkerFailedError
 from fdp.procs.shrink import ShrinkingWorld, check_shrinkable_batch, shrink_store
-from fdp.run.checkpoint import last_of
 from fdp.run.config import ConfigError, compose
 from fdp.run.rundir import RankStatus
 from fdp.run.trainer import run
@@ -84,7 +84,7 @@ class Signaller:
 
 
 def final_params(run_dir):
-    return torch.load(last_of(Path(run_dir) / "checkpoints"), weights_only=True)["params"]
+    return saved(Path(run_dir))["params"]
 
 
 def records(run_dir):
@@ -146,7 +146,7 @@ def _check_shrunk_run(result, reference):
     assert shrink["lost"] == [2] and shrink["world"] == 2
     assert KILL_AT - 1 <= shrink["step"] <= victim["step"]
     # Nothing to read: the only checkpoint is the one written at the end.
-    assert sorted(p.name for p in (result["dir"] / "checkpoints").glob("step_*.pt")) == [f"step_{STEPS:08d}.pt"]
+    assert sorted(p.name for p in (result["dir"] / "checkpoints").glob("step_*")) == [f"step_{STEPS:08d}"]
     assert [r for r in records(result["dir"]) if r.get("shrink")] == [{"shrink": True, **shrink}]
     assert_close_params(final_params(result["dir"]), reference["params"])
     assert shrink["seconds_lost"] <= TIMEOUT_S + 10
@@ -280,8 +280,7 @@ def test_a_world_under_min_ranks_ends_in_one_line_with_a_checkpoint_to_resume(tm
     assert match, message
     step = int(match[2])
     assert int(match[1]) == step + 1 and 19 <= step <= signaller.victim["step"]
-    saved = torch.load(last_of(tmp_path / "checkpoints"), weights_only=True)
-    assert saved["step"] == step
+    assert saved(tmp_path)["step"] == step
     # Usable: the run goes on from it (here on one process) to the end.
     resumed = run(compose(*RUN, "world=single", "trainer.resume=true"), tmp_path)
     assert resumed["steps"] == STEPS and resumed["world"] == 1

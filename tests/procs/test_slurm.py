@@ -10,10 +10,10 @@ from pathlib import Path
 import _recipe
 import pytest
 import torch
+from _saved import saved
 
 from fdp.procs.launch import LOOPBACK, launch_rank
 from fdp.procs.slurm import JobWorld, expand_nodelist, job_world, port_for_job, slurm_world
-from fdp.run.checkpoint import last_of
 from fdp.run.config import ConfigError
 
 
@@ -165,7 +165,7 @@ def _finish(started):
 
 
 def _params(run_dir):
-    return torch.load(last_of(run_dir / "checkpoints"), weights_only=True)["params"]
+    return saved(run_dir)["params"]
 
 
 def _losses(run_dir):

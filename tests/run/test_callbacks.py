@@ -14,11 +14,11 @@ import pytest
 import torch
 from _loop_callbacks import KeepsWhole, Recorder
 from _paths import pythonpath_first
+from _saved import saved
 
 from fdp.comm import Comm
 from fdp.errors import ConfigError
 from fdp.run.callbacks import Callback, CallbackError, Callbacks
-from fdp.run.checkpoint import last_of
 from fdp.run.config import compose
 from fdp.run.consolidate import consolidate
 from fdp.run.trainer import run
@@ -145,11 +145,11 @@ def test_state_is_restored_exactly_on_resume_from_python(tmp_path, fmt):
 def test_at_every_stage_a_callback_sees_the_params_the_checkpoint_holds(tmp_path, stage):
     keeps = KeepsWhole()
     run(compose(*SMALL, f"trainer.zero_stage={stage}"), tmp_path, callbacks=[keeps])
-    saved = torch.load(last_of(tmp_path / "checkpoints"), weights_only=True)["params"]
-    assert sorted(keeps.params) == sorted(saved)
-    assert all(torch.equal(keeps.params[name], saved[name]) for name in saved)
+    params = saved(tmp_path)["params"]
+    assert sorted(keeps.params) == sorted(params)
+    assert all(torch.equal(keeps.params[name], params[name]) for name in params)
     # What it was shown: the params by name, or at stage 3 this rank's slices by bucket.
-    assert keeps.shown == (["bucket0", "bucket1", "bucket2"] if stage == 3 else sorted(saved))
+    assert keeps.shown == (["bucket0", "bucket1", "bucket2"] if stage == 3 else sorted(params))
 
 
 # -- failures ----------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _saved import saved
 from torch.utils.data import TensorDataset
 
 from fdp.comm import Comm
@@ -35,7 +36,7 @@ SMALL = [
 
 def checkpoint(run_dir, name=None):
     checkpoints = Path(run_dir) / "checkpoints"
-    return torch.load(last_of(checkpoints) if name is None else checkpoints / name, weights_only=True)
+    return saved(checkpoints if name is None else checkpoints / name)
 
 
 def max_diff(a, b):

@@ -197,6 +197,31 @@ def test_a_checkpoint_saved_without_a_manifest_resumes_and_is_checked_by_its_own
         verify(last)
 
 
+def _mirror_at(rank, world, directory):
+    """The mirror (the next rank's optimizer-state slices, kept at stage 1 in a world that may shrink) read from the
+    sharded checkpoint, and the one the whole-file route makes: the state read whole (stage 0), then sharded."""
+    model, params, buffers, _, _, plan = _parts(rank, world)
+    comm = Comm()
+    mirrored = zero.update_for(1, adam(1e-2), plan, comm, model=model, mirror=True)
+    like = mirrored.first_state(params, buffers, allreduce(), comm)
+    state = load_sharded(checkpoint.resolve(directory), like, mirrored, plan, comm)
+    whole = zero.update_for(0, adam(1e-2), plan, comm, model=model)
+    as_whole = load_sharded(
+        checkpoint.resolve(directory), whole.first_state(params, buffers, allreduce(), comm), whole, plan, comm
+    )
+    expected = zero.shard_state(as_whole, plan, comm, stage=1, mirror=True).mirror
+    return checkpoint.host_leaves(state.mirror), checkpoint.host_leaves(expected)
+
+
+def test_a_world_that_may_shrink_reads_its_mirror_of_the_next_ranks_slices(saved, run_ranks):
+    """Stage 1 in a world that may shrink keeps the next rank's optimizer-state slices: read from the same logical
+    tensors as the optimizer state (never written twice), equal to what the whole-file route builds."""
+    directory, _, _ = saved
+    for got, expected in run_ranks(_mirror_at, directory):
+        assert len(got) == len(expected) and any(isinstance(t, torch.Tensor) and t.abs().sum() > 0 for t in got)
+        assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(got, expected))
+
+
 def _refusal_at(rank, world, stage, directory):
     try:
         _resume_at(rank, world, stage, directory)
@@ -274,3 +299,34 @@ def test_four_ranks_at_stage_3_checkpoint_and_two_resume_under_a_memory_cap_like
     assert one["step"] == 8 and all(
         torch.allclose(one["params"][n], p, atol=1e-5) for n, p in straight["params"].items()
     )
+
+
+def _consolidated_params(run_dir):
+    return (
+        consolidate(run_dir)["params"]
+        if checkpoint.is_sharded(checkpoint.resolve(run_dir))
+        else (checkpoint.load(checkpoint.resolve(run_dir))["params"])
+    )
+
+
+@pytest.mark.timeout(900)  # five two-rank runs and two in one process
+def test_a_world_that_may_shrink_checkpoints_sharded_and_resumes_on_two_ranks_and_on_one(tmp_path):
+    """Two ranks at stage 1 under world.on_rank_loss=shrink (each mirroring the next rank's slices) stopped at step 4
+    in the default format (sharded, on two ranks): resumed on two ranks they end bit for bit as the uninterrupted run;
+    resumed in one process, as the same run checkpointed whole and resumed there."""
+    from fdp.run.trainer import run
+
+    shrinking = [*RUN[:-1], "world=local2", "world.on_rank_loss=shrink", "trainer.zero_stage=1"]
+    run(compose(*shrinking), tmp_path / "straight")
+    for fmt in ("auto", "whole"):
+        run(compose(*shrinking, f"trainer.checkpoint_format={fmt}", "trainer.stop_at=4"), tmp_path / fmt)
+        shutil.copytree(tmp_path / fmt, tmp_path / f"{fmt}_on_one")
+    assert checkpoint.is_sharded(checkpoint.resolve(tmp_path / "auto"))
+    assert not checkpoint.is_sharded(checkpoint.resolve(tmp_path / "whole"))
+    run(compose(*shrinking, "trainer.resume=true"), tmp_path / "auto")
+    straight, two = _consolidated_params(tmp_path / "straight"), _consolidated_params(tmp_path / "auto")
+    assert _equal(two, straight)
+    for fmt in ("auto", "whole"):
+        run(compose(*RUN[:-1], "trainer.resume=true"), tmp_path / f"{fmt}_on_one")
+    one, one_from_whole = (_consolidated_params(tmp_path / f"{fmt}_on_one") for fmt in ("auto", "whole"))
+    assert _equal(one, one_from_whole) and all(torch.allclose(one[n], p, atol=1e-5) for n, p in straight.items())

@@ -8,8 +8,8 @@ import pytest
 import torch
 from _configs import quiet as make_cfg
 from _paths import pythonpath_first
+from _saved import saved
 
-from fdp.run.checkpoint import last_of
 from fdp.run.config import register_configs
 from fdp.run.trainer import run
 
@@ -52,7 +52,7 @@ def examples_on_path(monkeypatch):
 
 
 def final_params(run_dir):
-    return torch.load(last_of(Path(run_dir) / "checkpoints"), weights_only=True)["params"]
+    return saved(Path(run_dir))["params"]
 
 
 def max_diff(a, b):
@@ -146,7 +146,7 @@ def test_loss_setting_picks_the_training_loss(tmp_path, examples_on_path):
 
 
 def _checkpoint(run_dir):
-    return torch.load(last_of(Path(run_dir) / "checkpoints"), weights_only=True)
+    return saved(Path(run_dir))
 
 
 def test_own_hook_and_optimizer_from_config_resume_exactly_at_zero_stage_two(tmp_path, examples_on_path):
@@ -247,7 +247,8 @@ def test_out_of_memory_lines_name_the_phase_and_what_to_change():
     from fdp.procs.devices import MemoryPhase
     from fdp.run.out_of_memory import out_of_memory_message
 
-    cfg = make_cfg("world.memory_per_rank_mb=500", "data.global_batch_size=64", "trainer.accum_steps=2")
+    common = ["world.memory_per_rank_mb=500", "data.global_batch_size=64", "trainer.accum_steps=2"]
+    cfg = make_cfg(*common, "trainer.checkpoint_format=whole")
     phase = MemoryPhase()
     expected = {
         "data": "loading the data (MemoryError); the run does not fit world.memory_per_rank_mb=500: expected more "
@@ -274,3 +275,6 @@ def test_out_of_memory_lines_name_the_phase_and_what_to_change():
     ):
         sharded = make_cfg("trainer.checkpoint_format=sharded", f"trainer.checkpoint_async={asynchronous}")
         assert hint in out_of_memory_message(sharded, 1, 2, phase, MemoryError())
+    # The default format is sharded on two ranks (asynchronous) and whole on one.
+    assert "trainer.checkpoint_async=false" in out_of_memory_message(make_cfg(*common), 1, 2, phase, MemoryError())
+    assert "rank 0 holds the whole state" in out_of_memory_message(make_cfg(*common), 0, 1, phase, MemoryError())

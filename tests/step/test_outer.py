@@ -9,12 +9,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _saved import saved
 from omegaconf import OmegaConf
 
 from fdp import Comm, adam, cross_entropy_loss, functionalize, init_train_state, plan_buckets, planner_loss, sgd
 from fdp.hooks import allreduce, lowbit
 from fdp.plan import pack_into_buckets, split_fragments
 from fdp.procs.launch import spawn
+from fdp.run import checkpoint
 from fdp.run.checkpoint import last_of
 from fdp.run.config import ConfigError, DiLoCoConfig, LocalSGDConfig, compose
 from fdp.run.trainer import run, train_worker
@@ -381,7 +383,7 @@ POWERSGD = ["hooks=powersgd", "hooks.start_iter=1", "hooks.min_compression_rate=
 
 
 def _checkpoint(run_dir):
-    return torch.load(last_of(Path(run_dir) / "checkpoints"), weights_only=True)
+    return saved(Path(run_dir))
 
 
 # Streaming: two fragments (syncs after steps 2, 6, 10 and 4, 8), each sent behind the next step,
@@ -411,7 +413,7 @@ def uninterrupted(tmp_path_factory):
     def last_checkpoint(variant):
         if variant not in made:
             made[variant] = tmp_path_factory.mktemp(f"whole-{variant}")
-            run(compose(*RUN, *VARIANTS[variant]), made[variant])
+            run(compose(*RUN, *VARIANTS[variant], "trainer.checkpoint_format=whole"), made[variant])
         return _checkpoint(made[variant])
 
     return last_checkpoint
@@ -424,21 +426,33 @@ def _assert_each_rank_as_uninterrupted(whole, parts):
             for name, value in whole["ranks"][rank][key].items():
                 assert torch.equal(parts["ranks"][rank][key][name], value), (rank, key, name)
         for key in ("outer", "opt_state", "hook_state"):
-            for a, b in zip(whole["ranks"][rank][key], parts["ranks"][rank][key], strict=True):
+            for a, b in zip(_by_path(whole["ranks"][rank], key), _by_path(parts["ranks"][rank], key), strict=True):
                 assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, (rank, key)
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_resume_in_the_middle_of_a_period_is_bit_exact(tmp_path, uninterrupted, variant):
-    """Stopped after step 6 (syncs at 4 and 8) and resumed: each rank ends as in one uninterrupted run.
+def _by_path(mine, key):
+    """A rank's saved leaves of ``key``, the optimizer state's in the order of its paths (a consolidated sharded
+    checkpoint lists them in the order its pieces were stored)."""
+    if key != "opt_state":
+        return mine[key]
+    by_path = dict(zip(mine["opt_state_paths"], mine["opt_state"], strict=True))
+    return [by_path[path] for path in sorted(by_path)]
+
+
+@pytest.mark.parametrize("variant, fmt", [*((v, "auto") for v in VARIANTS), ("overlap3", "whole")])
+def test_resume_in_the_middle_of_a_period_is_bit_exact(tmp_path, uninterrupted, variant, fmt):
+    """Stopped after step 6 (syncs at 4 and 8) and resumed: each rank ends as in one uninterrupted run, whether
+    its checkpoints are sharded (two ranks' default: each rank's own params, optimizer state, in-flight
+    pseudo-gradient and hook state beside the anchor and outer optimizer state they share) or whole.
 
     With ``overlap=3`` the sync sent after step 4 is still in flight at the stop (applied
     after step 7): the resumed run sends it again from the checkpoint. Streaming: fragment
     0's fp4 sync sent after step 6 is in flight at the stop, with both fragments' outer
     optimizer states and every bucket's error feedback in the checkpoint.
     """
-    runs = [*RUN, *VARIANTS[variant]]
+    runs = [*RUN, *VARIANTS[variant], f"trainer.checkpoint_format={fmt}"]
     run(compose(*runs, "trainer.stop_at=6"), tmp_path)
+    assert checkpoint.is_sharded(last_of(tmp_path / "checkpoints")) == (fmt == "auto")
     halfway = _checkpoint(tmp_path)
     assert halfway["step"] == 6
     # Mid-period the ranks have stepped apart, and each rank's own params were saved.

@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 from _configs import quiet as _cfg
+from _saved import saved
 
 from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
 from fdp.comm import Comm
@@ -168,9 +169,9 @@ def test_checkpoints_move_between_hybrid_and_flat_worlds(tmp_path):
     sharded one resumes hybrid at stage 3, each ending where the run that went on did. A hybrid sharded checkpoint
     has its slices written by group 0 alone, and consolidates whole."""
     hybrid, flat = tmp_path / "hybrid", tmp_path / "flat"
-    run(_cfg(*COMMON, *HYBRID, "trainer.zero_stage=3"), hybrid)
+    run(_cfg(*COMMON, *HYBRID, "trainer.zero_stage=3", "trainer.checkpoint_format=whole"), hybrid)
     run(_cfg(*COMMON, "world=local4", "trainer.zero_stage=3", "trainer.checkpoint_format=sharded"), flat)
-    hybrid_saved, flat_saved = torch.load(last_of(hybrid / "checkpoints"), weights_only=True), consolidate(flat)
+    hybrid_saved, flat_saved = saved(hybrid), consolidate(flat)
     hybrid_end, flat_end = _params(hybrid_saved), _params(flat_saved)
     assert _diff(hybrid_end, flat_end) <= 1e-5
     assert _diff(hybrid_saved["ema"], flat_saved["ema"]) <= 1e-5
@@ -180,7 +181,7 @@ def test_checkpoints_move_between_hybrid_and_flat_worlds(tmp_path):
         _cfg(*COMMON, "world=local2", "trainer.zero_stage=2", f"trainer.resume={hybrid}/checkpoints/step_00000003.pt"),
         to_flat,
     )
-    assert _diff(_params(torch.load(last_of(to_flat / "checkpoints"), weights_only=True)), hybrid_end) <= 1e-5
+    assert _diff(_params(saved(to_flat)), hybrid_end) <= 1e-5
 
     to_single_rank_nodes = tmp_path / "to_single_rank_nodes"  # 4 groups of 1: every rank holds every slice
     run(
@@ -194,7 +195,7 @@ def test_checkpoints_move_between_hybrid_and_flat_worlds(tmp_path):
         ),
         to_single_rank_nodes,
     )
-    resumed = torch.load(last_of(to_single_rank_nodes / "checkpoints"), weights_only=True)
+    resumed = saved(to_single_rank_nodes)
     assert _diff(_params(resumed), hybrid_end) <= 1e-5
 
     to_hybrid = tmp_path / "to_hybrid"
@@ -243,7 +244,7 @@ def test_int8_error_feedback_moves_between_hybrid_and_flat_worlds(tmp_path):
     """hooks=int8 keeps its error feedback per slice in a hybrid world and per bucket in a flat one: a checkpoint
     of one resumes in the other, the moved residual started again (as a rank new to a world starts it)."""
     common = [*COMMON, "hooks=int8", "trainer.zero_stage=2", "trainer.max_steps=3"]
-    run(_cfg(*common, *HYBRID), tmp_path / "hybrid")
+    run(_cfg(*common, *HYBRID, "trainer.checkpoint_format=whole"), tmp_path / "hybrid")
     summary = run(
         _cfg(
             *common,

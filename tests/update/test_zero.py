@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from _configs import quiet as _cfg
+from _saved import saved
 
 from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
 from fdp.comm import Comm
@@ -18,7 +19,6 @@ from fdp.model.functional import functionalize
 from fdp.optim import adam, chain, clip_by_global_norm
 from fdp.plan import pack_into_buckets, plan_buckets
 from fdp.procs.launch import WorkerFailedError
-from fdp.run.checkpoint import last_of
 from fdp.run.config import ConfigError, register_configs
 from fdp.run.trainer import run
 from fdp.run.validate import validate
@@ -549,7 +549,7 @@ def test_refusals_are_one_line():
 
 
 def _last(run_dir):
-    return torch.load(last_of(Path(run_dir) / "checkpoints"), weights_only=True)
+    return saved(Path(run_dir))
 
 
 def test_checkpoints_reshard_across_world_sizes_and_stages(tmp_path):
@@ -563,6 +563,7 @@ def test_checkpoints_reshard_across_world_sizes_and_stages(tmp_path):
         "trainer.bucket_cap_mb=0.01",
         "trainer.first_bucket_cap_mb=0.002",
         "trainer.checkpoint_every=10",
+        "trainer.checkpoint_format=whole",  # resharded from one file (test_sharded_checkpoint: from pieces)
     ]
     summary = run(_cfg(*common, "world=local2", "trainer.zero_stage=1"), tmp_path / "straight")
     assert summary["state_mib"] > 0
@@ -600,6 +601,7 @@ def test_stage_three_checkpoints_resume_at_any_stage_and_world_size(tmp_path):
         "trainer.bucket_cap_mb=0.01",
         "trainer.first_bucket_cap_mb=0.002",
         "trainer.checkpoint_every=10",
+        "trainer.checkpoint_format=whole",  # resharded from one file (test_sharded_checkpoint: from pieces)
     ]
     run(_cfg(*common, "world=local4", "trainer.zero_stage=3", "trainer.trace=true"), tmp_path / "straight")
     trace = json.loads((tmp_path / "straight" / "trace" / "rank1.json").read_text())["traceEvents"]
