@@ -80,3 +80,23 @@ class KeepsWhole(Callback):
     def on_run_end(self, event):
         self.params = {name: t.clone() for name, t in event.whole_params().items()}
         self.shown = sorted(event.state.params)
+
+
+class LowersBudget(Callback):
+    """After step ``at`` on rank ``rank``, lowers this process's memory budget (``RLIMIT_DATA``, what
+    ``world.memory_per_rank_mb`` sets on the CPU) to what it holds then plus ``mib``: the next step finds less room,
+    as on a machine whose other processes took memory meanwhile."""
+
+    every_rank = True
+
+    def __init__(self, at: int = 1, rank: int = 0, mib: float = 64):
+        self.at, self.rank, self.mib = at, rank, mib
+
+    def on_step_end(self, event):
+        import re
+        import resource
+
+        if event.step == self.at and event.rank == self.rank:
+            held = int(re.search(r"VmData:\s+(\d+)", open("/proc/self/status").read()).group(1)) * 1024
+            hard = resource.getrlimit(resource.RLIMIT_DATA)[1]
+            resource.setrlimit(resource.RLIMIT_DATA, (held + int(self.mib * 2**20), hard))

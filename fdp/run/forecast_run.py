@@ -14,6 +14,7 @@ import torch
 
 from fdp.plan import BucketPlan
 from fdp.run.forecast import Forecast, MiB, forecast
+from fdp.run.micro_batch import fixed_accum
 
 __all__ = ["activations_of", "run_forecasts", "describe", "memory_section", "start_line", "micro_samples"]
 
@@ -84,7 +85,7 @@ def run_forecasts(
     ``micro``: samples per forward (else the run's)."""
     from fdp.run.build import stage_of
 
-    micro = micro or micro_samples(cfg.data.global_batch_size, world, cfg.trainer.accum_steps)
+    micro = micro or micro_samples(cfg.data.global_batch_size, world, fixed_accum(cfg.trainer.accum_steps))
     acts = (activations or activations_of(cfg, parts))(micro)
     gather = parts.precision.gather_dtype
     node_size = (cfg.world.node_size or cfg.world.nproc_per_node) if cfg.world.hierarchical else 0
