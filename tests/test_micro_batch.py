@@ -13,6 +13,7 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 from fdp.comm import Comm
@@ -117,3 +118,50 @@ def test_auto_takes_the_largest_micro_batch_the_forecast_fits_and_equals_the_fix
     assert all(c["micro_batch"] < 256 and "ran out of memory" in c["why"] for c in chosen[1:]), chosen
     assert _steps_logged(tmp_path / "auto") == [1, 2, 3]
     assert _same(_state(tmp_path / "auto"), _fixed_runs(tmp_path, chosen, ranks=1))
+
+
+def test_a_step_out_of_memory_mid_run_is_done_again_with_half_the_micro_batch(tmp_path):
+    """After step 1 the rank's budget drops to what it holds plus 48 MiB: step 2 runs out of memory in forward and
+    backward and is done again with half the micro-batch until it fits. No step is lost or done twice, and the run
+    equals one at the first micro-batch to step 1 resumed at the last one: params and optimizer state to the bit."""
+    world = ("world=local2", "world.nproc_per_node=1")
+    auto = (*COMMON, *world, "trainer.accum_steps=auto", "world.memory_per_rank_mb=2000", _lowers(0, 48))
+    summary = run(compose(*auto), tmp_path / "auto")
+    chosen = summary["micro_batches"]
+    assert chosen[0] == {"step": 0, "accum_steps": 1, "micro_batch": SHARE, "why": chosen[0]["why"]}
+    assert len(chosen) > 1 and all(c["step"] == 1 for c in chosen[1:]), chosen  # all at step 2, none later
+    assert all("rank 0 ran out of memory in forward and backward" in c["why"] for c in chosen[1:]), chosen
+    assert _steps_logged(tmp_path / "auto") == [1, 2, 3]
+    assert _same(_state(tmp_path / "auto"), _fixed_runs(tmp_path, chosen, ranks=1))
+
+
+HUNGRY = (
+    "model=custom",
+    "model._target_=_loop_callbacks.Hungry",
+    "optim=sgd",
+    "optim.momentum=0.9",
+    "data.global_batch_size=128",
+    "trainer.max_steps=3",
+    "trainer.eval_every=0",
+    "trainer.log_every=1",
+    "trainer.progress=false",
+    "world=local2",
+)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_one_rank_out_of_memory_and_every_rank_does_the_step_again(tmp_path, stage):
+    """2 gloo ranks, no budget (the whole share of 64 samples per forward); after step 1 rank 1's model asks for 1 TiB
+    on more than 20 samples: at step 2 rank 1 alone runs out, rank 0 (its backward done, reductions in flight; at
+    stage 3 waiting on a gather rank 1 never makes) learns it at the agreement or from the store, and both do the
+    step again at 32, then 16 samples. The run equals one at 64 to step 1 resumed at 16, to the bit."""
+    common = (*HUNGRY, f"trainer.zero_stage={stage}")
+    squeeze = "trainer.callbacks=[{_target_: _loop_callbacks.Squeezes, at: 1, rank: 1, samples: 20}]"
+    summary = run(compose(*common, "trainer.accum_steps=auto", squeeze), tmp_path / "auto")
+    chosen = [(c["step"], c["micro_batch"]) for c in summary["micro_batches"]]
+    assert chosen == [(0, 64), (1, 32), (1, 16)], summary["micro_batches"]
+    assert all("rank 1 ran out of memory" in c["why"] for c in summary["micro_batches"][1:])
+    assert _steps_logged(tmp_path / "auto") == [1, 2, 3]
+    run(compose(*common, "trainer.accum_steps=1", "trainer.stop_at=1"), tmp_path / "fixed")
+    run(compose(*common, "trainer.accum_steps=4", "trainer.resume=true"), tmp_path / "fixed")
+    assert _same(_state(tmp_path / "auto"), _state(tmp_path / "fixed"))

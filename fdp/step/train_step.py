@@ -282,7 +282,11 @@ def make_train_step(
                 rng, cuda_rng = rng_states()
         if opts.after_backward is not None:
             del micro_batches  # a failed step's tensors are the caller's to free (failed's frames hold the rest)
-            opts.after_backward(failed)
+            try:
+                opts.after_backward(failed)
+            except BaseException:
+                update.gather.abandon()  # stage 3: this step function's gathers are done with
+                raise
             if failed is not None:  # it let the error stand
                 raise failed
         for index, bucket in computed.reduction.finished():

@@ -140,6 +140,9 @@ class NullGather:
     def stop(self) -> None:
         pass
 
+    def abandon(self) -> None:
+        pass
+
 
 class StepUpdate(Protocol):
     """One step's update, made by ``Update.begin``.

@@ -169,6 +169,18 @@ class ParamGather:
             self._release(index, force=True)
         self._active, self._shards = False, {}
 
+    def abandon(self) -> None:
+        """Leave a step that failed for good: its gathers in flight dropped unwaited (their group is given up with
+        the step, ``fdp.run.micro_batch``), every bucket released, and the modules' hooks removed (the next step
+        function gathers with its own)."""
+        self._pending.clear()
+        for index in range(len(self.flats)):
+            self._release(index, force=True)
+        self._active, self._shards = False, {}
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
     def wrap_loss(self, loss_fn: Callable) -> Callable:
         """``loss_fn`` run with its params gathered as the schedule says (learnt on its first call)."""
 
