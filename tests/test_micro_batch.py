@@ -128,7 +128,7 @@ def test_a_step_out_of_memory_mid_run_is_done_again_with_half_the_micro_batch(tm
     auto = (*COMMON, *world, "trainer.accum_steps=auto", "world.memory_per_rank_mb=2000", _lowers(0, 48))
     summary = run(compose(*auto), tmp_path / "auto")
     chosen = summary["micro_batches"]
-    assert chosen[0] == {"step": 0, "accum_steps": 1, "micro_batch": SHARE, "why": chosen[0]["why"]}
+    assert (chosen[0]["step"], chosen[0]["accum_steps"], chosen[0]["micro_batch"]) == (0, 1, SHARE), chosen
     assert len(chosen) > 1 and all(c["step"] == 1 for c in chosen[1:]), chosen  # all at step 2, none later
     assert all("rank 0 ran out of memory in forward and backward" in c["why"] for c in chosen[1:]), chosen
     assert _steps_logged(tmp_path / "auto") == [1, 2, 3]

@@ -32,8 +32,9 @@ from fdp.procs.shrink import Shrink, ShrinkingWorld
 from fdp.run import checkpoint
 from fdp.run.build import RunParts
 from fdp.run.callbacks import Callbacks
+from fdp.run.forecast_run import forecast_accum
 from fdp.run.loop_controls import LoopControls
-from fdp.run.micro_batch import AUTO, Agreement, MicroBatchOutOfMemory, budget_mib, fixed_accum, forecast_accum, halved
+from fdp.run.micro_batch import AUTO, Agreement, MicroBatchOutOfMemory, budget_mib, fixed_accum, halved
 from fdp.run.rejoin import heal
 from fdp.run.report import Report
 from fdp.run.rundir import RankStatus, RunDir
@@ -194,7 +195,7 @@ class Loop:
     def _choose_micro_batch(self, comm: Comm) -> None:
         """``trainer.accum_steps=auto``: the largest micro-batch the forecast fits in the budget, the smallest of
         every rank's (a collective); the first step confirms it."""
-        fixed_mib, base_mib = self.memory
+        began, (fixed_mib, base_mib) = time.perf_counter(), self.memory
         budget = budget_mib(self.cfg, self.device, base_mib)
         accum, why = forecast_accum(self.cfg, self.parts, comm.world_size, fixed_mib, budget)
         release_free_memory()  # what the forecast's trace left free
@@ -202,13 +203,23 @@ class Loop:
             agreed = torch.tensor([accum], dtype=torch.int64)
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=comm.group)
             accum = int(agreed[0])
-        self.agreement = Agreement(comm, self.device)
-        self._chose(accum, why)
+        per_rank, tries, fewer = self.cfg.data.global_batch_size // comm.world_size, 1, accum
+        while (fewer := halved(per_rank, fewer)) is not None:  # a step group for each micro-batch it may halve to
+            tries += 1
+        self.agreement = Agreement(comm, self.device, tries)
+        self._chose(accum, why, time.perf_counter() - began)
 
-    def _chose(self, accum: int, why: str) -> None:
+    def _chose(self, accum: int, why: str, seconds: float) -> None:
+        """Take ``accum`` micro-batches per step from the next step on; ``seconds``: what deciding it took."""
         self.accum = self.phase.accum = accum
         per_rank = self.cfg.data.global_batch_size // self.comm.world_size
-        record = {"step": self.state.step, "accum_steps": accum, "micro_batch": per_rank // accum, "why": why}
+        record = {
+            "step": self.state.step,
+            "accum_steps": accum,
+            "micro_batch": per_rank // accum,
+            "why": why,
+            "seconds": round(seconds, 3),
+        }
         self.choices.append(record)
         if self.comm.rank == 0:
             log.info(
@@ -220,6 +231,7 @@ class Loop:
         """One step from ``state`` on ``batch``; under ``trainer.accum_steps=auto`` done again with half the
         micro-batch while its forwards and backwards run out of memory on some rank (the state intact)."""
         while True:
+            began = time.perf_counter()
             try:
                 return self.train_step(self.state, batch)
             except MicroBatchOutOfMemory as error:
@@ -229,8 +241,9 @@ class Loop:
                     raise MemoryError(f"{error}, at a micro-batch of one sample") from None
                 self.train_step.settle()  # the step before's verdict, where the abandoned one left it unread
                 self.agreement.abandoned.append(self.step_comm)
-                self._chose(accum, f"step {self.state.step + 1}: {error}; halved")
-                self._make_step()
+                self.accum = accum
+                self._make_step()  # the failed try and the new step function: what halving costs
+                self._chose(accum, f"step {self.state.step + 1}: {error}; halved", time.perf_counter() - began)
 
     def run(self, run_dir: RunDir, report: Report, status: RankStatus, stop: StopSignals) -> str | None:
         """Train to the last step, or to the step a stop signal ends on (returned); ``controls.stopped``

@@ -3,7 +3,8 @@
 The global batch never changes, only how many forwards a rank splits its share into
 (``accum_steps``, a divisor of the share). At start, after a shrink and on resume the run
 takes the largest micro-batch whose forecast (``fdp.run.forecast``) fits the budget
-(``world.memory_per_rank_mb``, or on a GPU its memory), every rank the smallest of theirs.
+(``world.memory_per_rank_mb``, or on a GPU its memory; ``fdp.run.forecast_run.forecast_accum``), every rank the
+smallest of theirs.
 The first step confirms it. When a step's forwards and backwards run out of memory anyway
 (CUDA's ``OutOfMemoryError``, the CPU budget's overrun), the step is abandoned before it
 writes anything of its state (``fdp.step.train_step``'s ``after_backward``: the optimizer,
@@ -50,7 +51,6 @@ __all__ = [
     "first_accum",
     "halved",
     "budget_mib",
-    "forecast_accum",
 ]
 
 AUTO = "auto"
@@ -127,37 +127,18 @@ def budget_mib(cfg: Any, device: torch.device, base_mib: float) -> float:
     return 0.0
 
 
-def forecast_accum(cfg: Any, parts: Any, world: int, fixed_mib: float, budget: float) -> tuple[int, str]:
-    """The fewest micro-batches per step whose forecast peak fits ``budget`` MiB on this rank, and why.
-
-    No budget: the whole share in one forward. A forecast that cannot be made: the same, the steps confirm it."""
-    from fdp.run.forecast_run import activations_of, run_forecasts
-
-    per_rank = cfg.data.global_batch_size // world
-    if not budget:
-        return 1, "no memory budget (world.memory_per_rank_mb=0 on the CPU)"
-    try:
-        acts = activations_of(cfg, parts)
-
-        def peak(micro: int) -> int:
-            return max(f.peak for f in run_forecasts(cfg, parts, world, fixed_mib, activations=acts, micro=micro))
-
-        accum = first_accum(per_rank, lambda micro: peak(micro) <= budget * MiB)
-    except Exception as error:  # noqa: BLE001 - no forecast: the steps decide
-        return 1, f"no forecast ({(str(error).strip().splitlines() or [type(error).__name__])[0]})"
-    return accum, f"forecast peak {peak(per_rank // accum) / MiB:.0f} MiB of {budget:g} MiB"
-
-
 class Agreement:
     """Every rank's word, after each step's backward, on whether one ran out of memory (the step's
     ``after_backward``); ``comm``: the world's. Its own group carries the word, so that a step abandoned with
     collectives in flight on the step's group leaves it undisturbed; ``step_comm`` gives each step function
     a group of its own, given up once one of its steps is abandoned, and whose waits end at once when a rank
-    says in the store that it ran out (``watch``)."""
+    says in the store that it ran out (``watch``). The groups are made here, ``tries`` of them: a group made
+    after a rank ran out would start its threads where memory is short (measured: ``EAGAIN``, a lost rank)."""
 
-    def __init__(self, comm: Comm, device: torch.device):
+    def __init__(self, comm: Comm, device: torch.device, tries: int = 1):
         self.comm, self.device, self.failures = comm, device, 0
         self.together = comm.on_own_group() if comm.world_size > 1 else comm
+        self.groups = [comm.on_own_group().group for _ in range(tries)] if comm.world_size > 1 else []
         self.store = default_store() if comm.world_size > 1 else None
         self.prefix = f"fdp/accum_auto/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
         self.abandoned: list[Comm] = []  # groups with a failed step's collectives in flight: kept, never used again
@@ -181,7 +162,7 @@ class Agreement:
             if outer is not None:
                 outer()
 
-        return Comm(self.comm.on_own_group().group, watch=watch)
+        return Comm(self.groups.pop(0) if self.groups else self.comm.on_own_group().group, watch=watch)
 
     def __call__(self, failed: BaseException | None) -> None:
         """After a step's backward: return if no rank ran out of memory (or this one failed otherwise: its error
