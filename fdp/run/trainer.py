@@ -60,6 +60,7 @@ from fdp.run.forecast import built_mib, first_use_mib
 from fdp.run.forecast_run import start_line
 from fdp.run.loop import Loop
 from fdp.run.loop_controls import LoopControls, read_resumed, run_steps
+from fdp.run.micro_batch import fixed_accum
 from fdp.run.out_of_memory import out_of_memory_message
 from fdp.run.rejoin import Joining, RunEnded, enter_world
 from fdp.run.report import Report, evaluated_names
@@ -213,7 +214,7 @@ def _join_and_train(cfg: DictConfig, run_dir: str, callbacks: Sequence = ()) -> 
     except (MemoryError, RuntimeError, OSError) as error:
         if not is_out_of_memory(error):
             raise
-        message = out_of_memory_message(cfg, comm.rank, comm.world_size, phase, error)
+        message = out_of_memory_message(cfg, comm.rank, comm.world_size, phase, error, phase.accum)
         # Nothing saved yet: the run does not fit (a refusal, rolled back); else it failed, its checkpoints kept.
         raise (RankOutOfMemoryError if phase.saved else RunDoesNotFit)(message) from None
     finally:
@@ -283,7 +284,11 @@ def _start(
         check_global_batch(cfg.data.global_batch_size, world_size)  # under torchrun the world is known only here
         if world is not None:
             check_shrinkable_batch(
-                cfg.data.global_batch_size, world_size, cfg.world.min_ranks, tc.accum_steps, node_size_of(cfg)
+                cfg.data.global_batch_size,
+                world_size,
+                cfg.world.min_ranks,
+                fixed_accum(tc.accum_steps),
+                node_size_of(cfg),
             )
     except ValueError as error:
         raise ConfigError(str(error)) from None
@@ -332,7 +337,21 @@ def _start(
         if rank == 0:
             log.info(choice.message)
         compile = choice.compile if compile is None else compile
-        loop = Loop(cfg, parts, comm, timeline, device, state, last_step, compile, controls, phase, world, callbacks)
+        loop = Loop(
+            cfg,
+            parts,
+            comm,
+            timeline,
+            device,
+            state,
+            last_step,
+            compile,
+            controls,
+            phase,
+            world,
+            callbacks,
+            memory=(built, peak.base),
+        )
         report = Report(cfg, run_dir, parts, comm, state.step, last_step)
         report.peak = peak
     return loop, report, choice

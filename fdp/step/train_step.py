@@ -100,6 +100,11 @@ class StepOptions(NamedTuple):
       classes or class names (found in ``model``), or ``"blocks"`` (the model's repeated blocks).
     * ``batch_rank``: which share of the global batch this rank's batch is (its first
       sample is number ``batch_rank * len(batch)``); ``None``: ``comm``'s rank.
+    * ``after_backward``: called once the micro-batches' forwards and backwards are done, before anything of
+      the state is written (even a donated one: the optimizer steps the buckets only after it), with the error
+      they raised or ``None``; it raises to abandon the step with ``state`` intact, or returns to go on
+      (``fdp.run.micro_batch``: every rank agrees there on whether one ran out of memory). ``None``: an error
+      in backward is raised as it is.
     """
 
     accum_steps: int = 1
@@ -117,6 +122,7 @@ class StepOptions(NamedTuple):
     sample_seed: int | None = None
     batch_rank: int | None = None
     checkpoint_modules: Any = ()
+    after_backward: Callable[[BaseException | None], None] | None = None
 
     def resolved(self) -> "StepOptions":
         """These options with their defaults filled in; a ``ValueError`` naming the first bad one.
@@ -267,8 +273,24 @@ def make_train_step(
                 )
             micro_batches = weigh_micro_batches(loss_fn, micro_batches, comm)
             micro_batches = scaled_micro_batches(micro_batches, state.loss_scale)
-            computed = reducer.backward(step_update.params, state.buffers, micro_batches, state.hook_state)
-            rng, cuda_rng = rng_states()
+            failed = None
+            try:
+                computed = reducer.backward(step_update.params, state.buffers, micro_batches, state.hook_state)
+            except Exception as error:  # noqa: BLE001 - after_backward decides: raised as it is, or abandoned
+                if opts.after_backward is None:
+                    raise
+                failed = error
+            if failed is None:
+                rng, cuda_rng = rng_states()
+        if opts.after_backward is not None:
+            del micro_batches  # a failed step's tensors are the caller's to free (failed's frames hold the rest)
+            try:
+                opts.after_backward(failed)
+            except BaseException:
+                update.gather.abandon()  # stage 3: this step function's gathers are done with
+                raise
+            if failed is not None:  # it let the error stand
+                raise failed
         for index, bucket in computed.reduction.finished():
             step_update.reduced(index, unscale(bucket.buffer, state.loss_scale, bucket.owned))
 
