@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from _saved import saved
 
 from fdp.comm import Comm
 from fdp.run import forecast
 from fdp.run.build import build_run
-from fdp.run.checkpoint import last_of
 from fdp.run.config import compose
 from fdp.run.forecast_run import activations_of, run_forecasts
 from fdp.run.micro_batch import accum_options, first_accum, halved
@@ -45,7 +45,7 @@ def _lowers(rank: int, mib: float) -> str:
 
 
 def _state(run_dir: Path) -> dict:
-    payload = torch.load(last_of(run_dir / "checkpoints"), weights_only=True)
+    payload = saved(run_dir)
     return {"params": payload["params"], "opt_state": payload["opt_state"]}
 
 
