@@ -58,7 +58,7 @@ from fdp.update.zero.hybrid import (
     shard_groups,
     slice_plan,
 )
-from fdp.update.zero.layout import padded_slice, shard_key, shard_range
+from fdp.update.zero.layout import padded_slice, slice_key, slice_range
 from fdp.update.zero.mirror import LostSlices, reshard_survivors
 from fdp.update.zero.params import ParamShardedUpdate
 from fdp.update.zero.sharded import ShardedUpdate
@@ -72,8 +72,8 @@ __all__ = [
     "update_for",
     "make_update",
     "scatters",
-    "shard_range",
-    "shard_key",
+    "slice_range",
+    "slice_key",
     "padded_slice",
     "init_state",
     "shard_state",

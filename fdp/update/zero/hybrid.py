@@ -31,7 +31,7 @@ from fdp.hooks.base import GradBucket, run_stage
 from fdp.hooks.hierarchical import check_node_size
 from fdp.hooks.registry import shardable_hooks
 from fdp.plan import Bucket, BucketPlan, ParamSlot
-from fdp.update.zero.layout import shard_key, shard_numel
+from fdp.update.zero.layout import slice_key, slice_numel
 from fdp.update.zero.scatter import ScatterComm
 
 __all__ = [
@@ -106,9 +106,9 @@ def refuses_outer(stage: int, hierarchical: bool) -> str | None:
 def slice_bucket(bucket: Bucket, shards: int) -> Bucket:
     """One rank's slice of ``bucket`` among ``shards`` as a bucket of its own: what the hook chain reduces across
     the replicas (one flat slot named by the slice's key, ``ceil(numel / shards)`` elements)."""
-    size = shard_numel(bucket, shards)
+    size = slice_numel(bucket, shards)
     return Bucket(
-        bucket.index, bucket.dtype, bucket.device, (ParamSlot(shard_key(bucket.index), (size,), 0, size),), size
+        bucket.index, bucket.dtype, bucket.device, (ParamSlot(slice_key(bucket.index), (size,), 0, size),), size
     )
 
 
