@@ -101,18 +101,18 @@ class Hook(NamedTuple):
     shardable: bool = False
 
 
-def run_stage(result: HookRun):
+def drive_hook(result: HookRun):
     """Drive a hook's ``apply`` result from inside another generator (``yield from``)."""
     if inspect.isgenerator(result):
         return (yield from result)
     return result
 
 
-def stage_name(hook: Hook) -> str:
+def hook_name(hook: Hook) -> str:
     """The name a hook goes by in error messages: the factory that made it (``powersgd``).
 
     >>> from fdp.hooks import powersgd
-    >>> stage_name(powersgd())
+    >>> hook_name(powersgd())
     'powersgd'
     """
     name = getattr(hook.apply, "__qualname__", None) or type(hook.apply).__name__
@@ -148,7 +148,7 @@ def _check_buffer(buffer: Any, where: str) -> None:
 
 
 def _run_with_checks(hook: Hook, state: Any, grads: GradBucket, comm: Comm, where: str):
-    """``hook.apply`` driven as ``run_stage`` does, with what it yields and returns checked."""
+    """``hook.apply`` driven as ``drive_hook`` does, with what it yields and returns checked."""
     run = hook.apply(state, grads, comm)
     if inspect.isgenerator(run):
         value = None
@@ -173,12 +173,12 @@ def checked(hook: Hook) -> Hook:
     >>> from fdp.hooks import allreduce
     >>> hook = checked(allreduce())
     """
-    where = f"hook {stage_name(hook)}"
+    where = f"hook {hook_name(hook)}"
 
     def apply(state: Any, grads: GradBucket, comm: Comm):
         return (yield from _run_with_checks(hook, state, grads, comm, where))
 
-    apply.__qualname__ = stage_name(hook)
+    apply.__qualname__ = hook_name(hook)
     return Hook(hook.init, apply, hook.shardable)
 
 
@@ -195,14 +195,14 @@ def for_slices(hook: Hook) -> Hook:
 
     >>> from fdp.hooks import powersgd
     >>> sliced = for_slices(powersgd())
-    >>> sliced.shardable, stage_name(sliced)
+    >>> sliced.shardable, hook_name(sliced)
     (True, 'powersgd')
     """
     if hook.shardable:
         return hook
 
     def apply(state: Any, grads: GradBucket, comm: Comm):
-        reduced, state = yield from run_stage(hook.apply(state, grads, comm.whole))
+        reduced, state = yield from drive_hook(hook.apply(state, grads, comm.whole))
         start, stop = comm.kept_range(grads.spec.numel)
         whole = reduced.buffer.reshape(-1)
         if (start, stop) == (0, whole.numel()):
@@ -211,7 +211,7 @@ def for_slices(hook: Hook) -> Hook:
         padding = part.new_zeros(stop - start - part.numel())
         return reduced._replace(buffer=torch.cat([part, padding]), owned=True), state
 
-    apply.__qualname__ = stage_name(hook)
+    apply.__qualname__ = hook_name(hook)
     return Hook(hook.init, apply, True)
 
 
@@ -236,16 +236,16 @@ def check_hooks(hooks: tuple, where: str) -> None:
 
 def chain(*hooks: Hook, name: str = "chain") -> Hook:
     """Compose hooks left to right; the state is the tuple of their states. ``name``: what errors call it
-    (``stage_name``), the factory's own where a hook is a chain inside (``lowbit``).
+    (``hook_name``), the factory's own where a hook is a chain inside (``lowbit``).
 
     >>> from fdp.hooks import allreduce, fp16_compress, fp16_decompress
-    >>> stage_name(chain(fp16_compress(), allreduce(), fp16_decompress()))
+    >>> hook_name(chain(fp16_compress(), allreduce(), fp16_decompress()))
     'chain'
     """
     if not hooks:
         raise ValueError("chain() needs at least one hook")
     check_hooks(hooks, "fdp.hooks.chain:")
-    wheres = tuple(f"hook chain[{i}] ({stage_name(hook)})" for i, hook in enumerate(hooks))
+    wheres = tuple(f"hook chain[{i}] ({hook_name(hook)})" for i, hook in enumerate(hooks))
 
     def init(bucket: Bucket) -> tuple:
         return tuple(hook.init(bucket) for hook in hooks)
@@ -277,7 +277,7 @@ def stateless(apply: Callable[[GradBucket, Comm], Any], shardable: bool = False)
         return ()
 
     def apply_with_state(state: tuple, grads: GradBucket, comm: Comm):
-        out = yield from run_stage(apply(grads, comm))
+        out = yield from drive_hook(apply(grads, comm))
         if not isinstance(out, GradBucket):
             if isinstance(out, tuple) and out and isinstance(out[0], GradBucket):
                 raise TypeError(f"{where} returned {_describe(out)}: a stateless stage returns the GradBucket alone")

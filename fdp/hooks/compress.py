@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from fdp.hooks.allreduce import allreduce
-from fdp.hooks.base import GradBucket, Hook, chain, run_stage, stage_name, stateless
+from fdp.hooks.base import GradBucket, Hook, chain, drive_hook, hook_name, stateless
 
 __all__ = ["fp16_compress", "fp16_decompress", "bf16_compress", "bf16_decompress", "fp16", "bf16", "reduced_in"]
 
@@ -97,8 +97,8 @@ def reduced_in(dtype: torch.dtype, hook: Hook) -> Hook:
     """
 
     def apply(state: Any, grads: GradBucket, comm):
-        out, state = yield from run_stage(hook.apply(state, _cast(grads, dtype), comm))
+        out, state = yield from drive_hook(hook.apply(state, _cast(grads, dtype), comm))
         return _cast(out, grads.spec.torch_dtype), state
 
-    apply.__qualname__ = f"reduced_in.{stage_name(hook)}"
+    apply.__qualname__ = f"reduced_in.{hook_name(hook)}"
     return Hook(hook.init, apply, hook.shardable)

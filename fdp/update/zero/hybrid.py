@@ -26,8 +26,8 @@ from typing import NamedTuple
 import torch.distributed as dist
 
 from fdp.comm import Comm, new_group
-from fdp.hooks import Hook, stage_name
-from fdp.hooks.base import GradBucket, run_stage
+from fdp.hooks import Hook, hook_name
+from fdp.hooks.base import GradBucket, drive_hook
 from fdp.hooks.hierarchical import check_node_size
 from fdp.hooks.registry import shardable_hooks
 from fdp.plan import Bucket, BucketPlan, ParamSlot
@@ -134,7 +134,7 @@ def check_hook_across_nodes(hook: Hook) -> None:
     """
     if not hook.shardable:  # PowerSGD's matrices: a node's slice of a bucket cuts through them
         raise ValueError(
-            f"hooks {stage_name(hook)!r} need the whole reduced bucket, which hybrid sharding (world.hierarchical=true "
+            f"hooks {hook_name(hook)!r} need the whole reduced bucket, which hybrid sharding (world.hierarchical=true "
             f"with a ZeRO stage) splits over each node; expected hooks {', '.join(shardable_hooks())}"
         )
 
@@ -167,7 +167,7 @@ def across_replicas(hook: Hook, groups: ShardGroups, plan: BucketPlan) -> Hook:
         # Dividing first keeps the group's sum in range for low-precision buckets.
         mine = yield inside.sum_bucket(buffer.div_(shards))
         spec = slice_bucket(grads.spec, shards)
-        out, state = yield from run_stage(hook.apply(state, GradBucket(grads.index, mine, spec, owned=True), replicas))
+        out, state = yield from drive_hook(hook.apply(state, GradBucket(grads.index, mine, spec, owned=True), replicas))
         sent, count = replicas.take_counters()
         comm.bytes_sent += sent
         comm.collectives += count
