@@ -151,8 +151,6 @@ class StepOptions(NamedTuple):
         )
         return self._replace(precision=self.precision or Precision(), timeline=self.timeline or NullTimeline())
 
-    checked = resolved  # the name before "checked" came to mean one thing
-
 
 class TrainStep(NamedTuple):
     """``train_step(state, batch) -> (new_state, metrics)``, ``settle()`` and ``abandon()``.

@@ -70,7 +70,6 @@ __all__ = [
     "stage_rules",
     "check_optimizer_for_stage",
     "update_for",
-    "make_update",
     "scatters",
     "slice_range",
     "slice_key",
@@ -184,6 +183,3 @@ def update_for(
             optimizer, plan, comm, model, reshard_after_forward, timeline, donate, early, mirror, gather_dtype, groups
         )
     return ShardedUpdate(optimizer, plan, comm, stage, timeline, donate, early, mirror, groups)
-
-
-make_update = update_for  # the name before the update owned its state's life
