@@ -2,14 +2,14 @@
 
 ``fp16_compress()`` and ``bf16_compress()`` replace the bucket's buffer by a 16-bit copy;
 ``fp16_decompress()`` / ``bf16_decompress()`` cast whatever arrives back to the bucket's
-own dtype (``grads.spec.torch_dtype``). Between them any stage may run, so
+own dtype (``grads.spec.torch_dtype``). Between them any hook may run, so
 ``chain(fp16_compress(), powersgd(), fp16_decompress())`` is DDP's
 ``fp16_compress_wrapper(powerSGD_hook)``.
 
 ``fp16()`` and ``bf16()`` are the usual chains with a plain average in the middle. Their
 numerics are those of DDP's ``fp16_compress_hook``: the gradient is cast first and then
 divided by the world size *in 16 bits*, summed in 16 bits, and only then cast back (the
-``allreduce`` stage divides before summing, which is what keeps the sum in range).
+``allreduce`` hook divides before summing, which is what keeps the sum in range).
 
 DDP refuses ``bf16_compress_hook`` unless NCCL is available (it checks the hook's name),
 but gloo sums bfloat16 tensors correctly, so ``bf16()`` works on CPU worlds too.
@@ -41,7 +41,7 @@ def _cast_to(dtype: torch.dtype, name: str) -> Hook:
     def cast(grads: GradBucket, comm) -> GradBucket:
         return _cast(grads, dtype)
 
-    cast.__qualname__ = name  # errors name the stage as the user wrote it
+    cast.__qualname__ = name  # errors name the hook as the user wrote it
     return stateless(cast, shardable=True)
 
 
@@ -54,12 +54,12 @@ def _cast_back(name: str) -> Hook:
 
 
 def fp16_compress() -> Hook:
-    """Cast the bucket to ``float16`` (no division: the next stage averages)."""
+    """Cast the bucket to ``float16`` (no division: the next hook averages)."""
     return _cast_to(torch.float16, "fp16_compress")
 
 
 def bf16_compress() -> Hook:
-    """Cast the bucket to ``bfloat16`` (no division: the next stage averages)."""
+    """Cast the bucket to ``bfloat16`` (no division: the next hook averages)."""
     return _cast_to(torch.bfloat16, "bf16_compress")
 
 
