@@ -5,13 +5,13 @@ from fdp.hooks.base import (
     GradBucket,
     Hook,
     chain,
-    checked,
     drive_hook,
     for_slices,
     hook_name,
     init_hook_states,
     run_hook,
     stateless,
+    with_result_checks,
 )
 from fdp.hooks.compress import (
     bf16,
@@ -35,7 +35,7 @@ __all__ = [
     "Hook",
     "allreduce",
     "chain",
-    "checked",
+    "with_result_checks",
     "for_slices",
     "init_hook_states",
     "run_hook",

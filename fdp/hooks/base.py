@@ -167,11 +167,11 @@ def _run_with_checks(hook: Hook, state: Any, grads: GradBucket, comm: Comm, wher
     return _check_result(run, where)
 
 
-def checked(hook: Hook) -> Hook:
+def with_result_checks(hook: Hook) -> Hook:
     """``hook`` with its results checked (the train step runs every hook through this).
 
     >>> from fdp.hooks import allreduce
-    >>> hook = checked(allreduce())
+    >>> hook = with_result_checks(allreduce())
     """
     where = f"hook {hook_name(hook)}"
 

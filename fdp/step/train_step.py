@@ -20,8 +20,7 @@ from fdp.comm import Comm
 from fdp.data import split_micro_batches
 from fdp.data.batches import batch_size
 from fdp.errors import check_bool, check_choice, require
-from fdp.hooks import Hook, allreduce, for_slices
-from fdp.hooks import checked as with_result_checks
+from fdp.hooks import Hook, allreduce, for_slices, with_result_checks
 from fdp.model import remat
 from fdp.model.functional import FunctionalModel
 from fdp.model.losses import weigh_micro_batches
