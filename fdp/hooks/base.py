@@ -45,7 +45,7 @@ from fdp.plan import Bucket
 
 _NO_SIDE: Mapping[str, Any] = MappingProxyType({})
 
-HookRun = Union[tuple["GradBucket", Any], Generator[Pending, torch.Tensor, tuple["GradBucket", Any]]]
+HookResult = Union[tuple["GradBucket", Any], Generator[Pending, torch.Tensor, tuple["GradBucket", Any]]]
 
 
 class GradBucket(NamedTuple):
@@ -97,11 +97,11 @@ class Hook(NamedTuple):
     """
 
     init: Callable[[Bucket], Any]
-    apply: Callable[[Any, GradBucket, Comm], HookRun]
+    apply: Callable[[Any, GradBucket, Comm], HookResult]
     shardable: bool = False
 
 
-def drive_hook(result: HookRun):
+def drive_hook(result: HookResult):
     """Drive a hook's ``apply`` result from inside another generator (``yield from``)."""
     if inspect.isgenerator(result):
         return (yield from result)
