@@ -38,7 +38,7 @@ from fdp.hooks import Hook
 from fdp.optim import GradientTransformation
 from fdp.plan import BucketPlan
 from fdp.procs.allocator import resident_mib
-from fdp.update.zero.layout import shard_key, shard_numel
+from fdp.update.zero.layout import slice_key, slice_numel
 
 __all__ = [
     "MiB",
@@ -79,7 +79,7 @@ def slice_bytes(plan: BucketPlan, world: int) -> int:
     >>> slice_bytes(pack_into_buckets([("w", (5,), "float32", "cpu")]), world=2)  # 3 of the 6 padded elements
     12
     """
-    return sum(shard_numel(b, world) * b.torch_dtype.itemsize for b in plan.buckets)
+    return sum(slice_numel(b, world) * b.torch_dtype.itemsize for b in plan.buckets)
 
 
 def params_bytes(plan: BucketPlan, stage: int, world: int) -> int:
@@ -110,7 +110,7 @@ def _meta_params(plan: BucketPlan, stage: int, world: int) -> dict[str, torch.Te
     if stage == 0:
         return {s.name: torch.empty(s.shape, dtype=b.torch_dtype, device="meta") for b in plan.buckets for s in b.slots}
     return {
-        shard_key(b.index): torch.empty(shard_numel(b, world), dtype=b.torch_dtype, device="meta") for b in plan.buckets
+        slice_key(b.index): torch.empty(slice_numel(b, world), dtype=b.torch_dtype, device="meta") for b in plan.buckets
     }
 
 
@@ -167,7 +167,7 @@ def gathers_in_flight(plan: BucketPlan, world: int, itemsize: int | None = None,
     >>> gathers_in_flight(plan, world=3)  # 9 + 6 padded elements
     60
     """
-    sizes = [shard_numel(b, world) * world * (itemsize or b.torch_dtype.itemsize) for b in plan.buckets]
+    sizes = [slice_numel(b, world) * world * (itemsize or b.torch_dtype.itemsize) for b in plan.buckets]
     return sum(sizes) if not reshard else sum(sorted(sizes, reverse=True)[:2])
 
 
@@ -208,7 +208,7 @@ def step_bytes_sent(
     reduced = int(plan.nbytes * ratio)
     if stage == 0:
         return reduced
-    slices = sum(shard_numel(b, world) * (gather_itemsize or b.torch_dtype.itemsize) for b in plan.buckets)
+    slices = sum(slice_numel(b, world) * (gather_itemsize or b.torch_dtype.itemsize) for b in plan.buckets)
     return reduced + slices * (2 if stage == 3 and reshard else 1)
 
 

@@ -72,7 +72,7 @@ from fdp.state.train_state import TrainState
 from fdp.step import compiled
 from fdp.trace import NullTimeline, Timeline
 
-__all__ = ["run", "run_rank", "run_ranks", "train_worker"]
+__all__ = ["run", "run_rank", "run_ranks"]
 
 log = logging.getLogger("fdp")
 
@@ -176,7 +176,6 @@ def run_rank(cfg: DictConfig, run_dir: str, callbacks: Sequence = ()) -> dict | 
 
 
 run_rank.handles_stop_signals = True  # fdp.procs.launch.spawn: it installs fdp.procs.interrupt's handlers itself
-train_worker = run_rank  # its earlier name
 
 
 def _join_and_train(cfg: DictConfig, run_dir: str, callbacks: Sequence = ()) -> dict:

@@ -20,8 +20,7 @@ from fdp.comm import Comm
 from fdp.data import split_micro_batches
 from fdp.data.batches import batch_size
 from fdp.errors import check_bool, check_choice, require
-from fdp.hooks import Hook, allreduce, for_slices
-from fdp.hooks import checked as with_result_checks
+from fdp.hooks import Hook, allreduce, for_slices, with_result_checks
 from fdp.model import remat
 from fdp.model.functional import FunctionalModel
 from fdp.model.losses import weigh_micro_batches
@@ -156,8 +155,6 @@ class StepOptions(NamedTuple):
             f"{self.update.stage if self.update else 0} (the stage of the update given) or 0",
         )
         return self._replace(precision=self.precision or Precision(), timeline=self.timeline or NullTimeline())
-
-    checked = resolved  # the name before "checked" came to mean one thing
 
 
 class TrainStep(NamedTuple):

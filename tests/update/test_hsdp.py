@@ -99,7 +99,7 @@ def _hybrid_ranks(rank, world):
     hybrid, hybrid_bytes = _reduce(zero.across_replicas(allreduce(), groups, plan), Comm(), plan, grads)
     bf16 = zero.across_replicas(reduced_in(torch.bfloat16, allreduce()), groups, plan)
     _, bf16_bytes = _reduce(bf16, Comm(), plan, grads)
-    slices = [zero.padded_slice(m, *zero.shard_range(b, groups.shard.rank, NODE)) for m, b in zip(mean, plan.buckets)]
+    slices = [zero.padded_slice(m, *zero.slice_range(b, groups.shard.rank, NODE)) for m, b in zip(mean, plan.buckets)]
     # int8 keeps error feedback in its state: made for the slice, and the slice's mean within a rounding step.
     quantised = zero.across_replicas(int8(), groups, plan)
     errors = [state[0].error.numel() for state in init_hook_states(quantised, plan)]
