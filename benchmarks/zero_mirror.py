@@ -54,7 +54,7 @@ def _rank(d_model: int, layout: WorldLayout) -> dict:
         held[f"stage {stage}"] = zero.state_nbytes(zero.init_state(params, buffers, optimizer, plan, comm, stage=stage))
     world = comm.world_size
     padded = sum(
-        zero.shard_range(b, 0, world)[1] * world * b.torch_dtype.itemsize for b in plan.buckets
+        zero.slice_range(b, 0, world)[1] * world * b.torch_dtype.itemsize for b in plan.buckets
     )  # bytes, all buckets
     return {"held": held, "bucket_bytes": padded, "world": world, "params": sum(p.numel() for p in params.values())}
 

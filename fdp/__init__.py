@@ -6,7 +6,8 @@ One word per idea:
 * **slice**: one rank's equal, zero-padded part of a bucket's flat layout (``update.zero.layout``).
 * **share**: one rank's part of the global batch (its samples), or of a state gathered to or read from a checkpoint.
 * **stage**: a ZeRO stage (0-3), what the update shards: nothing, optimizer state, gradients, params.
-* **hook**: one stage of gradient reduction on a bucket (allreduce, fp16, PowerSGD, ...; ``hooks``).
+* **hook**: one transform of gradient reduction on a bucket (allreduce, fp16, PowerSGD, ...; ``hooks``); a
+  hook chain's parts are hooks too (``stage`` is ZeRO's word alone).
 * **chain**: hooks run in order on a bucket (``hooks.chain``), or optimizers composed in order
   (``fdp.chain``, i.e. ``optim.chain``); the package a name comes from says which.
 * **update**: reduced buckets to new params and optimizer state, one per ZeRO stage (``update.base``, ``update.zero``).
@@ -38,7 +39,7 @@ or of packages above it in this list; ``tests/test_imports.py`` holds every impo
   weight-decay rules, the registry, and the params' moving average (``ema``).
 * ``data``: datasets, batches (any pytree of tensors) and their split over ranks and micro-batches, the
   validation split held out of the training split (``splits``).
-* ``hooks``: gradient-reduction stages (allreduce, fp16, PowerSGD, top-k, int8, low-bit codes) composed with
+* ``hooks``: gradient-reduction hooks (allreduce, fp16, PowerSGD, top-k, int8, low-bit codes) composed with
   ``hooks.chain``.
 * ``model``: what a model computes: any ``nn.Module`` as a pure function (``functional``), the built-in and
   Hugging Face models (``builtin``), mixed precision (``precision``), per-sample random streams

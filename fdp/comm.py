@@ -63,7 +63,7 @@ class Pending:
         # result without yielding it first.
         raise AttributeError(
             f"'Pending' object has no attribute {name!r}: a collective's result exists only once it is done; "
-            "in a hook stage write `result = yield comm.allreduce(x)` (yield it), elsewhere call .wait()"
+            "in a hook write `result = yield comm.allreduce(x)` (yield it), elsewhere call .wait()"
         )
 
     def done(self) -> bool:

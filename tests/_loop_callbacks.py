@@ -80,3 +80,56 @@ class KeepsWhole(Callback):
     def on_run_end(self, event):
         self.params = {name: t.clone() for name, t in event.whole_params().items()}
         self.shown = sorted(event.state.params)
+
+
+class LowersBudget(Callback):
+    """After step ``at`` on rank ``rank``, lowers this process's memory budget (``RLIMIT_DATA``, what
+    ``world.memory_per_rank_mb`` sets on the CPU) to what it holds then plus ``mib``: the next step finds less room,
+    as on a machine whose other processes took memory meanwhile."""
+
+    every_rank = True
+
+    def __init__(self, at: int = 1, rank: int = 0, mib: float = 64):
+        self.at, self.rank, self.mib = at, rank, mib
+
+    def on_step_end(self, event):
+        import re
+        import resource
+
+        if event.step == self.at and event.rank == self.rank:
+            held = int(re.search(r"VmData:\s+(\d+)", open("/proc/self/status").read()).group(1)) * 1024
+            hard = resource.getrlimit(resource.RLIMIT_DATA)[1]
+            resource.setrlimit(resource.RLIMIT_DATA, (held + int(self.mib * 2**20), hard))
+
+
+LARGEST_FORWARD = 0  # samples a Hungry model's forward takes before it asks for more memory than a machine has
+
+
+class Hungry(torch.nn.Module):
+    """A small MLP whose forward, once a ``Squeezes`` callback set ``LARGEST_FORWARD`` in its process, asks for a
+    tensor of 1 TiB when it gets more samples than that: a real allocation that fails, as a larger model's would."""
+
+    def __init__(self, in_features: int, out_features: int, hidden: int = 32):
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(in_features, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, out_features)
+        )
+
+    def forward(self, x):
+        if LARGEST_FORWARD and x.shape[0] > LARGEST_FORWARD:
+            torch.empty(2**40, dtype=torch.uint8)
+        return self.net(x)
+
+
+class Squeezes(Callback):
+    """After step ``at`` on rank ``rank``, a ``Hungry`` model there takes at most ``samples`` per forward."""
+
+    every_rank = True
+
+    def __init__(self, at: int = 1, rank: int = 0, samples: int = 8):
+        self.at, self.rank, self.samples = at, rank, samples
+
+    def on_step_end(self, event):
+        global LARGEST_FORWARD
+        if event.step == self.at and event.rank == self.rank:
+            LARGEST_FORWARD = self.samples

@@ -1,4 +1,4 @@
-"""The hook interface: pure gradient-reduction stages composed like optax transforms.
+"""The hook interface: pure transforms of gradient reduction, composed like optax's.
 
 A hook is a pair of functions:
 
@@ -7,7 +7,7 @@ A hook is a pair of functions:
 * ``apply(state, grads, comm) -> (grads, state)``: transform one bucket's flat gradient.
   ``grads`` is a ``GradBucket``; ``apply`` modifies its buffer only when the bucket says
   it ``owns`` it (the runtime's own scratch buffers), and otherwise returns new tensors.
-  A stage that needs a collective asks ``comm`` for it and ``yield``-s the
+  A hook that needs a collective asks ``comm`` for it and ``yield``-s the
   ``Pending`` it gets back where it needs the result::
 
       def apply(state, grads, comm):
@@ -21,12 +21,12 @@ A hook is a pair of functions:
 ``chain(*hooks)`` runs hooks one after another on the same bucket and keeps a tuple of
 their states, so ``chain(fp16_compress(), allreduce(), fp16_decompress())`` is a hook too.
 
-A stage hands per-bucket data to a later stage of the same chain in ``GradBucket.side``
-(a quantisation scale from a compressing stage to its decompressing one): part of the
+A hook hands per-bucket data to a later hook of the same chain in ``GradBucket.side``
+(a quantisation scale from a compressing hook to its decompressing one): part of the
 bucket value, so nothing is kept in a closure. What must outlive the step (an error
-residual) belongs in the stage's state, which is checkpointed.
+residual) belongs in the hook's state, which is checkpointed.
 
-Every stage's result is checked as it comes back: a stage that returns the bucket alone,
+Every hook's result is checked as it comes back: a hook that returns the bucket alone,
 yields something that is not a collective, or puts a ``Pending`` (a collective it forgot
 to ``yield``) where the gradient belongs fails with a ``TypeError`` naming it.
 """
@@ -45,25 +45,25 @@ from fdp.plan import Bucket
 
 _NO_SIDE: Mapping[str, Any] = MappingProxyType({})
 
-HookRun = Union[tuple["GradBucket", Any], Generator[Pending, torch.Tensor, tuple["GradBucket", Any]]]
+HookResult = Union[tuple["GradBucket", Any], Generator[Pending, torch.Tensor, tuple["GradBucket", Any]]]
 
 
 class GradBucket(NamedTuple):
     """One bucket's gradients on their way through a hook chain.
 
     ``buffer`` is flat and laid out as ``spec`` says; it holds this rank's gradient, not
-    yet divided by the world size (as in DDP's comm hooks). A compressing stage may
+    yet divided by the world size (as in DDP's comm hooks). A compressing hook may
     replace it by a tensor of another dtype; ``spec`` always describes the original.
 
     ``owned`` says the chain may overwrite ``buffer``: the runtime hands its scratch
-    bucket buffers over that way (refilled every step), and a stage that makes a new
-    buffer passes it on owned. Stages then work in place (an allreduce divides the
+    bucket buffers over that way (refilled every step), and a hook that makes a new
+    buffer passes it on owned. Hooks then work in place (an allreduce divides the
     buffer it is given instead of a copy); with ``owned=False`` (the default, for
     buffers a caller still needs) the input is never touched.
 
-    ``side`` carries data from one stage to later stages of the same chain, for this
+    ``side`` carries data from one hook to later hooks of the same chain, for this
     bucket and this step (``int8_compress`` leaves its scale there for
-    ``int8_decompress``). A stage adds to it by returning
+    ``int8_decompress``). A hook adds to it by returning
     ``grads._replace(side={**grads.side, "key": value})``, never by changing the
     mapping it was given.
 
@@ -82,37 +82,37 @@ class GradBucket(NamedTuple):
 
 
 class Hook(NamedTuple):
-    """A gradient-reduction stage: ``init(bucket) -> state``, ``apply(state, grads, comm) -> (grads, state)``.
+    """One transform of gradient reduction: ``init(bucket) -> state``, ``apply(state, grads, comm) -> (grads, state)``.
 
-    ``shardable`` declares that the stage reduces straight into the part of the bucket a
+    ``shardable`` declares that the hook reduces straight into the part of the bucket a
     comm says this rank keeps (``comm.kept_range``: everything over a plain comm, the
     rank's slice where ZeRO stages 2 and 3 scatter the bucket, ``fdp.update.zero``): its
     collectives of the bucket's values are sums (``comm.sum_bucket``) or gathers whose
     parts it sums (``comm.gather_bucket``, as ``int8_sum``), named as such so that a
     scattering comm knows them from its other collectives (a scale, a maximum), or it
     sums gathered entries into the kept range alone (``topk``); everything after them is
-    elementwise. A stage that does not say (``False``, the default) makes the whole
+    elementwise. A hook that does not say (``False``, the default) makes the whole
     reduced bucket, and where a rank keeps only a slice, ``for_slices`` runs it over the
     comm's ``whole`` and keeps the slice (PowerSGD, whose low-rank factors are whole).
     """
 
     init: Callable[[Bucket], Any]
-    apply: Callable[[Any, GradBucket, Comm], HookRun]
+    apply: Callable[[Any, GradBucket, Comm], HookResult]
     shardable: bool = False
 
 
-def run_stage(result: HookRun):
+def drive_hook(result: HookResult):
     """Drive a hook's ``apply`` result from inside another generator (``yield from``)."""
     if inspect.isgenerator(result):
         return (yield from result)
     return result
 
 
-def stage_name(hook: Hook) -> str:
+def hook_name(hook: Hook) -> str:
     """The name a hook goes by in error messages: the factory that made it (``powersgd``).
 
     >>> from fdp.hooks import powersgd
-    >>> stage_name(powersgd())
+    >>> hook_name(powersgd())
     'powersgd'
     """
     name = getattr(hook.apply, "__qualname__", None) or type(hook.apply).__name__
@@ -129,7 +129,7 @@ def _check_result(result: Any, where: str) -> tuple[GradBucket, Any]:
     if isinstance(result, GradBucket):
         raise TypeError(
             f"{where} returned the GradBucket alone: a Hook's apply returns (grads, state) "
-            "(wrap a stage without state in fdp.hooks.stateless)"
+            "(wrap a hook without state in fdp.hooks.stateless)"
         )
     if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], GradBucket)):
         raise TypeError(f"{where} returned {_describe(result)}: expected a (GradBucket, state) pair")
@@ -148,7 +148,7 @@ def _check_buffer(buffer: Any, where: str) -> None:
 
 
 def _run_with_checks(hook: Hook, state: Any, grads: GradBucket, comm: Comm, where: str):
-    """``hook.apply`` driven as ``run_stage`` does, with what it yields and returns checked."""
+    """``hook.apply`` driven as ``drive_hook`` does, with what it yields and returns checked."""
     run = hook.apply(state, grads, comm)
     if inspect.isgenerator(run):
         value = None
@@ -160,25 +160,25 @@ def _run_with_checks(hook: Hook, state: Any, grads: GradBucket, comm: Comm, wher
                 break
             if not isinstance(pending, Pending):
                 raise TypeError(
-                    f"{where} yielded {_describe(pending)}: a stage yields only the Pending a Comm "
+                    f"{where} yielded {_describe(pending)}: a hook yields only the Pending a Comm "
                     "collective returns (summed = yield comm.allreduce(x))"
                 )
             value = yield pending
     return _check_result(run, where)
 
 
-def checked(hook: Hook) -> Hook:
+def with_result_checks(hook: Hook) -> Hook:
     """``hook`` with its results checked (the train step runs every hook through this).
 
     >>> from fdp.hooks import allreduce
-    >>> hook = checked(allreduce())
+    >>> hook = with_result_checks(allreduce())
     """
-    where = f"hook {stage_name(hook)}"
+    where = f"hook {hook_name(hook)}"
 
     def apply(state: Any, grads: GradBucket, comm: Comm):
         return (yield from _run_with_checks(hook, state, grads, comm, where))
 
-    apply.__qualname__ = stage_name(hook)
+    apply.__qualname__ = hook_name(hook)
     return Hook(hook.init, apply, hook.shardable)
 
 
@@ -195,14 +195,14 @@ def for_slices(hook: Hook) -> Hook:
 
     >>> from fdp.hooks import powersgd
     >>> sliced = for_slices(powersgd())
-    >>> sliced.shardable, stage_name(sliced)
+    >>> sliced.shardable, hook_name(sliced)
     (True, 'powersgd')
     """
     if hook.shardable:
         return hook
 
     def apply(state: Any, grads: GradBucket, comm: Comm):
-        reduced, state = yield from run_stage(hook.apply(state, grads, comm.whole))
+        reduced, state = yield from drive_hook(hook.apply(state, grads, comm.whole))
         start, stop = comm.kept_range(grads.spec.numel)
         whole = reduced.buffer.reshape(-1)
         if (start, stop) == (0, whole.numel()):
@@ -211,7 +211,7 @@ def for_slices(hook: Hook) -> Hook:
         padding = part.new_zeros(stop - start - part.numel())
         return reduced._replace(buffer=torch.cat([part, padding]), owned=True), state
 
-    apply.__qualname__ = stage_name(hook)
+    apply.__qualname__ = hook_name(hook)
     return Hook(hook.init, apply, True)
 
 
@@ -236,16 +236,16 @@ def check_hooks(hooks: tuple, where: str) -> None:
 
 def chain(*hooks: Hook, name: str = "chain") -> Hook:
     """Compose hooks left to right; the state is the tuple of their states. ``name``: what errors call it
-    (``stage_name``), the factory's own where a hook is a chain inside (``lowbit``).
+    (``hook_name``), the factory's own where a hook is a chain inside (``lowbit``).
 
     >>> from fdp.hooks import allreduce, fp16_compress, fp16_decompress
-    >>> stage_name(chain(fp16_compress(), allreduce(), fp16_decompress()))
+    >>> hook_name(chain(fp16_compress(), allreduce(), fp16_decompress()))
     'chain'
     """
     if not hooks:
         raise ValueError("chain() needs at least one hook")
     check_hooks(hooks, "fdp.hooks.chain:")
-    wheres = tuple(f"hook chain[{i}] ({stage_name(hook)})" for i, hook in enumerate(hooks))
+    wheres = tuple(f"hook chain[{i}] ({hook_name(hook)})" for i, hook in enumerate(hooks))
 
     def init(bucket: Bucket) -> tuple:
         return tuple(hook.init(bucket) for hook in hooks)
@@ -253,8 +253,8 @@ def chain(*hooks: Hook, name: str = "chain") -> Hook:
     def apply(states: tuple, grads: GradBucket, comm: Comm):
         if not isinstance(states, tuple) or len(states) != len(hooks):
             raise TypeError(
-                f"hook chain of {len(hooks)} stages got the state {_describe(states)} for bucket {grads.index}: "
-                "expected one state per stage, as chain(...).init(bucket) makes"
+                f"hook chain of {len(hooks)} hooks got the state {_describe(states)} for bucket {grads.index}: "
+                "expected one state per hook, as chain(...).init(bucket) makes"
             )
         new_states = []
         for hook, state, where in zip(hooks, states, wheres):
@@ -271,16 +271,16 @@ def stateless(apply: Callable[[GradBucket, Comm], Any], shardable: bool = False)
 
     ``apply`` returns the new ``GradBucket`` alone; ``shardable`` as for ``Hook``.
     """
-    where = f"stateless stage {getattr(apply, '__qualname__', apply)!r}"
+    where = f"stateless hook {getattr(apply, '__qualname__', apply)!r}"
 
     def init(bucket: Bucket) -> tuple:
         return ()
 
     def apply_with_state(state: tuple, grads: GradBucket, comm: Comm):
-        out = yield from run_stage(apply(grads, comm))
+        out = yield from drive_hook(apply(grads, comm))
         if not isinstance(out, GradBucket):
             if isinstance(out, tuple) and out and isinstance(out[0], GradBucket):
-                raise TypeError(f"{where} returned {_describe(out)}: a stateless stage returns the GradBucket alone")
+                raise TypeError(f"{where} returned {_describe(out)}: a stateless hook returns the GradBucket alone")
             _check_buffer(out, where)  # a forgotten yield names itself
             raise TypeError(f"{where} returned {_describe(out)}: expected a GradBucket")
         return out, state
@@ -289,12 +289,12 @@ def stateless(apply: Callable[[GradBucket, Comm], Any], shardable: bool = False)
     return Hook(init, apply_with_state, shardable)
 
 
-def expect_floating(grads: GradBucket, stage: str) -> None:
-    """Refuse a bucket that is not floating point where ``stage`` averages it."""
+def expect_floating(grads: GradBucket, name: str) -> None:
+    """Refuse a bucket that is not floating point where the hook ``name`` averages it."""
     if not grads.buffer.is_floating_point():
         raise TypeError(
-            f"hook {stage} got bucket {grads.index} as {grads.buffer.dtype}: it averages floating-point "
-            "buckets only (an integer sum over ranks overflows or truncates); put the stage that "
+            f"hook {name} got bucket {grads.index} as {grads.buffer.dtype}: it averages floating-point "
+            "buckets only (an integer sum over ranks overflows or truncates); put the hook that "
             "decompresses before it, or sum integers in a wider type (see fdp.hooks.int8_sum)"
         )
 

@@ -2,14 +2,14 @@
 
 ``fp16_compress()`` and ``bf16_compress()`` replace the bucket's buffer by a 16-bit copy;
 ``fp16_decompress()`` / ``bf16_decompress()`` cast whatever arrives back to the bucket's
-own dtype (``grads.spec.torch_dtype``). Between them any stage may run, so
+own dtype (``grads.spec.torch_dtype``). Between them any hook may run, so
 ``chain(fp16_compress(), powersgd(), fp16_decompress())`` is DDP's
 ``fp16_compress_wrapper(powerSGD_hook)``.
 
 ``fp16()`` and ``bf16()`` are the usual chains with a plain average in the middle. Their
 numerics are those of DDP's ``fp16_compress_hook``: the gradient is cast first and then
 divided by the world size *in 16 bits*, summed in 16 bits, and only then cast back (the
-``allreduce`` stage divides before summing, which is what keeps the sum in range).
+``allreduce`` hook divides before summing, which is what keeps the sum in range).
 
 DDP refuses ``bf16_compress_hook`` unless NCCL is available (it checks the hook's name),
 but gloo sums bfloat16 tensors correctly, so ``bf16()`` works on CPU worlds too.
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from fdp.hooks.allreduce import allreduce
-from fdp.hooks.base import GradBucket, Hook, chain, run_stage, stage_name, stateless
+from fdp.hooks.base import GradBucket, Hook, chain, drive_hook, hook_name, stateless
 
 __all__ = ["fp16_compress", "fp16_decompress", "bf16_compress", "bf16_decompress", "fp16", "bf16", "reduced_in"]
 
@@ -41,7 +41,7 @@ def _cast_to(dtype: torch.dtype, name: str) -> Hook:
     def cast(grads: GradBucket, comm) -> GradBucket:
         return _cast(grads, dtype)
 
-    cast.__qualname__ = name  # errors name the stage as the user wrote it
+    cast.__qualname__ = name  # errors name the hook as the user wrote it
     return stateless(cast, shardable=True)
 
 
@@ -54,12 +54,12 @@ def _cast_back(name: str) -> Hook:
 
 
 def fp16_compress() -> Hook:
-    """Cast the bucket to ``float16`` (no division: the next stage averages)."""
+    """Cast the bucket to ``float16`` (no division: the next hook averages)."""
     return _cast_to(torch.float16, "fp16_compress")
 
 
 def bf16_compress() -> Hook:
-    """Cast the bucket to ``bfloat16`` (no division: the next stage averages)."""
+    """Cast the bucket to ``bfloat16`` (no division: the next hook averages)."""
     return _cast_to(torch.bfloat16, "bf16_compress")
 
 
@@ -97,8 +97,8 @@ def reduced_in(dtype: torch.dtype, hook: Hook) -> Hook:
     """
 
     def apply(state: Any, grads: GradBucket, comm):
-        out, state = yield from run_stage(hook.apply(state, _cast(grads, dtype), comm))
+        out, state = yield from drive_hook(hook.apply(state, _cast(grads, dtype), comm))
         return _cast(out, grads.spec.torch_dtype), state
 
-    apply.__qualname__ = f"reduced_in.{stage_name(hook)}"
+    apply.__qualname__ = f"reduced_in.{hook_name(hook)}"
     return Hook(hook.init, apply, hook.shardable)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from fdp.comm import Comm, Pending, new_group
-from fdp.hooks.base import GradBucket, Hook, run_stage
+from fdp.hooks.base import GradBucket, Hook, drive_hook
 
 __all__ = ["NodeComms", "check_node_size", "hierarchical", "node_comms"]
 
@@ -112,7 +112,7 @@ def hierarchical(hook: Hook, comms: NodeComms, nodes: int) -> Hook:
         # The chain sees a node's mean as one rank's gradient and averages it over the nodes.
         node_mean = grads._replace(buffer=summed.div_(comm_node.world_size), owned=True)
         across = comms.leaders or shadow
-        out, state = yield from run_stage(hook.apply(state, node_mean, across))
+        out, state = yield from drive_hook(hook.apply(state, node_mean, across))
         if comms.leaders is not None:
             sent, count = comms.leaders.take_counters()
             comm.bytes_sent += sent

@@ -1,6 +1,6 @@
 """Int8 quantisation with one scale per bucket shared by all ranks, and error feedback.
 
-``int8()`` is the chain of three stages; the scale goes from the first to the last in
+``int8()`` is the chain of three hooks; the scale goes from the first to the last in
 the bucket's ``side`` data, the rounding error stays in the first one's state:
 
 * ``int8_compress()``: ``x = gradient + error``. The ranks agree on one scale for the

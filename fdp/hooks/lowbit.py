@@ -1,7 +1,7 @@
 """Low-bit quantisation with per-block scales, fp32 accumulation and error feedback.
 
 Made for the outer gradients of DiLoCo (``fdp.step.outer``), which are sent rarely and are
-worth compressing hard: ``lowbit(format)`` is the chain of three stages,
+worth compressing hard: ``lowbit(format)`` is the chain of three hooks,
 
 * ``lowbit_compress(format, block, error_feedback)``: ``x = gradient + error``, cut into
   blocks of ``block`` entries (rows), each with its own scale ``max |x| / top`` (``top``

@@ -36,7 +36,7 @@ function of (state, gradient) and a resumed run continues bit for bit:
   run is given.
 
 All tensors are allocated by ``init`` in the bucket's dtype, so the state has the same
-structure from the first step to the last (checkpoints flatten it). When the stage runs
+structure from the first step to the last (checkpoints flatten it). When the hook runs
 on a 16-bit buffer (after ``fp16_compress()``) the arithmetic is 16-bit, like
 ``fp16_compress_wrapper(powerSGD_hook)``, and the state holds those 16-bit values exactly.
 

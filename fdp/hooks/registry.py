@@ -49,7 +49,7 @@ HOOKS: dict[str, Callable[..., Hook]] = {
     "noop": noop,
 }
 
-# Halves of a hook, registered for chains written out stage by stage (conf/hooks/fp16_powersgd.yaml), not hooks a
+# Halves of a hook, registered for chains written out hook by hook (conf/hooks/fp16_powersgd.yaml), not hooks a
 # run picks alone: they are left out where a refusal lists the hooks to pick instead.
 CHAIN_STAGES = ("fp16_compress", "fp16_decompress", "bf16_compress", "bf16_decompress")
 

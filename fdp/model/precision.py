@@ -43,7 +43,7 @@ import torch
 
 from fdp._torch import tree_map
 from fdp.errors import check_choice
-from fdp.hooks import Hook, stage_name
+from fdp.hooks import Hook, hook_name
 from fdp.hooks.compress import reduced_in
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
@@ -139,8 +139,8 @@ class Precision(NamedTuple):
     def reducing(self, hook: Hook) -> Hook:
         """``hook`` averaging in ``reduce_dtype`` (its state unchanged); ``ValueError`` if the pair is refused.
 
-        >>> from fdp.hooks import allreduce, stage_name
-        >>> stage_name(Precision("bf16-mixed", reduce_dtype="bfloat16").reducing(allreduce()))
+        >>> from fdp.hooks import allreduce, hook_name
+        >>> hook_name(Precision("bf16-mixed", reduce_dtype="bfloat16").reducing(allreduce()))
         'reduced_in.allreduce'
         """
         if check_reduce_dtype(self.reduce_dtype, self.name, hook) == "float32":
@@ -262,9 +262,9 @@ def check_reduce_dtype(reduce_dtype: str, precision: str = "bf16-mixed", hook: H
             f"reduce_dtype={reduce_dtype!r}: expected float32 with precision={precision} (bfloat16 is for "
             "bf16-mixed; hooks=bf16 averages float32 gradients in bfloat16)"
         )
-    if hook is not None and stage_name(hook) != "allreduce":
+    if hook is not None and hook_name(hook) != "allreduce":
         raise ValueError(
-            f"reduce_dtype={reduce_dtype!r}: expected float32 with hooks {stage_name(hook)!r}, which average no "
+            f"reduce_dtype={reduce_dtype!r}: expected float32 with hooks {hook_name(hook)!r}, which average no "
             "gradient in a dtype: they send a payload of their own format (low-rank factors, selected entries, "
             "low-bit codes); bfloat16 averages with hooks=allreduce"
         )

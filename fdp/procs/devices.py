@@ -349,7 +349,8 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 class MemoryPhase:
     """Which part of a run this rank is in, for its out-of-memory line: ``data``, ``build``, ``step``,
-    ``evaluation`` or ``save``, the step it is at, and whether this invocation has saved a checkpoint.
+    ``evaluation`` or ``save``, the step it is at, whether this invocation has saved a checkpoint, and the
+    micro-batches per step a run that decides them is at (``accum``; ``None``: the setting's).
 
     ``with phase("step", 7): ...`` enters a part; one that ends normally hands back the part it was
     in, one that raises leaves the phase where it failed.
@@ -363,7 +364,7 @@ class MemoryPhase:
     """
 
     def __init__(self):
-        self.name, self.step, self.saved = "data", None, False
+        self.name, self.step, self.saved, self.accum = "data", None, False, None
 
     @contextlib.contextmanager
     def __call__(self, name: str, step: int | None = None) -> Iterator[None]:

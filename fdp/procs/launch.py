@@ -241,7 +241,7 @@ def _root_failure(error: Any) -> tuple[int, Any]:
 def _worker(entry: Callable[..., Any], *args: Any) -> Any:
     """A worker of ``spawn``: it starts with SIGINT and SIGTERM blocked (``relay_to_workers``).
 
-    An entry that handles them itself (``handles_stop_signals``, as ``fdp.run.trainer.train_worker``)
+    An entry that handles them itself (``handles_stop_signals``, as ``fdp.run.trainer.run_rank``)
     unblocks them once its handlers are in; any other gets them back as they were.
     """
     if not getattr(entry, "handles_stop_signals", False):

@@ -50,6 +50,7 @@ from fdp.procs.devices import batch_to_device, to_device
 from fdp.run.config import DATA_SETTINGS
 from fdp.run.evaluate import metric_names
 from fdp.run.loop_controls import run_steps
+from fdp.run.micro_batch import AUTO
 from fdp.run.rank_loss import rank_loss_of
 from fdp.state.train_state import TrainState
 from fdp.step.outer import init_outer_state
@@ -316,9 +317,9 @@ def _checked_plan(
     traced on ``meta`` where the params are."""
     loss_fn = make_loss_fn(model, criterion)
     example = next(train_batches(data, cfg.data.global_batch_size, cfg.seed, comm.rank, comm.world_size, 0, 1))
-    example = batch_to_device(
-        precision.cast(head(example, max(1, batch_size(example) // cfg.trainer.accum_steps))), device
-    )
+    # One micro-batch; under trainer.accum_steps=auto two samples (it is decided once the run is built).
+    micro = 2 if cfg.trainer.accum_steps == AUTO else max(1, batch_size(example) // cfg.trainer.accum_steps)
+    example = batch_to_device(precision.cast(head(example, micro)), device)
     # Params that stand in on meta (a build that makes them later): the model runs on them and the real batch, what
     # mixes the two on meta (fdp.model.deferred.meta_wins), so the batch's own values stay real where it reads them.
     on_meta = any(p.is_meta for p in params.values())

@@ -40,7 +40,7 @@ from fdp.run.keys import unknown_key_line
 from fdp.run.metrics import summary_line
 from fdp.run.rundir import CHECKPOINTS, run_log, train_log_handler
 
-__all__ = ["hydra_error_line", "main", "run_from_shell", "train"]
+__all__ = ["hydra_error_line", "main", "run_from_shell"]
 
 REFUSED, FAILED = 2, 1
 # Failures the run reports in one line: the message says what happened and what to change.
@@ -321,6 +321,3 @@ def run_from_shell(cfg: Any, run_dir: str | Path, save_config: Callable[[Any, Pa
             run_dir.rmdir()  # the one Hydra made for a run refused before it took it, if empty
         print(f"error: {error}", file=sys.stderr, flush=True)  # refused: nothing was written for it
         return REFUSED
-
-
-train = run_from_shell  # its earlier name

@@ -195,7 +195,9 @@ class TrainerConfig:
     keep_best: int = 0  # keep this many best checkpoints by checkpoint_monitor in checkpoints/best/ (0: none)
     ema_decay: float = 0.0  # a moving average of the params, evaluated as ema_<metric> and checkpointed (0: off)
     stop_at: int = 0  # end this invocation early at this step, to resume later (0: run to max_steps)
-    accum_steps: int = 1  # micro-batches per step (gradients accumulated; the global batch stays)
+    # micro-batches per step (gradients accumulated; the global batch stays) | auto: the largest micro-batch the memory
+    # forecast fits in the budget, halved when a step runs out of memory anyway (fdp.run.micro_batch)
+    accum_steps: Any = 1
     log_every: int = 10  # steps between lines in train.log and metrics.jsonl (the end is always logged)
     eval_every: int = 100  # 0: evaluate only at the end
     eval_batches: int = 20  # batches of the held-out split per evaluation

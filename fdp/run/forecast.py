@@ -38,7 +38,7 @@ from fdp.hooks import Hook
 from fdp.optim import GradientTransformation
 from fdp.plan import BucketPlan
 from fdp.procs.allocator import resident_mib
-from fdp.update.zero.layout import shard_key, shard_numel
+from fdp.update.zero.layout import slice_key, slice_numel
 
 __all__ = [
     "MiB",
@@ -79,7 +79,7 @@ def slice_bytes(plan: BucketPlan, world: int) -> int:
     >>> slice_bytes(pack_into_buckets([("w", (5,), "float32", "cpu")]), world=2)  # 3 of the 6 padded elements
     12
     """
-    return sum(shard_numel(b, world) * b.torch_dtype.itemsize for b in plan.buckets)
+    return sum(slice_numel(b, world) * b.torch_dtype.itemsize for b in plan.buckets)
 
 
 def params_bytes(plan: BucketPlan, stage: int, world: int) -> int:
@@ -110,7 +110,7 @@ def _meta_params(plan: BucketPlan, stage: int, world: int) -> dict[str, torch.Te
     if stage == 0:
         return {s.name: torch.empty(s.shape, dtype=b.torch_dtype, device="meta") for b in plan.buckets for s in b.slots}
     return {
-        shard_key(b.index): torch.empty(shard_numel(b, world), dtype=b.torch_dtype, device="meta") for b in plan.buckets
+        slice_key(b.index): torch.empty(slice_numel(b, world), dtype=b.torch_dtype, device="meta") for b in plan.buckets
     }
 
 
@@ -167,7 +167,7 @@ def gathers_in_flight(plan: BucketPlan, world: int, itemsize: int | None = None,
     >>> gathers_in_flight(plan, world=3)  # 9 + 6 padded elements
     60
     """
-    sizes = [shard_numel(b, world) * world * (itemsize or b.torch_dtype.itemsize) for b in plan.buckets]
+    sizes = [slice_numel(b, world) * world * (itemsize or b.torch_dtype.itemsize) for b in plan.buckets]
     return sum(sizes) if not reshard else sum(sorted(sizes, reverse=True)[:2])
 
 
@@ -208,7 +208,7 @@ def step_bytes_sent(
     reduced = int(plan.nbytes * ratio)
     if stage == 0:
         return reduced
-    slices = sum(shard_numel(b, world) * (gather_itemsize or b.torch_dtype.itemsize) for b in plan.buckets)
+    slices = sum(slice_numel(b, world) * (gather_itemsize or b.torch_dtype.itemsize) for b in plan.buckets)
     return reduced + slices * (2 if stage == 3 and reshard else 1)
 
 
@@ -320,7 +320,8 @@ def forecast(
 ) -> Forecast:
     """One rank's forecast at ``stage`` over ``world`` ranks; ``activations``: an ``fdp.model.activations``
     ``Activations`` for the micro-batch; ``extra_state``: bytes of state beyond params and optimizer
-    (outer loop, moving average) for the whole params, sharded with them at stage 3.
+    (outer loop, moving average) for the whole params, sharded with the pieces a rank syncs; ``node_size``: a node's
+    ranks under ``world.hierarchical`` (0: flat), over which a ZeRO stage shards (hybrid sharding).
 
     >>> from fdp import sgd
     >>> from fdp.hooks import allreduce
@@ -329,20 +330,26 @@ def forecast(
     >>> plan = pack_into_buckets([("w", (1024, 1024), "float32", "cpu")])
     >>> [forecast(plan, sgd(0.1, momentum=0.9), allreduce(), Activations(0, 0), stage=s, world=4, rank=1).peak // MiB
     ...  for s in range(4)]
-    [24, 18, 18, 14]
+    [20, 17, 17, 14]
     """
-    params = params_bytes(plan, stage, world)
-    share = slice_bytes(plan, world)
-    opt = optimizer_state_bytes(optimizer, plan, stage, world)
-    whole_opt = opt if stage == 0 else optimizer_state_bytes(optimizer, plan, 0, world)
+    # Hybrid sharding (world.hierarchical=true with a ZeRO stage) splits each bucket over a node's ranks, not the world.
+    hybrid = bool(node_size) and world > node_size and stage > 0
+    shards = node_size if hybrid else world
+    params = params_bytes(plan, stage, shards)
+    share = slice_bytes(plan, shards)
+    opt = optimizer_state_bytes(optimizer, plan, stage, shards)
+    whole_opt = opt if stage == 0 else optimizer_state_bytes(optimizer, plan, 0, shards)
+    # An outer loop's anchor and momentum (and the moving average that follows the anchor) are kept for the pieces a
+    # rank syncs: its slices at stage 3, and under an outer loop over hybrid-sharded replicas at every ZeRO stage.
+    sliced_extra = stage == 3 or (outer and stage > 0)
     terms = Terms(
         params=params,
         grads_held=grad_buffer_bytes(plan, stage, held=True),
         grads_step=grad_buffer_bytes(plan, stage, held=False),
         optimizer=opt,
         hooks=hook_state_bytes(hook, plan),
-        extra_state=extra_state * share // plan.nbytes if stage == 3 else extra_state,
-        gathers=gathers_in_flight(plan, world, gather_itemsize, reshard) if stage == 3 else 0,
+        extra_state=extra_state * share // plan.nbytes if sliced_extra else extra_state,
+        gathers=gathers_in_flight(plan, shards, gather_itemsize, reshard) if stage == 3 else 0,
         staging=staging_bytes(
             (share if stage else plan.nbytes) + opt,
             plan.nbytes + whole_opt,
@@ -359,21 +366,41 @@ def forecast(
         fixed=fixed,
         build_params=plan.nbytes if stage < 3 else max(s.numel for b in plan.buckets for s in b.slots) * 4,
         # The optimizer's elementwise temporaries, about its state's size; at stages 0-2 the first step also lays the
-        # params out in their buckets (a copy; the heap keeps the memory the old ones free).
-        update=opt + (plan.nbytes if stage < 3 else 0),
+        # params out in their buckets (a copy), and the temporaries reuse the heap's blocks the old params free
+        # (measured on one rank: the update grew by Adam's state, 16.6 MiB, not by it and the params' 8.3 more).
+        update=max(opt, plan.nbytes) if stage < 3 else opt,
         # Measured on 2 CPU ranks: gloo holds about a bucket's size of its own for each bucket it reduces in a step.
         collectives=plan.nbytes if world > 1 and plan.buckets[0].device == "cpu" else 0,
     )
-    sent = step_bytes_sent(plan, stage, world, hook_ratio, gather_itemsize, reshard)
-    links = _links(sent, world, node_size, outer, plan.nbytes)
+    links = _links(plan, stage, world, node_size, outer, hook_ratio, gather_itemsize, reshard)
     return Forecast(rank, stage, terms, phase_peaks(terms, stage), links)
 
 
-def _links(sent: int, world: int, node_size: int, outer: bool, params: int) -> dict[str, int]:
-    """Bytes per step on each link: inside a node, across nodes (``world.hierarchical``), per outer sync."""
-    if outer:  # local steps send nothing; a sync averages the params
-        return {"per_step": 0, "per_outer_sync": params if world > 1 else 0}
-    if node_size and world > node_size:  # hierarchical: the node's sum inside, the leaders' chain across
+def _links(
+    plan: BucketPlan,
+    stage: int,
+    world: int,
+    node_size: int,
+    outer: bool,
+    ratio: float,
+    gather_itemsize: int | None,
+    reshard: bool,
+) -> dict[str, int]:
+    """Bytes a rank sends per step on each link: inside a node, across nodes (``world.hierarchical``), and per outer
+    sync. Under hybrid sharding a step's reductions and gathers stay in the node, and only the rank's slice of each
+    reduced bucket crosses (through the hook chain); under an outer loop over hybrid-sharded replicas nothing crosses
+    in a step, and a sync sends the rank's slices, each with the ranks holding it in the other groups."""
+    hierarchical = bool(node_size) and world > node_size
+    if hierarchical and stage > 0:
+        inside = step_bytes_sent(plan, stage, node_size, 1.0, gather_itemsize, reshard)
+        slices = slice_bytes(plan, node_size)
+        if outer:
+            return {"inside_node": inside, "across_nodes": 0, "per_outer_sync": slices}
+        return {"inside_node": inside, "across_nodes": int(slices * ratio)}
+    sent = step_bytes_sent(plan, stage, world, ratio, gather_itemsize, reshard)
+    if outer:  # every rank a replica of its own: local steps send nothing; a sync averages the whole params
+        return {"per_step": 0, "per_outer_sync": plan.nbytes if world > 1 else 0}
+    if hierarchical:  # the node's sum inside, the leaders' chain across
         return {"inside_node": sent, "across_nodes": sent // node_size}
     return {"per_step": sent}
 

@@ -14,9 +14,18 @@ import torch
 
 from fdp.plan import BucketPlan
 from fdp.run.forecast import Forecast, MiB, forecast
+from fdp.run.micro_batch import first_accum, fixed_accum
 from fdp.run.sharded_checkpoint import resolved_format
 
-__all__ = ["activations_of", "run_forecasts", "describe", "memory_section", "start_line", "micro_samples"]
+__all__ = [
+    "activations_of",
+    "run_forecasts",
+    "describe",
+    "memory_section",
+    "start_line",
+    "micro_samples",
+    "forecast_accum",
+]
 
 
 def micro_samples(global_batch: int, world: int, accum: int) -> int:
@@ -85,7 +94,7 @@ def run_forecasts(
     ``micro``: samples per forward (else the run's)."""
     from fdp.run.build import stage_of
 
-    micro = micro or micro_samples(cfg.data.global_batch_size, world, cfg.trainer.accum_steps)
+    micro = micro or micro_samples(cfg.data.global_batch_size, world, fixed_accum(cfg.trainer.accum_steps))
     acts = (activations or activations_of(cfg, parts))(micro)
     gather = parts.precision.gather_dtype
     node_size = (cfg.world.node_size or cfg.world.nproc_per_node) if cfg.world.hierarchical else 0
@@ -177,3 +186,22 @@ def start_line(cfg, parts, world: int, fixed_mib: float) -> str:
         f"memory forecast: peak {worst.peak / MiB:.0f} MiB per rank in {worst.phase} at trainer.zero_stage="
         f"{worst.stage} (see recipes/plan.py){verdict}"
     )
+
+
+def forecast_accum(cfg: Any, parts: Any, world: int, fixed_mib: float, budget: float) -> tuple[int, str]:
+    """The fewest micro-batches per step whose forecast peak fits ``budget`` MiB on this rank, and why.
+
+    No budget: the whole share in one forward. A forecast that cannot be made: the same, the steps confirm it."""
+    per_rank = cfg.data.global_batch_size // world
+    if not budget:
+        return 1, "no memory budget (world.memory_per_rank_mb=0 on the CPU)"
+    try:
+        acts = activations_of(cfg, parts)
+
+        def peak(micro: int) -> int:
+            return max(f.peak for f in run_forecasts(cfg, parts, world, fixed_mib, activations=acts, micro=micro))
+
+        accum = first_accum(per_rank, lambda micro: peak(micro) <= budget * MiB)
+    except Exception as error:  # noqa: BLE001 - no forecast: the steps decide
+        return 1, f"no forecast ({(str(error).strip().splitlines() or [type(error).__name__])[0]})"
+    return accum, f"forecast peak {peak(per_rank // accum) / MiB:.0f} MiB of {budget:g} MiB"

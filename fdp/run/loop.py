@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from fdp.comm import Comm
@@ -22,6 +23,7 @@ from fdp.data import train_batches
 from fdp.errors import ConfigError
 from fdp.model import remat
 from fdp.model.losses import make_loss_fn
+from fdp.procs.allocator import release_free_memory
 from fdp.procs.devices import MemoryPhase, batch_to_device
 from fdp.procs.grow import GrowingWorld
 from fdp.procs.interrupt import StopSignals
@@ -30,7 +32,9 @@ from fdp.procs.shrink import Shrink, ShrinkingWorld, whole_groups
 from fdp.run import checkpoint
 from fdp.run.build import RunParts, node_size_of, regrouped
 from fdp.run.callbacks import Callbacks
+from fdp.run.forecast_run import forecast_accum
 from fdp.run.loop_controls import LoopControls
+from fdp.run.micro_batch import AUTO, Agreement, MicroBatchOutOfMemory, budget_mib, fixed_accum, halved
 from fdp.run.rank_loss import rank_loss_of
 from fdp.run.rejoin import heal
 from fdp.run.report import Report
@@ -83,14 +87,23 @@ def saver_for(cfg: DictConfig, comm: Comm, launched: int) -> ShardedSaver | None
 
 
 def make_step(
-    cfg: DictConfig, parts: RunParts, comm: Comm, timeline: Timeline, compile: bool, donate: bool = True
+    cfg: DictConfig,
+    parts: RunParts,
+    comm: Comm,
+    timeline: Timeline,
+    compile: bool,
+    donate: bool = True,
+    accum_steps: int | None = None,
+    after_backward=None,
 ) -> TrainStep:
-    """The run's train step (``fdp.step``) for the world of ``comm``, from its settings and pieces."""
+    """The run's train step (``fdp.step``) for the world of ``comm``, from its settings and pieces; ``accum_steps``
+    and ``after_backward``: what ``trainer.accum_steps=auto`` decided (``fdp.run.micro_batch``)."""
     tc = cfg.trainer
     options = dict(
         # donate: the loop never looks at a state again once it has the next (but a world that
         # shrinks may go back to it: fdp.procs.shrink)
-        accum_steps=tc.accum_steps,
+        accum_steps=accum_steps or fixed_accum(tc.accum_steps),
+        after_backward=after_backward,
         schedule=tc.schedule,
         nonfinite=tc.nonfinite,
         timeline=timeline,
@@ -136,6 +149,7 @@ class Loop:
         phase: MemoryPhase,
         world: ShrinkingWorld | None = None,
         callbacks: Callbacks | None = None,
+        memory: tuple[float, float] = (0.0, 0.0),
     ):
         self.cfg, self.parts, self.timeline, self.device, self.last_step = cfg, parts, timeline, device, last_step
         self.compile, self.controls, self.phase, self.world = compile, controls, phase, world
@@ -146,6 +160,10 @@ class Loop:
         self.since = time.perf_counter()
         self.saver: ShardedSaver | None = None
         self.launched = comm.world_size
+        # trainer.accum_steps=auto (fdp.run.micro_batch): what the run's memory forecast starts from (the fixed part
+        # and the base, MiB), the choice and its records for metrics.jsonl.
+        self.memory, self.auto = memory, cfg.trainer.accum_steps == AUTO
+        self.accum, self.agreement, self.choices = fixed_accum(cfg.trainer.accum_steps), None, []
         self.join(comm)
 
     def join(self, comm: Comm) -> None:
@@ -156,9 +174,9 @@ class Loop:
         # A world that shrank or grew writes over its own groups: the last world's write is complete (grow) or
         # abandoned with that world's groups (shrink; its temporary directory goes at the next save).
         self.saver = saver_for(cfg, comm, self.launched)
-        self.train_step = make_step(
-            cfg, self.parts, comm, self.timeline, self.compile, donate=rank_loss_of(cfg.world).donates_state
-        )
+        if self.auto:  # at start, and again in a world of another size
+            self._choose_micro_batch(comm)
+        self._make_step()
         self.batches = train_batches(
             self.parts.data,
             cfg.data.global_batch_size,
@@ -171,6 +189,75 @@ class Loop:
             pin_memory=self.device.type == "cuda",
         )
 
+    def _make_step(self) -> None:
+        cfg = self.cfg
+        self.train_step = None  # the last one's buffers freed before the next one's are made
+        comm = self.agreement.step_comm() if self.agreement is not None else self.comm
+        self.step_comm = comm
+        self.train_step = make_step(
+            cfg,
+            self.parts,
+            comm,
+            self.timeline,
+            self.compile,
+            donate=rank_loss_of(cfg.world).donates_state,
+            accum_steps=self.accum,
+            after_backward=self.agreement,
+        )
+
+    def _choose_micro_batch(self, comm: Comm) -> None:
+        """``trainer.accum_steps=auto``: the largest micro-batch the forecast fits in the budget, the smallest of
+        every rank's (a collective); the first step confirms it."""
+        began, (fixed_mib, base_mib) = time.perf_counter(), self.memory
+        budget = budget_mib(self.cfg, self.device, base_mib)
+        accum, why = forecast_accum(self.cfg, self.parts, comm.world_size, fixed_mib, budget)
+        release_free_memory()  # what the forecast's trace left free
+        if comm.world_size > 1:
+            agreed = torch.tensor([accum], dtype=torch.int64)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=comm.group)
+            accum = int(agreed[0])
+        per_rank, tries, fewer = self.cfg.data.global_batch_size // comm.world_size, 1, accum
+        while (fewer := halved(per_rank, fewer)) is not None:  # a step group for each micro-batch it may halve to
+            tries += 1
+        self.agreement = Agreement(comm, self.device, tries)
+        self._chose(accum, why, time.perf_counter() - began)
+
+    def _chose(self, accum: int, why: str, seconds: float) -> None:
+        """Take ``accum`` micro-batches per step from the next step on; ``seconds``: what deciding it took."""
+        self.accum = self.phase.accum = accum
+        per_rank = self.cfg.data.global_batch_size // self.comm.world_size
+        record = {
+            "step": self.state.step,
+            "accum_steps": accum,
+            "micro_batch": per_rank // accum,
+            "why": why,
+            "seconds": round(seconds, 3),
+        }
+        self.choices.append(record)
+        if self.comm.rank == 0:
+            log.info(
+                f"trainer.accum_steps=auto: {accum} micro-batches of {per_rank // accum} samples per step from step "
+                f"{self.state.step + 1} on {self.comm.world_size} ranks ({why})"
+            )
+
+    def _step(self, batch) -> tuple[TrainState, dict]:
+        """One step from ``state`` on ``batch``; under ``trainer.accum_steps=auto`` done again with half the
+        micro-batch while its forwards and backwards run out of memory on some rank (the state intact)."""
+        while True:
+            began = time.perf_counter()
+            try:
+                return self.train_step(self.state, batch)
+            except MicroBatchOutOfMemory as error:
+                per_rank = self.cfg.data.global_batch_size // self.comm.world_size
+                accum = halved(per_rank, self.accum)
+                if accum is None:
+                    raise MemoryError(f"{error}, at a micro-batch of one sample") from None
+                self.train_step.settle()  # the step before's verdict, where the abandoned one left it unread
+                self.agreement.abandoned.append(self.step_comm)
+                self.accum = accum
+                self._make_step()  # the failed try and the new step function: what halving costs
+                self._chose(accum, f"step {self.state.step + 1}: {error}; halved", time.perf_counter() - began)
+
     def run(self, run_dir: RunDir, report: Report, status: RankStatus, stop: StopSignals) -> str | None:
         """Train to the last step, or to the step a stop signal ends on (returned); ``controls.stopped``
         says why a run ended before its last step without one (``fdp.run.loop_controls``)."""
@@ -182,8 +269,10 @@ class Loop:
                 self.since = waited = time.perf_counter()  # the data wait: how long the step waited for its batch
                 batch = batch_to_device(next(self.batches), self.device)
                 waited = time.perf_counter() - waited
-                state, metrics = self.train_step(self.state, batch)
+                state, metrics = self._step(batch)
             self.before, self.state = self.state, state
+            while self.choices:  # trainer.accum_steps=auto: the micro-batch chosen, in metrics.jsonl
+                report.micro_batch(self.choices.pop(0), self.accum)
             self.callbacks.step_end(self.comm, state, {**metrics, "data_wait_s": waited})
             out_of_time = controls.stepped(state)  # the moving average; max_time, agreed by every rank
             interrupted = stop.agreed()  # every rank, every step: flags are compared every ~0.1 s, no step waits
@@ -228,6 +317,8 @@ class Loop:
         with self.phase("save", state.step):
             self.train_step.settle()  # no checkpoint of a step whose gradients were not finite
             extra = {**self.controls.payload(state.step), **self.callbacks.payload(self.comm)}
+            if self.auto:  # what it ran with; a resume decides again (another machine, another budget)
+                extra["micro_batch"] = {"accum_steps": self.accum}
             written = save_state(run_dir, state, self.comm, self.cfg, self.parts, extra, self.saver)
         self.phase.saved = True
         if self.callbacks.wants("save", self.comm.rank):

@@ -16,21 +16,26 @@ from omegaconf import DictConfig
 from fdp.model import remat
 from fdp.procs.devices import MemoryPhase
 from fdp.run.build import stage_of
+from fdp.run.micro_batch import fixed_accum
 from fdp.run.sharded_checkpoint import check_checkpoint_async, resolved_format
 
 __all__ = ["out_of_memory_message"]
 
 
-def out_of_memory_message(cfg: DictConfig, rank: int, world: int, phase: MemoryPhase, error: BaseException) -> str:
-    """Which part of the run ran out (``MemoryPhase``) and what to change for it."""
+def out_of_memory_message(
+    cfg: DictConfig, rank: int, world: int, phase: MemoryPhase, error: BaseException, accum: int | None = None
+) -> str:
+    """Which part of the run ran out (``MemoryPhase``) and what to change for it; ``accum``: the micro-batches
+    per step the run was at (``trainer.accum_steps=auto`` decides them; else the setting's)."""
     reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
     reason = re.sub(r"^\[enforce fail at [^\]]*\]\s*(err == 0\.\s*)?", "", reason)
     tc, budget = cfg.trainer, cfg.world.memory_per_rank_mb
     within = f"world.memory_per_rank_mb={budget:g}" if budget else "this machine's memory"
-    micro = max(1, cfg.data.global_batch_size // world // tc.accum_steps)
+    accum = tc.accum_steps if accum is None else accum
+    micro = max(1, cfg.data.global_batch_size // world // fixed_accum(accum))
     batch = (
         f"{micro} samples: data.global_batch_size={cfg.data.global_batch_size} over {world} ranks and "
-        f"trainer.accum_steps={tc.accum_steps}"
+        f"trainer.accum_steps={accum}"
     )
     # Recomputing activations in backward (fdp.model.remat) keeps a step's peak lower, where it is not on yet.
     stage = stage_of(cfg).number

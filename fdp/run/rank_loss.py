@@ -36,6 +36,7 @@ from fdp.errors import ConfigError, as_config_key, check_choice, one_of, require
 from fdp.model.streams import wants_sample_streams
 from fdp.procs.grow import check_max_ranks, joining, respawner
 from fdp.procs.shrink import check_shrinkable_batch, launched_world
+from fdp.run.micro_batch import fixed_accum
 from fdp.update.zero import ZERO_STAGES, stage_rules
 
 __all__ = [
@@ -257,7 +258,11 @@ def check_rank_loss_in_world(cfg: Any, world: int) -> None:
     as_config_key(
         "data.global_batch_size",
         lambda size: check_shrinkable_batch(
-            size, largest, w.min_ranks, t.accum_steps, (w.node_size or w.nproc_per_node) if w.hierarchical else 1
+            size,
+            largest,
+            w.min_ranks,
+            fixed_accum(t.accum_steps),
+            (w.node_size or w.nproc_per_node) if w.hierarchical else 1,
         ),
         d.global_batch_size,
     )

@@ -22,6 +22,7 @@ from fdp.run.build import RunParts, display_name
 from fdp.run.evaluate import evaluate
 from fdp.run.loggers import check_loggers, open_loggers
 from fdp.run.metrics import MetricsLog, StepTimes, progress
+from fdp.run.micro_batch import fixed_accum
 from fdp.run.rundir import RunDir
 from fdp.state.train_state import TrainState
 
@@ -58,6 +59,8 @@ class Report:
         self.tested_at: int | None = None  # the step the test split was scored at the end of
         self.started = time.perf_counter()
         self.shrinks: list[dict] = []  # each time the world went on without a lost rank (fdp.procs.shrink)
+        self.accum = fixed_accum(cfg.trainer.accum_steps)  # micro-batches per step (trainer.accum_steps=auto decides)
+        self.micro_batches: list[dict] = []  # each micro-batch trainer.accum_steps=auto chose
         self.grows: list[dict] = []  # each time ranks joined it (fdp.procs.grow)
 
     def shrunk(self, comm: Comm, record: dict) -> None:
@@ -69,6 +72,14 @@ class Report:
         self.shrinks.append(record)
         if self.log:
             self.log.write({"shrink": True, **record})
+
+    def micro_batch(self, record: dict, accum: int) -> None:
+        """``trainer.accum_steps=auto`` chose a micro-batch from step ``record["step"] + 1``: note it (a line of
+        ``metrics.jsonl``, and the summary); ``accum``: the micro-batches per step now."""
+        self.accum = accum
+        self.micro_batches.append(record)
+        if self.log:
+            self.log.write({"micro_batch": True, **record})
 
     def grown(self, comm: Comm, record: dict) -> None:
         """Ranks joined the world at step ``record["step"]``: note it (``metrics.jsonl`` and the summary)."""
@@ -184,7 +195,7 @@ class Report:
         """The metrics of ``params`` (this rank's, as the state holds them) on ``split``, on a rank that evaluates."""
         parts, tc = self.parts, self.cfg.trainer
         # In pieces no larger than what one forward of training takes: what trains within a memory budget evaluates.
-        micro = max(1, self.cfg.data.global_batch_size // self.comm.world_size // tc.accum_steps)
+        micro = max(1, self.cfg.data.global_batch_size // self.comm.world_size // self.accum)
         with parts.update.evaluating(params, self.comm) as evaluated:
             if evaluated is None:
                 return None
@@ -237,6 +248,7 @@ class Report:
             "run_dir": str(self.run_dir.path),
             **({"shrinks": self.shrinks} if self.shrinks else {}),
             **({"grows": self.grows} if self.grows else {}),
+            **({"micro_batches": self.micro_batches} if self.micro_batches else {}),
             **({"interrupted": interrupted} if interrupted else {}),
             **({"stopped": stopped} if stopped else {}),
         }

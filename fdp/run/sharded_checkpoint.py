@@ -399,8 +399,23 @@ def load_sharded(path: str | os.PathLike, like: TrainState, update: Update, plan
             f"checkpoint {path} was written with another bucket plan (model or bucket caps changed): "
             f"plan {str(meta.get('plan_fingerprint'))[:12]}, this run's {plan.on_cpu().fingerprint()[:12]}"
         )
-    agree_on_refusal(refused, comm)
     saved_world = int(meta.get("world_size", 0))
+    if (
+        refused is None
+        and like.outer
+        and update.stage
+        and (saved_world, meta.get("stage"))
+        != (
+            comm.world_size,
+            update.stage,
+        )
+    ):  # each rank's own slices of its replica's params, laid out for the world that wrote them
+        refused = (
+            f"checkpoint {path} holds an outer loop's own ZeRO slices per rank, written by {saved_world} ranks at "
+            f"trainer.zero_stage={meta.get('stage')}: resume it with those, or save with "
+            "trainer.checkpoint_format=whole, which resumes on any world and stage"
+        )
+    agree_on_refusal(refused, comm)
     # Under an outer loop a rank the saving world did not have goes on from rank 0's own params (as a whole-file
     # checkpoint's does: fdp.run.checkpoint).
     source = comm.rank if comm.rank < saved_world else 0

@@ -60,6 +60,7 @@ from fdp.run.forecast import built_mib, first_use_mib
 from fdp.run.forecast_run import start_line
 from fdp.run.loop import Loop
 from fdp.run.loop_controls import LoopControls, read_resumed, run_steps
+from fdp.run.micro_batch import fixed_accum
 from fdp.run.out_of_memory import out_of_memory_message
 from fdp.run.rank_loss import rank_loss_of
 from fdp.run.rejoin import Joining, RunEnded, enter_world
@@ -72,7 +73,7 @@ from fdp.state.train_state import TrainState
 from fdp.step import compiled
 from fdp.trace import NullTimeline, Timeline
 
-__all__ = ["run", "run_rank", "run_ranks", "train_worker"]
+__all__ = ["run", "run_rank", "run_ranks"]
 
 log = logging.getLogger("fdp")
 
@@ -177,7 +178,6 @@ def run_rank(cfg: DictConfig, run_dir: str, callbacks: Sequence = ()) -> dict | 
 
 
 run_rank.handles_stop_signals = True  # fdp.procs.launch.spawn: it installs fdp.procs.interrupt's handlers itself
-train_worker = run_rank  # its earlier name
 
 
 def _join_and_train(cfg: DictConfig, run_dir: str, callbacks: Sequence = ()) -> dict:
@@ -216,7 +216,7 @@ def _join_and_train(cfg: DictConfig, run_dir: str, callbacks: Sequence = ()) -> 
     except (MemoryError, RuntimeError, OSError) as error:
         if not is_out_of_memory(error):
             raise
-        message = out_of_memory_message(cfg, comm.rank, comm.world_size, phase, error)
+        message = out_of_memory_message(cfg, comm.rank, comm.world_size, phase, error, phase.accum)
         # Nothing saved yet: the run does not fit (a refusal, rolled back); else it failed, its checkpoints kept.
         raise (RankOutOfMemoryError if phase.saved else RunDoesNotFit)(message) from None
     finally:
@@ -286,7 +286,11 @@ def _start(
         check_global_batch(cfg.data.global_batch_size, world_size)  # under torchrun the world is known only here
         if world is not None:
             check_shrinkable_batch(
-                cfg.data.global_batch_size, world_size, cfg.world.min_ranks, tc.accum_steps, node_size_of(cfg)
+                cfg.data.global_batch_size,
+                world_size,
+                cfg.world.min_ranks,
+                fixed_accum(tc.accum_steps),
+                node_size_of(cfg),
             )
     except ValueError as error:
         raise ConfigError(str(error)) from None
@@ -335,7 +339,21 @@ def _start(
         if rank == 0:
             log.info(choice.message)
         compile = choice.compile if compile is None else compile
-        loop = Loop(cfg, parts, comm, timeline, device, state, last_step, compile, controls, phase, world, callbacks)
+        loop = Loop(
+            cfg,
+            parts,
+            comm,
+            timeline,
+            device,
+            state,
+            last_step,
+            compile,
+            controls,
+            phase,
+            world,
+            callbacks,
+            memory=(built, peak.base),
+        )
         report = Report(cfg, run_dir, parts, comm, state.step, last_step)
         report.peak = peak
     return loop, report, choice

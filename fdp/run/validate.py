@@ -41,6 +41,7 @@ from fdp.run.integrity import verify
 from fdp.run.keys import check_keys
 from fdp.run.loggers import check_loggers
 from fdp.run.loop_controls import check_loop_settings
+from fdp.run.micro_batch import AUTO, check_accum_setting
 from fdp.run.rank_loss import check_one_process, check_rank_loss, check_rank_loss_in_world, rank_loss_of
 from fdp.run.rundir import RunDir
 from fdp.run.sharded_checkpoint import check_checkpoint_async, check_checkpoint_format, resolved_format
@@ -95,7 +96,8 @@ def validate_run_dir(cfg: Any, run_dir: Any) -> None:
 def _validate_trainer(cfg: Any) -> None:
     t, device = cfg.trainer, _device(cfg.world)
     rank_loss = _as_config_key("world.on_rank_loss", rank_loss_of, cfg.world)
-    for key in ("max_steps", "accum_steps", "log_every", "keep_checkpoints"):
+    _as_config_key("trainer.accum_steps", check_accum_setting, t.accum_steps)
+    for key in ("max_steps", "log_every", "keep_checkpoints"):
         _require(t[key] >= 1, f"trainer.{key}", t[key], "an integer >= 1")
     for key in ("eval_every", "checkpoint_every", "stop_at"):
         _require(t[key] >= 0, f"trainer.{key}", t[key], "an integer >= 0")
@@ -181,7 +183,8 @@ def _validate_world(cfg: Any) -> None:
     per_rank = _as_config_key(
         "data.global_batch_size", lambda size: check_global_batch(size, world), d.global_batch_size
     )
-    _as_config_key("trainer.accum_steps", lambda accum: check_micro_batches(per_rank, accum), t.accum_steps)
+    if t.accum_steps != AUTO:  # auto takes a divisor of each world's share
+        _as_config_key("trainer.accum_steps", lambda accum: check_micro_batches(per_rank, accum), t.accum_steps)
     if w.hierarchical:  # under torchrun the world is known only at run time: the worker checks it
         _as_config_key("world.node_size", lambda size: check_node_size(world, size), w.node_size or w.nproc_per_node)
     check_rank_loss_in_world(cfg, world)

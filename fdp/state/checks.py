@@ -19,7 +19,7 @@ import torch.distributed as dist
 from fdp._torch import tree_flatten
 from fdp.comm import Comm
 from fdp.errors import check_int
-from fdp.hooks.base import Hook, stage_name
+from fdp.hooks.base import Hook, hook_name
 from fdp.optim import GradientTransformation
 from fdp.plan import BucketPlan
 from fdp.procs.launch import refuse_world_of_one
@@ -190,7 +190,7 @@ def check_hook_states(hook_state: Any, hook: Hook, plan: BucketPlan) -> None:
         same = spec == expected_spec and [_leaf_kind(x) for x in leaves] == [_leaf_kind(x) for x in expected_leaves]
         if not same:
             raise TypeError(
-                f"state.hook_state[{bucket.index}] does not fit hook {stage_name(hook)} on bucket {bucket.index} "
+                f"state.hook_state[{bucket.index}] does not fit hook {hook_name(hook)} on bucket {bucket.index} "
                 f"(made for another hook or plan?): {_REMAKE}, with the hook given to make_train_step"
             )
 

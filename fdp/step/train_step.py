@@ -20,8 +20,7 @@ from fdp.comm import Comm
 from fdp.data import split_micro_batches
 from fdp.data.batches import batch_size
 from fdp.errors import check_bool, check_choice, require
-from fdp.hooks import Hook, allreduce, for_slices
-from fdp.hooks import checked as with_result_checks
+from fdp.hooks import Hook, allreduce, for_slices, with_result_checks
 from fdp.model import remat
 from fdp.model.functional import FunctionalModel
 from fdp.model.losses import weigh_micro_batches
@@ -100,6 +99,11 @@ class StepOptions(NamedTuple):
       classes or class names (found in ``model``), or ``"blocks"`` (the model's repeated blocks).
     * ``batch_rank``: which share of the global batch this rank's batch is (its first
       sample is number ``batch_rank * len(batch)``); ``None``: ``comm``'s rank.
+    * ``after_backward``: called once the micro-batches' forwards and backwards are done, before anything of
+      the state is written (even a donated one: the optimizer steps the buckets only after it), with the error
+      they raised or ``None``; it raises to abandon the step with ``state`` intact, or returns to go on
+      (``fdp.run.micro_batch``: every rank agrees there on whether one ran out of memory). ``None``: an error
+      in backward is raised as it is.
     """
 
     accum_steps: int = 1
@@ -117,6 +121,7 @@ class StepOptions(NamedTuple):
     sample_seed: int | None = None
     batch_rank: int | None = None
     checkpoint_modules: Any = ()
+    after_backward: Callable[[BaseException | None], None] | None = None
 
     def resolved(self) -> "StepOptions":
         """These options with their defaults filled in; a ``ValueError`` naming the first bad one.
@@ -150,8 +155,6 @@ class StepOptions(NamedTuple):
             f"{self.update.stage if self.update else 0} (the stage of the update given) or 0",
         )
         return self._replace(precision=self.precision or Precision(), timeline=self.timeline or NullTimeline())
-
-    checked = resolved  # the name before "checked" came to mean one thing
 
 
 class TrainStep(NamedTuple):
@@ -267,8 +270,24 @@ def make_train_step(
                 )
             micro_batches = weigh_micro_batches(loss_fn, micro_batches, comm)
             micro_batches = scaled_micro_batches(micro_batches, state.loss_scale)
-            computed = reducer.backward(step_update.params, state.buffers, micro_batches, state.hook_state)
-            rng, cuda_rng = rng_states()
+            failed = None
+            try:
+                computed = reducer.backward(step_update.params, state.buffers, micro_batches, state.hook_state)
+            except Exception as error:  # noqa: BLE001 - after_backward decides: raised as it is, or abandoned
+                if opts.after_backward is None:
+                    raise
+                failed = error
+            if failed is None:
+                rng, cuda_rng = rng_states()
+        if opts.after_backward is not None:
+            del micro_batches  # a failed step's tensors are the caller's to free (failed's frames hold the rest)
+            try:
+                opts.after_backward(failed)
+            except BaseException:
+                update.gather.abandon()  # stage 3: this step function's gathers are done with
+                raise
+            if failed is not None:  # it let the error stand
+                raise failed
         for index, bucket in computed.reduction.finished():
             step_update.reduced(index, unscale(bucket.buffer, state.loss_scale, bucket.owned))
 

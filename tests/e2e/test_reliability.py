@@ -4,7 +4,7 @@ non-finite gradients, uneven shards, and local worlds that listen on loopback on
 Every run is a tiny MLP on two gloo ranks started by the elastic launcher. Faults come
 from outside the run (the test signals a worker whose pid it reads from
 ``<run dir>/ranks/rank<N>.txt``) or from a test-only worker entry that wraps
-``train_worker``; nothing here needs a knob in the production path.
+``run_rank``; nothing here needs a knob in the production path.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from fdp.run import checkpoint
 from fdp.run.config import ConfigError, register_configs
 from fdp.run.config import compose as make_cfg
 from fdp.run.rundir import RankStatus
-from fdp.run.trainer import run, train_worker
+from fdp.run.trainer import run, run_rank
 from fdp.run.validate import validate
 from fdp.run.world import layout_of
 
@@ -311,7 +311,7 @@ def test_hung_rank_is_named_by_the_survivor_within_the_timeout(tmp_path):
 
 # -- restarts, and a rank killed while saving (item 2), in one interrupted run -------------------
 def _die_while_saving(cfg, run_dir, kill_at):
-    """``train_worker``, except that on the first attempt rank 0 is SIGKILLed halfway
+    """``run_rank``, except that on the first attempt rank 0 is SIGKILLed halfway
     through writing checkpoint ``kill_at`` (half its bytes are on disk, fsynced)."""
     if os.environ.get("RANK") == "0" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         real_save = torch.save
@@ -328,7 +328,7 @@ def _die_while_saving(cfg, run_dir, kill_at):
             return real_save(obj, f, *args, **kwargs)
 
         torch.save = save
-    return train_worker(cfg, run_dir)
+    return run_rank(cfg, run_dir)
 
 
 @pytest.fixture(scope="module")
@@ -793,10 +793,10 @@ def test_nonfinite_raise_names_the_step_and_the_first_bad_parameter(tmp_path):
 
 
 def _with_every_ranks_params(cfg, run_dir):
-    """``train_worker`` whose checkpoints also hold each rank's own parameters (under ``ranks``)."""
+    """``run_rank`` whose checkpoints also hold each rank's own parameters (under ``ranks``)."""
     rank_payload = checkpoint.rank_payload
     checkpoint.rank_payload = lambda state: {**rank_payload(state), "params": dict(state.params)}
-    return train_worker(cfg, run_dir)
+    return run_rank(cfg, run_dir)
 
 
 def test_nonfinite_skip_keeps_every_rank_unchanged_and_counts_skips(tmp_path):

@@ -150,3 +150,26 @@ def test_a_run_measures_a_peak_within_the_forecasts_goal(tmp_path):
     predicted = float(re.search(r"memory forecast: peak (\d+) MiB per rank in (\w+)", log).group(1))
     measured = float(re.search(r"peak_mib=([\d.]+)", log).group(1))
     assert 0.95 <= predicted / measured <= 1.25, (predicted, measured)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_an_outer_loop_over_hybrid_sharded_replicas_syncs_and_keeps_its_slices(stage):
+    """world.hierarchical=true, 2 nodes of 2 ranks, DiLoCo (anchor and momentum): the state is sharded over a node,
+    a step sends nothing across nodes, and a sync sends what the rank's replica syncs: its slices of every bucket
+    (fdp.update.zero.hybrid.slice_plan, which fdp.update.zero.replicas syncs), not the whole params."""
+    from fdp.update.zero.hybrid import slice_plan
+
+    _, _, _, plan = _mlp()
+    pieces = slice_plan(plan, 2).nbytes
+    assert pieces < plan.nbytes
+    kwargs = dict(stage=stage, world=4, node_size=2, outer=True, extra_state=2 * plan.nbytes)
+    row = forecast.forecast(plan, sgd(0.1, momentum=0.9), allreduce(), Activations(0, 0), **kwargs)
+    assert row.bytes_sent["per_outer_sync"] == pieces
+    assert row.bytes_sent["across_nodes"] == 0
+    assert row.bytes_sent["inside_node"] == forecast.step_bytes_sent(plan, stage, world=2)
+    assert row.terms.extra_state == 2 * pieces  # the anchor and the outer momentum of the slices
+    assert row.terms.optimizer == forecast.optimizer_state_bytes(sgd(0.1, momentum=0.9), plan, stage, world=2)
+    assert row.terms.params == (pieces if stage == 3 else plan.nbytes)
+    # Without the outer loop, hybrid sharding's step sends the rank's slice of each bucket across nodes.
+    step = forecast.forecast(plan, sgd(0.1), allreduce(), Activations(0, 0), stage=stage, world=4, node_size=2)
+    assert step.bytes_sent["across_nodes"] == pieces

@@ -19,7 +19,7 @@ from fdp.procs.launch import spawn
 from fdp.run import checkpoint
 from fdp.run.checkpoint import last_of
 from fdp.run.config import ConfigError, DiLoCoConfig, LocalSGDConfig, compose
-from fdp.run.trainer import run, train_worker
+from fdp.run.trainer import run, run_rank
 from fdp.run.validate import validate
 from fdp.run.world import layout_of
 from fdp.step.outer import init_outer_state, make_outer_step
@@ -464,7 +464,7 @@ def test_resume_in_the_middle_of_a_period_is_bit_exact(tmp_path, uninterrupted, 
 
 
 def _killed_when_saving(cfg, run_dir, step):
-    """``train_worker``, except that in the first world rank 0 is SIGKILLed as it starts saving checkpoint ``step``."""
+    """``run_rank``, except that in the first world rank 0 is SIGKILLed as it starts saving checkpoint ``step``."""
     if os.environ.get("RANK") == "0" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         real_save = torch.save
 
@@ -475,7 +475,7 @@ def _killed_when_saving(cfg, run_dir, step):
             return real_save(obj, *args, **kwargs)
 
         torch.save = save
-    return train_worker(cfg, run_dir)
+    return run_rank(cfg, run_dir)
 
 
 def test_a_restarted_world_keeps_the_schedule_with_a_sync_in_flight(tmp_path, uninterrupted):

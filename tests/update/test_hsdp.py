@@ -99,7 +99,7 @@ def _hybrid_ranks(rank, world):
     hybrid, hybrid_bytes = _reduce(zero.across_replicas(allreduce(), groups, plan), Comm(), plan, grads)
     bf16 = zero.across_replicas(reduced_in(torch.bfloat16, allreduce()), groups, plan)
     _, bf16_bytes = _reduce(bf16, Comm(), plan, grads)
-    slices = [zero.padded_slice(m, *zero.shard_range(b, groups.shard.rank, NODE)) for m, b in zip(mean, plan.buckets)]
+    slices = [zero.padded_slice(m, *zero.slice_range(b, groups.shard.rank, NODE)) for m, b in zip(mean, plan.buckets)]
     # int8 keeps error feedback in its state: made for the slice, and the slice's mean within a rounding step.
     quantised = zero.across_replicas(int8(), groups, plan)
     errors = [state[0].error.numel() for state in init_hook_states(quantised, plan)]
@@ -468,7 +468,7 @@ def test_an_outer_loop_over_hybrid_sharded_replicas_resumes_mid_period_as_uninte
     in the run that went on, to the bit. Mid-period each group saved its own params, whole; the anchor, the outer
     moments and a sync in flight are saved whole too, so any layout can read them."""
     overrides, stop = RESUMED[variant]
-    runs = [*OUTER_RUN, *overrides]
+    runs = [*OUTER_RUN, *overrides, "trainer.checkpoint_format=whole"]
     run(_cfg(*runs), tmp_path / "whole")
     run(_cfg(*runs, f"trainer.stop_at={stop}"), tmp_path / "parts")
     halfway = torch.load(tmp_path / "parts" / "checkpoints" / f"step_{stop:08d}.pt", weights_only=True)
@@ -497,3 +497,24 @@ def test_a_flat_zero_world_is_one_replica_and_refuses_an_outer_loop():
     )
     assert "is one replica" in message and "\n" not in message
     validate(_cfg(*HYBRID, "trainer.zero_stage=2", "outer=diloco", "outer.fragments=2", "hooks=lowbit"))
+
+
+def test_an_outer_loop_over_hybrid_sharded_replicas_resumes_from_its_sharded_checkpoint_as_uninterrupted(tmp_path):
+    """The multi-rank default format under DiLoCo at stage 3: each rank writes its own slices mid-period, and the run
+    resumed on the same world ends where the one that went on did, to the bit; on another world it is refused in
+    one line (those slices are laid out for the world that wrote them), nothing written."""
+    run(_cfg(*OUTER_RUN, "trainer.checkpoint_format=whole"), tmp_path / "straight")
+    run(_cfg(*OUTER_RUN, "trainer.stop_at=3"), tmp_path / "parts")
+    assert (tmp_path / "parts" / "checkpoints" / "step_00000003").is_dir()  # sharded, the default on 4 ranks
+    moved = tmp_path / "moved"
+    shutil.copytree(tmp_path / "parts", moved)
+    run(_cfg(*OUTER_RUN, "trainer.resume=true", "trainer.checkpoint_format=whole"), tmp_path / "parts")
+    straight, parts = (
+        torch.load(tmp_path / d / "checkpoints" / "step_00000006.pt", weights_only=True) for d in ("straight", "parts")
+    )
+    for mine, theirs in zip(straight["ranks"], parts["ranks"], strict=True):
+        assert _diff(mine["params"], theirs["params"]) == 0
+    on_two = [*OUTER_RUN, "world=local2", "world.node_size=1", "trainer.resume=true"]
+    with pytest.raises(Exception) as refused:
+        run(_cfg(*on_two), moved)
+    assert "holds an outer loop's own ZeRO slices per rank, written by 4 ranks" in str(refused.value)

@@ -82,7 +82,7 @@ def _fdp(rank, world, stage, precision, hook=None, gather_dtype="precision"):
         state, metrics = step(state, batch)
     # float32 bytes a step sends: each bucket's slice all-gathered twice (forward, and again for backward),
     # and on gloo each bucket all-reduced whole (as stage 0 does, its slice kept).
-    gathers = 2 * 4 * sum(zero.layout.shard_numel(b, world) for b in plan.buckets)
+    gathers = 2 * 4 * sum(zero.layout.slice_numel(b, world) for b in plan.buckets)
     reductions = 4 * sum(b.numel for b in plan.buckets)
     return zero.whole_params(state, plan, comm), (metrics["bytes_sent"], gathers, reductions)
 

@@ -130,7 +130,7 @@ def _compare_stages(rank, world):
         )
     uneven = [b.numel % world for b in plan.buckets]
     inside = any(
-        0 < zero.shard_range(b, r, world)[0] - s.offset < s.numel
+        0 < zero.slice_range(b, r, world)[0] - s.offset < s.numel
         for b in plan.buckets
         for r in range(world)
         for s in b.slots
@@ -368,7 +368,7 @@ def test_a_stage_three_checkpoint_restores_whole_params_bit_for_bit(run_ranks, t
     sharded = zero.init_state(params, buffers, adam(1e-2), plan, Comm(), stage=3)
     restored = load_checkpoint(tmp_path, zero.unsharded_template(sharded, adam(1e-2), plan), plan)
     resharded = zero.shard_state(restored, plan, Comm(), stage=3)
-    assert list(resharded.params) == [zero.shard_key(b.index) for b in plan.buckets]
+    assert list(resharded.params) == [zero.slice_key(b.index) for b in plan.buckets]
     whole = zero.whole_params(resharded, plan, Comm())
     assert all(torch.equal(whole[n], saved[n]) for n in saved)
 
@@ -520,7 +520,7 @@ def test_slices_cover_every_bucket_once_and_round_trip():
             for key, piece in sharded.opt_state[0]["mu"].items():
                 pieces.setdefault(key, []).append(piece)
         for bucket in plan.buckets:
-            flat = torch.cat(pieces[zero.shard_key(bucket.index)])
+            flat = torch.cat(pieces[zero.slice_key(bucket.index)])
             assert flat.numel() % world == 0 and flat.numel() - bucket.numel < world
             expected = torch.cat([named[s.name].reshape(-1) for s in bucket.slots])
             assert torch.equal(flat[: bucket.numel], expected)
@@ -709,7 +709,7 @@ def _mirrored_steps(rank, world):
 
 def test_each_rank_mirrors_the_next_ranks_optimizer_slices_exactly(run_ranks):
     results = run_ranks(_mirrored_steps, world_size=3)
-    keys = zero.shard_key
+    keys = zero.slice_key
     for rank, (_, mirror) in enumerate(results):
         owner_state = results[(rank + 1) % 3][0]
         mine, theirs = mirror[1].mu, owner_state[1].mu  # the Adam member of the chain

@@ -119,7 +119,7 @@ def _decay_at_every_stage(rank, world):
                         decayed,
                     )
     inside = any(
-        0 < zero.shard_range(b, r, world)[0] - s.offset < s.numel
+        0 < zero.slice_range(b, r, world)[0] - s.offset < s.numel
         for b in plan.buckets
         for r in range(world)
         for s in b.slots
@@ -148,13 +148,13 @@ def test_each_slice_decays_exactly_the_elements_of_decayed_params_at_any_world_s
     rule = decay_rule("weights", {"embed.weight"})
     for world in (1, 2, 3, 4):
         for bucket in plan.buckets:
-            expected = torch.zeros(zero.shard_range(bucket, world - 1, world)[1], dtype=torch.bool)
+            expected = torch.zeros(zero.slice_range(bucket, world - 1, world)[1], dtype=torch.bool)
             for slot in bucket.slots:
                 expected[slot.offset : slot.stop] = rule(slot.name, torch.empty(slot.shape))
             got = torch.zeros_like(expected)
             for rank in range(world):
-                start, stop = zero.shard_range(bucket, rank, world)
-                answer = slice_decay(plan, rule, rank, world)[zero.shard_key(bucket.index)]
+                start, stop = zero.slice_range(bucket, rank, world)
+                answer = slice_decay(plan, rule, rank, world)[zero.slice_key(bucket.index)]
                 runs = [(0, stop - start)] if answer is True else [] if answer is False else answer
                 for low, high in runs:
                     assert not got[start + low : start + high].any()

@@ -138,7 +138,7 @@ def _overflow_in_one_slice(rank, world, stage):
         scales.append(state.loss_scale.scale.item())
     (bucket, slot), owners = [(b, s) for b in plan.buckets for s in b.slots if s.name == "probe.weight"][0], set()
     for r in range(world):
-        start, stop = zero.shard_range(bucket, r, world)
+        start, stop = zero.slice_range(bucket, r, world)
         if start < slot.stop and slot.offset < stop:
             owners.add(r)
     return skipped, scales, owners

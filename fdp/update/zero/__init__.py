@@ -58,7 +58,7 @@ from fdp.update.zero.hybrid import (
     shard_groups,
     slice_plan,
 )
-from fdp.update.zero.layout import padded_slice, shard_key, shard_range
+from fdp.update.zero.layout import padded_slice, slice_key, slice_range
 from fdp.update.zero.mirror import LostSlices, reshard_survivors
 from fdp.update.zero.params import ParamShardedUpdate
 from fdp.update.zero.sharded import ShardedUpdate
@@ -70,10 +70,9 @@ __all__ = [
     "stage_rules",
     "check_optimizer_for_stage",
     "update_for",
-    "make_update",
     "scatters",
-    "shard_range",
-    "shard_key",
+    "slice_range",
+    "slice_key",
     "padded_slice",
     "init_state",
     "shard_state",
@@ -184,6 +183,3 @@ def update_for(
             optimizer, plan, comm, model, reshard_after_forward, timeline, donate, early, mirror, gather_dtype, groups
         )
     return ShardedUpdate(optimizer, plan, comm, stage, timeline, donate, early, mirror, groups)
-
-
-make_update = update_for  # the name before the update owned its state's life

@@ -32,7 +32,7 @@ from fdp.plan import BucketPlan
 from fdp.state.replicas import agreed_start, rank_seed
 from fdp.state.train_state import TrainState
 from fdp.update.zero.convert import mirrors
-from fdp.update.zero.layout import shard_key, shard_range
+from fdp.update.zero.layout import slice_key, slice_range
 
 __all__ = ["owned_slices", "sliced_first_state"]
 
@@ -42,14 +42,14 @@ def owned_slices(
 ) -> dict[str, torch.Tensor]:
     """This rank's slice of every bucket (zero past the bucket's end), each parameter made by ``make(name)``
     (whole, any device) only where it overlaps the slice, and dropped once its overlap is copied."""
-    ranges = [shard_range(bucket, rank, world) for bucket in plan.buckets]
+    ranges = [slice_range(bucket, rank, world) for bucket in plan.buckets]
     # Every slice first: the params made one by one after them come and go above what the rank keeps.
     slices = {
-        shard_key(b.index): torch.zeros(stop - start, dtype=b.torch_dtype, device=b.device)
+        slice_key(b.index): torch.zeros(stop - start, dtype=b.torch_dtype, device=b.device)
         for b, (start, stop) in zip(plan.buckets, ranges)
     }
     for bucket, (start, stop) in zip(plan.buckets, ranges):
-        piece = slices[shard_key(bucket.index)]
+        piece = slices[slice_key(bucket.index)]
         for slot in bucket.slots:
             low, high = max(start, slot.offset), min(stop, slot.offset + slot.numel)
             if low >= high:

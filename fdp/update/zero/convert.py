@@ -34,7 +34,7 @@ from fdp.plan import BucketPlan
 from fdp.plan.buckets import slot_views
 from fdp.state.train_state import TrainState
 from fdp.update.base import STAGES
-from fdp.update.zero.layout import check_names, flats_of, padded_flat, param_views, shard_key, shard_keys, shard_range
+from fdp.update.zero.layout import check_names, flats_of, padded_flat, param_views, slice_key, slice_keys, slice_range
 
 __all__ = [
     "init_state",
@@ -77,7 +77,7 @@ def is_sharded(opt_state: Any, plan: BucketPlan) -> bool:
     True
     """
     sliced, whole = [], []
-    _map_named(opt_state, frozenset(shard_keys(plan)), sliced.append)
+    _map_named(opt_state, frozenset(slice_keys(plan)), sliced.append)
     _map_named(opt_state, frozenset(plan.names), whole.append)
     return bool(sliced) or not whole
 
@@ -89,14 +89,14 @@ def params_sharded(params: Params, plan: BucketPlan) -> bool:
     >>> params_sharded({"bucket0": torch.zeros(3)}, pack_into_buckets([("w", (5,), "float32", "cpu")]))
     True
     """
-    return bool(params) and list(params) == shard_keys(plan)
+    return bool(params) and list(params) == slice_keys(plan)
 
 
 def _slices(named: dict, plan: BucketPlan, rank: int, world: int) -> dict:
     """This rank's slice of every bucket of the whole tensors ``named`` (of the buckets they fill), each with storage
     of its own."""
     return {
-        shard_key(b.index): padded_flat(b, world, named)[slice(*shard_range(b, rank, world))].clone()
+        slice_key(b.index): padded_flat(b, world, named)[slice(*slice_range(b, rank, world))].clone()
         for b in plan.buckets
         if b.names[0] in named
     }
@@ -117,7 +117,7 @@ def _map_dicts(tree: Any, match: Callable[[dict], bool], fn: Callable[[dict], An
 
 def _by_buckets(plan: BucketPlan) -> Callable[[dict], bool]:
     """Whether a dict is keyed by slices of some of ``plan``'s buckets (an outer loop's anchor, moments, fragments)."""
-    keys = frozenset(shard_keys(plan))
+    keys = frozenset(slice_keys(plan))
     return lambda tree: set(tree) <= keys
 
 
@@ -129,7 +129,7 @@ def _by_names(plan: BucketPlan) -> Callable[[dict], bool]:
 
 def _names_of(sharded: dict, plan: BucketPlan, order: list[str] | None) -> list[str]:
     """The params of the buckets whose slices ``sharded`` holds, in ``order`` (by default the plan's)."""
-    names = {name for b in plan.buckets if shard_key(b.index) in sharded for name in b.names}
+    names = {name for b in plan.buckets if slice_key(b.index) in sharded for name in b.names}
     return [name for name in order or plan.names if name in names]
 
 
@@ -200,7 +200,7 @@ def init_state(
     else:
         flats = flats_of(params, plan, world, copy=True)
         sharded = param_views(plan, flats, list(params))
-        owned = {shard_key(b.index): flat[slice(*shard_range(b, rank, world))] for b, flat in zip(plan.buckets, flats)}
+        owned = {slice_key(b.index): flat[slice(*slice_range(b, rank, world))] for b, flat in zip(plan.buckets, flats)}
     hook_state = init_hook_states(hook or allreduce(), plan)
     rng = torch.Generator().manual_seed(seed).get_state()
     mirrored = optimizer.init(_slices(params, plan, _mirrored(comm), world)) if mirrors(mirror, stage, world) else ()
@@ -256,7 +256,7 @@ def _whole(
     """
     named: dict[str, torch.Tensor] = {}
     for bucket in plan.buckets:
-        piece = sharded.get(shard_key(bucket.index))
+        piece = sharded.get(slice_key(bucket.index))
         if piece is None:  # a part of the buckets (an outer loop's fragment): the others are not asked for
             continue
         if to is None:
@@ -281,7 +281,7 @@ def gather_state(state: TrainState, plan: BucketPlan, comm: Comm, to: int | None
     whatever the world size. Every rank receives them, or with ``to`` only that rank (on
     the CPU; a checkpoint's writer), the others keeping ``state`` as it is.
     """
-    keys = frozenset(shard_keys(plan))
+    keys = frozenset(slice_keys(plan))
     # Stages 1 and 2 keep the model's order of the params (a stage-0 state's); stage 3 the plan's.
     order = list(plan.names) if params_sharded(state.params, plan) else list(state.params)
     opt_state = _map_named(state.opt_state, keys, lambda sharded: _whole(sharded, plan, comm, order, to=to))

@@ -24,7 +24,7 @@ import torch
 from fdp.optim import GradientTransformation
 from fdp.optim.transforms import DecayMask, DecayRuns
 from fdp.plan import BucketPlan
-from fdp.update.zero.layout import shard_key, shard_range
+from fdp.update.zero.layout import slice_key, slice_range
 
 __all__ = ["slice_decay", "sliced_optimizer"]
 
@@ -36,7 +36,7 @@ def slice_decay(plan: BucketPlan, rule: DecayMask, rank: int, world: int) -> dic
     decays: dict[str, bool] = {}
     answers: dict[str, bool | DecayRuns] = {}
     for bucket in plan.buckets:
-        start, stop = shard_range(bucket, rank, world)
+        start, stop = slice_range(bucket, rank, world)
         runs: list[tuple[int, int]] = []
         for slot in bucket.slots:
             low, high = max(start, slot.offset), min(stop, slot.stop)
@@ -52,7 +52,7 @@ def slice_decay(plan: BucketPlan, rule: DecayMask, rank: int, world: int) -> dic
                 runs.append((low - start, high - start))
         real = max(0, min(stop, bucket.numel) - start)  # the slice's elements before the padding
         whole = real > 0 and runs == [(0, real)]
-        answers[shard_key(bucket.index)] = True if whole else tuple(runs) if runs else False
+        answers[slice_key(bucket.index)] = True if whole else tuple(runs) if runs else False
     return answers
 
 

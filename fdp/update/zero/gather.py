@@ -47,7 +47,7 @@ from fdp.model.streams import rehearsal
 from fdp.plan import BucketPlan
 from fdp.plan.buckets import allocate_released, regrow, release, slot_views
 from fdp.trace import NullTimeline, Timeline
-from fdp.update.zero.layout import shard_key, shard_numel, shard_range
+from fdp.update.zero.layout import slice_key, slice_numel, slice_range
 
 __all__ = ["ParamGather"]
 
@@ -114,7 +114,7 @@ class ParamGather:
         self.flats, views = allocate_released(
             plan,
             lambda bucket, flat: slot_views(bucket, flat[: bucket.numel], flat.dtype),  # narrower under bf16 gathers
-            numel=lambda bucket: shard_numel(bucket, self.world) * self.world,
+            numel=lambda bucket: slice_numel(bucket, self.world) * self.world,
             dtype=dtype,
         )
         by_name = {name: view for part in views for name, view in part.items()}
@@ -201,7 +201,11 @@ class ParamGather:
 
     def abandon(self) -> None:
         """Leave the model for good, what is on the wire not waited for: a world that lost a rank mid-step goes on
-        with another gather (its group may be gone), and this one's hooks would gather again in its forwards."""
+        with another gather (its group may be gone), and a step that failed for good (``fdp.run.micro_batch``) is
+        redone by another step function; every bucket is released, and this one's hooks would gather again in its
+        forwards."""
+        for index in range(len(self.flats)):
+            self._release(index, force=True)
         for handle in self._handles:
             handle.remove()
         self._handles, self._pending, self._active, self._shards = [], {}, False, {}
@@ -307,11 +311,11 @@ class ParamGather:
         if index in self._gathered or index in self._pending:
             return
         flat, bucket = self.flats[index], self.plan.buckets[index]
-        start, stop = shard_range(bucket, self.rank, self.world)
+        start, stop = slice_range(bucket, self.rank, self.world)
         # Hooks run inside the torch.func transform: the buffers are written as plain tensors.
         with disable_functorch(), torch.no_grad():
             regrow(flat)
-            flat[start:stop].copy_(self._shards[shard_key(index)])  # cast to the gather's dtype here, before the wire
+            flat[start:stop].copy_(self._shards[slice_key(index)])  # cast to the gather's dtype here, before the wire
             self.timeline.gather_begin(index)
             self._pending[index] = self.comm.all_gather_into(flat, flat[start:stop])
 

@@ -26,12 +26,12 @@ from typing import NamedTuple
 import torch.distributed as dist
 
 from fdp.comm import Comm, new_group
-from fdp.hooks import Hook, stage_name
-from fdp.hooks.base import GradBucket, run_stage
+from fdp.hooks import Hook, hook_name
+from fdp.hooks.base import GradBucket, drive_hook
 from fdp.hooks.hierarchical import check_node_size
 from fdp.hooks.registry import shardable_hooks
 from fdp.plan import Bucket, BucketPlan, ParamSlot
-from fdp.update.zero.layout import shard_key, shard_numel
+from fdp.update.zero.layout import slice_key, slice_numel
 from fdp.update.zero.scatter import ScatterComm
 
 __all__ = [
@@ -106,9 +106,9 @@ def refuses_outer(stage: int, hierarchical: bool) -> str | None:
 def slice_bucket(bucket: Bucket, shards: int) -> Bucket:
     """One rank's slice of ``bucket`` among ``shards`` as a bucket of its own: what the hook chain reduces across
     the replicas (one flat slot named by the slice's key, ``ceil(numel / shards)`` elements)."""
-    size = shard_numel(bucket, shards)
+    size = slice_numel(bucket, shards)
     return Bucket(
-        bucket.index, bucket.dtype, bucket.device, (ParamSlot(shard_key(bucket.index), (size,), 0, size),), size
+        bucket.index, bucket.dtype, bucket.device, (ParamSlot(slice_key(bucket.index), (size,), 0, size),), size
     )
 
 
@@ -134,7 +134,7 @@ def check_hook_across_nodes(hook: Hook) -> None:
     """
     if not hook.shardable:  # PowerSGD's matrices: a node's slice of a bucket cuts through them
         raise ValueError(
-            f"hooks {stage_name(hook)!r} need the whole reduced bucket, which hybrid sharding (world.hierarchical=true "
+            f"hooks {hook_name(hook)!r} need the whole reduced bucket, which hybrid sharding (world.hierarchical=true "
             f"with a ZeRO stage) splits over each node; expected hooks {', '.join(shardable_hooks())}"
         )
 
@@ -167,7 +167,7 @@ def across_replicas(hook: Hook, groups: ShardGroups, plan: BucketPlan) -> Hook:
         # Dividing first keeps the group's sum in range for low-precision buckets.
         mine = yield inside.sum_bucket(buffer.div_(shards))
         spec = slice_bucket(grads.spec, shards)
-        out, state = yield from run_stage(hook.apply(state, GradBucket(grads.index, mine, spec, owned=True), replicas))
+        out, state = yield from drive_hook(hook.apply(state, GradBucket(grads.index, mine, spec, owned=True), replicas))
         sent, count = replicas.take_counters()
         comm.bytes_sent += sent
         comm.collectives += count

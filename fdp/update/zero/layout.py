@@ -7,7 +7,7 @@ parameter). A slice is keyed ``bucket<i>`` wherever the state holds it by bucket
 
 >>> from fdp.plan import pack_into_buckets
 >>> bucket = pack_into_buckets([("w", (3, 2), "float32", "cpu")]).buckets[0]
->>> shard_range(bucket, rank=1, world=4)  # 6 elements over 4 ranks: 2 each, the last one padding
+>>> slice_range(bucket, rank=1, world=4)  # 6 elements over 4 ranks: 2 each, the last one padding
 (2, 4)
 """
 
@@ -23,10 +23,10 @@ from fdp.plan import Bucket, BucketPlan
 from fdp.plan.buckets import slot_views
 
 __all__ = [
-    "shard_numel",
-    "shard_range",
-    "shard_key",
-    "shard_keys",
+    "slice_numel",
+    "slice_range",
+    "slice_key",
+    "slice_keys",
     "padded_slice",
     "padded_flat",
     "flats_of",
@@ -35,39 +35,39 @@ __all__ = [
 ]
 
 
-def shard_numel(bucket: Bucket, world: int) -> int:
+def slice_numel(bucket: Bucket, world: int) -> int:
     """Elements of one rank's slice of ``bucket``.
 
     >>> from fdp.plan import pack_into_buckets
-    >>> shard_numel(pack_into_buckets([("w", (5,), "float32", "cpu")]).buckets[0], 2)
+    >>> slice_numel(pack_into_buckets([("w", (5,), "float32", "cpu")]).buckets[0], 2)
     3
     """
     return math.ceil(bucket.numel / world)
 
 
-def shard_range(bucket: Bucket, rank: int, world: int) -> tuple[int, int]:
+def slice_range(bucket: Bucket, rank: int, world: int) -> tuple[int, int]:
     """``(start, stop)`` of rank ``rank``'s slice in the bucket's padded flat layout.
 
     >>> from fdp.plan import pack_into_buckets
-    >>> [shard_range(pack_into_buckets([("w", (5,), "float32", "cpu")]).buckets[0], r, 2) for r in (0, 1)]
+    >>> [slice_range(pack_into_buckets([("w", (5,), "float32", "cpu")]).buckets[0], r, 2) for r in (0, 1)]
     [(0, 3), (3, 6)]
     """
-    size = shard_numel(bucket, world)
+    size = slice_numel(bucket, world)
     return rank * size, (rank + 1) * size
 
 
-def shard_key(index: int) -> str:
+def slice_key(index: int) -> str:
     """The key of bucket ``index``'s slice, in a sharded optimizer state (and, at stage 3, params).
 
-    >>> shard_key(3)
+    >>> slice_key(3)
     'bucket3'
     """
     return f"bucket{index}"
 
 
-def shard_keys(plan: BucketPlan) -> list[str]:
+def slice_keys(plan: BucketPlan) -> list[str]:
     """Every bucket's slice key, in plan order."""
-    return [shard_key(b.index) for b in plan.buckets]
+    return [slice_key(b.index) for b in plan.buckets]
 
 
 def padded_slice(flat: torch.Tensor, start: int, stop: int, copy: bool = False) -> torch.Tensor:
@@ -86,7 +86,7 @@ def padded_slice(flat: torch.Tensor, start: int, stop: int, copy: bool = False) 
 
 def padded_flat(bucket: Bucket, world: int, values: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """The bucket's tensors of ``values`` as one zero-padded flat tensor (a copy)."""
-    flat = torch.zeros(shard_numel(bucket, world) * world, dtype=bucket.torch_dtype, device=bucket.device)
+    flat = torch.zeros(slice_numel(bucket, world) * world, dtype=bucket.torch_dtype, device=bucket.device)
     views = slot_views(bucket, flat[: bucket.numel])
     with torch.no_grad():
         for name, view in views.items():
@@ -126,7 +126,7 @@ def flats_of(params: Mapping[str, torch.Tensor], plan: BucketPlan, world: int, c
     when they are laid out so), else a new one."""
     flats = []
     for bucket in plan.buckets:
-        padded = shard_numel(bucket, world) * world
+        padded = slice_numel(bucket, world) * world
         flat = None if copy else _laid_out_flat(params, bucket, padded)
         flats.append(flat if flat is not None else padded_flat(bucket, world, params))
     return flats

@@ -20,7 +20,7 @@ from fdp.comm import Comm
 from fdp.plan import BucketPlan
 from fdp.state.train_state import TrainState
 from fdp.update.zero.convert import _map_named
-from fdp.update.zero.layout import flats_of, param_views, shard_key, shard_keys, shard_numel
+from fdp.update.zero.layout import flats_of, param_views, slice_key, slice_keys, slice_numel
 
 __all__ = ["LostSlices", "holders", "reshard_survivors"]
 
@@ -74,15 +74,15 @@ def _resplit(own: dict, mirror: dict, plan: BucketPlan, held: dict, comm: Comm, 
     new_own, new_mirror = {}, {}
     world, rank = comm.world_size, comm.rank
     for bucket in plan.buckets:
-        key = shard_key(bucket.index)
-        size = shard_numel(bucket, old_world)
+        key = slice_key(bucket.index)
+        size = slice_numel(bucket, old_world)
         whole = own[key].new_zeros(size * old_world)
         for index, (source, kind) in sorted(held.items()):
             piece = whole[index * size : (index + 1) * size]
             if source == rank:
                 piece.copy_(own[key] if kind == "own" else mirror[key])
             comm.broadcast(piece, source).wait()
-        new_size = shard_numel(bucket, world)
+        new_size = slice_numel(bucket, world)
         flat = whole.new_zeros(new_size * world)
         flat[: bucket.numel] = whole[: bucket.numel]
         new_own[key] = flat[rank * new_size : (rank + 1) * new_size].clone()
@@ -97,7 +97,7 @@ def reshard_survivors(
     """``state``, sharded over ``old_members`` with a mirror, as this rank's state over ``new_members`` (a collective
     of the new world, whose ranks are ``new_members`` in order). ``LostSlices`` when a slice is gone."""
     held = holders(old_members, new_members)
-    names = frozenset(shard_keys(plan))
+    names = frozenset(slice_keys(plan))
     owns, mirrors = _named_dicts(state.opt_state, names), _named_dicts(state.mirror, names)
     pairs = [_resplit(own, mirror, plan, held, comm, len(old_members)) for own, mirror in zip(owns, mirrors)]
     opt_state = _replaced(state.opt_state, names, [own for own, _ in pairs])

@@ -29,7 +29,7 @@ from fdp.update.zero.built import sliced_first_state
 from fdp.update.zero.convert import is_sharded, params_sharded
 from fdp.update.zero.gather import ParamGather
 from fdp.update.zero.hybrid import ShardGroups
-from fdp.update.zero.layout import padded_slice, shard_key, shard_range
+from fdp.update.zero.layout import padded_slice, slice_key, slice_range
 from fdp.update.zero.scatter import ScatterComm
 from fdp.update.zero.slice_step import SliceStep
 from fdp.update.zero.sliced import SlicedUpdate
@@ -175,7 +175,7 @@ class _ParamShardedStep(SliceStep):
         """Take this rank's slice of bucket ``index``'s reduced gradient; step it now where allowed."""
         owner = self.owner
         bucket = owner.plan.buckets[index]
-        start, stop = shard_range(bucket, self.rank, self.world)
+        start, stop = slice_range(bucket, self.rank, self.world)
         if buffer.numel() == bucket.numel and buffer.numel() != stop - start:  # a chain that sent nothing
             buffer = padded_slice(buffer, start, stop)
         require(
@@ -185,7 +185,7 @@ class _ParamShardedStep(SliceStep):
             f"this rank's slice of {stop - start} elements",
         )
         self.take(index, buffer, buffer)
-        key = shard_key(index)
+        key = slice_key(index)
         if self.per_bucket:  # donated: the slice is stepped in place
             with owner.timeline.span("optimizer", bucket=index):
                 self.opt_state = owner.slice_optimizer.update_inplace(

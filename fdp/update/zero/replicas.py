@@ -19,7 +19,7 @@ from fdp.comm import Alone, Comm
 from fdp.model.functional import Params
 from fdp.update.replica import Replica
 from fdp.update.zero.hybrid import ShardGroups, replica_group, slice_plan
-from fdp.update.zero.layout import flats_of, param_views, shard_key, shard_range
+from fdp.update.zero.layout import flats_of, param_views, slice_key, slice_range
 
 __all__ = ["SliceReplica"]
 
@@ -50,14 +50,14 @@ class SliceReplica(Replica):
 
     def _ranges(self) -> list[tuple[int, int]]:
         shard = self.groups.shard
-        return [shard_range(b, shard.rank, shard.world_size) for b in self.whole_plan.buckets]
+        return [slice_range(b, shard.rank, shard.world_size) for b in self.whole_plan.buckets]
 
     def pieces(self, params: Params) -> Params:
         if self.sliced:  # stage 3: the params are this rank's slices
             return params
         flats = flats_of(params, self.whole_plan, self.groups.shard.world_size, copy=False)
         return {
-            shard_key(b.index): flat[slice(*r)] for b, flat, r in zip(self.whole_plan.buckets, flats, self._ranges())
+            slice_key(b.index): flat[slice(*r)] for b, flat, r in zip(self.whole_plan.buckets, flats, self._ranges())
         }
 
     def placed(self, params: Params, pieces: Params, donate: bool) -> Params:
@@ -67,7 +67,7 @@ class SliceReplica(Replica):
         flats = flats_of(params, self.whole_plan, shard.world_size, copy=not donate)
         pending = []
         for bucket, flat, (start, stop) in zip(self.whole_plan.buckets, flats, self._ranges()):
-            mine, piece = flat[start:stop], pieces[shard_key(bucket.index)]
+            mine, piece = flat[start:stop], pieces[slice_key(bucket.index)]
             if piece.data_ptr() != mine.data_ptr():
                 with torch.no_grad():
                     mine.copy_(piece)

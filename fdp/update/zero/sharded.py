@@ -30,7 +30,7 @@ from fdp.state.checks import check_same_replicas, check_state_against_plan
 from fdp.trace import Timeline
 from fdp.update.zero.convert import is_sharded
 from fdp.update.zero.hybrid import ShardGroups
-from fdp.update.zero.layout import flats_of, padded_slice, param_views, shard_key, shard_range
+from fdp.update.zero.layout import flats_of, padded_slice, param_views, slice_key, slice_range
 from fdp.update.zero.scatter import ScatterComm
 from fdp.update.zero.slice_step import SliceStep
 from fdp.update.zero.sliced import SlicedUpdate
@@ -106,19 +106,19 @@ class _ShardedStep(SliceStep):
         # A step that may not touch ``state`` (donate=False) works on copies of the params.
         self.flats = flats_of(state.params, plan, self.world, copy=not owner.donate)
         self.params = dict(state.params) if owner.donate else param_views(plan, self.flats, list(state.params))
-        self.ranges = [shard_range(b, self.rank, self.world) for b in plan.buckets]
+        self.ranges = [slice_range(b, self.rank, self.world) for b in plan.buckets]
         self.grads: dict[str, torch.Tensor] = {}
         self.gathers: list[Pending] = []
         self.opt_state = state.opt_state
         self.mirror = state.mirror
         mirrored = (self.rank + 1) % self.world
-        self.mirror_ranges = [shard_range(b, mirrored, self.world) for b in plan.buckets] if state.mirror else []
+        self.mirror_ranges = [slice_range(b, mirrored, self.world) for b in plan.buckets] if state.mirror else []
         self.mirror_grads: dict[str, torch.Tensor] = {}
         self.sums: list[torch.Tensor] = []  # what _sum_across returned, for the mirror's update
 
     def _param_slices(self, indices, ranges=None) -> dict[str, torch.Tensor]:
         ranges = ranges or self.ranges
-        return {shard_key(i): self.flats[i][slice(*ranges[i])] for i in indices}
+        return {slice_key(i): self.flats[i][slice(*ranges[i])] for i in indices}
 
     def reduced(self, index: int, buffer: torch.Tensor) -> None:
         """Take bucket ``index``'s reduced gradient; step and gather its slice now where allowed."""
@@ -139,15 +139,15 @@ class _ShardedStep(SliceStep):
                 f"of {bucket.numel}; expected the whole bucket or this rank's slice of {stop - start}"
             )
         if self.mirror_ranges:
-            self.mirror_grads[shard_key(index)] = padded_slice(buffer[: bucket.numel], *self.mirror_ranges[index])
+            self.mirror_grads[slice_key(index)] = padded_slice(buffer[: bucket.numel], *self.mirror_ranges[index])
         if self.per_bucket:
             with owner.timeline.span("optimizer", bucket=index):
                 self.opt_state = owner.slice_optimizer.update_inplace(
-                    {shard_key(index): grad}, self.state.opt_state, self._param_slices([index])
+                    {slice_key(index): grad}, self.state.opt_state, self._param_slices([index])
                 )
             self._gather(index)
         else:
-            self.grads[shard_key(index)] = grad
+            self.grads[slice_key(index)] = grad
 
     def _gather(self, index: int) -> None:
         start, stop = self.ranges[index]
@@ -172,7 +172,7 @@ class _ShardedStep(SliceStep):
                 if self.mirror_ranges:  # before the gathers overwrite the next rank's slices of the params
                     self.mirror = self._step_mirror(indices)
             for index in indices:
-                key = shard_key(index)
+                key = slice_key(index)
                 if new_slices[key] is not slices[key]:
                     with torch.no_grad():
                         slices[key].copy_(new_slices[key])

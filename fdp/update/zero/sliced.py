@@ -44,7 +44,7 @@ from fdp.update.zero.convert import (
 )
 from fdp.update.zero.decay import sliced_optimizer
 from fdp.update.zero.hybrid import ShardGroups, across_replicas, refuses_outer
-from fdp.update.zero.layout import shard_range
+from fdp.update.zero.layout import slice_range
 from fdp.update.zero.mirror import reshard_survivors
 from fdp.update.zero.replicas import SliceReplica
 
@@ -140,7 +140,7 @@ class SlicedUpdate(Update):
 
     def slice_range(self, comm: Comm) -> SliceRange:
         buckets, shard = self.plan.buckets, self._shard_comm(comm)
-        return lambda index: shard_range(buckets[index], shard.rank, shard.world_size)
+        return lambda index: slice_range(buckets[index], shard.rank, shard.world_size)
 
     def checkpoint_pieces(self, tree: dict, comm: Comm, reading: bool = False) -> tuple[dict, dict]:
         if reading or self.groups is None or self.groups.replicas.rank == 0:
