@@ -76,7 +76,7 @@ from fdp.run.integrity import DCP_METADATA, file_entry, write_manifest
 from fdp.state.train_state import TrainState
 from fdp.update.base import Update
 from fdp.update.pieces import param_shapes, rank_pieces, state_pieces
-from fdp.update.zero.layout import shard_range
+from fdp.update.zero.layout import slice_range
 
 __all__ = ["ShardedSaver", "load_sharded", "check_checkpoint_format", "resolved_format", "FORMATS", "FORMAT"]
 
@@ -176,7 +176,7 @@ def _mirror_pieces(state: TrainState, plan: BucketPlan, comm: Comm) -> dict:
         plan,
         comm.rank,
         world,
-        lambda index: shard_range(plan.buckets[index], mirrored, world),
+        lambda index: slice_range(plan.buckets[index], mirrored, world),
         reading=True,
     )
     return tensors
