@@ -10,7 +10,7 @@ setting by its config key: a module says ``schedule='x': expected ...``, the run
 >>> validate(compose("trainer.accum_steps=0"))
 Traceback (most recent call last):
 ...
-fdp.errors.ConfigError: trainer.accum_steps=0: expected an integer >= 1
+fdp.errors.ConfigError: trainer.accum_steps=0: expected an integer >= 1 or auto (the largest micro-batch that fits)
 """
 
 from __future__ import annotations
