@@ -114,12 +114,13 @@ class _Watch(threading.Thread):
         return min(after) if after else None
 
 
-def _fdp(mode: str, sig: signal.Signals | None, timeout_s: float) -> dict:
+def _fdp(mode: str, sig: signal.Signals | None, timeout_s: float, base: tuple[str, ...] = tuple(RUN)) -> dict:
+    """One fdp run of ``base`` under ``mode`` (``MODES``), ``sig`` sent to rank ``VICTIM`` at step ``AT``."""
     run_dir = Path(tempfile.mkdtemp(prefix=f"elastic-{mode}-"))
     watch = _Watch(run_dir, sig)
     started = time.monotonic()
     try:
-        summary = run(compose(*RUN, *MODES[mode], f"world.timeout_s={timeout_s}"), run_dir)
+        summary = run(compose(*base, *MODES[mode], f"world.timeout_s={timeout_s}"), run_dir)
     finally:
         watch.done.set()
         watch.join(5)
@@ -142,7 +143,7 @@ def _fdp(mode: str, sig: signal.Signals | None, timeout_s: float) -> dict:
         back = watch.step_done(AT)
         out["redone"] = max(0, done_at_kill - (AT // EVERY) * EVERY)
     elif mode == "shrink":
-        back = watch.step_done(shrinks[0]["step"] + 1)  # a step done again, on 2 ranks
+        back = watch.step_done(shrinks[0]["step"] + 1)  # a step done again, on fewer ranks
         out["redone"], out["full"] = max(0, done_at_kill - shrinks[0]["step"]), False
     else:
         back = watch.step_done(grows[0]["step"] + 1) if grows else None  # a step done on 3 ranks again
