@@ -67,7 +67,8 @@ or of packages above it in this list; ``tests/test_imports.py`` holds every impo
   shrink and respawn, chosen once), what a rank out of memory says (``out_of_memory``), the memory a run will
   need, forecast from its plan (``forecast``, ``forecast_run``), the shell entry (``cli``), its
   ``--help`` and the docs' pages drawn from the schemas and the checks (``reference``, ``compatibility``) and
-  sweeps (``sweep``); sharded, asynchronous checkpoints in DCP's format (``sharded_checkpoint``), their
+  sweeps (``sweep``); which format a world's checkpoints take (``checkpoint_format``: whole, sharded, or auto,
+  chosen once); sharded, asynchronous checkpoints in DCP's format (``sharded_checkpoint``), their
   consolidation into one file (``consolidate``) and a checkpoint of either format checked whole before use
   (``integrity``).
 * ``checkpoint``: the ``python -m fdp.checkpoint consolidate RUN_DIR`` command.

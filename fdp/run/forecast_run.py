@@ -13,9 +13,9 @@ from typing import Any, Callable
 import torch
 
 from fdp.plan import BucketPlan
+from fdp.run.checkpoint_format import resolved_format
 from fdp.run.forecast import Forecast, MiB, forecast
 from fdp.run.micro_batch import first_accum, fixed_accum
-from fdp.run.sharded_checkpoint import resolved_format
 
 __all__ = [
     "activations_of",

@@ -20,7 +20,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from fdp.comm import Comm
 from fdp.data import train_batches
-from fdp.errors import ConfigError
 from fdp.model import remat
 from fdp.model.losses import make_loss_fn
 from fdp.procs.allocator import release_free_memory
@@ -32,6 +31,7 @@ from fdp.procs.shrink import Shrink, ShrinkingWorld, whole_groups
 from fdp.run import checkpoint
 from fdp.run.build import RunParts, node_size_of, regrouped
 from fdp.run.callbacks import Callbacks
+from fdp.run.checkpoint_format import saver_for
 from fdp.run.forecast_run import forecast_accum
 from fdp.run.loop_controls import LoopControls
 from fdp.run.micro_batch import AUTO, Agreement, MicroBatchOutOfMemory, budget_mib, fixed_accum, halved
@@ -39,7 +39,7 @@ from fdp.run.rank_loss import rank_loss_of
 from fdp.run.rejoin import heal
 from fdp.run.report import Report
 from fdp.run.rundir import RankStatus, RunDir
-from fdp.run.sharded_checkpoint import ShardedSaver, check_checkpoint_async, resolved_format
+from fdp.run.sharded_checkpoint import ShardedSaver
 from fdp.state.train_state import TrainState
 from fdp.step.outer import make_outer_step
 from fdp.step.outer_spec import check_outer, join_boundaries
@@ -47,7 +47,7 @@ from fdp.step.train_step import TrainStep, make_train_step
 from fdp.trace import Timeline
 from fdp.update import zero
 
-__all__ = ["Loop", "make_step", "save_state", "saver_for"]
+__all__ = ["Loop", "make_step", "save_state"]
 
 log = logging.getLogger("fdp")
 
@@ -70,20 +70,6 @@ def save_state(
     return checkpoint.save_checkpoint(
         run_dir.checkpoints, state, parts.plan, comm, keep=cfg.trainer.keep_checkpoints, extra=extra
     )
-
-
-def saver_for(cfg: DictConfig, comm: Comm, launched: int) -> ShardedSaver | None:
-    """The writer of the run's sharded checkpoints on the world of ``comm``, or ``None`` where the run's format
-    (``trainer.checkpoint_format``, ``auto`` resolved at the size of the world it ``launched`` with: a world that
-    shrinks keeps its format) is whole."""
-    tc = cfg.trainer
-    if resolved_format(tc.checkpoint_format, launched) != "sharded":
-        try:  # under torchrun the size is known only now: true on one process is refused here
-            check_checkpoint_async(tc.checkpoint_async, "whole")
-        except ValueError as error:
-            raise ConfigError(f"{error} (trainer.checkpoint_format=auto on one process)") from None
-        return None
-    return ShardedSaver(comm, check_checkpoint_async(tc.checkpoint_async), cfg.world.timeout_s)
 
 
 def make_step(

@@ -16,8 +16,8 @@ from omegaconf import DictConfig
 from fdp.model import remat
 from fdp.procs.devices import MemoryPhase
 from fdp.run.build import stage_of
+from fdp.run.checkpoint_format import check_checkpoint_async, resolved_format
 from fdp.run.micro_batch import fixed_accum
-from fdp.run.sharded_checkpoint import check_checkpoint_async, resolved_format
 
 __all__ = ["out_of_memory_message"]
 

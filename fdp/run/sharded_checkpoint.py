@@ -78,68 +78,11 @@ from fdp.update.base import Update
 from fdp.update.pieces import param_shapes, rank_pieces, state_pieces
 from fdp.update.zero.layout import slice_range
 
-__all__ = ["ShardedSaver", "load_sharded", "check_checkpoint_format", "resolved_format", "FORMATS", "FORMAT"]
+__all__ = ["ShardedSaver", "load_sharded", "FORMAT"]
 
 log = logging.getLogger("fdp")
 
 FORMAT = "fdp-sharded-1"  # fdp.pt's "format": what this module writes and reads
-FORMATS = ("auto", "whole", "sharded")
-
-
-def check_checkpoint_format(value: Any) -> str:
-    """``trainer.checkpoint_format``: ``auto`` (``resolved_format``), ``whole`` (one file, rank 0 writes) or
-    ``sharded`` (each rank its share).
-
-    >>> check_checkpoint_format("sharded")
-    'sharded'
-    >>> check_checkpoint_format("dcp")
-    Traceback (most recent call last):
-    ...
-    ValueError: trainer.checkpoint_format='dcp': expected auto, whole or sharded
-    """
-    if value not in FORMATS:
-        raise ValueError(f"trainer.checkpoint_format={value!r}: expected auto, whole or sharded")
-    return value
-
-
-def resolved_format(value: str, world_size: int | None) -> str:
-    """The format a run of ``world_size`` ranks writes: ``auto`` is ``sharded`` on more than one rank (no rank
-    holds the whole state, and the loop waits only for a copy) and ``whole`` on one (one file, nothing to split);
-    ``None``: a world size known only at run time (under ``torchrun``), ``auto`` left as is.
-
-    >>> [resolved_format("auto", 4), resolved_format("auto", 1), resolved_format("whole", 4)]
-    ['sharded', 'whole', 'whole']
-    >>> resolved_format("auto", None)
-    'auto'
-    """
-    if value != "auto" or world_size is None:
-        return value
-    return "sharded" if world_size > 1 else "whole"
-
-
-def check_checkpoint_async(value: Any, checkpoint_format: str = "sharded") -> bool:
-    """``trainer.checkpoint_async``: ``auto`` (asynchronous where the format is ``sharded``), ``true`` or ``false``.
-
-    Only sharded saves are written while training goes on; a whole-file save is written by
-    rank 0 while the loop waits, so ``true`` with it would promise what does not happen.
-
-    >>> check_checkpoint_async("auto", "sharded"), check_checkpoint_async("auto", "whole")
-    (True, False)
-    >>> check_checkpoint_async(True, "whole")  # doctest: +NORMALIZE_WHITESPACE
-    Traceback (most recent call last):
-    ...
-    ValueError: trainer.checkpoint_async=true: expected auto or false with trainer.checkpoint_format=whole (rank 0
-    writes a whole-file save while the loop waits; trainer.checkpoint_format=sharded writes in the background)
-    """
-    if value not in ("auto", True, False):
-        raise ValueError(f"trainer.checkpoint_async={value!r}: expected auto, true or false")
-    if value is True and checkpoint_format != "sharded":
-        raise ValueError(
-            f"trainer.checkpoint_async=true: expected auto or false with trainer.checkpoint_format={checkpoint_format} "
-            "(rank 0 writes a whole-file save while the loop waits; trainer.checkpoint_format=sharded writes in the "
-            "background)"
-        )
-    return value is True or value == "auto" and checkpoint_format == "sharded"
 
 
 def _state_tree(state: TrainState) -> dict:

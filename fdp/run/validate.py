@@ -36,6 +36,7 @@ from fdp.procs.interrupt import check_requeue_signal
 from fdp.procs.launchers import launcher_of
 from fdp.run.callbacks import check_callbacks
 from fdp.run.checkpoint import saved_config
+from fdp.run.checkpoint_format import check_checkpoint_async, check_checkpoint_format, resolved_format
 from fdp.run.config import SCHEMAS
 from fdp.run.integrity import verify
 from fdp.run.keys import check_keys
@@ -44,7 +45,6 @@ from fdp.run.loop_controls import check_loop_settings
 from fdp.run.micro_batch import AUTO, check_accum_setting
 from fdp.run.rank_loss import check_one_process, check_rank_loss, check_rank_loss_in_world, rank_loss_of
 from fdp.run.rundir import RunDir
-from fdp.run.sharded_checkpoint import check_checkpoint_async, check_checkpoint_format, resolved_format
 from fdp.state.replicas import check_sync_buffers
 from fdp.step.compiled import check_compile
 from fdp.step.outer_spec import check_outer
@@ -113,7 +113,7 @@ def _validate_trainer(cfg: Any) -> None:
     _as_config_key("trainer.compile", lambda value: check_compile(value, device), t.compile)
     _as_config_key("trainer.zero_stage", check_zero_stage, t.zero_stage)
     _as_config_key("trainer.checkpoint_format", check_checkpoint_format, t.checkpoint_format)
-    # auto's format is known where the world size is (under torchrun, only to the ranks: fdp.run.loop.saver_for)
+    # auto's format is known where the world size is (under torchrun, only to the ranks: fdp.run.checkpoint_format.saver_for)
     checkpoint_format = resolved_format(t.checkpoint_format, _known_world_size(cfg.world))
     _as_config_key(
         "trainer.checkpoint_async",
