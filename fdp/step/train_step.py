@@ -224,12 +224,13 @@ def make_train_step(
     hook = update.reduction_hook(hook)  # hybrid sharding: the chain runs across the groups, on each rank's slice
     streams = SampleStreams(opts.sample_seed) if opts.sample_seed is not None else None
     batch_rank = comm.rank if opts.batch_rank is None else opts.batch_rank
-    # A step compiled whole traces its streams (fdp.model.streams_traced); elsewhere they are a dispatch mode.
-    traced = streams is not None and opts.compile and not update.gather.gathers
+    checkpointed = remat.modules_of(opts.checkpoint_modules, opts.model) if opts.checkpoint_modules else []
+    # A step compiled whole traces its streams (fdp.model.streams_traced); elsewhere they are a dispatch mode
+    # (checkpointed modules replay their draws from the dispatch mode's position: streams.compile_refusal).
+    traced = streams is not None and opts.compile and not update.gather.gathers and not checkpointed
     forward_loss = (
         (streams_traced.traced(streams, loss_fn) if traced else streams.wrap(loss_fn)) if streams else loss_fn
     )
-    checkpointed = remat.modules_of(opts.checkpoint_modules, opts.model) if opts.checkpoint_modules else []
     if checkpointed:
         forward_loss = remat.checkpointed(forward_loss, checkpointed)
     reducer = GradReducer(
