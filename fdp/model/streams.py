@@ -16,6 +16,8 @@ device (integer arithmetic on the device, no generator state).
   without it). A model whose first forward draws nothing runs without the mode after
   it, so only models with randomness pay its host cost (a Python call per op of the
   forward).
+* A step compiled whole (``trainer.compile``) enters the streams as a function mode that
+  dynamo traces instead (``fdp.model.streams_traced``): the same draws, inside the graph.
 * A forward run beside the step's (ZeRO stage 3's recording forward, ``fdp.update.zero.gather``)
   runs inside ``rehearsal()``: it draws the micro-batch's streams without taking its keys from
   the queue, so the step's own forward draws what it would have drawn without it.
@@ -46,21 +48,38 @@ __all__ = [
     "RANDOM_OPS",
     "check_sample_streams",
     "wants_sample_streams",
-    "NOT_COMPILED",
+    "compile_refusal",
     "position",
     "rehearsal",
     "replaying",
 ]
 
 SETTINGS = ("auto", True, False)
-# Why a step on per-sample streams is not compiled, stated once. The streams themselves are integer
-# arithmetic a compiler could take; what it cannot take is where they enter, a dispatch mode that swaps
-# each random op as it runs: dynamo runs a function eagerly while such a mode is active, so the step
-# would not compile (tests/model/test_streams.py). Compiling them needs the random ops replaced before tracing
-# (a function mode dynamo traces, or a graph pass), which is not built.
-NOT_COMPILED = (
-    "their random ops are swapped in a Python dispatch mode, under which torch.compile runs the step uncompiled"
-)
+# Where a compiled step on per-sample streams still runs its forward under the dispatch mode, under which dynamo
+# runs every function eagerly: the traced streams (fdp.model.streams_traced) serve a step compiled whole, and
+# these two run compiled code inside an eager forward (tests/model/test_streams.py).
+_EAGER_FORWARD = {
+    "zero_stage=3": "ZeRO stage 3 compiles each block between eager gathers",
+    "activation_checkpointing": "activation checkpointing replays a module's draws from the dispatch mode's position",
+}
+
+
+def compile_refusal(zero_stage: int, checkpointing: bool) -> str | None:
+    """Why ``trainer.compile`` cannot compile a step on per-sample streams, or ``None`` where it does.
+
+    >>> compile_refusal(0, False) is None, compile_refusal(3, False).startswith("ZeRO stage 3 compiles each block")
+    (True, True)
+    """
+    reason = _EAGER_FORWARD["zero_stage=3"] if zero_stage == 3 else None
+    reason = _EAGER_FORWARD["activation_checkpointing"] if checkpointing else reason
+    if reason is None:
+        return None
+    return (
+        f"{reason}, and there the streams are a dispatch mode, under which torch.compile runs the code uncompiled "
+        "(traced streams serve a step compiled whole only)"
+    )
+
+
 _M32 = 0xFFFFFFFF
 _MUL = 0x45D9F3B  # the multiplier of a 32-bit integer hash (< 2**27: products stay inside int64)
 _SAMPLE = 0x9E3779B9  # odd steps that spread consecutive counters over the 32-bit range
@@ -284,6 +303,7 @@ class SampleStreams:
         self.seed = int(seed)
         self.draws: bool | None = None  # whether the model's forward draws random numbers (None: not seen yet)
         self._queue: list[torch.Tensor | None] = []  # each coming micro-batch's keys
+        self.current: torch.Tensor | None = None  # the keys of the traced forward running now (streams_traced)
 
     def keys(self, step: int, first: int, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """The keys of global samples ``first`` to ``first + count - 1`` at step ``step`` (int64, 32-bit values)."""
@@ -297,11 +317,15 @@ class SampleStreams:
         keys = self.keys(step, first, sum(sizes), device) if self.draws is not False else None
         self._queue = list(keys.split(sizes)) if keys is not None else [None] * len(sizes)
 
+    def take(self) -> torch.Tensor | None:
+        """The next micro-batch's keys (left queued in a ``rehearsal``), ``None`` where it draws nothing."""
+        return (self._queue[0] if _REHEARSING else self._queue.pop(0)) if self._queue else None
+
     def wrap(self, loss_fn: Callable) -> Callable:
         """``loss_fn`` whose calls (one per micro-batch, in ``begin``'s order) run on the samples' streams."""
 
         def on_sample_streams(*args, **kwargs):
-            keys = (self._queue[0] if _REHEARSING else self._queue.pop(0)) if self._queue else None
+            keys = self.take()
             if keys is None:
                 return loss_fn(*args, **kwargs)
             mode = _PerSample(keys)

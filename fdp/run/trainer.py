@@ -35,8 +35,9 @@ from fdp._torch import preload_compiler
 from fdp.comm import Comm
 from fdp.data import SPLITS, check_global_batch, has_split
 from fdp.errors import ConfigError
+from fdp.model import remat
 from fdp.model.precision import set_matmul_precision
-from fdp.model.streams import NOT_COMPILED
+from fdp.model.streams import compile_refusal
 from fdp.procs.allocator import PeakMemory, release_free_memory
 from fdp.procs.devices import MemoryPhase, is_out_of_memory, limit_memory
 from fdp.procs.grow import GrowingWorld, prepare_joiner
@@ -116,8 +117,11 @@ def _announce(cfg: DictConfig, run_dir: RunDir, parts: RunParts, world: int, dev
 
 def _not_compiled(cfg: DictConfig, parts: RunParts) -> str | None:
     """Why this run's step cannot compile (what ``trainer.compile=auto`` says), or ``None``."""
-    if rank_loss_of(cfg.world).sample_streams(cfg.trainer.sample_streams):
-        return f"per-sample random streams (trainer.sample_streams): {NOT_COMPILED}"
+    tc = cfg.trainer
+    checkpointing = remat.resolved_mode(tc.activation_checkpointing, tc.activation_checkpointing_policy) != "none"
+    reason = compile_refusal(tc.zero_stage, checkpointing)
+    if reason and rank_loss_of(cfg.world).sample_streams(tc.sample_streams):
+        return f"per-sample random streams (trainer.sample_streams): {reason}"
     return None
 
 

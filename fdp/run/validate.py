@@ -28,7 +28,7 @@ from fdp.hooks import build_hook
 from fdp.hooks.hierarchical import check_node_size
 from fdp.model import remat
 from fdp.model.precision import check_matmul_precision, check_precision, check_reduce_dtype
-from fdp.model.streams import NOT_COMPILED, check_sample_streams
+from fdp.model.streams import check_sample_streams, compile_refusal
 from fdp.optim import build_optimizer, check_resumed_schedule
 from fdp.plan.values import check_cap
 from fdp.procs.devices import BACKENDS
@@ -113,7 +113,7 @@ def _validate_trainer(cfg: Any) -> None:
     _as_config_key("trainer.compile", lambda value: check_compile(value, device), t.compile)
     _as_config_key("trainer.zero_stage", check_zero_stage, t.zero_stage)
     _as_config_key("trainer.checkpoint_format", check_checkpoint_format, t.checkpoint_format)
-    # auto's format is known where the world size is (under torchrun, only to the ranks: fdp.run.checkpoint_format.saver_for)
+    # auto is known where the world size is (under torchrun only to the ranks: checkpoint_format.saver_for)
     checkpoint_format = resolved_format(t.checkpoint_format, _known_world_size(cfg.world))
     _as_config_key(
         "trainer.checkpoint_async",
@@ -127,13 +127,15 @@ def _validate_trainer(cfg: Any) -> None:
         lambda k: remat.check_k(k, remat.resolved_mode(t.activation_checkpointing, t.activation_checkpointing_policy)),
         t.activation_checkpointing_k,
     )
-    if rank_loss.sample_streams(t.sample_streams):
+    checkpointing = remat.resolved_mode(t.activation_checkpointing, t.activation_checkpointing_policy) != "none"
+    not_compiled = compile_refusal(t.zero_stage, checkpointing)
+    if rank_loss.sample_streams(t.sample_streams) and not_compiled:
         _require(
             t.compile is not True,
             "trainer.compile",
             t.compile,
             "auto or false with per-sample streams (trainer.sample_streams, on with world.on_rank_loss=shrink): "
-            + NOT_COMPILED,
+            + not_compiled,
         )
     hook = _as_config_key("hooks", build_hook, _container(cfg.hooks))
     _as_config_key("trainer.reduce_dtype", lambda value: check_reduce_dtype(value, t.precision, hook), t.reduce_dtype)

@@ -106,6 +106,7 @@ class GradReducer:
         gather: Any = NullGather(),
         flat_params: bool = True,
         eager_modules: Any = (),
+        around_compiled: Callable[[Callable], Callable] | None = None,
     ):
         schedule = resolve_schedule(schedule, comm.world_size)
         regions = compile and gather.gathers  # stage 3: compiled blocks between eager gathers (fdp.step.compiled)
@@ -137,6 +138,8 @@ class GradReducer:
         self._hooked_flat_grad = grad(self._traced_flat_loss)
         if compile and not regions:  # the compiler takes the whole of torch.func's own transform in one graph
             self._plain_grad = compile_grad(func_grad_and_value(self.loss_fn, has_aux=True))
+            if around_compiled is not None:  # what runs outside the graph at each call (a micro-batch's stream keys)
+                self._plain_grad = around_compiled(self._plain_grad)
         # One compiled path, the params tree's, whatever the params' layout: no second compile.
         # Params sharded by ZeRO keep their own layout (``flat_params=False``).
         self._flat = flat_params and not compile and bucket_buffers.crosses_flat(plan)

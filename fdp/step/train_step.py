@@ -11,6 +11,7 @@ and the update's ``finish`` gives the new params and optimizer state.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, Callable, NamedTuple
 
@@ -21,7 +22,7 @@ from fdp.data import split_micro_batches
 from fdp.data.batches import batch_size
 from fdp.errors import check_bool, check_choice, require
 from fdp.hooks import Hook, allreduce, for_slices, with_result_checks
-from fdp.model import remat
+from fdp.model import remat, streams_traced
 from fdp.model.functional import FunctionalModel
 from fdp.model.losses import weigh_micro_batches
 from fdp.model.precision import Precision, scaled_micro_batches, unscale, unscaled_loss, update_loss_scale
@@ -226,8 +227,13 @@ def make_train_step(
     hook = update.reduction_hook(hook)  # hybrid sharding: the chain runs across the groups, on each rank's slice
     streams = SampleStreams(opts.sample_seed) if opts.sample_seed is not None else None
     batch_rank = comm.rank if opts.batch_rank is None else opts.batch_rank
-    forward_loss = streams.wrap(loss_fn) if streams else loss_fn
     checkpointed = remat.modules_of(opts.checkpoint_modules, opts.model) if opts.checkpoint_modules else []
+    # A step compiled whole traces its streams (fdp.model.streams_traced); elsewhere they are a dispatch mode
+    # (checkpointed modules replay their draws from the dispatch mode's position: streams.compile_refusal).
+    traced = streams is not None and opts.compile and not update.gather.gathers and not checkpointed
+    forward_loss = (
+        (streams_traced.traced(streams, loss_fn) if traced else streams.wrap(loss_fn)) if streams else loss_fn
+    )
     if checkpointed:
         forward_loss = remat.checkpointed(forward_loss, checkpointed)
     reducer = GradReducer(
@@ -242,6 +248,7 @@ def make_train_step(
         gather=update.gather,
         flat_params=update.flat_params,
         eager_modules=checkpointed,  # their recomputation runs under torch.func, which refuses compiled code
+        around_compiled=functools.partial(streams_traced.taking, streams) if traced else None,
     )
     verdicts = DeferredVerdicts()
     state_verified, state_mib = False, None

@@ -10,11 +10,13 @@ from _saved import saved
 
 from fdp import adam, functionalize, make_train_step, plan_buckets, planner_loss
 from fdp.comm import Comm
-from fdp.data import global_batch, load_stdlib_text, shard
+from fdp.data import global_batch, load_digits, load_stdlib_text, shard
 from fdp.errors import ConfigError
+from fdp.model import streams_traced
 from fdp.model.builtin import CharTransformer
 from fdp.model.losses import cross_entropy_loss
 from fdp.model.streams import SampleStreams
+from fdp.model.streams_traced import taking
 from fdp.run.config import compose
 from fdp.run.rank_loss import rank_loss_of
 from fdp.run.trainer import run
@@ -180,8 +182,14 @@ def test_sample_streams_auto_draws_per_sample_where_the_world_may_shrink(overrid
     [
         (("trainer.sample_streams=maybe",), "trainer.sample_streams='maybe': expected auto, true or false"),
         (
-            ("trainer.sample_streams=true", "trainer.compile=true"),
-            "trainer.compile=True: expected auto or false with per-sample streams",
+            ("trainer.sample_streams=true", "trainer.compile=true", "trainer.zero_stage=3"),
+            "trainer.compile=True: expected auto or false with per-sample streams (trainer.sample_streams, on with "
+            "world.on_rank_loss=shrink): ZeRO stage 3 compiles each block between eager gathers",
+        ),
+        (
+            ("trainer.sample_streams=true", "trainer.compile=true", "trainer.activation_checkpointing=blocks"),
+            "trainer.compile=True: expected auto or false with per-sample streams (trainer.sample_streams, on with "
+            "world.on_rank_loss=shrink): activation checkpointing replays",
         ),
     ],
 )
@@ -210,18 +218,46 @@ def test_zero_stage_3s_recording_forward_leaves_the_steps_dropout_masks_alone():
         torch.testing.assert_close(trained[3][name], value, rtol=0, atol=1e-6)
 
 
-def test_a_compiled_function_runs_uncompiled_under_the_streams_mode_the_reason_compile_is_refused():
-    """The refusal of trainer.compile=true with per-sample streams (fdp.model.streams.NOT_COMPILED) holds while this
-    does: dynamo compiles no frame of a function called in the streams' dispatch mode (its draws stay per sample)."""
-    from torch._dynamo.testing import CompileCounterWithBackend
+def test_a_traced_forward_draws_what_the_dispatch_mode_draws_bit_for_bit():
+    """The compiled step's streams (fdp.model.streams_traced, a function mode) remake every kind of draw the eager
+    step's dispatch mode replaces from the same keys and op numbers: the same values, bit for bit."""
+    x = torch.randn(6, 4, 6)
+    streams = SampleStreams(SEED)
+    streams.begin(3, 0, [6])
+    eager = streams.wrap(_draws)(x)
+    streams.begin(3, 0, [6])
+    traced = taking(streams, streams_traced.traced(streams, _draws))(x)
+    for a, b in zip(eager, traced):
+        assert torch.equal(a, b)
 
-    streams = SampleStreams(seed=3)
-    dropout = lambda x: F.dropout(x, 0.5, training=True).sum(1)  # noqa: E731
-    counter = CompileCounterWithBackend("aot_eager")
-    streams.begin(step=1, first=0, sizes=[4])
-    eager = streams.wrap(dropout)(torch.ones(4, 6))
-    streams.begin(step=1, first=0, sizes=[4])
-    compiled = streams.wrap(torch.compile(dropout, backend=counter))(torch.ones(4, 6))
-    assert counter.frame_count == 0 and torch.equal(compiled, eager)
-    torch.compile(dropout, backend=counter)(torch.ones(4, 6))
-    assert counter.frame_count == 1  # outside the mode the same function compiles
+
+def _dropout_mlp_run(sample_seed, compile: bool = False):
+    data = load_digits()
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(
+        torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(32, 10)
+    )
+    model, params, buffers = functionalize(module)
+    loss_fn = cross_entropy_loss(model)
+    plan = plan_buckets(planner_loss(loss_fn, buffers), params, global_batch(data, 0, GLOBAL, 0))
+    state = setup_state(params, buffers, adam(1e-2), plan, comm=Comm(), seed=0)
+    step = make_train_step(loss_fn, adam(1e-2), plan, sample_seed=sample_seed, compile=compile)
+    for s in range(3):
+        state, _ = step(state, global_batch(data, s, GLOBAL, 0))
+    return state.params
+
+
+def test_a_compiled_step_on_sample_streams_trains_what_the_eager_step_trains():
+    """trainer.compile with per-sample streams: the step compiles as one graph (no break, no recompile for a new
+    step's keys) and draws the eager step's dropout masks (the params agree; the generator's masks give others)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = _dropout_mlp_run(SEED, compile=True)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["graph_break"])
+    eager = _dropout_mlp_run(SEED)
+    for name, value in eager.items():
+        torch.testing.assert_close(compiled[name], value, rtol=0, atol=1e-5)
+    other = _dropout_mlp_run(None)
+    assert max((other[n] - eager[n]).abs().max().item() for n in eager) > 1e-3
