@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from _saved import saved
 
 from fdp import Comm
 from fdp.hooks import allreduce, build_hook, hierarchical, node_comms
@@ -87,9 +88,7 @@ RUN = [
 
 
 def _final_params(run_dir):
-    from fdp.run.checkpoint import last_of
-
-    return torch.load(last_of(run_dir / "checkpoints"), weights_only=True)["params"]
+    return saved(run_dir)["params"]
 
 
 def test_reduce_dtype_bfloat16_sends_each_nodes_float32_sum_across_nodes_in_bfloat16_as_hooks_bf16(tmp_path):

@@ -135,7 +135,7 @@ def test_under_an_overlapped_outer_loop_a_rank_joins_after_a_sync_landed_as_a_ru
     """The join waits for the boundary after a sync in flight has landed; the world then goes on as a run stopped
     at the shrink's step, resumed on two ranks to the join's step and resumed on three (the joiner takes rank 0's
     params, inner and outer states, as a rank new to a resumed world does)."""
-    settings = [*COMMON, *RESPAWN, *OVERLAP]
+    settings = [*COMMON, *RESPAWN, *OVERLAP, "trainer.checkpoint_format=whole"]  # each rank's entries read below
     grown = _lost_and_back_with(tmp_path / "grown", 2, settings)
     summary = grown["summary"]
     (shrink,) = summary["shrinks"]
@@ -161,7 +161,8 @@ def test_max_time_counts_the_training_time_across_a_shrink_and_a_join(tmp_path):
     signaller = Signaller(tmp_path, signal.SIGKILL, rank=2, step=KILL_AT)
     try:
         settings = [o for o in COMMON if not o.startswith("trainer.max_steps")]
-        summary = run(compose(*settings, *RESPAWN, "trainer.max_steps=100000", f"trainer.max_time={limit}"), tmp_path)
+        clock = ["trainer.max_steps=100000", f"trainer.max_time={limit}", "trainer.checkpoint_format=whole"]
+        summary = run(compose(*settings, *RESPAWN, *clock), tmp_path)
     finally:
         signaller.done()
     assert summary["stopped"] == "max_time" and summary["world"] == 3, summary

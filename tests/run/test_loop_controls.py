@@ -309,6 +309,7 @@ def test_under_an_outer_loop_the_average_follows_the_anchor_every_rank_agreed_on
             f"trainer.ema_decay={decay}",
             "outer=local_sgd",
             "outer.sync_every=2",
+            "trainer.checkpoint_format=whole",  # read below entry by entry, each rank's own
         ),
         tmp_path,
     )
