@@ -39,19 +39,22 @@ CAP_MB = 60 * 4 / 2**20
 NODE = 2
 
 
-def _union_batches(world):
-    g = torch.Generator().manual_seed(0)
+def _union_batches(world, per_rank=8, seed=0, steps=STEPS):
+    g = torch.Generator().manual_seed(seed)
+    n = per_rank * world
     return [
-        (torch.randn(8 * world, MODEL[0], generator=g), torch.randint(0, MODEL[-1], (8 * world,), generator=g))
-        for _ in range(STEPS)
+        (torch.randn(n, MODEL[0], generator=g), torch.randint(0, MODEL[-1], (n,), generator=g)) for _ in range(steps)
     ]
 
 
-def _setup(rank, world):
+def _setup(rank, world, per_rank=8, seed=0, steps=STEPS):
+    """The MLP, this rank's share of ``_union_batches`` and the plan: ``(loss_fn, params, buffers, batches, plan,
+    model)``."""
     torch.manual_seed(0)
     model, params, buffers = functionalize(MLP(*MODEL))
     loss_fn = cross_entropy_loss(model)
-    batches = [(x[rank * 8 : (rank + 1) * 8], y[rank * 8 : (rank + 1) * 8]) for x, y in _union_batches(world)]
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    batches = [(x[mine], y[mine]) for x, y in _union_batches(world, per_rank, seed, steps)]
     plan = plan_buckets(
         planner_loss(loss_fn, buffers), params, batches[0], bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB
     )
@@ -266,29 +269,13 @@ def _outer_spec(name, **settings):
     return check_outer(dataclasses.asdict(schema(**settings)))
 
 
-def _outer_batches(world):
-    g = torch.Generator().manual_seed(1)
-    return [
-        (torch.randn(4 * world, MODEL[0], generator=g), torch.randint(0, MODEL[-1], (4 * world,), generator=g))
-        for _ in range(OUTER_STEPS)
-    ]
-
-
-def _outer_setup(rank, world):
-    torch.manual_seed(0)
-    model, params, buffers = functionalize(MLP(*MODEL))
-    loss_fn = cross_entropy_loss(model)
-    batches = [(x[rank * 4 : (rank + 1) * 4], y[rank * 4 : (rank + 1) * 4]) for x, y in _outer_batches(world)]
-    plan = plan_buckets(
-        planner_loss(loss_fn, buffers), params, batches[0], bucket_cap_mb=CAP_MB, first_bucket_cap_mb=CAP_MB
-    )
-    return model, params, buffers, loss_fn, batches, plan
+OUTER_DATA = dict(per_rank=4, seed=1, steps=OUTER_STEPS)  # the outer-loop runs' batches
 
 
 def _outer_run(rank, world, stage, spec, hook, groups):
     """Stage ``stage`` under the outer loop ``spec``: each rank's whole params and anchor slices at the end, and each
     step's (synced, bytes sent across the groups)."""
-    model, params, buffers, loss_fn, batches, plan = _outer_setup(rank, world)
+    loss_fn, params, buffers, batches, plan, model = _setup(rank, world, **OUTER_DATA)
     comm = Comm()
     update = zero.update_for(stage, adam(1e-2), plan, comm, model=model, groups=groups)
     state = update.first_state(params, buffers, hook, comm)
@@ -366,7 +353,7 @@ def _torch_outer(world, fragments, sends, overlap, lr, momentum, nesterov, start
                 else:
                     named[r][name].copy_(a)
 
-    for step, (x, y) in enumerate(_outer_batches(world), start=1):
+    for step, (x, y) in enumerate(_union_batches(world, **OUTER_DATA), start=1):
         for g, opt in enumerate(inner):
             opt.zero_grad()
             part = slice(None) if step <= start_step else slice(g * width, (g + 1) * width)
@@ -395,7 +382,7 @@ def test_an_outer_loop_over_hybrid_sharded_replicas_equals_plain_torch_over_per_
     codes and scales with hooks=lowbit, every replica's anchor then the same)."""
     world = 4
     results = run_ranks(_outer_ranks, OUTER_RUNS, world_size=world)
-    plan = _outer_setup(0, world)[-1]
+    plan = _setup(0, world, **OUTER_DATA)[4]
     split = split_fragments(zero.slice_plan(plan, NODE), 2)  # the fragments are runs of the slices' buckets
     streamed = [[n for i in buckets for n in plan.buckets[i].names] for buckets in split]
     slices = [[math.ceil(plan.buckets[i].numel / NODE) for i in buckets] for buckets in split]
