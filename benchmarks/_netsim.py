@@ -204,6 +204,25 @@ def keeping_partial_results(name: str, meta: dict, started: float, save: Callabl
 _PORT = [29700 + (os.getpid() % 200) * 10]
 
 
+def run_meta(started: float, load_before: float, **extra) -> dict:
+    """What a results table's header says of the run: when, on what, how loaded, how long (``started``: its
+    ``time.perf_counter()``), and the run's own settings (``extra``)."""
+    import platform
+
+    import torch
+
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "load_before": load_before,
+        "load_after": os.getloadavg()[0],
+        "wall_s": time.perf_counter() - started,
+        **extra,
+    }
+
+
 def next_port() -> int:
     _PORT[0] += 1
     return _PORT[0]

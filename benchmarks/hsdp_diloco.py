@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -201,7 +199,7 @@ def main() -> None:
         side, steps, out = sys.argv[2:5]
         worker(side, int(steps), out)
         return
-    from benchmarks._netsim import Cluster, work_dir
+    from benchmarks._netsim import Cluster, run_meta, work_dir
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rate", default="100mbit")
@@ -218,17 +216,7 @@ def main() -> None:
         for side in args.sides:
             rows[side] = _run(side, args.steps, run_dir, args.timeout)
             print(json.dumps(rows[side]), flush=True)
-    meta = {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
-        "load_before": load_before,
-        "load_after": os.getloadavg()[0],
-        "wall_s": time.perf_counter() - t0,
-        "rate": args.rate,
-        "steps": args.steps,
-    }
+    meta = run_meta(t0, load_before, rate=args.rate, steps=args.steps)
     text = _table(rows, meta)
     print(text)
     RESULTS.mkdir(parents=True, exist_ok=True)

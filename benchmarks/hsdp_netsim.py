@@ -33,10 +33,8 @@ Writes ``benchmarks/results/hsdp_netsim.{md,json}``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -248,7 +246,7 @@ def main() -> None:
         side, warmup, steps, out = sys.argv[2:6]
         worker(side, int(warmup), int(steps), out)
         return
-    from benchmarks._netsim import Cluster, work_dir
+    from benchmarks._netsim import Cluster, run_meta, work_dir
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", nargs="+", default=["1gbit", "100mbit"])
@@ -270,19 +268,14 @@ def main() -> None:
                 row = {**_run(side, args.warmup, args.steps, run_dir, args.timeout), "rate": rate}
                 rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "peak_mib"}), flush=True)
-    meta = {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
-        "load_before": load_before,
-        "load_after": os.getloadavg()[0],
-        "wall_s": time.perf_counter() - t0,
-        "warmup": args.warmup,
-        "steps": args.steps,
-        "rates": args.rates,
-        "params": sum(p.numel() for p in _module(SPEC).parameters()),
-    }
+    meta = run_meta(
+        t0,
+        load_before,
+        warmup=args.warmup,
+        steps=args.steps,
+        rates=args.rates,
+        params=sum(p.numel() for p in _module(SPEC).parameters()),
+    )
     text = _table(rows, meta)
     print(text)
     RESULTS.mkdir(parents=True, exist_ok=True)
