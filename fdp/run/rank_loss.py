@@ -16,6 +16,9 @@ the run asks that value instead of reading the settings (as launchers are object
 * ``ShrinkAndRespawn`` (also ``world.respawn=true``): besides, the keeper of a lost rank starts
   it again, and it joins the world that went on.
 
+What a lost rank is reported as is said here too: ``lost_rank_error`` after a failed collective (the ranks
+the heartbeats found silent), ``lost_message`` when the world ends with it.
+
 Its settings are validated here too (``check_rank_loss``, ``check_one_process``,
 ``check_rank_loss_in_world``), each rule once, naming the config key.
 
@@ -29,19 +32,26 @@ Restart()
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from fdp.errors import ConfigError, as_config_key, check_choice, one_of, require
 from fdp.model.streams import wants_sample_streams
 from fdp.procs.grow import check_max_ranks, joining, respawner
+from fdp.procs.heartbeat import Heartbeat
+from fdp.procs.launch import RankLostError, WorkerFailedError
 from fdp.procs.shrink import check_shrinkable_batch, launched_world
+from fdp.run import checkpoint
 from fdp.run.micro_batch import fixed_accum
+from fdp.run.rundir import RankStatus, RunDir
 from fdp.update.zero import ZERO_STAGES, stage_rules
 
 __all__ = [
     "ON_RANK_LOSS",
     "RankLoss",
+    "lost_rank_error",
+    "lost_message",
     "Restart",
     "ShrinkWorld",
     "ShrinkAndRespawn",
@@ -265,4 +275,38 @@ def check_rank_loss_in_world(cfg: Any, world: int) -> None:
             (w.node_size or w.nproc_per_node) if w.hierarchical else 1,
         ),
         d.global_batch_size,
+    )
+
+
+def lost_rank_error(error: RuntimeError, heartbeat: Heartbeat | None, rank: int, step: int) -> RankLostError | None:
+    """After a failed collective: a ``RankLostError`` naming the ranks that stopped answering, if any."""
+    lost = heartbeat.silent_ranks() if heartbeat is not None else None
+    if not lost:
+        return None
+    # Gloo prefixes its messages with its source location: "[.../pair.cc:537] Read error ...".
+    reason = re.sub(r"^\[[^\]]*\]\s*", "", (str(error).strip().splitlines() or [""])[0])
+    names = ", ".join(map(str, lost))
+    return RankLostError(
+        f"rank {names} was lost at step {step}: it stopped answering (killed, hung or unreachable); "
+        f"the collective on rank {rank} failed with: {reason}"
+    )
+
+
+def lost_message(run_dir: RunDir, error: WorkerFailedError) -> str:
+    """What a lost rank is reported as when the world ends with it (``world.on_rank_loss=restart`` spent): the
+    rank, its step, the signal, and the checkpoint to go on from."""
+    step = RankStatus.read(run_dir, error.rank).get("step")
+    at = f" at step {step}" if step else " before step 1"
+    steps = sorted({*checkpoint.step_files(run_dir.checkpoints), *checkpoint.sharded_steps(run_dir.checkpoints)})
+    resume = (
+        (
+            f"the last checkpoint is step {steps[-1]} (continue with trainer.resume=true, or set "
+            "world.max_restarts to restart from it automatically)"
+        )
+        if steps
+        else "there is no checkpoint yet"
+    )
+    return (
+        f"rank {error.rank} was lost{at}: process {error.pid} was killed by {error.signal}; "
+        f"the other ranks were stopped; {resume}"
     )

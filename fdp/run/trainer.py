@@ -22,7 +22,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -63,7 +62,7 @@ from fdp.run.loop import Loop
 from fdp.run.loop_controls import LoopControls, read_resumed, run_steps
 from fdp.run.micro_batch import fixed_accum
 from fdp.run.out_of_memory import out_of_memory_message
-from fdp.run.rank_loss import rank_loss_of
+from fdp.run.rank_loss import lost_message, lost_rank_error, rank_loss_of
 from fdp.run.rejoin import Joining, RunEnded, enter_world
 from fdp.run.report import Report, evaluated_names
 from fdp.run.rundir import RankStatus, RunDir, train_log_handler
@@ -123,20 +122,6 @@ def _not_compiled(cfg: DictConfig, parts: RunParts) -> str | None:
     if reason and rank_loss_of(cfg.world).sample_streams(tc.sample_streams):
         return f"per-sample random streams (trainer.sample_streams): {reason}"
     return None
-
-
-def _lost_rank_error(error: RuntimeError, heartbeat: Heartbeat | None, rank: int, step: int) -> RankLostError | None:
-    """After a failed collective: a ``RankLostError`` naming the ranks that stopped answering, if any."""
-    lost = heartbeat.silent_ranks() if heartbeat is not None else None
-    if not lost:
-        return None
-    # Gloo prefixes its messages with its source location: "[.../pair.cc:537] Read error ...".
-    reason = re.sub(r"^\[[^\]]*\]\s*", "", (str(error).strip().splitlines() or [""])[0])
-    names = ", ".join(map(str, lost))
-    return RankLostError(
-        f"rank {names} was lost at step {step}: it stopped answering (killed, hung or unreachable); "
-        f"the collective on rank {rank} failed with: {reason}"
-    )
 
 
 def _setup_logging(run_dir: RunDir, rank: int, joined: bool = False) -> None:
@@ -419,7 +404,7 @@ def _loop(
                 loop.shrink(world, error, run_dir, report, stop)
                 continue
             comm = loop.comm
-            lost = _lost_rank_error(error, heartbeat, comm.rank, status.step) if comm.world_size > 1 else None
+            lost = lost_rank_error(error, heartbeat, comm.rank, status.step) if comm.world_size > 1 else None
             if lost is None:
                 raise
             raise lost from error
@@ -460,27 +445,9 @@ def run_ranks(cfg: DictConfig, run_dir: str | Path, callbacks: Sequence = ()) ->
     except WorkerFailedError as error:
         if error.signal is None:
             raise  # the worker's own one-line error
-        raise RankLostError(_lost_message(RunDir(Path(run_dir)), error)) from error
+        raise RankLostError(lost_message(RunDir(Path(run_dir)), error)) from error
     # A world that shrank: the summary of the first rank still there (rank 0 of the last world).
     kept = [results[rank] for rank in sorted(results) if not isinstance(results[rank], LostRank)]
     if not kept:
         raise RankLostError(f"every rank was lost: {', '.join(f'rank {r.rank} {r.how}' for r in results.values())}")
     return kept[0]
-
-
-def _lost_message(run_dir: RunDir, error: WorkerFailedError) -> str:
-    step = RankStatus.read(run_dir, error.rank).get("step")
-    at = f" at step {step}" if step else " before step 1"
-    steps = sorted({*checkpoint.step_files(run_dir.checkpoints), *checkpoint.sharded_steps(run_dir.checkpoints)})
-    resume = (
-        (
-            f"the last checkpoint is step {steps[-1]} (continue with trainer.resume=true, or set "
-            "world.max_restarts to restart from it automatically)"
-        )
-        if steps
-        else "there is no checkpoint yet"
-    )
-    return (
-        f"rank {error.rank} was lost{at}: process {error.pid} was killed by {error.signal}; "
-        f"the other ranks were stopped; {resume}"
-    )
