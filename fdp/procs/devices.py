@@ -335,7 +335,8 @@ def limit_memory(budget_mib: float, device: torch.device) -> None:
 
 def is_out_of_memory(error: BaseException) -> bool:
     """Whether ``error`` says an allocation failed (a CUDA OOM, torch's CPU allocator, Python's ``MemoryError``,
-    a system call's ``ENOMEM``: opening a file under ``RLIMIT_DATA``).
+    a system call's ``ENOMEM``: opening a file under ``RLIMIT_DATA``), or, under a data limit, that a thread could
+    not start (``EAGAIN``: its stack is a private mapping the limit counts; gloo starts threads for each group).
 
     >>> is_out_of_memory(MemoryError()), is_out_of_memory(RuntimeError("shapes do not match"))
     (True, False)
@@ -343,8 +344,19 @@ def is_out_of_memory(error: BaseException) -> bool:
     if isinstance(error, (MemoryError, getattr(torch, "OutOfMemoryError", MemoryError))):
         return True
     if isinstance(error, OSError):
-        return error.errno == errno.ENOMEM
-    return isinstance(error, RuntimeError) and ("can't allocate memory" in str(error) or "out of memory" in str(error))
+        return error.errno == errno.ENOMEM or (error.errno == errno.EAGAIN and _data_limited())
+    if not isinstance(error, RuntimeError):
+        return False
+    text = str(error)
+    no_thread = os.strerror(errno.EAGAIN) in text or "can't start new thread" in text  # C++'s, then Python's
+    return "can't allocate memory" in text or "out of memory" in text or (no_thread and _data_limited())
+
+
+def _data_limited() -> bool:
+    """Whether this process runs under a data-segment limit (``limit_memory`` on the CPU)."""
+    import resource
+
+    return resource.getrlimit(resource.RLIMIT_DATA)[0] != resource.RLIM_INFINITY
 
 
 class MemoryPhase:

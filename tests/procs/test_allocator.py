@@ -50,3 +50,34 @@ def test_under_a_budget_a_thread_reserves_one_mib_of_stack_and_freed_tensors_sto
     assert thread <= 2**20 + 2**16
     assert freed <= 2**18  # mapped blocks go back; the heap's top is given back
     print(f"thread {before_thread >> 10} -> {thread >> 10} KiB, freed kept {before_freed >> 10} -> {freed >> 10} KiB")
+
+
+_NO_THREAD_PROBE = """
+import errno, os, threading
+import torch
+from fdp.procs.devices import is_out_of_memory, limit_memory
+
+unlimited = is_out_of_memory(RuntimeError(os.strerror(errno.EAGAIN)))
+limit_memory(64, torch.device("cpu"))
+held = []
+try:
+    while True:
+        held.append(torch.ones(2**18))  # 1 MiB each, until the limit is hit
+except (MemoryError, RuntimeError):
+    pass
+try:
+    threads = [threading.Thread(target=lambda: None) for _ in range(64)]
+    for thread in threads:
+        thread.start()
+    error = None
+except RuntimeError as failed:
+    error = failed
+print(unlimited, error is not None and is_out_of_memory(error))
+"""
+
+
+def test_under_a_budget_a_thread_that_cannot_start_is_out_of_memory_and_without_one_it_is_not():
+    """A rank at its data limit fails to start a thread (gloo starts them for each group) with ``EAGAIN``; that is
+    the run not fitting, the same refusal as a failed allocation, not an unexplained error of the rank."""
+    out = subprocess.run([sys.executable, "-c", _NO_THREAD_PROBE], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "True"], out
