@@ -7,6 +7,7 @@ key. Range checks that a type cannot express live in ``fdp.run.validate``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional
@@ -439,8 +440,10 @@ def compose(*overrides: str, config_dir: str | Path = CONF_DIR) -> DictConfig:
         return hydra_compose("config", overrides=list(overrides))
 
 
+@functools.cache
 def register_configs() -> None:
-    """Register the schemas with Hydra; YAML files extend them as ``<name>_schema``."""
+    """Register the schemas with Hydra; YAML files extend them as ``<name>_schema``. Once a process: Hydra's
+    store is one for the process, and storing again costs a third of a compose."""
     store = ConfigStore.instance()
     store.store(name="config_schema", node=Config)
     for group, schemas in SCHEMAS.items():

@@ -18,7 +18,6 @@ from fdp.model.builtin import MLP, CharTransformer
 from fdp.model.functional import functionalize
 from fdp.optim import adam, chain, clip_by_global_norm
 from fdp.plan import pack_into_buckets, plan_buckets
-from fdp.procs.launch import WorkerFailedError
 from fdp.run.config import ConfigError, register_configs
 from fdp.run.trainer import run
 from fdp.run.validate import validate
@@ -657,41 +656,6 @@ def test_powersgd_state_resumes_exactly_at_stages_two_and_three(tmp_path, stage,
         assert len(hook_state) >= 4 and any(t.abs().sum() > 0 for t in hook_state)  # errors and Qs, once compressed
         for x, y in zip(mine["hook_state"], theirs["hook_state"], strict=True):
             assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
-
-
-def test_a_run_that_does_not_fit_a_rank_fails_at_stage_zero_and_trains_at_stage_three(tmp_path, spawned_workers):
-    """world.memory_per_rank_mb below what stage 0 needs per rank and above what stage 3 needs on 4 ranks.
-
-    A 59M-parameter MLP with Adam: each rank's data segment grows by ~20 bytes a parameter at stage 0 (params,
-    moments, gradient buckets and the gradients backward makes), ~1.4 GiB with the ~300 MiB that building any run
-    on digits takes; at stage 3 with sharded checkpoints by its quarter of params and moments (3 bytes a
-    parameter), a few gathered buckets and the same ~300 MiB: each well away from the cap.
-
-    Both runs spawn their workers as the recipe does (``spawned_workers``): forked from the preloaded server, a
-    stage-0 rank that ran out of memory was once reported as its peer's broken connection.
-    """
-    common = [
-        "optim=adam",
-        "model.hidden=2048",
-        "model.depth=14",
-        "trainer.checkpoint_format=sharded",
-        "data.global_batch_size=16",
-        "trainer.max_steps=3",
-        "world=local4",
-        "world.memory_per_rank_mb=1000",
-        "trainer.eval_every=0",
-    ]
-    with pytest.raises(WorkerFailedError) as refused:
-        run(_cfg(*common, "trainer.zero_stage=0"), tmp_path / "stage0")
-    message = str(refused.value)
-    assert refused.value.error_type == "RunDoesNotFit" and "\n" not in message, message  # nothing saved: refused
-    assert (
-        "ran out of memory" in message
-        and "world.memory_per_rank_mb=1000" in message
-        and "trainer.zero_stage" in message
-    )
-    summary = run(_cfg(*common, "trainer.zero_stage=3"), tmp_path / "stage3")
-    assert summary["steps"] == 3
 
 
 # -- the mirror of the next rank's slices (a world that may shrink, fdp.procs.shrink) ----------------------------
