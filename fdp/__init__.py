@@ -43,10 +43,10 @@ or of packages above it in this list; ``tests/test_imports.py`` holds every impo
   ``hooks.chain``.
 * ``model``: what a model computes: any ``nn.Module`` as a pure function (``functional``), the built-in and
   Hugging Face models (``builtin``), mixed precision (``precision``), per-sample random streams
-  (``streams``; ``streams_traced`` in a compiled step), activation checkpointing (``remat``), losses and the
-  first-batch check (``losses``, ``fit``),
-  a model built on ``meta`` and made one tensor at a time with a whole build's values (``deferred``), what a
-  forward keeps for backward (``activations``).
+  (``streams``; ``streams_traced`` in a compiled step), activation checkpointing (the modules it takes:
+  ``remat``; their forward run again in backward: ``recompute``), losses and the first-batch check (``losses``,
+  ``fit``), a model built on ``meta`` and made one tensor at a time with a whole build's values (``deferred``),
+  what a forward keeps for backward (``activations``).
 * ``procs``: the world of processes: this process's heap (``allocator``), a rank's place in a job (``slurm``,
   ``launchers``: one class per launcher, ``devices``), stop signals (``interrupt``), starting and joining a
   world (``launch``), a rank kept by the process its launcher watches (``keeper``) and a world that goes on
