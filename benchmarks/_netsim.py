@@ -524,7 +524,7 @@ def ddp_worker(args) -> None:
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
 
-    from fdp.data import global_batch, shard
+    from fdp.data import global_batch, rank_share
     from fdp.procs.allocator import tune_allocator
     from fdp.run.build import build_data, build_module
 
@@ -560,7 +560,7 @@ def ddp_worker(args) -> None:
     gbs = cfg.data.global_batch_size
     rows = []
     for step in range(args.steps):
-        x, y = shard(global_batch(data, step, gbs, cfg.seed), rank, world)
+        x, y = rank_share(global_batch(data, step, gbs, cfg.seed), rank, world)
         sent[0] = 0
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)

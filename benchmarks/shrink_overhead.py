@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 import fdp
-from fdp.data import global_batch, load_stdlib_text, shard
+from fdp.data import global_batch, load_stdlib_text, rank_share
 from fdp.model.builtin import CharTransformer
 from fdp.procs.launch import WorldLayout, init_distributed, spawn
 from fdp.update import zero
@@ -59,7 +59,7 @@ def _rank(steps: int, rounds: int, d_model: int, block: int, batch: int, layout:
     torch.manual_seed(0)
     model, params, buffers = fdp.functionalize(CharTransformer(data.num_classes, block, d_model, 2, 4, dropout=0.1))
     loss_fn = fdp.cross_entropy_loss(model)
-    batches = [shard(global_batch(data, s, batch, 0), comm.rank, comm.world_size) for s in range(steps)]
+    batches = [rank_share(global_batch(data, s, batch, 0), comm.rank, comm.world_size) for s in range(steps)]
     plan = fdp.plan_buckets(fdp.planner_loss(loss_fn, buffers), params, batches[0])
     optimizer = fdp.adam(1e-3)
     runs = {}

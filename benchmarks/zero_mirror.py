@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 import fdp
-from fdp.data import global_batch, load_stdlib_text, shard
+from fdp.data import global_batch, load_stdlib_text, rank_share
 from fdp.model.builtin import CharTransformer
 from fdp.procs.launch import WorldLayout, init_distributed, spawn
 from fdp.update import zero
@@ -41,7 +41,7 @@ def _rank(d_model: int, layout: WorldLayout) -> dict:
     data = load_stdlib_text(block_size=64, max_chars=200_000)
     torch.manual_seed(0)
     model, params, buffers = fdp.functionalize(CharTransformer(data.num_classes, 64, d_model, 2, 4, dropout=0.1))
-    batch = shard(global_batch(data, 0, 32, 0), comm.rank, comm.world_size)
+    batch = rank_share(global_batch(data, 0, 32, 0), comm.rank, comm.world_size)
     plan = fdp.plan_buckets(fdp.planner_loss(fdp.cross_entropy_loss(model), buffers), params, batch)
     optimizer = fdp.adam(1e-3)
     held = {

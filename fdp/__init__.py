@@ -43,10 +43,10 @@ or of packages above it in this list; ``tests/test_imports.py`` holds every impo
   ``hooks.chain``.
 * ``model``: what a model computes: any ``nn.Module`` as a pure function (``functional``), the built-in and
   Hugging Face models (``builtin``), mixed precision (``precision``), per-sample random streams
-  (``streams``; ``streams_traced`` in a compiled step), activation checkpointing (``remat``), losses and the
-  first-batch check (``losses``, ``fit``),
-  a model built on ``meta`` and made one tensor at a time with a whole build's values (``deferred``), what a
-  forward keeps for backward (``activations``).
+  (``streams``; ``streams_traced`` in a compiled step), activation checkpointing (the modules it takes:
+  ``remat``; their forward run again in backward: ``recompute``), losses and the first-batch check (``losses``,
+  ``fit``), a model built on ``meta`` and made one tensor at a time with a whole build's values (``deferred``),
+  what a forward keeps for backward (``activations``).
 * ``procs``: the world of processes: this process's heap (``allocator``), a rank's place in a job (``slurm``,
   ``launchers``: one class per launcher, ``devices``), stop signals (``interrupt``), starting and joining a
   world (``launch``), a rank kept by the process its launcher watches (``keeper``) and a world that goes on
@@ -61,17 +61,17 @@ or of packages above it in this list; ``tests/test_imports.py`` holds every impo
   loop of local SGD and (streaming) DiLoCo (``outer``).
 * ``run``: from a config to a trained run: schemas, keys and validation (``config``, ``keys``, ``validate``),
   checkpoints, metrics, loggers, evaluation and the run directory (``checkpoint``, ``metrics``, ``loggers``,
-  ``evaluate``, ``rundir``), the world on this machine (``world``), the one start-up (``startup``), a run's
-  pieces (``build``), its report, epochs, time limits, early stopping and best checkpoints
-  (``loop_controls``), your own code called in the loop (``callbacks``), the loop of one world (``loop``), a
-  rank's run from start to summary (``trainer``), what a lost rank does (``rank_loss``: restart, shrink, or
-  shrink and respawn, chosen once), what a rank out of memory says (``out_of_memory``), the memory a run will
-  need, forecast from its plan (``forecast``, ``forecast_run``), the shell entry (``cli``), its
-  ``--help`` and the docs' pages drawn from the schemas and the checks (``reference``, ``compatibility``) and
-  sweeps (``sweep``); which format a world's checkpoints take (``checkpoint_format``: whole, sharded, or auto,
-  chosen once); sharded, asynchronous checkpoints in DCP's format (``sharded_checkpoint``), their
-  consolidation into one file (``consolidate``) and a checkpoint of either format checked whole before use
-  (``integrity``).
+  ``evaluate``, ``rundir``), the world on this machine (``world``), the one start-up (``startup``), a run's pieces
+  (``build``), its report, epochs, time limits, early stopping and best checkpoints (``loop_controls``), your own
+  code called in the loop (``callbacks``; what one is, ``callback_base``; from the config, ``callback_specs``; the
+  read-only view it is shown, ``callback_view``), the loop of one world (``loop``), a rank's run from start to
+  summary (``trainer``), what a lost rank does (``rank_loss``: restart, shrink, or shrink and respawn, chosen once),
+  what a rank out of memory says (``out_of_memory``), the memory a run will need, forecast from its plan
+  (``forecast``, ``forecast_run``), the shell entry (``cli``), its ``--help`` and the docs' pages drawn from the
+  schemas and the checks (``reference``, ``compatibility``) and sweeps (``sweep``); which format a world's
+  checkpoints take (``checkpoint_format``: whole, sharded, or auto, chosen once); sharded, asynchronous checkpoints
+  in DCP's format (``sharded_checkpoint``), their consolidation into one file (``consolidate``) and a checkpoint of
+  either format checked whole before use (``integrity``).
 * ``checkpoint``: the ``python -m fdp.checkpoint consolidate RUN_DIR`` command.
 """
 
@@ -114,7 +114,7 @@ from fdp.procs.interrupt import StoppedAtOnce, StopSignals
 from fdp.procs.keeper import LostRank
 from fdp.procs.launch import WorldLayout, broadcast_from_rank0, check_same_plan, init_distributed, spawn
 from fdp.procs.launchers import Launcher, launcher_of, register_launcher
-from fdp.run.callbacks import Callback, CallbackError, LoopEvent
+from fdp.run.callback_base import Callback, CallbackError, LoopEvent
 from fdp.run.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from fdp.run.loggers import CsvLog, MlflowLog
 from fdp.run.loop_controls import LoopControls, run_steps

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from fdp.run.callbacks import Callback
+from fdp.run.callback_base import Callback
 
 
 class Recorder(Callback):

@@ -3,7 +3,7 @@
 Every batch is a pure function of its arguments: ``global_batch(data, step, size, seed)``
 builds the whole batch of optimizer step ``step`` from local generators, so a run resumed
 at step k sees exactly the batches of an uninterrupted one, whatever the world size.
-Ranks then take their contiguous ``shard`` and may split it into micro-batches.
+Ranks then take their contiguous share (``rank_share``) and may split it into micro-batches.
 A user's own data (``MapData``: map-style torch Datasets) is read through a ``DataLoader``
 whose ``StepSampler`` follows the same order, so the same holds for it. A batch is any
 pytree of tensors with a common batch dimension (``(inputs, targets)``, or a dict whose
@@ -11,7 +11,7 @@ pytree of tensors with a common batch dimension (``(inputs, targets)``, or a dic
 
 >>> data = load_dataset("digits")
 >>> x, y = global_batch(data, step=0, global_batch_size=8, seed=0)
->>> [t.shape for t in shard((x, y), rank=1, world_size=2)]
+>>> [t.shape for t in rank_share((x, y), rank=1, world_size=2)]
 [torch.Size([4, 64]), torch.Size([4])]
 """
 
@@ -19,10 +19,10 @@ from fdp.data.batches import (
     as_batch,
     check_global_batch,
     check_micro_batches,
+    dataset_share,
     global_batch,
     model_inputs,
-    shard,
-    shard_dataset,
+    rank_share,
     split_micro_batches,
 )
 from fdp.data.builtin import (
@@ -51,8 +51,8 @@ __all__ = [
     "check_global_batch",
     "check_micro_batches",
     "global_batch",
-    "shard",
-    "shard_dataset",
+    "rank_share",
+    "dataset_share",
     "split_micro_batches",
     "model_inputs",
     "as_batch",

@@ -1,4 +1,4 @@
-"""Batches as pure functions of the step: the global batch, its shards and micro-batches.
+"""Batches as pure functions of the step: the global batch, its ranks' shares and micro-batches.
 
 A batch is any pytree of tensors that share their first (batch) dimension: the built-in
 data's ``(inputs, targets)`` pairs, or a dict such as a Hugging Face collator's
@@ -111,13 +111,13 @@ def _epoch_indices(n: int, start: int, count: int, seed: int, cache: dict[int, T
     return perms[offset : offset + count]
 
 
-def shard(batch: Any, rank: int, world_size: int) -> Any:
-    """Rank ``rank``'s contiguous slice of a global batch (every tensor sliced alike).
+def rank_share(batch: Any, rank: int, world_size: int) -> Any:
+    """Rank ``rank``'s share of a global batch: its contiguous samples (every tensor cut alike).
 
     >>> x = torch.arange(8)
-    >>> shard((x, x * 10), rank=1, world_size=4)
+    >>> rank_share((x, x * 10), rank=1, world_size=4)
     (tensor([2, 3]), tensor([20, 30]))
-    >>> shard({"input_ids": x, "labels": x * 10}, rank=3, world_size=4)
+    >>> rank_share({"input_ids": x, "labels": x * 10}, rank=3, world_size=4)
     {'input_ids': tensor([6, 7]), 'labels': tensor([60, 70])}
     """
     if world_size <= 0:
@@ -129,14 +129,14 @@ def shard(batch: Any, rank: int, world_size: int) -> Any:
     return _rows(batch, rank * per_rank, (rank + 1) * per_rank)
 
 
-def shard_dataset(data: Dataset, rank: int, world_size: int, drop_last: bool = False) -> Dataset:
+def dataset_share(data: Dataset, rank: int, world_size: int, drop_last: bool = False) -> Dataset:
     """Rank ``rank``'s share of the training samples: the same number on every rank.
 
-    The trainer never needs this (``global_batch`` + ``shard`` split every step's batch
+    The trainer never needs this (``global_batch`` + ``rank_share`` split every step's batch
     evenly); it is for code that iterates over a per-rank dataset. N samples dealt
     round-robin over W ranks (rank r takes samples r, r + W, ...) leave the first N mod W
     ranks one sample more, hence possibly one batch more per epoch: a collective that its
-    peers never join, and a hang. As with ``DistributedSampler``, the shards are evened
+    peers never join, and a hang. As with ``DistributedSampler``, the shares are evened
     out: ``drop_last=False`` pads with samples wrapped around from the start (ceil(N/W)
     each, so a few samples are seen twice per epoch), ``drop_last=True`` drops the tail
     (floor(N/W) each, so a few are not seen). The test split is left whole.
@@ -144,9 +144,9 @@ def shard_dataset(data: Dataset, rank: int, world_size: int, drop_last: bool = F
     >>> from fdp.data import load_digits
 
     >>> data = load_digits()._replace(train_x=torch.arange(5.0)[:, None], train_y=torch.arange(5))
-    >>> [shard_dataset(data, r, 2).train_y.tolist() for r in range(2)]
+    >>> [dataset_share(data, r, 2).train_y.tolist() for r in range(2)]
     [[0, 2, 4], [1, 3, 0]]
-    >>> [shard_dataset(data, r, 2, drop_last=True).train_y.tolist() for r in range(2)]
+    >>> [dataset_share(data, r, 2, drop_last=True).train_y.tolist() for r in range(2)]
     [[0, 2], [1, 3]]
     """
     if world_size <= 0:

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from fdp.data.batches import global_batch, model_inputs, shard
+from fdp.data.batches import global_batch, model_inputs, rank_share
 from fdp.data.builtin import Dataset
 from fdp.data.mapped import MapData, StepSampler
 from fdp.data.splits import has_split
@@ -30,7 +30,7 @@ def train_batches(
 ) -> Iterator[Any]:
     """This rank's batch of each step ``start_step .. stop_step - 1``.
 
-    In-memory data is cut by ``global_batch`` and ``shard``; ``MapData`` is read through
+    In-memory data is cut by ``global_batch`` and ``rank_share``; ``MapData`` is read through
     a ``DataLoader`` over a ``StepSampler`` (same order rule) with ``num_workers`` worker
     processes and, for a GPU, ``pin_memory``.
 
@@ -46,7 +46,7 @@ def train_batches(
     """
     if isinstance(data, Dataset):
         return (
-            shard(global_batch(data, step, global_batch_size, seed), rank, world_size)
+            rank_share(global_batch(data, step, global_batch_size, seed), rank, world_size)
             for step in range(start_step, stop_step)
         )
     sampler = StepSampler(len(data.train), global_batch_size, seed, rank, world_size, start_step, stop_step)

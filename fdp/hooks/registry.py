@@ -1,8 +1,8 @@
 """Hooks from config: ``build_hook({"name": "powersgd", "rank": 4})``.
 
-A spec is a mapping with a ``name`` and that hook's settings, or a chain of specs, given
-either as ``{"chain": [spec, ...]}`` or as ``{"name": "chain", "stages": [spec, ...]}``
-(the form of ``fdp.run.config.ChainConfig``). A bare string is a hook with default settings.
+A spec is a mapping with a ``name`` and that hook's settings, or a chain of specs,
+``{"chain": [spec, ...]}`` (with ``"name": "chain"`` beside it in ``fdp.run.config.ChainConfig``'s
+form). A bare string is a hook with default settings.
 ``{"name": "custom", "_target_": "my_pkg.hooks.make", ...}`` is a user's own hook: the
 factory ``_target_`` names (``fdp.targets``) is called with the other keys and must return
 a ``Hook`` (a chain is one); it declares ``shardable`` itself.
@@ -51,7 +51,7 @@ HOOKS: dict[str, Callable[..., Hook]] = {
 
 # Halves of a hook, registered for chains written out hook by hook (conf/hooks/fp16_powersgd.yaml), not hooks a
 # run picks alone: they are left out where a refusal lists the hooks to pick instead.
-CHAIN_STAGES = ("fp16_compress", "fp16_decompress", "bf16_compress", "bf16_decompress")
+CHAIN_HALVES = ("fp16_compress", "fp16_decompress", "bf16_compress", "bf16_decompress")
 
 
 def shardable_hooks() -> list[str]:
@@ -60,7 +60,7 @@ def shardable_hooks() -> list[str]:
     >>> shardable_hooks()[:3]
     ['allreduce', 'fp16', 'bf16']
     """
-    return [name for name, factory in HOOKS.items() if name not in CHAIN_STAGES and factory().shardable]
+    return [name for name, factory in HOOKS.items() if name not in CHAIN_HALVES and factory().shardable]
 
 
 def _known() -> str:
@@ -126,14 +126,10 @@ def _custom(settings: dict[str, Any], path: str) -> Hook:
 
 
 def _build_chain(settings: dict[str, Any], path: str) -> Hook:
-    key = "chain" if "chain" in settings else "stages"
-    allowed = {"chain"} if key == "chain" else {"name", "stages"}
     for extra in settings:
-        if extra not in allowed:
-            raise ValueError(
-                f"{path}.{extra}: not a setting of a chain; accepted settings: {', '.join(sorted(allowed))}"
-            )
-    stages = settings.get(key)
-    if isinstance(stages, (str, bytes)) or not isinstance(stages, Sequence) or not stages:
-        raise ValueError(f"{path}.{key}={stages!r}: expected a non-empty list of hook specs")
-    return chain(*(build_hook(stage, f"{path}.{key}[{i}]") for i, stage in enumerate(stages)))
+        if extra not in ("chain", "name"):
+            raise ValueError(f"{path}.{extra}: not a setting of a chain; accepted settings: chain, name")
+    hooks = settings.get("chain")
+    if isinstance(hooks, (str, bytes)) or not isinstance(hooks, Sequence) or not hooks:
+        raise ValueError(f"{path}.chain={hooks!r}: expected a non-empty list of hook specs")
+    return chain(*(build_hook(hook, f"{path}.chain[{i}]") for i, hook in enumerate(hooks)))

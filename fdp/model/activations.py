@@ -4,7 +4,7 @@ A step's memory beyond its state is mostly the tensors autograd saves in forward
 backward. ``saved_activations`` runs the loss once under a saved-tensor hook and adds up
 the distinct storages saved (the params themselves left out: they are counted as params),
 on whatever device the params are (on ``meta`` it costs neither memory nor arithmetic).
-With modules checkpointed (``fdp.model.remat``) only their inputs are kept from forward to
+With modules checkpointed (``fdp.model.recompute``) only their inputs are kept from forward to
 backward, and backward holds one module's activations at a time while it recomputes them:
 both come from the same plain forward, the saves inside each checkpointed module told
 apart by module hooks. ``per_sample`` takes two tiny batches and scales linearly.
@@ -60,7 +60,7 @@ def saved_activations(
     """Run ``loss_fn(params, batch)`` once with gradients recorded and count what it saves for backward.
 
     ``params`` are leaves that require grad (any device, ``meta`` included). ``checkpointed``:
-    modules whose saves are recomputed in backward (``fdp.model.remat``): their inputs count as
+    modules whose saves are recomputed in backward (``fdp.model.recompute``): their inputs count as
     kept instead, and the most any one of them saved is ``recomputed``.
     """
     own = {_storage_key(p) for p in params.values()}

@@ -363,7 +363,7 @@ def rehearsal():
 def position() -> tuple[torch.Tensor, int] | None:
     """Where the forward running now is in its samples' streams (their keys, the next op's number), or ``None``.
 
-    Activation checkpointing (``fdp.model.remat``) takes it before a module's forward and
+    Activation checkpointing (``fdp.model.recompute``) takes it before a module's forward and
     replays the module's random ops from it (``replaying``) when backward runs it again.
 
     >>> position() is None

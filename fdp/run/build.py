@@ -110,11 +110,11 @@ block pads every bucket with zeros that are sent too; a smaller trainer.bucket_c
             raise ConfigError(str(error)) from None
     largest = max(bucket.numel for bucket in plan.buckets)
     spec = OmegaConf.to_container(cfg.hooks, resolve=True)
-    stages = [(f"hooks.stages[{i}]", s) for i, s in enumerate(spec.get("stages") or [])] or [("hooks", spec)]
-    for path, stage in stages:
-        if isinstance(stage, dict) and stage.get("name") == "lowbit":
+    hooks = [(f"hooks.chain[{i}]", h) for i, h in enumerate(spec.get("chain") or [])] or [("hooks", spec)]
+    for path, hook in hooks:
+        if isinstance(hook, dict) and hook.get("name") == "lowbit":
             try:
-                check_block(stage.get("block", 64), largest)
+                check_block(hook.get("block", 64), largest)
             except ValueError as error:
                 raise ConfigError(f"{path}.{error}") from None
     try:

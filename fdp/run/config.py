@@ -345,7 +345,7 @@ class LowBitConfig:
 @dataclass
 class ChainConfig:
     name: str = "chain"
-    stages: List[Any] = field(default_factory=list)  # hook configs run in order on each bucket
+    chain: List[Any] = field(default_factory=list)  # hook configs run in order on each bucket
 
 
 @dataclass

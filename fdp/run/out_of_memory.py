@@ -37,7 +37,7 @@ def out_of_memory_message(
         f"{micro} samples: data.global_batch_size={cfg.data.global_batch_size} over {world} ranks and "
         f"trainer.accum_steps={accum}"
     )
-    # Recomputing activations in backward (fdp.model.remat) keeps a step's peak lower, where it is not on yet.
+    # Recomputing activations in backward (fdp.model.recompute) keeps a step's peak lower, where it is not on yet.
     stage = stage_of(cfg).number
     on = remat.resolved_mode(tc.activation_checkpointing, tc.activation_checkpointing_policy) != "none"
     remat_hint = "" if on else "trainer.activation_checkpointing=blocks, "

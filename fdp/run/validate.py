@@ -34,7 +34,7 @@ from fdp.plan.values import check_cap
 from fdp.procs.devices import BACKENDS
 from fdp.procs.interrupt import check_requeue_signal
 from fdp.procs.launchers import launcher_of
-from fdp.run.callbacks import check_callbacks
+from fdp.run.callback_specs import check_callbacks
 from fdp.run.checkpoint import saved_config
 from fdp.run.checkpoint_format import check_checkpoint_async, check_checkpoint_format, resolved_format
 from fdp.run.config import SCHEMAS

@@ -157,7 +157,7 @@ def compiled_regions(loss_fn: Callable, modules: list[nn.Module]) -> Callable:
 
     The module's hooks stay outside its compiled forward (they run in ``nn.Module.__call__``), which is where
     ZeRO stage 3 gathers and releases params (``ParamGather.hold_by``). The compiled forwards are installed for
-    the call alone, as ``fdp.model.remat.checkpointed`` installs its own, so an evaluation runs the model as it
+    the call alone, as ``fdp.model.recompute.checkpointed`` installs its own, so an evaluation runs the model as it
     is; blocks of one class share their compiled code. The first call, which compiles, logs its time once.
 
     >>> lin = nn.Linear(3, 1)

@@ -22,7 +22,7 @@ from fdp.data import split_micro_batches
 from fdp.data.batches import batch_size
 from fdp.errors import check_bool, check_choice, require
 from fdp.hooks import Hook, allreduce, for_slices, with_result_checks
-from fdp.model import remat, streams_traced
+from fdp.model import recompute, remat, streams_traced
 from fdp.model.functional import FunctionalModel
 from fdp.model.losses import weigh_micro_batches
 from fdp.model.precision import Precision, scaled_micro_batches, unscale, unscaled_loss, update_loss_scale
@@ -96,7 +96,7 @@ class StepOptions(NamedTuple):
       index in the global batch (``fdp.model.streams``), so they do not depend on the world size;
       ``None``: from the state's generators (``TrainState.rng``, each rank's own).
     * ``checkpoint_modules``: modules whose activations backward recomputes instead of
-      keeping them from the forward (``fdp.model.remat``): the modules themselves, their
+      keeping them from the forward (``fdp.model.remat``, ``fdp.model.recompute``): the modules themselves, their
       classes or class names (found in ``model``), or ``"blocks"`` (the model's repeated blocks).
     * ``batch_rank``: which share of the global batch this rank's batch is (its first
       sample is number ``batch_rank * len(batch)``); ``None``: ``comm``'s rank.
@@ -235,7 +235,7 @@ def make_train_step(
         (streams_traced.traced(streams, loss_fn) if traced else streams.wrap(loss_fn)) if streams else loss_fn
     )
     if checkpointed:
-        forward_loss = remat.checkpointed(forward_loss, checkpointed)
+        forward_loss = recompute.checkpointed(forward_loss, checkpointed)
     reducer = GradReducer(
         opts.precision.wrap(forward_loss),
         plan,

@@ -22,7 +22,7 @@ from fdp.data import (
     load_stdlib_text,
     model_arguments,
     model_inputs,
-    shard,
+    rank_share,
     split_micro_batches,
     train_batches,
 )
@@ -188,30 +188,30 @@ def test_global_batch_size_validation(digits, text):
     assert x.shape == (2 * TEXT_CHARS, 16)
 
 
-# --- shard / micro-batches ---------------------------------------------------------------
+# --- shares / micro-batches ---------------------------------------------------------------
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4, 8])
-def test_shards_concatenate_to_the_global_batch(world_size, digits, text):
+def test_shares_concatenate_to_the_global_batch(world_size, digits, text):
     for data in (digits, text):
         batch = global_batch(data, 2, 64, seed=1)
-        shards = [shard(batch, r, world_size) for r in range(world_size)]
-        assert all(s[0].shape[0] == 64 // world_size for s in shards)
-        assert _equal(tuple(torch.cat(parts) for parts in zip(*shards)), batch)
+        shares = [rank_share(batch, r, world_size) for r in range(world_size)]
+        assert all(s[0].shape[0] == 64 // world_size for s in shares)
+        assert _equal(tuple(torch.cat(parts) for parts in zip(*shares)), batch)
 
 
-def test_shard_errors_name_the_setting(digits):
+def test_share_errors_name_the_setting(digits):
     batch = global_batch(digits, 0, 30, seed=0)
     with pytest.raises(ValueError, match=r"data\.global_batch_size=30.*world size 4"):
-        shard(batch, 0, 4)
+        rank_share(batch, 0, 4)
     with pytest.raises(ValueError, match="rank"):
-        shard(batch, 3, 3)
+        rank_share(batch, 3, 3)
     with pytest.raises(ValueError, match="batch dimension"):
-        shard((torch.zeros(4), torch.zeros(6)), 0, 2)
+        rank_share((torch.zeros(4), torch.zeros(6)), 0, 2)
 
 
-def test_micro_batches_concatenate_to_the_shard(digits):
-    batch = shard(global_batch(digits, 0, 48, seed=0), 1, 2)
+def test_micro_batches_concatenate_to_the_share(digits):
+    batch = rank_share(global_batch(digits, 0, 48, seed=0), 1, 2)
     micro = split_micro_batches(batch, 3)
     assert len(micro) == 3 and all(m[0].shape[0] == 8 for m in micro)
     assert _equal(tuple(torch.cat(parts) for parts in zip(*micro)), batch)
@@ -367,7 +367,7 @@ def test_step_sampler_resumes_at_the_exact_sample():
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_loader_batches_equal_the_in_memory_path(digits, num_workers):
-    """Digits as a map-style Dataset through a DataLoader: the batches of global_batch + shard, on every rank."""
+    """Digits as a map-style Dataset through a DataLoader: the batches of global_batch + rank_share, on every rank."""
     items = as_map_data("digits", (TensorDataset(digits.train_x, digits.train_y), None))
     for rank in range(2):
         fast = list(train_batches(digits, 32, 5, rank, 2, start_step=40, stop_step=47))
@@ -491,20 +491,20 @@ def test_model_arguments_come_from_the_items_and_the_dataset():
 # --- dict batches: Hugging Face's convention ------------------------------------------------------
 
 
-def test_dict_batches_shard_and_split_along_the_batch_dimension_like_pairs():
+def test_dict_batches_share_out_and_split_along_the_batch_dimension_like_pairs():
     batch = {"input_ids": torch.arange(24).reshape(8, 3), "attention_mask": torch.ones(8, 3), "labels": torch.arange(8)}
     pair = ({"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}, batch["labels"])
     for world_size in (1, 2, 4):
-        shards = [shard(batch, r, world_size) for r in range(world_size)]
-        assert all(sorted(s) == sorted(batch) for s in shards)
+        shares = [rank_share(batch, r, world_size) for r in range(world_size)]
+        assert all(sorted(s) == sorted(batch) for s in shares)
         for key in batch:
-            assert torch.equal(torch.cat([s[key] for s in shards]), batch[key])
-        paired = [shard(pair, r, world_size) for r in range(world_size)]
+            assert torch.equal(torch.cat([s[key] for s in shares]), batch[key])
+        paired = [rank_share(pair, r, world_size) for r in range(world_size)]
         assert all(
             torch.equal(p[1], s["labels"]) and torch.equal(p[0]["input_ids"], s["input_ids"])
-            for p, s in zip(paired, shards)
+            for p, s in zip(paired, shares)
         )
-    micro = split_micro_batches(shards[1], 2)
+    micro = split_micro_batches(shares[1], 2)
     assert [m["labels"].tolist() for m in micro] == [[2], [3]]
     args, kwargs, targets = model_inputs(micro[0])
     assert args == () and sorted(kwargs) == ["attention_mask", "input_ids"] and targets.tolist() == [2]

@@ -138,6 +138,10 @@ def test_hydra_full_error_still_gives_hydras_own_report(tmp_path):
             "trainer.lr=3: unknown key; expected a key of trainer (did you mean optim.lr? "
             "trainer takes no keys of your own)",
         ),
+        (
+            ["hooks=fp16_powersgd", "hooks.stages=[fp16]"],
+            "hooks.stages=[fp16]: unknown key; expected a key of hooks (chain; hooks takes no keys of your own)",
+        ),
         (["trainer=fast"], "trainer=fast: expected one of default"),
         (["trainer.progress=maybe"], "trainer.progress=maybe: expected true or false"),
         (["optim.clip_norm=x"], "optim.clip_norm=x: expected a number or null"),

@@ -19,7 +19,7 @@ from _saved import saved
 from torch.utils import _pytree as pytree
 
 import fdp
-from fdp.data import global_batch, load_dataset, shard
+from fdp.data import global_batch, load_dataset, rank_share
 from fdp.hooks import allreduce
 from fdp.model.builtin import build_model
 from fdp.procs.devices import batch_to_device, to_device
@@ -85,7 +85,7 @@ def _on_a_shared_gpu(rank, world, steps):
     )
     params, buffers = to_device(params, device), to_device(buffers, device)
     loss_fn = fdp.cross_entropy_loss(model)
-    example = batch_to_device(shard(global_batch(data, 0, 32, 0), rank, world), device)
+    example = batch_to_device(rank_share(global_batch(data, 0, 32, 0), rank, world), device)
     plan = fdp.plan_buckets(
         fdp.planner_loss(loss_fn, buffers), params, example, bucket_cap_mb=0.005, first_bucket_cap_mb=0.005
     )
@@ -94,7 +94,7 @@ def _on_a_shared_gpu(rank, world, steps):
     state = fdp.init_train_state(params, buffers, optimizer, plan, allreduce())
     train_step = fdp.make_train_step(loss_fn, optimizer, plan, allreduce(), fdp.Comm(), schedule="overlap", donate=True)
     for i in range(steps):
-        state, _ = train_step(state, batch_to_device(shard(global_batch(data, i, 32, 0), rank, world), device))
+        state, _ = train_step(state, batch_to_device(rank_share(global_batch(data, i, 32, 0), rank, world), device))
     leaves = [*state.params.values(), *pytree.tree_flatten(state.opt_state)[0]]
     assert all(t.device == device for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0)
     return {name: t.cpu() for name, t in state.params.items()}

@@ -21,7 +21,7 @@ from _saved import saved  # noqa: E402
 
 from fdp import init_train_state, make_train_step, planner_loss  # noqa: E402
 from fdp.comm import Comm  # noqa: E402
-from fdp.data import shard, split_micro_batches  # noqa: E402
+from fdp.data import rank_share, split_micro_batches  # noqa: E402
 from fdp.model.builtin import hf_model  # noqa: E402
 from fdp.model.functional import functionalize  # noqa: E402
 from fdp.model.losses import TokenCrossEntropy, make_loss_fn  # noqa: E402
@@ -109,13 +109,13 @@ def _gpt2_against_ddp(rank, world, steps):
     reference = nn.parallel.DistributedDataParallel(_model("gpt2"), bucket_cap_mb=0.02)
     opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
     step, state = _fdp_step(
-        module, TokenCrossEntropy(shift=1), shard(_global_batch(0), rank, world), comm=Comm(), accum_steps=2
+        module, TokenCrossEntropy(shift=1), rank_share(_global_batch(0), rank, world), comm=Comm(), accum_steps=2
     )
     counts = []
     for i in range(steps):
         batch = _global_batch(i)
         total = int((batch["labels"][:, 1:] != -100).sum())
-        mine = shard(batch, rank, world)
+        mine = rank_share(batch, rank, world)
         counts.append(int((mine["labels"][:, 1:] != -100).sum()))
         state, _ = step(state, mine)
         opt.zero_grad()

@@ -121,6 +121,18 @@ def test_a_policy_alone_turns_activation_checkpointing_on():
     assert remat.from_config("none", [], None, net) == []
 
 
+def test_a_low_bit_hook_inside_a_chain_is_refused_by_its_place_in_the_chain():
+    """The block a chain's lowbit hook takes is checked against the plan as a lone one's is, named by its key."""
+    from fdp.plan import pack_into_buckets
+    from fdp.run.build import check_plan_settings
+    from fdp.run.config import compose
+
+    plan = pack_into_buckets([("w", (3,), "float32", "cpu")])
+    cfg = compose("hooks=fp16_powersgd", "hooks.chain=[fp16_compress,{name:lowbit,block:8},fp16_decompress]")
+    with pytest.raises(ConfigError, match=r"^hooks\.chain\[1\]\.block=8: expected at most 3, the entries of"):
+        check_plan_settings(cfg, plan, ["w"])
+
+
 def test_a_refusal_after_a_kept_checkpoint_is_written_to_train_log(tmp_path):
     """A run refused once it trained and saved keeps what it made; its train.log then says why it ended."""
     with pytest.raises(ConfigError):

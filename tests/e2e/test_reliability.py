@@ -1,5 +1,5 @@
 """Reliability: lost and hung ranks, restarts, crash-safe checkpoints, bad input,
-non-finite gradients, uneven shards, and local worlds that listen on loopback only.
+non-finite gradients, uneven shares, and local worlds that listen on loopback only.
 
 Every run is a tiny MLP on two gloo ranks started by the elastic launcher. Faults come
 from outside the run (the test signals a worker whose pid it reads from
@@ -33,7 +33,7 @@ from omegaconf import OmegaConf
 
 from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
 from fdp.comm import Comm
-from fdp.data import load_digits, shard_dataset
+from fdp.data import dataset_share, load_digits
 from fdp.model.functional import functionalize
 from fdp.optim import sgd
 from fdp.plan import plan_buckets
@@ -831,8 +831,8 @@ def test_nonfinite_skip_keeps_every_rank_unchanged_and_counts_skips(tmp_path):
 
 
 # -- 5. uneven inputs -----------------------------------------------------------------------
-def _epoch_on_own_shard(rank, world, n, batch_size):
-    """One epoch over this rank's ``shard_dataset`` of the first ``n`` digits, in local batches."""
+def _epoch_on_own_share(rank, world, n, batch_size):
+    """One epoch over this rank's ``dataset_share`` of the first ``n`` digits, in local batches."""
     digits = load_digits()
     data = digits._replace(train_x=digits.train_x[:n], train_y=digits.train_y[:n])
     out = {}
@@ -840,7 +840,7 @@ def _epoch_on_own_shard(rank, world, n, batch_size):
         torch.manual_seed(0)
         model, params, buffers = functionalize(torch.nn.Linear(64, 10))
         loss_fn = cross_entropy_loss(model)
-        mine = shard_dataset(data, rank, world, drop_last=drop_last)
+        mine = dataset_share(data, rank, world, drop_last=drop_last)
         plan = plan_buckets(planner_loss(loss_fn, buffers), params, (mine.train_x[:2], mine.train_y[:2]))
         step = make_train_step(loss_fn, sgd(0.1), plan, comm=Comm())
         state = init_train_state(params, buffers, sgd(0.1), plan)
@@ -850,13 +850,13 @@ def _epoch_on_own_shard(rank, world, n, batch_size):
     return out
 
 
-def test_uneven_shards_give_every_rank_the_same_steps_and_no_hang(run_ranks):
+def test_uneven_shares_give_every_rank_the_same_steps_and_no_hang(run_ranks):
     n, batch_size = 33, 4
     # Dealt round-robin without evening out, rank 0 would hold 17 samples (5 batches) and
     # rank 1 16 (4 batches): rank 0's fifth step would wait for a peer that never comes.
     assert [-(-len(range(r, n, 2)) // batch_size) for r in range(2)] == [5, 4]
     start = time.monotonic()
-    results = run_ranks(_epoch_on_own_shard, n, batch_size, timeout_s=15.0)
+    results = run_ranks(_epoch_on_own_share, n, batch_size, timeout_s=15.0)
     assert time.monotonic() - start < 120
     for drop_last, (samples, steps) in {False: (17, 5), True: (16, 4)}.items():
         assert [r[drop_last][:2] for r in results] == [(samples, steps)] * 2

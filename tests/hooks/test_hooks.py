@@ -578,7 +578,7 @@ def test_error_feedback_keeps_the_sum_of_updates_on_the_sum_of_gradients(make):
     gaps, gap, state = _error_feedback_run(make(True), True)
     quarter, end = EF_STEPS // 4, EF_STEPS
     assert gaps[end] < 1.25 * gaps[quarter] and gaps[end] < 20  # bounded, in units of |G|
-    error = state.error if hasattr(state, "error") else state[0].error  # a chain's first stage holds it
+    error = state.error if hasattr(state, "error") else state[0].error  # a chain's first hook holds it
     torch.testing.assert_close(gap, error.double(), rtol=0, atol=1e-3)
     lossy, _, _ = _error_feedback_run(make(False), False)
     assert lossy[end] > 3.5 * lossy[quarter]  # grows ~linearly without error feedback
@@ -771,7 +771,8 @@ def test_powersgd_state_is_fixed_in_structure_and_seeded_per_bucket():
         ({"name": "topk", "k": 0}, ["hooks.k=0"]),
         ({"chain": [{"name": "fp16_compress"}, {"name": "powersgd", "rank": 0}]}, ["hooks.chain[1].rank=0"]),
         ({"chain": [{"name": "fp16_compresss"}]}, ["hooks.chain[0].name='fp16_compresss'", "fp16_compress"]),
-        ({"name": "chain", "stages": [{"name": "topk", "bar": 1}]}, ["hooks.stages[0].bar", "ratio"]),
+        ({"name": "chain", "chain": [{"name": "topk", "bar": 1}]}, ["hooks.chain[0].bar", "ratio"]),
+        ({"name": "chain", "stages": [{"name": "topk"}]}, ["hooks.stages: not a setting of a chain", "chain, name"]),
         ({"chain": []}, ["hooks.chain"]),
         ({"chain": [{"name": "noop"}], "rank": 1}, ["hooks.rank"]),
         (3, ["hooks=3"]),
@@ -803,16 +804,16 @@ chain:
   - name: fp16_decompress
 """
 
-YAML_STAGES = """
+YAML_NAMED_CHAIN = """
 name: chain
-stages:
+chain:
   - fp16_compress
   - {name: powersgd, rank: 4, start_iter: 1, batch_same_shape: true}
   - {name: fp16_decompress}
 """
 
 
-@pytest.mark.parametrize("text", [YAML_CHAIN, YAML_STAGES], ids=["chain", "name_chain_stages"])
+@pytest.mark.parametrize("text", [YAML_CHAIN, YAML_NAMED_CHAIN], ids=["chain", "name_chain"])
 def test_registry_yaml_chain_builds_and_runs_like_the_hand_built_chain(text):
     spec = OmegaConf.to_container(OmegaConf.create(text))
     built = build_hook(spec)
@@ -901,7 +902,7 @@ def test_int8_scale_travels_in_side_data_and_error_in_the_state():
         run_hook(int8_sum(), (), GradBucket(0, g, bucket), Comm())
 
 
-# ----------------------------------------------------------------------------- stages that misbehave
+# ----------------------------------------------------------------------------- hooks that misbehave
 
 
 def _run_one(hook, g=None):
@@ -909,10 +910,10 @@ def _run_one(hook, g=None):
     return run_hook(hook, hook.init(bucket), GradBucket(0, torch.ones(12) if g is None else g, bucket), Comm())
 
 
-@pytest.mark.parametrize("stage", ["allreduce", "powersgd", "batched_powersgd", "topk"])
-def test_an_integer_bucket_reaching_a_builtin_collective_stage_names_it(stage):
-    hook = chain(int8_compress(), build_hook({"name": stage}), int8_decompress())
-    with pytest.raises(TypeError, match=rf"hook {stage} got bucket 0 as torch.int8.*floating-point"):
+@pytest.mark.parametrize("name", ["allreduce", "powersgd", "batched_powersgd", "topk"])
+def test_an_integer_bucket_reaching_a_builtin_collective_hook_names_it(name):
+    hook = chain(int8_compress(), build_hook({"name": name}), int8_decompress())
+    with pytest.raises(TypeError, match=rf"hook {name} got bucket 0 as torch.int8.*floating-point"):
         _run_one(hook)
 
 
@@ -934,7 +935,7 @@ def _yields_a_tensor(grads, comm):
 
 
 @pytest.mark.parametrize(
-    "stage,needles",
+    "hook,needles",
     [
         (
             Hook(lambda b: (), _returns_the_bucket_alone),
@@ -947,9 +948,9 @@ def _yields_a_tensor(grads, comm):
     ],
     ids=["returns_bucket_alone", "forgets_yield", "uses_pending", "yields_tensor", "stateless_returns_pair"],
 )
-def test_a_misbehaving_stage_is_named_in_one_line(stage, needles):
+def test_a_misbehaving_hook_in_a_chain_is_named_in_one_line(hook, needles):
     with pytest.raises((TypeError, AttributeError)) as error:
-        _run_one(chain(allreduce(), stage))
+        _run_one(chain(allreduce(), hook))
     message = str(error.value)
     assert "\n" not in message
     for needle in needles:

@@ -16,7 +16,7 @@ from torch import nn
 
 from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
 from fdp.comm import Comm
-from fdp.data import global_batch, load_digits, shard
+from fdp.data import global_batch, load_digits, rank_share
 from fdp.model.builtin import MLP
 from fdp.model.functional import functionalize
 from fdp.model.precision import LossScale, Precision, check_precision, init_loss_scale, update_loss_scale
@@ -211,13 +211,13 @@ def _ddp_16_mixed(rank, world, schedule, compile):
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**36, growth_interval=2)
     precision = Precision("16-mixed", init_scale=2.0**36, growth_interval=2)
-    example = shard(_batch(0), rank, world)
+    example = rank_share(_batch(0), rank, world)
     step, state = _fdp(
         module, sgd(0.1, momentum=0.9), precision, example, comm=Comm(), schedule=schedule, compile=compile
     )
     skips, ref_skips, scales, ref_scales = [], [], [], []
     for i in range(12):
-        x, y = shard(_batch(i), rank, world)
+        x, y = rank_share(_batch(i), rank, world)
         state, metrics = step(state, (x, y))
         skips.append(metrics["skipped"])
         scales.append(state.loss_scale.scale.item())

@@ -1,4 +1,5 @@
-"""Activation checkpointing (fdp.model.remat): the same numbers as without it, the forward run again, refusals."""
+"""Activation checkpointing (fdp.model.remat, fdp.model.recompute): the same numbers as without it, the forward
+run again, refusals."""
 
 import pytest
 import torch
@@ -7,7 +8,7 @@ from torch import nn
 from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
 from fdp.comm import Comm
 from fdp.errors import ConfigError
-from fdp.model import remat
+from fdp.model import recompute, remat
 from fdp.model.builtin import CharTransformer, ConvNet
 from fdp.model.functional import functionalize, grad_and_value
 from fdp.model.streams import SampleStreams
@@ -64,7 +65,7 @@ def test_gradients_equal_bit_for_bit_with_dropout_and_the_forward_runs_again(per
 
     plain = gradients(loss_fn)
     assert calls[0] == len(blocks) == 3
-    checkpointed = gradients(remat.checkpointed(loss_fn, blocks))
+    checkpointed = gradients(recompute.checkpointed(loss_fn, blocks))
     assert calls[0] == 3 + 2 * 3  # each block's forward, then once more in backward
     assert torch.equal(plain[1], checkpointed[1]) and torch.equal(plain[2], checkpointed[2])
     for name in plain[0]:
@@ -86,7 +87,7 @@ def test_a_hugging_face_gpt2_checkpoints_its_blocks_bit_for_bit():
     blocks = remat.select(module, "blocks")
     assert [type(b).__name__ for b in blocks] == ["GPT2Block", "GPT2Block"]
     results = []
-    for fn in (loss_fn, remat.checkpointed(loss_fn, blocks)):
+    for fn in (loss_fn, recompute.checkpointed(loss_fn, blocks)):
         torch.manual_seed(3)
         results.append(grad_and_value(fn)(params, buffers, batch))
     (plain, (loss, _)), (checkpointed, (loss_ck, _)) = results
@@ -100,7 +101,7 @@ def test_buffers_update_once_and_the_module_is_itself_again_after_the_call():
     loss_fn = cross_entropy_loss(model)
     batch = (torch.randn(6, 1, 8, 8, generator=torch.Generator().manual_seed(0)), torch.arange(6) % 10)
     grads, (_, (new_buffers, _)) = grad_and_value(loss_fn)(params, buffers, batch)
-    wrapped = remat.checkpointed(loss_fn, remat.select(module, "blocks", policy=[nn.Sequential]))
+    wrapped = recompute.checkpointed(loss_fn, remat.select(module, "blocks", policy=[nn.Sequential]))
     grads_ck, (_, (new_buffers_ck, _)) = grad_and_value(wrapped)(params, buffers, batch)
     for name in grads:
         assert torch.equal(grads[name], grads_ck[name]), name

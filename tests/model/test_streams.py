@@ -10,7 +10,7 @@ from _saved import saved
 
 from fdp import adam, functionalize, make_train_step, plan_buckets, planner_loss
 from fdp.comm import Comm
-from fdp.data import global_batch, load_digits, load_stdlib_text, shard
+from fdp.data import global_batch, load_digits, load_stdlib_text, rank_share
 from fdp.errors import ConfigError
 from fdp.model import streams_traced
 from fdp.model.builtin import CharTransformer
@@ -115,7 +115,7 @@ def _charlm_run(comm: Comm, accum_steps: int, sample_seed):
     torch.manual_seed(0)
     model, params, buffers = functionalize(CharTransformer(data.num_classes, 8, 16, 1, 2, dropout=0.3))
     loss_fn = cross_entropy_loss(model)
-    batches = [shard(global_batch(data, s, GLOBAL, 0), comm.rank, comm.world_size) for s in range(STEPS)]
+    batches = [rank_share(global_batch(data, s, GLOBAL, 0), comm.rank, comm.world_size) for s in range(STEPS)]
     plan = plan_buckets(planner_loss(loss_fn, buffers), params, batches[0])
     state = setup_state(params, buffers, adam(1e-3), plan, comm=comm, seed=0)
     step = make_train_step(loss_fn, adam(1e-3), plan, comm=comm, accum_steps=accum_steps, sample_seed=sample_seed)

@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent("""
     import json, os, signal, sys, time
     import torch, torch.distributed as dist
     import fdp
-    from fdp.data import global_batch, load_digits, shard
+    from fdp.data import global_batch, load_digits, rank_share
     from fdp.hooks import allreduce
     from fdp.procs.launch import WorkerFailedError
 
@@ -34,7 +34,7 @@ SCRIPT = textwrap.dedent("""
         model, params, buffers = fdp.functionalize(torch.nn.Sequential(
             torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 10)))
         loss_fn = fdp.cross_entropy_loss(model)
-        first = shard(global_batch(data, 0, 32, seed=0), comm.rank, comm.world_size)
+        first = rank_share(global_batch(data, 0, 32, seed=0), comm.rank, comm.world_size)
         plan = fdp.plan_buckets(
             fdp.planner_loss(loss_fn, buffers), params, first, bucket_cap_mb=0.002, first_bucket_cap_mb=0.002
         )
@@ -42,7 +42,7 @@ SCRIPT = textwrap.dedent("""
         state = fdp.init_train_state(params, buffers, optimizer, plan, allreduce())
         step_fn = fdp.make_train_step(loss_fn, optimizer, plan, allreduce(), comm)
         for step in range(steps):
-            state, _ = step_fn(state, shard(global_batch(data, step, 32, seed=0), comm.rank, comm.world_size))
+            state, _ = step_fn(state, rank_share(global_batch(data, step, 32, seed=0), comm.rank, comm.world_size))
         if dist.is_initialized():
             dist.destroy_process_group()
         return {k: v.tolist() for k, v in state.params.items()}, len(plan)

@@ -64,8 +64,8 @@ def max_diff(a, b):
 def test_two_ranks_train_like_one_process_on_the_union_batch(tmp_path, model, examples_on_path):
     """world=local2 ends with the params of world=single on the same global batches (20 steps).
 
-    BatchNorm normalises over each rank's own shard, so for the conv net the one-process
-    reference sees the same shards as micro-batches (accum_steps=2): equal math, as in DDP.
+    BatchNorm normalises over each rank's own share, so for the conv net the one-process
+    reference sees the same shares as micro-batches (accum_steps=2): equal math, as in DDP.
     """
     steps = [
         "trainer.max_steps=20",

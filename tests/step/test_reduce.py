@@ -8,7 +8,7 @@ from torch import nn
 
 from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
 from fdp.comm import Comm
-from fdp.data import global_batch, load_digits, shard
+from fdp.data import global_batch, load_digits, rank_share
 from fdp.hooks import Hook, allreduce
 from fdp.model.builtin import MLP, ConvNet
 from fdp.model.functional import functionalize
@@ -32,7 +32,7 @@ def _fdp_and_ddp(rank, world, model_name, schedule, accum_steps, donate):
     model, params, buffers = functionalize(module)
     loss_fn = cross_entropy_loss(model)
     data = load_digits(flatten=False)
-    example = shard(global_batch(data, 0, 32, 0), rank, world)
+    example = rank_share(global_batch(data, 0, 32, 0), rank, world)
     # Small caps so several buckets are in flight at once.
     plan = plan_buckets(planner_loss(loss_fn, buffers), params, example, bucket_cap_mb=0.02, first_bucket_cap_mb=0.005)
     comm = Comm()
@@ -50,7 +50,7 @@ def _fdp_and_ddp(rank, world, model_name, schedule, accum_steps, donate):
     first_params = dict(state.params)
     sent = []
     for i in range(STEPS):
-        x, y = shard(global_batch(data, i, 32, 0), rank, world)
+        x, y = rank_share(global_batch(data, i, 32, 0), rank, world)
         state, metrics = step(state, (x, y))
         sent.append(metrics["bytes_sent"])
         opt.zero_grad()

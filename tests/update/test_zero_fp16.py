@@ -10,7 +10,7 @@ from torch import nn
 
 from fdp import cross_entropy_loss, make_train_step, planner_loss
 from fdp.comm import Comm
-from fdp.data import global_batch, load_digits, shard
+from fdp.data import global_batch, load_digits, rank_share
 from fdp.hooks import allreduce
 from fdp.model.builtin import MLP
 from fdp.model.functional import functionalize
@@ -56,7 +56,7 @@ def _parts(rank, world, stage, optimizer, precision, donate=True, module=lambda:
     plan = plan_buckets(
         planner_loss(loss_fn, buffers),
         params,
-        example or shard(_batch(0), rank, world),
+        example or rank_share(_batch(0), rank, world),
         bucket_cap_mb=0.02,
         first_bucket_cap_mb=0.005,
     )
@@ -75,7 +75,7 @@ def _ddp_and_stages(rank, world):
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**36, growth_interval=2)
     ref_skips, ref_scales = [], []
     for i in range(STEPS):
-        x, y = shard(_batch(i), rank, world)
+        x, y = rank_share(_batch(i), rank, world)
         opt.zero_grad()
         with torch.autocast("cpu", dtype=torch.float16):
             loss = nn.functional.cross_entropy(ddp(x), y)
@@ -94,7 +94,7 @@ def _ddp_and_stages(rank, world):
             skips, scales, untouched = [], [], True
             for i in range(STEPS):
                 before = [t.clone() for t in _tensors(state.opt_state)]
-                state, metrics = step(state, shard(_batch(i), rank, world))
+                state, metrics = step(state, rank_share(_batch(i), rank, world))
                 skips.append(metrics["skipped"])
                 scales.append(state.loss_scale.scale.item())
                 after = _tensors(state.opt_state)
@@ -121,7 +121,7 @@ def test_16_mixed_at_stages_1_to_3_matches_ddp_with_grad_scaler_skipped_steps_in
 
 
 def _probed_batch(step, rank, world, spike=0.0):
-    x, y = shard(_batch(step), rank, world)
+    x, y = rank_share(_batch(step), rank, world)
     return torch.cat([x, torch.full((len(x), 1), spike)], dim=1), y
 
 
@@ -159,7 +159,7 @@ def _sharded_checkpoint_round_trip(rank, world, directory):
     step, state, update, plan, comm = _parts(rank, world, 2, adam(1e-2), precision, donate=False)
     saver, saved = ShardedSaver(comm, asynchronous=False, timeout_s=20), None
     for i in range(8):
-        state, _ = step(state, shard(_batch(i), rank, world))
+        state, _ = step(state, rank_share(_batch(i), rank, world))
         lowered = state.loss_scale.scale.item() < 2.0**20
         if saved is None and lowered and state.loss_scale.growth_tracker.item() > 0:  # the same on every rank
             saver.save(directory, state, update, plan)
@@ -170,7 +170,7 @@ def _sharded_checkpoint_round_trip(rank, world, directory):
     loaded = load_sharded(checkpoint.resolve(directory), fresh, update, plan, comm)
     restored = tuple(t.clone() for t in loaded.loss_scale)
     for i in range(loaded.step, 8):
-        loaded, _ = step(loaded, shard(_batch(i), rank, world))
+        loaded, _ = step(loaded, rank_share(_batch(i), rank, world))
     resumed = zero.whole_params(loaded, plan, comm), tuple(loaded.loss_scale)
     return saved, restored, straight, resumed
 

@@ -42,7 +42,7 @@ from torch import nn
 from fdp._torch import TorchDispatchMode, disable_functorch, storage_id, tree_flatten
 from fdp.comm import Comm, Pending
 from fdp.model.functional import FunctionalModel
-from fdp.model.remat import recomputing
+from fdp.model.recompute import recomputing
 from fdp.model.streams import rehearsal
 from fdp.plan import BucketPlan
 from fdp.plan.buckets import allocate_released, regrow, release, slot_views
@@ -243,7 +243,7 @@ class ParamGather:
 
     # -- hook events ----------------------------------------------------------------------
     def _pre_hook(self, module: nn.Module, args: Any) -> None:
-        if self._active and recomputing():  # a checkpointed module's forward again, in backward (fdp.model.remat)
+        if self._active and recomputing():  # a checkpointed module's forward again, in backward (fdp.model.recompute)
             for bucket in self._holders.get(id(module), ()):
                 self.ensure(bucket)
         elif self._active:
