@@ -74,22 +74,26 @@ def _merged(a: Feature, b: Feature) -> list[str]:
     return list(out.values())
 
 
-def refusal(a: Feature, b: Feature, compose=None) -> str | None:
+def refusal(a: Feature, b: Feature) -> str | None:
     """The config checks' one line for ``a`` with ``b`` on two local ranks, or ``None`` where they compose."""
+    return _checked(a, b)[1]
+
+
+def _checked(a: Feature, b: Feature) -> tuple[object, str | None]:
+    """The config ``a`` with ``b`` composes to (``None`` where Hydra refuses it) and the checks' line for it."""
     from fdp.errors import ConfigError
+    from fdp.run.config import compose
     from fdp.run.validate import validate
 
-    if compose is None:
-        from fdp.run.config import compose
     try:
         cfg = compose(*_merged(a, b))
     except Exception as error:  # Hydra's or OmegaConf's refusal of a key or value
-        return str(error).strip().splitlines()[0]
+        return None, str(error).strip().splitlines()[0]
     try:
         validate(cfg)
     except (ConfigError, ValueError) as error:
-        return str(error).strip().splitlines()[0]
-    return None
+        return cfg, str(error).strip().splitlines()[0]
+    return cfg, None
 
 
 def pair_configs() -> list[tuple[Feature, Feature, object, str | None]]:
@@ -105,39 +109,8 @@ def pair_configs() -> list[tuple[Feature, Feature, object, str | None]]:
 
 @functools.cache
 def _composed_pairs() -> tuple[tuple[Feature, Feature, object, str | None], ...]:
-    """``pair_configs``, composed. Hydra composes each choice of config groups once (its start is the cost: about
-    a second); a pair's ``key=value`` settings are set on a copy, as Hydra's overrides would set them."""
-    import copy
-
-    import yaml
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from fdp.run.config import CONF_DIR, register_configs
-
-    register_configs()
-    groups: dict[tuple[str, ...], object] = {}
-    made: list = []
-    out = []
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-
-        def composed(*overrides: str):
-            chosen = tuple(o for o in overrides if "." not in o.split("=", 1)[0])
-            if chosen not in groups:
-                groups[chosen] = compose("config", overrides=list(chosen))
-            cfg = copy.deepcopy(groups[chosen])
-            for override in overrides:
-                key, value = override.split("=", 1)
-                if "." in key:
-                    OmegaConf.update(cfg, key, yaml.safe_load(value), merge=True)
-            made.append(cfg)
-            return cfg
-
-        for a, b in itertools.combinations_with_replacement(FEATURES, 2):
-            made.clear()
-            line = refusal(a, b, composed)
-            out.append((a, b, made[0] if made else None, line))
-    return tuple(out)
+    """``pair_configs``, composed (``fdp.run.config.compose`` runs Hydra once for each choice of config groups)."""
+    return tuple((a, b, *_checked(a, b)) for a, b in itertools.combinations_with_replacement(FEATURES, 2))
 
 
 def refused_pairs() -> list[tuple[Feature, Feature, str]]:

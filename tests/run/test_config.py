@@ -97,3 +97,40 @@ def test_each_conf_file_carries_only_real_overrides_of_its_schema():
     files = sorted(p for p in CONF_DIR.glob("*/*.yaml"))
     assert len(files) > 20
     assert [line for path in files for line in _restated(path)] == []
+
+
+COMPOSED = [
+    ("world=local2", "trainer.max_steps=5"),
+    ("model=charlm", "data=stdlib_text", "model.d_model=16", "hooks=powersgd", "hooks.rank=2"),
+    ("hooks=fp16_powersgd", "hooks.chain=[{name: fp16}]", "trainer.accum_steps=auto"),
+    ("world.devices=[0,2]", "trainer.max_time=00:01:00:00", "trainer.resume=/tmp/x/step_3.pt"),
+    ("trainer.max_steps=7", "world=local4", "world.hierarchical=true", "trainer.max_steps=9"),
+    ("+plan_json=/tmp/plan.json", "trainer.max_steps=3"),  # through Hydra whole
+]
+REFUSED = [("trainer.max_stepz=3",), ("trainer.max_steps=abc",), ("model=nope",), ("hooks.chain=[{name: fp16}]",)]
+
+
+@pytest.mark.parametrize("overrides", COMPOSED)
+def test_compose_gives_what_hydra_composes_for_the_same_overrides(overrides):
+    """``compose`` reuses Hydra's composition of a choice of groups and applies the settings itself: the config,
+    its values' types and its struct flag are Hydra's own, and the copy it returns is the caller's."""
+    from omegaconf import OmegaConf
+
+    from fdp.run.config import CONF_DIR, _hydra_compose
+
+    ours, hydra = compose(*overrides), _hydra_compose(overrides, str(CONF_DIR))
+    assert OmegaConf.to_yaml(ours) == OmegaConf.to_yaml(hydra)
+    assert OmegaConf.is_struct(ours) and type(ours.trainer.max_steps) is type(hydra.trainer.max_steps)
+    ours.trainer.max_steps = 12345
+    assert compose(*overrides).trainer.max_steps != 12345
+
+
+@pytest.mark.parametrize("overrides", REFUSED)
+def test_compose_refuses_as_hydra_does_in_its_words(overrides):
+    from fdp.run.config import CONF_DIR, _hydra_compose
+
+    with pytest.raises(Exception) as ours:
+        compose(*overrides)
+    with pytest.raises(Exception) as hydra:
+        _hydra_compose(overrides, str(CONF_DIR))
+    assert (type(ours.value), str(ours.value)) == (type(hydra.value), str(hydra.value))
