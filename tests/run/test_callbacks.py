@@ -19,8 +19,8 @@ from _saved import saved
 from fdp.comm import Comm
 from fdp.errors import ConfigError
 from fdp.run.callbacks import Callback, CallbackError, Callbacks
+from fdp.run.checkpoint.consolidate import consolidate
 from fdp.run.config import compose
-from fdp.run.consolidate import consolidate
 from fdp.run.trainer import run
 from fdp.run.validate import validate
 
