@@ -12,7 +12,7 @@ GPU's memory: ``fdp.procs.devices.limit_memory``). Every run is the recipe from 
 4. 2 ranks at stage 3 under a cap their shares fit: resumed from that checkpoint, to step 8.
 
 Reported: each run's outcome and wall time, and how far the resumed run's final params are from the reference's
-(``fdp.run.consolidate``; within 1e-5 is the goal). A rank at stage 3 holds its shares of the params, their
+(``fdp.run.checkpoint.consolidate``; within 1e-5 is the goal). A rank at stage 3 holds its shares of the params, their
 gradients and the momentum (3 bytes per parameter at 4 ranks) plus a few buckets in flight.
 
     python benchmarks/beyond_one_rank.py [--layers 24 --cap 275]
@@ -77,7 +77,7 @@ def main() -> None:
     parser.add_argument("--cap", type=float, default=275.0, help="world.memory_per_rank_mb at 4 ranks")
     parser.add_argument("--cap2", type=float, default=500.0, help="world.memory_per_rank_mb at 2 ranks")
     args = parser.parse_args()
-    from fdp.run.consolidate import consolidate
+    from fdp.run.checkpoint.consolidate import consolidate
 
     rows = []
     model = f"model.n_layer={args.layers}"

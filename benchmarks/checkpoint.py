@@ -84,8 +84,7 @@ def _timed_saves(save, wait, comm, saves: int) -> dict:
 def _fdp(spec: dict, side: str, comm, directory: Path, saves: int) -> dict:
     from fdp import adam, cross_entropy_loss, functionalize, plan_buckets, planner_loss
     from fdp.hooks import allreduce
-    from fdp.run.checkpoint import save_checkpoint
-    from fdp.run.sharded_checkpoint import ShardedSaver
+    from fdp.run.checkpoint import ShardedSaver, save_checkpoint
     from fdp.state.train_state import state_nbytes
     from fdp.update import zero
 

@@ -60,18 +60,19 @@ or of packages above it in this list; ``tests/test_imports.py`` holds every impo
   (``compiled``), the reduction (``reduce``, ``chains``), finiteness verdicts (``verdicts``), and the outer
   loop of local SGD and (streaming) DiLoCo (``outer``).
 * ``run``: from a config to a trained run: schemas, keys and validation (``config``, ``keys``, ``validate``),
-  checkpoints, metrics, loggers, evaluation and the run directory (``checkpoint``, ``metrics``, ``loggers``,
-  ``evaluate``, ``rundir``), the world on this machine (``world``), the one start-up (``startup``), a run's pieces
-  (``build``), its report, epochs, time limits, early stopping and best checkpoints (``loop_controls``), your own
-  code called in the loop (``callbacks``; what one is, ``callback_base``; from the config, ``callback_specs``; the
-  read-only view it is shown, ``callback_view``), the loop of one world (``loop``), a rank's run from start to
-  summary (``trainer``), what a lost rank does (``rank_loss``: restart, shrink, or shrink and respawn, chosen once),
+  metrics, loggers, evaluation and the run directory (``metrics``, ``loggers``, ``evaluate``, ``rundir``),
+  the world on this machine (``world``), the one start-up (``startup``), a run's pieces (``build``), its
+  report, epochs, time limits, early stopping and best checkpoints (``loop_controls``), your own code called
+  in the loop (``callbacks``; what one is, ``callback_base``; from the config, ``callback_specs``; the read-only
+  view it is shown, ``callback_view``), the loop of one world (``loop``), a rank's run from start to summary
+  (``trainer``), what a lost rank does (``rank_loss``: restart, shrink, or shrink and respawn, chosen once),
   what a rank out of memory says (``out_of_memory``), the memory a run will need, forecast from its plan
-  (``forecast``, ``forecast_run``), the shell entry (``cli``), its ``--help`` and the docs' pages drawn from the
-  schemas and the checks (``reference``, ``compatibility``) and sweeps (``sweep``); which format a world's
-  checkpoints take (``checkpoint_format``: whole, sharded, or auto, chosen once); sharded, asynchronous checkpoints
-  in DCP's format (``sharded_checkpoint``), their consolidation into one file (``consolidate``) and a checkpoint of
-  either format checked whole before use (``integrity``).
+  (``forecast``, ``forecast_run``), the shell entry (``cli``), its ``--help`` and the docs' pages drawn from
+  the schemas and the checks (``reference``, ``compatibility``) and sweeps (``sweep``); checkpoints, whole and
+  sharded, one component with one owner of save, resume, wait and prune (``checkpoint``, its
+  ``Checkpointer``; the format a world writes, whole, sharded or auto, chosen once; sharded asynchronous ones
+  in DCP's format, their consolidation into one file, and a checkpoint of either format checked whole before
+  use).
 * ``checkpoint``: the ``python -m fdp.checkpoint consolidate RUN_DIR`` command.
 """
 
@@ -115,12 +116,11 @@ from fdp.procs.keeper import LostRank
 from fdp.procs.launch import WorldLayout, broadcast_from_rank0, check_same_plan, init_distributed, spawn
 from fdp.procs.launchers import Launcher, launcher_of, register_launcher
 from fdp.run.callback_base import Callback, CallbackError, LoopEvent
-from fdp.run.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from fdp.run.checkpoint import CheckpointError, ShardedSaver, load_checkpoint, load_sharded, save_checkpoint
 from fdp.run.loggers import CsvLog, MlflowLog
 from fdp.run.loop_controls import LoopControls, run_steps
 from fdp.run.monitor import Monitor
 from fdp.run.rundir import RunDirInUse, own_run_dir
-from fdp.run.sharded_checkpoint import ShardedSaver, load_sharded
 from fdp.state.replicas import BUFFER_SYNC, setup_state, sync_buffers
 from fdp.state.train_state import TrainState, init_train_state, state_nbytes
 from fdp.step.chains import Reduction

@@ -5,7 +5,7 @@ is its last). ``--to`` names the file: ``.pt`` (the default, ``<checkpoint>.pt``
 a whole-file checkpoint that any stage and world size resumes (``trainer.resume=PATH``) and
 ``torch.load(..., weights_only=True)`` reads; ``.safetensors`` holds the params alone, by
 parameter name (for a model built with ``fdp.hf_model``, the Hugging Face model's own names).
-The work is ``fdp.run.consolidate``'s.
+The work is ``fdp.run.checkpoint.consolidate``'s.
 
 >>> main(["consolidate", "/nonexistent"])
 fdp.checkpoint: checkpoint /nonexistent does not exist
@@ -17,8 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fdp.run.checkpoint import CheckpointError
-from fdp.run.consolidate import write_consolidated
+from fdp.run.checkpoint import CheckpointError, write_consolidated
 
 
 def main(argv: list[str] | None = None) -> int:

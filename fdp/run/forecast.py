@@ -68,7 +68,7 @@ PHASES = ("build", "step", "update", "save")
 # forward runs again under a gradient transform of its own, beside the block's gradients).
 BACKWARD_FACTOR = 1.6
 RECOMPUTE_FACTOR = 3.3
-COPY_BUFFER = 16 * MiB  # a whole-file save copies step_<N>.pt to last.pt through a buffer this large (fdp.run.atomic)
+COPY_BUFFER = 16 * MiB  # a whole-file save copies step_<N>.pt to last.pt through a buffer this large (its atomic copy)
 
 
 # -- the parts, one pure function each --------------------------------------------------------

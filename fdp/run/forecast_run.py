@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 
 from fdp.plan import BucketPlan
-from fdp.run.checkpoint_format import resolved_format
+from fdp.run.checkpoint import format_of
 from fdp.run.forecast import Forecast, MiB, forecast
 from fdp.run.micro_batch import first_accum, fixed_accum
 
@@ -98,6 +98,7 @@ def run_forecasts(
     acts = (activations or activations_of(cfg, parts))(micro)
     gather = parts.precision.gather_dtype
     node_size = (cfg.world.node_size or cfg.world.nproc_per_node) if cfg.world.hierarchical else 0
+    saving = format_of(cfg.trainer, world)
     out = []
     for stage in stages if stages is not None else [stage_of(cfg).number]:
         for rank in (0, 1) if world > 1 else (0,):
@@ -112,8 +113,8 @@ def run_forecasts(
                     rank=rank,
                     fixed=int(fixed_mib * MiB),
                     extra_state=_extra_state_bytes(cfg, parts.plan),
-                    checkpoint_format=resolved_format(cfg.trainer.checkpoint_format, world),
-                    checkpoint_async=cfg.trainer.checkpoint_async,
+                    checkpoint_format=saving.name,
+                    checkpoint_async=saving.asynchronous,
                     gather_itemsize=gather.itemsize if gather is not None else None,
                     reshard=cfg.trainer.reshard_after_forward,
                     hook_ratio=_hook_ratio(cfg),

@@ -1,11 +1,11 @@
 """The training loop of one world: its steps, its saves, and the world shrinking or growing under it.
 
-``Loop`` holds what depends on the world's ranks (the step function, this rank's batches) and
-where the loop stands (the newest state, the one before it); ``Loop.run`` trains to the last
-step or a stop, saving when due (``save_state``: sharded or whole, as ``trainer.checkpoint_format``
-says), calling the run's callbacks at each of these points (``fdp.run.callbacks``); ``Loop.shrink`` goes on
-without lost ranks (``fdp.procs.shrink``), ``Loop.grow`` admits
-ranks that asked to join (``fdp.procs.grow``). ``fdp.run.trainer`` starts it and owns its resources.
+``Loop`` holds what depends on the world's ranks (the step function, this rank's batches, its checkpoints) and
+where the loop stands (the newest state, the one before it); ``Loop.run`` trains to the last step or a stop,
+saving when due through the run's ``Checkpointer`` (``fdp.run.checkpoint``: the format, the writes in flight and
+the checkpoints kept are its own), calling the run's callbacks at each of these points (``fdp.run.callbacks``);
+``Loop.shrink`` goes on without lost ranks (``fdp.procs.shrink``), ``Loop.grow`` admits ranks that asked to join
+(``fdp.procs.grow``). ``fdp.run.trainer`` starts it and owns its resources.
 """
 
 from __future__ import annotations
@@ -28,10 +28,9 @@ from fdp.procs.grow import GrowingWorld
 from fdp.procs.interrupt import StopSignals
 from fdp.procs.launch import RankLostError
 from fdp.procs.shrink import Shrink, ShrinkingWorld, whole_groups
-from fdp.run import checkpoint
 from fdp.run.build import RunParts, node_size_of, regrouped
 from fdp.run.callbacks import Callbacks
-from fdp.run.checkpoint_format import saver_for
+from fdp.run.checkpoint import Checkpointer
 from fdp.run.forecast_run import forecast_accum
 from fdp.run.loop_controls import LoopControls
 from fdp.run.micro_batch import AUTO, Agreement, MicroBatchOutOfMemory, budget_mib, fixed_accum, halved
@@ -39,7 +38,6 @@ from fdp.run.rank_loss import rank_loss_of
 from fdp.run.rejoin import heal
 from fdp.run.report import Report
 from fdp.run.rundir import RankStatus, RunDir
-from fdp.run.sharded_checkpoint import ShardedSaver
 from fdp.state.train_state import TrainState
 from fdp.step.outer import make_outer_step
 from fdp.step.outer_spec import check_outer, join_boundaries
@@ -47,29 +45,9 @@ from fdp.step.train_step import TrainStep, make_train_step
 from fdp.trace import Timeline
 from fdp.update import zero
 
-__all__ = ["Loop", "make_step", "save_state"]
+__all__ = ["Loop", "make_step"]
 
 log = logging.getLogger("fdp")
-
-
-def save_state(
-    run_dir: RunDir,
-    state: TrainState,
-    comm: Comm,
-    cfg: DictConfig,
-    parts: RunParts,
-    extra: dict | None = None,
-    saver: ShardedSaver | None = None,
-) -> Path | None:
-    """Checkpoint ``state`` in the run's format: sharded, each rank writing the pieces its update owns
-    (``saver``), or whole, gathered to rank 0 (the update converts it); ``extra`` rides along."""
-    extra = {"config": OmegaConf.to_yaml(cfg), **(extra or {})}
-    if saver is not None:  # trainer.checkpoint_format=sharded: each rank writes the pieces its update owns
-        return saver.save(run_dir.checkpoints, state, parts.update, parts.plan, cfg.trainer.keep_checkpoints, extra)
-    state = parts.update.to_checkpoint(state, comm)  # whole, so that any world size and stage can resume it
-    return checkpoint.save_checkpoint(
-        run_dir.checkpoints, state, parts.plan, comm, keep=cfg.trainer.keep_checkpoints, extra=extra
-    )
 
 
 def make_step(
@@ -144,7 +122,7 @@ class Loop:
         self.boundaries = join_boundaries(check_outer(OmegaConf.to_container(cfg.outer)))
         self.state = self.before = state
         self.since = time.perf_counter()
-        self.saver: ShardedSaver | None = None
+        self.checkpoints: Checkpointer | None = None
         self.launched = comm.world_size
         # trainer.accum_steps=auto (fdp.run.micro_batch): what the run's memory forecast starts from (the fixed part
         # and the base, MiB), the choice and its records for metrics.jsonl.
@@ -153,13 +131,12 @@ class Loop:
         self.join(comm)
 
     def join(self, comm: Comm) -> None:
-        """The step function, this rank's batches and its checkpoints' writer for the world of ``comm``, from
-        ``state`` on."""
+        """The step function, this rank's batches and its checkpoints for the world of ``comm``, from ``state`` on."""
         cfg = self.cfg
         self.comm = comm
         # A world that shrank or grew writes over its own groups: the last world's write is complete (grow) or
         # abandoned with that world's groups (shrink; its temporary directory goes at the next save).
-        self.saver = saver_for(cfg, comm, self.launched)
+        self.checkpoints = Checkpointer(cfg, comm, self.launched)
         if self.auto:  # at start, and again in a world of another size
             self._choose_micro_batch(comm)
         self._make_step()
@@ -283,9 +260,7 @@ class Loop:
             controls.stopped = None if state.step == self.last_step else verdict.stop or out_of_time
             if evaluate_first and (saving or controls.stopped or verdict.keep_best):
                 written = self._save(run_dir, state)
-                if verdict.keep_best and self.saver is not None:
-                    self.saver.wait()  # a sharded checkpoint is kept among the best once its writes are complete
-                controls.keep_best(run_dir.checkpoints, written, state.step)
+                self.checkpoints.keep_best(run_dir.checkpoints, written, state.step, controls.best_names())
             if interrupted:
                 return interrupted
             if (
@@ -305,11 +280,10 @@ class Loop:
             extra = {**self.controls.payload(state.step), **self.callbacks.payload(self.comm)}
             if self.auto:  # what it ran with; a resume decides again (another machine, another budget)
                 extra["micro_batch"] = {"accum_steps": self.accum}
-            written = save_state(run_dir, state, self.comm, self.cfg, self.parts, extra, self.saver)
+            written = self.checkpoints.save(run_dir.checkpoints, state, self.parts.update, self.parts.plan, extra)
         self.phase.saved = True
         if self.callbacks.wants("save", self.comm.rank):
-            if self.saver is not None:
-                self.saver.wait()  # a callback hears of a checkpoint once it is complete
+            self.checkpoints.wait()  # a callback hears of a checkpoint once it is complete
             self.callbacks.saved(self.comm, state, written)
         return written
 
@@ -318,8 +292,7 @@ class Loop:
         this one, the global batch split again."""
         world, began = self.world, time.perf_counter()
         self.train_step.settle()
-        if self.saver is not None:
-            self.saver.wait()  # written by this world, over its groups, before the world changes
+        self.checkpoints.wait()  # written by this world, over its groups, before the world changes
         comm = world.admit()
         extra = {"controls": self.controls.payload(self.state.step), "compile": self.compile}
         parts, self.state, _ = heal(self.cfg, world, self.parts, self.state, comm, self.device, extra)
@@ -356,8 +329,7 @@ class Loop:
         if not silent:  # every rank still beats: not a lost rank
             raise error
         world.report_broken()  # the others' collectives may wait on a live peer: they end now
-        if self.saver is not None:  # a write in flight needs the lost rank: it ends before this world's groups do
-            self.saver.abandon()
+        self.checkpoints.abandon()  # a write in flight needs the lost rank: it ends before this world's groups do
         members = set(world.members)
         leaving = whole_groups(world.members, silent, node_size_of(self.cfg))  # a lost rank's node steps out whole
         if world.me in leaving:
@@ -386,10 +358,9 @@ class Loop:
             f"({shrink.seconds_lost:.1f} s lost)"
         )
         if comm.world_size < self.cfg.world.min_ranks:
-            saver = saver_for(self.cfg, comm, self.launched)
-            if saver is not None:
-                saver.asynchronous = False  # the run ends here: the checkpoint is complete before it does
-            save_state(run_dir, self.state, comm, self.cfg, self.parts, saver=saver)
+            # The run ends here: the checkpoint is complete before it does.
+            final = Checkpointer(self.cfg, comm, self.launched, asynchronous=False)
+            final.save(run_dir.checkpoints, self.state, self.parts.update, self.parts.plan)
             raise RankLostError(
                 f"rank {', '.join(map(str, gone))} lost by step {step + 1}: {comm.world_size} left, fewer than "
                 f"world.min_ranks={self.cfg.world.min_ranks}; the last checkpoint is step {step} "

@@ -12,7 +12,8 @@
 * ``trainer.keep_best`` / ``trainer.checkpoint_monitor``: the ``keep_best`` best checkpoints by
   that metric (``val_loss`` unless named), kept as ``checkpoints/best/step=<N>-<metric>=<value>.pt``
   (a copy) or, in the sharded format, as that step's directory of hard links (no bytes copied)
-  (atomically) beside the newest ones.
+  (atomically) beside the newest ones. This module ranks them (``best_names``); the run's checkpoints keep
+  them (``fdp.run.checkpoint``).
 
 Both watch the evaluations during training, which score the validation split: the test split,
 scored once at the end, never selects a model (``fdp.data.splits``).
@@ -29,8 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import re
-import shutil
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -43,7 +42,6 @@ from fdp.data import Dataset, MapData, num_train_samples
 from fdp.errors import ConfigError, require
 from fdp.optim.ema import check_ema_decay, ema
 from fdp.plan import BucketPlan
-from fdp.run.atomic import atomic_copy, atomic_link_tree
 from fdp.run.checkpoint import load
 from fdp.run.config import EarlyStoppingConfig
 from fdp.run.monitor import MODES, Monitor, Stopping, check_monitored, check_monitored_split, ranked, stopping_update
@@ -59,9 +57,7 @@ __all__ = [
     "steps_per_epoch",
 ]
 
-BEST = "best"
 MONITORED = EarlyStoppingConfig.monitor  # what early stopping and the best checkpoints watch unless told
-_BEST = re.compile(r"^step=(\d+)-")  # a best checkpoint: a file, or a sharded step directory
 
 
 # -- the run's length -------------------------------------------------------------------------
@@ -252,7 +248,7 @@ def agreed_params(state: TrainState) -> dict:
 
 class LoopControls:
     """Everything above for one rank's loop: call ``stepped`` after each step, ``evaluated`` after each
-    evaluation, ``payload`` for each checkpoint (on every rank), ``keep_best`` with the file it wrote.
+    evaluation, ``payload`` for each checkpoint (on every rank), ``best_names`` for the best ones to keep.
 
     ``evaluates``: the data's splits, in ``fdp.data.SPLITS`` order (the first is scored during training);
     ``evaluated``: the metrics an evaluation during training adds to the record (``fdp.run.report.evaluated_names``;
@@ -393,24 +389,14 @@ class LoopControls:
             out["ema"] = {name: t.detach().cpu() for name, t in average.items()}
         return out
 
-    def keep_best(self, checkpoints: Path, written: Path | None, step: int) -> None:
-        """Rank 0: keep ``written`` (this step's checkpoint: a file, or a sharded step directory once its writes are
-        complete) among the best, as a copy or a directory of hard links; drop those ranked out."""
-        if written is None or self.best_by is None or self.comm.rank != 0:
-            return
-        directory = Path(checkpoints) / BEST
-        value = {s: v for v, s in self.best}.get(step)
-        if value is not None:
-            name = f"step={step}-{self.best_by.name}={value:.6g}"
-            if written.is_dir():
-                atomic_link_tree(written, directory / name)
-            else:
-                atomic_copy(written, directory / f"{name}.pt")
-        kept = {s for _, s in self.best}
-        for old in directory.iterdir() if directory.is_dir() else ():  # none yet: no evaluation has ranked
-            match = _BEST.match(old.name)
-            if match and int(match.group(1)) not in kept:
-                shutil.rmtree(old) if old.is_dir() else old.unlink()
+    def best_names(self) -> dict[int, str] | None:
+        """The best checkpoints ranked so far, by step, as ``checkpoints/best/`` names them
+        (``step=<N>-<metric>=<value>``); ``None`` where the run keeps none (``trainer.keep_best=0``).
+
+        The run's checkpoints keep them (``fdp.run.checkpoint.Checkpointer.keep_best``)."""
+        if self.best_by is None:
+            return None
+        return {step: f"step={step}-{self.best_by.name}={value:.6g}" for value, step in self.best}
 
     def close(self, finished: bool = True) -> None:
         self.deadline.close(finished)

@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from fdp.model import remat
 from fdp.procs.devices import MemoryPhase
 from fdp.run.build import stage_of
-from fdp.run.checkpoint_format import check_checkpoint_async, resolved_format
+from fdp.run.checkpoint import format_of
 from fdp.run.micro_batch import fixed_accum
 
 __all__ = ["out_of_memory_message"]
@@ -60,22 +60,7 @@ def out_of_memory_message(
         ),
         "save": (
             f"saving the checkpoint of step {phase.step}",
-            _save_hint(tc, stage, world),
+            format_of(tc, world).save_hint(stage),
         ),
     }[phase.name]
     return f"rank {rank} ran out of memory {where} ({reason}); the run does not fit {within}: expected {expected}"
-
-
-def _save_hint(tc: DictConfig, stage: int, world: int) -> str:
-    """What lets a save fit, by how the checkpoint is written."""
-    if resolved_format(tc.checkpoint_format, world) != "sharded":
-        return (
-            f"a larger budget, or trainer.checkpoint_format=sharded: rank 0 holds the whole state while it writes "
-            f"it (trainer.zero_stage={stage})"
-        )
-    if check_checkpoint_async(tc.checkpoint_async):
-        return (
-            "a larger budget, or trainer.checkpoint_async=false: an asynchronous save stages a copy of this rank's "
-            "state on the CPU while it is written"
-        )
-    return "a larger budget: each rank writes its own share, one bucket at a time"

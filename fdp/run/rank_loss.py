@@ -42,7 +42,7 @@ from fdp.procs.grow import check_max_ranks, joining, respawner
 from fdp.procs.heartbeat import Heartbeat
 from fdp.procs.launch import RankLostError, WorkerFailedError
 from fdp.procs.shrink import check_shrinkable_batch, launched_world
-from fdp.run import checkpoint
+from fdp.run.checkpoint import saved_steps
 from fdp.run.micro_batch import fixed_accum
 from fdp.run.rundir import RankStatus, RunDir
 from fdp.update.zero import ZERO_STAGES, stage_rules
@@ -297,7 +297,7 @@ def lost_message(run_dir: RunDir, error: WorkerFailedError) -> str:
     rank, its step, the signal, and the checkpoint to go on from."""
     step = RankStatus.read(run_dir, error.rank).get("step")
     at = f" at step {step}" if step else " before step 1"
-    steps = sorted({*checkpoint.step_files(run_dir.checkpoints), *checkpoint.sharded_steps(run_dir.checkpoints)})
+    steps = saved_steps(run_dir.checkpoints)
     resume = (
         (
             f"the last checkpoint is step {steps[-1]} (continue with trainer.resume=true, or set "

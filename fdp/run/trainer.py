@@ -53,9 +53,9 @@ from fdp.procs.launch import (
 )
 from fdp.procs.launchers import launcher_of
 from fdp.procs.shrink import ShrinkingWorld, check_shrinkable_batch, keep_rank, launched_world, shrink_store
-from fdp.run import checkpoint
 from fdp.run.build import RunParts, build_data, build_run, display_name, node_size_of, tune_allocator_for
 from fdp.run.callbacks import Callbacks, check_given
+from fdp.run.checkpoint import resume
 from fdp.run.forecast import built_mib, first_use_mib
 from fdp.run.forecast_run import start_line
 from fdp.run.loop import Loop
@@ -66,7 +66,6 @@ from fdp.run.rank_loss import lost_message, lost_rank_error, rank_loss_of
 from fdp.run.rejoin import Joining, RunEnded, enter_world
 from fdp.run.report import Report, evaluated_names
 from fdp.run.rundir import RankStatus, RunDir, train_log_handler
-from fdp.run.sharded_checkpoint import load_sharded
 from fdp.run.startup import start_run
 from fdp.run.world import layout_of
 from fdp.state.train_state import TrainState
@@ -79,17 +78,6 @@ log = logging.getLogger("fdp")
 
 
 # -- checkpoints of the run -----------------------------------------------------------------
-def _resume(source: Path, parts: RunParts, comm: Comm) -> TrainState:
-    if checkpoint.is_sharded(source):  # each rank reads the ranges its update owns, into the built state
-        state = load_sharded(source, parts.state, parts.update, parts.plan, comm)
-    else:
-        template = parts.update.checkpoint_template(parts.state)
-        state = parts.update.from_checkpoint(checkpoint.load_checkpoint(source, template, parts.plan, comm), comm)
-    if comm.rank == 0:
-        log.info(f"resumed from step {state.step} ({source})")
-    return state
-
-
 def _resume_source(cfg: DictConfig, run_dir: RunDir) -> Path | None:
     """The checkpoint to start from: ``trainer.resume``'s, or this run's last after a restart of the world; or none."""
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
@@ -98,8 +86,13 @@ def _resume_source(cfg: DictConfig, run_dir: RunDir) -> Path | None:
 
 
 def _first_state(source: Path | None, parts: RunParts, comm: Comm) -> TrainState:
-    """The built state, or the checkpoint's at ``source``."""
-    return parts.state if source is None else _resume(source, parts, comm)
+    """The built state, or the checkpoint's at ``source`` (whichever format wrote it: ``fdp.run.checkpoint``)."""
+    if source is None:
+        return parts.state
+    state = resume(source, parts.state, parts.update, parts.plan, comm)
+    if comm.rank == 0:
+        log.info(f"resumed from step {state.step} ({source})")
+    return state
 
 
 # -- the parts of a worker's run ---------------------------------------------------------------
@@ -237,8 +230,8 @@ def _train(
         heartbeat = resources.enter_context(_heartbeat(comm, world))
         resources.callback(loop.timeline.save, run_dir.trace(comm.rank))
         resources.enter_context(_closing(loop.controls))
-        if loop.saver is not None:  # the write in flight ends before the run does (not after a failure: its peers
-            resources.push(lambda failed, *_: None if failed else loop.saver.wait())  # may be gone)
+        # The write in flight ends before the run does (not after a failure: its peers may be gone).
+        resources.push(lambda failed, *_: None if failed else loop.checkpoints.wait())
         stop = resources.enter_context(_stop_signals(cfg, comm))
         interrupted = _loop(loop, run_dir, report, status, stop, heartbeat, world)
         if interrupted is None:  # the test split, once at the end (a stop signal stops at once)

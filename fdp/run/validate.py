@@ -35,10 +35,8 @@ from fdp.procs.devices import BACKENDS
 from fdp.procs.interrupt import check_requeue_signal
 from fdp.procs.launchers import launcher_of
 from fdp.run.callback_specs import check_callbacks
-from fdp.run.checkpoint import saved_config
-from fdp.run.checkpoint_format import check_checkpoint_async, check_checkpoint_format, resolved_format
+from fdp.run.checkpoint import format_of, saved_config, verify
 from fdp.run.config import SCHEMAS
-from fdp.run.integrity import verify
 from fdp.run.keys import check_keys
 from fdp.run.loggers import check_loggers
 from fdp.run.loop_controls import check_loop_settings
@@ -112,14 +110,7 @@ def _validate_trainer(cfg: Any) -> None:
     _as_config_key("trainer.matmul_precision", check_matmul_precision, t.matmul_precision)
     _as_config_key("trainer.compile", lambda value: check_compile(value, device), t.compile)
     _as_config_key("trainer.zero_stage", check_zero_stage, t.zero_stage)
-    _as_config_key("trainer.checkpoint_format", check_checkpoint_format, t.checkpoint_format)
-    # auto is known where the world size is (under torchrun only to the ranks: checkpoint_format.saver_for)
-    checkpoint_format = resolved_format(t.checkpoint_format, _known_world_size(cfg.world))
-    _as_config_key(
-        "trainer.checkpoint_async",
-        lambda value: check_checkpoint_async(value, "sharded" if checkpoint_format == "auto" else checkpoint_format),
-        t.checkpoint_async,
-    )
+    format_of(t, _known_world_size(cfg.world))  # trainer.checkpoint_format and checkpoint_async
     _as_config_key("trainer.sample_streams", check_sample_streams, t.sample_streams)
     _as_config_key("trainer.activation_checkpointing", remat.check_mode, t.activation_checkpointing)
     _as_config_key(

@@ -1,4 +1,4 @@
-"""A damaged checkpoint of either format is refused before the run touches its directory (fdp.run.integrity).
+"""A damaged checkpoint of either format is refused before the run touches its directory (fdp.run.checkpoint.integrity).
 
 One trained run per format (module fixtures: a whole-file run in one process, a sharded one of two
 ranks at ZeRO stage 3), copied for each case; each case damages the copy one way and resumes it with
@@ -24,7 +24,7 @@ import torch
 
 from fdp import checkpoint as command
 from fdp.run import checkpoint
-from fdp.run.integrity import MANIFEST
+from fdp.run.checkpoint.integrity import MANIFEST
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model.hidden=16", "data.global_batch_size=16", "trainer.eval_every=0", "trainer.progress=false"]

@@ -39,6 +39,7 @@ from fdp.optim import sgd
 from fdp.plan import plan_buckets
 from fdp.procs.launch import RankLostError, WorkerFailedError, WorldLayout, init_distributed, loopback_interface, spawn
 from fdp.run import checkpoint
+from fdp.run.checkpoint import whole
 from fdp.run.config import ConfigError, register_configs
 from fdp.run.config import compose as make_cfg
 from fdp.run.rundir import RankStatus
@@ -794,8 +795,8 @@ def test_nonfinite_raise_names_the_step_and_the_first_bad_parameter(tmp_path):
 
 def _with_every_ranks_params(cfg, run_dir):
     """``run_rank`` whose checkpoints also hold each rank's own parameters (under ``ranks``)."""
-    rank_payload = checkpoint.rank_payload
-    checkpoint.rank_payload = lambda state: {**rank_payload(state), "params": dict(state.params)}
+    rank_payload = whole.rank_payload
+    whole.rank_payload = lambda state: {**rank_payload(state), "params": dict(state.params)}
     return run_rank(cfg, run_dir)
 
 

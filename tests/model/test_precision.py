@@ -23,6 +23,8 @@ from fdp.model.precision import LossScale, Precision, check_precision, init_loss
 from fdp.optim import adam, sgd
 from fdp.plan import plan_buckets
 from fdp.run import checkpoint
+from fdp.run.checkpoint.atomic import atomic_save
+from fdp.run.checkpoint.whole import rank_payload, restore, state_payload
 from fdp.run.config import ConfigError, compose
 from fdp.run.validate import validate
 
@@ -249,8 +251,8 @@ def test_loss_scale_round_trips_through_a_weights_only_checkpoint(tmp_path):
     step, state = _fdp(MLP(64, 16, 1, 10), sgd(0.1), precision, _batch(0))
     state, _ = step(state, _batch(0))
     state = state._replace(loss_scale=LossScale(torch.tensor(512.0), torch.tensor(7, dtype=torch.int32)))
-    path = checkpoint.atomic_save(checkpoint.state_payload(state, [checkpoint.rank_payload(state)]), tmp_path / "c.pt")
-    restored = checkpoint.restore(checkpoint.load(path), state, rank=0)
+    path = atomic_save(state_payload(state, [rank_payload(state)]), tmp_path / "c.pt")
+    restored = restore(checkpoint.load(path), state, rank=0)
     assert isinstance(restored.loss_scale, LossScale)
     assert restored.loss_scale.scale.item() == 512.0 and restored.loss_scale.growth_tracker.item() == 7
     assert restored.loss_scale.growth_tracker.dtype == torch.int32

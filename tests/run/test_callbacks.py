@@ -20,8 +20,8 @@ from fdp.comm import Comm
 from fdp.errors import ConfigError
 from fdp.run.callback_base import Callback, CallbackError
 from fdp.run.callbacks import Callbacks
+from fdp.run.checkpoint.consolidate import consolidate
 from fdp.run.config import compose
-from fdp.run.consolidate import consolidate
 from fdp.run.trainer import run
 from fdp.run.validate import validate
 

@@ -13,6 +13,9 @@ from fdp._torch import tree_flatten, tree_map
 from fdp.model.builtin import MLP
 from fdp.optim import warmup_cosine_schedule
 from fdp.run import checkpoint
+from fdp.run.checkpoint.atomic import atomic_save
+from fdp.run.checkpoint.files import LAST, POINTER
+from fdp.run.checkpoint.whole import _differing_buffers, rank_payload, restore, save, state_payload
 from fdp.run.config import ConfigError, compose, register_configs
 from fdp.run.trainer import run
 
@@ -25,8 +28,8 @@ def make_cfg(*overrides):
 
 def test_atomic_save_replaces_whole_files(tmp_path):
     path = tmp_path / "c.pt"
-    checkpoint.atomic_save({"step": 1, "params": {"w": torch.ones(3)}}, path)
-    checkpoint.atomic_save({"step": 2, "params": {"w": torch.zeros(3)}}, path)
+    atomic_save({"step": 1, "params": {"w": torch.ones(3)}}, path)
+    atomic_save({"step": 2, "params": {"w": torch.zeros(3)}}, path)
     loaded = torch.load(path, weights_only=True)
     assert loaded["step"] == 2 and torch.equal(loaded["params"]["w"], torch.zeros(3))
     assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]  # no temporary left behind
@@ -34,13 +37,13 @@ def test_atomic_save_replaces_whole_files(tmp_path):
 
 def test_killed_writer_leaves_previous_checkpoint_intact(tmp_path):
     path = tmp_path / "c.pt"
-    checkpoint.atomic_save({"step": 1, "params": {"w": torch.ones(3)}}, path)
+    atomic_save({"step": 1, "params": {"w": torch.ones(3)}}, path)
     # A writer killed in the middle of torch.save: the big payload is being written when SIGKILL lands.
     script = (
         "import os, signal, threading, torch, sys\n"
-        "from fdp.run import checkpoint\n"
+        "from fdp.run.checkpoint.atomic import atomic_save\n"
         "threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()\n"
-        f"checkpoint.atomic_save({{'step': 2, 'params': {{'w': torch.randn(60_000_000)}}}}, {str(path)!r})\n"
+        f"atomic_save({{'step': 2, 'params': {{'w': torch.randn(60_000_000)}}}}, {str(path)!r})\n"
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
     assert proc.returncode == -9
@@ -50,7 +53,7 @@ def test_killed_writer_leaves_previous_checkpoint_intact(tmp_path):
 
 def test_truncated_and_foreign_files_give_one_line_errors(tmp_path):
     good = tmp_path / "good.pt"
-    checkpoint.atomic_save({"step": 3, "params": {"w": torch.ones(1000)}}, good)
+    atomic_save({"step": 3, "params": {"w": torch.ones(1000)}}, good)
     truncated = tmp_path / "truncated.pt"
     truncated.write_bytes(good.read_bytes()[:500])
     with pytest.raises(checkpoint.CheckpointError, match="truncated.pt"):
@@ -128,7 +131,7 @@ def test_each_save_writes_the_state_once_and_last_names_the_newest(tmp_path):
     step file rewritten in place changes that file alone; a run saved before (``last.pt``, a copy or a hard
     link) loads, and its next save removes the old copy."""
     for step in range(1, 5):
-        checkpoint.save(tmp_path, {"step": step, "params": {"w": torch.full((250_000,), float(step))}}, keep=2)
+        save(tmp_path, {"step": step, "params": {"w": torch.full((250_000,), float(step))}}, keep=2)
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == ["last", "step_00000003.pt", "step_00000004.pt"], files
     one = (tmp_path / "step_00000004.pt").stat().st_size
@@ -139,12 +142,10 @@ def test_each_save_writes_the_state_once_and_last_names_the_newest(tmp_path):
     assert checkpoint.load(tmp_path / "step_00000003.pt")["step"] == 3
     for old_last in (shutil.copyfile, os.link):
         old = tmp_path / old_last.__name__
-        checkpoint.atomic_save({"step": 5, "params": {"w": torch.ones(3)}}, old / "step_00000005.pt")
-        old_last(old / "step_00000005.pt", old / checkpoint.LAST)
-        assert (
-            checkpoint.resolve(old) == old / checkpoint.LAST and checkpoint.load(checkpoint.resolve(old))["step"] == 5
-        )
-        checkpoint.save(old, {"step": 6, "params": {"w": torch.zeros(3)}})
+        atomic_save({"step": 5, "params": {"w": torch.ones(3)}}, old / "step_00000005.pt")
+        old_last(old / "step_00000005.pt", old / LAST)
+        assert checkpoint.resolve(old) == old / LAST and checkpoint.load(checkpoint.resolve(old))["step"] == 5
+        save(old, {"step": 6, "params": {"w": torch.zeros(3)}})
         assert sorted(p.name for p in old.iterdir()) == ["last", "step_00000005.pt", "step_00000006.pt"]
         assert checkpoint.load(checkpoint.resolve(old))["step"] == 6
         assert (
@@ -163,12 +164,12 @@ def test_a_run_saved_with_a_last_pt_copy_resumes_exactly(tmp_path):
     checkpoints = stopped / "checkpoints"
     sizes = [p.stat().st_size for p in checkpoints.glob("step_*.pt")]
     assert len(sizes) == 2 and sum(p.stat().st_size for p in checkpoints.iterdir()) < sum(sizes) + 64
-    (checkpoints / checkpoint.POINTER).unlink()
-    shutil.copyfile(checkpoints / "step_00000006.pt", checkpoints / checkpoint.LAST)  # as saved before
+    (checkpoints / POINTER).unlink()
+    shutil.copyfile(checkpoints / "step_00000006.pt", checkpoints / LAST)  # as saved before
     branch = tmp_path / "branch"
     run(make_cfg(*common, "trainer.max_steps=9", f"trainer.resume={stopped}"), branch)
     run(make_cfg(*common, "trainer.max_steps=9", "trainer.resume=true"), stopped)
-    assert not (checkpoints / checkpoint.LAST).exists()  # the new save's last names the newest
+    assert not (checkpoints / LAST).exists()  # the new save's last names the newest
     a = torch.load(checkpoint.last_of(straight / "checkpoints"), weights_only=True)
     for other in (stopped, branch):
         b = torch.load(checkpoint.last_of(other / "checkpoints"), weights_only=True)
@@ -228,9 +229,7 @@ def _powersgd_state():
 def test_checkpoint_tensors_are_on_the_cpu_and_restore_follows_the_template_device():
     state = _powersgd_state()
     # As save_checkpoint builds it: buffers equal to rank 0's are stored once.
-    payload = checkpoint.state_payload(
-        state, checkpoint._differing_buffers([checkpoint.rank_payload(state)], state.buffers)
-    )
+    payload = state_payload(state, _differing_buffers([rank_payload(state)], state.buffers))
     saved = _tensors(payload)
     assert len(saved) == len(_tensors(state))  # every tensor of the state, the generator states included
     assert {t.device.type for t in saved} == {"cpu"}
@@ -238,13 +237,13 @@ def test_checkpoint_tensors_are_on_the_cpu_and_restore_follows_the_template_devi
     from torch.utils import _pytree as pytree
 
     on_meta = pytree.tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, state)
-    restored = checkpoint.restore(payload, on_meta._replace(rng=state.rng, cuda_rng=state.cuda_rng), 0)
+    restored = restore(payload, on_meta._replace(rng=state.rng, cuda_rng=state.cuda_rng), 0)
     for field in ("params", "buffers", "opt_state", "hook_state"):
         got, want = _tensors(getattr(restored, field)), _tensors(getattr(state, field))
         assert got and all(t.device.type == "meta" for t in got), field
         assert [t.shape for t in got] == [t.shape for t in want], field
     # Onto a CPU template: the very values.
-    back = checkpoint.restore(payload, state, 0)
+    back = restore(payload, state, 0)
     assert all(torch.equal(a, b) for a, b in zip(_tensors(back), _tensors(state)))
 
 
@@ -369,16 +368,16 @@ def test_a_larger_world_resumes_an_outer_loop_with_rank_zeros_place_and_fresh_ho
     pseudo-gradient hook state fresh; a checkpoint with a sync in flight is refused in one line."""
     rank0, template = _outer_rank_state(1)
     rank1, _ = _outer_rank_state(2)
-    payload = checkpoint.state_payload(rank0, [checkpoint.rank_payload(rank0), checkpoint.rank_payload(rank1)])
-    new = checkpoint.restore(payload, template, rank=2)
+    payload = state_payload(rank0, [rank_payload(rank0), rank_payload(rank1)])
+    new = restore(payload, template, rank=2)
     assert all(torch.equal(new.params[n], p) for n, p in rank0.params.items())
     assert all(torch.equal(new.outer.anchor[n], a) for n, a in rank0.outer.anchor.items())
     assert new.outer.syncs == rank0.outer.syncs == 1
     fresh, _ = tree_flatten(template.outer.hook_state)
     got, _ = tree_flatten(new.outer.hook_state)
     assert fresh and all(torch.equal(a, b) for a, b in zip(got, fresh))
-    assert checkpoint.restore(payload, template, rank=1).outer.syncs == 2  # a saved rank keeps its own
+    assert restore(payload, template, rank=1).outer.syncs == 2  # a saved rank keeps its own
     flying, _ = _outer_rank_state(3, in_flight=True)
-    payload = checkpoint.state_payload(flying, [checkpoint.rank_payload(flying)] * 2)
+    payload = state_payload(flying, [rank_payload(flying)] * 2)
     with pytest.raises(checkpoint.CheckpointError, match="outer sync in flight .* expected a checkpoint between syncs"):
-        checkpoint.restore(payload, template, rank=2)
+        restore(payload, template, rank=2)

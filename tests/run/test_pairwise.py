@@ -20,8 +20,8 @@ two) and build each pair's run in-process from its config through the run's own 
 (data, model, plan, hook, optimizer, ZeRO update, first state), ``fdp.run.loop.Loop`` (its step and this rank's
 batches, as ``fdp.run.trainer`` makes them) and ``fdp.run.loop_controls.LoopControls`` (the moving average,
 max_time's clock, the monitors' checks), three steps of a small model each. A pair with a checkpoint format saves
-its state after step 2 in that format (``fdp.run.loop.save_state``), resumes from it as a run does
-(``fdp.run.trainer``'s resume, the loop's state too) and takes its last step from there; its reference does not.
+its state after step 2 in that format (the loop's ``Checkpointer``), resumes from it as a run does
+(``fdp.run.checkpoint.resume``, the loop's state too) and takes its last step from there; its reference does not.
 References are computed once and shared by the pairs that have them. What this in-process form does not run is
 covered by the whole runs at the end (``WHOLE_RUNS``): the keeper that holds each rank of a world that may shrink
 or respawn, early stopping and keep_best deciding on real evaluations, max_time's deadline inside a running loop,
@@ -162,9 +162,9 @@ def _train(cfg, comm: Comm, resume: bool, directory: Path) -> dict:
     """This rank's run of ``cfg`` for ``STEPS`` steps (saved after step ``SAVED_AT`` and resumed there if
     ``resume``); on rank 0 its whole params, step losses and moving average."""
     from fdp.procs.devices import MemoryPhase
-    from fdp.run import trainer
+    from fdp.run import checkpoint
     from fdp.run.build import build_run
-    from fdp.run.loop import Loop, save_state
+    from fdp.run.loop import Loop
     from fdp.run.loop_controls import read_resumed
     from fdp.run.rundir import RunDir
     from fdp.trace import NullTimeline
@@ -186,11 +186,12 @@ def _train(cfg, comm: Comm, resume: bool, directory: Path) -> dict:
             if resume and step == SAVED_AT:
                 loop.train_step.settle()
                 run_dir = RunDir(directory)
-                written = save_state(run_dir, state, comm, cfg, parts, controls.payload(step), loop.saver)
-                if loop.saver is not None:
-                    loop.saver.wait()
+                written = loop.checkpoints.save(
+                    run_dir.checkpoints, state, parts.update, parts.plan, controls.payload(step)
+                )
+                loop.checkpoints.wait()
                 written = _broadcast(written, comm)
-                state = trainer._resume(written, parts, comm)
+                state = checkpoint.resume(written, parts.state, parts.update, parts.plan, comm)
                 controls.close()
                 controls = _controls(cfg, parts, comm, state, read_resumed(written, comm))
         loop.train_step.settle()
@@ -337,18 +338,16 @@ def test_every_pair_that_composes_trains_as_its_reference(pairs, trained):
 
 def _final(run_dir: Path) -> dict:
     """The params and moving average of a whole run's last checkpoint (whole or sharded)."""
-    from fdp.run.checkpoint import is_sharded, last_of
-    from fdp.run.consolidate import consolidate
+    from fdp.run.checkpoint import whole_payload
 
-    last = last_of(run_dir / "checkpoints")
-    payload = consolidate(last) if is_sharded(last) else torch.load(last, weights_only=True)
+    payload = whole_payload(run_dir / "checkpoints")
     return {"params": payload["params"], "ema": payload.get("ema")}
 
 
 @pytest.mark.parametrize("name", list(WHOLE_RUNS))
 def test_whole_runs_of_the_features_a_step_does_not_show_train_as_their_reference(name, trained, tmp_path):
+    from fdp.run.checkpoint import BEST
     from fdp.run.config import compose
-    from fdp.run.loop_controls import BEST
     from fdp.run.trainer import run
 
     names, first = WHOLE_RUNS[name]

@@ -1,12 +1,12 @@
 """What a run says at its end and on its way: a summary that says it stopped early, no torch note on what
-fdp asked for (fdp.run.trainer, fdp.run.sharded_checkpoint, fdp.run.consolidate)."""
+fdp asked for (fdp.run.trainer, fdp.run.checkpoint)."""
 
 from __future__ import annotations
 
 import warnings
 
+from fdp.run.checkpoint.consolidate import consolidate
 from fdp.run.config import compose
-from fdp.run.consolidate import consolidate
 from fdp.run.trainer import run
 
 SMALL = ["model.hidden=16", "trainer.progress=false", "data.global_batch_size=32", "trainer.eval_batches=1"]

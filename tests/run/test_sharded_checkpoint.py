@@ -1,4 +1,4 @@
-"""Sharded checkpoints (fdp.run.sharded_checkpoint): written by every rank, read at any stage and world size.
+"""Sharded checkpoints (fdp.run.checkpoint.sharded): written by every rank, read at any stage and world size.
 
 One module-scoped run of 4 gloo ranks at ZeRO stage 3 trains a tiny char transformer
 three steps and saves (asynchronously); every test reads that checkpoint another way and
@@ -18,16 +18,19 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from fdp import adam, functionalize, init_train_state, plan_buckets, planner_loss
+from fdp._torch import tree_paths
 from fdp.comm import Comm
 from fdp.hooks import allreduce
 from fdp.model.builtin import CharTransformer
 from fdp.model.losses import cross_entropy_loss
 from fdp.plan import BucketPlan
 from fdp.run import checkpoint
+from fdp.run.checkpoint import ShardedSaver, load_sharded, verify, write_consolidated
+from fdp.run.checkpoint.consolidate import consolidate
+from fdp.run.checkpoint.files import is_sharded, read_meta, sharded_steps
+from fdp.run.checkpoint.integrity import MANIFEST
+from fdp.run.checkpoint.whole import host_leaves
 from fdp.run.config import compose
-from fdp.run.consolidate import consolidate, write_consolidated
-from fdp.run.integrity import MANIFEST, verify
-from fdp.run.sharded_checkpoint import ShardedSaver, load_sharded
 from fdp.step.train_step import make_train_step
 from fdp.update import zero
 
@@ -62,7 +65,7 @@ def _whole(state, plan, comm):
     )
     return {n: p.clone() for n, p in whole.params.items()}, {
         p: t.clone() if isinstance(t, torch.Tensor) else t
-        for p, t in zip(checkpoint.tree_paths(whole.opt_state), checkpoint.host_leaves(whole.opt_state))
+        for p, t in zip(tree_paths(whole.opt_state), host_leaves(whole.opt_state))
     }
 
 
@@ -121,7 +124,7 @@ def _equal(a: dict, b: dict) -> bool:
 def test_the_checkpoint_is_complete_and_self_describing(saved):
     directory, _, plan = saved
     last = checkpoint.last_of(directory)
-    assert last.name == "step_00000003" and checkpoint.sharded_steps(directory).keys() == {2, 3}
+    assert last.name == "step_00000003" and sharded_steps(directory).keys() == {2, 3}
     assert not list(directory.glob("*.tmp-*"))
     meta = checkpoint.load(last)  # weights_only
     assert (meta["step"], meta["stage"], meta["world_size"]) == (3, 3, 4)
@@ -147,7 +150,7 @@ def test_a_consolidated_file_resumes_bit_for_bit_and_dcp_reads_the_checkpoint(sa
     model, p0, buffers, _, _, _ = _parts(0, 1)
     state = checkpoint.load_checkpoint(written, init_train_state(p0, buffers, adam(1e-2), plan), plan)
     assert state.step == 3 and _equal({n: state.params[n] for n in params}, params)
-    assert _equal(dict(zip(checkpoint.tree_paths(state.opt_state), checkpoint.host_leaves(state.opt_state))), opt_state)
+    assert _equal(dict(zip(tree_paths(state.opt_state), host_leaves(state.opt_state))), opt_state)
     dcp_to_torch_save(checkpoint.last_of(directory), tmp_path / "dcp.pt")  # DCP's own converter
     flat = torch.load(tmp_path / "dcp.pt", weights_only=True)
     assert all(torch.equal(flat[f"params[{n!r}]"], p.reshape(-1)) for n, p in params.items())
@@ -210,7 +213,7 @@ def _mirror_at(rank, world, directory):
         checkpoint.resolve(directory), whole.first_state(params, buffers, allreduce(), comm), whole, plan, comm
     )
     expected = zero.shard_state(as_whole, plan, comm, stage=1, mirror=True).mirror
-    return checkpoint.host_leaves(state.mirror), checkpoint.host_leaves(expected)
+    return host_leaves(state.mirror), host_leaves(expected)
 
 
 def test_a_world_that_may_shrink_reads_its_mirror_of_the_next_ranks_slices(saved, run_ranks):
@@ -281,7 +284,7 @@ def test_four_ranks_at_stage_3_checkpoint_and_two_resume_under_a_memory_cap_like
     whole = run(compose(*one_process), tmp_path / "straight")  # uninterrupted, on the union batch
     run(compose(*sgd, "world=local4", "trainer.stop_at=4"), tmp_path / "four")
     step4 = tmp_path / "four" / "checkpoints" / "step_00000004"
-    assert checkpoint.read_meta(step4)["world_size"] == 4
+    assert read_meta(step4)["world_size"] == 4
     two = run(compose(*sgd, "world=local2", "world.memory_per_rank_mb=1500", "trainer.resume=true"), tmp_path / "four")
     # Evaluated at stage 3 by every rank, each forward gathering its buckets: the figures of the whole params.
     assert two["test_loss"] == pytest.approx(whole["test_loss"], rel=1e-5)
@@ -289,7 +292,7 @@ def test_four_ranks_at_stage_3_checkpoint_and_two_resume_under_a_memory_cap_like
     straight, resumed = consolidate(tmp_path / "straight"), consolidate(tmp_path / "four")
     assert (
         straight["step"] == resumed["step"] == 8
-        and checkpoint.read_meta(checkpoint.last_of(tmp_path / "four" / "checkpoints"))["world_size"] == 2
+        and read_meta(checkpoint.last_of(tmp_path / "four" / "checkpoints"))["world_size"] == 2
     )
     assert all(torch.allclose(resumed["params"][n], p, atol=1e-5, rtol=0) for n, p in straight["params"].items())
     logged = "".join(p.read_text() for p in (tmp_path / "four").glob("*.log"))
@@ -304,7 +307,7 @@ def test_four_ranks_at_stage_3_checkpoint_and_two_resume_under_a_memory_cap_like
 def _consolidated_params(run_dir):
     return (
         consolidate(run_dir)["params"]
-        if checkpoint.is_sharded(checkpoint.resolve(run_dir))
+        if is_sharded(checkpoint.resolve(run_dir))
         else (checkpoint.load(checkpoint.resolve(run_dir))["params"])
     )
 
@@ -321,8 +324,8 @@ def test_a_world_that_may_shrink_checkpoints_sharded_and_resumes_on_two_ranks_an
     for fmt in ("auto", "whole"):
         run(compose(*shrinking, f"trainer.checkpoint_format={fmt}", "trainer.stop_at=4"), tmp_path / fmt)
         shutil.copytree(tmp_path / fmt, tmp_path / f"{fmt}_on_one")
-    assert checkpoint.is_sharded(checkpoint.resolve(tmp_path / "auto"))
-    assert not checkpoint.is_sharded(checkpoint.resolve(tmp_path / "whole"))
+    assert is_sharded(checkpoint.resolve(tmp_path / "auto"))
+    assert not is_sharded(checkpoint.resolve(tmp_path / "whole"))
     run(compose(*shrinking, "trainer.resume=true"), tmp_path / "auto")
     straight, two = _consolidated_params(tmp_path / "straight"), _consolidated_params(tmp_path / "auto")
     assert _equal(two, straight)

@@ -16,8 +16,8 @@ from fdp import Comm, adam, cross_entropy_loss, functionalize, init_train_state,
 from fdp.hooks import allreduce, lowbit
 from fdp.plan import pack_into_buckets, split_fragments
 from fdp.procs.launch import spawn
-from fdp.run import checkpoint
 from fdp.run.checkpoint import last_of
+from fdp.run.checkpoint.files import is_sharded
 from fdp.run.config import ConfigError, DiLoCoConfig, LocalSGDConfig, compose
 from fdp.run.trainer import run, run_rank
 from fdp.run.validate import validate
@@ -452,7 +452,7 @@ def test_resume_in_the_middle_of_a_period_is_bit_exact(tmp_path, uninterrupted, 
     """
     runs = [*RUN, *VARIANTS[variant], f"trainer.checkpoint_format={fmt}"]
     run(compose(*runs, "trainer.stop_at=6"), tmp_path)
-    assert checkpoint.is_sharded(last_of(tmp_path / "checkpoints")) == (fmt == "auto")
+    assert is_sharded(last_of(tmp_path / "checkpoints")) == (fmt == "auto")
     halfway = _checkpoint(tmp_path)
     assert halfway["step"] == 6
     # Mid-period the ranks have stepped apart, and each rank's own params were saved.

@@ -21,8 +21,8 @@ from fdp.model.functional import functionalize
 from fdp.optim import adam, chain, clip_by_global_norm
 from fdp.plan import plan_buckets, split_fragments
 from fdp.run.checkpoint import last_of
+from fdp.run.checkpoint.consolidate import consolidate
 from fdp.run.config import ConfigError, DiLoCoConfig, LocalSGDConfig, register_configs
-from fdp.run.consolidate import consolidate
 from fdp.run.trainer import run
 from fdp.run.validate import validate
 from fdp.step.chains import Reduction

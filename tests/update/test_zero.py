@@ -629,7 +629,7 @@ def test_stage_three_checkpoints_resume_at_any_stage_and_world_size(tmp_path):
 def test_powersgd_state_resumes_exactly_at_stages_two_and_three(tmp_path, stage, checkpoint_format):
     """hooks=powersgd on 2 ranks stopped at step 5 and resumed ends at step 10 with the params, and each rank's error
     feedback and warm-start Q, of the run that went on: to the bit."""
-    from fdp.run.consolidate import consolidate
+    from fdp.run.checkpoint.consolidate import consolidate
 
     common = [
         "optim=adam",

@@ -18,8 +18,8 @@ from fdp.model.precision import Precision
 from fdp.optim import adam, sgd
 from fdp.plan import plan_buckets
 from fdp.run import checkpoint
+from fdp.run.checkpoint import ShardedSaver, load_sharded
 from fdp.run.config import compose
-from fdp.run.sharded_checkpoint import ShardedSaver, load_sharded
 from fdp.run.validate import validate
 from fdp.update import zero
 
@@ -193,7 +193,7 @@ def test_16_mixed_is_accepted_at_every_zero_stage():
 def test_a_stage_3_16_mixed_run_resumes_from_sharded_checkpoints_like_one_process_uninterrupted(tmp_path):
     """The recipe's path: stage 3 builds each rank's slices on meta with the loss scale in the first state; 2 ranks
     stopped at step 3 and resumed from the sharded checkpoint end where one process at stage 0 ends."""
-    from fdp.run.consolidate import consolidate
+    from fdp.run.checkpoint.consolidate import consolidate
     from fdp.run.trainer import run
 
     common = [

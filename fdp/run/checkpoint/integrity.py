@@ -3,13 +3,13 @@
 ``verify(path)`` reads a checkpoint of either format through once and raises one
 ``CheckpointError`` naming the first file that is wrong and what is wrong with it; a run
 calls it (``fdp.run.validate``) before it writes anything into its directory, and
-``fdp.run.consolidate`` before it reads the pieces. Each process that starts a run checks for
+``fdp.run.checkpoint.consolidate`` before it reads the pieces. Each process that starts a run checks for
 itself (under ``torchrun`` every rank), so every rank reaches the same verdict on the same files.
 
 * A whole-file checkpoint (``step_<N>.pt``) is the zip archive ``torch.save`` writes, whose
   records carry a CRC-32 each: every record is read and checked (``torch.load`` itself does not,
   and loads a flipped byte silently), then the entries a run restores are looked for.
-* A sharded checkpoint (``step_<N>/``, ``fdp.run.sharded_checkpoint``) holds ``manifest.json``,
+* A sharded checkpoint (``step_<N>/``, ``fdp.run.checkpoint.sharded``) holds ``manifest.json``,
   written into its directory before the directory is renamed into place (so with it): the size
   and SHA-256 of every other file, each rank's recorded by the rank that wrote it. Whatever the
   manifest says, the checkpoint must have each saving rank's ``rank<r>.pt``, DCP's ``.metadata``
@@ -19,7 +19,7 @@ itself (under ``torchrun`` every rank), so every rank reaches the same verdict o
 >>> verify("/nonexistent/step_00000001.pt")
 Traceback (most recent call last):
 ...
-fdp.run.checkpoint.CheckpointError: checkpoint /nonexistent/step_00000001.pt does not exist
+fdp.run.checkpoint.files.CheckpointError: checkpoint /nonexistent/step_00000001.pt does not exist
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from fdp.run.checkpoint import META, CheckpointError, load, read_meta
+from fdp.run.checkpoint.files import META, CheckpointError, load, read_meta
 
 __all__ = ["MANIFEST", "file_entry", "verify", "write_manifest"]
 

@@ -1,12 +1,13 @@
 """A sharded checkpoint as one whole-file one: for inference, sharing, or a run that wants one file.
 
-``consolidate(path)`` reads every piece of a sharded checkpoint (``fdp.run.sharded_checkpoint``)
-in one process, without a process group, and gives the payload ``fdp.run.checkpoint.save`` writes:
+``consolidate(path)`` reads every piece of a sharded checkpoint (``fdp.run.checkpoint.sharded``)
+in one process, without a process group, and gives the payload ``fdp.run.checkpoint.whole.save`` writes:
 params and optimizer state whole, by parameter name (stage 0's structure, which any stage
 and world size resumes), each rank's hook state and RNG. ``write_consolidated`` writes it
 as a ``.pt`` file (``weights_only`` loadable, a valid ``trainer.resume=PATH``) or, for a
 ``.safetensors`` path, the params alone (a Hugging Face model's names are its own:
 ``fdp.model.builtin.hf_model``). The command is ``python -m fdp.checkpoint consolidate``.
+``whole_payload(path)`` reads a checkpoint of either format as that one payload.
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fdp._torch import single_process_dcp
-from fdp.run.atomic import atomic_bytes, atomic_save
-from fdp.run.checkpoint import CheckpointError, read_meta, resolve
-from fdp.run.integrity import verify
+from fdp.run.checkpoint.atomic import atomic_bytes, atomic_save
+from fdp.run.checkpoint.files import CheckpointError, is_sharded, load, read_meta, resolve
+from fdp.run.checkpoint.integrity import verify
 
-__all__ = ["consolidate", "write_consolidated"]
+__all__ = ["consolidate", "whole_payload", "write_consolidated"]
 
 SUFFIXES = (".pt", ".safetensors")  # what write_consolidated writes
 _DESCRIPTION = ("format", "shapes", "plain", "loss_scale_paths", "stage", "world_size")
@@ -92,6 +93,19 @@ def consolidate(path: str | os.PathLike) -> dict:
     }
 
 
+def whole_payload(path: str | os.PathLike) -> dict:
+    """The whole-file payload of the checkpoint ``path`` names (a run or checkpoints directory: its last), whichever
+    format wrote it: read as written (whole), or consolidated from its pieces (sharded).
+
+    >>> whole_payload("/nonexistent/step_00000001.pt")
+    Traceback (most recent call last):
+    ...
+    fdp.run.checkpoint.files.CheckpointError: checkpoint /nonexistent/step_00000001.pt does not exist
+    """
+    found = resolve(path)
+    return consolidate(found) if is_sharded(found) else load(found)
+
+
 def _params_and_opt(whole: dict, plain: dict, prefix: str, shaped) -> tuple[dict, dict]:
     """The params by name and the optimizer state by path stored under ``prefix`` (``rank<r>/`` for one rank's)."""
     params = {
@@ -103,7 +117,7 @@ def _params_and_opt(whole: dict, plain: dict, prefix: str, shaped) -> tuple[dict
 
 
 def _outer_leaves(whole: dict, plain: dict, paths: list, hook_state: list, rank: int, shaped) -> list:
-    """One rank's outer-loop state as a whole file's leaves (``fdp.run.checkpoint.rank_payload``), in its
+    """One rank's outer-loop state as a whole file's leaves (``fdp.run.checkpoint.whole.rank_payload``), in its
     ``paths``' order: the anchor and outer optimizer state every rank's alike, the in-flight pseudo-gradient and
     the hook state its own."""
     hooks, leaves = iter(hook_state), []
@@ -123,7 +137,7 @@ def write_consolidated(path: str | os.PathLike, to: str | os.PathLike | None = N
     """Consolidate ``path`` into ``to`` (default: ``<checkpoint>.pt`` beside it); ``.safetensors``: the params alone.
 
     Refused in one ``CheckpointError`` before anything is written: a checkpoint that is not a whole sharded
-    one (``fdp.run.integrity``), a target that exists, has another suffix or cannot be written.
+    one (``fdp.run.checkpoint.integrity``), a target that exists, has another suffix or cannot be written.
     """
     source = resolve(Path(path))
     if not source.exists():

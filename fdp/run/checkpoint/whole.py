@@ -1,4 +1,4 @@
-"""Atomic, self-describing checkpoints of the whole train state.
+"""Whole-file checkpoints: the whole train state in one file ``step_<N>.pt``, written by rank 0.
 
 A checkpoint is a plain dict of tensors, numbers, strings, lists and dicts, so
 ``torch.load(path, weights_only=True)`` reads it without unpickling any code. Its
@@ -12,13 +12,13 @@ keeps them in plan order) restores into any other.
 Tensors are saved on the CPU and restored onto the devices of the live state, so a run
 on GPUs resumes on the CPU and the reverse, and on another number of GPUs.
 
-Files are written atomically (``fdp.run.atomic``), so a crash mid-write leaves the previous
+Files are written atomically (``fdp.run.checkpoint.atomic``), so a crash mid-write leaves the previous
 checkpoint intact. Each save writes the state once: ``last``, a small file replaced atomically
-after the step file is whole, names the newest (as a sharded run's does).
+after the step file is whole, names the newest (as a sharded run's does: ``fdp.run.checkpoint.files``).
 
 ``save_checkpoint`` and ``load_checkpoint`` are the whole of it for a ``TrainState`` on
-any number of ranks (the trainer uses them too): every rank's share is gathered to rank
-0, which writes; on loading rank 0 reads and every rank takes its own share. What
+any number of ranks (a run saves and resumes through ``fdp.run.checkpoint.checkpointer``): every rank's share
+is gathered to rank 0, which writes; on loading rank 0 reads and every rank takes its own share. What
 differs between ranks is stored per rank: the hook state (error feedback), the RNG, and
 buffers where a rank's differ from rank 0's (``sync_buffers="local"``).
 """
@@ -26,8 +26,6 @@ buffers where a rank's differ from rank 0's (``sync_buffers="local"``).
 from __future__ import annotations
 
 import os
-import re
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -37,90 +35,9 @@ import torch.distributed as dist
 from fdp._torch import tree_flatten, tree_paths, tree_unflatten
 from fdp.comm import Comm
 from fdp.plan import BucketPlan
-from fdp.run.atomic import atomic_save, fsync_dir
+from fdp.run.checkpoint.atomic import atomic_save, fsync_dir
+from fdp.run.checkpoint.files import LAST, CheckpointError, load, point_last, prune, resolve
 from fdp.state.train_state import TrainState
-
-LAST = "last.pt"  # a copy of the newest step file, as runs saved before ``last`` named it (still read)
-POINTER = "last"  # a small file naming the newest complete checkpoint: a step file, or a sharded step directory
-META = "fdp.pt"  # a sharded checkpoint's own description (step, plan, stage, world size, config)
-CHECKPOINTS = "checkpoints"  # a run directory's folder of them (fdp.run.rundir)
-_STEP_FILE = re.compile(r"step_(\d+)\.pt$")
-_STEP_DIR = re.compile(r"step_(\d+)$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message names the file and the reason."""
-
-
-def step_files(directory: str | os.PathLike) -> dict[int, Path]:
-    """The step checkpoints in ``directory``, by step, in step order: the one place their names are read.
-
-    >>> step_files("/nonexistent")
-    {}
-    """
-    directory = Path(directory)
-    found = {int(m.group(1)): p for p in directory.glob("step_*.pt") if (m := _STEP_FILE.search(p.name))}
-    return dict(sorted(found.items()))
-
-
-def sharded_steps(directory: str | os.PathLike) -> dict[int, Path]:
-    """The complete sharded checkpoints (``step_<N>/`` directories) in ``directory``, by step, in step order."""
-    directory = Path(directory)
-    found = {int(m.group(1)): p for p in directory.glob("step_*") if p.is_dir() and (m := _STEP_DIR.search(p.name))}
-    return dict(sorted(found.items()))
-
-
-def is_sharded(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a sharded checkpoint's directory (``fdp.run.sharded_checkpoint``)."""
-    return Path(path).is_dir() and (Path(path) / META).is_file()
-
-
-def read_meta(path: str | os.PathLike) -> dict:
-    """A sharded checkpoint's ``fdp.pt`` (step, plan fingerprint, stage, world size, config, the loop's state)."""
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"checkpoint {path} does not exist")
-    if not is_sharded(path):
-        raise CheckpointError(f"checkpoint {path} is not an fdp checkpoint (a directory without {META})")
-    try:
-        meta = torch.load(path / META, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise CheckpointError(f"checkpoint {path / META} is unreadable (truncated or corrupted?): {type(e).__name__}")
-    if not isinstance(meta, dict) or "step" not in meta:
-        raise CheckpointError(f"checkpoint {path / META} is not an fdp checkpoint (no 'step' entry)")
-    return meta
-
-
-def load(path: str | os.PathLike, mmap: bool = False) -> dict:
-    """Read a checkpoint written by ``save``; any defect is a ``CheckpointError`` naming the file.
-
-    ``mmap=True`` maps the tensors' bytes instead of reading them (``fdp.run.integrity`` reads every byte).
-    """
-    path = Path(path)
-    if path.is_dir():  # a sharded checkpoint: its description (the tensors are read by each rank, in pieces)
-        return read_meta(path)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist")
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except Exception as e:  # torch raises many kinds for a truncated or foreign file
-        # The first sentence: torch's longer messages go on to speculate about causes.
-        reason = str(e).strip().splitlines()[0].split(". ")[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"checkpoint {path} is unreadable (truncated or corrupted?): {reason}") from None
-    if not isinstance(payload, dict) or "step" not in payload or "params" not in payload:
-        raise CheckpointError(f"checkpoint {path} is not an fdp checkpoint (no 'step'/'params' entries)")
-    return payload
-
-
-def saved_config(path: str | os.PathLike) -> dict | None:
-    """The run config a checkpoint was written with (its ``config`` entry, as the trainer saves it), or ``None``.
-
-    Cheap: the tensors are mapped, not read.
-    """
-    from omegaconf import OmegaConf
-
-    text = load(path, mmap=True).get("config")
-    return OmegaConf.to_container(OmegaConf.create(text), resolve=False) if isinstance(text, str) else None
 
 
 def _on_host(value: Any) -> Any:
@@ -306,7 +223,7 @@ def save(directory: str | os.PathLike, payload: dict, keep: int = 2) -> Path:
 
     >>> import tempfile
     >>> directory = Path(tempfile.mkdtemp())
-    >>> save(directory, {"step": 7, "params": {}}).name, (directory / POINTER).read_text().strip()
+    >>> save(directory, {"step": 7, "params": {}}).name, (directory / "last").read_text().strip()
     ('step_00000007.pt', 'step_00000007.pt')
     """
     directory = Path(directory)
@@ -319,76 +236,6 @@ def save(directory: str | os.PathLike, payload: dict, keep: int = 2) -> Path:
     for stale in [*directory.glob(".step_*.tmp"), *directory.glob(f".{LAST}.*")]:
         stale.unlink(missing_ok=True)
     return path
-
-
-def prune(directory: str | os.PathLike, keep: int, current: Path) -> None:
-    """Remove all but the newest ``keep`` checkpoints in ``directory``, step files and sharded step directories
-    alike (a run resumed on another number of ranks may write the other format), never ``current``: a resumed run
-    saving a step below the newest kept, which ``last`` names.
-
-    >>> import tempfile
-    >>> directory = Path(tempfile.mkdtemp())
-    >>> (directory / "step_00000001").mkdir(); _ = (directory / "step_00000002.pt").write_bytes(b"")
-    >>> prune(directory, 1, directory / "step_00000002.pt"); sorted(p.name for p in directory.iterdir())
-    ['step_00000002.pt']
-    """
-    directory = Path(directory)
-    found = sorted([*step_files(directory).items(), *sharded_steps(directory).items()], key=lambda entry: entry[0])
-    for _, old in found[: -keep or None]:
-        if old == current:
-            continue
-        if old.is_dir():
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            old.unlink(missing_ok=True)
-
-
-def point_last(directory: str | os.PathLike, name: str) -> None:
-    """Make ``directory/last`` name ``name`` (a step file or step directory in ``directory``), atomically:
-    a reader sees the name before or the new one, and the rename survives a crash."""
-    directory = Path(directory)
-    scratch = directory / f".{POINTER}.tmp"
-    scratch.write_text(name + "\n")
-    with open(scratch, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(scratch, directory / POINTER)
-    fsync_dir(directory)
-
-
-def resolve(path: str | os.PathLike) -> Path:
-    """The checkpoint ``path`` names: a file or step directory itself, or a checkpoints or run directory's last.
-
-    >>> import tempfile
-    >>> run = Path(tempfile.mkdtemp())
-    >>> (run / CHECKPOINTS).mkdir()
-    >>> resolve(run) == run / CHECKPOINTS / LAST, resolve(run / "x.pt") == run / "x.pt"
-    (True, True)
-    """
-    path = Path(path)
-    if not path.is_dir() or is_sharded(path) or _STEP_DIR.fullmatch(path.name):
-        return path
-    if not (path / LAST).exists() and not (path / POINTER).exists() and (path / CHECKPOINTS).is_dir():
-        path = path / CHECKPOINTS
-    return last_of(path)
-
-
-def last_of(checkpoints: str | os.PathLike) -> Path:
-    """The newest complete checkpoint in a checkpoints directory: the one ``last`` names, or the ``last.pt``
-    copy of a run saved before ``last`` existed. A ``last`` that names no step is itself the answer, so that
-    reading it names the damaged file.
-
-    >>> last_of("/nonexistent").name
-    'last.pt'
-    """
-    checkpoints = Path(checkpoints)
-    pointer = checkpoints / POINTER
-    if pointer.is_file():
-        try:
-            name = pointer.read_text(errors="replace").strip()
-        except OSError:
-            return pointer
-        return checkpoints / name if _STEP_FILE.fullmatch(name) or _STEP_DIR.fullmatch(name) else pointer
-    return checkpoints / LAST
 
 
 def save_checkpoint(

@@ -1,14 +1,14 @@
 """Sharded checkpoints: every rank writes its own share, in ``torch.distributed.checkpoint``'s (DCP's) format.
 
 A checkpoint is a directory ``step_<N>/`` beside the whole-file ``step_<N>.pt`` ones
-(``fdp.run.checkpoint``). Its tensors are DCP's: each parameter and each of its optimizer
+(``fdp.run.checkpoint.whole``). Its tensors are DCP's: each parameter and each of its optimizer
 state's leaves one logical 1-D tensor, each rank writing the pieces it owns
 (``fdp.update.pieces``: the stage's update says which, ``Update.checkpoint_pieces``), so DCP's own
 tools read it (``dcp_to_torch_save``). Beside them, ``fdp.pt`` (rank 0: step, plan fingerprint,
 stage, world size, the parameters' shapes, the config and the loop's state) and
 ``rank<r>.pt`` (each rank: its hook state, RNG and buffers), all plain values that load with
 ``weights_only=True``, and ``manifest.json``, the size and SHA-256 of every other file, each
-rank's recorded by the rank that wrote it (``fdp.run.integrity`` checks a checkpoint against it
+rank's recorded by the rank that wrote it (``fdp.run.checkpoint.integrity`` checks a checkpoint against it
 before a run uses it).
 
 Atomic: the ranks write into ``step_<N>.tmp-<token>/``; once DCP has every rank's
@@ -31,7 +31,7 @@ Under an outer loop (``fdp.step.outer``) the ranks step apart between syncs: eac
 own params, inner optimizer state and in-flight pseudo-gradient whole, keyed ``rank<r>/...``,
 beside the anchor and outer optimizer state they share (``outer...``, in pieces); its
 pseudo-gradient's hook state goes in ``rank<r>.pt``. A rank the saving world did not have
-starts from rank 0's, as from a whole-file checkpoint (``fdp.run.checkpoint``).
+starts from rank 0's, as from a whole-file checkpoint (``fdp.run.checkpoint.whole``).
 """
 
 from __future__ import annotations
@@ -61,18 +61,10 @@ from fdp._torch import (
 )
 from fdp.comm import Comm
 from fdp.plan import BucketPlan
-from fdp.run.atomic import atomic_save, fsync_dir
-from fdp.run.checkpoint import (
-    META,
-    CheckpointError,
-    agree_on_refusal,
-    hook_state_like,
-    host_leaves,
-    point_last,
-    prune,
-    read_meta,
-)
-from fdp.run.integrity import DCP_METADATA, file_entry, write_manifest
+from fdp.run.checkpoint.atomic import atomic_save, fsync_dir
+from fdp.run.checkpoint.files import META, CheckpointError, point_last, prune, read_meta
+from fdp.run.checkpoint.integrity import DCP_METADATA, file_entry, write_manifest
+from fdp.run.checkpoint.whole import agree_on_refusal, hook_state_like, host_leaves
 from fdp.state.train_state import TrainState
 from fdp.update.base import Update
 from fdp.update.pieces import param_shapes, rank_pieces, state_pieces
@@ -289,7 +281,7 @@ class ShardedSaver:
         with single_process_dcp(group is None):
             dcp.save(tensors, storage_writer=writer, process_group=group, no_dist=group is None)
         # DCP's last collective gathered every rank's results: every piece is on disk. Each rank records the
-        # size and checksum of the files it wrote, rank 0 the whole checkpoint's (fdp.run.integrity).
+        # size and checksum of the files it wrote, rank 0 the whole checkpoint's (fdp.run.checkpoint.integrity).
         written = {p.name: file_entry(p) for p in [tmp / _rank_file(rank), *tmp.glob(f"__{rank}_*.distcp")]}
         gathered = [written]
         if group is not None:
@@ -360,7 +352,7 @@ def load_sharded(path: str | os.PathLike, like: TrainState, update: Update, plan
         )
     agree_on_refusal(refused, comm)
     # Under an outer loop a rank the saving world did not have goes on from rank 0's own params (as a whole-file
-    # checkpoint's does: fdp.run.checkpoint).
+    # checkpoint's does: fdp.run.checkpoint.whole).
     source = comm.rank if comm.rank < saved_world else 0
     tensors, _ = update.checkpoint_pieces(_state_tree(like), comm, reading=True)
     tensors.update(_own_pieces(like, plan, source, reading=True)[0])
