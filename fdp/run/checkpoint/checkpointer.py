@@ -61,7 +61,8 @@ class Checkpointer:
         tc = cfg.trainer
         # Under torchrun the world's size is known only now: checkpoint_async=true on one process is refused here.
         self.format: CheckpointFormat = format_of(tc, comm.world_size if launched is None else launched)
-        self.cfg, self.comm, self.keep = cfg, comm, tc.keep_checkpoints
+        self.comm, self.keep = comm, tc.keep_checkpoints
+        self._config = OmegaConf.to_yaml(cfg)  # written with every save; a run's config does not change in it
         wanted = self.format.asynchronous if asynchronous is None else asynchronous
         self._writer = ShardedSaver(comm, wanted, cfg.world.timeout_s) if self.format.sharded else None
 
@@ -77,7 +78,7 @@ class Checkpointer:
         writing the pieces its ``update`` owns (perhaps still being written: ``wait``), or whole, gathered to rank 0
         (``update`` converts it, so that any world size and stage resumes it). ``extra`` rides along, with the run's
         config. The path written (a whole-file save's on rank 0 alone; ``None`` on the others)."""
-        extra = {"config": OmegaConf.to_yaml(self.cfg), **(extra or {})}
+        extra = {"config": self._config, **(extra or {})}
         if self._writer is not None:
             return self._writer.save(directory, state, update, plan, self.keep, extra)
         whole = update.to_checkpoint(state, self.comm)
