@@ -43,7 +43,7 @@ or of packages above it in this list; ``tests/test_imports.py`` holds every impo
   ``hooks.chain``.
 * ``model``: what a model computes: any ``nn.Module`` as a pure function (``functional``), the built-in and
   Hugging Face models (``builtin``), mixed precision (``precision``), per-sample random streams
-  (``streams``; ``streams_traced`` in a compiled step), activation checkpointing (the modules it takes:
+  (``streams``; as a function mode, ``streams_functions``), activation checkpointing (the modules it takes:
   ``remat``; their forward run again in backward: ``recompute``), losses and the first-batch check (``losses``,
   ``fit``), a model built on ``meta`` and made one tensor at a time with a whole build's values (``deferred``),
   what a forward keeps for backward (``activations``).

@@ -42,6 +42,7 @@ __all__ = [
     "tree_map",
     "tree_paths",
     "TorchDispatchMode",
+    "CUSTOM_FUNCTION_CALL",
     "storage_id",
     "storage_alias",
     "release_storage",
@@ -175,6 +176,13 @@ try:
     from torch.utils._python_dispatch import TorchDispatchMode
 except ImportError:  # pragma: no cover - a torch without Python dispatch modes
     TorchDispatchMode = None  # type: ignore[assignment,misc]
+
+# An autograd.Function's call under a torch.func transform, as a function mode sees it (its forward runs inside,
+# out of the mode's sight); None where torch has no such operator (the call is then not a function of its own).
+try:
+    from torch._functorch.autograd_function import custom_function_call as CUSTOM_FUNCTION_CALL
+except ImportError:  # pragma: no cover - a torch whose autograd.Function runs torch.func another way
+    CUSTOM_FUNCTION_CALL = None
 
 
 # -- storage ---------------------------------------------------------------------------------

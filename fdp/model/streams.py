@@ -16,8 +16,11 @@ device (integer arithmetic on the device, no generator state).
   without it). A model whose first forward draws nothing runs without the mode after
   it, so only models with randomness pay its host cost (a Python call per op of the
   forward).
-* A step compiled whole (``trainer.compile``) enters the streams as a function mode that
-  dynamo traces instead (``fdp.model.streams_traced``): the same draws, inside the graph.
+* The train step enters the same draws as a function mode (``fdp.model.streams_functions``),
+  a Python call per random function rather than per op: ``by_function`` in an eager step,
+  which keeps the dispatch mode where its first forward draws out of a function mode's
+  sight (a draw inside an ``autograd.Function`` under ``torch.func``: activation
+  checkpointing's modules), and ``traced`` in a step compiled whole, which dynamo inlines.
 * A forward run beside the step's (ZeRO stage 3's recording forward, ``fdp.update.zero.gather``)
   runs inside ``rehearsal()``: it draws the micro-batch's streams without taking its keys from
   the queue, so the step's own forward draws what it would have drawn without it.
@@ -35,6 +38,7 @@ True
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from typing import Any, Callable
 
@@ -55,12 +59,14 @@ __all__ = [
 ]
 
 SETTINGS = ("auto", True, False)
-# Where a compiled step on per-sample streams still runs its forward under the dispatch mode, under which dynamo
-# runs every function eagerly: the traced streams (fdp.model.streams_traced) serve a step compiled whole, and
-# these two run compiled code inside an eager forward (tests/model/test_streams.py).
+# Where a compiled step on per-sample streams would run compiled code inside an eager forward, whose streams are
+# the dispatch mode at first and for the draws a function mode cannot see (fdp.model.streams_functions.by_function),
+# under which dynamo runs every function eagerly: the traced streams serve a step compiled whole only
+# (tests/model/test_streams.py).
 _EAGER_FORWARD = {
     "zero_stage=3": "ZeRO stage 3 compiles each block between eager gathers",
-    "activation_checkpointing": "activation checkpointing replays a module's draws from the dispatch mode's position",
+    "activation_checkpointing": "activation checkpointing replays a module's draws from the streams' position, and "
+    "under torch.func its modules draw out of a function mode's sight",
 }
 
 
@@ -75,8 +81,8 @@ def compile_refusal(zero_stage: int, checkpointing: bool) -> str | None:
     if reason is None:
         return None
     return (
-        f"{reason}, and there the streams are a dispatch mode, under which torch.compile runs the code uncompiled "
-        "(traced streams serve a step compiled whole only)"
+        f"{reason}, and an eager forward's streams run under a dispatch mode at first and for draws out of a function "
+        "mode's sight, where torch.compile runs the code uncompiled (traced streams serve a step compiled whole only)"
     )
 
 
@@ -150,8 +156,13 @@ def _below(keys: torch.Tensor, shape: tuple, dtype: torch.dtype, p: float) -> to
     n = 1
     for size in shape:
         n *= size
-    threshold = math.ceil(torch.tensor(p, dtype=torch.float32).item() * 2**24) << 8
-    return (_bits(keys, n) < threshold).view(len(keys), *shape)
+    return (_bits(keys, n) < _threshold(p)).view(len(keys), *shape)
+
+
+@functools.lru_cache(maxsize=64)
+def _threshold(p: float) -> int:
+    """The 32-bit words ``k`` whose float32 draw is below ``p`` are those ``k < _threshold(p)``."""
+    return math.ceil(torch.tensor(p, dtype=torch.float32).item() * 2**24) << 8
 
 
 def _normal(keys: torch.Tensor, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -302,8 +313,10 @@ class SampleStreams:
     def __init__(self, seed: int):
         self.seed = int(seed)
         self.draws: bool | None = None  # whether the model's forward draws random numbers (None: not seen yet)
+        # whether an eager forward's draws are all seen by a function mode (fdp.model.streams_functions.by_function)
+        self.by_function: bool | None = None
         self._queue: list[torch.Tensor | None] = []  # each coming micro-batch's keys
-        self.current: torch.Tensor | None = None  # the keys of the traced forward running now (streams_traced)
+        self.current: torch.Tensor | None = None  # the keys of the traced forward running now (streams_functions)
 
     def keys(self, step: int, first: int, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """The keys of global samples ``first`` to ``first + count - 1`` at step ``step`` (int64, 32-bit values)."""
@@ -404,9 +417,9 @@ def wants_sample_streams(setting: bool | str, may_shrink: bool) -> bool:
 
     ``auto`` draws per sample where the result must not depend on the world size while
     the run goes: a world that may shrink (``may_shrink``: ``fdp.run.rank_loss`` says). Elsewhere each
-    rank's generator is used, since the streams' dispatch mode costs a Python call per op
-    of a forward that draws (about twice fdp's host time per step at tiny widths, a few
-    per cent on a model whose compute dominates: ``benchmarks/shrink_overhead.py``).
+    rank's generator is used, since hashing each sample's masks costs more than the generator's
+    draws, and the streams' mode a Python call per random function (per op under the dispatch
+    mode): ``benchmarks/shrink_overhead.py``.
 
     >>> wants_sample_streams("auto", may_shrink=False), wants_sample_streams("auto", may_shrink=True)
     (False, True)

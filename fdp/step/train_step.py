@@ -22,7 +22,7 @@ from fdp.data import split_micro_batches
 from fdp.data.batches import batch_size
 from fdp.errors import check_bool, check_choice, require
 from fdp.hooks import Hook, allreduce, for_slices, with_result_checks
-from fdp.model import recompute, remat, streams_traced
+from fdp.model import recompute, remat, streams_functions
 from fdp.model.functional import FunctionalModel
 from fdp.model.losses import weigh_micro_batches
 from fdp.model.precision import Precision, scaled_micro_batches, unscale, unscaled_loss, update_loss_scale
@@ -228,11 +228,13 @@ def make_train_step(
     streams = SampleStreams(opts.sample_seed) if opts.sample_seed is not None else None
     batch_rank = comm.rank if opts.batch_rank is None else opts.batch_rank
     checkpointed = remat.modules_of(opts.checkpoint_modules, opts.model) if opts.checkpoint_modules else []
-    # A step compiled whole traces its streams (fdp.model.streams_traced); elsewhere they are a dispatch mode
-    # (checkpointed modules replay their draws from the dispatch mode's position: streams.compile_refusal).
+    # A step compiled whole traces its streams; elsewhere they are a function mode too, the dispatch mode where
+    # the first forward draws out of a function mode's sight (fdp.model.streams_functions; streams.compile_refusal).
     traced = streams is not None and opts.compile and not update.gather.gathers and not checkpointed
     forward_loss = (
-        (streams_traced.traced(streams, loss_fn) if traced else streams.wrap(loss_fn)) if streams else loss_fn
+        (streams_functions.traced if traced else streams_functions.by_function)(streams, loss_fn)
+        if streams
+        else loss_fn
     )
     if checkpointed:
         forward_loss = recompute.checkpointed(forward_loss, checkpointed)
@@ -248,7 +250,7 @@ def make_train_step(
         gather=update.gather,
         flat_params=update.flat_params,
         eager_modules=checkpointed,  # their recomputation runs under torch.func, which refuses compiled code
-        around_compiled=functools.partial(streams_traced.taking, streams) if traced else None,
+        around_compiled=functools.partial(streams_functions.taking, streams) if traced else None,
     )
     verdicts = DeferredVerdicts()
     state_verified, state_mib = False, None

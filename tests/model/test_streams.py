@@ -12,11 +12,11 @@ from fdp import adam, functionalize, make_train_step, plan_buckets, planner_loss
 from fdp.comm import Comm
 from fdp.data import global_batch, load_digits, load_stdlib_text, rank_share
 from fdp.errors import ConfigError
-from fdp.model import streams_traced
+from fdp.model import streams_functions
 from fdp.model.builtin import CharTransformer
 from fdp.model.losses import cross_entropy_loss
 from fdp.model.streams import SampleStreams
-from fdp.model.streams_traced import taking
+from fdp.model.streams_functions import by_function, taking
 from fdp.run.config import compose
 from fdp.run.rank_loss import rank_loss_of
 from fdp.run.trainer import run
@@ -219,14 +219,14 @@ def test_zero_stage_3s_recording_forward_leaves_the_steps_dropout_masks_alone():
 
 
 def test_a_traced_forward_draws_what_the_dispatch_mode_draws_bit_for_bit():
-    """The compiled step's streams (fdp.model.streams_traced, a function mode) remake every kind of draw the eager
+    """The compiled step's streams (fdp.model.streams_functions, a function mode) remake every kind of draw the eager
     step's dispatch mode replaces from the same keys and op numbers: the same values, bit for bit."""
     x = torch.randn(6, 4, 6)
     streams = SampleStreams(SEED)
     streams.begin(3, 0, [6])
     eager = streams.wrap(_draws)(x)
     streams.begin(3, 0, [6])
-    traced = taking(streams, streams_traced.traced(streams, _draws))(x)
+    traced = taking(streams, streams_functions.traced(streams, _draws))(x)
     for a, b in zip(eager, traced):
         assert torch.equal(a, b)
 
@@ -261,3 +261,109 @@ def test_a_compiled_step_on_sample_streams_trains_what_the_eager_step_trains():
         torch.testing.assert_close(compiled[name], value, rtol=0, atol=1e-5)
     other = _dropout_mlp_run(None)
     assert max((other[n] - eager[n]).abs().max().item() for n in eager) > 1e-3
+
+
+def _more_draws(x: torch.Tensor) -> list[torch.Tensor]:
+    """Draws an eager function mode takes besides ``_draws``': causal attention dropout, dropout in place and from
+    torch, and functions that draw inside themselves (run under the dispatch mode for their call)."""
+    q = x.view(x.shape[0], 2, 4, 3)
+    return [
+        F.scaled_dot_product_attention(q, q, q, dropout_p=0.2, is_causal=True, scale=0.3),
+        F.dropout(x.clone(), 0.25, training=True, inplace=True),
+        torch.dropout(x, 0.6, True),
+        F.dropout2d(x.view(x.shape[0], 4, 2, 3), 0.5, training=True),
+        F.rrelu(x, training=True),
+        F.dropout(x[0], 0.5, training=True),  # not batch-shaped: the generator's
+        *_draws(x),
+    ]
+
+
+def test_an_eager_forward_by_function_draws_what_the_dispatch_mode_draws_bit_for_bit():
+    """The eager step's function mode (by_function): its first forward runs under the dispatch mode, watched, the
+    next ones by function; each micro-batch's values are the dispatch mode's, bit for bit."""
+    x = torch.randn(12, 4, 6)
+    torch.manual_seed(1)
+    streams = SampleStreams(SEED)
+    streams.begin(3, 0, [6, 6])
+    reference = [streams.wrap(_more_draws)(part) for part in x.split(6)]
+    torch.manual_seed(1)
+    streams = SampleStreams(SEED)
+    streams.begin(3, 0, [6, 6])
+    run = by_function(streams, _more_draws)
+    first = run(x[:6])
+    assert streams.by_function is True  # the watched forward saw every draw in a function the mode takes
+    second = run(x[6:])
+    for expected, got in zip(reference, (first, second)):
+        for a, b in zip(expected, got):
+            assert torch.equal(a, b)
+
+
+def _charlm_steps(wrap) -> dict:
+    """Three SGD steps of a char transformer with dropout and attention dropout, its forward on ``wrap``'s streams."""
+    data = load_stdlib_text(block_size=8, max_chars=4000)
+    torch.manual_seed(0)
+    model, params, buffers = functionalize(CharTransformer(data.num_classes, 8, 16, 2, 2, dropout=0.3))
+    loss_fn = cross_entropy_loss(model)
+    streams = SampleStreams(SEED)
+    grad = torch.func.grad(wrap(streams, loss_fn), has_aux=True)
+    for step in range(1, 4):
+        batch = global_batch(data, step, GLOBAL, 0)
+        streams.begin(step, 0, [GLOBAL // 2, GLOBAL // 2])
+        for half in zip(*(part.split(GLOBAL // 2) for part in batch)):
+            grads, _ = grad(params, buffers, half)
+            params = {name: value - 0.1 * grads[name] for name, value in params.items()}
+    return params, streams.by_function
+
+
+def test_a_model_with_dropout_trains_the_same_params_by_function_as_under_the_dispatch_mode():
+    dispatch, _ = _charlm_steps(lambda streams, loss_fn: streams.wrap(loss_fn))
+    functions, by_functions = _charlm_steps(by_function)
+    assert by_functions is True
+    for name, value in dispatch.items():
+        assert torch.equal(functions[name], value), name
+
+
+class _Twice(torch.autograd.Function):
+    """Dropout inside an autograd.Function: under torch.func, its forward runs out of a function mode's sight."""
+
+    @staticmethod
+    def forward(x):
+        return F.dropout(x, 0.5, training=True) * 2
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+def _noisy(x):
+    """A function of a library's that takes torch functions itself: what it calls is out of a function mode's sight."""
+    if torch.overrides.has_torch_function_unary(x):
+        return torch.overrides.handle_torch_function(_noisy, (x,), x)
+    return x + torch.rand_like(x)
+
+
+def _twice(w, x):
+    return (_Twice.apply(x * w) + F.dropout(x, 0.3, training=True)).sum()
+
+
+def _noisy_twice(w, x):
+    return (_noisy(x * w) + F.dropout(x, 0.3, training=True)).sum()
+
+
+@pytest.mark.parametrize("loss, by_functions", [(_twice, True), (_noisy_twice, False)])
+def test_draws_inside_a_function_are_the_dispatch_modes_or_the_forward_keeps_it(loss, by_functions):
+    """An autograd.Function's forward runs under the dispatch mode for its call; a draw the function mode cannot see
+    at all keeps the dispatch mode for every forward. The gradients are the dispatch mode's either way."""
+    x, w = torch.randn(4, 5), torch.tensor(1.5)
+    grads = {}
+    for name, wrap in (("dispatch", lambda s: s.wrap(loss)), ("functions", lambda s: by_function(s, loss))):
+        streams = SampleStreams(SEED)
+        streams.begin(2, 0, [4, 4])
+        grad = torch.func.grad(wrap(streams))
+        grads[name] = [grad(w, x), grad(w, x)]
+    assert streams.by_function is by_functions
+    assert grads["functions"] == grads["dispatch"]
