@@ -368,9 +368,12 @@ def stage_of(cfg: DictConfig) -> zero.Stage:
 
 def tune_allocator_for(cfg: DictConfig) -> None:
     """This process's heap tuned for the run's stage (``fdp.procs.allocator``): first thing in a worker, before anything
-    is allocated (a stage that gathers its params keeps large blocks out of the heap). ``trainer.zero_stage=auto``
-    is decided later, where a budget, if any, makes the heap count what it holds (``budget_accounting``): stage 0's."""
-    sharded = cfg.trainer.zero_stage != AUTO and stage_of(cfg).shards_params
+    is allocated (a stage that gathers its params keeps large blocks out of the heap). ``trainer.zero_stage=auto`` is
+    decided later: stage 0's without a budget (what it takes then), else stage 3's, which maps large blocks as the
+    budget's accounting asks (``fdp.procs.allocator.budget_accounting``; stage 0's serves every block from the heap,
+    where a build that the run is decided on leaves its freed blocks to be split, and the budget fills sooner)."""
+    auto = cfg.trainer.zero_stage == AUTO
+    sharded = bool(cfg.world.memory_per_rank_mb) if auto else stage_of(cfg).shards_params
     tune_allocator(sharded_params=sharded, bucket_bytes=int(cfg.trainer.bucket_cap_mb * 2**20))
 
 
