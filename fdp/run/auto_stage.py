@@ -52,7 +52,7 @@ from fdp.run.micro_batch import AUTO, accum_options, budget_mib, fixed_accum
 from fdp.run.rejoin import Joining
 from fdp.update.zero import ZERO_STAGES
 
-__all__ = ["AUTO", "check_stage_setting", "lowest_fitting", "with_stage", "built_at_stage", "STORE_KEY"]
+__all__ = ["AUTO", "check_stage_setting", "lowest_fitting", "with_stage", "built_at_stage", "decided", "STORE_KEY"]
 
 log = logging.getLogger("fdp")
 STORE_KEY = "zero_stage_auto"  # where the world keeps its stage for a rank that joins it (fdp.procs.shrink's store)
@@ -136,7 +136,7 @@ def built_at_stage(
     else:
         planned = planned_run(cfg, comm, device, data)
         fixed = fixed_mib + built_mib(base_mib + fixed_mib, dict(planned.state.buffers))
-        record = _decided(cfg, planned, comm, allowed, fixed, budget)
+        record = decided(cfg, planned, comm.world_size, allowed, fixed, budget, comm)
         planned = None  # freed before the run is built
         gc.collect()
         release_free_memory()
@@ -149,9 +149,13 @@ def built_at_stage(
     return with_stage(cfg, record["stage"]), parts, record
 
 
-def _decided(cfg: DictConfig, parts: RunParts, comm: Comm, allowed: list[int], fixed: float, budget: float) -> dict:
-    """The stage every rank takes (a collective), with why; ``RunDoesNotFit`` where none fits on some rank."""
-    per_rank = cfg.data.global_batch_size // comm.world_size
+def decided(
+    cfg: DictConfig, parts: RunParts, world: int, allowed: list[int], fixed: float, budget: float, comm=None
+) -> dict:
+    """The stage of ``allowed`` a run over ``world`` ranks takes under ``budget`` MiB, forecast from ``parts`` (a
+    ``planned_run``) with ``fixed`` MiB a rank adds whatever the model, and why; every rank of ``comm`` (a
+    collective) takes the highest any chose. ``RunDoesNotFit`` where none fits (on some rank)."""
+    per_rank = cfg.data.global_batch_size // world
     asked = cfg.trainer.accum_steps
     micros = [per_rank // a for a in accum_options(per_rank)] if asked == AUTO else [per_rank // fixed_accum(asked)]
     acts = activations_of(cfg, parts)
@@ -159,14 +163,14 @@ def _decided(cfg: DictConfig, parts: RunParts, comm: Comm, allowed: list[int], f
 
     def peak(stage: int, micro: int) -> float:
         if (stage, micro) not in peaks:
-            ranks = run_forecasts(cfg, parts, comm.world_size, fixed, acts, stages=[stage], micro=micro)
+            ranks = run_forecasts(cfg, parts, world, fixed, acts, stages=[stage], micro=micro)
             peaks[stage, micro] = max(f.peak for f in ranks) / MiB
         return peaks[stage, micro]
 
     found = lowest_fitting(peak, allowed, micros, budget)
     mine = found[0] if found else len(ZERO_STAGES)  # past the last stage: none fits
     agreed = torch.tensor([mine], dtype=torch.int64)
-    if comm.world_size > 1:
+    if comm is not None and comm.world_size > 1:
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=comm.group)
     stage = int(agreed[0])
     setting = "world.memory_per_rank_mb" if cfg.world.memory_per_rank_mb else "the GPU's free memory"
