@@ -66,7 +66,8 @@ or of packages above it in this list; ``tests/test_imports.py`` holds every impo
   (``loop_controls``), your own code called in the loop (``callbacks``), the loop of one world (``loop``), a
   rank's run from start to summary (``trainer``), what a lost rank does (``rank_loss``: restart, shrink, or
   shrink and respawn, chosen once), what a rank out of memory says (``out_of_memory``), the memory a run will
-  need, forecast from its plan (``forecast``, ``forecast_run``), the shell entry (``cli``), its
+  need, forecast from its plan (``forecast``, ``forecast_run``), and what fits it (``micro_batch``, ``auto_stage``:
+  ``trainer.accum_steps=auto``, ``trainer.zero_stage=auto``), the shell entry (``cli``), its
   ``--help`` and the docs' pages drawn from the schemas and the checks (``reference``, ``compatibility``) and
   sweeps (``sweep``); which format a world's checkpoints take (``checkpoint_format``: whole, sharded, or auto,
   chosen once); sharded, asynchronous checkpoints in DCP's format (``sharded_checkpoint``), their
