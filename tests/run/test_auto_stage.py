@@ -70,7 +70,16 @@ def test_the_stages_auto_may_take_are_those_the_other_settings_allow():
     assert allowed_stages(compose("trainer.zero_stage=2")) == [2]
 
 
-def test_auto_takes_the_lowest_stage_that_fits_and_equals_the_run_at_that_stage(tmp_path):
+@pytest.fixture(scope="module")
+def at_stage_3(tmp_path_factory):
+    """The state of the run with trainer.zero_stage=3 set (no budget)."""
+    run_dir = tmp_path_factory.mktemp("stage3")
+    summary = run(compose(*COMMON, "trainer.zero_stage=3"), run_dir)
+    assert "zero_stage" not in summary
+    return _state(run_dir)
+
+
+def test_auto_takes_the_lowest_stage_that_fits_and_equals_the_run_at_that_stage(tmp_path, at_stage_3):
     """Under a budget between the forecasts of stages 2 and 3 the run says so in one line at start, records the
     choice in its summary and metrics.jsonl, and trains as a run with trainer.zero_stage=3 set does, to the bit."""
     summary = run(compose(*COMMON, "trainer.zero_stage=auto", f"world.memory_per_rank_mb={BUDGET}"), tmp_path / "auto")
@@ -87,9 +96,20 @@ def test_auto_takes_the_lowest_stage_that_fits_and_equals_the_run_at_that_stage(
     assert abs((needs - fits) - (peaks[2] - peaks[3])) <= 1.5, (fits, needs, peaks)
     records = [json.loads(line) for line in (tmp_path / "auto" / "metrics.jsonl").read_text().splitlines()]
     assert [r["stage"] for r in records if r.get("zero_stage") is True] == [3]
-    fixed = run(compose(*COMMON, "trainer.zero_stage=3"), tmp_path / "fixed")
-    assert "zero_stage" not in fixed
-    assert _same(_state(tmp_path / "auto"), _state(tmp_path / "fixed"))
+    assert _same(_state(tmp_path / "auto"), at_stage_3)
+
+
+def test_a_resume_decides_again_and_reads_a_checkpoint_of_another_stage(tmp_path, at_stage_3):
+    """Saved (sharded) at stage 0 after step 1, resumed under the budget: auto takes stage 3 and reads the
+    checkpoint range by range into its slices, and ends where the run at stage 3 throughout does, to the bit."""
+    saving = (*COMMON, "trainer.checkpoint_format=sharded")
+    run(compose(*saving, "trainer.zero_stage=0", "trainer.stop_at=1"), tmp_path)
+    summary = run(
+        compose(*saving, "trainer.zero_stage=auto", f"world.memory_per_rank_mb={BUDGET}", "trainer.resume=true"),
+        tmp_path,
+    )
+    assert summary["zero_stage"]["stage"] == 3 and summary["steps"] == 2, summary
+    assert _same(_state(tmp_path), at_stage_3)
 
 
 def test_no_stage_that_fits_is_refused_before_training_naming_the_smallest_peak(tmp_path):
