@@ -3,6 +3,7 @@
     python recipes/plan.py model=charlm data=stdlib_text trainer.bucket_cap_mb=4
     python recipes/plan.py model=convnet +plan_json=plan.json      # also save it as JSON
     python recipes/plan.py world=local4 trainer.zero_stage=3 world.memory_per_rank_mb=500  # will it fit?
+    python recipes/plan.py world=local4 trainer.zero_stage=auto world.memory_per_rank_mb=500  # which stage fits?
 
 The plan is built exactly as ``recipes/train.py`` builds it before step 1, for the world
 and ZeRO stage the config names. Then the memory forecast (``fdp.run.forecast``): each rank's
@@ -15,10 +16,12 @@ and a mistake ends in one ``error:`` line with exit status 2, as a run does.
 import json
 import sys
 
+import torch
+
 from fdp._torch import preload_compiler
 from fdp.comm import Comm
 from fdp.errors import ConfigError
-from fdp.run import cli, forecast, forecast_run
+from fdp.run import auto_stage, build, cli, forecast, forecast_run
 from fdp.run.build import build_run, display_name
 from fdp.run.config import compose
 
@@ -49,6 +52,8 @@ def main() -> None:
         cfg = resolve_world(cfg)
         validate(cfg)
         before = forecast.resident_mib()
+        if cfg.trainer.zero_stage == auto_stage.AUTO:  # the stage the run would take, said as the run says it
+            cfg = _auto_stage(cfg, fixed)
         parts = build_run(cfg, Comm())
         fixed += forecast.built_mib(before, parts.state)  # what the build left beyond its state (the model's code)
     except ConfigError as error:
@@ -74,6 +79,25 @@ def main() -> None:
     if json_path:
         with open(json_path, "w") as f:
             json.dump({**plan.to_dict(), "memory": forecast_run.memory_section(mine, stages)}, f, indent=1)
+
+
+def _auto_stage(cfg, fixed: float):
+    """``cfg`` at the stage ``trainer.zero_stage=auto`` takes under ``world.memory_per_rank_mb`` (0 on the CPU if
+    unset: stage 0), with the line the run prints at start."""
+    from fdp.run.validate import allowed_stages
+
+    allowed, budget = allowed_stages(cfg), cfg.world.memory_per_rank_mb
+    world = cfg.world.nnodes * cfg.world.nproc_per_node
+    if budget:
+        data = build.build_data(cfg.data, cfg.seed)
+        before = forecast.resident_mib()
+        planned = build.planned_run(cfg, Comm(), torch.device("cpu"), data)
+        fixed += forecast.built_mib(before, dict(planned.state.buffers))
+        record = auto_stage.decided(cfg, planned, world, allowed, fixed, budget)
+    else:
+        record = {"stage": allowed[0], "why": "no memory budget: world.memory_per_rank_mb=0 on the CPU"}
+    print(f"trainer.zero_stage=auto: stage {record['stage']} ({record['why']})")
+    return auto_stage.with_stage(cfg, record["stage"])
 
 
 def _largest(cfg, parts, world: int, fixed: float, activations) -> dict[int, int] | None:

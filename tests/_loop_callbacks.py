@@ -4,6 +4,7 @@ so that a local world's ranks can build or unpickle them (tests/run/test_callbac
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -122,12 +123,16 @@ class Hungry(torch.nn.Module):
 
 
 class Squeezes(Callback):
-    """After step ``at`` on rank ``rank``, a ``Hungry`` model there takes at most ``samples`` per forward."""
+    """After step ``at`` on rank ``rank``, a ``Hungry`` model there takes at most ``samples`` per forward (``at=0``:
+    from the first step on; the callback is made in each rank's process before it)."""
 
     every_rank = True
 
     def __init__(self, at: int = 1, rank: int = 0, samples: int = 8):
+        global LARGEST_FORWARD
         self.at, self.rank, self.samples = at, rank, samples
+        if at == 0 and int(os.environ.get("RANK", 0)) == rank:
+            LARGEST_FORWARD = samples
 
     def on_step_end(self, event):
         global LARGEST_FORWARD

@@ -362,7 +362,8 @@ def _data_limited() -> bool:
 class MemoryPhase:
     """Which part of a run this rank is in, for its out-of-memory line: ``data``, ``build``, ``step``,
     ``evaluation`` or ``save``, the step it is at, whether this invocation has saved a checkpoint, and the
-    micro-batches per step a run that decides them is at (``accum``; ``None``: the setting's).
+    micro-batches per step and the ZeRO stage a run that decides them is at (``accum``, ``stage``; ``None``: the
+    setting's).
 
     ``with phase("step", 7): ...`` enters a part; one that ends normally hands back the part it was
     in, one that raises leaves the phase where it failed.
@@ -376,7 +377,7 @@ class MemoryPhase:
     """
 
     def __init__(self):
-        self.name, self.step, self.saved, self.accum = "data", None, False, None
+        self.name, self.step, self.saved, self.accum, self.stage = "data", None, False, None, None
 
     @contextlib.contextmanager
     def __call__(self, name: str, step: int | None = None) -> Iterator[None]:

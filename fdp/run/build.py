@@ -243,6 +243,23 @@ def build_run(
     return RunParts(model, data, plan, hook, optimizer, state, num_params, criterion, precision, update, metrics)
 
 
+def planned_run(cfg: DictConfig, comm: Comm, device: torch.device, data: Dataset | MapData) -> RunParts:
+    """What a memory forecast of the run reads (``fdp.run.forecast_run``), without its train state: the model built
+    on ``meta`` where it can be (else whole), its plan, hook and optimizer; ``state`` holds the params as built
+    and the buffers, no optimizer or hook state (``trainer.zero_stage=auto`` decides the stage from it before the
+    run is built at that stage: ``fdp.run.auto_stage``)."""
+    precision = check_precision(cfg.trainer.precision, device.type, cfg.trainer.reduce_dtype)
+    criterion = build_loss(OmegaConf.to_container(cfg.loss, resolve=True))
+    pieces = _built_on_meta(cfg, data, device, precision, criterion, comm, quiet=True)
+    if pieces is None:
+        pieces = _built_whole(cfg, data, device, precision, criterion, comm)
+    steps = run_steps(cfg.trainer.max_steps, cfg.trainer.max_epochs, data, cfg.data.global_batch_size)
+    optimizer = build_optimizer(OmegaConf.to_container(cfg.optim), steps, embeddings=pieces.embeddings)
+    state = TrainState(0, pieces.params, pieces.buffers, (), (), torch.empty(0))
+    hook = build_hook(OmegaConf.to_container(cfg.hooks))
+    return RunParts(pieces.model, data, pieces.plan, hook, optimizer, state, pieces.num_params, criterion, precision)
+
+
 class _ModelPieces(NamedTuple):
     """The model and its plan; ``make(name)`` makes a param that ``params`` hold on ``meta`` only (else ``None``)."""
 
@@ -272,7 +289,7 @@ def _built_whole(
 
 
 def _built_on_meta(
-    cfg: DictConfig, data, device: torch.device, precision: Precision, criterion: Criterion, comm: Comm
+    cfg: DictConfig, data, device: torch.device, precision: Precision, criterion: Criterion, comm: Comm, quiet=False
 ) -> _ModelPieces | None:
     """The model built on ``meta`` and each param made only when this rank's slices need it
     (``fdp.model.deferred``), or ``None``, with one line saying why, where the model cannot be:
@@ -281,7 +298,7 @@ def _built_on_meta(
     try:
         deferred = record_build(lambda: build_module(cfg.model, data))
     except NotDeferrable as error:
-        return _whole_instead(cfg, comm, str(error))
+        return None if quiet else _whole_instead(cfg, comm, str(error))
     module = deferred.module
     num_params = count_parameters(module)
     embeddings = embedding_names(module)
@@ -292,7 +309,7 @@ def _built_on_meta(
         plan, metrics = _checked_plan(cfg, data, model, params, buffers, precision, criterion, comm, device)
     except Exception as error:  # the whole build gives the real verdict: a misfit is refused there, in its words
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        return _whole_instead(cfg, comm, f"its forward cannot run on the meta device ({reason})")
+        return None if quiet else _whole_instead(cfg, comm, f"its forward cannot run on the meta device ({reason})")
     deferred.materialize_rest()  # buffers, frozen params and tensor attributes: whole on every rank (small)
     buffers = to_device(precision.cast({n: b.detach().clone() for n, b in module.named_buffers()}), device)
     frozen = {n: p.detach().clone() for n, p in module.named_parameters() if not p.requires_grad}
@@ -351,8 +368,13 @@ def stage_of(cfg: DictConfig) -> zero.Stage:
 
 def tune_allocator_for(cfg: DictConfig) -> None:
     """This process's heap tuned for the run's stage (``fdp.procs.allocator``): first thing in a worker, before anything
-    is allocated (a stage that gathers its params keeps large blocks out of the heap)."""
-    tune_allocator(sharded_params=stage_of(cfg).shards_params, bucket_bytes=int(cfg.trainer.bucket_cap_mb * 2**20))
+    is allocated (a stage that gathers its params keeps large blocks out of the heap). ``trainer.zero_stage=auto`` is
+    decided later: stage 0's without a budget (what it takes then), else stage 3's, which maps large blocks as the
+    budget's accounting asks (``fdp.procs.allocator.budget_accounting``; stage 0's serves every block from the heap,
+    where a build that the run is decided on leaves its freed blocks to be split, and the budget fills sooner)."""
+    auto = cfg.trainer.zero_stage == AUTO
+    sharded = bool(cfg.world.memory_per_rank_mb) if auto else stage_of(cfg).shards_params
+    tune_allocator(sharded_params=sharded, bucket_bytes=int(cfg.trainer.bucket_cap_mb * 2**20))
 
 
 def node_size_of(cfg: DictConfig) -> int:

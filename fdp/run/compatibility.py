@@ -38,6 +38,7 @@ FEATURES = (
     _f("zero_stage=1"),
     _f("zero_stage=2"),
     _f("zero_stage=3"),
+    _f("zero_stage=auto"),
     _f("compile=true"),
     _f("precision=bf16-mixed"),
     _f("precision=16-mixed"),

@@ -225,7 +225,9 @@ class TrainerConfig:
     matmul_precision: str = "highest"  # highest | high | medium: torch.set_float32_matmul_precision
     # auto | true | false: torch.compile the gradient computation (auto: on a GPU, when the run repays the compile)
     compile: Any = "auto"
-    zero_stage: int = 0  # 0 | 1 (shard optimizer state over ranks) | 2 (and reduced gradients) | 3 (and params)
+    # 0 | 1 (shard optimizer state over ranks) | 2 (and reduced gradients) | 3 (and params) | auto: the lowest stage
+    # whose memory forecast fits the budget (fdp.run.auto_stage)
+    zero_stage: Any = 0
     sample_streams: Any = (
         "auto"  # auto | true | false: dropout masks per sample, alike on any world (auto: if it may shrink)
     )

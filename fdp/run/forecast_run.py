@@ -60,7 +60,9 @@ def activations_of(cfg, parts, device: torch.device = torch.device("cpu")) -> Ca
     example = batch_to_device(parts.precision.cast(head(example, 2)), device)
     loss = planner_loss(make_loss_fn(parts.model, parts.criterion), parts.state.buffers)
     params = parts.state.params
-    if set(params) != set(plan.names):  # slices (stage 3): the params stand in on meta, as the planner traces them
+    # Slices (stage 3), or params built on meta (fdp.run.build.planned_run): the params stand in on meta, as the
+    # planner traces them.
+    if set(params) != set(plan.names) or any(p.is_meta for p in params.values()):
         params = {
             s.name: torch.empty(s.shape, dtype=b.torch_dtype, device="meta") for b in plan.buckets for s in b.slots
         }

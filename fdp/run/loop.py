@@ -153,10 +153,18 @@ class Loop:
         )
 
     def _make_step(self) -> None:
+        """The step function. Under ``trainer.accum_steps=auto`` on its own groups (``fdp.run.micro_batch.Agreement``),
+        ``world.hierarchical``'s made again too: a rank waiting in a collective of the update or the hook for a rank
+        that ran out of memory is woken as in the step's own, and a step abandoned with collectives in flight on
+        them leaves them behind."""
         cfg = self.cfg
         self.train_step = None  # the last one's buffers freed before the next one's are made
         comm = self.agreement.step_comm() if self.agreement is not None else self.comm
         self.step_comm = comm
+        if self.agreement is not None and cfg.world.hierarchical:
+            self.agreement.abandoned.append(self.parts)  # its groups kept, never used again
+            self.parts = regrouped(cfg, self.parts, comm)
+            self.controls.shard = self.parts.update.comm
         self.train_step = make_step(
             cfg,
             self.parts,
@@ -234,6 +242,7 @@ class Loop:
                 waited = time.perf_counter() - waited
                 state, metrics = self._step(batch)
             self.before, self.state = self.state, state
+            report.parts = self.parts  # made again where a step was abandoned (world.hierarchical's groups)
             while self.choices:  # trainer.accum_steps=auto: the micro-batch chosen, in metrics.jsonl
                 report.micro_batch(self.choices.pop(0), self.accum)
             self.callbacks.step_end(self.comm, state, {**metrics, "data_wait_s": waited})

@@ -15,7 +15,6 @@ from omegaconf import DictConfig
 
 from fdp.model import remat
 from fdp.procs.devices import MemoryPhase
-from fdp.run.build import stage_of
 from fdp.run.checkpoint import format_of
 from fdp.run.micro_batch import fixed_accum
 
@@ -38,7 +37,7 @@ def out_of_memory_message(
         f"trainer.accum_steps={accum}"
     )
     # Recomputing activations in backward (fdp.model.recompute) keeps a step's peak lower, where it is not on yet.
-    stage = stage_of(cfg).number
+    stage = phase.stage if phase.stage is not None else tc.zero_stage  # trainer.zero_stage=auto: once decided
     on = remat.resolved_mode(tc.activation_checkpointing, tc.activation_checkpointing_policy) != "none"
     remat_hint = "" if on else "trainer.activation_checkpointing=blocks, "
     where, expected = {

@@ -60,6 +60,8 @@ __all__ = [
     "check_rank_loss",
     "check_rank_loss_in_world",
     "rank_loss_of",
+    "refuses_stage",
+    "check_stage_kept",
 ]
 
 ON_RANK_LOSS = ("restart", "shrink")
@@ -218,18 +220,40 @@ def _check_respawn(w: Any, kind: Any) -> None:
 
 def _check_shrink(cfg: Any) -> None:
     """What a world that shrinks in place cannot do (yet): each refused in one line."""
-    w, t, why = cfg.world, cfg.trainer, "with world.on_rank_loss=shrink"
+    w, why = cfg.world, "with world.on_rank_loss=shrink"
     _require(
         w.max_restarts == 0, "world.max_restarts", w.max_restarts, f"0 {why} (a lost rank shrinks the world instead)"
     )
-    # A hierarchical world loses whole nodes, each holding a replica of every slice (fdp.procs.shrink.whole_groups).
-    keeping = [stage for stage in ZERO_STAGES if stage_rules(stage).refuses_mirror() is None]
+
+
+def check_stage_kept(w: Any, stage: int) -> None:
+    """Refuse, naming ``trainer.zero_stage``, a stage the world ``w`` cannot lose a rank at (``refuses_stage``).
+
+    >>> from fdp.run.config import compose
+    >>> check_stage_kept(compose("world.on_rank_loss=shrink").world, 1)
+    """
+    keeping = [s for s in ZERO_STAGES if stage_rules(s).refuses_mirror() is None]
+    reason = refuses_stage(w, stage)
     _require(
-        t.zero_stage in keeping or w.hierarchical,
+        reason is None,
         "trainer.zero_stage",
-        t.zero_stage,
-        f"{one_of(keeping)} {why} unless world.hierarchical=true ({stage_rules(t.zero_stage).refuses_mirror()})",
+        stage,
+        f"{one_of(keeping)} with world.on_rank_loss=shrink unless world.hierarchical=true ({reason})",
     )
+
+
+def refuses_stage(w: Any, stage: int) -> str | None:
+    """Why the world ``w`` cannot lose a rank at ZeRO stage ``stage`` (a flat world that shrinks needs the next
+    rank's slices, ``Stage.refuses_mirror``; a hierarchical one loses whole nodes, each holding a replica of every
+    slice: ``fdp.procs.shrink.whole_groups``), or ``None``.
+
+    >>> from fdp.run.config import compose
+    >>> refuses_stage(compose("world.on_rank_loss=shrink").world, 3).startswith("ZeRO stage 3 keeps no copy")
+    True
+    """
+    if w.on_rank_loss != "shrink" or w.hierarchical:
+        return None
+    return stage_rules(stage).refuses_mirror()
 
 
 def check_one_process(w: Any, world: int) -> None:

@@ -46,7 +46,16 @@ class Report:
 
     peak = None  # this rank's fdp.procs.allocator.PeakMemory since the budget began: the summary's peak_mib
 
-    def __init__(self, cfg: DictConfig, run_dir: RunDir, parts: RunParts, comm: Comm, first_step: int, last_step: int):
+    def __init__(
+        self,
+        cfg: DictConfig,
+        run_dir: RunDir,
+        parts: RunParts,
+        comm: Comm,
+        first_step: int,
+        last_step: int,
+        stage_choice: dict | None = None,
+    ):
         self.cfg, self.run_dir, self.parts, self.comm = cfg, run_dir, parts, comm
         self.last_step = last_step
         is_rank0 = comm.rank == 0
@@ -62,6 +71,9 @@ class Report:
         self.accum = fixed_accum(cfg.trainer.accum_steps)  # micro-batches per step (trainer.accum_steps=auto decides)
         self.micro_batches: list[dict] = []  # each micro-batch trainer.accum_steps=auto chose
         self.grows: list[dict] = []  # each time ranks joined it (fdp.procs.grow)
+        self.stage_choice = stage_choice  # the stage trainer.zero_stage=auto chose (fdp.run.auto_stage)
+        if self.log and stage_choice:
+            self.log.write({"zero_stage": True, "step": first_step, **stage_choice})
 
     def shrunk(self, comm: Comm, record: dict) -> None:
         """The world went on without a lost rank from step ``record["step"]``: note it (a line of
@@ -249,6 +261,7 @@ class Report:
             **({"shrinks": self.shrinks} if self.shrinks else {}),
             **({"grows": self.grows} if self.grows else {}),
             **({"micro_batches": self.micro_batches} if self.micro_batches else {}),
+            **({"zero_stage": self.stage_choice} if self.stage_choice else {}),
             **({"interrupted": interrupted} if interrupted else {}),
             **({"stopped": stopped} if stopped else {}),
         }

@@ -53,7 +53,8 @@ from fdp.procs.launch import (
 )
 from fdp.procs.launchers import launcher_of
 from fdp.procs.shrink import ShrinkingWorld, check_shrinkable_batch, keep_rank, launched_world, shrink_store
-from fdp.run.build import RunParts, build_data, build_run, display_name, node_size_of, tune_allocator_for
+from fdp.run.auto_stage import built_at_stage
+from fdp.run.build import RunParts, build_data, display_name, node_size_of, tune_allocator_for
 from fdp.run.callbacks import Callbacks, check_given
 from fdp.run.checkpoint import resume
 from fdp.run.forecast import built_mib, first_use_mib
@@ -67,6 +68,7 @@ from fdp.run.rejoin import Joining, RunEnded, enter_world
 from fdp.run.report import Report, evaluated_names
 from fdp.run.rundir import RankStatus, RunDir, train_log_handler
 from fdp.run.startup import start_run
+from fdp.run.validate import allowed_stages
 from fdp.run.world import layout_of
 from fdp.state.train_state import TrainState
 from fdp.step import compiled
@@ -285,7 +287,9 @@ def _start(
     peak = PeakMemory(device)  # what the summary says the run held at most, over this (fdp.run.forecast's peak)
     fixed = first_use_mib() if device.type == "cpu" else 0.0
     with phase("build"):  # to the first step: what setting up the loop holds is the build's too
-        parts = build_run(cfg, comm, device, data, alone=joiner)
+        # trainer.zero_stage=auto: the stage decided (fdp.run.auto_stage); from here cfg names it
+        cfg, parts, stage_choice = built_at_stage(cfg, comm, device, data, world, allowed_stages(cfg), fixed, peak.base)
+        phase.stage = parts.update.stage
         source = None if joiner else _resume_source(cfg, run_dir)
         state = _first_state(source, parts, comm)
         # The forecast's trace before the heap gives back what building left free: it costs the run nothing after.
@@ -336,7 +340,7 @@ def _start(
             callbacks,
             memory=(built, peak.base),
         )
-        report = Report(cfg, run_dir, parts, comm, state.step, last_step)
+        report = Report(cfg, run_dir, parts, comm, state.step, last_step, stage_choice)
         report.peak = peak
     return loop, report, choice
 

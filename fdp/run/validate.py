@@ -34,6 +34,7 @@ from fdp.plan.values import check_cap
 from fdp.procs.devices import BACKENDS
 from fdp.procs.interrupt import check_requeue_signal
 from fdp.procs.launchers import launcher_of
+from fdp.run.auto_stage import check_stage_setting
 from fdp.run.callback_specs import check_callbacks
 from fdp.run.checkpoint import format_of, saved_config, verify
 from fdp.run.config import SCHEMAS
@@ -41,7 +42,13 @@ from fdp.run.keys import check_keys
 from fdp.run.loggers import check_loggers
 from fdp.run.loop_controls import check_loop_settings
 from fdp.run.micro_batch import AUTO, check_accum_setting
-from fdp.run.rank_loss import check_one_process, check_rank_loss, check_rank_loss_in_world, rank_loss_of
+from fdp.run.rank_loss import (
+    check_one_process,
+    check_rank_loss,
+    check_rank_loss_in_world,
+    check_stage_kept,
+    rank_loss_of,
+)
 from fdp.run.rundir import RunDir
 from fdp.state.replicas import check_sync_buffers
 from fdp.step.compiled import check_compile
@@ -50,13 +57,13 @@ from fdp.step.reduce import resolve_schedule
 from fdp.step.train_step import check_nonfinite
 from fdp.targets import locate
 from fdp.update.zero import (
+    ZERO_STAGES,
     check_hook_across_nodes,
     check_optimizer_for_stage,
-    check_zero_stage,
     refuses_outer,
 )
 
-__all__ = ["validate", "validate_run_dir"]
+__all__ = ["validate", "validate_run_dir", "allowed_stages"]
 
 
 def _require(ok: bool, setting: str, value: Any, what: str) -> None:
@@ -93,7 +100,7 @@ def validate_run_dir(cfg: Any, run_dir: Any) -> None:
 
 def _validate_trainer(cfg: Any) -> None:
     t, device = cfg.trainer, _device(cfg.world)
-    rank_loss = _as_config_key("world.on_rank_loss", rank_loss_of, cfg.world)
+    _as_config_key("world.on_rank_loss", rank_loss_of, cfg.world)  # refused first, in its own words
     _as_config_key("trainer.accum_steps", check_accum_setting, t.accum_steps)
     for key in ("max_steps", "log_every", "keep_checkpoints"):
         _require(t[key] >= 1, f"trainer.{key}", t[key], "an integer >= 1")
@@ -109,7 +116,7 @@ def _validate_trainer(cfg: Any) -> None:
     _as_config_key("trainer.precision", lambda value: check_precision(value, device), t.precision)
     _as_config_key("trainer.matmul_precision", check_matmul_precision, t.matmul_precision)
     _as_config_key("trainer.compile", lambda value: check_compile(value, device), t.compile)
-    _as_config_key("trainer.zero_stage", check_zero_stage, t.zero_stage)
+    _as_config_key("trainer.zero_stage", check_stage_setting, t.zero_stage)
     format_of(t, _known_world_size(cfg.world))  # trainer.checkpoint_format and checkpoint_async
     _as_config_key("trainer.sample_streams", check_sample_streams, t.sample_streams)
     _as_config_key("trainer.activation_checkpointing", remat.check_mode, t.activation_checkpointing)
@@ -118,34 +125,68 @@ def _validate_trainer(cfg: Any) -> None:
         lambda k: remat.check_k(k, remat.resolved_mode(t.activation_checkpointing, t.activation_checkpointing_policy)),
         t.activation_checkpointing_k,
     )
-    checkpointing = remat.resolved_mode(t.activation_checkpointing, t.activation_checkpointing_policy) != "none"
-    not_compiled = compile_refusal(t.zero_stage, checkpointing)
-    if rank_loss.sample_streams(t.sample_streams) and not_compiled:
-        _require(
-            t.compile is not True,
-            "trainer.compile",
-            t.compile,
-            "auto or false with per-sample streams (trainer.sample_streams, on with world.on_rank_loss=shrink): "
-            + not_compiled,
-        )
     hook = _as_config_key("hooks", build_hook, _container(cfg.hooks))
     _as_config_key("trainer.reduce_dtype", lambda value: check_reduce_dtype(value, t.precision, hook), t.reduce_dtype)
-    reason = refuses_outer(t.zero_stage, cfg.world.hierarchical) if cfg.outer.name != "none" else None
-    if reason:  # an outer loop syncs replicas: a hybrid world's groups
-        _require(
-            False,
-            "trainer.zero_stage",
-            t.zero_stage,
-            f"0 with outer={cfg.outer.name}, or world.hierarchical=true ({reason})",
-        )
-    if cfg.world.hierarchical and t.zero_stage:  # hybrid sharding: the chain reduces each rank's slice across nodes
-        _as_config_key("hooks", lambda _: check_hook_across_nodes(hook), _container(cfg.hooks))
     optimizer = _as_config_key("optim", lambda spec: build_optimizer(spec, t.max_steps), _container(cfg.optim))
-    _as_config_key("trainer.zero_stage", lambda stage: check_optimizer_for_stage(stage, optimizer), t.zero_stage)
+    _stages_allowed(cfg, hook, optimizer)
     _as_config_key("trainer.loggers", lambda names: check_loggers(names, t.tensorboard), list(t.loggers))
     check_callbacks(_container(t.callbacks))
     check_loop_settings(t)
     _as_config_key("outer", check_outer, _container(cfg.outer))
+
+
+def allowed_stages(cfg: Any) -> list[int]:
+    """The ZeRO stages the run's other settings allow, lowest first: the one ``trainer.zero_stage`` names, or those
+    ``auto`` may take (``fdp.run.auto_stage``); the lowest stage's refusal where none is allowed.
+
+    >>> from fdp.run.config import compose
+    >>> allowed_stages(compose("trainer.zero_stage=auto", "outer=diloco"))  # a flat world is one replica
+    [0]
+    """
+    t = cfg.trainer
+    hook = _as_config_key("hooks", build_hook, _container(cfg.hooks))
+    optimizer = _as_config_key("optim", lambda spec: build_optimizer(spec, t.max_steps), _container(cfg.optim))
+    return _stages_allowed(cfg, hook, optimizer)
+
+
+def _stages_allowed(cfg: Any, hook: Any, optimizer: Any) -> list[int]:
+    stages = list(ZERO_STAGES) if cfg.trainer.zero_stage == AUTO else [cfg.trainer.zero_stage]
+    refusals = [_stage_refusal(cfg, stage, hook, optimizer) for stage in stages]
+    allowed = [stage for stage, refusal in zip(stages, refusals) if refusal is None]
+    if not allowed:
+        raise refusals[0]
+    return allowed
+
+
+def _stage_refusal(cfg: Any, stage: int, hook: Any, optimizer: Any) -> ConfigError | None:
+    """Why the other settings refuse ZeRO stage ``stage`` (each rule its owner's), naming the setting; or ``None``."""
+    t = cfg.trainer
+    try:
+        checkpointing = remat.resolved_mode(t.activation_checkpointing, t.activation_checkpointing_policy) != "none"
+        not_compiled = compile_refusal(stage, checkpointing)
+        if rank_loss_of(cfg.world).sample_streams(t.sample_streams) and not_compiled:
+            _require(
+                t.compile is not True,
+                "trainer.compile",
+                t.compile,
+                "auto or false with per-sample streams (trainer.sample_streams, on with world.on_rank_loss=shrink): "
+                + not_compiled,
+            )
+        reason = refuses_outer(stage, cfg.world.hierarchical) if cfg.outer.name != "none" else None
+        if reason:  # an outer loop syncs replicas: a hybrid world's groups
+            _require(
+                False,
+                "trainer.zero_stage",
+                stage,
+                f"0 with outer={cfg.outer.name}, or world.hierarchical=true ({reason})",
+            )
+        if cfg.world.hierarchical and stage:  # hybrid sharding: the chain reduces each rank's slice across nodes
+            _as_config_key("hooks", lambda _: check_hook_across_nodes(hook), _container(cfg.hooks))
+        _as_config_key("trainer.zero_stage", lambda s: check_optimizer_for_stage(s, optimizer), stage)
+        check_stage_kept(cfg.world, stage)
+    except ConfigError as error:
+        return error
+    return None
 
 
 def _known_world_size(w: Any) -> int | None:

@@ -165,3 +165,34 @@ def test_one_rank_out_of_memory_and_every_rank_does_the_step_again(tmp_path, sta
     run(compose(*common, "trainer.accum_steps=1", "trainer.stop_at=1"), tmp_path / "fixed")
     run(compose(*common, "trainer.accum_steps=4", "trainer.resume=true"), tmp_path / "fixed")
     assert _same(_state(tmp_path / "auto"), _state(tmp_path / "fixed"))
+
+
+COMPOSED = {  # what trainer.accum_steps=auto composes with, each on a world of its own
+    "activation_checkpointing": (
+        "trainer.activation_checkpointing=blocks",
+        "trainer.activation_checkpointing_policy=[Linear]",
+    ),
+    "diloco": ("outer=diloco", "outer.sync_every=2"),
+    "local_sgd": ("outer=local_sgd", "outer.sync_every=2"),
+    "hsdp": ("world=local4", "world.hierarchical=true", "world.node_size=2", "trainer.zero_stage=3"),
+}
+
+
+@pytest.mark.parametrize("name", list(COMPOSED))
+def test_auto_composes_and_equals_the_run_at_the_micro_batch_it_took(tmp_path, name):
+    """Rank 1's model takes at most 10 samples per forward from the first step (no budget: the whole share is
+    tried first): step 1 runs out of memory there, every rank does it again with half, then a quarter of the share,
+    and the run equals one with that micro-batch fixed from the start, params and optimizer state to the bit."""
+    squeeze = "trainer.callbacks=[{_target_: _loop_callbacks.Squeezes, at: 0, rank: 1, samples: 10}]"
+    settings = ("data.global_batch_size=64", *COMPOSED[name])
+    keys = {o.split("=")[0] for o in settings}
+    common = (*(o for o in HUNGRY if o.split("=")[0] not in keys), *settings)
+    summary = run(compose(*common, "trainer.accum_steps=auto", squeeze), tmp_path / "auto")
+    per_rank = 64 // summary["world"]
+    chosen = [(c["step"], c["micro_batch"]) for c in summary["micro_batches"]]
+    assert chosen[0] == (0, per_rank) and all(step == 0 for step, _ in chosen), summary["micro_batches"]
+    assert chosen[-1][1] <= 10 < chosen[-2][1], chosen
+    assert all("rank 1 ran out of memory" in c["why"] for c in summary["micro_batches"][1:])
+    assert _steps_logged(tmp_path / "auto") == [1, 2, 3]
+    run(compose(*common, f"trainer.accum_steps={per_rank // chosen[-1][1]}"), tmp_path / "fixed")
+    assert _same(_state(tmp_path / "auto"), _state(tmp_path / "fixed"))

@@ -1,0 +1,128 @@
+"""``trainer.zero_stage=auto`` (fdp.run.auto_stage): the lowest ZeRO stage whose memory forecast fits the budget.
+
+The run is an MLP of 4.9M params (19 MiB) under Adam on 2 local ranks (their budgets are not this process's).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from _saved import saved
+
+from fdp.comm import Comm
+from fdp.procs.launch import WorkerFailedError
+from fdp.run import forecast
+from fdp.run.build import build_run
+from fdp.run.config import compose
+from fdp.run.forecast_run import activations_of, run_forecasts
+from fdp.run.trainer import run
+from fdp.run.validate import allowed_stages
+
+COMMON = (
+    "model=mlp",
+    "model.hidden=65536",
+    "model.depth=1",
+    "optim=adam",
+    "data.global_batch_size=64",
+    "trainer.max_steps=2",
+    "trainer.eval_every=0",
+    "trainer.log_every=1",
+    "trainer.progress=false",
+    "world=local2",
+)
+BUDGET = 138  # MiB per rank: over stage 3's forecast, under stage 2's
+
+
+def _state(run_dir) -> dict:
+    payload = saved(run_dir)
+    return {"params": payload["params"], "opt_state": payload["opt_state"]}
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _peaks(world: int) -> list[float]:
+    """The forecast's peak (MiB) at each stage over ``world`` ranks, without what a rank adds whatever the model."""
+    cfg = compose(*COMMON[:-1])
+    parts = build_run(cfg, Comm())
+    acts = activations_of(cfg, parts)
+    per_rank = cfg.data.global_batch_size // world
+    return [
+        max(f.peak for f in run_forecasts(cfg, parts, world, 0.0, acts, stages=[s], micro=per_rank)) / forecast.MiB
+        for s in range(4)
+    ]
+
+
+def test_the_stages_auto_may_take_are_those_the_other_settings_allow():
+    assert allowed_stages(compose("trainer.zero_stage=auto")) == [0, 1, 2, 3]
+    assert allowed_stages(compose("trainer.zero_stage=auto", "outer=diloco")) == [0]  # a flat world: one replica
+    assert allowed_stages(compose("trainer.zero_stage=auto", "world=local2", "world.on_rank_loss=shrink")) == [0, 1]
+    assert allowed_stages(compose("trainer.zero_stage=2")) == [2]
+
+
+@pytest.fixture(scope="module")
+def at_stage_3(tmp_path_factory):
+    """The state of the run with trainer.zero_stage=3 set (no budget)."""
+    run_dir = tmp_path_factory.mktemp("stage3")
+    summary = run(compose(*COMMON, "trainer.zero_stage=3"), run_dir)
+    assert "zero_stage" not in summary
+    return _state(run_dir)
+
+
+def test_auto_takes_the_lowest_stage_that_fits_and_equals_the_run_at_that_stage(tmp_path, at_stage_3):
+    """Under a budget between the forecasts of stages 2 and 3 the run says so in one line at start, records the
+    choice in its summary and metrics.jsonl, and trains as a run with trainer.zero_stage=3 set does, to the bit."""
+    summary = run(compose(*COMMON, "trainer.zero_stage=auto", f"world.memory_per_rank_mb={BUDGET}"), tmp_path / "auto")
+    chosen = summary["zero_stage"]
+    assert chosen["stage"] == 3, chosen
+    said = re.fullmatch(
+        rf"forecast peak (\d+) MiB per rank of budget {BUDGET} MiB \(world.memory_per_rank_mb\); stage 2 needs (\d+)",
+        chosen["why"],
+    )
+    assert said, chosen["why"]
+    fits, needs = int(said[1]), int(said[2])
+    assert fits <= BUDGET < needs
+    peaks = _peaks(2)  # the same forecast in this process: the stages part by what they hold, not by the fixed part
+    assert abs((needs - fits) - (peaks[2] - peaks[3])) <= 1.5, (fits, needs, peaks)
+    records = [json.loads(line) for line in (tmp_path / "auto" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["stage"] for r in records if r.get("zero_stage") is True] == [3]
+    assert _same(_state(tmp_path / "auto"), at_stage_3)
+
+
+def test_a_resume_decides_again_and_reads_a_checkpoint_of_another_stage(tmp_path, at_stage_3):
+    """Saved (sharded) at stage 0 after step 1, resumed under the budget: auto takes stage 3 and reads the
+    checkpoint range by range into its slices, and ends where the run at stage 3 throughout does, to the bit."""
+    saving = (*COMMON, "trainer.checkpoint_format=sharded")
+    run(compose(*saving, "trainer.zero_stage=0", "trainer.stop_at=1"), tmp_path)
+    summary = run(
+        compose(*saving, "trainer.zero_stage=auto", f"world.memory_per_rank_mb={BUDGET}", "trainer.resume=true"),
+        tmp_path,
+    )
+    assert summary["zero_stage"]["stage"] == 3 and summary["steps"] == 2, summary
+    assert _same(_state(tmp_path), at_stage_3)
+
+
+def test_no_stage_that_fits_is_refused_before_training_naming_the_smallest_peak(tmp_path):
+    with pytest.raises(WorkerFailedError) as refused:
+        run(compose(*COMMON, "trainer.zero_stage=auto", "world.memory_per_rank_mb=60"), tmp_path / "refused")
+    message = str(refused.value)
+    assert refused.value.error_type == "RunDoesNotFit" and "\n" not in message, message
+    said = re.match(
+        r"trainer.zero_stage=auto: no stage fits the budget of 60 MiB per rank \(world.memory_per_rank_mb\) at 32 "
+        r"samples per forward: the smallest forecast peak is (\d+) MiB \(stage 3\)",
+        message,
+    )
+    assert said and int(said[1]) > 60, message
+    assert not (tmp_path / "refused" / "checkpoints").exists() or not any(
+        (tmp_path / "refused" / "checkpoints").iterdir()
+    )
