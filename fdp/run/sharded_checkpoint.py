@@ -36,6 +36,7 @@ starts from rank 0's, as from a whole-file checkpoint (``fdp.run.checkpoint``).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -52,6 +53,7 @@ import torch.distributed.checkpoint as dcp
 
 from fdp._torch import (
     chunk_load_planner,
+    digesting_writer,
     single_process_dcp,
     tree_flatten,
     tree_paths,
@@ -283,19 +285,21 @@ class ShardedSaver:
         t0 = time.perf_counter()
         rank, world = self.comm.rank, self.comm.world_size
         token = [uuid.uuid4().hex[:8]]
-        if group is not None:
-            dist.broadcast_object_list(token, src=0, group=group)
+        if group is not None:  # rank 0's; it also holds every rank until rank 0 has published the previous save
+            dist.broadcast_object_list(token, src=0, group=group)  # and swept stale temporaries (never this one)
         tmp = directory / f"step_{step:08d}.tmp-{token[0]}"
         tmp.mkdir(parents=True, exist_ok=True)
         atomic_save(mine, tmp / _rank_file(rank))
         if rank == 0:
             atomic_save(meta, tmp / META)
-        writer = dcp.FileSystemWriter(tmp, sync_files=True)
+        digests: dict = {}  # each piece file's SHA-256, taken as DCP writes it: no file is read back
+        writer = digesting_writer(tmp, hashlib.sha256, digests)
         with single_process_dcp(group is None):
             dcp.save(tensors, storage_writer=writer, process_group=group, no_dist=group is None)
         # DCP's last collective gathered every rank's results: every piece is on disk. Each rank records the
         # size and checksum of the files it wrote, rank 0 the whole checkpoint's (fdp.run.integrity).
-        written = {p.name: file_entry(p) for p in [tmp / _rank_file(rank), *tmp.glob(f"__{rank}_*.distcp")]}
+        files = [tmp / _rank_file(rank), *tmp.glob(f"__{rank}_*.distcp")]
+        written = {p.name: file_entry(p, digests.get(p.name)) for p in files}
         gathered = [written]
         if group is not None:
             gathered = [None] * world if rank == 0 else None
@@ -319,6 +323,7 @@ def _publish(directory: Path, tmp: Path, step: int, keep: int) -> None:
     """Rank 0: ``tmp`` becomes ``step_<N>/`` and ``last`` names it; older ones beyond ``keep`` and stale
     temporaries (of writes killed mid-way) go."""
     final = directory / f"step_{step:08d}"
+    fsync_dir(tmp)  # every rank's files are named in it for good before it is renamed
     if final.exists():  # a resumed run saving a step again
         shutil.rmtree(final)
     os.replace(tmp, final)
