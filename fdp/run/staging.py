@@ -1,16 +1,16 @@
-"""An asynchronous sharded save's staging copy, planned once: the loop waits for one copy per leaf.
+"""An asynchronous sharded save's staging copy, planned once: the loop waits for one copy per piece.
 
 The loop goes on with its state while a thread writes a checkpoint of it
 (``fdp.run.sharded_checkpoint``), so the pieces a rank writes are first copied to buffers of
 their own; that copy is all the loop waits for. fdp's bucket plan is static, so the pieces
 (``Update.checkpoint_pieces``) are the same ranges of the same leaves of the state at every
 save: the first save of a state of a given layout finds, for each piece, the leaf it is a
-view of and its range there, and gives each such leaf one CPU buffer covering its pieces
-(pinned where the state is on a GPU), kept from save to save; the pieces written are views
-of those buffers, marked as DCP's chunks once. Every later save is one copy per leaf and
-no Python work per piece. A piece that is no view of a leaf (a copy made by a conversion)
-leaves that layout unplanned: its pieces are then worked out and copied one by one at every
-save, into buffers that are kept too.
+view of and its range there, and gives it a CPU buffer of its own (pinned where the state is
+on a GPU; a storage no larger than the piece, which DCP writes without copying it again),
+kept from save to save and marked as DCP's chunk once. Every later save is one copy per
+piece from the place found, with no other work per piece. A piece that is no view of a leaf
+(a copy made by a conversion) leaves that layout unplanned: its pieces are then worked out
+and copied at every save, into buffers that are kept too.
 
 >>> state = {"params": {"w": torch.arange(6.0)}}
 >>> def pieces(trees):  # this rank writes elements 2..5 of w, as a chunk of a logical tensor of 6
@@ -40,7 +40,7 @@ Pieces = Callable[[list], tuple[dict[str, torch.Tensor], list[dict[str, Any]]]]
 
 
 class _Copy(NamedTuple):
-    """Elements ``[lo, hi)`` of leaf ``leaf`` of ``trees[tree][prefix]`` into ``buffer``."""
+    """Elements ``[lo, hi)`` of leaf ``leaf`` of ``trees[tree][prefix]`` into ``buffer`` (a piece's own)."""
 
     tree: int
     prefix: str
@@ -54,7 +54,7 @@ class _Plan(NamedTuple):
     layout: tuple  # what the plan was made for: the caller's key and every leaf's place, shape and dtype
     key: tuple  # the caller's key itself: its objects, compared by identity, live as long as the plan
     copies: list[_Copy]
-    staged: dict[str, torch.Tensor]  # views of the copies' buffers, marked as the pieces were
+    staged: dict[str, torch.Tensor]  # the copies' buffers, marked as the pieces were
     plain: list[list[tuple[str, int, str]]]  # per tree: (prefix, leaf, key) of each leaf that is not a tensor
 
 
@@ -100,7 +100,8 @@ class Staging:
                 return self._copied(tensors), plains
             self._loose = {}
         for copy in self._plan.copies:
-            copy.buffer.copy_(flat[copy.tree][copy.prefix][0][copy.leaf].detach().view(-1)[copy.lo : copy.hi])
+            leaf = flat[copy.tree][copy.prefix][0][copy.leaf]
+            copy.buffer.view(-1).copy_(leaf.detach().view(-1)[copy.lo : copy.hi])
         plains = [{k: tree[prefix][0][leaf] for prefix, leaf, k in keys} for tree, keys in zip(flat, self._plan.plain)]
         return dict(self._plan.staged), plains
 
@@ -120,7 +121,7 @@ def _staged(tensor: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
 
 
 def _planned(layout: tuple, key: tuple, trees: list, flat: list, tensors: dict, plains: list) -> _Plan | None:
-    """Where each piece lies in the leaves (``None`` where one lies in none), and a buffer per leaf with pieces."""
+    """Where each piece lies in the leaves (``None`` where one lies in none), and a buffer for each."""
     by_storage: dict[int, list[tuple[int, str, int, torch.Tensor]]] = {}
     for t, tree in enumerate(flat):
         for prefix, (leaves, _) in tree.items():
@@ -133,25 +134,16 @@ def _planned(layout: tuple, key: tuple, trees: list, flat: list, tensors: dict, 
         if place is None:
             return None
         places[name] = place
-    spans: dict[tuple[int, str, int], list[int]] = {}
-    for where, start, piece in places.values():
-        span = spans.setdefault(where, [start, start + piece.numel()])
-        span[0], span[1] = min(span[0], start), max(span[1], start + piece.numel())
-    copies = {}
-    for (t, prefix, i), (lo, hi) in spans.items():
-        leaf = flat[t][prefix][0][i]
-        buffer = torch.empty(hi - lo, dtype=leaf.dtype, pin_memory=leaf.is_cuda)
-        copies[t, prefix, i] = _Copy(t, prefix, i, lo, hi, buffer)
-    staged = {}
-    for name, (where, start, piece) in places.items():
-        copy = copies[where]
-        view = copy.buffer[start - copy.lo : start - copy.lo + piece.numel()].view(piece.shape)
+    copies, staged = [], {}
+    for name, ((t, prefix, i), start, piece) in places.items():
+        buffer = torch.empty(piece.shape, dtype=piece.dtype, pin_memory=piece.is_cuda)
         chunk = chunk_of(piece)
-        staged[name] = mark_chunk(view, *chunk) if chunk else view
+        staged[name] = mark_chunk(buffer, *chunk) if chunk else buffer
+        copies.append(_Copy(t, prefix, i, start, start + piece.numel(), buffer))
     plain = [_plain_places(tree, wanted) for tree, wanted in zip(trees, plains)]
     if any(p is None for p in plain):
         return None
-    return _Plan(layout, key, list(copies.values()), staged, plain)
+    return _Plan(layout, key, copies, staged, plain)
 
 
 def _place(piece: torch.Tensor, by_storage: dict) -> tuple[tuple[int, str, int], int, torch.Tensor] | None:

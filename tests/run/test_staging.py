@@ -66,6 +66,8 @@ def test_a_later_save_of_the_same_layout_copies_into_the_first_saves_buffers_wit
     assert _same(staged, expected) and plain == expected_plain  # the second state's values and step count
     assert pieces.calls == 1  # worked out once
     assert {k: t.untyped_storage().data_ptr() for k, t in staged.items()} == buffers  # the same buffers
+    # each a storage of its own: DCP writes a view of a larger one only after copying it again
+    assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in staged.values())
     assert not any(
         t.untyped_storage().data_ptr() == s.untyped_storage().data_ptr()
         for t in staged.values()
