@@ -1,6 +1,6 @@
 """Benchmark: how long a save blocks the loop, and each rank's peak memory while it saves.
 
-Sides, each in a fresh launch of its ranks (so its memory is its own), on a ZeRO stage 3
+Sides, each in a fresh launch of its ranks (so its memory is its own), on a ZeRO stage 3 (or ``--stages``)
 state of a ``CharTransformer`` with Adam (params and two moments: 12 bytes per parameter):
 
 * ``whole-file``: fdp's single-file checkpoint (the update gathers the whole state to
@@ -17,8 +17,12 @@ on disk, the state a rank holds (its share), and the peak RSS during the save ov
 RSS before it (the largest rank: ``VmHWM`` reset before each save).
 
     python benchmarks/checkpoint.py [--quick] [--worlds 2 4] [--models 100M 400M] [--saves 3] [--name checkpoint]
+        [--sides "sharded async" "FSDP2 + DCP async_save"] [--stages 3 1 0] [--repeats 3]
 
-Writes ``benchmarks/results/<name>.md`` and ``<name>.json`` (``--quick``: a ~7M model, prints only).
+fdp's sides save a state of ``--stages`` (the FSDP2 side is fully sharded whatever the stage: the same
+bytes on the same world); ``--repeats`` launches each row that many times, the sides taking turns, and
+reports the medians (the ratios are of those). Writes ``benchmarks/results/<name>.md`` and ``<name>.json``
+(``--quick``: a ~7M model, prints only).
 """
 
 from __future__ import annotations
@@ -81,7 +85,7 @@ def _timed_saves(save, wait, comm, saves: int) -> dict:
     return {"blocked_s": statistics.median(blocked), "total_s": statistics.median(total), "extra_peak_mib": max(extra)}
 
 
-def _fdp(spec: dict, side: str, comm, directory: Path, saves: int) -> dict:
+def _fdp(spec: dict, side: str, stage: int, comm, directory: Path, saves: int) -> dict:
     from fdp import adam, cross_entropy_loss, functionalize, plan_buckets, planner_loss
     from fdp.hooks import allreduce
     from fdp.run.checkpoint import ShardedSaver, save_checkpoint
@@ -92,7 +96,7 @@ def _fdp(spec: dict, side: str, comm, directory: Path, saves: int) -> dict:
     model, params, buffers = functionalize(_module(spec), keep_module_weights=False)
     loss_fn = cross_entropy_loss(model)
     plan = plan_buckets(planner_loss(loss_fn, buffers), params, (tokens[:, :-1], tokens[:, 1:]), bucket_cap_mb=25.0)
-    update = zero.update_for(3, adam(1e-3), plan, comm, model=model)
+    update = zero.update_for(stage, adam(1e-3), plan, comm, model=model)
     state = update.first_state(params, buffers, allreduce(), comm)
     del params
     share = state_nbytes(state) / 2**20
@@ -146,31 +150,35 @@ def _fsdp2(spec: dict, comm, directory: Path, saves: int) -> dict:
     return {**timing, "share_mib": share / 2**20, "bucket_mib": 0.0, "params": n_params}
 
 
-def worker(spec: dict, side: str, world: int, saves: int, directory: str) -> dict:
+def worker(spec: dict, side: str, stage: int, world: int, saves: int, directory: str) -> dict:
     from fdp.procs.launch import WorldLayout, init_distributed
 
     comm = init_distributed(WorldLayout("elastic", nproc_per_node=world, backend="gloo", timeout_s=1800))
     torch.set_num_threads(1)
     directory = Path(directory)
-    out = _fsdp2(spec, comm, directory, saves) if side.startswith("FSDP2") else _fdp(spec, side, comm, directory, saves)
+    if side.startswith("FSDP2"):
+        out = _fsdp2(spec, comm, directory, saves)
+    else:
+        out = _fdp(spec, side, stage, comm, directory, saves)
     dist.barrier()
     dist.destroy_process_group()
     return out
 
 
-def _run(spec: dict, side: str, world: int, saves: int) -> dict:
+def _run(spec: dict, side: str, stage: int, world: int, saves: int) -> dict:
     from fdp.procs.launch import WorldLayout, spawn
 
     directory = Path(tempfile.mkdtemp(prefix="fdp-ckpt-bench-", dir=os.environ.get("FDP_BENCH_DIR")))
     try:
         layout = WorldLayout("elastic", nproc_per_node=world, backend="gloo", timeout_s=1800)
-        results = spawn(worker, (spec, side, world, saves, str(directory)), layout)
+        results = spawn(worker, (spec, side, stage, world, saves, str(directory)), layout)
         ranks = [results[r] for r in range(world)]
         on_disk = _du(directory) / 2**20 / (1 if side != "FSDP2 + DCP async_save" else saves)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     return {
         "side": side,
+        "stage": stage,
         "world": world,
         "params": ranks[0]["params"],
         "blocked_s": ranks[0]["blocked_s"],
@@ -183,34 +191,48 @@ def _run(spec: dict, side: str, world: int, saves: int) -> dict:
     }
 
 
+def _median_row(runs: list[dict]) -> dict:
+    """One row of ``--repeats`` launches: the median of each figure, and every launch's blocked and total."""
+    row = dict(runs[0])
+    for key in ("blocked_s", "total_s", "disk_mib", "extra_peak_mib", "extra_peak_rank0_mib"):
+        row[key] = statistics.median(r[key] for r in runs)
+    row["blocked_runs"], row["total_runs"] = [r["blocked_s"] for r in runs], [r["total_s"] for r in runs]
+    return row
+
+
+def _label(row: dict) -> str:
+    return row["side"] if row["side"].startswith("FSDP2") else f"{row['side']}, stage {row['stage']}"
+
+
 def _table(rows: list[dict], meta: dict) -> str:
     lines = [
         f"# Checkpoint saves: the loop's blocked time and memory ({meta['date']})",
         "",
         meta["machine"],
-        f"ZeRO stage 3 states of CharTransformers with Adam (12 bytes per parameter). {meta['saves']} saves per row, "
-        f"medians of rank 0; each row a fresh launch. Wall {meta['wall_s']:.0f} s. Sizes: {meta['sizes']}.",
-        "`blocked`: the loop waits this long per save. `total`: until the checkpoint is complete on every rank. "
-        "`extra peak`: the largest rank's peak RSS during the save over its RSS before it (rank 0's in brackets). "
-        "`share`: the state a rank holds; `bucket`: the largest bucket (fp32). Ratios against the whole-file save "
-        "and against FSDP2 + DCP async_save of the same model and world.",
+        f"ZeRO states of CharTransformers with Adam (12 bytes per parameter; the FSDP2 side fully sharded). "
+        f"{meta['saves']} saves per launch, medians of rank 0; each row a fresh launch, the median of "
+        f"{meta.get('repeats', 1)} launch(es). Wall {meta['wall_s']:.0f} s. Sizes: {meta['sizes']}.",
+        "`blocked`: the loop waits this long per save. `total`: until the checkpoint is complete and durable on "
+        "every rank. `extra peak`: the largest rank's peak RSS during the save over its RSS before it (rank 0's in "
+        "brackets). `share`: the largest state a rank holds; `bucket`: the largest bucket (fp32). Ratios against the "
+        "whole-file save and against FSDP2 + DCP async_save of the same model and world (goal: blocked <= 0.25, "
+        "total <= 1.0).",
         "",
         "| model | ranks | side | blocked s | total s | on disk MiB | share MiB/rank | bucket MiB | extra peak MiB "
-        "| blocked vs whole-file | blocked vs FSDP2 |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| blocked vs whole-file | blocked vs FSDP2 | total vs FSDP2 |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         same = [o for o in rows if o["world"] == r["world"] and o["model"] == r["model"]]
-        whole = next((o for o in same if o["side"] == "whole-file"), None)
+        whole = next((o for o in same if o["side"] == "whole-file" and o["stage"] == r["stage"]), None)
         fsdp = next((o for o in same if o["side"].startswith("FSDP2")), None)
         lines.append(
-            f"| {r['model']} ({r['params'] / 1e6:.0f}M) | {r['world']} | {r['side']} | {r['blocked_s']:.3f} "
+            f"| {r['model']} ({r['params'] / 1e6:.0f}M) | {r['world']} | {_label(r)} | {r['blocked_s']:.3f} "
             f"| {r['total_s']:.2f} | {r['disk_mib']:.0f} | {r['share_mib']:.0f} | {r['bucket_mib']:.0f} "
             f"| {r['extra_peak_mib']:.0f} ({r['extra_peak_rank0_mib']:.0f}) "
-            f"| {r['blocked_s'] / whole['blocked_s']:.3f} | {r['blocked_s'] / fsdp['blocked_s']:.2f} |"
-            if whole and fsdp
-            else f"| {r['model']} | {r['world']} | {r['side']} | {r['blocked_s']:.3f} | {r['total_s']:.2f} | - | - | - "
-            "| - | - | - |"
+            f"| {r['blocked_s'] / whole['blocked_s'] if whole else float('nan'):.3f} "
+            f"| {r['blocked_s'] / fsdp['blocked_s'] if fsdp else float('nan'):.3f} "
+            f"| {r['total_s'] / fsdp['total_s'] if fsdp else float('nan'):.3f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -220,7 +242,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a ~7M model on 2 ranks, 2 saves; prints only")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--models", nargs="+", default=["100M", "400M"], choices=list(MODELS))
+    parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=list(SIDES))
+    parser.add_argument("--stages", type=int, nargs="+", default=[3], choices=[0, 1, 2, 3], help="fdp's sides")
     parser.add_argument("--saves", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=1, help="launches per row (medians)")
     parser.add_argument("--name", default="checkpoint", help="results/<name>.md and .json")
     args = parser.parse_args()
     models, worlds, saves = (["7M"], [2], 2) if args.quick else (args.models, args.worlds, args.saves)
@@ -228,24 +253,32 @@ def main() -> None:
     rows = []
     for model in models:
         for world in worlds:
-            for side in SIDES:
-                row = {"model": model, **_run(MODELS[model], side, world, saves)}
+            cases = [(side, st) for side in args.sides for st in ([3] if side.startswith("FSDP2") else args.stages)]
+            runs = {case: [] for case in cases}
+            for _ in range(args.repeats):  # the sides take turns: a shared machine's load drifts alike for each
+                for side, stage in cases:
+                    run = _run(MODELS[model], side, stage, world, saves)
+                    runs[side, stage].append(run)
+                    print(
+                        f"  {side} {stage}: blocked {run['blocked_s']:.3f} s, total {run['total_s']:.2f} s", flush=True
+                    )
+            for case in cases:
+                row = {"model": model, **_median_row(runs[case])}
                 rows.append(row)
                 print(
-                    f"{model} {world} ranks {side}: blocked {row['blocked_s']:.3f} s, total {row['total_s']:.2f} s, "
-                    f"{row['disk_mib']:.0f} MiB on disk, extra peak {row['extra_peak_mib']:.0f} MiB "
-                    f"(share {row['share_mib']:.0f} MiB)",
+                    f"{model} {world} ranks {_label(row)}: blocked {row['blocked_s']:.3f} s "
+                    f"{[round(b, 3) for b in row['blocked_runs']]}, total {row['total_s']:.2f} s "
+                    f"{[round(t, 2) for t in row['total_runs']]}, {row['disk_mib']:.0f} MiB on disk, "
+                    f"extra peak {row['extra_peak_mib']:.0f} MiB (share {row['share_mib']:.0f} MiB)",
                     flush=True,
                 )
-            same = [r for r in rows if r["model"] == model and r["world"] == world]
-            ratio = same[2]["blocked_s"] / same[0]["blocked_s"]
-            print(f"{model} {world} ranks: sharded async blocks {ratio:.3f}x the whole-file save", flush=True)
     meta = {
         "date": datetime.date.today().isoformat(),
         "machine": f"torch {torch.__version__}, Python {platform.python_version()}, {platform.machine()}, "
         f"{os.cpu_count()} CPU cores shared with other jobs; gloo on loopback, 1 torch thread per rank, a local disk. "
         f"Load average (1 min) before {load:.1f}, after {os.getloadavg()[0]:.1f}.",
         "saves": saves,
+        "repeats": args.repeats,
         "wall_s": time.perf_counter() - start,
         "sizes": ", ".join(f"{m}: {MODELS[m]}" for m in models),
     }

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import os
 import warnings
 from types import SimpleNamespace
 from typing import Any, Callable
@@ -388,6 +389,62 @@ def chunk_load_planner() -> Any:
             return LoadPlan(requests)
 
     return ChunkLoadPlanner()
+
+
+# -- DCP's file writer, hashing what it writes ------------------------------------------------------
+def digesting_writer(path: Any, new_digest: Callable[[], Any], digests: dict[str, Any]) -> Any:
+    """DCP's ``FileSystemWriter`` into directory ``path`` (each file flushed to disk) that feeds every byte of each
+    piece file (``*.distcp``) to a ``new_digest()`` (a ``hashlib`` object) as it writes it: once a file is whole,
+    ``digests[its name]`` holds its digest, so nothing reads the file back to hash it. A file written other than
+    front to back, or a writer with no file system to wrap (another torch), leaves its name out of ``digests``.
+
+    >>> import hashlib, tempfile
+    >>> digests = {}
+    >>> writer = digesting_writer(tempfile.mkdtemp(), hashlib.sha256, digests)
+    >>> with writer.fs.create_stream(writer.path / "__0_0.distcp", "wb") as stream:
+    ...     _ = stream.write(b"abc")
+    >>> digests["__0_0.distcp"].hexdigest()[:12]
+    'ba7816bf8f01'
+    """
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    writer = FileSystemWriter(path, sync_files=True)
+    if not isinstance(getattr(writer, "fs", None), FileSystem):
+        return writer
+
+    class Digesting(FileSystem):
+        @contextlib.contextmanager
+        def create_stream(self, file: Any, mode: str):
+            with super().create_stream(file, mode) as stream:
+                if mode != "wb" or not str(file).endswith(".distcp"):
+                    yield stream
+                    return
+                fed = _Digesting(stream, new_digest())
+                yield fed
+            if fed.whole:
+                digests[os.path.basename(str(file))] = fed.digest
+
+    writer.fs = Digesting()
+    return writer
+
+
+class _Digesting:
+    """A stream that feeds what is written to it to ``digest`` too; seeking makes the digest no longer whole."""
+
+    def __init__(self, stream: Any, digest: Any):
+        self._stream, self.digest, self.whole = stream, digest, True
+
+    def write(self, data: Any) -> int:
+        self.digest.update(data)
+        return self._stream.write(data)
+
+    def seek(self, *args: Any) -> int:
+        self.whole = False
+        return self._stream.seek(*args)
+
+    def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, close: the stream's own
+        return getattr(self._stream, name)
 
 
 # -- distributed checkpoints in one process ---------------------------------------------------------

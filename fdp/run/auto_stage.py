@@ -20,7 +20,7 @@ have another budget), as ``trainer.accum_steps=auto`` decides its micro-batch (`
 
 A rank that joins a running world (``world.respawn``) takes the stage the world runs at, from its store. A stage
 that differs from the checkpoint's resumes it: a whole checkpoint is resharded for any stage, a sharded one is read
-range by range into any stage's pieces (``fdp.run.sharded_checkpoint``); an outer loop's own ZeRO slices are the
+range by range into any stage's pieces (``fdp.run.checkpoint.sharded``); an outer loop's own ZeRO slices are the
 one layout read only at the stage and world that wrote them: a resume that decides another stage there is refused
 in one line naming them (set ``trainer.zero_stage`` to it, or save with ``trainer.checkpoint_format=whole``).
 

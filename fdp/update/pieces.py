@@ -49,10 +49,22 @@ def logical_key(path: str, plan_names: set[str]) -> tuple[str | None, str]:
     >>> logical_key("opt_state[1].mu['fc.weight']", {"fc.weight"})
     ('fc.weight', "opt_state[1].mu['fc.weight']")
     """
-    for name in plan_names:
-        if path.endswith(f"[{name!r}]"):
-            return name, path
-    return None, path
+    return _param_of(path, _suffixes(plan_names)), path
+
+
+def _suffixes(plan_names: set[str]) -> dict[str, str]:
+    """Each parameter by the key that ends the path of a leaf of it (``['fc.weight']``)."""
+    return {f"[{name!r}]": name for name in plan_names}
+
+
+def _param_of(path: str, suffixes: dict[str, str]) -> str | None:
+    # A dict lookup per bracket from the right, not a scan of every name per leaf (a save's hot path).
+    start = path.rfind("[")
+    while start >= 0:
+        if path[start:] in suffixes:
+            return suffixes[path[start:]]
+        start = path.rfind("[", 0, start)
+    return None
 
 
 def param_shapes(plan: BucketPlan) -> dict[str, tuple[int, ...]]:
@@ -88,7 +100,7 @@ def state_pieces(
     views of ``tree``'s tensors: loading into them fills the state in place.
     """
     slots = {slot.name: slot for bucket in plan.buckets for slot in bucket.slots}
-    names = set(slots)
+    suffixes = _suffixes(set(slots))
     tensors: dict[str, torch.Tensor] = {}
     plain: dict[str, Any] = {}
     for prefix, value in tree.items():
@@ -110,7 +122,7 @@ def state_pieces(
                             flat[lo - start : hi - start], slot.numel, lo - slot.offset
                         )
                 continue
-            name, _ = logical_key(path, names)
+            name = _param_of(path, suffixes)
             if name is not None and leaf.numel() == slots[name].numel:
                 lo, hi = (0, leaf.numel()) if reading else _even_range(leaf.numel(), rank, world)
                 if lo < hi:

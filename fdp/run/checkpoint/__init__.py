@@ -11,6 +11,7 @@ built state. Its modules, by role:
   format's description read, the newest kept (``prune``) and the best (``keep_best``);
 * ``whole``: the whole state in one file, gathered to rank 0 (``save_checkpoint``, ``load_checkpoint``);
 * ``integrity``: a checkpoint of either format checked whole before use (``verify``);
+* ``staging``: the buffers an asynchronous save copies a rank's pieces to, planned at its first save;
 * ``sharded``: each rank's pieces in DCP's format, written in the background (``ShardedSaver``, ``load_sharded``);
 * ``consolidate``: a sharded checkpoint as one whole-file one (``python -m fdp.checkpoint consolidate``), and
   either format read as that one payload (``whole_payload``);

@@ -29,6 +29,7 @@ import json
 import os
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -42,8 +43,10 @@ WHOLE_ENTRIES = ("step", "params", "buffers", "opt_state", "ranks", "plan_finger
 RANK_ENTRIES = ("hook_state", "rng")  # what each rank's part holds, in either format
 
 
-def file_entry(path: str | os.PathLike) -> dict:
-    """``{"size": bytes, "sha256": hex digest}`` of the file at ``path``: what a manifest records of it.
+def file_entry(path: str | os.PathLike, digest: Any = None) -> dict:
+    """``{"size": bytes, "sha256": hex digest}`` of the file at ``path``: what a manifest records of it. ``digest``:
+    a SHA-256 fed every byte of the file as it was written (``fdp._torch.digesting_writer``), so that the file is
+    not read back.
 
     >>> import tempfile
     >>> path = Path(tempfile.mkdtemp()) / "x"
@@ -51,10 +54,11 @@ def file_entry(path: str | os.PathLike) -> dict:
     >>> file_entry(path)["size"], file_entry(path)["sha256"][:12]
     (3, 'ba7816bf8f01')
     """
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(16 << 20), b""):
-            digest.update(block)
+    if digest is None:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(16 << 20), b""):
+                digest.update(block)
     return {"size": os.path.getsize(path), "sha256": digest.hexdigest()}
 
 

@@ -36,6 +36,7 @@ starts from rank 0's, as from a whole-file checkpoint (``fdp.run.checkpoint.whol
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -52,8 +53,7 @@ import torch.distributed.checkpoint as dcp
 
 from fdp._torch import (
     chunk_load_planner,
-    chunk_of,
-    mark_chunk,
+    digesting_writer,
     single_process_dcp,
     tree_flatten,
     tree_paths,
@@ -65,6 +65,7 @@ from fdp.run.checkpoint.atomic import atomic_save, fsync_dir
 from fdp.run.checkpoint.files import META, CheckpointError, point_last, prune, read_meta
 from fdp.run.checkpoint.integrity import DCP_METADATA, file_entry, write_manifest
 from fdp.run.checkpoint.whole import agree_on_refusal, hook_state_like, host_leaves
+from fdp.run.checkpoint.staging import Staging
 from fdp.state.train_state import TrainState
 from fdp.update.base import Update
 from fdp.update.pieces import param_shapes, rank_pieces, state_pieces
@@ -91,13 +92,19 @@ def _state_tree(state: TrainState) -> dict:
     }
 
 
-def _own_pieces(state: TrainState, plan: BucketPlan, rank: int, reading: bool = False) -> tuple[dict, dict]:
-    """Under an outer loop, what rank ``rank`` alone holds: its params, optimizer state and in-flight
-    pseudo-gradient (``outer.overlap``), whole (``fdp.update.pieces.rank_pieces``)."""
+def _own_tree(state: TrainState) -> dict:
+    """Under an outer loop, what each rank alone holds: its params, optimizer state and in-flight pseudo-gradient
+    (``outer.overlap``); else nothing."""
     if not state.outer:
-        return {}, {}
-    own = {"params": state.params, "opt_state": state.opt_state, "outer.in_flight": state.outer.in_flight}
-    return rank_pieces(own, plan, rank, reading)
+        return {}
+    return {"params": state.params, "opt_state": state.opt_state, "outer.in_flight": state.outer.in_flight}
+
+
+def _own_pieces(state: TrainState, plan: BucketPlan, rank: int, reading: bool = False) -> tuple[dict, dict]:
+    """Under an outer loop, what rank ``rank`` alone holds (``_own_tree``), whole
+    (``fdp.update.pieces.rank_pieces``)."""
+    own = _own_tree(state)
+    return rank_pieces(own, plan, rank, reading) if own else ({}, {})
 
 
 def _mirror_pieces(state: TrainState, plan: BucketPlan, comm: Comm) -> dict:
@@ -115,15 +122,6 @@ def _mirror_pieces(state: TrainState, plan: BucketPlan, comm: Comm) -> dict:
         reading=True,
     )
     return tensors
-
-
-def _staged(tensor: torch.Tensor, pin: bool, into: torch.Tensor | None = None) -> torch.Tensor:
-    """A CPU copy of ``tensor`` that keeps its DCP piece fields (``fdp.update.pieces``), in ``into`` where it fits."""
-    fits = into is not None and into.shape == tensor.shape and into.dtype == tensor.dtype
-    copy = into if fits else torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
-    copy.copy_(tensor.detach())
-    chunk = chunk_of(tensor)
-    return mark_chunk(copy, *chunk) if chunk else copy
 
 
 def _plain_values(plain: dict) -> dict:
@@ -163,8 +161,10 @@ class ShardedSaver:
         self._group = None  # the writers' own process group
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        # The staging copy, kept from one save to the next: its pages are touched once, not at every save.
-        self._staging: dict[str, torch.Tensor] = {}
+        # The staging copy, kept from one save to the next: its pages are touched once, not at every save, and
+        # where each piece comes from is worked out at the first save (fdp.run.checkpoint.staging).
+        self._staging = Staging()
+        self._fingerprint: tuple[BucketPlan | None, str] = (None, "")
         self.last_blocked_s = self.last_write_s = 0.0
         self._writers()
 
@@ -207,13 +207,20 @@ class ShardedSaver:
         t0 = time.perf_counter()
         self.wait()
         comm, group = self.comm, self._writers()
-        tensors, plain = update.checkpoint_pieces(_state_tree(state), comm)
-        own, own_plain = _own_pieces(state, plan, comm.rank)
-        tensors.update(own)
-        pin = torch.cuda.is_available() and any(t.is_cuda for t in tensors.values())
+
+        def pieces(trees: list[dict]) -> tuple[dict, list[dict]]:
+            tensors, plain = update.checkpoint_pieces(trees[0], comm)
+            own, own_plain = rank_pieces(trees[1], plan, comm.rank) if trees[1] else ({}, {})
+            return {**tensors, **own}, [plain, own_plain]
+
+        trees = [_state_tree(state), _own_tree(state)]
         if self.asynchronous:  # the loop goes on with the state: the thread writes a copy
-            tensors = {key: _staged(t, pin, self._staging.get(key)) for key, t in tensors.items()}
-            self._staging = tensors
+            key = (update, plan, comm.rank, comm.world_size)
+            tensors, (plain, own_plain) = self._staging.stage(trees, pieces, key)
+        else:
+            tensors, (plain, own_plain) = pieces(trees)
+        if self._fingerprint[0] is not plan:  # the plan is static: its fingerprint is taken once
+            self._fingerprint = (plan, plan.on_cpu().fingerprint())
         mine = {
             "hook_state": host_leaves(state.hook_state),
             "rng": state.rng,
@@ -229,7 +236,7 @@ class ShardedSaver:
         meta = {
             "format": FORMAT,
             "step": int(state.step),
-            "plan_fingerprint": plan.on_cpu().fingerprint(),
+            "plan_fingerprint": self._fingerprint[1],
             "stage": update.stage,
             "world_size": comm.world_size,
             "shapes": {name: list(shape) for name, shape in param_shapes(plan).items()},
@@ -270,19 +277,21 @@ class ShardedSaver:
         t0 = time.perf_counter()
         rank, world = self.comm.rank, self.comm.world_size
         token = [uuid.uuid4().hex[:8]]
-        if group is not None:
-            dist.broadcast_object_list(token, src=0, group=group)
+        if group is not None:  # rank 0's; it also holds every rank until rank 0 has published the previous save
+            dist.broadcast_object_list(token, src=0, group=group)  # and swept stale temporaries (never this one)
         tmp = directory / f"step_{step:08d}.tmp-{token[0]}"
         tmp.mkdir(parents=True, exist_ok=True)
         atomic_save(mine, tmp / _rank_file(rank))
         if rank == 0:
             atomic_save(meta, tmp / META)
-        writer = dcp.FileSystemWriter(tmp, sync_files=True)
+        digests: dict = {}  # each piece file's SHA-256, taken as DCP writes it: no file is read back
+        writer = digesting_writer(tmp, hashlib.sha256, digests)
         with single_process_dcp(group is None):
             dcp.save(tensors, storage_writer=writer, process_group=group, no_dist=group is None)
         # DCP's last collective gathered every rank's results: every piece is on disk. Each rank records the
         # size and checksum of the files it wrote, rank 0 the whole checkpoint's (fdp.run.checkpoint.integrity).
-        written = {p.name: file_entry(p) for p in [tmp / _rank_file(rank), *tmp.glob(f"__{rank}_*.distcp")]}
+        files = [tmp / _rank_file(rank), *tmp.glob(f"__{rank}_*.distcp")]
+        written = {p.name: file_entry(p, digests.get(p.name)) for p in files}
         gathered = [written]
         if group is not None:
             gathered = [None] * world if rank == 0 else None
@@ -306,6 +315,7 @@ def _publish(directory: Path, tmp: Path, step: int, keep: int) -> None:
     """Rank 0: ``tmp`` becomes ``step_<N>/`` and ``last`` names it; older ones beyond ``keep`` and stale
     temporaries (of writes killed mid-way) go."""
     final = directory / f"step_{step:08d}"
+    fsync_dir(tmp)  # every rank's files are named in it for good before it is renamed
     if final.exists():  # a resumed run saving a step again
         shutil.rmtree(final)
     os.replace(tmp, final)
