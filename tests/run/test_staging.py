@@ -1,4 +1,4 @@
-"""An asynchronous save's staging copy (fdp.run.checkpoint.staging): planned at the first save, one copy per leaf after it."""
+"""An asynchronous save's staging copy (fdp.run.checkpoint.staging): planned at the first save, then one copy a leaf."""
 
 from __future__ import annotations
 

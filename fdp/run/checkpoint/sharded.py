@@ -64,8 +64,8 @@ from fdp.plan import BucketPlan
 from fdp.run.checkpoint.atomic import atomic_save, fsync_dir
 from fdp.run.checkpoint.files import META, CheckpointError, point_last, prune, read_meta
 from fdp.run.checkpoint.integrity import DCP_METADATA, file_entry, write_manifest
-from fdp.run.checkpoint.whole import agree_on_refusal, hook_state_like, host_leaves
 from fdp.run.checkpoint.staging import Staging
+from fdp.run.checkpoint.whole import agree_on_refusal, hook_state_like, host_leaves
 from fdp.state.train_state import TrainState
 from fdp.update.base import Update
 from fdp.update.pieces import param_shapes, rank_pieces, state_pieces
