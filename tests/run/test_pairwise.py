@@ -16,8 +16,9 @@ hierarchical reduction with a hook whose codes are not linear in the gradient (`
 compresses each node's sum, so it equals the run with one rank per node (two ranks), not the flat world of four.
 
 How, within the suite's time. The ranks start once (``run_ranks``: two, and four for ``hierarchical``, two nodes of
-two) and build each pair's run in-process from its config through the run's own path: ``fdp.run.build.build_run``
-(data, model, plan, hook, optimizer, ZeRO update, first state), ``fdp.run.loop.Loop`` (its step and this rank's
+two) and build each pair's run in-process from its config through the run's own path:
+``fdp.run.auto_stage.built_at_stage`` (the stage, then ``fdp.run.build.build_run``: data, model, plan, hook,
+optimizer, ZeRO update, first state), ``fdp.run.loop.Loop`` (its step and this rank's
 batches, as ``fdp.run.trainer`` makes them) and ``fdp.run.loop_controls.LoopControls`` (the moving average,
 max_time's clock, the monitors' checks), three steps of a small model each. A pair with a checkpoint format saves
 its state after step 2 in that format (the loop's ``Checkpointer``), resumes from it as a run does
@@ -163,17 +164,19 @@ def _train(cfg, comm: Comm, resume: bool, directory: Path) -> dict:
     ``resume``); on rank 0 its whole params, step losses and moving average."""
     from fdp.procs.devices import MemoryPhase
     from fdp.run import checkpoint
-    from fdp.run.build import build_run
+    from fdp.run.auto_stage import built_at_stage
     from fdp.run.loop import Loop
     from fdp.run.loop_controls import read_resumed
     from fdp.run.rundir import RunDir
+    from fdp.run.validate import allowed_stages
     from fdp.trace import NullTimeline
 
     if cfg.trainer.compile is True:  # a fresh compile, as a run's own process makes (dynamo's cache is by code)
         torch._dynamo.reset()
-    parts = build_run(cfg, comm, data=_data(cfg))
-    controls = _controls(cfg, parts, comm, parts.state)
     device = torch.device("cpu")
+    # trainer.zero_stage=auto decided as a run decides it (no budget: the lowest stage the other settings allow)
+    cfg, parts, _ = built_at_stage(cfg, comm, device, _data(cfg), None, allowed_stages(cfg), 0.0, 0.0)
+    controls = _controls(cfg, parts, comm, parts.state)
     loop = Loop(cfg, parts, comm, NullTimeline(), device, parts.state, STEPS, cfg.trainer.compile is True, controls,
                 MemoryPhase())  # fmt: skip
     losses = []
