@@ -9,8 +9,7 @@ import json
 import re
 
 import pytest
-import torch
-from _saved import saved
+from _saved import same, trained_state
 
 from fdp.comm import Comm
 from fdp.procs.launch import WorkerFailedError
@@ -34,21 +33,6 @@ COMMON = (
     "world=local2",
 )
 BUDGET = 138  # MiB per rank: over stage 3's forecast, under stage 2's
-
-
-def _state(run_dir) -> dict:
-    payload = saved(run_dir)
-    return {"params": payload["params"], "opt_state": payload["opt_state"]}
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def _peaks(world: int) -> list[float]:
@@ -76,7 +60,7 @@ def at_stage_3(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("stage3")
     summary = run(compose(*COMMON, "trainer.zero_stage=3"), run_dir)
     assert "zero_stage" not in summary
-    return _state(run_dir)
+    return trained_state(run_dir)
 
 
 def test_auto_takes_the_lowest_stage_that_fits_and_equals_the_run_at_that_stage(tmp_path, at_stage_3):
@@ -96,7 +80,7 @@ def test_auto_takes_the_lowest_stage_that_fits_and_equals_the_run_at_that_stage(
     assert abs((needs - fits) - (peaks[2] - peaks[3])) <= 1.5, (fits, needs, peaks)
     records = [json.loads(line) for line in (tmp_path / "auto" / "metrics.jsonl").read_text().splitlines()]
     assert [r["stage"] for r in records if r.get("zero_stage") is True] == [3]
-    assert _same(_state(tmp_path / "auto"), at_stage_3)
+    assert same(trained_state(tmp_path / "auto"), at_stage_3)
 
 
 def test_a_resume_decides_again_and_reads_a_checkpoint_of_another_stage(tmp_path, at_stage_3):
@@ -109,7 +93,7 @@ def test_a_resume_decides_again_and_reads_a_checkpoint_of_another_stage(tmp_path
         tmp_path,
     )
     assert summary["zero_stage"]["stage"] == 3 and summary["steps"] == 2, summary
-    assert _same(_state(tmp_path), at_stage_3)
+    assert same(trained_state(tmp_path), at_stage_3)
 
 
 def test_no_stage_that_fits_is_refused_before_training_naming_the_smallest_peak(tmp_path):

@@ -14,8 +14,7 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
-from _saved import saved
+from _saved import same, trained_state
 
 from fdp.comm import Comm
 from fdp.run import forecast
@@ -44,21 +43,6 @@ def _lowers(rank: int, mib: float) -> str:
     return f"trainer.callbacks=[{{_target_: _loop_callbacks.LowersBudget, at: 1, rank: {rank}, mib: {mib}}}]"
 
 
-def _state(run_dir: Path) -> dict:
-    payload = saved(run_dir)
-    return {"params": payload["params"], "opt_state": payload["opt_state"]}
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
-
-
 def _fixed_runs(tmp: Path, chosen: list[dict], ranks: int) -> dict:
     """The state of runs with each micro-batch ``chosen`` fixed from the step it was chosen at: one run to the
     next choice's step (``trainer.stop_at``), resumed with the next micro-batch (no budget: nothing runs out)."""
@@ -75,7 +59,7 @@ def _fixed_runs(tmp: Path, chosen: list[dict], ranks: int) -> dict:
             compose(*COMMON, *world, f"trainer.accum_steps={segments[first]}", *more, f"trainer.resume={bool(i)}"),
             run_dir,
         )
-    return _state(run_dir)
+    return trained_state(run_dir)
 
 
 def _steps_logged(run_dir: Path) -> list[int]:
@@ -117,7 +101,7 @@ def test_auto_takes_the_largest_micro_batch_the_forecast_fits_and_equals_the_fix
     assert max(a for a in (SHARE // d for d in accum_options(SHARE)) if a <= largest) == 256
     assert all(c["micro_batch"] < 256 and "ran out of memory" in c["why"] for c in chosen[1:]), chosen
     assert _steps_logged(tmp_path / "auto") == [1, 2, 3]
-    assert _same(_state(tmp_path / "auto"), _fixed_runs(tmp_path, chosen, ranks=1))
+    assert same(trained_state(tmp_path / "auto"), _fixed_runs(tmp_path, chosen, ranks=1))
 
 
 def test_a_step_out_of_memory_mid_run_is_done_again_with_half_the_micro_batch(tmp_path):
@@ -132,7 +116,7 @@ def test_a_step_out_of_memory_mid_run_is_done_again_with_half_the_micro_batch(tm
     assert len(chosen) > 1 and all(c["step"] == 1 for c in chosen[1:]), chosen  # all at step 2, none later
     assert all("rank 0 ran out of memory in forward and backward" in c["why"] for c in chosen[1:]), chosen
     assert _steps_logged(tmp_path / "auto") == [1, 2, 3]
-    assert _same(_state(tmp_path / "auto"), _fixed_runs(tmp_path, chosen, ranks=1))
+    assert same(trained_state(tmp_path / "auto"), _fixed_runs(tmp_path, chosen, ranks=1))
 
 
 HUNGRY = (
@@ -164,7 +148,7 @@ def test_one_rank_out_of_memory_and_every_rank_does_the_step_again(tmp_path, sta
     assert _steps_logged(tmp_path / "auto") == [1, 2, 3]
     run(compose(*common, "trainer.accum_steps=1", "trainer.stop_at=1"), tmp_path / "fixed")
     run(compose(*common, "trainer.accum_steps=4", "trainer.resume=true"), tmp_path / "fixed")
-    assert _same(_state(tmp_path / "auto"), _state(tmp_path / "fixed"))
+    assert same(trained_state(tmp_path / "auto"), trained_state(tmp_path / "fixed"))
 
 
 COMPOSED = {  # what trainer.accum_steps=auto composes with, each on a world of its own
@@ -195,4 +179,4 @@ def test_auto_composes_and_equals_the_run_at_the_micro_batch_it_took(tmp_path, n
     assert all("rank 1 ran out of memory" in c["why"] for c in summary["micro_batches"][1:])
     assert _steps_logged(tmp_path / "auto") == [1, 2, 3]
     run(compose(*common, f"trainer.accum_steps={per_rank // chosen[-1][1]}"), tmp_path / "fixed")
-    assert _same(_state(tmp_path / "auto"), _state(tmp_path / "fixed"))
+    assert same(trained_state(tmp_path / "auto"), trained_state(tmp_path / "fixed"))
