@@ -240,7 +240,14 @@ def main() -> None:
             f"{_fmt(measured.get('detect_s'), '.1f')} s until the launcher started the group again and "
             f"{_fmt(measured.get('startup_s'), '.1f')} s until both new processes had imported torch, torchft and fdp "
             "and built the model (a fresh interpreter, as torchrun starts one; fdp's keeper forks its rank anew from a "
-            "process that has them).",
+            "process that has them), leaving "
+            + _fmt(
+                measured["lost_s"] - measured["detect_s"] - measured["startup_s"]
+                if None not in (measured.get("lost_s"), measured.get("startup_s"))
+                else None,
+                ".1f",
+            )
+            + " s for its quorum, the heal and the first step with both groups.",
             "",
             f"Time lost / torchft's: {ratios}.",
             "",
