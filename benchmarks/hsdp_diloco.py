@@ -246,7 +246,7 @@ def _table(rows: dict, meta: dict) -> str:
         f"one ({target if target is None else f'{target:.4f}'}); `time to flat DiLoCo's loss`: the same to flat "
         f"DiLoCo's ({flat_target if flat_target is None else f'{flat_target:.4f}'}). Times from the first step's "
         "start, build excluded. `MB out/node`: the node link's `tx_bytes` over the whole run, mean of the two nodes.",
-        f"Command: `python benchmarks/hsdp_diloco.py` (root). Wall {meta['wall_s']:.0f} s.",
+        f"Command: `python benchmarks/hsdp_diloco.py{meta.get('args', '')}` (root). Wall {meta['wall_s']:.0f} s.",
         "",
         "| side | run s | s/step | final loss (last 4) | time to DDP's loss s | time to flat DiLoCo's loss s "
         "| MB out/node/run | vs DDP |",
@@ -314,6 +314,7 @@ def main() -> None:
             print(json.dumps(rows[side]), flush=True)
     meta = run_meta(t0, load_before, rate=args.rate, steps=args.steps)
     meta["torchft"] = importlib.metadata.version("torchft")
+    meta["args"] = "".join(f" {a}" for a in sys.argv[1:])
     text = _table(rows, meta)
     print(text)
     RESULTS.mkdir(parents=True, exist_ok=True)
