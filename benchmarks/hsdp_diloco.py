@@ -8,7 +8,12 @@ of 1-7, mod the vocabulary; rank r's batch at step t is the same on every side),
 * ``DDP``: fdp stage 0, no outer loop: every step all-reduces the gradients across the nodes;
 * ``DiLoCo flat``: ``outer=diloco`` at stage 0, every rank a replica (4 replicas);
 * ``DiLoCo HSDP``: ``outer=diloco trainer.zero_stage=3 world.hierarchical=true world.node_size=2``:
-  each node one replica, stage 3 inside it, the sync slice to slice across the nodes.
+  each node one replica, stage 3 inside it, the sync slice to slice across the nodes;
+* ``torchft DiLoCo FSDP2``: torchft 0.2.0's ``torchft.local_sgd.DiLoCo`` over the same replicas:
+  FSDP2 ``fully_shard`` (per block and the root) on each node's 2 ranks, torch's Adam inside, a
+  ``Manager`` per rank (``use_async_quorum=False``, as its DiLoCo requires; ``init_sync=False``:
+  every replica starts from the same seed) whose gloo group all-reduces each rank's slices of the
+  pseudo-gradient with the same rank of the other node, the lighthouse on node 0 (``min_replicas=2``).
 
 DiLoCo: a sync every SYNC_EVERY steps, outer Nesterov SGD (lr 0.7, momentum 0.9). Per step, rank 0
 keeps the wall time since the first step began and the loss averaged over the four ranks (an
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import json
 import os
 import statistics
@@ -42,7 +48,8 @@ import torch.distributed as dist  # noqa: E402
 from benchmarks.hsdp_netsim import LR, NODE_SIZE, NODES, PREFIX, SPEC, WORLD, _node_counters  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
-SIDES = ("DDP", "DiLoCo flat", "DiLoCo HSDP")
+SIDES = ("DDP", "DiLoCo flat", "DiLoCo HSDP", "torchft DiLoCo FSDP2")
+TORCHFT = "torchft DiLoCo FSDP2"
 SYNC_EVERY = 8
 WINDOW = 4  # steps a loss is averaged over before it is compared with a target
 
@@ -105,15 +112,83 @@ def _step(side: str, comm):
     return make_outer_step(loss_fn, adam(LR), plan, spec, comm=comm, donate=True, update=update, model=model), state
 
 
+def _torchft_step(comm):
+    """torchft's DiLoCo with FSDP2 inside each node: a step function like ``_step``'s (the state is unused)."""
+    import datetime
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.coordination import LighthouseServer
+    from torchft.local_sgd import DiLoCo
+
+    from benchmarks.fsdp import _module
+    from benchmarks.netsim import address
+    from fdp.run.config import DiLoCoConfig
+
+    node, group_rank = divmod(comm.rank, NODE_SIZE)
+    here, store = address(node), dist.distributed_c10d._get_default_store()
+    keep = []  # the lighthouse (node 0's first rank) and the node's store (its first rank) live as long as the run
+    if comm.rank == 0:
+        keep.append(LighthouseServer(bind="[::]:0", min_replicas=NODES))
+        store.set("torchft/lighthouse", f"http://{here}:{keep[-1].address().rsplit(':', 1)[1]}")
+    if group_rank == 0:
+        keep.append(dist.TCPStore(here, 0, is_master=True, wait_for_workers=False))
+        store.set(f"torchft/store{node}", str(keep[-1].port))
+    lighthouse = store.get("torchft/lighthouse").decode()
+    node_store = int(store.get(f"torchft/store{node}").decode())
+    long = datetime.timedelta(seconds=1800)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=long),
+        load_state_dict=None,
+        state_dict=None,
+        min_replica_size=NODES,
+        use_async_quorum=False,
+        timeout=long,
+        quorum_timeout=long,
+        rank=group_rank,
+        world_size=NODE_SIZE,
+        store_addr=here,
+        store_port=node_store,
+        lighthouse_addr=lighthouse,
+        replica_id=f"node_{node}",
+        hostname=here,
+        init_sync=False,
+    )
+    module = _module(SPEC)
+    mesh = init_device_mesh("cpu", (NODES, NODE_SIZE), mesh_dim_names=("replicate", "shard"))["shard"]
+    for block in module.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+    inner = torch.optim.Adam(module.parameters(), lr=LR)
+    spec = DiLoCoConfig()
+    outer = torch.optim.SGD(module.parameters(), lr=spec.lr, momentum=spec.momentum, nesterov=spec.nesterov)
+    diloco = DiLoCo(manager, [module], inner, outer, sync_every=SYNC_EVERY).__enter__()
+
+    def step(state, batch):
+        x, y = batch
+        inner.zero_grad()
+        loss = torch.nn.functional.cross_entropy(module(x).reshape(-1, SPEC["vocab"]), y.reshape(-1))
+        loss.backward()
+        inner.step()  # DiLoCo's hook: every SYNC_EVERY steps a quorum, the pseudo-gradient all-reduced, the outer step
+        return state, {"loss": loss.detach()}
+
+    def close() -> None:
+        diloco.__exit__(None, None, None)
+        manager.shutdown()
+
+    return step, {"close": close, "keep": keep}
+
+
 def worker(side: str, steps: int, out: str) -> None:
     """One rank of a side: STEPS steps, timed from the first; rank 0 writes the losses and times to ``out``."""
     from fdp.procs.allocator import tune_allocator
     from fdp.procs.launch import WorldLayout, init_distributed
 
-    tune_allocator(sharded_params=side == "DiLoCo HSDP")
+    tune_allocator(sharded_params=side in ("DiLoCo HSDP", TORCHFT))  # as hsdp_netsim gives its FSDP2 sides
     comm = init_distributed(WorldLayout("torchrun", backend="gloo", timeout_s=1800))
     torch.set_num_threads(1)
-    step, state = _step(side, comm)
+    step, state = _torchft_step(comm) if side == TORCHFT else _step(side, comm)
     dist.barrier()
     before = _node_counters(comm)
     losses, seconds = [], []
@@ -130,6 +205,8 @@ def worker(side: str, steps: int, out: str) -> None:
         node_bytes = statistics.mean(b - a for a, b in zip(before, after))
         Path(out).write_text(json.dumps({"side": side, "losses": losses, "seconds": seconds, "node_bytes": node_bytes}))
     dist.barrier()
+    if side == TORCHFT:
+        state["close"]()
     dist.destroy_process_group()
 
 
@@ -160,12 +237,16 @@ def _table(rows: dict, meta: dict) -> str:
         "(`stream_batch`), the same batches on every side. DiLoCo: a sync every "
         f"{SYNC_EVERY} steps, outer Nesterov SGD lr 0.7 momentum 0.9. DDP: fdp stage 0, no outer loop. "
         "DiLoCo flat: stage 0, 4 replicas of one rank. DiLoCo HSDP: `trainer.zero_stage=3 world.hierarchical=true "
-        "world.node_size=2`, 2 replicas of one node each.",
+        "world.node_size=2`, 2 replicas of one node each. torchft DiLoCo FSDP2: torchft "
+        f"{meta.get('torchft', '?')}'s `torchft.local_sgd.DiLoCo` over the same 2 replicas, FSDP2 `fully_shard` "
+        "(per block and the root) on each node's 2 ranks, torch's Adam inside, the same outer SGD, its `Manager` "
+        "all-reducing each rank's slices of the pseudo-gradient per parameter with the same rank of the other node "
+        "(a quorum through the lighthouse on node 0 at every sync; `use_async_quorum=False`, `init_sync=False`).",
         f"`time to DDP's loss`: until the mean of the last {WINDOW} losses (over the four ranks) falls to DDP's final "
         f"one ({target if target is None else f'{target:.4f}'}); `time to flat DiLoCo's loss`: the same to flat "
         f"DiLoCo's ({flat_target if flat_target is None else f'{flat_target:.4f}'}). Times from the first step's "
         "start, build excluded. `MB out/node`: the node link's `tx_bytes` over the whole run, mean of the two nodes.",
-        f"Command: `python benchmarks/hsdp_diloco.py` (root). Wall {meta['wall_s']:.0f} s.",
+        f"Command: `python benchmarks/hsdp_diloco.py{meta.get('args', '')}` (root). Wall {meta['wall_s']:.0f} s.",
         "",
         "| side | run s | s/step | final loss (last 4) | time to DDP's loss s | time to flat DiLoCo's loss s "
         "| MB out/node/run | vs DDP |",
@@ -191,6 +272,21 @@ def _table(rows: dict, meta: dict) -> str:
             f"{statistics.mean(r['losses'][-WINDOW:]):.4f} | {when(r, target)} | {when(r, flat_target)} | "
             f"{r['node_bytes'] / 1e6:.1f} | {vs} |"
         )
+    mine, theirs = rows.get("DiLoCo HSDP"), rows.get(TORCHFT)
+    if mine and theirs and "losses" in mine and "losses" in theirs:
+
+        def ratio(a, b):
+            return "-" if a is None or b is None else f"{a / b:.2f}x"
+
+        reach = [time_to(r["losses"], r["seconds"], target) if target is not None else None for r in (mine, theirs)]
+        gap = max(abs(a - b) for a, b in zip(mine["losses"], theirs["losses"]))
+        lines += [
+            "",
+            f"fdp DiLoCo HSDP / torchft DiLoCo FSDP2: run time {ratio(mine['seconds'][-1], theirs['seconds'][-1])}, "
+            f"time to DDP's loss {ratio(*reach)}, "
+            f"bytes out of a node {ratio(mine['node_bytes'], theirs['node_bytes'])}. Their step-by-step mean "
+            f"losses (same model, seed and batches) differ by at most {gap:.1e} over the {len(mine['losses'])} steps.",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -217,6 +313,8 @@ def main() -> None:
             rows[side] = _run(side, args.steps, run_dir, args.timeout)
             print(json.dumps(rows[side]), flush=True)
     meta = run_meta(t0, load_before, rate=args.rate, steps=args.steps)
+    meta["torchft"] = importlib.metadata.version("torchft")
+    meta["args"] = "".join(f" {a}" for a in sys.argv[1:])
     text = _table(rows, meta)
     print(text)
     RESULTS.mkdir(parents=True, exist_ok=True)
