@@ -98,6 +98,11 @@ class Reduction:
             self._resume(index, run, value)
             yield from self._handed_back()
 
+    def take_ready(self) -> Iterator[tuple[int, GradBucket]]:
+        """Yield ``(index, reduced bucket)`` for each chain done by now, without waiting on any (what ``finished()``
+        would yield first); the rest come from ``finished()``."""
+        yield from self._handed_back()
+
     def complete(self, index: int) -> None:
         """Drive bucket ``index``'s chain to its end now, waiting on each of its collectives.
 

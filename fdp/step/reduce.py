@@ -24,7 +24,7 @@ from torch.func import grad_and_value as func_grad_and_value
 from fdp._torch import HAS_DISABLE_FUNCTORCH, disable_functorch, foreach
 from fdp.comm import Comm
 from fdp.errors import check_choice
-from fdp.hooks.base import Hook
+from fdp.hooks.base import GradBucket, Hook
 from fdp.model.functional import autograd_grad_and_value, grad_and_value
 from fdp.plan import Bucket, BucketPlan
 from fdp.plan import buckets as bucket_buffers
@@ -149,15 +149,36 @@ class GradReducer:
         self._remaining: list[int] = []
         self._scale = 1.0
         self._accumulate = False
+        self._on_reduced: Callable[[int, GradBucket], None] | None = None  # backward's (see ``backward``)
 
-    def backward(self, params, buffers, micro_batches: list, hook_states: tuple) -> Backward:
+    def backward(
+        self,
+        params,
+        buffers,
+        micro_batches: list,
+        hook_states: tuple,
+        on_reduced: Callable[[int, GradBucket], None] | None = None,
+    ) -> Backward:
         """Gradients of the mean loss over ``micro_batches``, their buckets' chains started.
 
         ``buffers`` flow through the micro-batches in order. Under the ``overlap`` schedule
         the last micro-batch's backward starts each bucket as soon as it is full; the rest
         start here, in plan order, once backward is done.
+
+        ``on_reduced(index, bucket)``, at ZeRO stage 3: each bucket whose chain ends while
+        backward still runs (its gradients complete two buckets earlier) is handed to it
+        then, not kept to the end (``Backward.reduction`` yields the others): an update that
+        steps the bucket's slice at once frees its reduced gradient there, so a rank never
+        holds every bucket's slice at once.
         """
         reduction = Reduction(self.hook, self.comm, hook_states, self.plan, self.timeline, release=self.release_buffers)
+        self._on_reduced = on_reduced if self.gather.gathers else None
+        try:
+            return self._backward(reduction, params, buffers, micro_batches)
+        finally:
+            self._on_reduced = None
+
+    def _backward(self, reduction: Reduction, params, buffers, micro_batches: list) -> Backward:
         scale = 1.0 / len(micro_batches)
         losses = []
         flats = self.flat_params(params) if self._flat else None
@@ -188,6 +209,9 @@ class GradReducer:
         self.gather.grads_done(index)
         if self.gather.gathers and index >= 2:  # at most three buckets' gradients in flight, the same on every rank
             reduction.complete(index - 2)
+            if self._on_reduced is not None:
+                for done, bucket in reduction.take_ready():
+                    self._on_reduced(done, bucket)
         reduction.start(flat)
 
     def flat_params(self, params) -> tuple[torch.Tensor, ...] | None:

@@ -280,8 +280,16 @@ def make_train_step(
             micro_batches = weigh_micro_batches(loss_fn, micro_batches, comm)
             micro_batches = scaled_micro_batches(micro_batches, state.loss_scale)
             failed = None
+            # A slice stepped in place inside backward is stepped for good: not where a failed step is redone.
+            early_slices = getattr(step_update, "steps_in_backward", False) and opts.after_backward is None
             try:
-                computed = reducer.backward(step_update.params, state.buffers, micro_batches, state.hook_state)
+                computed = reducer.backward(
+                    step_update.params,
+                    state.buffers,
+                    micro_batches,
+                    state.hook_state,
+                    on_reduced=functools.partial(_take, step_update, state.loss_scale) if early_slices else None,
+                )
             except Exception as error:  # noqa: BLE001 - after_backward decides: raised as it is, or abandoned
                 if opts.after_backward is None:
                     raise
@@ -298,7 +306,7 @@ def make_train_step(
             if failed is not None:  # it let the error stand
                 raise failed
         for index, bucket in computed.reduction.finished():
-            step_update.reduced(index, unscale(bucket.buffer, state.loss_scale, bucket.owned))
+            _take(step_update, state.loss_scale, index, bucket)
 
         # Reduced gradients agree on every rank, so every rank takes the same branch.
         # Skipping needs the verdict now (the step's one host synchronisation); raising
@@ -340,6 +348,11 @@ def make_train_step(
         )
 
     return TrainStep(train_step, verdicts.settle, update.gather.abandon)
+
+
+def _take(step_update: Any, loss_scale: Any, index: int, bucket: Any) -> None:
+    """Hand bucket ``index``'s reduced gradient, unscaled, to the step's update."""
+    step_update.reduced(index, unscale(bucket.buffer, loss_scale, bucket.owned))
 
 
 def _explain(number: int, step_update: Any) -> Callable[[bool], FloatingPointError]:

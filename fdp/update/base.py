@@ -161,7 +161,10 @@ class StepUpdate(Protocol):
     seconds this step's update spent blocked on communication of its own (all-gathers, a
     norm's all-reduce). ``mirror``: the state's copy of the next rank's optimizer-state
     slices (``TrainState.mirror``, ZeRO stage 1 in a world that may shrink), stepped by
-    ``finish()``; ``None`` where none is kept.
+    ``finish()``; ``None`` where none is kept. ``steps_in_backward`` (where present and true):
+    ``reduced`` may be called while backward still runs, as each bucket's reduction ends
+    (ZeRO stage 3 stepping each slice in place: backward reads the gathered copies, never
+    the slices), so the reduced gradients are freed one by one, not held to the end.
     """
 
     params: dict

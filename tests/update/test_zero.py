@@ -17,6 +17,7 @@ from fdp.hooks import noop, topk
 from fdp.model.builtin import MLP, CharTransformer
 from fdp.model.functional import functionalize
 from fdp.optim import adam, chain, clip_by_global_norm
+from fdp.optim import sgd as momentum_sgd
 from fdp.plan import pack_into_buckets, plan_buckets
 from fdp.run.config import ConfigError, register_configs
 from fdp.run.trainer import run
@@ -372,6 +373,55 @@ def test_a_stage_three_checkpoint_restores_whole_params_bit_for_bit(run_ranks, t
     assert list(resharded.params) == [zero.slice_key(b.index) for b in plan.buckets]
     whole = zero.whole_params(resharded, plan, Comm())
     assert all(torch.equal(whole[n], saved[n]) for n in saved)
+
+
+class _Reached(torch.nn.Module):
+    """Notes in ``events`` when backward reaches its input (here: the first layer's output)."""
+
+    def __init__(self, events: list):
+        super().__init__()
+        self.events = events
+
+    def forward(self, x):
+        if x.requires_grad:  # not in the no-grad forward stage 3 learns its gathers from
+            x.register_hook(lambda grad: self.events.append("backward reached the first layer"))
+        return x
+
+
+def _slices_stepped_in_backward(rank, world):
+    """One stage-3 step of a five-layer MLP, a bucket per tensor, SGD with momentum stepping each slice in place:
+    the order in which backward reached the first layer and the optimizer stepped the slices."""
+    torch.manual_seed(0)
+    events = []
+    layers = [torch.nn.Linear(6, 16), _Reached(events), torch.nn.Tanh()]
+    for _ in range(3):
+        layers += [torch.nn.Linear(16, 16), torch.nn.Tanh()]
+    model, params, buffers = functionalize(torch.nn.Sequential(*layers, torch.nn.Linear(16, 3)))
+    loss_fn = cross_entropy_loss(model)
+    batch = (torch.randn(4, 6), torch.randint(0, 3, (4,)))
+    plan = plan_buckets(planner_loss(loss_fn, buffers), params, batch, bucket_cap_mb=1e-6, first_bucket_cap_mb=1e-6)
+    sgd = momentum_sgd(0.1, momentum=0.9)
+
+    def stepping(grads, state, params, **kwargs):
+        events.append("slice stepped")
+        return sgd.update_inplace(grads, state, params, **kwargs)
+
+    optimizer = sgd._replace(update_inplace=stepping)
+    comm = Comm()
+    step = make_train_step(loss_fn, optimizer, plan, comm=comm, donate=True, zero_stage=3, model=model)
+    state = zero.init_state(params, buffers, optimizer, plan, comm, stage=3)
+    step(state, batch)
+    return len(plan.buckets), events
+
+
+def test_stage_three_steps_each_slice_as_its_reduction_ends_inside_backward(run_ranks):
+    """An elementwise optimizer on a donated state steps each bucket's slice once its reduce-scatter is done, while
+    backward still runs: a rank never holds every bucket's gradient slice at once (ZeRO stage 3's params are the
+    gathered copies backward reads, never the slices stepped)."""
+    for buckets, events in run_ranks(_slices_stepped_in_backward):
+        assert buckets >= 5 and events.count("slice stepped") == buckets
+        reached = len(events) - 1 - events[::-1].index("backward reached the first layer")  # the step's backward
+        assert events.index("slice stepped") < reached, events
 
 
 def _nonfinite_at_step_3(rank, world, stage, nonfinite):

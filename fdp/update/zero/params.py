@@ -167,6 +167,8 @@ class _ParamShardedStep(SliceStep):
     def __init__(self, owner: ParamShardedUpdate, state: Any, per_bucket: bool):
         super().__init__(owner, sliced=True)
         self.state, self.per_bucket, self.mirror = state, per_bucket, state.mirror
+        # Each slice stepped in place as its reduction ends, while backward runs: backward reads the gathered copies.
+        self.steps_in_backward = per_bucket
         self.params = owner.gather.views
         self.grads: dict[str, torch.Tensor] = {}
         self.opt_state = state.opt_state
