@@ -241,7 +241,7 @@ def _train_all(rank: int, world: int, jobs: list) -> dict:
 @pytest.fixture(scope="module")
 def pairs():
     """``(pair name, its config, its reference's config)`` for every pair the checks accept."""
-    from fdp.run.config import compose
+    from fdp.run.compose import compose
 
     defaults = compose(*BASE)
     out = []
@@ -277,7 +277,7 @@ def _whole_run_overrides(names: tuple[str, ...]) -> list[str]:
 def trained(pairs, module_run_ranks):
     """Every pair, every reference and every whole run's reference trained, by world size: one start of the
     ranks each. ``{name: (its result, its reference's result, its reference's config)}``."""
-    from fdp.run.config import compose
+    from fdp.run.compose import compose
 
     defaults = compose(*BASE)
     wholes = []
@@ -350,7 +350,7 @@ def _final(run_dir: Path) -> dict:
 @pytest.mark.parametrize("name", list(WHOLE_RUNS))
 def test_whole_runs_of_the_features_a_step_does_not_show_train_as_their_reference(name, trained, tmp_path):
     from fdp.run.checkpoint import BEST
-    from fdp.run.config import compose
+    from fdp.run.compose import compose
     from fdp.run.trainer import run
 
     names, first = WHOLE_RUNS[name]
