@@ -23,7 +23,7 @@ from fdp.comm import Comm
 from fdp.errors import ConfigError
 from fdp.run import auto_stage, build, cli, forecast, forecast_run
 from fdp.run.build import build_run, display_name
-from fdp.run.config import compose
+from fdp.run.compose import compose
 
 JSON = "plan_json"  # this recipe's own setting, not a key of the run's config
 

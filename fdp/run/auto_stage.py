@@ -98,7 +98,7 @@ def lowest_fitting(
 def with_stage(cfg: DictConfig, stage: int) -> DictConfig:
     """``cfg`` with ``trainer.zero_stage`` set to ``stage`` (a copy; ``cfg`` is left as it is).
 
-    >>> from fdp.run.config import compose
+    >>> from fdp.run.compose import compose
     >>> with_stage(compose("trainer.zero_stage=auto"), 2).trainer.zero_stage
     2
     """

@@ -130,7 +130,7 @@ def hydra_error_line(error: BaseException, argv: list[str] | None = None) -> str
     """One line for an error Hydra raised while composing the config or making the run directory
     (``None``: not one of Hydra's; a bug to show in full).
 
-    >>> from fdp.run.config import compose
+    >>> from fdp.run.compose import compose
     >>> try:
     ...     compose("trainer.max_stpes=5")
     ... except Exception as error:
@@ -200,7 +200,7 @@ def main(hydra_main: Callable[[], Any]) -> None:
 
 
 def _print_help(overrides: list[str]) -> None:
-    from fdp.run.config import compose
+    from fdp.run.compose import compose
     from fdp.run.reference import help_text
 
     try:

@@ -83,7 +83,7 @@ def refusal(a: Feature, b: Feature) -> str | None:
 def _checked(a: Feature, b: Feature) -> tuple[object, str | None]:
     """The config ``a`` with ``b`` composes to (``None`` where Hydra refuses it) and the checks' line for it."""
     from fdp.errors import ConfigError
-    from fdp.run.config import compose
+    from fdp.run.compose import compose
     from fdp.run.validate import validate
 
     try:
@@ -110,7 +110,7 @@ def pair_configs() -> list[tuple[Feature, Feature, object, str | None]]:
 
 @functools.cache
 def _composed_pairs() -> tuple[tuple[Feature, Feature, object, str | None], ...]:
-    """``pair_configs``, composed (``fdp.run.config.compose`` runs Hydra once for each choice of config groups)."""
+    """``pair_configs``, composed (``fdp.run.compose.compose`` runs Hydra once for each choice of config groups)."""
     return tuple((a, b, *_checked(a, b)) for a, b in itertools.combinations_with_replacement(FEATURES, 2))
 
 

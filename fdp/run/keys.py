@@ -116,7 +116,7 @@ def unknown_key_line(group: str, key: str, nodes: Mapping | None = None, shown: 
 def check_keys(cfg: Mapping) -> None:
     """Refuse, in one line, a key that no schema has where no object of the user's own takes it.
 
-    >>> from fdp.run.config import compose
+    >>> from fdp.run.compose import compose
     >>> check_keys(compose("+trainer.devices=2"))  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
         ...

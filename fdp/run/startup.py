@@ -47,7 +47,7 @@ def start_run(cfg: DictConfig, run_dir: str | Path, say: Callable[[str], None] |
     ``fdp.run`` logger and stderr.
 
     >>> import tempfile
-    >>> from fdp.run.config import compose
+    >>> from fdp.run.compose import compose
     >>> with start_run(compose(), tempfile.mkdtemp()) as resolved:
     ...     resolved.world.accelerator in ("cpu", "gpu")
     True

@@ -419,7 +419,7 @@ def run(cfg: DictConfig, run_dir: str | Path, callbacks: Sequence = ()) -> dict:
 
     Example::
 
-        from fdp.run.config import compose
+        from fdp.run.compose import compose
         summary = run(compose("world=local2", "trainer.max_steps=20"), "outputs/run1")
     """
     check_given(callbacks)

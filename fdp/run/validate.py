@@ -6,7 +6,7 @@ setting, where its rule is stated once; ``validate`` calls those rules and names
 setting by its config key: a module says ``schedule='x': expected ...``, the run says
 ``trainer.schedule='x': expected ...``.
 
->>> from fdp.run.config import compose
+>>> from fdp.run.compose import compose
 >>> validate(compose("trainer.accum_steps=0"))
 Traceback (most recent call last):
 ...
@@ -139,7 +139,7 @@ def allowed_stages(cfg: Any) -> list[int]:
     """The ZeRO stages the run's other settings allow, lowest first: the one ``trainer.zero_stage`` names, or those
     ``auto`` may take (``fdp.run.auto_stage``); the lowest stage's refusal where none is allowed.
 
-    >>> from fdp.run.config import compose
+    >>> from fdp.run.compose import compose
     >>> allowed_stages(compose("trainer.zero_stage=auto", "outer=diloco"))  # a flat world is one replica
     [0]
     """

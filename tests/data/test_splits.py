@@ -12,7 +12,7 @@ from torch.utils.data import TensorDataset
 from fdp.data import Dataset, as_map_data, eval_batches, hold_out, load_stdlib_text, model_arguments
 from fdp.errors import ConfigError
 from fdp.run.build import build_data
-from fdp.run.config import compose
+from fdp.run.compose import compose
 from fdp.run.metrics import read_metrics
 from fdp.run.trainer import run
 from fdp.run.validate import validate

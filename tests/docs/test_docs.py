@@ -117,7 +117,18 @@ def test_every_other_python_example_runs(tmp_path):
 
 
 # -- every shell command of the pages and examples/README.md --------------------------------------
-MAX_STEPS = 40  # the pages' runs, capped (a later override wins); examples/README.md's run as written
+# The pages' runs capped (a later override wins; examples/README.md's run as written): MAX_STEPS steps, or the
+# largest step count the command sets in PERIODS, so that each evaluates, compresses, warms up or syncs once as
+# written; EVAL_BATCHES batches per evaluation. A command only has to run: nothing reads how far it trained.
+MAX_STEPS = 12
+PERIODS = (
+    "trainer.eval_every",
+    "trainer.checkpoint_every",
+    "hooks.start_iter",
+    "optim.warmup_steps",
+    "outer.sync_every",
+)
+EVAL_BATCHES = 2
 
 
 def _commands(block: str) -> list[str]:
@@ -146,10 +157,27 @@ def _runnable(command: str, tmp: Path, dirs: dict, cap: bool) -> tuple[list[str]
         dirs[f"unnamed{len(dirs)}"] = None
     if "-m" in argv:
         argv.append(f"hydra.sweep.dir={tmp / f'sweep{len(dirs)}'}")
-    steps = [int(w.split("=")[1]) for w in argv if w.startswith("trainer.max_steps=")]
-    if cap and argv[1].endswith("train.py") and (not steps or steps[-1] > MAX_STEPS):
-        argv.append(f"trainer.max_steps={MAX_STEPS}")
+    if cap and argv[1].endswith("train.py"):
+        argv += _capped(argv)
     return [*argv, "trainer.progress=false"] if argv[1].endswith("train.py") else argv, env
+
+
+def _capped(argv: list[str]) -> list[str]:
+    """The overrides that cap a page's run of ``argv``: its steps and evaluation batches."""
+    settings = dict(w.split("=", 1) for w in argv[2:] if "=" in w and not w.startswith(("+", "~")))
+    steps = max([MAX_STEPS, *(int(settings[key]) for key in PERIODS if key in settings)])
+    out = [] if int(settings.get("trainer.max_steps", steps + 1)) <= steps else [f"trainer.max_steps={steps}"]
+    return out + ([] if "trainer.eval_batches" in settings else [f"trainer.eval_batches={EVAL_BATCHES}"])
+
+
+def test_a_pages_run_is_capped_but_reaches_the_periods_it_sets():
+    capped = _capped(["python", "train.py", "trainer.eval_every=8", "outer.sync_every=16", "trainer.max_steps=32"])
+    assert capped == ["trainer.max_steps=16", f"trainer.eval_batches={EVAL_BATCHES}"]
+    assert _capped(["python", "train.py", "hooks.start_iter=10"]) == [
+        f"trainer.max_steps={MAX_STEPS}",
+        f"trainer.eval_batches={EVAL_BATCHES}",
+    ]
+    assert _capped(["python", "train.py", "trainer.max_steps=5", "trainer.eval_batches=1"]) == []
 
 
 def _run_chain(chain: list, fresh: bool) -> list[str]:
@@ -166,7 +194,7 @@ def _run_chain(chain: list, fresh: bool) -> list[str]:
 def test_every_shell_command_of_the_pages_runs_or_is_marked_an_illustration(tmp_path):
     """Each command of a ```bash block runs from the repository root and exits 0; a block it
     cannot run here (GPUs, clusters, installs) says so in an HTML comment before it. The pages' runs are
-    capped at MAX_STEPS steps. Commands that share a run directory (a run stopped, then resumed) run in order;
+    capped (``_capped``). Commands that share a run directory (a run stopped, then resumed) run in order;
     the others two at a time, and a command that stands alone on two pages (README's first run, also on the
     shell page) once. The first runs from a fresh interpreter, the others forked from one that imported torch
     and fdp already (tests/_recipe.py): as the shell runs them but for the imports, most of a short run's time."""
@@ -192,9 +220,12 @@ def test_every_shell_command_of_the_pages_runs_or_is_marked_an_illustration(tmp_
     assert sum(map(len, chains.values())) >= 10
     first = next(iter(chains.values()))  # README's bare `python recipes/train.py`: from a fresh interpreter
     assert first[0][2] == "python recipes/train.py", first[0][2]
-    # The longest first (local worlds start their workers from fresh interpreters), so that no long one runs alone
+    # The longest first (local worlds start workers, char models step slowly), so that no long one runs alone
     # at the end while the other thread has nothing left.
-    order = sorted(chains.values(), key=lambda chain: -sum(1 + 2 * ("world=local2" in c) for *_, c in chain))
+    weight = {"world=local2": 2, "model=charlm": 4}  # a char model's step is ten of the MLP's
+    order = sorted(
+        chains.values(), key=lambda chain: -sum(1 + sum(w for k, w in weight.items() if k in c) for *_, c in chain)
+    )
     with ThreadPoolExecutor(max_workers=2) as pool:
         found = pool.map(_run_chain, order, [chain is first for chain in order])
         failures = [f for each in found for f in each]

@@ -1,8 +1,7 @@
 """The notebooks in notebooks/: they run top to bottom and draw their figures, and are committed clean.
 
 Each notebook reads ``FDP_NOTEBOOK_SMALL=1`` in its size cell and shrinks to a smoke test
-(a few steps, one or two two-rank runs). Most of the time goes into starting the two-rank runs'
-workers (about 10-30 s each on two CPU cores).
+(a few steps, one or two two-rank runs), whose workers fork from the kernel (``FORK_WORKERS``).
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ import pytest
 from nbclient import NotebookClient
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
+TESTS = Path(__file__).resolve().parents[1]
 # name -> figures (image/png outputs) it must draw; the longest first (run two at a time)
 FIGURES = {"buckets": 1, "quickstart": 1, "compression": 2, "fork": 1}
 
@@ -28,6 +28,28 @@ def _code_cells(nb):
     return [cell for cell in nb.cells if cell.cell_type == "code"]
 
 
+# Run by the kernel as it starts (IPython's startup files): local worlds' workers forked from the kernel
+# (fdp.spawn's start_method="fork", as notebooks/fork.ipynb starts its ranks) instead of spawned, each of which
+# imports torch and fdp again, most of a small notebook's time. The notebooks' code runs as written.
+FORK_WORKERS = f"""
+import os
+import sys
+sys.path.insert(0, {str(TESTS)!r})
+import _recipe
+_recipe._fork_workers()
+sys.path.remove({str(TESTS)!r})
+open(os.path.join(os.environ["TMPDIR"], "workers-fork"), "w").close()
+"""
+
+
+def _ipython_dir(tmp: Path) -> Path:
+    """An IPython directory whose default profile runs ``FORK_WORKERS`` at the kernel's start."""
+    startup = tmp / "ipython" / "profile_default" / "startup"
+    startup.mkdir(parents=True)
+    (startup / "00-fork-workers.py").write_text(FORK_WORKERS)
+    return tmp / "ipython"
+
+
 def _execute(name: str, tmp: Path) -> tuple[nbformat.NotebookNode, BaseException | None]:
     """``name`` run top to bottom in a kernel of its own, its run directories under ``tmp``; the error, if a cell
     failed (CellExecutionError names the cell)."""
@@ -36,6 +58,7 @@ def _execute(name: str, tmp: Path) -> tuple[nbformat.NotebookNode, BaseException
         "FDP_NOTEBOOK_SMALL": "1",
         "TMPDIR": str(tmp),  # the notebooks' run directories land here
         "MPLBACKEND": "module://matplotlib_inline.backend_inline",
+        "IPYTHONDIR": str(_ipython_dir(tmp)),
     }
     nb = _read(name)
     client = NotebookClient(nb, timeout=240, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}})
@@ -67,6 +90,7 @@ def test_notebook_runs_small_and_draws_its_figures(name, executed):
     assert figures >= FIGURES[name], f"{name}: {figures} figure(s), expected at least {FIGURES[name]}"
     # The run directories went to tmp_path, not into the repository.
     assert list(tmp_path.glob("fdp-*")), f"{name}: no run directory under TMPDIR"
+    assert (tmp_path / "workers-fork").exists(), f"{name}: the kernel did not run FORK_WORKERS"
 
 
 def test_committed_notebooks_have_no_outputs_or_execution_counts():

@@ -13,7 +13,7 @@ import _recipe
 import pytest
 
 from fdp.run.cli import hydra_error_line
-from fdp.run.config import compose
+from fdp.run.compose import compose
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["trainer.max_steps=2", "trainer.progress=false"]

@@ -13,7 +13,8 @@ from _recipe import recipe
 from omegaconf import OmegaConf
 
 from fdp.run.checkpoint import last_of
-from fdp.run.config import SCHEMAS, compose, register_configs
+from fdp.run.compose import compose
+from fdp.run.config import SCHEMAS, register_configs
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"

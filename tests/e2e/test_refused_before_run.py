@@ -125,7 +125,7 @@ def test_a_low_bit_hook_inside_a_chain_is_refused_by_its_place_in_the_chain():
     """The block a chain's lowbit hook takes is checked against the plan as a lone one's is, named by its key."""
     from fdp.plan import pack_into_buckets
     from fdp.run.build import check_plan_settings
-    from fdp.run.config import compose
+    from fdp.run.compose import compose
 
     plan = pack_into_buckets([("w", (3,), "float32", "cpu")])
     cfg = compose("hooks=fp16_powersgd", "hooks.chain=[fp16_compress,{name:lowbit,block:8},fp16_decompress]")

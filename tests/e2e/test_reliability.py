@@ -40,8 +40,8 @@ from fdp.plan import plan_buckets
 from fdp.procs.launch import RankLostError, WorkerFailedError, WorldLayout, init_distributed, loopback_interface, spawn
 from fdp.run import checkpoint
 from fdp.run.checkpoint import whole
+from fdp.run.compose import compose as make_cfg
 from fdp.run.config import ConfigError, register_configs
-from fdp.run.config import compose as make_cfg
 from fdp.run.rundir import RankStatus
 from fdp.run.trainer import run, run_rank
 from fdp.run.validate import validate

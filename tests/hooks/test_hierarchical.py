@@ -8,7 +8,8 @@ from fdp import Comm
 from fdp.hooks import allreduce, build_hook, hierarchical, node_comms
 from fdp.hooks.base import init_hook_states
 from fdp.plan import pack_into_buckets
-from fdp.run.config import ConfigError, compose
+from fdp.run.compose import compose
+from fdp.run.config import ConfigError
 from fdp.run.validate import validate
 from fdp.step.chains import Reduction
 

@@ -168,7 +168,7 @@ class Checkpointed(nn.Module):
 def test_torch_utils_checkpoint_in_a_model_is_one_line_naming_the_setting_to_use(reentrant, recwarn):
     from fdp.comm import Comm
     from fdp.run.build import build_run
-    from fdp.run.config import compose
+    from fdp.run.compose import compose
 
     cfg = compose(
         "model=custom", f"model._target_={__name__}.Checkpointed", f"+model.use_reentrant={str(reentrant).lower()}"

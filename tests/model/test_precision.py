@@ -25,7 +25,8 @@ from fdp.plan import plan_buckets
 from fdp.run import checkpoint
 from fdp.run.checkpoint.atomic import atomic_save
 from fdp.run.checkpoint.whole import rank_payload, restore, state_payload
-from fdp.run.config import ConfigError, compose
+from fdp.run.compose import compose
+from fdp.run.config import ConfigError
 from fdp.run.validate import validate
 
 TOL = 1e-5

@@ -138,7 +138,7 @@ def test_select_modes_and_refusals():
 
 
 def test_the_config_settings_are_checked_before_anything_runs():
-    from fdp.run.config import compose as cfg
+    from fdp.run.compose import compose as cfg
     from fdp.run.validate import validate
 
     with pytest.raises(ConfigError, match=r"^trainer.activation_checkpointing=.all.: expected none, blocks or every_k"):

@@ -22,7 +22,8 @@ from fdp.procs.devices import (
     seeded_cuda_rng,
     use_device,
 )
-from fdp.run.config import ConfigError, compose
+from fdp.run.compose import compose
+from fdp.run.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU, CUDA0, CUDA1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)

@@ -21,7 +21,8 @@ from test_shrink import RUN, Signaller, assert_close_params, final_params, recor
 
 from fdp.procs.grow import GrowingWorld, JoinRefused
 from fdp.run.checkpoint import last_of
-from fdp.run.config import ConfigError, compose
+from fdp.run.compose import compose
+from fdp.run.config import ConfigError
 from fdp.run.rundir import RankStatus
 from fdp.run.trainer import run
 from fdp.run.validate import validate

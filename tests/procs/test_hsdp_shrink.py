@@ -19,7 +19,8 @@ from _procs import alive
 from test_grow import RESPAWN, SLOWER
 from test_shrink import RUN, Signaller, assert_close_params, final_params, records
 
-from fdp.run.config import ConfigError, compose
+from fdp.run.compose import compose
+from fdp.run.config import ConfigError
 from fdp.run.trainer import run
 from fdp.run.validate import validate
 

@@ -22,7 +22,8 @@ from _saved import saved
 
 from fdp.procs.launch import WorkerFailedError
 from fdp.procs.shrink import ShrinkingWorld, check_shrinkable_batch, shrink_store
-from fdp.run.config import ConfigError, compose
+from fdp.run.compose import compose
+from fdp.run.config import ConfigError
 from fdp.run.rundir import RankStatus
 from fdp.run.trainer import run
 from fdp.run.validate import validate

@@ -21,7 +21,7 @@ from fdp.errors import ConfigError
 from fdp.run.callback_base import Callback, CallbackError
 from fdp.run.callbacks import Callbacks
 from fdp.run.checkpoint.consolidate import consolidate
-from fdp.run.config import compose
+from fdp.run.compose import compose
 from fdp.run.trainer import run
 from fdp.run.validate import validate
 

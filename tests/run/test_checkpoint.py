@@ -16,7 +16,8 @@ from fdp.run import checkpoint
 from fdp.run.checkpoint.atomic import atomic_save
 from fdp.run.checkpoint.files import LAST, POINTER
 from fdp.run.checkpoint.whole import _differing_buffers, rank_payload, restore, save, state_payload
-from fdp.run.config import ConfigError, compose, register_configs
+from fdp.run.compose import compose
+from fdp.run.config import ConfigError, register_configs
 from fdp.run.trainer import run
 
 register_configs()

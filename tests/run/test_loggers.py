@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from fdp.errors import ConfigError
-from fdp.run.config import compose
+from fdp.run.compose import compose
 from fdp.run.loggers import CsvLog, check_loggers, mlflow_uri
 from fdp.run.metrics import read_metrics
 from fdp.run.trainer import run

@@ -15,7 +15,7 @@ from fdp.comm import Comm
 from fdp.data import StepSampler, as_map_data, load_digits
 from fdp.errors import ConfigError
 from fdp.run.checkpoint import last_of
-from fdp.run.config import compose
+from fdp.run.compose import compose
 from fdp.run.loop_controls import Deadline, run_steps
 from fdp.run.metrics import read_metrics
 from fdp.run.monitor import Monitor, Stopping, ranked, stopping_update

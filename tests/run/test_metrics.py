@@ -6,7 +6,8 @@ import sys
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from fdp.run.config import ConfigError, compose
+from fdp.run.compose import compose
+from fdp.run.config import ConfigError
 from fdp.run.metrics import MetricsLog, read_metrics
 from fdp.run.trainer import run
 from fdp.run.validate import validate

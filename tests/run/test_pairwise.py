@@ -23,10 +23,13 @@ batches, as ``fdp.run.trainer`` makes them) and ``fdp.run.loop_controls.LoopCont
 max_time's clock, the monitors' checks), three steps of a small model each. A pair with a checkpoint format saves
 its state after step 2 in that format (the loop's ``Checkpointer``), resumes from it as a run does
 (``fdp.run.checkpoint.resume``, the loop's state too) and takes its last step from there; its reference does not.
-References are computed once and shared by the pairs that have them. What this in-process form does not run is
-covered by the whole runs at the end (``WHOLE_RUNS``): the keeper that holds each rank of a world that may shrink
-or respawn, early stopping and keep_best deciding on real evaluations, max_time's deadline inside a running loop,
-and a sharded checkpoint resumed by a second invocation.
+References are computed once and shared by the pairs that have them; pairs that merge to the same config
+share one run, and a reference that is a pair's own config is that pair's run taken on from its live state at
+the save, before it resumes (the steps before the save are the same; the last ones run straight, as the
+reference's). What this in-process form does not run is covered by the whole runs at the end (``WHOLE_RUNS``):
+the keeper that holds each rank of a world that may shrink or respawn, early stopping and keep_best deciding on
+real evaluations, max_time's deadline inside a running loop, and a sharded checkpoint resumed by a second
+invocation.
 """
 
 from __future__ import annotations
@@ -150,18 +153,25 @@ def _controls(cfg, parts, comm, state, resumed=None):
 _DATA: dict = {}  # each data set loaded once in a rank, as a run loads it once for its build and its loop
 
 
+def _key_of(cfg) -> str:
+    """A config as a string, equal for equal configs (a tenth of ``OmegaConf.to_yaml``'s time)."""
+    return repr(OmegaConf.to_container(cfg))
+
+
 def _data(cfg):
     from fdp.run.build import build_data
 
-    key = OmegaConf.to_yaml(cfg.data) + str(cfg.seed)
+    key = _key_of(cfg.data) + str(cfg.seed)
     if key not in _DATA:
         _DATA[key] = build_data(cfg.data, cfg.seed)
     return _DATA[key]
 
 
-def _train(cfg, comm: Comm, resume: bool, directory: Path) -> dict:
+def _train(cfg, comm: Comm, resume: bool, directory: Path, straight: bool) -> tuple[dict, dict | None]:
     """This rank's run of ``cfg`` for ``STEPS`` steps (saved after step ``SAVED_AT`` and resumed there if
-    ``resume``); on rank 0 its whole params, step losses and moving average."""
+    ``resume``); on rank 0 its whole params, step losses and moving average. ``straight``: the same run's last
+    steps taken from its live state too, before it resumes (the run with neither save nor resume, ``cfg``'s
+    reference where that is ``cfg`` itself): the second result, ``None`` otherwise."""
     from fdp.procs.devices import MemoryPhase
     from fdp.run import checkpoint
     from fdp.run.auto_stage import built_at_stage
@@ -179,32 +189,52 @@ def _train(cfg, comm: Comm, resume: bool, directory: Path) -> dict:
     controls = _controls(cfg, parts, comm, parts.state)
     loop = Loop(cfg, parts, comm, NullTimeline(), device, parts.state, STEPS, cfg.trainer.compile is True, controls,
                 MemoryPhase())  # fmt: skip
-    losses = []
     try:
-        state = parts.state
-        for step in range(1, STEPS + 1):
-            state, metrics = loop.train_step(state, next(loop.batches))
-            losses.append(float(metrics["loss"]))
-            controls.stepped(state)
-            if resume and step == SAVED_AT:
-                loop.train_step.settle()
-                run_dir = RunDir(directory)
-                written = loop.checkpoints.save(
-                    run_dir.checkpoints, state, parts.update, parts.plan, controls.payload(step)
-                )
-                loop.checkpoints.wait()
-                written = _broadcast(written, comm)
-                state = checkpoint.resume(written, parts.state, parts.update, parts.plan, comm)
-                controls.close()
-                controls = _controls(cfg, parts, comm, state, read_resumed(written, comm))
+        state, losses = _steps(loop, controls, parts.state, 1, SAVED_AT, [])
+        if not resume:
+            state, losses = _steps(loop, controls, state, SAVED_AT + 1, STEPS, losses)
+            return _result(loop, parts, controls, state, losses, comm), None
         loop.train_step.settle()
-        whole = parts.update.to_checkpoint(state, comm)
-        average = controls.payload(state.step).get("ema")
+        written = loop.checkpoints.save(
+            RunDir(directory).checkpoints, state, parts.update, parts.plan, controls.payload(SAVED_AT)
+        )
+        loop.checkpoints.wait()
+        written = _broadcast(written, comm)
+        last = [next(loop.batches) for _ in range(SAVED_AT, STEPS)]  # the last steps' batches, for both
+        uninterrupted = None
+        if straight:  # taken whole before the resume reads the checkpoint into the built state
+            uninterrupted = _result(
+                loop, parts, controls, *_steps(loop, controls, state, SAVED_AT + 1, STEPS, losses, last), comm
+            )
+        state = checkpoint.resume(written, parts.state, parts.update, parts.plan, comm)
+        controls.close()
+        controls = _controls(cfg, parts, comm, state, read_resumed(written, comm))
+        state, losses = _steps(loop, controls, state, SAVED_AT + 1, STEPS, losses, last)
+        return _result(loop, parts, controls, state, losses, comm), uninterrupted
     finally:
         controls.close()
+
+
+def _steps(loop, controls, state, first: int, last: int, losses: list, batches: list | None = None):
+    """Steps ``first`` to ``last`` from ``state`` (on ``batches``, or the loop's next), and the losses so far."""
+    losses = list(losses)
+    for step in range(first, last + 1):
+        batch = batches[step - first] if batches is not None else next(loop.batches)
+        state, metrics = loop.train_step(state, batch)
+        losses.append(float(metrics["loss"]))
+        controls.stepped(state)
+    return state, losses
+
+
+def _result(loop, parts, controls, state, losses: list, comm: Comm) -> dict:
+    """The run's end on rank 0, copied: its whole params, step losses and moving average (every rank calls)."""
+    loop.train_step.settle()
+    whole = parts.update.to_checkpoint(state, comm)
+    average = controls.payload(state.step).get("ema")
     if comm.rank != 0:
         return {}
     params = {name: t.detach().float().cpu().clone() for name, t in whole.params.items()}
+    average = None if average is None else {name: t.detach().clone() for name, t in average.items()}
     return {"params": params, "losses": losses, "ema": average}
 
 
@@ -218,22 +248,27 @@ def _broadcast(value, comm: Comm):
 
 
 def _train_all(rank: int, world: int, jobs: list) -> dict:
-    """Each job ``(name, config, resume)`` trained in turn; a job that fails gives its error's line."""
+    """Each job ``(name, config, resume, straight)`` trained in turn (``straight``: the name its uninterrupted run
+    is reported under, or ``None``); a job that fails gives its error's line."""
     torch.manual_seed(0)
     comm = Comm()
     out = {}
     with tempfile.TemporaryDirectory(prefix=f"pairwise-{rank}-") as scratch:
-        for index, (name, container, resume) in enumerate(jobs):
+        for index, (name, cfg, resume, straight) in enumerate(jobs):
             directory = Path(scratch) / str(index) if rank == 0 else Path(scratch)
             directory = _broadcast(str(directory), comm)
             began, cpu = time.perf_counter(), time.process_time()
             try:
-                out[name] = _train(OmegaConf.create(container), comm, resume, Path(directory))
+                out[name], uninterrupted = _train(cfg, comm, resume, Path(directory), straight is not None)
                 out[name].update(seconds=time.perf_counter() - began, cpu_s=time.process_time() - cpu)
+                if straight is not None:
+                    out[straight] = uninterrupted
             except Exception as error:  # noqa: BLE001 - every pair is reported, not only the first to fail
                 out[name] = {"error": f"{type(error).__name__}: {error}".splitlines()[0]}
                 if rank == 0:
                     out[name]["traceback"] = traceback.format_exc()
+                if straight is not None:
+                    out[straight] = out[name]
     return out
 
 
@@ -241,7 +276,7 @@ def _train_all(rank: int, world: int, jobs: list) -> dict:
 @pytest.fixture(scope="module")
 def pairs():
     """``(pair name, its config, its reference's config)`` for every pair the checks accept."""
-    from fdp.run.config import compose
+    from fdp.run.compose import compose
 
     defaults = compose(*BASE)
     out = []
@@ -277,36 +312,45 @@ def _whole_run_overrides(names: tuple[str, ...]) -> list[str]:
 def trained(pairs, module_run_ranks):
     """Every pair, every reference and every whole run's reference trained, by world size: one start of the
     ranks each. ``{name: (its result, its reference's result, its reference's config)}``."""
-    from fdp.run.config import compose
+    from fdp.run.compose import compose
 
     defaults = compose(*BASE)
     wholes = []
     for name, (names, _) in WHOLE_RUNS.items():
         cfg = _small(compose(*_whole_run_overrides(names)))
         wholes.append((name, None, _reference(cfg, defaults)))
-    by_world: dict[int, list] = {}
-    references: dict[str, str] = {}
+    # One job per distinct config (pairs that merge to the same overrides share it). A reference whose config is a
+    # pair's that resumes is that job's uninterrupted run: the pair's steps before the save, then its last steps
+    # from the live state (``_train``'s ``straight``); the other references are jobs of their own.
+    jobs: dict[tuple[str, bool], list] = {}  # (config, resumes) -> [name, config, resume, straight]
+    job_of: dict[str, str] = {}  # pair or reference -> the job whose result it reads
+    for name, cfg, _ in pairs:
+        job = jobs.setdefault((_key_of(cfg), _resumes(cfg)), [name, cfg, _resumes(cfg), None])
+        job_of[name] = job[0]
     for name, cfg, ref in [*pairs, *wholes]:
-        ref_yaml = OmegaConf.to_yaml(ref)
-        if ref_yaml not in references:
-            references[ref_yaml] = f"reference {len(references)}"
-            by_world.setdefault(int(ref.world.nproc_per_node), []).append(
-                (references[ref_yaml], OmegaConf.to_container(ref, resolve=True), False)
-            )
-        if cfg is not None:
-            job = (name, OmegaConf.to_container(cfg, resolve=True), _resumes(cfg))
-            by_world.setdefault(int(cfg.world.nproc_per_node), []).append(job)
+        ref_yaml = _key_of(ref)
+        if (ref_yaml, True) in jobs:
+            job = jobs[(ref_yaml, True)]
+            job[3] = job[3] or f"reference of {job[0]}"
+            job_of[f"reference: {name}"] = job[3]
+        else:
+            job = jobs.setdefault((ref_yaml, False), [f"reference {len(jobs)}", ref, False, None])
+            job_of[f"reference: {name}"] = job[0]
+    by_world: dict[int, list] = {}
+    for name, cfg, resume, straight in jobs.values():
+        by_world.setdefault(int(cfg.world.nproc_per_node), []).append((name, cfg, resume, straight))
     results = {}
-    for world, jobs in sorted(by_world.items()):
+    for world, world_jobs in sorted(by_world.items()):
         began = time.perf_counter()
-        results.update(module_run_ranks(_train_all, jobs, world_size=world, timeout_s=120)[0])
-        took = sorted((r.get("cpu_s", 0.0), name) for name, r in results.items() if name in {job[0] for job in jobs})
+        results.update(module_run_ranks(_train_all, world_jobs, world_size=world, timeout_s=120)[0])
+        names = {job[0] for job in world_jobs}
+        took = sorted((r.get("cpu_s", 0.0), name) for name, r in results.items() if name in names)
         print(
-            f"pairwise: {len(jobs)} runs on {world} ranks in {time.perf_counter() - began:.1f} s "
+            f"pairwise: {len(world_jobs)} runs on {world} ranks in {time.perf_counter() - began:.1f} s "
             f"(rank 0's CPU {sum(t for t, _ in took):.1f} s); the most CPU: {took[-4:]}"
         )
     return {
-        name: (results.get(name), results[references[OmegaConf.to_yaml(ref)]], ref)
+        name: (results.get(job_of.get(name)), results[job_of[f"reference: {name}"]], ref)
         for name, _, ref in [*pairs, *wholes]
     }
 
@@ -350,7 +394,7 @@ def _final(run_dir: Path) -> dict:
 @pytest.mark.parametrize("name", list(WHOLE_RUNS))
 def test_whole_runs_of_the_features_a_step_does_not_show_train_as_their_reference(name, trained, tmp_path):
     from fdp.run.checkpoint import BEST
-    from fdp.run.config import compose
+    from fdp.run.compose import compose
     from fdp.run.trainer import run
 
     names, first = WHOLE_RUNS[name]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import _recipe
 
-from fdp.run.config import compose
+from fdp.run.compose import compose
 from fdp.run.reference import help_text, key_docs, reference_markdown
 
 ROOT = Path(__file__).resolve().parents[2]

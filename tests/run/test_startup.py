@@ -15,7 +15,7 @@ import fdp.run.rundir
 import fdp.run.validate
 import fdp.run.world
 from fdp.errors import ConfigError
-from fdp.run.config import compose
+from fdp.run.compose import compose
 from fdp.run.rundir import owner_of
 from fdp.run.startup import start_run
 from fdp.run.trainer import run

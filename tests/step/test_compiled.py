@@ -1,10 +1,10 @@
 """trainer.compile: auto's decision, the run's compile record and the compile cache kept across restarts."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import _recipe
 import pytest
 from _configs import quiet as _cfg
 from _paths import pythonpath_first
@@ -108,14 +108,16 @@ print(choice.compile, counters["inductor"]["fxgraph_cache_hit"], counters["induc
 
 
 def test_a_restarted_run_reads_its_compiled_graph_from_the_run_directory(tmp_path):
-    """Two processes, as a run and its restart: the second finds the first's graph in <run dir>/compile_cache."""
+    """Two processes, as a run and its restart: the second finds the first's graph in <run dir>/compile_cache.
+    Forked from the tests' preloaded server (tests/_recipe.py), which imported torch but compiled nothing: each
+    starts with no compiled graph in memory, as a fresh interpreter does."""
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
     env["PYTHONPATH"] = pythonpath_first(REPO)
+    script = tmp_path / "compile_once.py"
+    script.write_text(_COMPILE_ONCE)
 
     def compile_once():
-        out = subprocess.run(
-            [sys.executable, "-c", _COMPILE_ONCE, str(tmp_path)], env=env, capture_output=True, text=True, timeout=600
-        )
+        out = _recipe.run([sys.executable, str(script), str(tmp_path)], env=env, cwd=tmp_path, timeout=600)
         assert out.returncode == 0, out.stderr[-2000:]
         return out.stdout.split()
 

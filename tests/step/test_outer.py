@@ -18,7 +18,8 @@ from fdp.plan import pack_into_buckets, split_fragments
 from fdp.procs.launch import spawn
 from fdp.run.checkpoint import last_of
 from fdp.run.checkpoint.files import is_sharded
-from fdp.run.config import ConfigError, DiLoCoConfig, LocalSGDConfig, compose
+from fdp.run.compose import compose
+from fdp.run.config import ConfigError, DiLoCoConfig, LocalSGDConfig
 from fdp.run.trainer import run, run_rank
 from fdp.run.validate import validate
 from fdp.run.world import layout_of

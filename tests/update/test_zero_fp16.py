@@ -19,7 +19,7 @@ from fdp.optim import adam, sgd
 from fdp.plan import plan_buckets
 from fdp.run import checkpoint
 from fdp.run.checkpoint import ShardedSaver, load_sharded
-from fdp.run.config import compose
+from fdp.run.compose import compose
 from fdp.run.validate import validate
 from fdp.update import zero
 
