@@ -68,7 +68,6 @@ PHASES = ("build", "step", "update", "save")
 # forward runs again under a gradient transform of its own, beside the block's gradients).
 BACKWARD_FACTOR = 1.6
 RECOMPUTE_FACTOR = 3.3
-COPY_BUFFER = 16 * MiB  # a whole-file save copies step_<N>.pt to last.pt through a buffer this large (its atomic copy)
 
 
 # -- the parts, one pure function each --------------------------------------------------------
@@ -173,17 +172,17 @@ def gathers_in_flight(plan: BucketPlan, world: int, itemsize: int | None = None,
 
 def staging_bytes(held_share: int, whole_state: int, fmt: str, asynchronous: bool, rank: int, stage: int) -> int:
     """Bytes a save adds on ``rank``: an asynchronous sharded save's staging copy of the rank's share (params
-    and optimizer state); a whole-file save on rank 0 copies the file to ``last.pt`` through a buffer (up to
-    16 MiB) and, at a stage that shards, first gathers the whole state.
+    and optimizer state); a whole-file save, at a stage that shards, gathers the whole state on rank 0 (torch
+    writes the tensors it holds as they are, and ``last`` names the step file: no copy of it).
 
     >>> staging_bytes(100, 400, "sharded", True, rank=1, stage=3), staging_bytes(100, 400, "whole", True, 0, 3)
-    (100, 800)
+    (100, 400)
+    >>> staging_bytes(100, 400, "whole", False, rank=0, stage=0)
+    0
     """
     if fmt == "sharded":
         return held_share if asynchronous else 0
-    if rank:
-        return 0
-    return min(COPY_BUFFER, whole_state) + (whole_state if stage > 0 else 0)
+    return whole_state if stage > 0 and not rank else 0
 
 
 def step_bytes_sent(
@@ -280,12 +279,12 @@ class Forecast(NamedTuple):
         }
 
 
-def phase_peaks(t: Terms, stage: int) -> dict[str, int]:
+def phase_peaks(t: Terms) -> dict[str, int]:
     """Each phase's peak (bytes over the loaded process) from the terms.
 
     >>> t = Terms(100, 100, 100, 200, 0, 0, 0, 0, 50, 10, 0, 7, 100, 0, 20)
-    >>> phase_peaks(t, stage=0)
-    {'build': 507, 'step': 487, 'update': 427, 'save': 487}
+    >>> phase_peaks(t)
+    {'build': 507, 'step': 487, 'update': 427, 'save': 407}
     """
     held = t.params + t.grads_held + t.optimizer + t.hooks + t.extra_state + t.fixed
     in_step = max(0, t.grads_step - t.grads_held) + t.collectives
@@ -293,10 +292,9 @@ def phase_peaks(t: Terms, stage: int) -> dict[str, int]:
     backward = int(BACKWARD_FACTOR * t.activations + RECOMPUTE_FACTOR * t.recomputed)
     step = held + in_step + t.gathers + max(backward, t.activations + 2 * t.largest_activation)
     update = held + in_step + t.update
-    # A save follows a step. At stages 0-2 the heap keeps what a step frees (fdp.procs.allocator), and measured on the
-    # CPU what a save allocates does not fit in those blocks; stage 3 maps its large blocks and hands them back.
-    after = held if stage == 3 else max(step, update)
-    return {"build": held + t.build_params, "step": step, "update": update, "save": after + t.staging}
+    # A save follows a step, whose blocks are handed back as they are freed (under a budget, every block from 64 KiB:
+    # fdp.procs.allocator.budget_accounting), so it starts from what is held between steps.
+    return {"build": held + t.build_params, "step": step, "update": update, "save": held + t.staging}
 
 
 def forecast(
@@ -373,7 +371,7 @@ def forecast(
         collectives=plan.nbytes if world > 1 and plan.buckets[0].device == "cpu" else 0,
     )
     links = _links(plan, stage, world, node_size, outer, hook_ratio, gather_itemsize, reshard)
-    return Forecast(rank, stage, terms, phase_peaks(terms, stage), links)
+    return Forecast(rank, stage, terms, phase_peaks(terms), links)
 
 
 def _links(

@@ -69,6 +69,27 @@ def test_saved_activations_are_what_backward_keeps():
     assert per_sample(loss, params, batch, samples=8) == saved_activations(loss, leaves, big)
 
 
+def test_attention_traced_on_meta_saves_what_the_cpu_saves():
+    """Stage 3 traces on ``meta`` params (the whole params are never made): attention counts what the device's fused
+    kernel keeps (its inputs, output and log-sum-exp), as a trace on the real params does, not the unfused path's
+    attention weights (a 16 x 16 square per head here)."""
+    from fdp.model.deferred import meta_wins
+
+    torch.manual_seed(0)
+    qkv = torch.nn.Linear(8, 24)
+
+    def loss(params, x):
+        q, k, v = torch.func.functional_call(qkv, params, (x,)).view(2, 16, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum()
+
+    real = {n: p.detach().requires_grad_() for n, p in qkv.named_parameters()}
+    meta = {n: torch.empty_like(p, device="meta").requires_grad_() for n, p in real.items()}
+    x = torch.randn(2, 16, 8)
+    with meta_wins():
+        on_meta = saved_activations(loss, meta, x)
+    assert on_meta == saved_activations(loss, real, x)
+
+
 def test_stages_need_less_memory_as_they_shard_more():
     _, _, _, plan = _mlp()
     rows = [
