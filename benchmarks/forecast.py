@@ -108,8 +108,9 @@ def table(rows: list[dict], meta: dict) -> str:
         "",
         f"`{meta['command']}`; torch {meta['torch']}, {platform.machine()}, {meta['cpus']} CPU cores shared with "
         f"other jobs (load {meta['load_before']:.1f} before, {os.getloadavg()[0]:.1f} after); gloo on loopback. "
-        "Each row a fresh run of `recipes/train.py` for a few steps, a whole-file checkpoint and a short "
-        f"evaluation at the end, under a budget it never reaches (`world.memory_per_rank_mb={NEVER_REACHED_MB}`: "
+        "Each row a fresh run of `recipes/train.py` for a few steps, a checkpoint (whole-file on one rank, sharded "
+        "and asynchronous on more) and a short evaluation at the end, under a budget it never reaches "
+        f"(`world.memory_per_rank_mb={NEVER_REACHED_MB}`: "
         "the allocator as a budget sets it). `forecast`: the peak the run logged at start (`fdp.run.forecast`, "
         "the worst rank); `measured`: rank 0's peak resident memory over what it held once its data was loaded "
         "(the summary's `peak_mib`). Goal: within 10%, never more than 5% below.",
