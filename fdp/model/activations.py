@@ -18,6 +18,7 @@ apart by module hooks. ``per_sample`` takes two tiny batches and scales linearly
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 import torch
@@ -49,6 +50,25 @@ class Activations(NamedTuple):
 
 def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
+
+
+class _FusedAttention(torch.overrides.TorchFunctionMode):
+    """Attention on ``meta`` as a device runs it: the fused kernel, which saves its inputs, output and log-sum-exp
+    for backward (on ``meta`` torch takes the unfused path, which saves the attention weights, a square per head:
+    measured, 16 MiB more than the CPU's on a char transformer's 8 samples of 128 tokens). With a mask or grouped
+    heads it is left as torch runs it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.nn.functional.scaled_dot_product_attention and args[0].is_meta:
+            names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+            given = {**dict(zip(names, args[3:])), **kwargs}
+            if given.get("attn_mask") is None and not given.get("enable_gqa"):
+                query, key, value = args[:3]
+                fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+                dropout, causal = given.get("dropout_p", 0.0), given.get("is_causal", False)
+                return fused(query, key, value, dropout, causal, scale=given.get("scale"))[0]
+        return func(*args, **kwargs)
 
 
 def saved_activations(
@@ -91,8 +111,13 @@ def saved_activations(
 
     calls: list[dict[int, int]] = []
     handles = [h for m in checkpointed for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
+    on_meta = any(p.is_meta for p in params.values())
     try:
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with (
+            torch.enable_grad(),
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+            _FusedAttention() if on_meta else contextlib.nullcontext(),
+        ):
             out = loss_fn(dict(params), batch)
         del out
     finally:

@@ -16,6 +16,7 @@ __all__ = ["tune_allocator", "release_free_memory", "budget_accounting", "reside
 _MAPPED_FROM = 8 * 2**20  # stage 3's buckets at least this large are mapped (see tune_allocator)
 _THREAD_STACK = 2**20  # what a new thread reserves under a budget (see budget_accounting)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4  # mallopt's parameters (malloc.h)
+_MMAP_MAX_DEFAULT = 65536  # glibc's default for M_MMAP_MAX: how many blocks may be mapped at once
 
 
 def _glibc() -> ctypes.CDLL | None:
@@ -78,6 +79,7 @@ def budget_accounting() -> None:
     if libc is None:
         return
     libc.mallopt(_M_MMAP_THRESHOLD, 64 * 2**10)
+    libc.mallopt(_M_MMAP_MAX, _MMAP_MAX_DEFAULT)  # tune_allocator's 0 (stages 0-2) would keep every block in the heap
     libc.mallopt(_M_TRIM_THRESHOLD, 128 * 2**10)
     try:
         attr = ctypes.create_string_buffer(128)  # a pthread_attr_t (56 bytes on x86-64 and arm64)

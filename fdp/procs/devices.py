@@ -336,11 +336,23 @@ def limit_memory(budget_mib: float, device: torch.device) -> None:
 def is_out_of_memory(error: BaseException) -> bool:
     """Whether ``error`` says an allocation failed (a CUDA OOM, torch's CPU allocator, Python's ``MemoryError``,
     a system call's ``ENOMEM``: opening a file under ``RLIMIT_DATA``), or, under a data limit, that a thread could
-    not start (``EAGAIN``: its stack is a private mapping the limit counts; gloo starts threads for each group).
+    not start (``EAGAIN``: its stack is a private mapping the limit counts; gloo starts threads for each group); or
+    was raised while one was handled (torch's ``save`` into a buffer closes it when an allocation fails, and says
+    "I/O operation on closed file").
 
     >>> is_out_of_memory(MemoryError()), is_out_of_memory(RuntimeError("shapes do not match"))
     (True, False)
     """
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if _says_out_of_memory(error):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _says_out_of_memory(error: BaseException) -> bool:
     if isinstance(error, (MemoryError, getattr(torch, "OutOfMemoryError", MemoryError))):
         return True
     if isinstance(error, OSError):
@@ -359,8 +371,22 @@ def _data_limited() -> bool:
     return resource.getrlimit(resource.RLIMIT_DATA)[0] != resource.RLIM_INFINITY
 
 
+class LateOutOfMemory(MemoryError):
+    """Out of memory in a part of the run found out in another: an asynchronous checkpoint write's, raised where the
+    loop waits for it. ``phase`` and ``step`` name the part that ran out (``MemoryPhase``'s names).
+
+    >>> str(LateOutOfMemory("save", 4, "the asynchronous checkpoint write", MemoryError()))
+    'the asynchronous checkpoint write: MemoryError'
+    """
+
+    def __init__(self, phase: str, step: int | None, what: str, error: BaseException):
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        super().__init__(f"{what}: {reason}")
+        self.phase, self.step = phase, step
+
+
 class MemoryPhase:
-    """Which part of a run this rank is in, for its out-of-memory line: ``data``, ``build``, ``step``,
+    """Which part of a run this rank is in, for its out-of-memory line: ``data``, ``build``, ``resume``, ``step``,
     ``evaluation`` or ``save``, the step it is at, whether this invocation has saved a checkpoint, and the
     micro-batches per step and the ZeRO stage a run that decides them is at (``accum``, ``stage``; ``None``: the
     setting's).

@@ -11,8 +11,9 @@ pure function of those values; ``forecast`` adds them up phase by phase:
 * ``step``: forward and backward of one micro-batch, with what the rank holds between steps,
   its gradient buffers and, at stage 3, the buckets gathered in flight;
 * ``update``: the optimizer's step over the reduced gradients, bucket by bucket;
-* ``save``: a checkpoint (an asynchronous sharded save keeps a staging copy of the rank's
-  share; a whole-file save at a sharding stage gathers the whole state on rank 0).
+* ``save``: a checkpoint (a sharded save copies the rank's pieces: an asynchronous one keeps
+  the copy for the run, so the steps after a save and the evaluation after the last hold it
+  too; a whole-file save at a sharding stage gathers the whole state on rank 0).
 
 ``fixed`` is what a rank process adds at its first gradient whatever the model
 (torch's first meta and autograd operations, the process group's threads and buffers,
@@ -38,7 +39,8 @@ from fdp.hooks import Hook
 from fdp.optim import GradientTransformation
 from fdp.plan import BucketPlan
 from fdp.procs.allocator import resident_mib
-from fdp.update.zero.layout import slice_key, slice_numel
+from fdp.update.pieces import state_pieces
+from fdp.update.zero.layout import slice_key, slice_numel, slice_range
 
 __all__ = [
     "MiB",
@@ -51,6 +53,7 @@ __all__ = [
     "hook_state_bytes",
     "grad_buffer_bytes",
     "gathers_in_flight",
+    "piece_bytes",
     "staging_bytes",
     "step_bytes_sent",
     "forecast",
@@ -68,7 +71,12 @@ PHASES = ("build", "step", "update", "save")
 # forward runs again under a gradient transform of its own, beside the block's gradients).
 BACKWARD_FACTOR = 1.6
 RECOMPUTE_FACTOR = 3.3
-COPY_BUFFER = 16 * MiB  # a whole-file save copies step_<N>.pt to last.pt through a buffer this large (its atomic copy)
+# At stage 3, under a budget, backward grows by the activations once: each bucket's whole params and gradients are
+# made and handed back as backward passes it (char transformer on 2 ranks: 93.5 MiB over what is held, its 58.5 MiB
+# of activations and 35.9 of buckets), and by a recomputed block twice: fitted, it took 1.0 on the char transformer on
+# 4 ranks (46 MiB: 35.9, 3.2 kept, 7.0 recomputed) and 1.65 on GPT-2 on 2 ranks (benchmarks/results/forecast.md);
+# the larger, rounded up, so that neither falls short.
+SHARDED_BACKWARD_FACTOR, SHARDED_RECOMPUTE_FACTOR = 1.0, 2.0
 
 
 # -- the parts, one pure function each --------------------------------------------------------
@@ -171,19 +179,43 @@ def gathers_in_flight(plan: BucketPlan, world: int, itemsize: int | None = None,
     return sum(sizes) if not reshard else sum(sorted(sizes, reverse=True)[:2])
 
 
-def staging_bytes(held_share: int, whole_state: int, fmt: str, asynchronous: bool, rank: int, stage: int) -> int:
-    """Bytes a save adds on ``rank``: an asynchronous sharded save's staging copy of the rank's share (params
-    and optimizer state); a whole-file save on rank 0 copies the file to ``last.pt`` through a buffer (up to
-    16 MiB) and, at a stage that shards, first gathers the whole state.
+def piece_bytes(
+    optimizer: GradientTransformation, plan: BucketPlan, stage: int, world: int, rank: int, shards=0
+) -> int:
+    """Bytes of the pieces ``rank`` writes to a sharded checkpoint (``fdp.update.pieces``, on ``meta``): its range of
+    each whole tensor, its part of each slice (``shards``: the ranks a slice is cut over, else ``world``), every leaf
+    of no parameter whole. An asynchronous save stages each piece in a buffer of its own, kept from save to save
+    (``fdp.run.checkpoint.staging``); a synchronous one has DCP copy each piece, a view of a larger storage, as it
+    writes.
 
-    >>> staging_bytes(100, 400, "sharded", True, rank=1, stage=3), staging_bytes(100, 400, "whole", True, 0, 3)
-    (100, 800)
+    >>> from fdp import adam
+    >>> from fdp.plan import pack_into_buckets
+    >>> plan = pack_into_buckets([("w", (5, 3), "float32", "cpu")])
+    >>> [piece_bytes(adam(0.1), plan, stage=1, world=2, rank=r) for r in (0, 1)]  # 8 + 7 params, 2 x 8 + 2 x 7
+    [96, 84]
+    """
+    shards = shards or world
+    params = _meta_params(plan, 3 if stage == 3 else 0, shards)
+    tree = {"params": params, "opt_state": optimizer.init(_meta_params(plan, stage, shards))}
+    sliced = (lambda i: slice_range(plan.buckets[i], rank % shards, shards)) if stage else None
+    tensors, _ = state_pieces(tree, plan, rank, world, sliced)
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def staging_bytes(pieces: int, whole_state: int, fmt: str, rank: int, stage: int) -> int:
+    """Bytes a save adds on ``rank`` over what it holds between steps: the copy of its ``pieces`` a sharded save
+    makes (kept for the run where it is asynchronous: ``forecast`` counts it from the first save on); a whole-file
+    save, at a stage that shards, gathers the whole state on rank 0 (torch writes the tensors it holds as they are,
+    and ``last`` names the step file: no copy of it).
+
+    >>> staging_bytes(100, 400, "sharded", rank=1, stage=3), staging_bytes(100, 400, "whole", 0, 3)
+    (100, 400)
+    >>> staging_bytes(100, 400, "whole", rank=0, stage=0)
+    0
     """
     if fmt == "sharded":
-        return held_share if asynchronous else 0
-    if rank:
-        return 0
-    return min(COPY_BUFFER, whole_state) + (whole_state if stage > 0 else 0)
+        return pieces
+    return whole_state if stage > 0 and not rank else 0
 
 
 def step_bytes_sent(
@@ -231,6 +263,8 @@ class Terms(NamedTuple):
     build_params: int  # what a build makes at once beyond the state it keeps (the whole params at stages 0-2)
     collectives: int  # gloo's own buffers for the buckets a step reduces (CPU worlds of more than one rank)
     update: int  # the optimizer's temporaries over one bucket
+    staging_kept: int = 0  # an asynchronous save's copy, held by the steps after a save made before the run's end
+    after_save: int = 0  # what a forward adds after a save whose copy it keeps (evaluation or steps)
 
 
 class Forecast(NamedTuple):
@@ -280,23 +314,29 @@ class Forecast(NamedTuple):
         }
 
 
-def phase_peaks(t: Terms, stage: int) -> dict[str, int]:
+def phase_peaks(t: Terms, stage: int = 0) -> dict[str, int]:
     """Each phase's peak (bytes over the loaded process) from the terms.
 
     >>> t = Terms(100, 100, 100, 200, 0, 0, 0, 0, 50, 10, 0, 7, 100, 0, 20)
-    >>> phase_peaks(t, stage=0)
-    {'build': 507, 'step': 487, 'update': 427, 'save': 487}
+    >>> phase_peaks(t)
+    {'build': 507, 'step': 487, 'update': 427, 'save': 407}
+    >>> phase_peaks(t._replace(staging=60, staging_kept=60, after_save=20))  # an asynchronous copy, kept
+    {'build': 507, 'step': 547, 'update': 487, 'save': 487}
     """
     held = t.params + t.grads_held + t.optimizer + t.hooks + t.extra_state + t.fixed
     in_step = max(0, t.grads_step - t.grads_held) + t.collectives
     # Backward holds the kept activations and their gradients, and one recomputed module's (BACKWARD_FACTOR).
-    backward = int(BACKWARD_FACTOR * t.activations + RECOMPUTE_FACTOR * t.recomputed)
-    step = held + in_step + t.gathers + max(backward, t.activations + 2 * t.largest_activation)
-    update = held + in_step + t.update
-    # A save follows a step. At stages 0-2 the heap keeps what a step frees (fdp.procs.allocator), and measured on the
-    # CPU what a save allocates does not fit in those blocks; stage 3 maps its large blocks and hands them back.
-    after = held if stage == 3 else max(step, update)
-    return {"build": held + t.build_params, "step": step, "update": update, "save": after + t.staging}
+    kept, again = (
+        (SHARDED_BACKWARD_FACTOR, SHARDED_RECOMPUTE_FACTOR) if stage == 3 else (BACKWARD_FACTOR, RECOMPUTE_FACTOR)
+    )
+    backward = int(kept * t.activations + again * t.recomputed)
+    step = held + t.staging_kept + in_step + t.gathers + max(backward, t.activations + 2 * t.largest_activation)
+    update = held + t.staging_kept + in_step + t.update
+    # A save follows a step, whose blocks are handed back as they are freed (under a budget, every block from 64 KiB:
+    # fdp.procs.allocator.budget_accounting), so it starts from what is held between steps; an asynchronous save's
+    # copy stays while what follows it runs (the evaluation at the run's end, a forward of two activations at once).
+    save = held + t.staging + t.after_save
+    return {"build": held + t.build_params, "step": step, "update": update, "save": save}
 
 
 def forecast(
@@ -317,11 +357,13 @@ def forecast(
     hook_ratio: float = 1.0,
     node_size: int = 0,
     outer: bool = False,
+    saves_mid_run: bool = True,
 ) -> Forecast:
     """One rank's forecast at ``stage`` over ``world`` ranks; ``activations``: an ``fdp.model.activations``
     ``Activations`` for the micro-batch; ``extra_state``: bytes of state beyond params and optimizer
     (outer loop, moving average) for the whole params, sharded with the pieces a rank syncs; ``node_size``: a node's
-    ranks under ``world.hierarchical`` (0: flat), over which a ZeRO stage shards (hybrid sharding).
+    ranks under ``world.hierarchical`` (0: flat), over which a ZeRO stage shards (hybrid sharding);
+    ``saves_mid_run``: whether steps follow a save (an asynchronous save's copy is then held by them).
 
     >>> from fdp import sgd
     >>> from fdp.hooks import allreduce
@@ -330,7 +372,7 @@ def forecast(
     >>> plan = pack_into_buckets([("w", (1024, 1024), "float32", "cpu")])
     >>> [forecast(plan, sgd(0.1, momentum=0.9), allreduce(), Activations(0, 0), stage=s, world=4, rank=1).peak // MiB
     ...  for s in range(4)]
-    [20, 17, 17, 14]
+    [20, 18, 18, 14]
     """
     # Hybrid sharding (world.hierarchical=true with a ZeRO stage) splits each bucket over a node's ranks, not the world.
     hybrid = bool(node_size) and world > node_size and stage > 0
@@ -342,35 +384,44 @@ def forecast(
     # An outer loop's anchor and momentum (and the moving average that follows the anchor) are kept for the pieces a
     # rank syncs: its slices at stage 3, and under an outer loop over hybrid-sharded replicas at every ZeRO stage.
     sliced_extra = stage == 3 or (outer and stage > 0)
+    extra = extra_state * share // plan.nbytes if sliced_extra else extra_state
+    # What a sharded save writes: under an outer loop the rank's own params and optimizer state whole, and its piece
+    # of what the ranks share (the anchor, the outer optimizer's state); else its pieces of the state.
+    sharded = checkpoint_format == "sharded"
+    pieces = 0
+    if sharded:
+        pieces = (
+            params + opt + extra_state // world if outer else piece_bytes(optimizer, plan, stage, world, rank, shards)
+        )
+    staging = staging_bytes(pieces, plan.nbytes + whole_opt, checkpoint_format, rank, stage)
+    kept = sharded and checkpoint_async  # the staging buffers stay from the first save to the run's end
     terms = Terms(
         params=params,
         grads_held=grad_buffer_bytes(plan, stage, held=True),
         grads_step=grad_buffer_bytes(plan, stage, held=False),
         optimizer=opt,
         hooks=hook_state_bytes(hook, plan),
-        extra_state=extra_state * share // plan.nbytes if sliced_extra else extra_state,
+        extra_state=extra,
         gathers=gathers_in_flight(plan, shards, gather_itemsize, reshard) if stage == 3 else 0,
-        staging=staging_bytes(
-            (share if stage else plan.nbytes) + opt,
-            plan.nbytes + whole_opt,
-            checkpoint_format,
-            checkpoint_async,
-            rank,
-            stage,
-        )
-        if not (stage == 3 and checkpoint_format == "whole" and rank)
-        else 0,
+        staging=staging,
         activations=activations.kept,
         largest_activation=activations.largest,
         recomputed=activations.recomputed,
         fixed=fixed,
         build_params=plan.nbytes if stage < 3 else max(s.numel for b in plan.buckets for s in b.slots) * 4,
-        # The optimizer's elementwise temporaries, about its state's size; at stages 0-2 the first step also lays the
-        # params out in their buckets (a copy), and the temporaries reuse the heap's blocks the old params free
-        # (measured on one rank: the update grew by Adam's state, 16.6 MiB, not by it and the params' 8.3 more).
-        update=max(opt, plan.nbytes) if stage < 3 else opt,
-        # Measured on 2 CPU ranks: gloo holds about a bucket's size of its own for each bucket it reduces in a step.
-        collectives=plan.nbytes if world > 1 and plan.buckets[0].device == "cpu" else 0,
+        # The optimizer's elementwise temporaries, about its state's size. At stage 0 the first step also lays the
+        # params out in their buckets (a copy), and the temporaries reuse the blocks the old params free (measured on
+        # one rank: the update grew by Adam's state, 16.6 MiB, not by it and the params' 8.3 more); at stages 1-2 the
+        # new whole params are gathered while the old ones are held (MLP at stage 1 on 2 ranks: 23 MiB over what is
+        # held, the gloo buffers' 8.3, Adam's slices' 8.3 and the params' 8.3).
+        update={0: max(opt, plan.nbytes), 3: opt}.get(stage, opt + plan.nbytes),
+        # Measured on 2 CPU ranks: gloo holds about a bucket's size of its own for each bucket it reduces in a step;
+        # at stage 3, which maps its buckets, each is handed back once reduced: the largest one.
+        collectives=(max(b.nbytes for b in plan.buckets) if stage == 3 else plan.nbytes)
+        if world > 1 and plan.buckets[0].device == "cpu"
+        else 0,
+        staging_kept=staging if kept and saves_mid_run else 0,
+        after_save=2 * activations.largest if kept else 0,
     )
     links = _links(plan, stage, world, node_size, outer, hook_ratio, gather_itemsize, reshard)
     return Forecast(rank, stage, terms, phase_peaks(terms, stage), links)

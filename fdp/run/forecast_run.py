@@ -24,6 +24,7 @@ __all__ = [
     "memory_section",
     "start_line",
     "micro_samples",
+    "saves_mid_run",
     "forecast_accum",
 ]
 
@@ -35,6 +36,18 @@ def micro_samples(global_batch: int, world: int, accum: int) -> int:
     8
     """
     return max(1, math.ceil(global_batch / world / accum))
+
+
+def saves_mid_run(trainer) -> bool:
+    """Whether a run saves before its last step (``trainer.checkpoint_every`` under its length; a run that ends by
+    epochs, ``trainer.max_epochs``, may end sooner: counted as saving).
+
+    >>> from fdp.run.config import compose
+    >>> saves_mid_run(compose("trainer.max_steps=100").trainer), saves_mid_run(compose("trainer.max_steps=101").trainer)
+    (False, True)
+    """
+    every, steps = trainer.checkpoint_every, trainer.stop_at or trainer.max_steps
+    return bool(every) and (every < steps or bool(trainer.max_epochs))
 
 
 # -- from a run's config and pieces -----------------------------------------------------------
@@ -122,6 +135,7 @@ def run_forecasts(
                     hook_ratio=_hook_ratio(cfg),
                     node_size=node_size,
                     outer=cfg.outer.get("name", "none") != "none",
+                    saves_mid_run=saves_mid_run(cfg.trainer),
                 )
             )
     return out

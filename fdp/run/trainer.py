@@ -197,7 +197,7 @@ def _join_and_train(cfg: DictConfig, run_dir: str, callbacks: Sequence = ()) -> 
         summary = _train(cfg, directory, comm, device, world, phase, callbacks)
     except RunEnded:
         summary = {}
-    except (MemoryError, RuntimeError, OSError) as error:
+    except (MemoryError, RuntimeError, OSError, ValueError) as error:
         if not is_out_of_memory(error):
             raise
         message = out_of_memory_message(cfg, comm.rank, comm.world_size, phase, error, phase.accum)
@@ -291,7 +291,8 @@ def _start(
         cfg, parts, stage_choice = built_at_stage(cfg, comm, device, data, world, allowed_stages(cfg), fixed, peak.base)
         phase.stage = parts.update.stage
         source = None if joiner else _resume_source(cfg, run_dir)
-        state = _first_state(source, parts, comm)
+        with phase("resume") if source is not None else contextlib.nullcontext():
+            state = _first_state(source, parts, comm)
         # The forecast's trace before the heap gives back what building left free: it costs the run nothing after.
         built = fixed + built_mib(peak.base + fixed, state) if device.type == "cpu" else 0.0  # the fixed part, measured
         forecast_line = start_line(cfg, parts, world_size, built) if rank == 0 and not joiner else None

@@ -278,3 +278,83 @@ def test_out_of_memory_lines_name_the_phase_and_what_to_change():
     # The default format is sharded on two ranks (asynchronous) and whole on one.
     assert "trainer.checkpoint_async=false" in out_of_memory_message(make_cfg(*common), 1, 2, phase, MemoryError())
     assert "rank 0 holds the whole state" in out_of_memory_message(make_cfg(*common), 0, 1, phase, MemoryError())
+
+
+# The asynchronous write of a sharded save runs out in its own thread: rank 0 pickles the checkpoint's meta (here a
+# 64 MiB text, made before the budget), which takes more than the budget has left once the pieces are staged.
+_LATE_PROBE = """
+import re, resource, tempfile, torch
+from fdp import cross_entropy_loss, functionalize, plan_buckets, planner_loss, sgd
+from fdp.comm import Comm
+from fdp.procs.allocator import budget_accounting
+from fdp.run.checkpoint.sharded import ShardedSaver
+from fdp.update import zero
+
+model, params, buffers = functionalize(torch.nn.Linear(4, 3))
+batch = (torch.randn(8, 4), torch.randint(3, (8,)))
+plan = plan_buckets(planner_loss(cross_entropy_loss(model), buffers), params, batch)
+update = zero.update_for(0, sgd(0.1), plan, Comm())
+state = update.first_state(params, buffers, None, Comm())
+saver, text = ShardedSaver(Comm()), "x" * (64 << 20)
+held = int(re.search(r"VmData:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) * 1024
+resource.setrlimit(resource.RLIMIT_DATA, (held + (24 << 20), resource.RLIM_INFINITY))
+budget_accounting()
+saver.save(tempfile.mkdtemp(), state._replace(step=3), update, plan, extra={"note": text})
+try:
+    saver.wait()
+except MemoryError as error:
+    print(type(error).__name__, error.phase, error.step, error)
+"""
+
+
+def test_an_asynchronous_write_that_runs_out_of_memory_is_the_saves_out_of_memory_line():
+    """Found where the loop waits for it (the next save, the run's end: another phase), it names the save that ran
+    out and its step, not an empty "the asynchronous checkpoint write failed:"."""
+    import subprocess
+    import sys
+
+    from fdp.procs.devices import LateOutOfMemory, MemoryPhase
+    from fdp.run.out_of_memory import out_of_memory_message
+
+    env = {**os.environ, "PYTHONPATH": pythonpath_first()}
+    out = subprocess.run([sys.executable, "-c", _LATE_PROBE], capture_output=True, text=True, env=env, timeout=600)
+    assert out.stdout.split()[:3] == ["LateOutOfMemory", "save", "3"], out.stdout + out.stderr[-2000:]
+    assert "the asynchronous checkpoint write: MemoryError" in out.stdout, out.stdout
+    phase = MemoryPhase()
+    with pytest.raises(MemoryError), phase("evaluation", 4):
+        raise MemoryError
+    late = LateOutOfMemory("save", 3, "the asynchronous checkpoint write", MemoryError())
+    cfg = make_cfg("world.memory_per_rank_mb=500", "trainer.checkpoint_format=sharded")
+    assert out_of_memory_message(cfg, 0, 2, phase, late) == (
+        "rank 0 ran out of memory saving the checkpoint of step 3 (the asynchronous checkpoint write: MemoryError); "
+        "the run does not fit world.memory_per_rank_mb=500: expected a larger budget, or "
+        "trainer.checkpoint_async=false: an asynchronous save stages a copy of this rank's state on the CPU while it "
+        "is written"
+    )
+
+
+def test_a_whole_checkpoint_resumed_under_too_small_a_budget_is_the_resumes_out_of_memory_line(tmp_path):
+    """Rank 0 sends a whole-file checkpoint to every rank pickled: under a budget the run fits (the MLP's 19 MiB of
+    params under Adam) but the pickled state does not, torch's save into its buffer fails as "I/O operation on closed
+    file" while it handles the out-of-memory; the line names the resume and what to change."""
+    common = (
+        "model=mlp",
+        "model.hidden=65536",
+        "model.depth=1",
+        "optim=adam",
+        "data.global_batch_size=64",
+        "trainer.max_steps=2",
+        "trainer.eval_every=0",
+        "world=local2",
+        "trainer.checkpoint_format=whole",
+    )
+    run(make_cfg(*common, "trainer.stop_at=1"), tmp_path)
+    from fdp.procs.launch import WorkerFailedError
+
+    with pytest.raises(WorkerFailedError) as failed:
+        run(make_cfg(*common, "trainer.resume=true", "world.memory_per_rank_mb=150"), tmp_path)
+    assert str(failed.value).startswith(
+        "rank 0 ran out of memory resuming from its checkpoint (MemoryError); the run does not fit "
+        "world.memory_per_rank_mb=150: expected a larger budget, or a checkpoint saved with "
+        "trainer.checkpoint_format=sharded"
+    ), str(failed.value)

@@ -57,7 +57,9 @@ def file_entry(path: str | os.PathLike, digest: Any = None) -> dict:
     if digest is None:
         digest = hashlib.sha256()
         with open(path, "rb") as f:
-            for block in iter(lambda: f.read(16 << 20), b""):
+            # 1 MiB at a time: read(n) allocates n bytes first, and under a budget (world.memory_per_rank_mb) the
+            # data limit counts them, touched or not (16 MiB blocks made a rank's write 16 MiB larger than its files)
+            for block in iter(lambda: f.read(1 << 20), b""):
                 digest.update(block)
     return {"size": os.path.getsize(path), "sha256": digest.hexdigest()}
 

@@ -61,6 +61,7 @@ from fdp._torch import (
 )
 from fdp.comm import Comm
 from fdp.plan import BucketPlan
+from fdp.procs.devices import LateOutOfMemory, is_out_of_memory
 from fdp.run.checkpoint.atomic import atomic_save, fsync_dir
 from fdp.run.checkpoint.files import META, CheckpointError, point_last, prune, read_meta
 from fdp.run.checkpoint.integrity import DCP_METADATA, file_entry, write_manifest
@@ -160,6 +161,7 @@ class ShardedSaver:
         self.comm, self.asynchronous, self.timeout_s = comm, asynchronous, timeout_s
         self._group = None  # the writers' own process group
         self._thread: threading.Thread | None = None
+        self._writing: int | None = None  # the step of the write in flight
         self._error: BaseException | None = None
         # The staging copy, kept from one save to the next: its pages are touched once, not at every save, and
         # where each piece comes from is worked out at the first save (fdp.run.checkpoint.staging).
@@ -182,6 +184,8 @@ class ShardedSaver:
             self._thread.join()
             self._thread = None
         error, self._error = self._error, None
+        if error is not None and is_out_of_memory(error):  # the save's out-of-memory line (fdp.run.out_of_memory)
+            raise LateOutOfMemory("save", self._writing, "the asynchronous checkpoint write", error) from error
         if error is not None:
             raise CheckpointError(f"the asynchronous checkpoint write failed: {error}") from error
 
@@ -250,6 +254,7 @@ class ShardedSaver:
         self.last_blocked_s = blocked
         args = (directory, step, tensors, mine, meta, group, keep, blocked, nbytes)
         if self.asynchronous:
+            self._writing = step
             self._thread = threading.Thread(target=self._write_caught, args=args, name="fdp-checkpoint", daemon=True)
             self._thread.start()
         else:
