@@ -54,6 +54,7 @@ import torch.distributed.checkpoint as dcp
 from fdp._torch import (
     chunk_load_planner,
     digesting_writer,
+    records_without_crc,
     single_process_dcp,
     tree_flatten,
     tree_paths,
@@ -291,7 +292,8 @@ class ShardedSaver:
             atomic_save(meta, tmp / META)
         digests: dict = {}  # each piece file's SHA-256, taken as DCP writes it: no file is read back
         writer = digesting_writer(tmp, hashlib.sha256, digests)
-        with single_process_dcp(group is None):
+        # That SHA-256 covers every byte of the piece files: their records need no CRC-32 of their own as well.
+        with single_process_dcp(group is None), records_without_crc():
             dcp.save(tensors, storage_writer=writer, process_group=group, no_dist=group is None)
         # DCP's last collective gathered every rank's results: every piece is on disk. Each rank records the
         # size and checksum of the files it wrote, rank 0 the whole checkpoint's (fdp.run.checkpoint.integrity).
