@@ -348,8 +348,9 @@ def main() -> None:
             "|---|---|---|---|",
             *calm_rows,
             "",
-            "fdp under `shrink` draws dropout per sample (`fdp.model.streams`, docs: 1.02x to 1.8x a step, more at "
-            "tiny widths) and looks for a joiner once per step; that look-up alone (`GrowingWorld.due` on a loopback "
+            "fdp under `shrink` draws dropout per sample (`fdp.model.streams_functions`, docs: 0.99x a step's CPU at "
+            "d_model 128, 1.56x at tiny widths) and looks for a joiner once per step; that look-up alone "
+            "(`GrowingWorld.due` on a loopback "
             f"store, {2000} calls): {lookup0:.0f} us a step on rank 0, {lookup1:.0f} us on the others. torchft's "
             "quorum runs during the forward (`use_async_quorum`), its commit after the backward.",
             "",

@@ -43,7 +43,7 @@ from fdp._torch import preload_compiler
 from fdp.procs.devices import resolve_backend, use_device
 from fdp.procs.keeper import LostRank
 from fdp.procs.launch import RankLostError, WorldLayout, loopback_interface
-from fdp.procs.shrink import END_KEY, MEMBERS_KEY, ShrinkingWorld, fence_key
+from fdp.procs.shrink import END_KEY, MEMBERS_KEY, ShrinkingWorld, died_key, fence_key
 
 __all__ = ["JOIN_ENV", "GrowingWorld", "JoinRefused", "check_max_ranks", "joining", "prepare_joiner", "respawner"]
 
@@ -106,13 +106,14 @@ def respawner(
     ended. The new process joins (``JOIN_ENV``).
     """
     done = [0]
+    # What the rank's first step imports (torch.func's gradient pulls in dynamo; seconds on a loaded machine),
+    # imported here before the first rank is forked: every process started from this one starts with it, the
+    # first one included (which would import it anyway), and none imports it once a rank is lost.
+    preload_compiler()
 
     def again(lost: LostRank) -> bool:
         if done[0] >= max_respawns:
             return False
-        # What the rank's first step imports (torch.func's gradient pulls in dynamo), imported here while the
-        # others regroup: the new process is forked from this one and starts with it.
-        preload_compiler()
         keys = store()
         deadline = time.monotonic() + 3 * timeout_s + 10  # the survivors regroup within a collective timeout
         while not keys.check([fence_key(lost.rank)]) or int(keys.get(fence_key(lost.rank))) <= cleared[0]:
@@ -262,6 +263,7 @@ class GrowingWorld(ShrinkingWorld):
                 f"world.max_ranks={limit}: expected room for one more rank; the world already has {len(members)} "
                 f"(launch ranks {', '.join(map(str, members))}), so launch rank {me} cannot join"
             )
+        store.delete_key(died_key(me))  # a death its keeper told of, before it was started again: not this one's
         number = store.add(_COUNT, 1)
         store.set(f"join/{number}", json.dumps({"rank": me}))
         answer = _answer(store, number, wait_s)

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from fdp._torch import default_store
 
 __all__ = ["Heartbeat"]
+
+_ASK_EVERY_S = 0.01
 
 
 class Heartbeat:
@@ -62,13 +64,20 @@ class Heartbeat:
     def _counts(self) -> list[int]:
         return [self._store.add(self.key(r), 0) for r in range(self.world_size)]
 
-    def silent_ranks(self) -> list[int] | None:
-        """Ranks whose counter did not move over three beats (``None``: the store does not answer)."""
+    def silent_ranks(self, known: Callable[[], list[int]] = list) -> list[int] | None:
+        """Ranks whose counter did not move over three beats (``None``: the store does not answer).
+
+        ``known()``, asked every 10 ms meanwhile, names ranks known lost another way (their keepers saw
+        them die, ``fdp.procs.shrink``): once it names any, they are the answer, without the beats.
+        """
         if self._store is None:
             return None
         try:
-            before = self._counts()
-            time.sleep(3 * self.interval_s)
+            before, deadline = self._counts(), time.monotonic() + 3 * self.interval_s
+            while time.monotonic() < deadline:
+                if lost := known():
+                    return lost
+                time.sleep(_ASK_EVERY_S)
             after = self._counts()
         except Exception:
             return None

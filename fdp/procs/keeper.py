@@ -15,6 +15,10 @@ waits for it and reports to the launcher as a worker that finished:
   ranks declared it lost (``fence``: a hung rank, which the keeper then kills), so the
   launcher sees a worker that finished and leaves the others running.
 
+The keeper hears of its rank's death at once (the pipe from the rank closes), long before
+the rank's heartbeat is seen to stop: ``told`` passes it on (``fdp.procs.shrink`` writes it in
+the store, where the other ranks look first).
+
 A keeper may start its rank again after a loss (``respawn``, ``world.respawn=true``): the new
 process joins the running world at a step boundary (``fdp.procs.grow``).
 
@@ -47,6 +51,7 @@ __all__ = ["LostRank", "keep"]
 _FORWARDED = (signal.SIGINT, signal.SIGTERM)
 _PR_SET_PDEATHSIG = 1
 _POLL_S = 0.1
+_EXITING_POLL_S = 0.005
 
 
 class LostRank(NamedTuple):
@@ -101,13 +106,15 @@ def keep(
     fenced: Callable[[], bool] = lambda: False,
     after_loss: Callable[[LostRank], Any] | None = None,
     respawn: Callable[[LostRank], bool] | None = None,
+    told: Callable[[LostRank], Any] | None = None,
 ) -> Any:
     """Run ``entry(*args)`` as a child of this process; return its result (see the module docstring).
 
     ``fenced()`` is asked every ~0.1 s: ``True`` (the other ranks declared this rank lost)
     kills the child. A lost rank is started again (forked anew) while ``respawn(LostRank(...))``
     says so; then it gives ``after_loss(LostRank(...))`` when given (a keeper that must stay
-    until the run ends, under ``torchrun``), else the ``LostRank`` itself.
+    until the run ends, under ``torchrun``), else the ``LostRank`` itself. ``told(LostRank(...))`` is
+    called first, as soon as the rank is lost.
     """
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
@@ -119,6 +126,8 @@ def keep(
         outcome = _keep_once(entry, args, rank, fenced)
         if not isinstance(outcome, LostRank):
             return outcome[0]
+        if told is not None:
+            told(outcome)
         if respawn is None or not respawn(outcome):
             break
     return after_loss(outcome) if after_loss is not None else outcome
@@ -169,8 +178,8 @@ def _wait(pid: int, read_end: int, fenced: Callable[[], bool]) -> tuple[bytes, i
             chunk = os.read(read_end, 1 << 20)
             chunks.append(chunk)
             open_end = bool(chunk)
-        elif not open_end:
-            time.sleep(_POLL_S)
+        elif not open_end:  # every end of the pipe closed: the rank is exiting, reaped within moments
+            time.sleep(_EXITING_POLL_S)
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             while open_end and (chunk := os.read(read_end, 1 << 20)):

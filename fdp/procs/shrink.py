@@ -7,8 +7,9 @@ the world size (the global batch is split over whatever ranks there are; dropout
 follow the samples, ``fdp.model.streams``), so when a rank dies or hangs the survivors:
 
 1. see a collective fail (a dead peer's socket closes at once; a hung one's collective
-   times out after ``world.timeout_s``), ask the heartbeats which ranks went silent and
-   say so in the store, which ends the collectives the others wait in at once
+   times out after ``world.timeout_s``), find which ranks were lost (a dead rank's keeper
+   says so in the store as it dies, ``died_key``; else the heartbeats tell, over three
+   beats, which ranks went silent) and say so in the store, which ends the collectives the others wait in at once
    (``ShrinkingWorld.watch``: gloo fails a collective only on the rank whose own peer is
    gone; the rest would wait for their timeout);
 2. agree on the members of the next generation (the first survivor's proposal wins, in
@@ -71,6 +72,7 @@ __all__ = [
 
 _RETIRED: list[Any] = []  # the process groups of earlier generations (see step 3 of the module docstring)
 _ARRIVE_POLL_S = 0.01
+_DIED_SETTLE_S = 0.05
 
 
 def check_shrinkable_batch(
@@ -123,6 +125,12 @@ def shrink_store(timeout_s: float) -> dist.Store:
         timeout=datetime.timedelta(seconds=timeout_s),
     )
     return dist.PrefixStore(f"fdp/procs/shrink/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
+
+
+def died_key(rank: int) -> str:
+    """The key by which launch rank ``rank``'s keeper says that the rank died (``keep_rank``); a rank that joins
+    again clears it (``fdp.procs.grow``)."""
+    return f"died/{rank}"
 
 
 def fence_key(rank: int) -> str:
@@ -195,6 +203,10 @@ def keep_rank(
     def until_the_end(lost: LostRank) -> dict:
         return _wait_for_end(store(), me.world_size, timeout_s)
 
+    def told(lost: LostRank) -> None:  # the others need not wait for its heartbeat to stop
+        with contextlib.suppress(Exception):
+            store().set(died_key(lost.rank), lost.how)
+
     again = respawn(store, cleared) if respawn is not None else None
     try:
         result = keep(
@@ -204,6 +216,7 @@ def keep_rank(
             fenced=fenced,
             after_loss=until_the_end if kind.lost_rank_stays else None,
             respawn=again,
+            told=told,
         )
         if again is not None and again.count[0] and not isinstance(result, LostRank):
             return _wait_for_end(store(), me.world_size, timeout_s)
@@ -299,8 +312,17 @@ class ShrinkingWorld:
             )
 
     def silent(self) -> list[int] | None:
-        """Members whose heartbeat stopped (launch ranks; ``None``: the store does not answer)."""
-        silent = self.heartbeat.silent_ranks()
+        """Members lost (launch ranks; ``None``: the store does not answer): those whose keepers said they died,
+        as soon as one did, else those whose heartbeat stopped."""
+
+        def died() -> list[int]:
+            dead = [r for r in self.members if r != self.me and self.store.check([died_key(r)])]
+            if dead:  # others lost in the same moment (a node): their keepers tell within a few ms too
+                time.sleep(_DIED_SETTLE_S)
+                dead = [r for r in self.members if r != self.me and self.store.check([died_key(r)])]
+            return dead
+
+        silent = self.heartbeat.silent_ranks(died)
         return None if silent is None else [r for r in silent if r in self.members]
 
     def regroup(self, lost: list[int], joined: tuple[int, ...] = ()) -> Comm:

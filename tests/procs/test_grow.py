@@ -20,6 +20,7 @@ from _procs import alive
 from test_shrink import RUN, Signaller, assert_close_params, final_params, records
 
 from fdp.procs.grow import GrowingWorld, JoinRefused
+from fdp.procs.shrink import died_key
 from fdp.run.checkpoint import last_of
 from fdp.run.compose import compose
 from fdp.run.config import ConfigError
@@ -227,6 +228,18 @@ def test_of_two_joins_at_once_with_room_for_one_the_second_is_refused_by_the_wor
         )
         first.join(5)
         assert got_first == {"world": None}  # no answer: the world never reached its boundary here
+    finally:
+        world.close()
+
+
+def test_a_rank_that_asks_to_join_clears_the_death_its_keeper_told_of(store):
+    """Else a later failure would name the new process lost at once (``ShrinkingWorld.silent``)."""
+    world = _world(store, 0, (0, 1), 3)
+    try:
+        store.set(died_key(2), "killed by SIGKILL")
+        joiner, got = _asking(store, 2, 3, wait_s=0.5)
+        joiner.join(5)
+        assert got == {"world": None} and not store.check([died_key(2)])
     finally:
         world.close()
 

@@ -20,8 +20,9 @@ import torch
 from _procs import alive
 from _saved import saved
 
+from fdp.procs.keeper import LostRank
 from fdp.procs.launch import WorkerFailedError
-from fdp.procs.shrink import ShrinkingWorld, check_shrinkable_batch, shrink_store
+from fdp.procs.shrink import ShrinkingWorld, check_shrinkable_batch, keep_rank, shrink_store
 from fdp.run.compose import compose
 from fdp.run.config import ConfigError
 from fdp.run.rundir import RankStatus
@@ -361,6 +362,32 @@ def test_a_rank_waiting_on_a_live_peer_stops_once_the_world_is_reported_broken(r
     for message, waited in results[1:]:
         assert message == "rank 0 reported a lost rank (generation 0)", message
         assert 0.9 <= waited < 3, waited  # at the report, not at the 8 s timeout
+
+
+def _named_lost(rank, world_size):
+    """Rank 2 dies once every rank's world exists; the others ask at once who was lost, and how long that took."""
+    world = ShrinkingWorld(shrink_store(WAIT_TIMEOUT_S), rank, world_size, "gloo", WAIT_TIMEOUT_S)
+    try:
+        world.store.set(f"ready/{rank}", "1")
+        world.store.wait([f"ready/{r}" for r in range(world_size)])
+        if rank == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        started = time.monotonic()
+        return world.silent(), time.monotonic() - started
+    finally:
+        world.close()
+
+
+def _kept(rank, world_size):
+    return keep_rank(_named_lost, rank, world_size, launcher="elastic", timeout_s=WAIT_TIMEOUT_S)
+
+
+def test_a_killed_rank_is_named_as_its_keeper_sees_it_die_without_waiting_for_its_heartbeat(run_ranks):
+    """The heartbeats need three beats (1.5 s) to tell a dead rank; its keeper tells at once."""
+    results = run_ranks(_kept, world_size=3, timeout_s=WAIT_TIMEOUT_S)
+    assert isinstance(results[2], LostRank) and results[2].how == "killed by SIGKILL", results[2]
+    for silent, took in results[:2]:
+        assert silent == [2] and took < 1.0, (silent, took)
 
 
 def test_the_fault_tolerance_pages_shrink_commands_are_accepted_as_written():
