@@ -3,7 +3,7 @@
 A ``CharTransformer`` of ~76M parameters (d_model 512, 24 layers: 289 MiB of fp32 params), SGD with momentum, on
 the stdlib text at the default 64-token block with ``trainer.activation_checkpointing=blocks``, 4 MiB buckets, gloo
 on loopback, each rank capped by ``world.memory_per_rank_mb`` (the CPU's stand-in for a GPU's memory:
-``fdp.procs.devices.limit_memory``). Every run is the recipe from the shell, as a user runs it:
+``fdp.procs.budget.limit_memory``). Every run is the recipe from the shell, as a user runs it:
 
 1. one process, stage 0, no cap, ``--steps`` steps: the reference;
 2. 4 ranks at stage 0 under the cap: refused, the whole params do not fit (the line it prints is kept);

@@ -22,7 +22,7 @@ What is measured, per variant (the larger rank):
   ``/proc/self/clear_refs``): the median over the timed steps.
 * ``step ms``: the median step time (rank 0).
 * ``largest batch``: the most sequences per rank whose steps run under
-  ``world.memory_per_rank_mb`` (``--budget-mb``; ``fdp.procs.devices.limit_memory``, what fdp's
+  ``world.memory_per_rank_mb`` (``--budget-mb``; ``fdp.procs.budget.limit_memory``, what fdp's
   trainer applies: on the CPU a limit on the process's data segment counted from before
   the model is built), found by doubling the batch and then bisecting, each try a fresh
   launch of two steps.
@@ -204,7 +204,7 @@ def _peak_mib(device: torch.device) -> float:
 def worker(model_name: str, variant: str, batch_size: int, warmup: int, steps: int, budget_mb: float) -> dict:
     """One rank: build the variant, warm up, and measure each timed step's peak over what it held before it."""
     from fdp.procs.allocator import tune_allocator
-    from fdp.procs.devices import limit_memory
+    from fdp.procs.budget import limit_memory
 
     ranks, stage, checkpoint = VARIANTS[variant]
     tune_allocator(sharded_params=stage == 3)  # fdp's trainer's allocator policy, the torch sides under it too
@@ -256,7 +256,7 @@ def _fits(model_name: str, variant: str, batch: int, budget_mb: float) -> bool:
         _launch(model_name, variant, batch, warmup=1, steps=1, budget_mb=budget_mb)
         return True
     except WorkerFailedError as error:
-        from fdp.procs.devices import is_out_of_memory
+        from fdp.procs.budget import is_out_of_memory
 
         if is_out_of_memory(RuntimeError(str(error))) or "MemoryError" in str(error):
             return False
@@ -455,7 +455,7 @@ def _batch_table(rows: list[dict], meta: dict) -> str:
         f"torch {meta['torch']}, {meta['cpus']} CPU cores shared with other jobs "
         f"(load {meta['load_before']:.1f} before, "
         f"{meta['load_after']:.1f} after); on {meta['device']}. Sequences per rank whose steps run under the budget "
-        "(fdp.procs.devices.limit_memory from before the model is built; doubling from the measured batch, then "
+        "(fdp.procs.budget.limit_memory from before the model is built; doubling from the measured batch, then "
         f"bisecting to within a quarter; a fresh launch of 1 warm-up + 1 step per try). Wall {meta['wall_s']} s.",
         "",
         "| model | variant | largest batch | vs without checkpointing |",
@@ -483,7 +483,7 @@ def _table(rows: list[dict], meta: dict) -> str:
     search = (
         "`largest batch`: sequences per rank whose steps run under "
         f"world.memory_per_rank_mb={meta['budget_mb']:g} "
-        "(fdp.procs.devices.limit_memory from before the model is built; doubling, then bisecting to within a quarter; "
+        "(fdp.procs.budget.limit_memory from before the model is built; doubling, then bisecting to within a quarter; "
         "a fresh launch per try)."
         if meta["budget_mb"]
         else "No largest-batch search in this run."

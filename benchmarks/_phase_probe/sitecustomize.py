@@ -2,7 +2,7 @@
 
 Imported by every Python process that finds this folder first on ``PYTHONPATH`` (``benchmarks/beyond_one_rank.py
 --phases``); does nothing unless ``FDP_PHASES`` names a folder. In a rank of a run it reads ``VmData`` when the budget
-starts (``fdp.procs.devices.limit_memory``), at the start and end of each phase (``MemoryPhase``) and at every bucket
+starts (``fdp.procs.budget.limit_memory``), at the start and end of each phase (``MemoryPhase``) and at every bucket
 buffer given memory or released (``fdp.plan.buckets.regrow`` / ``release``: ZeRO stage 3's gathers and gradient
 buckets), and writes, at exit, each phase's highest reading over the budget's start to ``FDP_PHASES/<pid>.json``.
 Readings between those points are not seen: a phase's figure is a lower bound of its peak.

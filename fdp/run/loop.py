@@ -23,7 +23,8 @@ from fdp.data import train_batches
 from fdp.model import remat
 from fdp.model.losses import make_loss_fn
 from fdp.procs.allocator import release_free_memory
-from fdp.procs.devices import MemoryPhase, batch_to_device
+from fdp.procs.budget import MemoryPhase
+from fdp.procs.devices import batch_to_device
 from fdp.procs.grow import GrowingWorld
 from fdp.procs.interrupt import StopSignals
 from fdp.procs.launch import RankLostError

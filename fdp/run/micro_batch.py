@@ -37,7 +37,7 @@ from fdp._torch import default_store
 from fdp.comm import Comm
 from fdp.errors import require
 from fdp.procs.allocator import release_free_memory
-from fdp.procs.devices import is_out_of_memory
+from fdp.procs.budget import is_out_of_memory
 from fdp.run.forecast import MiB
 
 __all__ = [

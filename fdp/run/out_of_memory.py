@@ -1,6 +1,6 @@
 """What a rank that ran out of memory says: the part of the run it was in, and what to change for it.
 
->>> from fdp.procs.devices import LateOutOfMemory, MemoryPhase
+>>> from fdp.procs.budget import LateOutOfMemory, MemoryPhase
 >>> from fdp.run.compose import compose
 >>> phase = MemoryPhase()
 >>> out_of_memory_message(compose("world.memory_per_rank_mb=500"), 0, 1, phase, MemoryError())[:56]
@@ -14,7 +14,7 @@ import re
 from omegaconf import DictConfig
 
 from fdp.model import remat
-from fdp.procs.devices import LateOutOfMemory, MemoryPhase
+from fdp.procs.budget import LateOutOfMemory, MemoryPhase
 from fdp.run.checkpoint import format_of
 from fdp.run.micro_batch import fixed_accum
 

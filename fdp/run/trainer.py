@@ -38,7 +38,7 @@ from fdp.model import remat
 from fdp.model.precision import set_matmul_precision
 from fdp.model.streams import compile_refusal
 from fdp.procs.allocator import PeakMemory, release_free_memory
-from fdp.procs.devices import MemoryPhase, is_out_of_memory, limit_memory
+from fdp.procs.budget import MemoryPhase, is_out_of_memory, limit_memory
 from fdp.procs.grow import GrowingWorld, prepare_joiner
 from fdp.procs.heartbeat import Heartbeat
 from fdp.procs.interrupt import StopSignals, stop_signal_names

@@ -57,7 +57,7 @@ def test_under_a_budget_a_thread_reserves_one_mib_of_stack_and_freed_tensors_sto
 _NO_THREAD_PROBE = """
 import errno, os, threading
 import torch
-from fdp.procs.devices import is_out_of_memory, limit_memory
+from fdp.procs.budget import is_out_of_memory, limit_memory
 
 unlimited = is_out_of_memory(RuntimeError(os.strerror(errno.EAGAIN)))
 limit_memory(64, torch.device("cpu"))

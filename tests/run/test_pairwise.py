@@ -172,7 +172,7 @@ def _train(cfg, comm: Comm, resume: bool, directory: Path, straight: bool) -> tu
     ``resume``); on rank 0 its whole params, step losses and moving average. ``straight``: the same run's last
     steps taken from its live state too, before it resumes (the run with neither save nor resume, ``cfg``'s
     reference where that is ``cfg`` itself): the second result, ``None`` otherwise."""
-    from fdp.procs.devices import MemoryPhase
+    from fdp.procs.budget import MemoryPhase
     from fdp.run import checkpoint
     from fdp.run.auto_stage import built_at_stage
     from fdp.run.loop import Loop

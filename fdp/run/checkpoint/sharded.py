@@ -62,7 +62,7 @@ from fdp._torch import (
 )
 from fdp.comm import Comm
 from fdp.plan import BucketPlan
-from fdp.procs.devices import LateOutOfMemory, is_out_of_memory
+from fdp.procs.budget import LateOutOfMemory, is_out_of_memory
 from fdp.run.checkpoint.atomic import atomic_save, fsync_dir
 from fdp.run.checkpoint.files import META, CheckpointError, point_last, prune, read_meta
 from fdp.run.checkpoint.integrity import DCP_METADATA, file_entry, write_manifest
