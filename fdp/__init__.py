@@ -67,7 +67,8 @@ or of packages above it in this list; ``tests/test_imports.py`` holds every impo
   view it is shown, ``callback_view``), the loop of one world (``loop``), a rank's run from start to summary
   (``trainer``), what a lost rank does (``rank_loss``: restart, shrink, or shrink and respawn, chosen once),
   what a rank out of memory says (``out_of_memory``), the memory a run will need, forecast from its plan
-  (``forecast``, ``forecast_run``), and what fits it (``micro_batch``, ``auto_stage``: ``trainer.accum_steps=auto``,
+  (``forecast``, its parts ``forecast_parts``, ``forecast_run``), and what fits it (``micro_batch``,
+  ``auto_stage``: ``trainer.accum_steps=auto``,
   ``trainer.zero_stage=auto``), the shell entry (``cli``), its ``--help`` and the docs' pages drawn from
   the schemas and the checks (``reference``, ``compatibility``) and sweeps (``sweep``); checkpoints, whole and
   sharded, one component with one owner of save, resume, wait and prune (``checkpoint``, its

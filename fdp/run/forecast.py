@@ -4,7 +4,7 @@ Everything here follows from the static plan (every bucket, slice and gather is 
 before step 1), the optimizer's and hooks' state made on ``meta`` (the sizes without the
 memory), and the activations a forward keeps, counted on a tiny trace of one and two
 samples and scaled to the micro-batch (``fdp.model.activations``). Each part is a small
-pure function of those values; ``forecast`` adds them up phase by phase:
+pure function of those values (``fdp.run.forecast_parts``); ``forecast`` adds them up phase by phase:
 
 * ``build``: building the model and its train state (stages 0-2 make the whole params
   and lay them out, stage 3 only its slices and one parameter);
@@ -22,10 +22,8 @@ The peak is over what the process held once it had loaded its data (what
 ``world.memory_per_rank_mb`` counts); ``recipes/plan.py`` prints it, and a run prints it at
 start and its own measured peak in its summary.
 
->>> from fdp.plan import pack_into_buckets
->>> plan = pack_into_buckets([("w", (1000, 1000), "float32", "cpu")])
->>> params_bytes(plan, stage=3, world=3) * 3 - plan.nbytes  # the padding of the last slice: 2 elements
-8
+>>> MiB
+1048576
 """
 
 from __future__ import annotations
@@ -34,28 +32,27 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from fdp._torch import tree_flatten
 from fdp.hooks import Hook
 from fdp.optim import GradientTransformation
 from fdp.plan import BucketPlan
 from fdp.procs.allocator import resident_mib
-from fdp.update.pieces import state_pieces
-from fdp.update.zero.layout import slice_key, slice_numel, slice_range
+from fdp.run.forecast_parts import (
+    gathers_in_flight,
+    grad_buffer_bytes,
+    hook_state_bytes,
+    optimizer_state_bytes,
+    params_bytes,
+    piece_bytes,
+    slice_bytes,
+    staging_bytes,
+    step_bytes_sent,
+    tree_bytes,
+)
 
 __all__ = [
     "MiB",
     "Forecast",
     "Terms",
-    "params_bytes",
-    "slice_bytes",
-    "tree_bytes",
-    "optimizer_state_bytes",
-    "hook_state_bytes",
-    "grad_buffer_bytes",
-    "gathers_in_flight",
-    "piece_bytes",
-    "staging_bytes",
-    "step_bytes_sent",
     "forecast",
     "first_use_mib",
     "built_mib",
@@ -77,171 +74,6 @@ RECOMPUTE_FACTOR = 3.3
 # 4 ranks (46 MiB: 35.9, 3.2 kept, 7.0 recomputed) and 1.65 on GPT-2 on 2 ranks (benchmarks/results/forecast.md);
 # the larger, rounded up, so that neither falls short.
 SHARDED_BACKWARD_FACTOR, SHARDED_RECOMPUTE_FACTOR = 1.0, 2.0
-
-
-# -- the parts, one pure function each --------------------------------------------------------
-def slice_bytes(plan: BucketPlan, world: int) -> int:
-    """Bytes of one rank's slices of every bucket (``1/world`` of each, the last ones padded).
-
-    >>> from fdp.plan import pack_into_buckets
-    >>> slice_bytes(pack_into_buckets([("w", (5,), "float32", "cpu")]), world=2)  # 3 of the 6 padded elements
-    12
-    """
-    return sum(slice_numel(b, world) * b.torch_dtype.itemsize for b in plan.buckets)
-
-
-def params_bytes(plan: BucketPlan, stage: int, world: int) -> int:
-    """Bytes of params a rank holds between steps: the whole params, or at stage 3 its slices.
-
-    >>> from fdp.plan import pack_into_buckets
-    >>> params_bytes(pack_into_buckets([("w", (5,), "float32", "cpu")]), stage=0, world=2)
-    20
-    """
-    return slice_bytes(plan, world) if stage == 3 else plan.nbytes
-
-
-def tree_bytes(tree: Any) -> int:
-    """Bytes of the tensors of a pytree (``meta`` tensors count their size), each storage once.
-
-    >>> tree_bytes({"a": torch.ones(3), "b": (torch.empty(2, device="meta"), 1.0)})
-    20
-    """
-    seen: dict[Any, int] = {}
-    for leaf in tree_flatten(tree)[0]:
-        if isinstance(leaf, torch.Tensor):
-            seen[leaf.untyped_storage()._cdata] = leaf.untyped_storage().nbytes()
-    return sum(seen.values())
-
-
-def _meta_params(plan: BucketPlan, stage: int, world: int) -> dict[str, torch.Tensor]:
-    """What the optimizer steps on a rank, on ``meta``: the params whole, or one flat slice per bucket."""
-    if stage == 0:
-        return {s.name: torch.empty(s.shape, dtype=b.torch_dtype, device="meta") for b in plan.buckets for s in b.slots}
-    return {
-        slice_key(b.index): torch.empty(slice_numel(b, world), dtype=b.torch_dtype, device="meta") for b in plan.buckets
-    }
-
-
-def optimizer_state_bytes(optimizer: GradientTransformation, plan: BucketPlan, stage: int, world: int) -> int:
-    """Bytes of the optimizer state a rank holds: of the whole params at stage 0, of its slices from stage 1.
-
-    >>> from fdp import sgd
-    >>> from fdp.plan import pack_into_buckets
-    >>> plan = pack_into_buckets([("w", (10,), "float32", "cpu")])
-    >>> optimizer_state_bytes(sgd(0.1, momentum=0.9), plan, stage=0, world=4)  # one momentum per param
-    40
-    >>> optimizer_state_bytes(sgd(0.1, momentum=0.9), plan, stage=1, world=4)  # of 3 of the 12 padded
-    12
-    """
-    return tree_bytes(optimizer.init(_meta_params(plan, stage, world)))
-
-
-def hook_state_bytes(hook: Hook, plan: BucketPlan) -> int:
-    """Bytes of the hook chain's state over every bucket (PowerSGD's factors, error feedback), made on ``meta``.
-
-    >>> from fdp.hooks import allreduce, int8
-    >>> from fdp.plan import pack_into_buckets
-    >>> plan = pack_into_buckets([("w", (10,), "float32", "cpu")])
-    >>> hook_state_bytes(allreduce(), plan), hook_state_bytes(int8(), plan)  # int8 keeps its rounding error
-    (0, 40)
-    """
-    meta = plan.to_dict()
-    meta = BucketPlan.from_dict({**meta, "buckets": [{**b, "device": "meta"} for b in meta["buckets"]]})
-    return tree_bytes([hook.init(b) for b in meta.buckets])
-
-
-def grad_buffer_bytes(plan: BucketPlan, stage: int, held: bool) -> int:
-    """Bytes of gradient bucket buffers: kept between steps at stages 0 and 1 (``held``); during a step the
-    whole gradient at stages 0-2, and at stage 3 the buckets backward fills at once (two of the largest).
-
-    >>> from fdp.plan import pack_into_buckets
-    >>> plan = pack_into_buckets([("a", (8,), "float32", "cpu"), ("b", (4,), "float32", "cpu")], 1e-5, 1e-5)
-    >>> [grad_buffer_bytes(plan, s, held=True) for s in range(4)], grad_buffer_bytes(plan, 3, held=False)
-    ([48, 48, 0, 0], 48)
-    """
-    if held:
-        return plan.nbytes if stage < 2 else 0
-    if stage < 3:
-        return plan.nbytes
-    return sum(sorted((b.nbytes for b in plan.buckets), reverse=True)[:2])
-
-
-def gathers_in_flight(plan: BucketPlan, world: int, itemsize: int | None = None, reshard: bool = True) -> int:
-    """Bytes of params stage 3 holds gathered at once: the bucket being read and the next one, issued with it
-    (``reshard=False`` keeps every bucket from forward to its gradient: the whole params).
-
-    >>> from fdp.plan import pack_into_buckets
-    >>> plan = pack_into_buckets([("a", (8,), "float32", "cpu"), ("b", (4,), "float32", "cpu")], 1e-5, 1e-5)
-    >>> gathers_in_flight(plan, world=3)  # 9 + 6 padded elements
-    60
-    """
-    sizes = [slice_numel(b, world) * world * (itemsize or b.torch_dtype.itemsize) for b in plan.buckets]
-    return sum(sizes) if not reshard else sum(sorted(sizes, reverse=True)[:2])
-
-
-def piece_bytes(
-    optimizer: GradientTransformation, plan: BucketPlan, stage: int, world: int, rank: int, shards=0
-) -> int:
-    """Bytes of the pieces ``rank`` writes to a sharded checkpoint (``fdp.update.pieces``, on ``meta``): its range of
-    each whole tensor, its part of each slice (``shards``: the ranks a slice is cut over, else ``world``), every leaf
-    of no parameter whole. An asynchronous save stages each piece in a buffer of its own, kept from save to save
-    (``fdp.run.checkpoint.staging``); a synchronous one has DCP copy each piece, a view of a larger storage, as it
-    writes.
-
-    >>> from fdp import adam
-    >>> from fdp.plan import pack_into_buckets
-    >>> plan = pack_into_buckets([("w", (5, 3), "float32", "cpu")])
-    >>> [piece_bytes(adam(0.1), plan, stage=1, world=2, rank=r) for r in (0, 1)]  # 8 + 7 params, 2 x 8 + 2 x 7
-    [96, 84]
-    """
-    shards = shards or world
-    params = _meta_params(plan, 3 if stage == 3 else 0, shards)
-    tree = {"params": params, "opt_state": optimizer.init(_meta_params(plan, stage, shards))}
-    sliced = (lambda i: slice_range(plan.buckets[i], rank % shards, shards)) if stage else None
-    tensors, _ = state_pieces(tree, plan, rank, world, sliced)
-    return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
-def staging_bytes(pieces: int, whole_state: int, fmt: str, rank: int, stage: int) -> int:
-    """Bytes a save adds on ``rank`` over what it holds between steps: the copy of its ``pieces`` a sharded save
-    makes (kept for the run where it is asynchronous: ``forecast`` counts it from the first save on); a whole-file
-    save, at a stage that shards, gathers the whole state on rank 0 (torch writes the tensors it holds as they are,
-    and ``last`` names the step file: no copy of it).
-
-    >>> staging_bytes(100, 400, "sharded", rank=1, stage=3), staging_bytes(100, 400, "whole", 0, 3)
-    (100, 400)
-    >>> staging_bytes(100, 400, "whole", rank=0, stage=0)
-    0
-    """
-    if fmt == "sharded":
-        return pieces
-    return whole_state if stage > 0 and not rank else 0
-
-
-def step_bytes_sent(
-    plan: BucketPlan,
-    stage: int,
-    world: int,
-    ratio: float = 1.0,
-    gather_itemsize: int | None = None,
-    reshard: bool = True,
-) -> int:
-    """Bytes a rank sends per step (the payload it hands each collective, as ``fdp.comm.Comm`` counts it): every
-    bucket reduced (``ratio``: the hook's compression), and from stage 1 its slices gathered (at stage 3 in forward
-    and again in backward, ``reshard``).
-
-    >>> from fdp.plan import pack_into_buckets
-    >>> plan = pack_into_buckets([("w", (10,), "float32", "cpu")])
-    >>> [step_bytes_sent(plan, s, world=2) for s in range(4)]
-    [40, 60, 60, 80]
-    """
-    if world == 1:
-        return 0
-    reduced = int(plan.nbytes * ratio)
-    if stage == 0:
-        return reduced
-    slices = sum(slice_numel(b, world) * (gather_itemsize or b.torch_dtype.itemsize) for b in plan.buckets)
-    return reduced + slices * (2 if stage == 3 and reshard else 1)
 
 
 # -- adding them up ---------------------------------------------------------------------------

@@ -120,7 +120,7 @@ def test_no_stage_that_fits_is_refused_before_training_naming_the_smallest_peak(
 def test_under_a_budget_stage_1_fits_auto_takes_it_and_the_run_fits_its_asynchronous_save(tmp_path):
     """Between the forecasts of stages 0 and 1 auto takes stage 1, and the run fits the budget to its end: the
     asynchronous save's staging copy of the rank's pieces, kept while the write and the last evaluation run
-    (``fdp.run.forecast.piece_bytes``: what the save logs it staged)."""
+    (``fdp.run.forecast_parts.piece_bytes``: what the save logs it staged)."""
     summary = run(
         compose(*COMMON, "trainer.zero_stage=auto", f"world.memory_per_rank_mb={STAGE_1_BUDGET}"), tmp_path / "auto"
     )
