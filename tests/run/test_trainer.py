@@ -271,7 +271,7 @@ def test_out_of_memory_lines_name_the_phase_and_what_to_change():
     # A sharded save: what an asynchronous one stages, or what a synchronous one holds.
     for asynchronous, hint in (
         ("true", "trainer.checkpoint_async=false: an asynchronous save stages a copy of this rank's state"),
-        ("false", "a larger budget: each rank writes its own share, one bucket at a time"),
+        ("false", "a larger budget, or more ranks: each rank writes its own share, copying each piece"),
     ):
         sharded = make_cfg("trainer.checkpoint_format=sharded", f"trainer.checkpoint_async={asynchronous}")
         assert hint in out_of_memory_message(sharded, 1, 2, phase, MemoryError())

@@ -104,7 +104,7 @@ class CheckpointFormat:
         """What lets a save that ran out of memory fit, by how the checkpoint is written.
 
         >>> CheckpointFormat("sharded", False).save_hint(3)
-        'a larger budget: each rank writes its own share, one bucket at a time'
+        'a larger budget, or more ranks: each rank writes its own share, copying each piece as it is written'
         """
         if not self.sharded:
             return (
@@ -116,7 +116,7 @@ class CheckpointFormat:
                 "a larger budget, or trainer.checkpoint_async=false: an asynchronous save stages a copy of this "
                 "rank's state on the CPU while it is written"
             )
-        return "a larger budget: each rank writes its own share, one bucket at a time"
+        return "a larger budget, or more ranks: each rank writes its own share, copying each piece as it is written"
 
 
 def format_of(trainer: Any, world_size: int | None) -> CheckpointFormat:
