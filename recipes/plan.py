@@ -21,6 +21,7 @@ import torch
 from fdp._torch import preload_compiler
 from fdp.comm import Comm
 from fdp.errors import ConfigError
+from fdp.procs.allocator import budget_accounting
 from fdp.run import auto_stage, build, cli, forecast, forecast_run
 from fdp.run.build import build_run, display_name
 from fdp.run.compose import compose
@@ -47,10 +48,14 @@ def main() -> None:
     overrides, json_path = _split(sys.argv[1:])
     cfg = compose(*overrides)  # Hydra's own errors: one line from cli.main
     preload_compiler()  # as a rank does before its budget starts: not part of what the forecast counts
-    fixed = forecast.first_use_mib()  # before anything else runs torch's first operations
     try:
         cfg = resolve_world(cfg)
         validate(cfg)
+        # The heap as a rank's (under a budget, freed blocks handed back), so the fixed part is measured as it does.
+        build.tune_allocator_for(cfg)
+        if cfg.world.memory_per_rank_mb > 0:
+            budget_accounting()
+        fixed = forecast.first_use_mib()  # before anything else runs torch's first operations
         before = forecast.resident_mib()
         if cfg.trainer.zero_stage == auto_stage.AUTO:  # the stage the run would take, said as the run says it
             cfg = _auto_stage(cfg, fixed)
