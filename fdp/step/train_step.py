@@ -281,7 +281,7 @@ def make_train_step(
             micro_batches = scaled_micro_batches(micro_batches, state.loss_scale)
             failed = None
             # A slice stepped in place inside backward is stepped for good: not where a failed step is redone.
-            early_slices = getattr(step_update, "steps_in_backward", False) and opts.after_backward is None
+            early_slices = step_update.steps_in_backward and opts.after_backward is None
             try:
                 computed = reducer.backward(
                     step_update.params,

@@ -161,7 +161,7 @@ class StepUpdate(Protocol):
     seconds this step's update spent blocked on communication of its own (all-gathers, a
     norm's all-reduce). ``mirror``: the state's copy of the next rank's optimizer-state
     slices (``TrainState.mirror``, ZeRO stage 1 in a world that may shrink), stepped by
-    ``finish()``; ``None`` where none is kept. ``steps_in_backward`` (where present and true):
+    ``finish()``; ``None`` where none is kept. ``steps_in_backward`` (true):
     ``reduced`` may be called while backward still runs, as each bucket's reduction ends
     (ZeRO stage 3 stepping each slice in place: backward reads the gathered copies, never
     the slices), so the reduced gradients are freed one by one, not held to the end.
@@ -170,6 +170,7 @@ class StepUpdate(Protocol):
     params: dict
     wait_s: float
     mirror: Any
+    steps_in_backward: bool
 
     def reduced(self, index: int, buffer: torch.Tensor) -> None:
         """Take bucket ``index``'s reduced gradient (buckets arrive in the order they finish)."""
@@ -383,6 +384,7 @@ class _ReplicatedStep:
         self.norms: list[torch.Tensor | None] = [None] * len(owner.plan.buckets)
         self.opt_state = state.opt_state
         self.wait_s = 0.0
+        self.steps_in_backward = False  # its buckets' gradients are stepped together in finish()
 
     def reduced(self, index: int, buffer: torch.Tensor) -> None:
         owner = self.owner

@@ -30,6 +30,7 @@ class SliceStep:
         self.norms: list[torch.Tensor | None] = [None] * len(owner.plan.buckets)
         self.norm: torch.Tensor | None = None  # the global one, once the verdict has summed the slices'
         self.wait_s = 0.0
+        self.steps_in_backward = False  # stage 3 may step its slices as backward runs (fdp.update.zero.params)
 
     def take(self, index: int, flat: torch.Tensor, counted: torch.Tensor) -> None:
         """Note bucket ``index``'s reduced gradient ``flat``; ``counted`` is the part of it this rank adds to the
