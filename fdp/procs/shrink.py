@@ -315,12 +315,14 @@ class ShrinkingWorld:
         """Members lost (launch ranks; ``None``: the store does not answer): those whose keepers said they died,
         as soon as one did, else those whose heartbeat stopped."""
 
+        def told() -> list[int]:
+            return [r for r in self.members if r != self.me and self.store.check([died_key(r)])]
+
         def died() -> list[int]:
-            dead = [r for r in self.members if r != self.me and self.store.check([died_key(r)])]
-            if dead:  # others lost in the same moment (a node): their keepers tell within a few ms too
-                time.sleep(_DIED_SETTLE_S)
-                dead = [r for r in self.members if r != self.me and self.store.check([died_key(r)])]
-            return dead
+            if not told():
+                return []
+            time.sleep(_DIED_SETTLE_S)  # others lost in the same moment (a node): their keepers tell within ms too
+            return told()
 
         silent = self.heartbeat.silent_ranks(died)
         return None if silent is None else [r for r in silent if r in self.members]
