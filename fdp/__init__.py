@@ -29,7 +29,8 @@ or of packages above it in this list; ``tests/test_imports.py`` holds every impo
 
 * ``errors``: ``ConfigError`` and the one wording of every refusal (imports nothing of fdp).
 * ``targets``: models, data, losses, optimizers and hooks named in config by ``_target_``.
-* ``_torch``: the one place fdp touches private torch APIs, each with a public fallback.
+* ``_torch``: the one place fdp touches private torch APIs, each with a public fallback (one module per area of
+  torch it wraps).
 * ``comm``: collectives as values (``Comm``, ``Pending``).
 * ``trace``: the Chrome-trace ``Timeline`` of a step.
 * ``plan``: the static gradient-bucket plan (values, packing, tracing), its flat buffers (``buckets``) and
