@@ -1,7 +1,7 @@
 """Benchmark: the memory a rank holds whatever its model (``fixed per process`` in ``recipes/plan.py``'s forecast).
 
 One fresh process, resident memory (RSS) after each first use a rank makes, in the order a rank makes them
-(``fdp.run.trainer``): torch and fdp imported; dynamo imported (``preload_compiler``: what ``torch.func``'s first
+(``fdp.run.startup``): torch and fdp imported; dynamo imported (``preload_compiler``: what ``torch.func``'s first
 gradient and a first build on ``meta`` import, loaded before ``world.memory_per_rank_mb`` starts counting, so
 outside the budget); the first ``meta`` operation; the first ``torch.func`` gradient; a gloo process group of one
 rank; and the heap's free memory handed back (``release_free_memory``). What follows the preload is what the
@@ -69,7 +69,7 @@ def main() -> None:
     lines += [
         "",
         "The first meta-device operation's cost is dynamo's import (~100 MiB): a rank makes it before",
-        "`world.memory_per_rank_mb` starts counting (`fdp.run.trainer`), so the budget sees the rows below it only.",
+        "`world.memory_per_rank_mb` starts counting (`fdp.run.startup`), so the budget sees the rows below it only.",
         "A run's `fixed per process` in the forecast adds what its build left resident beyond its state.",
     ]
     text = "\n".join(lines) + "\n"

@@ -20,7 +20,7 @@ One word per idea:
 * **run**: one training from a config to its summary, in one run directory. The entry chain:
   shell ``main`` (``recipes/train.py``) → ``run.cli.run_from_shell``, or ``run.trainer.run`` from Python;
   both start the run once (``run.startup.start_run``) → ``run.trainer.run_ranks`` → per rank
-  ``run.trainer.run_rank`` → its loop over the steps.
+  ``run.trainer.run_rank`` → its start (``run.startup.start_rank``) and its loop over the steps.
 * **status**: a rank's ``RankStatus`` (its pid and the step it is on, ``ranks/rank<N>.txt``); the run's
   directory is a ``RunDir``.
 
@@ -62,7 +62,8 @@ or of packages above it in this list; ``tests/test_imports.py`` holds every impo
   loop of local SGD and (streaming) DiLoCo (``outer``).
 * ``run``: from a config to a trained run: schemas, keys and validation (``config``, ``keys``, ``validate``),
   metrics, loggers, evaluation and the run directory (``metrics``, ``loggers``, ``evaluate``, ``rundir``),
-  the world on this machine (``world``), the one start-up (``startup``), a run's pieces (``build``), its
+  the world on this machine (``world``), the one start-up (``startup``: the run's, then each rank's up to its
+  first step), a run's pieces (``build``), its
   report, epochs, time limits, early stopping and best checkpoints (``loop_controls``), your own code called
   in the loop (``callbacks``; what one is, ``callback_base``; from the config, ``callback_specs``; the read-only
   view it is shown, ``callback_view``), the loop of one world (``loop``), a rank's run from start to summary

@@ -1,7 +1,7 @@
 """From a config to the pieces of a run on this rank: data, model, loss, plan, hooks, optimizer, first state.
 
-``build_run(cfg, comm, device)`` is what each worker calls before step 1 (``fdp.run.trainer``
-then loops). Every piece is built from its config group: ``_target_`` nodes through
+``build_run(cfg, comm, device)`` is what each worker calls before step 1 (``fdp.run.startup.start_rank``;
+``fdp.run.trainer`` then loops). Every piece is built from its config group: ``_target_`` nodes through
 ``fdp.targets``, hooks and optimizers through their registries.
 """
 
