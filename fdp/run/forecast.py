@@ -11,9 +11,9 @@ pure function of those values (``fdp.run.forecast_parts``); ``forecast`` adds th
 * ``step``: forward and backward of one micro-batch, with what the rank holds between steps,
   its gradient buffers and, at stage 3, the buckets gathered in flight;
 * ``update``: the optimizer's step over the reduced gradients, bucket by bucket;
-* ``save``: a checkpoint (a sharded save copies the rank's pieces: an asynchronous one keeps
-  the copy for the run, so the steps after a save and the evaluation after the last hold it
-  too; a whole-file save at a sharding stage gathers the whole state on rank 0).
+* ``save``: a checkpoint, as its format writes it (``fdp.run.checkpoint.CheckpointFormat``: a sharded save copies
+  the rank's pieces: an asynchronous one keeps the copy for the run, so the steps after a save and the evaluation
+  after the last hold it too; a whole-file save at a sharding stage gathers the whole state on rank 0).
 
 ``fixed`` is what a rank process adds at its first gradient whatever the model
 (torch's first meta and autograd operations, the process group's threads and buffers,
@@ -36,6 +36,7 @@ from fdp.hooks import Hook
 from fdp.optim import GradientTransformation
 from fdp.plan import BucketPlan
 from fdp.procs.allocator import resident_mib
+from fdp.run.checkpoint.format import CheckpointFormat
 from fdp.run.forecast_parts import (
     gathers_in_flight,
     grad_buffer_bytes,
@@ -44,7 +45,6 @@ from fdp.run.forecast_parts import (
     params_bytes,
     piece_bytes,
     slice_bytes,
-    staging_bytes,
     step_bytes_sent,
     tree_bytes,
 )
@@ -182,8 +182,7 @@ def forecast(
     rank: int = 0,
     fixed: int = 0,
     extra_state: int = 0,
-    checkpoint_format: str = "whole",
-    checkpoint_async: bool = False,
+    saving: CheckpointFormat = CheckpointFormat("whole", asynchronous=False),
     gather_itemsize: int | None = None,
     reshard: bool = True,
     hook_ratio: float = 1.0,
@@ -192,10 +191,11 @@ def forecast(
     saves_mid_run: bool = True,
 ) -> Forecast:
     """One rank's forecast at ``stage`` over ``world`` ranks; ``activations``: an ``fdp.model.activations``
-    ``Activations`` for the micro-batch; ``extra_state``: bytes of state beyond params and optimizer
-    (outer loop, moving average) for the whole params, sharded with the pieces a rank syncs; ``node_size``: a node's
-    ranks under ``world.hierarchical`` (0: flat), over which a ZeRO stage shards (hybrid sharding);
-    ``saves_mid_run``: whether steps follow a save (an asynchronous save's copy is then held by them).
+    ``Activations`` for the micro-batch; ``extra_state``: bytes of state beyond params and optimizer (outer loop,
+    moving average) for the whole params, sharded with the pieces a rank syncs; ``saving``: how the run writes its
+    checkpoints (``fdp.run.checkpoint.format_of``); ``node_size``: a node's ranks under ``world.hierarchical`` (0:
+    flat), over which a ZeRO stage shards (hybrid sharding); ``saves_mid_run``: whether steps follow a save (an
+    asynchronous save's copy is then held by them).
 
     >>> from fdp import sgd
     >>> from fdp.hooks import allreduce
@@ -219,14 +219,13 @@ def forecast(
     extra = extra_state * share // plan.nbytes if sliced_extra else extra_state
     # What a sharded save writes: under an outer loop the rank's own params and optimizer state whole, and its piece
     # of what the ranks share (the anchor, the outer optimizer's state); else its pieces of the state.
-    sharded = checkpoint_format == "sharded"
     pieces = 0
-    if sharded:
+    if saving.sharded:
         pieces = (
             params + opt + extra_state // world if outer else piece_bytes(optimizer, plan, stage, world, rank, shards)
         )
-    staging = staging_bytes(pieces, plan.nbytes + whole_opt, checkpoint_format, rank, stage)
-    kept = sharded and checkpoint_async  # the staging buffers stay from the first save to the run's end
+    staging = saving.save_bytes(pieces, plan.nbytes + whole_opt, rank, stage)
+    kept = saving.keeps_staging  # the staging buffers stay from the first save to the run's end
     terms = Terms(
         params=params,
         grads_held=grad_buffer_bytes(plan, stage, held=True),

@@ -144,22 +144,6 @@ def piece_bytes(
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def staging_bytes(pieces: int, whole_state: int, fmt: str, rank: int, stage: int) -> int:
-    """Bytes a save adds on ``rank`` over what it holds between steps: the copy of its ``pieces`` a sharded save
-    makes (kept for the run where it is asynchronous: ``forecast`` counts it from the first save on); a whole-file
-    save, at a stage that shards, gathers the whole state on rank 0 (torch writes the tensors it holds as they are,
-    and ``last`` names the step file: no copy of it).
-
-    >>> staging_bytes(100, 400, "sharded", rank=1, stage=3), staging_bytes(100, 400, "whole", 0, 3)
-    (100, 400)
-    >>> staging_bytes(100, 400, "whole", rank=0, stage=0)
-    0
-    """
-    if fmt == "sharded":
-        return pieces
-    return whole_state if stage > 0 and not rank else 0
-
-
 def step_bytes_sent(
     plan: BucketPlan,
     stage: int,

@@ -98,7 +98,29 @@ class CheckpointFormat:
 
     @property
     def sharded(self) -> bool:
+        """Whether each rank writes its own pieces of the state (else rank 0 writes it whole)."""
         return self.name == "sharded"
+
+    @property
+    def keeps_staging(self) -> bool:
+        """Whether the copy of its pieces a save makes on each rank stays from the first save to the run's end (an
+        asynchronous save's staging buffers, ``fdp.run.checkpoint.staging``), so the steps after a save hold it too."""
+        return self.sharded and self.asynchronous
+
+    def save_bytes(self, pieces: int, whole_state: int, rank: int, stage: int) -> int:
+        """Bytes a save adds on ``rank`` over what it holds between steps: the copy of its ``pieces`` a sharded save
+        makes; a whole-file save, at a stage that shards, gathers the ``whole_state`` on rank 0 (torch writes the
+        tensors it holds as they are, and ``last`` names the step file: no copy of it).
+
+        >>> CheckpointFormat("sharded", True).save_bytes(100, 400, rank=1, stage=3)
+        100
+        >>> whole = CheckpointFormat("whole", False)
+        >>> whole.save_bytes(100, 400, rank=0, stage=3), whole.save_bytes(100, 400, rank=0, stage=0)
+        (400, 0)
+        """
+        if self.sharded:
+            return pieces
+        return whole_state if stage > 0 and not rank else 0
 
     def save_hint(self, stage: int) -> str:
         """What lets a save that ran out of memory fit, by how the checkpoint is written.
