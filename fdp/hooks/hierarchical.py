@@ -21,7 +21,7 @@ import torch.distributed as dist
 from fdp.comm import Comm, Pending, new_group
 from fdp.hooks.base import GradBucket, Hook, drive_hook
 
-__all__ = ["NodeComms", "check_node_size", "hierarchical", "node_comms"]
+__all__ = ["NodeComms", "check_node_size", "hierarchical", "node_comms", "node_group"]
 
 
 def check_node_size(world_size: int, node_size: int, least: int = 2) -> int:
@@ -45,6 +45,20 @@ def check_node_size(world_size: int, node_size: int, least: int = 2) -> int:
     return world_size // node_size
 
 
+def node_group(node_size: int, least: int = 2):
+    """This rank's node as a process group: the ``node_size`` consecutive ranks it is among, once ``node_size`` splits
+    the world into ``least`` nodes or more (``check_node_size``). Every rank must call it, in the same order: it
+    makes every node's group."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    check_node_size(world, node_size, least)
+    node = None
+    for first in range(0, world, node_size):  # new_group is collective: every rank makes every group
+        group = new_group(list(range(first, first + node_size)))
+        if first <= rank < first + node_size:
+            node = group
+    return node
+
+
 class NodeComms(NamedTuple):
     """This rank's two groups: ``node`` (its node's ranks) and ``leaders`` (``None`` off the leaders)."""
 
@@ -56,13 +70,8 @@ def node_comms(node_size: int, least: int = 2, watch=None) -> NodeComms:
     """Make the groups of ``hierarchical`` (every rank must call it, in the same order); ``least``: the fewest
     nodes accepted (``check_node_size``); ``watch`` is asked while their collectives wait
     (``fdp.comm.wait_watched``: a world that may shrink ends them once a rank is reported lost)."""
+    node = node_group(node_size, least)
     world, rank = dist.get_world_size(), dist.get_rank()
-    check_node_size(world, node_size, least)
-    node = None
-    for first in range(0, world, node_size):  # new_group is collective: every rank makes every group
-        group = new_group(list(range(first, first + node_size)))
-        if first <= rank < first + node_size:
-            node = group
     leaders = new_group(list(range(0, world, node_size)))
     return NodeComms(Comm(node, watch=watch), Comm(leaders, watch=watch) if rank % node_size == 0 else None)
 

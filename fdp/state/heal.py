@@ -46,6 +46,27 @@ class _Slot:
         self.shape, self.dtype, self.on_device = tuple(tensor.shape), tensor.dtype, tensor.device.type != "cpu"
 
 
+def _laid_out(
+    state: TrainState, extra: Any, comm: Comm, joining: bool, device: torch.device
+) -> tuple[list, Any, list, Any]:
+    """On every rank of ``comm`` (a collective): rank 0's layout of the shared fields of ``state`` (its tree spec,
+    each leaf a ``_Slot`` where it is a tensor) and its ``extra``; the leaves to send or receive (a joiner's made
+    empty, in that layout). ``(leaves, spec, skeleton, rank 0's extra)``."""
+    shared = {name: getattr(state, name) for name in TrainState._fields if name not in PER_RANK}
+    leaves, spec = tree_flatten(shared)
+    box: list[Any] = [None]
+    if comm.rank == 0:
+        box = [(spec, [_Slot(t) if isinstance(t, torch.Tensor) else t for t in leaves], extra)]
+    dist.broadcast_object_list(box, group=comm.group, group_src=0)
+    spec, skeleton, sent_extra = box[0]
+    if joining:
+        leaves = [
+            torch.empty(s.shape, dtype=s.dtype, device=device if s.on_device else "cpu") if isinstance(s, _Slot) else s
+            for s in skeleton
+        ]
+    return leaves, spec, skeleton, sent_extra
+
+
 def share_state(
     state: TrainState, extra: Any, comm: Comm, senders: int, device: torch.device
 ) -> tuple[TrainState, Any]:
@@ -59,21 +80,10 @@ def share_state(
     if comm.world_size <= senders:
         return state, extra
     joining = comm.rank >= senders
-    shared = {name: getattr(state, name) for name in TrainState._fields if name not in PER_RANK}
-    leaves, spec = tree_flatten(shared)
-    box: list[Any] = [None]
-    if comm.rank == 0:
-        box = [(spec, [_Slot(t) if isinstance(t, torch.Tensor) else t for t in leaves], extra)]
-    dist.broadcast_object_list(box, group=comm.group, group_src=0)
-    spec, skeleton, extra = box[0]
+    leaves, spec, skeleton, extra = _laid_out(state, extra, comm, joining, device)
     joiners = list(range(senders, comm.world_size))
     # One group per survivor with the joiners: a survivor's own tensors are never overwritten by another's.
     groups = [new_group([sender, *joiners]) for sender in range(senders)]
-    if joining:
-        leaves = [
-            torch.empty(s.shape, dtype=s.dtype, device=device if s.on_device else "cpu") if isinstance(s, _Slot) else s
-            for s in skeleton
-        ]
     slots = [i for i, s in enumerate(skeleton) if isinstance(s, _Slot)]
     # Under an outer loop the survivors' params and inner optimizer states differ between syncs: all from rank 0,
     # so a joiner is one rank's state (as a checkpoint resumed on more ranks gives it), not a mix of several.
@@ -104,16 +114,7 @@ def share_replicas(
     if replicas.world_size <= senders:
         return state, extra
     joining = replicas.rank >= senders
-    shared = {name: getattr(state, name) for name in TrainState._fields if name not in PER_RANK}
-    leaves, spec = tree_flatten(shared)
-    box: list[Any] = [(spec, [_Slot(t) if isinstance(t, torch.Tensor) else t for t in leaves], extra)]
-    dist.broadcast_object_list(box, group=replicas.group, group_src=0)
-    spec, skeleton, sent_extra = box[0]
-    if joining:
-        leaves = [
-            torch.empty(s.shape, dtype=s.dtype, device=device if s.on_device else "cpu") if isinstance(s, _Slot) else s
-            for s in skeleton
-        ]
+    leaves, spec, _, sent_extra = _laid_out(state, extra, replicas, joining, device)
     # Replica 0 sends every tensor; the other survivors receive what they hold already (replicas are equal).
     held = [t if joining or replicas.rank == 0 else t.clone() for t in leaves if isinstance(t, torch.Tensor)]
     works = [dist.broadcast(t, group=replicas.group, group_src=0, async_op=True) for t in held]

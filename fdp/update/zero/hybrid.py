@@ -28,7 +28,7 @@ import torch.distributed as dist
 from fdp.comm import Comm, new_group
 from fdp.hooks import Hook, hook_name
 from fdp.hooks.base import GradBucket, drive_hook
-from fdp.hooks.hierarchical import check_node_size
+from fdp.hooks.hierarchical import node_group
 from fdp.hooks.registry import shardable_hooks
 from fdp.plan import Bucket, BucketPlan, ParamSlot
 from fdp.update.zero.layout import slice_key, slice_numel
@@ -61,14 +61,7 @@ def shard_groups(node_size: int, watch=None, least: int = 2) -> ShardGroups:
     enough for a world that lost the others, ``fdp.procs.shrink.whole_groups``); ``watch``
     is asked while their collectives wait (``fdp.comm.wait_watched``).
     """
-    world, rank = dist.get_world_size(), dist.get_rank()
-    check_node_size(world, node_size, least)
-    shard = None
-    for first in range(0, world, node_size):  # new_group is collective: every rank makes every group
-        group = new_group(list(range(first, first + node_size)))
-        if first <= rank < first + node_size:
-            shard = group
-    return ShardGroups(Comm(shard, watch=watch), replica_group(node_size, watch))
+    return ShardGroups(Comm(node_group(node_size, least), watch=watch), replica_group(node_size, watch))
 
 
 def replica_group(node_size: int, watch=None) -> Comm:
