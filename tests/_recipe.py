@@ -14,12 +14,15 @@ A local world's workers fork from the command's process unless ``fork_workers=Fa
 ``start_method="fork"``): they keep its imports, output files, environment and process group. Spawned workers
 stay covered where a test needs them: tests/e2e/test_interrupt.py (the terminal's signal to the group),
 the docs' Python examples (the worker function must pickle), and each group's one ``fresh`` command, which
-starts from a fresh interpreter as the shell does (``-c`` and ``-m`` commands keep ``subprocess``).
+starts from a fresh interpreter as the shell does (``-m`` commands keep ``subprocess``). A ``python -c CODE``
+command runs its code as the interpreter does: in a new ``__main__`` module, ``sys.argv[0]`` is ``-c``, and the
+working directory ('') comes first on ``sys.path``.
 """
 
 from __future__ import annotations
 
 import atexit
+import builtins
 import multiprocessing
 import os
 import runpy
@@ -28,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import traceback
+import types
 from pathlib import Path
 
 _CONTEXT = multiprocessing.get_context("forkserver")
@@ -55,8 +59,17 @@ def _fork_workers() -> None:
     WorldLayout.__new__.__defaults__ = tuple({**defaults, "start_method": "fork"}.values())
 
 
+def _run_code(code: str) -> None:
+    """``python -c CODE``'s ``__main__``: a module of its own, whose functions live in ``__main__``."""
+    main = types.ModuleType("__main__")
+    main.__builtins__ = builtins
+    sys.modules["__main__"] = main
+    exec(compile(code, "<string>", "exec"), main.__dict__)
+
+
 def _run_script(argv: list[str], env: dict, cwd: str, out: str, err: str, fork_workers: bool) -> None:
-    """The child: ``argv[0]`` is the script; never returns (``os._exit`` with the script's status)."""
+    """The child: ``argv[0]`` is the script, or ``-c`` and ``argv[1]`` the code; never returns (``os._exit`` with
+    its status)."""
     os.setsid()  # its own process group: a timeout stops its workers too
     for fd, path in ((1, out), (2, err)):
         opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
@@ -65,10 +78,11 @@ def _run_script(argv: list[str], env: dict, cwd: str, out: str, err: str, fork_w
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    script = os.path.abspath(argv[0])
+    code = argv[1] if argv[0] == "-c" else None
     extra = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    sys.path[:] = [os.path.dirname(script), *extra, *(p for p in sys.path if p not in extra)]
-    sys.argv[:] = [argv[0], *argv[1:]]
+    first = "" if code is not None else os.path.dirname(os.path.abspath(argv[0]))
+    sys.path[:] = [first, *extra, *(p for p in sys.path if p not in extra)]
+    sys.argv[:] = ["-c", *argv[2:]] if code is not None else [argv[0], *argv[1:]]
     if "OMP_NUM_THREADS" in env:  # read by torch when it started, in the server: set as it would have been
         import torch
 
@@ -77,7 +91,10 @@ def _run_script(argv: list[str], env: dict, cwd: str, out: str, err: str, fork_w
         _fork_workers()
     status = 0
     try:
-        runpy.run_path(script, run_name="__main__")
+        if code is not None:
+            _run_code(code)
+        else:
+            runpy.run_path(os.path.abspath(argv[0]), run_name="__main__")
     except SystemExit as done:
         status = _exit_status(done.code)
     except BaseException:
@@ -156,10 +173,11 @@ class _Fresh(subprocess.Popen):
 def start(
     argv: list[str], env: dict, cwd: Path | str, fresh: bool = False, fork_workers: bool = True
 ) -> Started | _Fresh:
-    """``argv`` is ``[sys.executable, SCRIPT, *ARGS]`` as for ``subprocess``; the script must be a file.
+    """``argv`` is ``[sys.executable, SCRIPT, *ARGS]`` (the script a file) or ``[sys.executable, "-c", CODE, *ARGS]``
+    as for ``subprocess``.
     ``fresh``: from a fresh interpreter instead (its local worlds spawn their workers), for the one case of a
     group that checks the real start-up. ``fork_workers=False``: its local worlds spawn their workers too."""
-    assert argv[0] == sys.executable and argv[1].endswith(".py"), argv
+    assert argv[0] == sys.executable and (argv[1].endswith(".py") or argv[1] == "-c"), argv
     return _Fresh(argv, env, cwd) if fresh else Started(argv[1:], env, cwd, fork_workers)
 
 

@@ -45,6 +45,30 @@ def test_a_forked_command_prints_runs_and_exits_as_a_fresh_interpreter(tmp_path,
         assert forked.stderr == fresh.stderr
 
 
+CODE = """
+import os, sys
+def here(): pass
+print("argv", sys.argv, "path0", repr(sys.path[0]), "main", __name__, here.__module__, "__file__" in globals())
+print("cwd", os.getcwd(), "env", os.environ.get("FORKED_TAG"))
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def test_a_forked_python_c_command_runs_as_a_fresh_interpreter_runs_it(tmp_path):
+    """``python -c CODE ARGS``: argv[0] '-c', '' first on the path, the code's functions in ``__main__``."""
+    env = {**os.environ, "FORKED_TAG": "c"}
+    argv = [sys.executable, "-c", CODE, "3"]
+    fresh = _recipe.run(argv, env=env, cwd=tmp_path, timeout=60, fresh=True)
+    forked = _recipe.run(argv, env=env, cwd=tmp_path, timeout=60)
+    assert forked.returncode == fresh.returncode == 3, forked.stderr
+    assert (
+        forked.stdout
+        == fresh.stdout
+        == f"argv ['-c', '3'] path0 '' main __main__ __main__ False\ncwd {tmp_path} env c\n"
+    )
+    assert forked.stderr == fresh.stderr == ""
+
+
 def test_a_command_past_its_timeout_is_killed_with_its_group(tmp_path):
     (tmp_path / "script.py").write_text("import subprocess, time\nsubprocess.Popen(['sleep', '60'])\ntime.sleep(60)\n")
     started = _recipe.start([sys.executable, str(tmp_path / "script.py")], env=dict(os.environ), cwd=tmp_path)

@@ -186,19 +186,26 @@ def test_ctrl_c_through_a_relaying_wrapper_is_one_request(tmp_path, world):
     launcher and every rank get the signal from the terminal and again from timeout, which relays it to its
     child and to its group. That burst is one request: every try stops at a step boundary with a checkpoint
     and the one interrupted line (exit 130), never 'stopped at once'. Two tries on one process, one on two
-    (the burst's timing itself is tried 20 times in one process: test_a_burst_of_signals_is_one_request...)."""
+    (the burst's timing itself is tried 20 times in one process: test_a_burst_of_signals_is_one_request...).
+    The two tries run side by side, each in its own session: their fresh interpreters start at once."""
     overrides = ["world=local2", "world.backend=gloo", "world.timeout_s=30"] if world == "local2" else []
     ranks = (0, 1) if world == "local2" else (0,)
-    for attempt in range(2 if world == "single" else 1):
-        run_dir = tmp_path / str(attempt)
-        proc = start(run_dir, *overrides, wrapper=("timeout", "-s", "KILL", "300"))
-        wait_training(proc, run_dir, ranks=ranks)
-        os.killpg(proc.pid, signal.SIGINT)
-        out, err = finish(proc)
-        assert proc.returncode == 130, (attempt, err[-3000:])
-        step = checkpoint_step(run_dir)
-        assert lines(err) == [interrupted_line(step, "SIGINT", run_dir)], attempt
-        assert [RankStatus.read(run_dir, r)["step"] for r in ranks] == [step] * len(ranks)
+    attempts = range(2 if world == "single" else 1)
+    procs = [start(tmp_path / str(a), *overrides, wrapper=("timeout", "-s", "KILL", "300")) for a in attempts]
+    try:
+        for attempt, proc in zip(attempts, procs):
+            run_dir = tmp_path / str(attempt)
+            wait_training(proc, run_dir, ranks=ranks)
+            os.killpg(proc.pid, signal.SIGINT)
+            out, err = finish(proc)
+            assert proc.returncode == 130, (attempt, err[-3000:])
+            step = checkpoint_step(run_dir)
+            assert lines(err) == [interrupted_line(step, "SIGINT", run_dir)], attempt
+            assert [RankStatus.read(run_dir, r)["step"] for r in ranks] == [step] * len(ranks)
+    finally:
+        for proc in procs:  # a try left running by a failure before its turn
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
 
 
 def test_a_burst_of_signals_is_one_request_and_a_later_one_stops_at_once():

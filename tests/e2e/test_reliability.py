@@ -743,14 +743,18 @@ RECIPE_CASES = [
 ]
 
 
+FRESH_CASE = 1
+
+
 def test_bad_inputs_through_the_recipe_exit_non_zero_with_one_line(previous_run, tmp_path):
     previous, corrupt = previous_run
     dirs = {"corrupt": corrupt, "fresh": tmp_path / "fresh", "fresh2": tmp_path / "fresh2"}
     before = {d: _snapshot(d) for d in (previous, corrupt)}
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath_first(EXAMPLES)}
     procs = []
-    # Concurrently, each forked from the preloaded server but the first, which runs as the shell starts it
-    # (tests/_recipe.py): the imports were most of each case's time.
+    # Concurrently, each forked from the preloaded server but one, which runs as the shell starts it
+    # (tests/_recipe.py): the imports were most of each case's time. That one is a case of one process (a resume
+    # refused once the checkpoint is read): a local world's workers from a fresh interpreter would import again.
     for case, (overrides, status, expected) in enumerate(RECIPE_CASES):
         run_dir = next(
             (dirs[o[len("hydra.run.dir={") : -1]] for o in overrides if o.startswith("hydra.run.dir=")), previous
@@ -762,7 +766,7 @@ def test_bad_inputs_through_the_recipe_exit_non_zero_with_one_line(previous_run,
             f"hydra.run.dir={run_dir}",
         ]
         command = [sys.executable, str(ROOT / "recipes" / "train.py"), *args]
-        procs.append(_recipe.start(command, env=env, cwd=ROOT, fresh=case == 0))
+        procs.append(_recipe.start(command, env=env, cwd=ROOT, fresh=case == FRESH_CASE))
     for (overrides, status, expected), started in zip(RECIPE_CASES, procs):
         proc = started.result(timeout=180)
         stdout, stderr = proc.stdout, proc.stderr

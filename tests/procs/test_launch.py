@@ -3,10 +3,11 @@ from ``python -c`` or notebook cells, train data-parallel and fail as under spaw
 process that is never silently a world of one."""
 
 import json
-import subprocess
+import os
 import sys
 import textwrap
 
+import _recipe
 import pytest
 import torch
 
@@ -82,7 +83,10 @@ SCRIPT = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def forked(tmp_path_factory):
     result = tmp_path_factory.mktemp("forked") / "out.json"
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(result)], capture_output=True, text=True, timeout=240)
+    # Forked from the preloaded server and run as `python -c` runs it (tests/_recipe.py): the imports were most of
+    # its time. Its layouts name their own start method.
+    command = [sys.executable, "-c", SCRIPT, str(result)]
+    proc = _recipe.run(command, env=dict(os.environ), cwd=".", timeout=240, fork_workers=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(result.read_text()), proc.stderr
 

@@ -292,17 +292,16 @@ def test_a_world_under_min_ranks_ends_in_one_line_with_a_checkpoint_to_resume(tm
 def test_under_torchrun_losing_rank_0_leaves_two_that_finish_and_print_the_summary(tmp_path, reference):
     """``torchrun --max-restarts 0``: rank 0's process owns the run directory and prints the summary;
     its rank is killed, its keeper stays until the others are done and prints theirs."""
-    import subprocess
     import sys
 
+    import _recipe
     from _paths import pythonpath_first
 
     root = Path(__file__).resolve().parents[2]
     overrides = [o for o in COMMON if not o.startswith("world=") and "nproc_per_node" not in o]
-    command = [
+    command = [  # torchrun itself forked from the preloaded server (tests/_torchrun.py); its ranks start fresh
         sys.executable,
-        "-m",
-        "torch.distributed.run",
+        str(root / "tests" / "_torchrun.py"),
         "--standalone",
         "--nproc-per-node",
         "3",
@@ -316,7 +315,7 @@ def test_under_torchrun_losing_rank_0_leaves_two_that_finish_and_print_the_summa
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath_first(root)}
     signaller = Signaller(tmp_path, signal.SIGKILL, rank=0)
     try:
-        done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=240)
+        done = _recipe.run(command, env=env, cwd=root, timeout=240)
     finally:
         signaller.done()
     assert done.returncode == 0, done.stderr[-3000:]

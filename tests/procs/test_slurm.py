@@ -186,13 +186,12 @@ def test_slurm_jobs_through_submitit_local_and_srun_variables_equal_local2(tmp_p
     port = str(_free_port())
     procs = [
         _start("world=local2", f"hydra.run.dir={local2}"),
-        _start(  # the sweep's own process from a fresh interpreter; submitit starts the tasks as fresh ones
+        _start(  # the sweep's own process, forked: submitit starts the tasks as fresh interpreters after it
             "-m",
             "hydra/launcher=submitit_local",
             "hydra.launcher.tasks_per_node=2",
             "world=slurm",
             f"hydra.sweep.dir={sweep}",
-            fresh=True,
         ),
         *(
             _start(
@@ -203,6 +202,7 @@ def test_slurm_jobs_through_submitit_local_and_srun_variables_equal_local2(tmp_p
                     "MASTER_PORT": port,
                     "SLURM_JOB_NUM_NODES": "1",
                 },
+                fresh=rank == 1,  # as the shell starts it; its imports overlap the sweep's start-up
             )
             for rank in range(2)
         ),

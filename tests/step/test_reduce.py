@@ -107,40 +107,51 @@ def test_plan_mismatch_stops_every_rank_naming_the_parameter(run_ranks):
         assert "net." in message and "shape" in message
 
 
-def _silent_peer(rank, world):
-    if rank == 1:
-        time.sleep(8)  # never joins the collective
-        return None
+SILENT_S = 20  # how long the silent peer stays alive at most: a timeout not kept shows as a wait this long
+
+
+def _stay_silent(done):
+    """Alive without joining the collective (its socket stays open: no error but the timeout's can end the wait),
+    until rank 0 is done waiting or ``SILENT_S`` passed."""
+    deadline = time.monotonic() + SILENT_S
+    while not done.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _timed_allreduce(comm, done):
     start = time.perf_counter()
     try:
-        Comm().allreduce(torch.ones(4)).wait()
+        comm.allreduce(torch.ones(4)).wait()
+        outcome = "no error"
     except RuntimeError as e:
-        return str(e), time.perf_counter() - start
-    return "no error", time.perf_counter() - start
+        outcome = str(e)
+    waited = time.perf_counter() - start
+    done.touch()
+    return outcome, waited
 
 
-def test_collective_timeout_is_an_error_not_a_hang(run_ranks):
-    result = run_ranks(_silent_peer, timeout_s=2.0)[0]
+def _silent_peer(rank, world, done):
+    if rank == 1:
+        return _stay_silent(done)  # never joins the collective
+    return _timed_allreduce(Comm(), done)
+
+
+def test_collective_timeout_is_an_error_not_a_hang(run_ranks, tmp_path):
+    result = run_ranks(_silent_peer, tmp_path / "done", timeout_s=2.0)[0]
     message, waited = result
     assert message != "no error"
     assert waited < 8
 
 
-def _silent_peer_on_a_group_of_its_own(rank, world):
+def _silent_peer_on_a_group_of_its_own(rank, world, done):
     comm = Comm().on_own_group()  # torch would give a new group 30 minutes, not the world's 2 s
     if rank == 1:
-        time.sleep(8)
-        return None
-    start = time.perf_counter()
-    try:
-        comm.allreduce(torch.ones(4)).wait()
-    except RuntimeError as e:
-        return str(e), time.perf_counter() - start
-    return "no error", time.perf_counter() - start
+        return _stay_silent(done)
+    return _timed_allreduce(comm, done)
 
 
-def test_a_group_of_its_own_times_out_as_the_world_does(run_ranks):
-    message, waited = run_ranks(_silent_peer_on_a_group_of_its_own, timeout_s=2.0)[0]
+def test_a_group_of_its_own_times_out_as_the_world_does(run_ranks, tmp_path):
+    message, waited = run_ranks(_silent_peer_on_a_group_of_its_own, tmp_path / "done", timeout_s=2.0)[0]
     assert message != "no error"
     assert waited < 8
 
