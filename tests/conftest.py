@@ -94,7 +94,9 @@ def _cpu_unless_marked_gpu(request):
 # torch._dynamo (imported by torch.func's first grad) is most of a worker's start-up after torch itself.
 # What a forked worker prints goes where the server's output went (pytest -s shows it); its errors come back
 # through the launcher, as a spawned worker's do.
-multiprocessing.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "fdp.run.trainer"])
+multiprocessing.set_forkserver_preload(
+    ["torch", "torch._dynamo", "torch._inductor.compile_fx", "torch.distributed", "fdp.run.trainer"]
+)
 _SPAWN_DEFAULTS = WorldLayout.__new__.__defaults__
 _FORKSERVER_DEFAULTS = tuple(
     "forkserver" if name == "start_method" else WorldLayout._field_defaults[name]

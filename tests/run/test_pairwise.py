@@ -23,13 +23,14 @@ batches, as ``fdp.run.trainer`` makes them) and ``fdp.run.loop_controls.LoopCont
 max_time's clock, the monitors' checks), three steps of a small model each. A pair with a checkpoint format saves
 its state after step 2 in that format (the loop's ``Checkpointer``), resumes from it as a run does
 (``fdp.run.checkpoint.resume``, the loop's state too) and takes its last step from there; its reference does not.
-References are computed once and shared by the pairs that have them; pairs that merge to the same config
-share one run, and a reference that is a pair's own config is that pair's run taken on from its live state at
-the save, before it resumes (the steps before the save are the same; the last ones run straight, as the
-reference's). What this in-process form does not run is covered by the whole runs at the end (``WHOLE_RUNS``):
-the keeper that holds each rank of a world that may shrink or respawn, early stopping and keep_best deciding on
-real evaluations, max_time's deadline inside a running loop, and a sharded checkpoint resumed by a second
-invocation.
+References are computed once and shared by the pairs that have them; pairs that merge to the same config share
+one run (as do configs that differ only in naming the checkpoint format their world's ``auto`` picks), and a
+reference that is a pair's own config is that pair's run taken on from its live state at the save, before it
+resumes (the steps before the save are the same; the last ones run straight, as the reference's). A rank's runs
+share the compiles that dynamo's guards accept (``_share_compiles``), as a run's steps share its first. What this
+in-process form does not run is covered by the whole runs at the end (``WHOLE_RUNS``): the keeper that holds each
+rank of a world that may shrink or respawn, early stopping and keep_best deciding on real evaluations, max_time's
+deadline inside a running loop, and a sharded checkpoint resumed by a second invocation.
 """
 
 from __future__ import annotations
@@ -158,6 +159,16 @@ def _key_of(cfg) -> str:
     return repr(OmegaConf.to_container(cfg))
 
 
+def _run_key(cfg) -> str:
+    """``cfg``'s key with the checkpoint format its world writes (``auto`` is ``sharded`` on more than one rank,
+    ``fdp.run.checkpoint.format``): configs that differ in that alone are one run."""
+    from fdp.run.checkpoint.format import resolved_format
+
+    tree = OmegaConf.to_container(cfg)
+    tree["trainer"]["checkpoint_format"] = resolved_format(cfg.trainer.checkpoint_format, cfg.world.nproc_per_node)
+    return repr(tree)
+
+
 def _data(cfg):
     from fdp.run.build import build_data
 
@@ -181,8 +192,6 @@ def _train(cfg, comm: Comm, resume: bool, directory: Path, straight: bool) -> tu
     from fdp.run.validate import allowed_stages
     from fdp.trace import NullTimeline
 
-    if cfg.trainer.compile is True:  # a fresh compile, as a run's own process makes (dynamo's cache is by code)
-        torch._dynamo.reset()
     device = torch.device("cpu")
     # trainer.zero_stage=auto decided as a run decides it (no budget: the lowest stage the other settings allow)
     cfg, parts, _ = built_at_stage(cfg, comm, device, _data(cfg), None, allowed_stages(cfg), 0.0, 0.0)
@@ -247,10 +256,22 @@ def _broadcast(value, comm: Comm):
     return box[0]
 
 
+def _share_compiles() -> None:
+    """This rank's compiles shared by the runs whose compiled code dynamo's guards accept, as one run's steps share
+    its first compile (most compile pairs differ in what the compiled gradient does not see: the hook, the outer
+    loop, the ZeRO stage's update, the checkpoints). A run whose guards fail compiles its own, from its first call
+    and with its shapes static, as a fresh run's process does (not dynamic, as dynamo makes a frame it recompiles
+    for new shapes); one that could not compile fails rather than running eager."""
+    torch._dynamo.config.automatic_dynamic_shapes = False
+    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+
+
 def _train_all(rank: int, world: int, jobs: list) -> dict:
     """Each job ``(name, config, resume, straight)`` trained in turn (``straight``: the name its uninterrupted run
     is reported under, or ``None``); a job that fails gives its error's line."""
     torch.manual_seed(0)
+    _share_compiles()
     comm = Comm()
     out = {}
     with tempfile.TemporaryDirectory(prefix=f"pairwise-{rank}-") as scratch:
@@ -322,13 +343,13 @@ def trained(pairs, module_run_ranks):
     # One job per distinct config (pairs that merge to the same overrides share it). A reference whose config is a
     # pair's that resumes is that job's uninterrupted run: the pair's steps before the save, then its last steps
     # from the live state (``_train``'s ``straight``); the other references are jobs of their own.
-    jobs: dict[tuple[str, bool], list] = {}  # (config, resumes) -> [name, config, resume, straight]
+    jobs: dict[tuple[str, bool], list] = {}  # (run, resumes) -> [name, config, resume, straight]
     job_of: dict[str, str] = {}  # pair or reference -> the job whose result it reads
     for name, cfg, _ in pairs:
-        job = jobs.setdefault((_key_of(cfg), _resumes(cfg)), [name, cfg, _resumes(cfg), None])
+        job = jobs.setdefault((_run_key(cfg), _resumes(cfg)), [name, cfg, _resumes(cfg), None])
         job_of[name] = job[0]
     for name, cfg, ref in [*pairs, *wholes]:
-        ref_yaml = _key_of(ref)
+        ref_yaml = _run_key(ref)
         if (ref_yaml, True) in jobs:
             job = jobs[(ref_yaml, True)]
             job[3] = job[3] or f"reference of {job[0]}"

@@ -62,7 +62,9 @@ class Checkpointer:
         # Under torchrun the world's size is known only now: checkpoint_async=true on one process is refused here.
         self.format: CheckpointFormat = format_of(tc, comm.world_size if launched is None else launched)
         self.comm, self.keep = comm, tc.keep_checkpoints
-        self._config = OmegaConf.to_yaml(cfg)  # written with every save; a run's config does not change in it
+        # Written with every save, by rank 0 alone (the metadata of a sharded one, the file of a whole one); a
+        # run's config does not change in it.
+        self._config = OmegaConf.to_yaml(cfg) if comm.rank == 0 else None
         wanted = self.format.asynchronous if asynchronous is None else asynchronous
         self._writer = ShardedSaver(comm, wanted, cfg.world.timeout_s) if self.format.sharded else None
 
