@@ -68,9 +68,10 @@ def _env() -> dict:
 
 def _run(code: str, cwd: Path, timeout: int) -> subprocess.CompletedProcess:
     """``python example.py`` in ``cwd``, forked from the preloaded server (tests/_recipe.py); its ``fdp.spawn``
-    spawns its workers as written, so the worker function must pickle as a user's must."""
+    starts its workers from a forkserver of its own that imported torch and fdp once: the worker function must
+    pickle and the script re-imports as ``__mp_main__``, as a spawned worker's must."""
     (cwd / "example.py").write_text(code)
-    return _recipe.run([sys.executable, "example.py"], env=_env(), cwd=cwd, timeout=timeout, fork_workers=False)
+    return _recipe.run([sys.executable, "example.py"], env=_env(), cwd=cwd, timeout=timeout, workers="forkserver")
 
 
 def test_the_one_process_example_runs(tmp_path):

@@ -121,7 +121,7 @@ def _run(script: str, *overrides: str):
     peak from a fresh interpreter's start."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     argv = [sys.executable, str(ROOT / "recipes" / script), *overrides]
-    return _recipe.run(argv, env=env, cwd=ROOT, timeout=300, fork_workers=False)
+    return _recipe.run(argv, env=env, cwd=ROOT, timeout=300, workers="spawn")
 
 
 def test_plan_recipe_prints_the_forecast_and_saves_its_json_section(tmp_path):
