@@ -121,7 +121,7 @@ def test_every_other_python_example_runs(tmp_path):
 # The pages' runs capped (a later override wins; examples/README.md's run as written): MAX_STEPS steps, or the
 # largest step count the command sets in PERIODS, so that each evaluates, compresses, warms up or syncs once as
 # written; EVAL_BATCHES batches per evaluation. A command only has to run: nothing reads how far it trained.
-MAX_STEPS = 12
+MAX_STEPS = 4
 PERIODS = (
     "trainer.eval_every",
     "trainer.checkpoint_every",
@@ -174,11 +174,11 @@ def _capped(argv: list[str]) -> list[str]:
 def test_a_pages_run_is_capped_but_reaches_the_periods_it_sets():
     capped = _capped(["python", "train.py", "trainer.eval_every=8", "outer.sync_every=16", "trainer.max_steps=32"])
     assert capped == ["trainer.max_steps=16", f"trainer.eval_batches={EVAL_BATCHES}"]
-    assert _capped(["python", "train.py", "hooks.start_iter=10"]) == [
+    assert _capped(["python", "train.py", "hooks.start_iter=2"]) == [
         f"trainer.max_steps={MAX_STEPS}",
         f"trainer.eval_batches={EVAL_BATCHES}",
     ]
-    assert _capped(["python", "train.py", "trainer.max_steps=5", "trainer.eval_batches=1"]) == []
+    assert _capped(["python", "train.py", "trainer.max_steps=3", "trainer.eval_batches=1"]) == []
 
 
 def _run_chain(chain: list, fresh: bool) -> list[str]:
