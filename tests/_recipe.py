@@ -46,8 +46,10 @@ def _exit_status(code) -> int:
     return 1
 
 
-# What a command's own forkserver imports once (``workers="forkserver"``): what the tests' server preloads.
-PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "fdp.run.trainer"]
+# What the tests' forkserver (tests/conftest.py) and a command's own (``workers="forkserver"``) import once.
+# torch._dynamo is imported by torch.func's first grad; inductor's compiler by the first compile (seconds: each
+# forked run that compiles would import it again).
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch._inductor.compile_fx", "fdp.run.trainer"]
 
 
 def _start_workers_with(method: str) -> None:
