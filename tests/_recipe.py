@@ -10,13 +10,15 @@ do from the shell), its output goes to files through the process's own file desc
 children print is captured too), an uncaught exception prints its traceback and exits 1, ``SystemExit``
 gives the exit status, and the interpreter's exit functions run before it exits.
 
-A local world's workers fork from the command's process unless ``fork_workers=False`` (fdp.spawn's
+A local world's workers fork from the command's process unless ``workers`` says otherwise (fdp.spawn's
 ``start_method="fork"``): they keep its imports, output files, environment and process group. Spawned workers
 stay covered where a test needs them: tests/e2e/test_interrupt.py (the terminal's signal to the group),
-the docs' Python examples (the worker function must pickle), and each group's one ``fresh`` command, which
-starts from a fresh interpreter as the shell does (``-m`` commands keep ``subprocess``). A ``python -c CODE``
-command runs its code as the interpreter does: in a new ``__main__`` module, ``sys.argv[0]`` is ``-c``, and the
-working directory ('') comes first on ``sys.path``.
+tests/run/test_forecast.py (a worker's measured peak from a fresh interpreter's start), and each group's one
+``fresh`` command, which starts from a fresh interpreter as the shell does (``-m`` commands keep ``subprocess``).
+The docs' Python examples start theirs from a forkserver of the command's own (``workers="forkserver"``): the
+worker function must pickle and the script re-imports as a spawned worker's does, but torch and fdp are imported
+once, not in each worker. A ``python -c CODE`` command runs its code as the interpreter does: in a new
+``__main__`` module, ``sys.argv[0]`` is ``-c``, and the working directory ('') comes first on ``sys.path``.
 """
 
 from __future__ import annotations
@@ -47,16 +49,33 @@ def _exit_status(code) -> int:
     return 1
 
 
-def _fork_workers() -> None:
-    """Local worlds' workers forked from this process (``start_method="fork"``, what fdp.spawn offers notebooks)
-    instead of spawned: a spawned worker imports torch and fdp again, 5 s of a short run's time. A forked one
-    keeps this process's output files, environment and process group, as a spawned one does."""
+# What the tests' forkserver (tests/conftest.py) and a command's own (``workers="forkserver"``) import once.
+# torch._dynamo is imported by torch.func's first grad; inductor's compiler by the first compile (seconds: each
+# forked run that compiles would import it again).
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch._inductor.compile_fx", "fdp.run.trainer"]
+
+
+def _start_workers_with(method: str) -> None:
+    """Local worlds' workers started by ``method`` (fdp.spawn's ``start_method``) unless a layout names its own.
+
+    ``fork``, what fdp.spawn offers notebooks, instead of spawned: a spawned worker imports torch and fdp again,
+    5 s of a short run's time. A forked one keeps this process's output files, environment and process group, as a
+    spawned one does. ``forkserver``: from a server of the command's own that imported ``PRELOAD`` once; a worker
+    still gets its function and arguments pickled and re-imports the script as ``__mp_main__``, as a spawned one
+    does. ``spawn``: unchanged."""
     from fdp.procs.launch import WorldLayout
 
+    if method == "forkserver":
+        multiprocessing.set_forkserver_preload(PRELOAD)
     defaults = dict(
         zip(WorldLayout._fields[-len(WorldLayout.__new__.__defaults__) :], WorldLayout.__new__.__defaults__)
     )
-    WorldLayout.__new__.__defaults__ = tuple({**defaults, "start_method": "fork"}.values())
+    WorldLayout.__new__.__defaults__ = tuple({**defaults, "start_method": method}.values())
+
+
+def _fork_workers() -> None:
+    """Local worlds' workers forked from this process (``_start_workers_with("fork")``)."""
+    _start_workers_with("fork")
 
 
 def _run_code(code: str) -> None:
@@ -67,7 +86,7 @@ def _run_code(code: str) -> None:
     exec(compile(code, "<string>", "exec"), main.__dict__)
 
 
-def _run_script(argv: list[str], env: dict, cwd: str, out: str, err: str, fork_workers: bool) -> None:
+def _run_script(argv: list[str], env: dict, cwd: str, out: str, err: str, workers: str) -> None:
     """The child: ``argv[0]`` is the script, or ``-c`` and ``argv[1]`` the code; never returns (``os._exit`` with
     its status)."""
     os.setsid()  # its own process group: a timeout stops its workers too
@@ -87,8 +106,7 @@ def _run_script(argv: list[str], env: dict, cwd: str, out: str, err: str, fork_w
         import torch
 
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-    if fork_workers:
-        _fork_workers()
+    _start_workers_with(workers)
     status = 0
     try:
         if code is not None:
@@ -115,14 +133,14 @@ class Started:
     ``communicate``, ``returncode``) or through ``result(timeout)``, a ``CompletedProcess``. The child leads a
     session of its own (``Popen(start_new_session=True)``): a signal to its group reaches its workers too."""
 
-    def __init__(self, argv: list[str], env: dict, cwd: Path | str, fork_workers: bool):
+    def __init__(self, argv: list[str], env: dict, cwd: Path | str, workers: str):
         self.args = list(argv)
         self.returncode = None
         self._dir = tempfile.TemporaryDirectory(prefix="recipe-")
         self._out, self._err = (os.path.join(self._dir.name, name) for name in ("stdout", "stderr"))
         self._process = _CONTEXT.Process(
             target=_run_script,
-            args=(list(argv), dict(env), str(cwd), self._out, self._err, fork_workers),
+            args=(list(argv), dict(env), str(cwd), self._out, self._err, workers),
             daemon=False,
         )
         self._process.start()
@@ -170,23 +188,23 @@ class _Fresh(subprocess.Popen):
         return subprocess.CompletedProcess(self.args, self.returncode, stdout, stderr)
 
 
-def start(
-    argv: list[str], env: dict, cwd: Path | str, fresh: bool = False, fork_workers: bool = True
-) -> Started | _Fresh:
+def start(argv: list[str], env: dict, cwd: Path | str, fresh: bool = False, workers: str = "fork") -> Started | _Fresh:
     """``argv`` is ``[sys.executable, SCRIPT, *ARGS]`` (the script a file) or ``[sys.executable, "-c", CODE, *ARGS]``
     as for ``subprocess``.
     ``fresh``: from a fresh interpreter instead (its local worlds spawn their workers), for the one case of a
-    group that checks the real start-up. ``fork_workers=False``: its local worlds spawn their workers too."""
+    group that checks the real start-up. ``workers``: how its local worlds start their workers (``fork``,
+    ``spawn`` as from the shell, or ``forkserver``: ``_start_workers_with``)."""
     assert argv[0] == sys.executable and (argv[1].endswith(".py") or argv[1] == "-c"), argv
-    return _Fresh(argv, env, cwd) if fresh else Started(argv[1:], env, cwd, fork_workers)
+    assert workers in ("fork", "spawn", "forkserver"), workers
+    return _Fresh(argv, env, cwd) if fresh else Started(argv[1:], env, cwd, workers)
 
 
 def run(
-    argv: list[str], env: dict, cwd: Path | str, timeout: float = 300, fresh: bool = False, fork_workers: bool = True
+    argv: list[str], env: dict, cwd: Path | str, timeout: float = 300, fresh: bool = False, workers: str = "fork"
 ) -> subprocess.CompletedProcess:
     """``subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)``, forked
     unless ``fresh``."""
-    return start(argv, env, cwd, fresh, fork_workers).result(timeout)
+    return start(argv, env, cwd, fresh, workers).result(timeout)
 
 
 def recipe(name: str, *overrides: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -7,6 +7,7 @@ import multiprocessing.forkserver
 import os
 from pathlib import Path
 
+import _recipe
 import pytest
 import torch
 import torch.distributed as dist
@@ -91,12 +92,9 @@ def _cpu_unless_marked_gpu(request):
 # processes that get their rank, entry and arguments as spawned ones do. Only where the GPUs are hidden:
 # the server keeps the environment it started with, so it starts as the first CPU-only module begins
 # (CUDA_VISIBLE_DEVICES empty); GPU modules spawn their workers. A layout that names its method keeps it.
-# torch._dynamo (imported by torch.func's first grad) is most of a worker's start-up after torch itself.
 # What a forked worker prints goes where the server's output went (pytest -s shows it); its errors come back
 # through the launcher, as a spawned worker's do.
-multiprocessing.set_forkserver_preload(
-    ["torch", "torch._dynamo", "torch._inductor.compile_fx", "torch.distributed", "fdp.run.trainer"]
-)
+multiprocessing.set_forkserver_preload(_recipe.PRELOAD)
 _SPAWN_DEFAULTS = WorldLayout.__new__.__defaults__
 _FORKSERVER_DEFAULTS = tuple(
     "forkserver" if name == "start_method" else WorldLayout._field_defaults[name]

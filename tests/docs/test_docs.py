@@ -68,9 +68,10 @@ def _env() -> dict:
 
 def _run(code: str, cwd: Path, timeout: int) -> subprocess.CompletedProcess:
     """``python example.py`` in ``cwd``, forked from the preloaded server (tests/_recipe.py); its ``fdp.spawn``
-    spawns its workers as written, so the worker function must pickle as a user's must."""
+    starts its workers from a forkserver of its own that imported torch and fdp once: the worker function must
+    pickle and the script re-imports as ``__mp_main__``, as a spawned worker's must."""
     (cwd / "example.py").write_text(code)
-    return _recipe.run([sys.executable, "example.py"], env=_env(), cwd=cwd, timeout=timeout, fork_workers=False)
+    return _recipe.run([sys.executable, "example.py"], env=_env(), cwd=cwd, timeout=timeout, workers="forkserver")
 
 
 def test_the_one_process_example_runs(tmp_path):
@@ -120,7 +121,7 @@ def test_every_other_python_example_runs(tmp_path):
 # The pages' runs capped (a later override wins; examples/README.md's run as written): MAX_STEPS steps, or the
 # largest step count the command sets in PERIODS, so that each evaluates, compresses, warms up or syncs once as
 # written; EVAL_BATCHES batches per evaluation. A command only has to run: nothing reads how far it trained.
-MAX_STEPS = 12
+MAX_STEPS = 4
 PERIODS = (
     "trainer.eval_every",
     "trainer.checkpoint_every",
@@ -173,11 +174,11 @@ def _capped(argv: list[str]) -> list[str]:
 def test_a_pages_run_is_capped_but_reaches_the_periods_it_sets():
     capped = _capped(["python", "train.py", "trainer.eval_every=8", "outer.sync_every=16", "trainer.max_steps=32"])
     assert capped == ["trainer.max_steps=16", f"trainer.eval_batches={EVAL_BATCHES}"]
-    assert _capped(["python", "train.py", "hooks.start_iter=10"]) == [
+    assert _capped(["python", "train.py", "hooks.start_iter=2"]) == [
         f"trainer.max_steps={MAX_STEPS}",
         f"trainer.eval_batches={EVAL_BATCHES}",
     ]
-    assert _capped(["python", "train.py", "trainer.max_steps=5", "trainer.eval_batches=1"]) == []
+    assert _capped(["python", "train.py", "trainer.max_steps=3", "trainer.eval_batches=1"]) == []
 
 
 def _run_chain(chain: list, fresh: bool) -> list[str]:

@@ -66,7 +66,7 @@ def start(run_dir, *overrides, env=None, wrapper=()):
         )
     else:
         # Its local worlds spawn their workers, as from the shell: a terminal's Ctrl-C reaches them in the group.
-        proc = _recipe.start(command, env=env, cwd=ROOT, fork_workers=False)
+        proc = _recipe.start(command, env=env, cwd=ROOT, workers="spawn")
     proc.tag = tag
     return proc
 

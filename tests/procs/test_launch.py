@@ -86,7 +86,7 @@ def forked(tmp_path_factory):
     # Forked from the preloaded server and run as `python -c` runs it (tests/_recipe.py): the imports were most of
     # its time. Its layouts name their own start method.
     command = [sys.executable, "-c", SCRIPT, str(result)]
-    proc = _recipe.run(command, env=dict(os.environ), cwd=".", timeout=240, fork_workers=False)
+    proc = _recipe.run(command, env=dict(os.environ), cwd=".", timeout=240, workers="spawn")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(result.read_text()), proc.stderr
 

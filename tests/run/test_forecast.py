@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import sys
+from pathlib import Path
 
+import _recipe
 import pytest
 import torch
-from _recipe import recipe
 
 from fdp import adam, functionalize, sgd
 from fdp.hooks import allreduce
@@ -17,6 +20,8 @@ from fdp.model.activations import Activations, per_sample, saved_activations
 from fdp.model.losses import cross_entropy_loss, planner_loss
 from fdp.plan import plan_buckets
 from fdp.run import forecast, forecast_parts
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _mlp():
@@ -110,9 +115,18 @@ def test_the_largest_micro_batch_is_the_last_that_fits():
     assert forecast.largest_micro_batch(lambda b: True, most=64) == 64
 
 
+def _run(script: str, *overrides: str):
+    """``python recipes/SCRIPT OVERRIDES`` from the repository's root, forked from the preloaded server
+    (tests/_recipe.py); a local world's workers spawned as the shell's command spawns them, each measuring its
+    peak from a fresh interpreter's start."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    argv = [sys.executable, str(ROOT / "recipes" / script), *overrides]
+    return _recipe.run(argv, env=env, cwd=ROOT, timeout=300, workers="spawn")
+
+
 def test_plan_recipe_prints_the_forecast_and_saves_its_json_section(tmp_path):
     out = tmp_path / "plan.json"
-    proc = recipe(
+    proc = _run(
         "plan.py",
         "model=mlp",
         "world=local2",
@@ -148,7 +162,7 @@ def test_a_run_measures_a_peak_within_the_forecasts_goal(tmp_path):
     reaches, as the forecast answers whether a run fits one: without one the heap keeps what a step frees, and this
     run's peak moved between 164 and 181 MiB from run to run; under one, 123. The upper bound is looser than the
     table's 10% for a shared machine's run-to-run spread."""
-    proc = recipe(
+    proc = _run(
         "train.py",
         "world=local2",
         "model=charlm",

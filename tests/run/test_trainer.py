@@ -183,31 +183,30 @@ def test_own_hook_and_optimizer_from_config_resume_exactly_at_zero_stage_two(tmp
     assert whole["steps"] == 10
 
 
-def _recipe(run_dir, *overrides):
-    import subprocess
+def _start_recipe(run_dir, *overrides):
+    """``python recipes/train.py OVERRIDES`` into ``run_dir``, started forked from the preloaded server
+    (tests/_recipe.py): ``result(timeout)`` waits for it."""
     import sys
 
+    import _recipe as recipe
+
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [
-            sys.executable,
-            str(Path(__file__).resolve().parents[2] / "recipes" / "train.py"),
-            "trainer.progress=false",
-            *overrides,
-            f"hydra.run.dir={run_dir}",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    argv = [
+        sys.executable,
+        str(Path(__file__).resolve().parents[2] / "recipes" / "train.py"),
+        "trainer.progress=false",
+        *overrides,
+        f"hydra.run.dir={run_dir}",
+    ]
+    return recipe.start(argv, env=env, cwd=Path.cwd())
 
 
 def test_a_memory_budget_counts_what_the_run_adds_and_an_overrun_names_its_phase(tmp_path):
     """world.memory_per_rank_mb=300 and an MLP whose state takes ~110 MiB: the data loaded before the budget
     does not count, the final evaluation takes training's batch (8 samples, not 256 at once), and the run ends
     with its checkpoint and test metrics. A budget nothing fits is refused in one line naming the part that
-    ran out and what to change (exit 2, no run directory left)."""
+    ran out and what to change (exit 2, no run directory left). Both forked from the preloaded server (the budget
+    counts what a process adds once it is set, not what it imported before) and run side by side."""
     common = [
         "model.hidden=131072",
         "model.depth=1",
@@ -216,10 +215,11 @@ def test_a_memory_budget_counts_what_the_run_adds_and_an_overrun_names_its_phase
         "trainer.max_steps=2",
         "trainer.eval_every=0",
     ]
-    done = _recipe(tmp_path / "fits", *common, "world.memory_per_rank_mb=300")
+    fits = _start_recipe(tmp_path / "fits", *common, "world.memory_per_rank_mb=300")
+    refused = _start_recipe(tmp_path / "refused", *common, "world.memory_per_rank_mb=1").result(240)
+    done = fits.result(240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "test_acc=" in done.stdout and (tmp_path / "fits" / "checkpoints" / "step_00000002.pt").exists()
-    refused = _recipe(tmp_path / "refused", *common, "world.memory_per_rank_mb=1")
     assert refused.returncode == 2, refused.stderr[-3000:]
     (line,) = [text for text in refused.stderr.splitlines() if text.strip()]
     assert line.startswith("error: rank 0 ran out of memory building the model and its train state ("), line
