@@ -26,6 +26,10 @@ def _same(a, b) -> bool:
     return len(_tensors(a)) == len(_tensors(b)) and all(torch.equal(x, y) for x, y in zip(_tensors(a), _tensors(b)))
 
 
+def _storages(params):
+    return {t.untyped_storage().data_ptr() for t in params.values()}
+
+
 def _clone(state):
     return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, state)
 
@@ -75,6 +79,8 @@ def test_a_donated_step_that_failed_part_way_goes_back_to_the_state_it_began_wit
     assert not _same(donated, began), "the failed step wrote over no bucket: nothing here to go back from"
     back = kept.take()
     assert back.step == began.step and _same(back, began)
+    # Laid out as the state was (the params of a bucket views of one flat buffer): what the step function expects.
+    assert len(_storages(back.params)) == len(_storages(donated.params)) < len(back.params)
     # Stepped on from there, it is the step that never failed, bit for bit.
     again = make_train_step(loss_fn, optimizer, plan, donate=True)(back, batches[1])[0]
     uninterrupted = make_train_step(loss_fn, optimizer, plan, donate=True)(_clone(began), batches[1])[0]
