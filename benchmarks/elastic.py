@@ -278,6 +278,31 @@ def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _calm(timeout_s: float, repeat: int) -> dict:
+    """The uninterrupted runs, interleaved over ``repeat`` rounds (a shared machine's load moves between them): fdp
+    under ``restart``, fdp under ``shrink`` + ``respawn``, torchft; the median of each."""
+    ways = {
+        "fdp, on_rank_loss=restart": lambda: _tries(_fdp, "restart", None, timeout_s),
+        "fdp, shrink + respawn (a store look-up per step)": lambda: _tries(_fdp, "grow", None, timeout_s),
+        "torchft (a quorum per step)": lambda: _tries(_torchft, False, timeout_s),
+    }
+    runs: dict[str, list[dict]] = {key: [] for key in ways}
+    for _ in range(repeat):
+        for key, measure in ways.items():
+            runs[key].append(measure())
+            print("no failure:", key, runs[key][-1], flush=True)
+    return {key: _median(done) for key, done in runs.items()}
+
+
+def _calm_rows(calm: dict) -> list[str]:
+    """The table's rows: each run's step, its ratio to fdp's ``restart`` and to torchft's, its final loss."""
+    base, ft = calm["fdp, on_rank_loss=restart"]["step_ms"], calm["torchft (a quorum per step)"]["step_ms"]
+    return [
+        f"| {key} | {m['step_ms']:.1f} | {m['step_ms'] / base:.2f} | {m['step_ms'] / ft:.2f} | {m['loss']:.3f} |"
+        for key, m in calm.items()
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -286,7 +311,17 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--hung", action="store_true", help="also SIGSTOP (a hung rank) under restart and shrink")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--calm",
+        action="store_true",
+        help="only the uninterrupted runs (the step while nothing fails), printed; the results file is left as it is",
+    )
     args = parser.parse_args()
+    if args.calm:
+        for row in _calm_rows(_calm(args.timeout, args.repeat)):
+            print(row)
+        print(f"load average {os.getloadavg()[0]:.1f} at the end", flush=True)
+        return
     rows, measured = [], {}
     ways = [("SIGKILL", mode) for mode in (*MODES, "torchft")]
     ways += [("SIGSTOP", mode) for mode in ("restart", "shrink")] if args.hung else []
@@ -305,21 +340,10 @@ def main() -> None:
         )
     fdp_grow, ft = measured["SIGKILL", "grow"]["lost_s"], measured["SIGKILL", "torchft"]["lost_s"]
     ratio = ft / fdp_grow if fdp_grow and ft else None
-    calm = {
-        "fdp, on_rank_loss=restart": _median([_tries(_fdp, "restart", None, args.timeout) for _ in range(args.repeat)]),
-        "fdp, shrink + respawn (a store look-up per step)": _median(
-            [_tries(_fdp, "grow", None, args.timeout) for _ in range(args.repeat)]
-        ),
-        "torchft (a quorum per step)": _median([_tries(_torchft, False, args.timeout) for _ in range(args.repeat)]),
-    }
-    for key, m in calm.items():
-        print("no failure:", key, m, flush=True)
+    calm = _calm(args.timeout, args.repeat)
     lookup0, lookup1 = _lookup_us()
     print(f"per-step look-up for a joiner: {lookup0:.0f} us on rank 0, {lookup1:.0f} us on the others", flush=True)
-    base = calm["fdp, on_rank_loss=restart"]["step_ms"]
-    calm_rows = [
-        f"| {key} | {m['step_ms']:.1f} | {m['step_ms'] / base:.2f} | {m['loss']:.3f} |" for key, m in calm.items()
-    ]
+    calm_rows = _calm_rows(calm)
     load = os.getloadavg()[0]
     table = "\n".join(
         [
@@ -344,8 +368,8 @@ def main() -> None:
             "",
             "While nothing fails (the same run, uninterrupted): median step time.",
             "",
-            "| run | step (ms) | / fdp restart | final loss |",
-            "|---|---|---|---|",
+            "| run | step (ms) | / fdp restart | / torchft | final loss |",
+            "|---|---|---|---|---|",
             *calm_rows,
             "",
             "fdp under `shrink` draws dropout per sample (`fdp.model.streams_functions`, docs: 0.99x a step's CPU at "

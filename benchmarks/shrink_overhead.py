@@ -1,8 +1,9 @@
 """What a world that can shrink costs while nothing is lost: a pure step, the ZeRO-1 mirror, per-sample streams.
 
-Under ``world.on_rank_loss=shrink`` the trainer runs the step with ``donate=False`` (the
+Under ``world.on_rank_loss=shrink`` the trainer once ran the step with ``donate=False`` (the
 state before a step stays intact, so the survivors can go back to it; ``donate=True``
-updates params and optimizer state in place with torch's fused kernels), ZeRO stage 1
+updates params and optimizer state in place with torch's fused kernels); it now donates and keeps a copy of
+the state before each step (``fdp.state.kept``: one multi-tensor copy into the same buffers), ZeRO stage 1
 also steps the next rank's slices of the optimizer state (``TrainState.mirror``), and
 dropout draws each sample's masks from its own stream (``fdp.model.streams``; on in every run
 of the trainer, so it is measured against each rank's generator, ``sample_seed=None``). The eager step
@@ -19,6 +20,8 @@ slower rank, and the CPU time of the rank's process per step, the host's own wor
 * ``stage 0 donate, dispatch streams``, ``stage 0 pure, dispatch streams``: the streams as a dispatch mode;
 * ``stage 0 donate, rank generators``: dropout from each rank's generator (no streams), the plain step
   every other row is also given against;
+* ``stage 0 donate + kept``, ``stage 1 donate + mirror + kept``: what ``shrink`` runs now, a donated step with the
+  state before it copied into buffers refreshed in place (``fdp.state.kept``);
 * ``stage 0 donate again``: the first variant once more, for the noise between identical runs.
 
     python -m benchmarks.shrink_overhead [--steps 20] [--rounds 5]   # from the repo root; ~2 min
@@ -44,6 +47,7 @@ from fdp.data import global_batch, load_stdlib_text, rank_share
 from fdp.model.builtin import CharTransformer
 from fdp.model.streams import SampleStreams
 from fdp.procs.launch import WorldLayout, init_distributed, spawn
+from fdp.state.kept import KeptState
 from fdp.update import zero
 
 RESULTS = Path(__file__).resolve().parent / "results" / "shrink_overhead.md"
@@ -56,9 +60,13 @@ VARIANTS = {  # name: (zero stage, donate, mirror, sample streams: by function, 
     "stage 0 donate, dispatch streams": (0, True, False, "dispatch"),
     "stage 0 pure, dispatch streams": (0, False, False, "dispatch"),
     "stage 0 donate, rank generators": (0, True, False, None),
+    "stage 0 donate + kept": (0, True, False, "function"),
+    "stage 1 donate + mirror + kept": (1, True, True, "function"),
     "stage 0 donate again": (0, True, False, "function"),
 }
 PLAIN = "stage 0 donate, rank generators"
+# What shrink runs since the loop keeps the state before each step by a copy (fdp.state.kept): donated steps.
+KEPT = {"stage 0 donate + kept", "stage 1 donate + mirror + kept"}
 
 
 def _rank(steps: int, rounds: int, d_model: int, block: int, batch: int, layout: WorldLayout) -> dict:
@@ -88,7 +96,8 @@ def _rank(steps: int, rounds: int, d_model: int, block: int, batch: int, layout:
             state = zero.init_state(params, buffers, optimizer, plan, comm, stage=stage, mirror=mirror)
         else:
             state = fdp.setup_state(params, buffers, optimizer, plan, comm=comm)
-        runs[name] = [_queueing(step, queued, comm.rank) if queued else step, state]
+        step = _queueing(step, queued, comm.rank) if queued else step
+        runs[name] = [_keeping(step) if name in KEPT else step, state]
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     cpu: dict[str, list[float]] = {name: [] for name in VARIANTS}
     for _ in range(rounds):
@@ -103,6 +112,17 @@ def _rank(steps: int, rounds: int, d_model: int, block: int, batch: int, layout:
             runs[name][1] = state
     dist.destroy_process_group()
     return {name: (statistics.median(times[name]) * 1e3, statistics.median(cpu[name]) * 1e3) for name in VARIANTS}
+
+
+def _keeping(step):
+    """``step`` with the state before it kept, as the loop of a world that may shrink keeps it (``KeptState``)."""
+    kept = KeptState(copies=True)
+
+    def keeping_step(state, batch):
+        kept.keep(state)
+        return step(state, batch)
+
+    return keeping_step
 
 
 def _queueing(step, streams: SampleStreams, rank: int):
@@ -136,6 +156,8 @@ def main() -> None:
         "stage 0 donate, dispatch streams": "stage 0 donate",
         "stage 0 pure, dispatch streams": "stage 0 pure",
         "stage 0 donate, rank generators": "stage 0 donate",
+        "stage 0 donate + kept": "stage 0 donate",
+        "stage 1 donate + mirror + kept": "stage 1 donate",
         "stage 0 donate again": "stage 0 donate",
     }
     rows = [

@@ -138,3 +138,15 @@ class Squeezes(Callback):
         global LARGEST_FORWARD
         if event.step == self.at and event.rank == self.rank:
             LARGEST_FORWARD = self.samples
+
+
+class Addresses(Callback):
+    """Appends a JSON line per step to ``path`` (rank 0): where the state's params live, to tell a step that writes
+    its state in place (donated) from one that makes new tensors."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def on_step_end(self, event):
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": event.step, "at": [t.data_ptr() for t in event.state.params.values()]}) + "\n")

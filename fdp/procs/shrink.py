@@ -19,9 +19,10 @@ follow the samples, ``fdp.model.streams``), so when a rank dies or hangs the sur
    new key space per generation on the same store, ranks renumbered densely in their
    old order), with no process restarted; the old groups are kept alive, never freed,
    since freeing a gloo group waits for a collective still stuck in it to time out;
-4. agree on the last step every survivor completed (a survivor one step ahead goes back
-   to the state before it: the step is pure, ``donate=False``, so that state is intact)
-   and go on from it with the global batch split over fewer ranks.
+4. agree on the last step every survivor completed (a survivor one step ahead, or one whose
+   step failed part way, goes back to the state that step began with: the loop keeps a copy
+   of it, ``fdp.state.kept``, as the step donates its input) and go on from it with the
+   global batch split over fewer ranks.
 
 Under ``world.hierarchical=true`` the ranks form groups of ``world.node_size`` (a node each),
 and the group is what a world loses: a lost rank's group steps out whole (``whole_groups``), so

@@ -39,6 +39,7 @@ from fdp.run.rank_loss import rank_loss_of
 from fdp.run.rejoin import heal
 from fdp.run.report import Report
 from fdp.run.rundir import RankStatus, RunDir
+from fdp.state.kept import KeptState
 from fdp.state.train_state import TrainState
 from fdp.step.outer import make_outer_step
 from fdp.step.outer_spec import check_outer, join_boundaries
@@ -96,8 +97,8 @@ def make_step(
 class Loop:
     """The training loop of one world: what depends on its ranks, and where the loop stands.
 
-    ``state`` is the newest state this rank completed, ``before`` the one before it (kept
-    for a world that shrinks: the step is pure there), ``since`` when the step in flight began.
+    ``state`` is the newest state this rank completed, ``kept`` the one the last step began from (in a world that
+    shrinks, ``fdp.state.kept``; else ``None``), ``since`` when the step in flight began.
     """
 
     def __init__(
@@ -121,7 +122,10 @@ class Loop:
         self.callbacks = callbacks or Callbacks(run_dir=".")
         # A world grows at the boundary of an outer-loop period (between steps without one), where no sync is in flight.
         self.boundaries = join_boundaries(check_outer(OmegaConf.to_container(cfg.outer)))
-        self.state = self.before = state
+        self.state = state
+        loss = rank_loss_of(cfg.world)
+        self.donates = loss.donates_state(check_outer(OmegaConf.to_container(cfg.outer)).name != "none")
+        self.kept = KeptState(copies=self.donates) if loss.keeps_before else None
         self.since = time.perf_counter()
         self.checkpoints: Checkpointer | None = None
         self.launched = comm.world_size
@@ -172,7 +176,7 @@ class Loop:
             comm,
             self.timeline,
             self.compile,
-            donate=rank_loss_of(cfg.world).donates_state,
+            donate=self.donates,
             accum_steps=self.accum,
             after_backward=self.agreement,
         )
@@ -241,8 +245,10 @@ class Loop:
                 self.since = waited = time.perf_counter()  # the data wait: how long the step waited for its batch
                 batch = batch_to_device(next(self.batches), self.device)
                 waited = time.perf_counter() - waited
+                if self.kept is not None:  # a world that shrinks may go back to it (a donated step writes over it)
+                    self.kept.keep(self.state)
                 state, metrics = self._step(batch)
-            self.before, self.state = self.state, state
+            self.state = state
             report.parts = self.parts  # made again where a step was abandoned (world.hierarchical's groups)
             while self.choices:  # trainer.accum_steps=auto: the micro-batch chosen, in metrics.jsonl
                 report.micro_batch(self.choices.pop(0), self.accum)
@@ -307,7 +313,8 @@ class Loop:
         extra = {"controls": self.controls.payload(self.state.step), "compile": self.compile}
         parts, self.state, _ = heal(self.cfg, world, self.parts, self.state, comm, self.device, extra)
         self.regroup(parts, report)
-        self.before = self.state
+        if self.kept is not None:
+            self.kept.forget()  # kept in the world before: the next step keeps this world's
         record = {
             "step": self.state.step,
             "joined": list(world.joined),
@@ -347,9 +354,11 @@ class Loop:
         comm = world.regroup(leaving)
         lost = tuple(sorted(members - set(world.members)))
         step = world.agree_on_step(self.state.step, comm)
-        if self.state.step != step:  # this rank finished the step its peers dropped: back to the one before
-            self.state = self.before
+        if self.state.step != step:  # this rank finished the step its peers dropped
             self.controls.back()
+        if self.kept.step == step:  # back to the state that step began with (a step that failed part way wrote over it)
+            self.state = self.kept.take()
+        self.kept.forget()
         self.regroup(regrouped(self.cfg, self.parts, comm), report)
         try:
             self.state = self.parts.update.reshard(self.state, tuple(sorted(members)), world.members, comm)
@@ -359,7 +368,6 @@ class Loop:
                 f"{step + 1}: {lost_slices}; continue from the last checkpoint "
                 "(trainer.resume=true)"
             ) from None
-        self.before = self.state
         shrink = Shrink(step, lost, comm.world_size, time.perf_counter() - self.since)
         report.shrunk(comm, shrink.record())
         gone = sorted(r for record in report.shrinks for r in record["lost"])

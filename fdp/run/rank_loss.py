@@ -8,8 +8,8 @@ the run asks that value instead of reading the settings (as launchers are object
   failed collective ends the run with a ``RankLostError`` naming it, and ``world.max_restarts``
   restarts the world from its last checkpoint (``fdp.procs.launch``).
 * ``ShrinkWorld`` (``world.on_rank_loss=shrink``): the others go on without it (``fdp.procs.shrink``).
-  A process keeps each rank (``fdp.procs.keeper``), the step keeps the state before it (a world
-  that shrinks may go back to it: no donation), a sharded state keeps a mirror of the next
+  A process keeps each rank (``fdp.procs.keeper``), the loop keeps a copy of the state before each step
+  (a world that shrinks may go back to it: ``fdp.state.kept``), a sharded state keeps a mirror of the next
   rank's slices (``fdp.update.zero.mirror``), and the forward draws per sample so that the
   result does not depend on the world size (``fdp.model.streams``). Ranks may join it again
   (``fdp.procs.grow``).
@@ -26,8 +26,8 @@ Its settings are validated here too (``check_rank_loss``, ``check_one_process``,
 >>> rank_loss_of(compose().world)
 Restart()
 >>> loss = rank_loss_of(compose("world=local2", "world.on_rank_loss=shrink", "world.respawn=true").world)
->>> loss.name, loss.donates_state, loss.sample_streams("auto"), loss.mirrors(shards_optimizer=True)
-('shrink + respawn', False, True, True)
+>>> loss.name, loss.donates_state(), loss.keeps_before, loss.sample_streams("auto"), loss.mirrors(shards_optimizer=True)
+('shrink + respawn', True, True, True, True)
 """
 
 from __future__ import annotations
@@ -74,10 +74,18 @@ class RankLoss:
     name = "restart"
     shrinks = False  # whether the world goes on without a lost rank (a bool for the modules that only ask that)
 
+    def donates_state(self, outer_loop: bool = False) -> bool:
+        """Whether the step may donate its input state (``make_train_step(..., donate=True)``): where the world never
+        goes back to it, and where it does but the loop keeps a copy of it (``keeps_before``, ``fdp.state.kept``);
+        not under an outer loop (``outer_loop``) in a world that shrinks, whose sync in flight writes into the state
+        between steps (``fdp.step.outer``): that step keeps its input intact instead."""
+        return not (self.shrinks and outer_loop)
+
     @property
-    def donates_state(self) -> bool:
-        """Whether the step may donate its input state: only where the world never goes back to it."""
-        return not self.shrinks
+    def keeps_before(self) -> bool:
+        """Whether the loop keeps the state before each step (``fdp.state.kept``): a world that shrinks goes back to
+        it on a survivor one step ahead or one whose step failed part way (``fdp.procs.shrink``)."""
+        return self.shrinks
 
     def sample_streams(self, setting: bool | str) -> bool:
         """Whether the forward draws per sample (``trainer.sample_streams``; ``auto``: where the world may shrink)."""

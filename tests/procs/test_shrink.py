@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _loop_callbacks import Addresses
 from _procs import alive
 from _saved import saved
 
@@ -89,8 +90,8 @@ def final_params(run_dir):
     return saved(Path(run_dir))["params"]
 
 
-def records(run_dir):
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+def records(run_dir, name="metrics.jsonl"):
+    return [json.loads(line) for line in (Path(run_dir) / name).read_text().splitlines()]
 
 
 def assert_close_params(a, b, atol=1e-5):
@@ -121,7 +122,7 @@ def _interrupted_run(tmp_path_factory, name, sig, *overrides):
 def reference(tmp_path_factory):
     """The uninterrupted run (the same settings, nobody lost)."""
     run_dir = tmp_path_factory.mktemp("reference")
-    summary = run(compose(*COMMON), run_dir)
+    summary = run(compose(*COMMON), run_dir, callbacks=[Addresses(str(run_dir / "addresses.jsonl"))])
     return {"dir": run_dir, "summary": summary, "params": final_params(run_dir)}
 
 
@@ -138,6 +139,13 @@ def stopped(tmp_path_factory):
 def test_the_uninterrupted_run_never_shrinks(reference):
     assert reference["summary"]["world"] == 3 and reference["summary"]["steps"] == STEPS
     assert "shrinks" not in reference["summary"]
+
+
+def test_a_world_ready_to_shrink_steps_its_state_in_place_with_no_new_tensors(reference):
+    # A donated step (fused optimizer, in place); the state before it is kept by a copy into buffers of its own.
+    steps = records(reference["dir"], "addresses.jsonl")
+    assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
+    assert all(s["at"] == steps[0]["at"] for s in steps)
 
 
 def _check_shrunk_run(result, reference):

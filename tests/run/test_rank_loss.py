@@ -50,7 +50,10 @@ def test_no_module_outside_the_owner_reads_what_a_lost_rank_does():
 def test_each_setting_gives_its_rank_loss_and_only_a_shrinking_world_keeps_the_state_before(overrides, kind):
     loss = rank_loss_of(compose(*overrides).world)
     assert type(loss) is kind
-    assert loss.donates_state is (kind is Restart)
+    assert loss.keeps_before is (kind is not Restart)
+    # Every step donates (a shrinking world keeps a copy of the state before), but an outer loop's in a shrinking world.
+    assert loss.donates_state() is True
+    assert loss.donates_state(outer_loop=True) is (kind is Restart)
     assert (loss.respawner() is not None) is (kind is ShrinkAndRespawn)
     assert loss.mirrors(shards_optimizer=True) is (kind is not Restart)
     assert loss.mirrors(shards_optimizer=True, hierarchical=True) is False
