@@ -217,9 +217,11 @@ class GradReducer:
             elif flats is not None:
                 grads, (loss, aux) = self._flat_grad(flats, buffers, batch)
                 self._store_flat(grads, scale, accumulate=i > 0)
+                del grads  # added into the buckets: not alive while the next micro-batch makes its own
             else:
                 grads, (loss, aux) = self._plain_grad(params, buffers, batch)
                 self._store(grads, scale, accumulate=i > 0)
+                del grads
             self.timeline.forward_backward(start_us, micro_batch=i)
             buffers = aux[0] if isinstance(aux, tuple) else buffers
             losses.append(loss)
