@@ -38,6 +38,7 @@ from fdp.plan import BucketPlan
 from fdp.procs.allocator import resident_mib
 from fdp.run.checkpoint.format import CheckpointFormat
 from fdp.run.forecast_parts import (
+    accumulated_grad_bytes,
     gathers_in_flight,
     grad_buffer_bytes,
     hook_state_bytes,
@@ -189,13 +190,14 @@ def forecast(
     node_size: int = 0,
     outer: bool = False,
     saves_mid_run: bool = True,
+    accum: int = 1,
 ) -> Forecast:
     """One rank's forecast at ``stage`` over ``world`` ranks; ``activations``: an ``fdp.model.activations``
     ``Activations`` for the micro-batch; ``extra_state``: bytes of state beyond params and optimizer (outer loop,
     moving average) for the whole params, sharded with the pieces a rank syncs; ``saving``: how the run writes its
     checkpoints (``fdp.run.checkpoint.format_of``); ``node_size``: a node's ranks under ``world.hierarchical`` (0:
     flat), over which a ZeRO stage shards (hybrid sharding); ``saves_mid_run``: whether steps follow a save (an
-    asynchronous save's copy is then held by them).
+    asynchronous save's copy is then held by them); ``accum``: micro-batches per step.
 
     >>> from fdp import sgd
     >>> from fdp.hooks import allreduce
@@ -229,7 +231,8 @@ def forecast(
     terms = Terms(
         params=params,
         grads_held=grad_buffer_bytes(plan, stage, held=True),
-        grads_step=grad_buffer_bytes(plan, stage, held=False),
+        grads_step=grad_buffer_bytes(plan, stage, held=False)
+        + accumulated_grad_bytes(plan, stage, shards, accum, hook),
         optimizer=opt,
         hooks=hook_state_bytes(hook, plan),
         extra_state=extra,

@@ -18,6 +18,7 @@ from fdp._torch import tree_flatten
 from fdp.hooks import Hook
 from fdp.optim import GradientTransformation
 from fdp.plan import BucketPlan
+from fdp.step.reduce import reduces_each_micro_batch
 from fdp.update.pieces import state_pieces
 from fdp.update.zero.layout import slice_key, slice_numel, slice_range
 
@@ -106,6 +107,29 @@ def grad_buffer_bytes(plan: BucketPlan, stage: int, held: bool) -> int:
     if stage < 3:
         return plan.nbytes
     return sum(sorted((b.nbytes for b in plan.buckets), reverse=True)[:2])
+
+
+def accumulated_grad_bytes(plan: BucketPlan, stage: int, world: int, accum: int, hook: Hook) -> int:
+    """Bytes a step of ``accum`` micro-batches holds for its gradients beyond one micro-batch's buckets: at stage 3
+    this rank's slices summed over the micro-batches (each reduce-scattered as its buckets fill), or with a hook
+    chain that keeps state (``fdp.step.reduce.reduces_each_micro_batch``) the whole buckets and a micro-batch's whole
+    gradients added into them; nothing at stages 0-2 (``grad_buffer_bytes`` counts their whole buckets).
+
+    >>> from fdp.hooks import allreduce, powersgd
+    >>> from fdp.plan import pack_into_buckets
+    >>> plan = pack_into_buckets([("w", (10,), "float32", "cpu")])
+    >>> [accumulated_grad_bytes(plan, 3, 2, accum, allreduce()) for accum in (1, 4)]
+    [0, 20]
+    >>> accumulated_grad_bytes(plan, 3, 2, 4, powersgd()), accumulated_grad_bytes(plan, 2, 2, 4, allreduce())
+    (80, 0)
+    """
+    if stage < 3 or accum == 1:
+        return 0
+    meta = plan.to_dict()
+    meta = BucketPlan.from_dict({**meta, "buckets": [{**b, "device": "meta"} for b in meta["buckets"]]})
+    if reduces_each_micro_batch(tuple(hook.init(b) for b in meta.buckets)):
+        return slice_bytes(plan, world)
+    return 2 * plan.nbytes
 
 
 def gathers_in_flight(plan: BucketPlan, world: int, itemsize: int | None = None, reshard: bool = True) -> int:

@@ -135,6 +135,7 @@ def run_forecasts(
                     node_size=node_size,
                     outer=cfg.outer.get("name", "none") != "none",
                     saves_mid_run=saves_mid_run(cfg.trainer),
+                    accum=math.ceil(cfg.data.global_batch_size / world / micro),
                 )
             )
     return out

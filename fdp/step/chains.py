@@ -48,6 +48,19 @@ class Reduction:
     >>> reduction.start(torch.ones(2))
     >>> [(index, bucket.buffer.tolist()) for index, bucket in reduction.finished()]
     [(0, [1.0, 1.0])]
+
+    A reduction made ``into`` a step's is an earlier micro-batch's (ZeRO stage 3 reduces
+    each micro-batch's buckets as they fill, ``fdp.step.reduce``): it hands nothing back,
+    its results are added into what the step's hands back for the same buckets.
+
+    >>> step = Reduction(allreduce(), Comm(), ((),), plan)
+    >>> earlier = Reduction(allreduce(), Comm(), ((),), plan, into=step)
+    >>> earlier.start(torch.ones(2))
+    >>> list(earlier.finished())
+    []
+    >>> step.start(torch.ones(2))
+    >>> [bucket.buffer.tolist() for _, bucket in step.finished()]
+    [[2.0, 2.0]]
     """
 
     def __init__(
@@ -58,9 +71,13 @@ class Reduction:
         plan: BucketPlan,
         timeline: Timeline = NullTimeline(),
         release: bool = False,
+        into: "Reduction | None" = None,
     ):
         self._hook, self._comm, self._states, self._plan, self._timeline = hook, comm, states, plan, timeline
         self._release = release  # free each bucket buffer once its chain has handed back a result of its own
+        # An earlier micro-batch's reduction of the same step: each result is added into ``into``'s, not handed back.
+        self._into = into
+        self._carried: dict[int, torch.Tensor] = {}  # bucket index -> earlier micro-batches' results, summed
         self._flats: dict[int, torch.Tensor] = {}
         self._running: dict[int, tuple[Any, Any]] = {}  # bucket index -> (generator, pending collective)
         self._ready: list[tuple[int, GradBucket]] = []  # finished, not yet handed back
@@ -69,7 +86,8 @@ class Reduction:
         self._round: list[int] = []  # chains still to resume in this round, in plan order
         self._wait_s = 0.0
         self.started = 0
-        comm.take_counters()  # this reduction's traffic starts from zero
+        if into is None:
+            comm.take_counters()  # this reduction's traffic starts from zero (a step's micro-batches' count together)
 
     def start(self, flat: torch.Tensor) -> None:
         """Start the next bucket's chain (buckets start strictly in plan order)."""
@@ -97,6 +115,8 @@ class Reduction:
             self._wait_s += time.perf_counter() - t0
             self._resume(index, run, value)
             yield from self._handed_back()
+        if self._into is not None:  # the step's time blocked counts every micro-batch's
+            self._into._wait_s, self._wait_s = self._into._wait_s + self._wait_s, 0.0
 
     def take_ready(self) -> Iterator[tuple[int, GradBucket]]:
         """Yield ``(index, reduced bucket)`` for each chain done by now, without waiting on any (what ``finished()``
@@ -169,10 +189,21 @@ class Reduction:
         reduced, self._new_states[index] = result
         self._running.pop(index, None)
         flat = self._flats.pop(index)
-        if self._release and reduced.buffer.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
+        apart = reduced.buffer.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
+        if self._release and apart:
             bucket_buffers.release(flat)
-        self._ready.append((index, reduced))
+        if self._into is not None:  # the bucket buffer is refilled by the next micro-batch: a result in it is copied
+            self._into._carry(index, reduced.buffer if apart else reduced.buffer.clone())
+        else:
+            carried = self._carried.pop(index, None)
+            if carried is not None:
+                reduced = reduced._replace(buffer=carried.add_(reduced.buffer), owned=True)
+            self._ready.append((index, reduced))
         self._timeline.bucket_end(index)
+
+    def _carry(self, index: int, result: torch.Tensor) -> None:
+        held = self._carried.get(index)
+        self._carried[index] = result if held is None else held.add_(result)
 
     def _advance(self, index: int, run, value) -> None:
         try:

@@ -58,6 +58,26 @@ def resolve_schedule(schedule: str, world_size: int) -> str:
     return schedule
 
 
+def reduces_each_micro_batch(hook_states: tuple) -> bool:
+    """Whether ZeRO stage 3 reduces a step's micro-batches one by one: a chain whose buckets keep no state.
+
+    At stage 3 each micro-batch's buckets are reduce-scattered as they fill and the slices
+    summed (as FSDP2 does), so that a rank holds its slices and the buckets in flight, never
+    the whole gradients: the step sends ``accum_steps`` times the bytes. A chain with no
+    state is taken to reduce a sum of micro-batches as the sum of their reductions (a mean,
+    a cast to ``trainer.reduce_dtype``, a compression round trip: up to rounding). A chain
+    that keeps state per bucket (PowerSGD's error feedback and warm-up count, top-k's and
+    low-bit's residuals) is meant to see one reduction per step: its buckets accumulate
+    whole over the micro-batches and are reduced once, as at the other stages. Loss
+    scaling and the finiteness verdict read the summed slices, as they read the reduced
+    bucket.
+
+    >>> reduces_each_micro_batch(((), ((), ()))), reduces_each_micro_batch(((), (torch.zeros(2),)))
+    (True, False)
+    """
+    return all(isinstance(state, tuple) and reduces_each_micro_batch(state) for state in hook_states)
+
+
 class _SlotTable(NamedTuple):
     bucket: dict[str, int]
     views: dict[str, torch.Tensor]  # flat slot views into the bucket buffers
@@ -163,7 +183,8 @@ class GradReducer:
 
         ``buffers`` flow through the micro-batches in order. Under the ``overlap`` schedule
         the last micro-batch's backward starts each bucket as soon as it is full; the rest
-        start here, in plan order, once backward is done.
+        start here, in plan order, once backward is done. At ZeRO stage 3 every micro-batch's
+        buckets are reduced as they fill, their results summed (``reduces_each_micro_batch``).
 
         ``on_reduced(index, bucket)``, at ZeRO stage 3: each bucket whose chain ends while
         backward still runs (its gradients complete two buckets earlier) is handed to it
@@ -173,25 +194,34 @@ class GradReducer:
         """
         reduction = Reduction(self.hook, self.comm, hook_states, self.plan, self.timeline, release=self.release_buffers)
         self._on_reduced = on_reduced if self.gather.gathers else None
+        each = self.gather.gathers and len(micro_batches) > 1 and reduces_each_micro_batch(hook_states)
         try:
-            return self._backward(reduction, params, buffers, micro_batches)
+            return self._backward(reduction, params, buffers, micro_batches, hook_states if each else None)
         finally:
             self._on_reduced = None
 
-    def _backward(self, reduction: Reduction, params, buffers, micro_batches: list) -> Backward:
+    def _backward(self, reduction: Reduction, params, buffers, micro_batches: list, each: tuple | None) -> Backward:
+        """``each``: the hook states a micro-batch before the last reduces its own buckets with, or ``None`` where
+        the buckets accumulate over the micro-batches (``reduces_each_micro_batch``)."""
         scale = 1.0 / len(micro_batches)
         losses = []
         flats = self.flat_params(params) if self._flat else None
         for i, batch in enumerate(micro_batches):
             start_us = self.timeline.now_us()
-            if i == len(micro_batches) - 1 and self.schedule == "overlap":
-                loss, aux = self._overlapped(params, flats, buffers, batch, reduction, scale, accumulate=i > 0)
+            last = i == len(micro_batches) - 1
+            if each is not None and not last:
+                loss, aux = self._reduced_alone(params, flats, buffers, batch, reduction, each, scale)
+            elif last and self.schedule == "overlap":
+                accumulate = i > 0 and each is None
+                loss, aux = self._overlapped(params, flats, buffers, batch, reduction, scale, accumulate)
             elif flats is not None:
                 grads, (loss, aux) = self._flat_grad(flats, buffers, batch)
                 self._store_flat(grads, scale, accumulate=i > 0)
+                del grads  # added into the buckets: not alive while the next micro-batch makes its own
             else:
                 grads, (loss, aux) = self._plain_grad(params, buffers, batch)
                 self._store(grads, scale, accumulate=i > 0)
+                del grads
             self.timeline.forward_backward(start_us, micro_batch=i)
             buffers = aux[0] if isinstance(aux, tuple) else buffers
             losses.append(loss)
@@ -199,6 +229,17 @@ class GradReducer:
             self._start_next(reduction)
         self.gather.stop()  # every gradient is in: no whole params are needed any more
         return Backward(reduction, losses, buffers)
+
+    def _reduced_alone(self, params, flats, buffers, batch, into: Reduction, states: tuple, scale: float):
+        """A micro-batch before the last, its buckets reduced as they fill and the results added into ``into``'s."""
+        earlier = Reduction(self.hook, self.comm, states, self.plan, self.timeline, release=True, into=into)
+        loss, aux = self._overlapped(params, flats, buffers, batch, earlier, scale, accumulate=False)
+        while earlier.started < len(self.plan.buckets):
+            self._start_next(earlier)
+        for _ in earlier.finished():  # each result goes into ``into``'s: nothing is handed back here
+            pass
+        self.gather.again()  # the next micro-batch's backward needs every bucket's params again
+        return loss, aux
 
     def _start_next(self, reduction: Reduction) -> None:
         """Start the next bucket's chain (the plan's next, once its gradients are complete)."""

@@ -92,8 +92,8 @@ class ParamGather:
     """Whole params of ZeRO stage 3, gathered bucket by bucket (see the module docstring).
 
     Each step: ``start(shards)``; forward and backward on ``views`` with the loss wrapped
-    by ``wrap_loss``; ``grads_done(i)`` as each bucket's gradients are complete;
-    ``stop()``.
+    by ``wrap_loss``; ``grads_done(i)`` as each bucket's gradients are complete
+    (``again()`` before each further micro-batch); ``stop()``.
     """
 
     gathers = True  # what tells it from the reducer's ``NullGather``
@@ -240,6 +240,10 @@ class ParamGather:
         """Every gradient of bucket ``index`` is in: its params are not needed again this step."""
         self._done.add(index)
         self._release(index)
+
+    def again(self) -> None:
+        """Another micro-batch of the step: the buckets whose gradients were all in are read again."""
+        self._done = set()
 
     # -- hook events ----------------------------------------------------------------------
     def _pre_hook(self, module: nn.Module, args: Any) -> None:
