@@ -97,7 +97,7 @@ def saved_activations(
             largest = max(largest, nbytes)
             where = inside[-1] if inside else saved
             where[key] = max(nbytes, where.get(key, 0))
-        return t
+        return t.detach()  # not the tensor itself: an output saved by its own node would keep the graph alive
 
     def enter(module: nn.Module, args: tuple) -> None:
         for leaf in tree_flatten(args)[0]:

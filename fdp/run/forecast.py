@@ -35,7 +35,7 @@ import torch
 from fdp.hooks import Hook
 from fdp.optim import GradientTransformation
 from fdp.plan import BucketPlan
-from fdp.procs.allocator import resident_mib
+from fdp.procs.allocator import release_free_memory, resident_mib
 from fdp.run.checkpoint.format import CheckpointFormat
 from fdp.run.forecast_parts import (
     accumulated_grad_bytes,
@@ -48,6 +48,7 @@ from fdp.run.forecast_parts import (
     slice_bytes,
     step_bytes_sent,
     tree_bytes,
+    update_temporaries,
 )
 
 __all__ = [
@@ -63,18 +64,11 @@ __all__ = [
 
 MiB = 2**20
 PHASES = ("build", "step", "update", "save")
-# Measured on the CPU (benchmarks/results/forecast.md): a step's resident memory beyond its state grows by about
-# 1.6x the activations its forward keeps (backward's gradients of them, and the heap's blocks they free split for
-# those), and by about 3.3x the activations one checkpointed block makes again while backward recomputes it (its
-# forward runs again under a gradient transform of its own, beside the block's gradients).
-BACKWARD_FACTOR = 1.6
-RECOMPUTE_FACTOR = 3.3
-# At stage 3, under a budget, backward grows by the activations once: each bucket's whole params and gradients are
-# made and handed back as backward passes it (char transformer on 2 ranks: 93.5 MiB over what is held, its 58.5 MiB
-# of activations and 35.9 of buckets), and by a recomputed block twice: fitted, it took 1.0 on the char transformer on
-# 4 ranks (46 MiB: 35.9, 3.2 kept, 7.0 recomputed) and 1.65 on GPT-2 on 2 ranks (benchmarks/results/forecast.md);
-# the larger, rounded up, so that neither falls short.
-SHARDED_BACKWARD_FACTOR, SHARDED_RECOMPUTE_FACTOR = 1.0, 2.0
+# A recomputed block holds, while backward passes it, its own saves made again and the gradients of as many (traced
+# on the CPU, benchmarks/results/forecast.md: the char transformer on 4 ranks at stage 3, 46 MiB over what is held
+# between steps, of which 24.5 gathers, 3.2 kept and 2 x 7.0 recomputed; GPT-2 and the char transformer at stage 0
+# alike).
+RECOMPUTE_FACTOR = 2
 
 
 # -- adding them up ---------------------------------------------------------------------------
@@ -96,6 +90,7 @@ class Terms(NamedTuple):
     build_params: int  # what a build makes at once beyond the state it keeps (the whole params at stages 0-2)
     collectives: int  # gloo's own buffers for the buckets a step reduces (CPU worlds of more than one rank)
     update: int  # the optimizer's temporaries over one bucket
+    grads_made: int = 0  # gradients backward returns beside the buckets, packed after it (a world of one rank)
     staging_kept: int = 0  # an asynchronous save's copy, held by the steps after a save made before the run's end
     after_save: int = 0  # what a forward adds after a save whose copy it keeps (evaluation or steps)
 
@@ -147,24 +142,24 @@ class Forecast(NamedTuple):
         }
 
 
-def phase_peaks(t: Terms, stage: int = 0) -> dict[str, int]:
+def phase_peaks(t: Terms) -> dict[str, int]:
     """Each phase's peak (bytes over the loaded process) from the terms.
 
     >>> t = Terms(100, 100, 100, 200, 0, 0, 0, 0, 50, 10, 0, 7, 100, 0, 20)
     >>> phase_peaks(t)
-    {'build': 507, 'step': 487, 'update': 427, 'save': 407}
+    {'build': 507, 'step': 467, 'update': 427, 'save': 407}
     >>> phase_peaks(t._replace(staging=60, staging_kept=60, after_save=20))  # an asynchronous copy, kept
-    {'build': 507, 'step': 547, 'update': 487, 'save': 487}
+    {'build': 507, 'step': 527, 'update': 487, 'save': 487}
     """
     held = t.params + t.grads_held + t.optimizer + t.hooks + t.extra_state + t.fixed
-    in_step = max(0, t.grads_step - t.grads_held) + t.collectives
-    # Backward holds the kept activations and their gradients, and one recomputed module's (BACKWARD_FACTOR).
-    kept, again = (
-        (SHARDED_BACKWARD_FACTOR, SHARDED_RECOMPUTE_FACTOR) if stage == 3 else (BACKWARD_FACTOR, RECOMPUTE_FACTOR)
-    )
-    backward = int(kept * t.activations + again * t.recomputed)
-    step = held + t.staging_kept + in_step + t.gathers + max(backward, t.activations + 2 * t.largest_activation)
-    update = held + t.staging_kept + in_step + t.update
+    in_step = t.collectives
+    # Backward starts from the kept activations and the gradient of the largest one (with a recomputed block's saves
+    # and their gradients); as it goes on it frees them while it fills the gradient buffers not held between steps
+    # (stage 2's, stage 3's buckets in flight) or the gradients it returns: the larger of the two.
+    activations = t.activations + t.largest_activation + RECOMPUTE_FACTOR * t.recomputed
+    filled = max(0, t.grads_step - t.grads_held) + t.grads_made + t.largest_activation
+    step = held + t.staging_kept + in_step + t.gathers + max(activations, filled)
+    update = held + t.staging_kept + in_step + max(0, t.grads_step - t.grads_held) + t.update
     # A save follows a step, whose blocks are handed back as they are freed (under a budget, every block from 64 KiB:
     # fdp.procs.allocator.budget_accounting), so it starts from what is held between steps; an asynchronous save's
     # copy stays while what follows it runs (the evaluation at the run's end, a forward of two activations at once).
@@ -206,7 +201,7 @@ def forecast(
     >>> plan = pack_into_buckets([("w", (1024, 1024), "float32", "cpu")])
     >>> [forecast(plan, sgd(0.1, momentum=0.9), allreduce(), Activations(0, 0), stage=s, world=4, rank=1).peak // MiB
     ...  for s in range(4)]
-    [20, 18, 18, 14]
+    [16, 18, 18, 14]
     """
     # Hybrid sharding (world.hierarchical=true with a ZeRO stage) splits each bucket over a node's ranks, not the world.
     hybrid = bool(node_size) and world > node_size and stage > 0
@@ -243,22 +238,18 @@ def forecast(
         recomputed=activations.recomputed,
         fixed=fixed,
         build_params=plan.nbytes if stage < 3 else max(s.numel for b in plan.buckets for s in b.slots) * 4,
-        # The optimizer's elementwise temporaries, about its state's size. At stage 0 the first step also lays the
-        # params out in their buckets (a copy), and the temporaries reuse the blocks the old params free (measured on
-        # one rank: the update grew by Adam's state, 16.6 MiB, not by it and the params' 8.3 more); at stages 1-2 the
-        # new whole params are gathered while the old ones are held (MLP at stage 1 on 2 ranks: 23 MiB over what is
-        # held, the gloo buffers' 8.3, Adam's slices' 8.3 and the params' 8.3).
-        update={0: max(opt, plan.nbytes), 3: opt}.get(stage, opt + plan.nbytes),
+        update=update_temporaries(optimizer, plan, stage, opt),
         # Measured on 2 CPU ranks: gloo holds about a bucket's size of its own for each bucket it reduces in a step;
         # at stage 3, which maps its buckets, each is handed back once reduced: the largest one.
         collectives=(max(b.nbytes for b in plan.buckets) if stage == 3 else plan.nbytes)
         if world > 1 and plan.buckets[0].device == "cpu"
         else 0,
         staging_kept=staging if kept and saves_mid_run else 0,
+        grads_made=plan.nbytes if world == 1 else 0,
         after_save=2 * activations.largest if kept else 0,
     )
     links = _links(plan, stage, world, node_size, outer, hook_ratio, gather_itemsize, reshard)
-    return Forecast(rank, stage, terms, phase_peaks(terms, stage), links)
+    return Forecast(rank, stage, terms, phase_peaks(terms), links)
 
 
 def _links(
@@ -322,7 +313,12 @@ def built_mib(before_mib: float, state: Any) -> float:
 
 def first_use_mib() -> float:
     """What this process's resident memory grows by at the first operations every rank makes whatever its model:
-    a meta-device op, a ``torch.func`` gradient, a small matmul. Call it once, before anything else runs them.
+    a meta-device op, a ``torch.func`` gradient, a matmul large enough for MKL to keep its GEMM buffers. Call it
+    once, before anything else runs them.
+
+    MKL keeps 1.5 MiB after a first matmul of 128 x 128 by 128 x 2048 and its gradient (1 MiB each), and then none
+    for the benchmarks' MLP and char transformer layers, whose first backward alone left 1.2-1.6 MiB for the run
+    (measured): made here, they are counted, and a run meets them before its first step, not at its peak.
 
     >>> first_use_mib() >= 0
     True
@@ -331,4 +327,7 @@ def first_use_mib() -> float:
     x = torch.ones(8, 8, requires_grad=False)
     torch.empty(8, 8, device="meta").add_(1)
     torch.func.grad(lambda w: torch.nn.functional.linear(x, w).square().sum())(torch.ones(8, 8))
+    wide = torch.ones(128, 128)
+    torch.func.grad(lambda w: (wide @ w).square().sum())(torch.ones(128, 2048))
+    release_free_memory()  # what the matmul freed, where the heap would keep it (no budget)
     return max(0.0, resident_mib() - before)
