@@ -140,8 +140,8 @@ def start_rank(
     preload_compiler()
     limit_memory(cfg.world.memory_per_rank_mb, device)  # from here: what the run adds to the data it loaded
     peak = PeakMemory(device)  # what the summary says the run held at most, over this (fdp.run.forecast's peak)
-    fixed = first_use_mib() if device.type == "cpu" else 0.0
     with phase("build"):  # to the first step: what setting up the loop holds is the build's too
+        fixed = first_use_mib() if device.type == "cpu" else 0.0  # the first operations' buffers: the build's
         # trainer.zero_stage=auto: the stage decided (fdp.run.auto_stage); from here cfg names it
         cfg, parts, stage_choice = built_at_stage(cfg, comm, device, data, world, allowed_stages(cfg), fixed, peak.base)
         phase.stage = parts.update.stage

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from fdp._torch import foreach, tree_flatten, tree_unflatten
+from fdp._torch import foreach, on_storage, tree_flatten, tree_unflatten
 from fdp.state.train_state import TrainState
 
 __all__ = ["KeptState"]
@@ -73,7 +73,7 @@ class KeptState:
             if index == len(sources):
                 source = known.get(address)
                 if source is None:
-                    source = torch.empty(0, dtype=torch.uint8, device=leaf.device).set_(leaf.untyped_storage())
+                    source = on_storage(leaf, torch.uint8, 0, (leaf.untyped_storage().nbytes(),))
                 sources.append(source)
                 self._sources[address] = source
             where.append(index)
