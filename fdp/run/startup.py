@@ -244,6 +244,31 @@ def _not_compiled(cfg: DictConfig, parts: RunParts) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def rank_logging() -> Iterator[None]:
+    """The ``fdp`` logger as it was before the block, once it ends: the handlers a rank sets at its start
+    (``_setup_logging``: stdout, ``train.log``) are its run's, closed and detached with it, so that a later run or
+    build in the same process (a notebook, a test, a world of one) logs as a fresh process does, not into a run
+    directory that may be gone.
+
+    >>> before = log.propagate
+    >>> with rank_logging():
+    ...     log.propagate = not before
+    >>> log.propagate == before
+    True
+    """
+    handlers, level, propagate = log.handlers[:], log.level, log.propagate
+    try:
+        yield
+    finally:
+        for handler in log.handlers:
+            if handler not in handlers:
+                handler.close()
+        log.handlers[:] = handlers
+        log.setLevel(level)
+        log.propagate = propagate
+
+
 def _setup_logging(run_dir: RunDir, rank: int, joined: bool = False) -> None:
     handler: logging.Handler
     if rank == 0 and not joined:  # a rank that joined later logs to its own file, whichever launch rank it is

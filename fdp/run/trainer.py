@@ -54,7 +54,7 @@ from fdp.run.rank_loss import lost_message, lost_rank_error, rank_loss_of
 from fdp.run.rejoin import Joining, RunEnded
 from fdp.run.report import Report
 from fdp.run.rundir import RankStatus, RunDir
-from fdp.run.startup import start_rank, start_run
+from fdp.run.startup import rank_logging, start_rank, start_run
 from fdp.run.world import layout_of
 from fdp.step import compiled
 
@@ -121,7 +121,8 @@ def _join_and_train(cfg: DictConfig, run_dir: str, callbacks: Sequence = ()) -> 
         )
         comm = comm if joiner else world.comm()
     try:
-        summary = _train(cfg, directory, comm, device, world, phase, callbacks)
+        with rank_logging():  # the fdp logger as it was once the rank ends (a world of one runs in the caller)
+            summary = _train(cfg, directory, comm, device, world, phase, callbacks)
     except RunEnded:
         summary = {}
     except (MemoryError, RuntimeError, OSError, ValueError) as error:

@@ -75,3 +75,20 @@ def test_start_run_owns_the_directory_for_the_block_and_refuses_before_taking_it
         with start_run(compose("trainer.max_steps=0"), tmp_path / "new"):
             pass
     assert not (tmp_path / "new").exists()  # refused before anything was written
+
+
+def test_a_run_in_this_process_leaves_the_fdp_logger_as_it_found_it(tmp_path, caplog):
+    """A world of one trains in the caller's process (a notebook, a test): once it ends, a line logged through
+    ``fdp``'s logger goes where it would have gone before (not into the run's train.log or stdout handler, which
+    fail once the run directory is gone)."""
+    import logging
+    import shutil
+
+    logger = logging.getLogger("fdp")
+    before = (list(logger.handlers), logger.level, logger.propagate)
+    run(compose(*TINY), tmp_path / "run")
+    shutil.rmtree(tmp_path / "run")
+    assert (list(logger.handlers), logger.level, logger.propagate) == before
+    with caplog.at_level(logging.WARNING, logger="fdp"):
+        logger.warning("after the run")  # through logging's own path, with no run directory to write to
+    assert "after the run" in caplog.text
