@@ -9,17 +9,27 @@ import pytest
 
 # Run in a fresh interpreter: the allocator's settings are the whole process's.
 _PROBE = """
-import re, threading
+import ctypes, re, threading
 import torch
 from fdp.procs.allocator import budget_accounting, tune_allocator
 
 def data():
     return int(re.search(r"VmData:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) * 1024
 
-def thread_cost(n=3):  # per thread, three alive at once (one may reuse a stack glibc kept from an earlier thread)
-    ready, done = [threading.Event() for _ in range(n)], threading.Event()
+libc = ctypes.CDLL("libc.so.6")
+libc.pthread_self.restype = ctypes.c_ulong
+
+def own_stack():  # the stack size glibc gave the calling thread (pthread_getattr_np)
+    attr, size = ctypes.create_string_buffer(128), ctypes.c_size_t()
+    libc.pthread_getattr_np(ctypes.c_ulong(libc.pthread_self()), attr)
+    libc.pthread_attr_getstacksize(attr, ctypes.byref(size))
+    libc.pthread_attr_destroy(attr)
+    return size.value
+
+def thread_cost(n=3):  # what n threads alive at once add to the data segment, and the stack each was given
+    ready, done, stacks = [threading.Event() for _ in range(n)], threading.Event(), []
     before = data()
-    threads = [threading.Thread(target=lambda e=e: (e.set(), done.wait())) for e in ready]
+    threads = [threading.Thread(target=lambda e=e: (stacks.append(own_stack()), e.set(), done.wait())) for e in ready]
     for t in threads:
         t.start()
     for e in ready:
@@ -28,7 +38,7 @@ def thread_cost(n=3):  # per thread, three alive at once (one may reuse a stack 
     done.set()
     for t in threads:
         t.join()
-    return grown // n
+    return grown, max(stacks)
 
 def freed_kept():  # what a step's freed tensors leave counted: ten 3 MiB blocks, then smaller ones in their place
     before = data()
@@ -39,19 +49,24 @@ def freed_kept():  # what a step's freed tensors leave counted: ten 3 MiB blocks
     return data() - before
 
 tune_allocator(sharded_params=True)  # as a stage-3 run sets it up first
-print(thread_cost(), freed_kept())
+print(*thread_cost(), freed_kept())
 budget_accounting()
-print(thread_cost(), freed_kept())
+print(*thread_cost(), freed_kept())
 """
 
 
 def test_under_a_budget_a_thread_reserves_one_mib_of_stack_and_freed_tensors_stop_counting():
     out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, check=True).stdout.split()
-    before_thread, before_freed, thread, freed = map(int, out)
-    assert before_thread >= 4 * 2**20  # glibc's default reservation (8 MiB here): counted whole
-    assert thread <= 2**20 + 2**16
+    before_grown, before_stack, before_freed, grown, stack, freed = map(int, out)
+    assert before_stack >= 4 * 2**20 and before_grown >= 3 * before_stack  # glibc's default (8 MiB): counted whole
+    assert stack <= 2**20
+    # Three new stacks of 1 MiB; the interpreter may map one 1 MiB arena of its own objects meanwhile.
+    assert grown <= 3 * (2**20 + 2**16) + 2**20
     assert freed <= 2**18  # mapped blocks go back; the heap's top is given back
-    print(f"thread {before_thread >> 10} -> {thread >> 10} KiB, freed kept {before_freed >> 10} -> {freed >> 10} KiB")
+    print(
+        f"thread stack {before_stack >> 10} -> {stack >> 10} KiB, three threads {before_grown >> 10} -> "
+        f"{grown >> 10} KiB, freed kept {before_freed >> 10} -> {freed >> 10} KiB"
+    )
 
 
 _NO_THREAD_PROBE = """
