@@ -45,6 +45,7 @@ from fdp.run.forecast_parts import (
     optimizer_state_bytes,
     params_bytes,
     piece_bytes,
+    reduces_each,
     slice_bytes,
     step_bytes_sent,
     tree_bytes,
@@ -248,7 +249,8 @@ def forecast(
         grads_made=plan.nbytes if world == 1 else 0,
         after_save=2 * activations.largest if kept else 0,
     )
-    links = _links(plan, stage, world, node_size, outer, hook_ratio, gather_itemsize, reshard)
+    each = stage == 3 and accum > 1 and reduces_each(hook, plan)
+    links = _links(plan, stage, world, node_size, outer, hook_ratio, gather_itemsize, reshard, accum, each)
     return Forecast(rank, stage, terms, phase_peaks(terms), links)
 
 
@@ -261,19 +263,30 @@ def _links(
     ratio: float,
     gather_itemsize: int | None,
     reshard: bool,
+    accum: int = 1,
+    each: bool = False,
 ) -> dict[str, int]:
-    """Bytes a rank sends per step on each link: inside a node, across nodes (``world.hierarchical``), and per outer
-    sync. Under hybrid sharding a step's reductions and gathers stay in the node, and only the rank's slice of each
-    reduced bucket crosses (through the hook chain); under an outer loop over hybrid-sharded replicas nothing crosses
-    in a step, and a sync sends the rank's slices, each with the ranks holding it in the other groups."""
+    """Bytes a rank sends per step of ``accum`` micro-batches on each link: inside a node, across nodes
+    (``world.hierarchical``), and per outer sync (``fdp.run.forecast_parts.step_bytes_sent``; ``each``: stage 3
+    reduces each micro-batch's buckets). Under hybrid sharding a step's reductions and gathers stay in the node, and
+    only the rank's slice of each reduced bucket crosses (through the hook chain), as often as the bucket is reduced;
+    its stage 1 reduces and checks as stage 2 does, each rank handed its slice. Under an outer loop over
+    hybrid-sharded replicas nothing crosses in a step, and a sync sends the rank's slices, each with the ranks holding
+    it in the other groups.
+
+    >>> from fdp.plan import pack_into_buckets
+    >>> plan = pack_into_buckets([("w", (10,), "float32", "cpu")])
+    >>> _links(plan, 3, 4, 2, False, 1.0, None, True, accum=2, each=True)  # 2 x (40 + 2 x 20) + 8; 2 x 20
+    {'inside_node': 168, 'across_nodes': 40}
+    """
     hierarchical = bool(node_size) and world > node_size
     if hierarchical and stage > 0:
-        inside = step_bytes_sent(plan, stage, node_size, 1.0, gather_itemsize, reshard)
+        inside = step_bytes_sent(plan, max(stage, 2), node_size, 1.0, gather_itemsize, reshard, accum, each)
         slices = slice_bytes(plan, node_size)
         if outer:
             return {"inside_node": inside, "across_nodes": 0, "per_outer_sync": slices}
-        return {"inside_node": inside, "across_nodes": int(slices * ratio)}
-    sent = step_bytes_sent(plan, stage, world, ratio, gather_itemsize, reshard)
+        return {"inside_node": inside, "across_nodes": int(slices * ratio) * (accum if each else 1)}
+    sent = step_bytes_sent(plan, stage, world, ratio, gather_itemsize, reshard, accum, each)
     if outer:  # every rank a replica of its own: local steps send nothing; a sync averages the whole params
         return {"per_step": 0, "per_outer_sync": plan.nbytes if world > 1 else 0}
     if hierarchical:  # the node's sum inside, the leaders' chain across

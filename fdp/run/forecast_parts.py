@@ -22,6 +22,10 @@ from fdp.step.reduce import reduces_each_micro_batch
 from fdp.update.pieces import state_pieces
 from fdp.update.zero.layout import slice_key, slice_numel, slice_range
 
+# A sharded step's verdict: one all-reduce of two float32 values, the finite flag and the slices' squared gradient
+# norm (fdp.update.zero.slice_step), from stage 2 where each rank sees its slices alone.
+VERDICT_BYTES = 8
+
 
 def slice_bytes(plan: BucketPlan, world: int) -> int:
     """Bytes of one rank's slices of every bucket (``1/world`` of each, the last ones padded).
@@ -109,11 +113,28 @@ def grad_buffer_bytes(plan: BucketPlan, stage: int, held: bool) -> int:
     return sum(sorted((b.nbytes for b in plan.buckets), reverse=True)[:2])
 
 
+def reduces_each(hook: Hook, plan: BucketPlan) -> bool:
+    """Whether ZeRO stage 3 reduces each micro-batch's buckets as they fill
+    (``fdp.step.reduce.reduces_each_micro_batch`` on the hook chain's state, made on ``meta``): a chain that keeps no
+    state; one that does (PowerSGD, top-k, low-bit codes) has the buckets accumulate whole and reduces them once a
+    step.
+
+    >>> from fdp.hooks import allreduce, powersgd
+    >>> from fdp.plan import pack_into_buckets
+    >>> plan = pack_into_buckets([("w", (10,), "float32", "cpu")])
+    >>> reduces_each(allreduce(), plan), reduces_each(powersgd(), plan)
+    (True, False)
+    """
+    meta = plan.to_dict()
+    meta = BucketPlan.from_dict({**meta, "buckets": [{**b, "device": "meta"} for b in meta["buckets"]]})
+    return reduces_each_micro_batch(tuple(hook.init(b) for b in meta.buckets))
+
+
 def accumulated_grad_bytes(plan: BucketPlan, stage: int, world: int, accum: int, hook: Hook) -> int:
     """Bytes a step of ``accum`` micro-batches holds for its gradients beyond one micro-batch's buckets: at stage 3
     this rank's slices summed over the micro-batches (each reduce-scattered as its buckets fill), or with a hook
-    chain that keeps state (``fdp.step.reduce.reduces_each_micro_batch``) the whole buckets and a micro-batch's whole
-    gradients added into them; nothing at stages 0-2 (``grad_buffer_bytes`` counts their whole buckets).
+    chain that keeps state (``reduces_each``) the whole buckets and a micro-batch's whole gradients added into them;
+    nothing at stages 0-2 (``grad_buffer_bytes`` counts their whole buckets).
 
     >>> from fdp.hooks import allreduce, powersgd
     >>> from fdp.plan import pack_into_buckets
@@ -125,11 +146,7 @@ def accumulated_grad_bytes(plan: BucketPlan, stage: int, world: int, accum: int,
     """
     if stage < 3 or accum == 1:
         return 0
-    meta = plan.to_dict()
-    meta = BucketPlan.from_dict({**meta, "buckets": [{**b, "device": "meta"} for b in meta["buckets"]]})
-    if reduces_each_micro_batch(tuple(hook.init(b) for b in meta.buckets)):
-        return slice_bytes(plan, world)
-    return 2 * plan.nbytes
+    return slice_bytes(plan, world) if reduces_each(hook, plan) else 2 * plan.nbytes
 
 
 def steps_in_place(optimizer: GradientTransformation, plan: BucketPlan) -> bool:
@@ -213,20 +230,44 @@ def step_bytes_sent(
     ratio: float = 1.0,
     gather_itemsize: int | None = None,
     reshard: bool = True,
+    accum: int = 1,
+    each: bool = True,
 ) -> int:
-    """Bytes a rank sends per step (the payload it hands each collective, as ``fdp.comm.Comm`` counts it): every
-    bucket reduced (``ratio``: the hook's compression), and from stage 1 its slices gathered (at stage 3 in forward
-    and again in backward, ``reshard``).
+    """Bytes a rank sends per step of ``accum`` micro-batches (the payload it hands each collective, as
+    ``fdp.comm.Comm`` counts it), from the second step on (the first also gathers stage 3's buckets once, to learn
+    where):
+
+    * every bucket reduced (``ratio``: the hook's compression), once a step; at stage 3, with a hook chain that keeps
+      no state (``each``: ``reduces_each``), once a micro-batch. From stage 2 a reduction hands each rank its slice:
+      NCCL reduce-scatters the bucket zero-padded to the slices, gloo all-reduces it as it is (a plan on the CPU);
+    * from stage 1 the rank's slices gathered: once a step after the update at stages 1-2; at stage 3 in each
+      micro-batch's forward and again in its backward (``reshard``), or with ``each`` false in the first forward and
+      in every backward, a backward's gathers kept into the next micro-batch's forward; without ``reshard``, in each
+      micro-batch's forward, or with ``each`` false once, kept to the step's end;
+    * from stage 2 the verdict's one all-reduce of the finite flag and the slices' squared norm (``VERDICT_BYTES``).
 
     >>> from fdp.plan import pack_into_buckets
     >>> plan = pack_into_buckets([("w", (10,), "float32", "cpu")])
     >>> [step_bytes_sent(plan, s, world=2) for s in range(4)]
-    [40, 60, 60, 80]
+    [40, 60, 68, 88]
+    >>> [step_bytes_sent(plan, 3, world=2, accum=2, each=each) for each in (True, False)]
+    [168, 108]
+    >>> [step_bytes_sent(pack_into_buckets([("w", (5,), "float32", d)]), 2, world=2) for d in ("cpu", "cuda")]
+    [40, 44]
     """
     if world == 1:
         return 0
-    reduced = int(plan.nbytes * ratio)
+    per_micro_batch = stage == 3 and each
+    padded = stage >= 2 and plan.buckets[0].device != "cpu"
+    bucket_bytes = slice_bytes(plan, world) * world if padded else plan.nbytes
+    reduced = int(bucket_bytes * ratio) * (accum if per_micro_batch else 1)
     if stage == 0:
         return reduced
     slices = sum(slice_numel(b, world) * (gather_itemsize or b.torch_dtype.itemsize) for b in plan.buckets)
-    return reduced + slices * (2 if stage == 3 and reshard else 1)
+    if stage < 3:
+        gathers = 1
+    elif not reshard:
+        gathers = accum if per_micro_batch else 1
+    else:
+        gathers = 2 * accum if per_micro_batch else accum + 1
+    return reduced + slices * gathers + (VERDICT_BYTES if stage >= 2 else 0)
