@@ -65,8 +65,8 @@ or of packages above it in this list; ``tests/test_imports.py`` holds every impo
   the world on this machine (``world``), the one start-up (``startup``: the run's, then each rank's up to its
   first step), a run's pieces (``build``), its
   report, epochs, time limits, early stopping and best checkpoints (``loop_controls``), your own code called
-  in the loop (``callbacks``; what one is, ``callback_base``; from the config, ``callback_specs``; the read-only
-  view it is shown, ``callback_view``), the loop of one world (``loop``), a rank's run from start to summary
+  in the loop (``callbacks``, a package: what one is, from the config, the read-only view it is shown, the
+  loop's calls), the loop of one world (``loop``), a rank's run from start to summary
   (``trainer``), what a lost rank does (``rank_loss``: restart, shrink, or shrink and respawn, chosen once),
   what a rank out of memory says (``out_of_memory``), the memory a run will need, forecast from its plan
   (``forecast``, its parts ``forecast_parts``, ``forecast_run``), and what fits it (``micro_batch``,
@@ -119,7 +119,7 @@ from fdp.procs.interrupt import StoppedAtOnce, StopSignals
 from fdp.procs.keeper import LostRank
 from fdp.procs.launch import WorldLayout, broadcast_from_rank0, check_same_plan, init_distributed, spawn
 from fdp.procs.launchers import Launcher, launcher_of, register_launcher
-from fdp.run.callback_base import Callback, CallbackError, LoopEvent
+from fdp.run.callbacks import Callback, CallbackError, LoopEvent
 from fdp.run.checkpoint import CheckpointError, ShardedSaver, load_checkpoint, load_sharded, save_checkpoint
 from fdp.run.loggers import CsvLog, MlflowLog
 from fdp.run.loop_controls import LoopControls, run_steps

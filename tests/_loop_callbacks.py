@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from fdp.run.callback_base import Callback
+from fdp.run.callbacks.base import Callback
 
 
 class Recorder(Callback):

@@ -219,7 +219,7 @@ def _refused(error: BaseException) -> bool:
 
 
 def _callback_failed(error: BaseException) -> bool:
-    from fdp.run.callback_base import CallbackError
+    from fdp.run.callbacks.base import CallbackError
 
     if isinstance(error, WorkerFailedError):
         return error.error_type == CallbackError.__name__

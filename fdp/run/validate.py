@@ -35,7 +35,7 @@ from fdp.procs.devices import BACKENDS
 from fdp.procs.interrupt import check_requeue_signal
 from fdp.procs.launchers import launcher_of
 from fdp.run.auto_stage import check_stage_setting
-from fdp.run.callback_specs import check_callbacks
+from fdp.run.callbacks.specs import check_callbacks
 from fdp.run.checkpoint import format_of, saved_config, verify
 from fdp.run.config import SCHEMAS
 from fdp.run.keys import check_keys

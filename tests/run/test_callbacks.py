@@ -18,8 +18,8 @@ from _saved import saved
 
 from fdp.comm import Comm
 from fdp.errors import ConfigError
-from fdp.run.callback_base import Callback, CallbackError
 from fdp.run.callbacks import Callbacks
+from fdp.run.callbacks.base import Callback, CallbackError
 from fdp.run.checkpoint.consolidate import consolidate
 from fdp.run.compose import compose
 from fdp.run.trainer import run

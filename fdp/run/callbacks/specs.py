@@ -2,8 +2,8 @@
 checked before anything runs (``check_callbacks``), then built (``build_callbacks``), as models and hooks are
 (``fdp.targets``).
 
->>> build_callbacks([{"_target_": "fdp.run.callback_base.Callback"}])  # doctest: +ELLIPSIS
-[('fdp.run.callback_base.Callback', <fdp.run.callback_base.Callback object at ...>)]
+>>> build_callbacks([{"_target_": "fdp.run.callbacks.base.Callback"}])  # doctest: +ELLIPSIS
+[('fdp.run.callbacks.base.Callback', <fdp.run.callbacks.base.Callback object at ...>)]
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fdp.errors import ConfigError
-from fdp.run.callback_base import EVENTS, EXPECTED, not_a_callback
+from fdp.run.callbacks.base import EVENTS, EXPECTED, not_a_callback
 from fdp.targets import build, locate
 
 __all__ = ["build_callbacks", "check_callbacks"]
@@ -41,10 +41,10 @@ def check_callbacks(specs: Any, path: str = "trainer.callbacks") -> None:
     """Refuse, before anything runs, a callback spec whose ``_target_`` does not import, is not a callback class,
     or does not take its settings; nothing is built.
 
-    >>> check_callbacks([{"_target_": "fdp.run.callback_base.Callback", "every": 3}])  # doctest: +NORMALIZE_WHITESPACE
+    >>> check_callbacks([{"_target_": "fdp.run.callbacks.base.Callback", "every": 3}])  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    fdp.errors.ConfigError: trainer.callbacks[0]._target_='fdp.run.callback_base.Callback':
+    fdp.errors.ConfigError: trainer.callbacks[0]._target_='fdp.run.callbacks.base.Callback':
     does not take every=3 (got an unexpected keyword argument 'every')
     """
     for i, spec in enumerate(_specs(specs, path)):

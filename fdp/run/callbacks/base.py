@@ -1,9 +1,9 @@
 """What a loop callback is: ``Callback`` (its methods, one per event), what it is shown (``LoopEvent``) and the
 error that ends a run when one fails (``CallbackError``). The run's callbacks and the loop's calls:
-``fdp.run.callbacks``.
+``fdp.run.callbacks.calls``.
 
 >>> name_of(Callback()), defines(Callback(), "on_save")
-('fdp.run.callback_base.Callback', False)
+('fdp.run.callbacks.base.Callback', False)
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def name_of(callback: Any) -> str:
     """How errors name a callback given as an object: its class's dotted path.
 
     >>> name_of(Callback())
-    'fdp.run.callback_base.Callback'
+    'fdp.run.callbacks.base.Callback'
     """
     kind = type(callback)
     return f"{kind.__module__}.{kind.__qualname__}"
