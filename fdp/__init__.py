@@ -61,7 +61,8 @@ or of packages above it in this list; ``tests/test_imports.py`` holds every impo
   (``compiled``), the reduction (``reduce``, ``chains``), finiteness verdicts (``verdicts``), and the outer
   loop of local SGD and (streaming) DiLoCo (``outer``).
 * ``run``: from a config to a trained run: schemas, keys and validation (``config``, ``keys``, ``validate``),
-  metrics, loggers, evaluation and the run directory (``metrics``, ``loggers``, ``evaluate``, ``rundir``),
+  what it reports (``report``: records, ``metrics.jsonl``, loggers), evaluation and the run directory
+  (``evaluate``, ``rundir``),
   the world on this machine (``world``), the one start-up (``startup``: the run's, then each rank's up to its
   first step), a run's pieces (``build``), its
   report, epochs, time limits, early stopping and best checkpoints (``loop_controls``), your own code called
@@ -121,9 +122,9 @@ from fdp.procs.launch import WorldLayout, broadcast_from_rank0, check_same_plan,
 from fdp.procs.launchers import Launcher, launcher_of, register_launcher
 from fdp.run.callbacks import Callback, CallbackError, LoopEvent
 from fdp.run.checkpoint import CheckpointError, ShardedSaver, load_checkpoint, load_sharded, save_checkpoint
-from fdp.run.loggers import CsvLog, MlflowLog
 from fdp.run.loop_controls import LoopControls, run_steps
 from fdp.run.monitor import Monitor
+from fdp.run.report.loggers import CsvLog, MlflowLog
 from fdp.run.rundir import RunDirInUse, own_run_dir
 from fdp.state.replicas import BUFFER_SYNC, setup_state, sync_buffers
 from fdp.state.train_state import TrainState, init_train_state, state_nbytes

@@ -2,9 +2,9 @@
 
 Its components: the configuration (``config``, ``compose``, ``keys``, ``validate``), the start of a run and of each
 rank, and its pieces (``startup``, ``world``, ``build``), the loop and a rank's run (``loop``, ``loop_controls``,
-``monitor``, ``callbacks``, ``trainer``, ``rejoin``), checkpoints (``checkpoint``: one package, whose
+``monitor``, ``callbacks`` (a package), ``trainer``, ``rejoin``), checkpoints (``checkpoint``: one package, whose
 ``Checkpointer`` owns save, resume, wait and prune for both formats), what a lost rank does (``rank_loss``),
-reporting (``report``, ``metrics``, ``loggers``, ``evaluate``, ``rundir``), memory (``forecast``,
+reporting (``report``: records, metrics and loggers; ``evaluate``, ``rundir``), memory (``forecast``,
 ``forecast_parts``, ``forecast_run``, ``micro_batch``, ``out_of_memory``) and the shell (``cli``, ``reference``,
 ``compatibility``, ``sweep``). The map in ``fdp/__init__.py`` says each one's role.
 """

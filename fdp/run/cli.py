@@ -37,7 +37,7 @@ from fdp.procs.launch import RankLostError, RankOutOfMemoryError, WorkerFailedEr
 from fdp.procs.launchers import launcher_of
 from fdp.run.checkpoint import CheckpointError, last_of
 from fdp.run.keys import unknown_key_line
-from fdp.run.metrics import summary_line
+from fdp.run.report.metrics import summary_line
 from fdp.run.rundir import CHECKPOINTS, run_log, train_log_handler
 
 __all__ = ["hydra_error_line", "main", "run_from_shell"]

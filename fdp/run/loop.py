@@ -37,7 +37,7 @@ from fdp.run.loop_controls import LoopControls
 from fdp.run.micro_batch import AUTO, Agreement, MicroBatchOutOfMemory, budget_mib, fixed_accum, halved
 from fdp.run.rank_loss import rank_loss_of
 from fdp.run.rejoin import heal
-from fdp.run.report import Report
+from fdp.run.report.records import Report
 from fdp.run.rundir import RankStatus, RunDir
 from fdp.state.kept import KeptState
 from fdp.state.train_state import TrainState

@@ -8,7 +8,7 @@
   read one step later, so no step waits for it (``Deadline``).
 * ``trainer.early_stopping``: stop once a monitored metric of the evaluations (``val_loss`` unless
   named) has not improved for ``patience`` evaluations (0: never). Rank 0 evaluates; every rank
-  receives its record (``fdp.run.report``) and updates the same small value, so all decide alike.
+  receives its record (``fdp.run.report.records``) and updates the same small value, so all decide alike.
 * ``trainer.keep_best`` / ``trainer.checkpoint_monitor``: the ``keep_best`` best checkpoints by
   that metric (``val_loss`` unless named), kept as ``checkpoints/best/step=<N>-<metric>=<value>.pt``
   (a copy) or, in the sharded format, as that step's directory of hard links (no bytes copied)
@@ -251,8 +251,9 @@ class LoopControls:
     evaluation, ``payload`` for each checkpoint (on every rank), ``best_names`` for the best ones to keep.
 
     ``evaluates``: the data's splits, in ``fdp.data.SPLITS`` order (the first is scored during training);
-    ``evaluated``: the metrics an evaluation during training adds to the record (``fdp.run.report.evaluated_names``;
-    empty: the run does not evaluate): a monitored metric is checked against both before step 1;
+    ``evaluated``: the metrics an evaluation during training adds to the record
+    (``fdp.run.report.records.evaluated_names``; empty: the run does not evaluate): a monitored metric is checked
+    against both before step 1;
     ``resumed``: the ``loop`` and ``ema`` entries of the checkpoint the run resumes from (``read_resumed``);
     ``end_step``: the run's last step (``run_steps``), whatever step this invocation stops at. ``shard``: the comm
     the state's slices are split over (the update's: a node's under hybrid sharding; by default ``comm``).

@@ -12,7 +12,7 @@
       rank<N>.log          what ranks other than 0 log
       trace/rank<N>.json   Chrome traces (trainer.trace=true)
       tb/                  TensorBoard scalars (trainer.tensorboard=true)
-      metrics.csv          a row per logged step (trainer.loggers=[csv], fdp.run.loggers)
+      metrics.csv          a row per logged step (trainer.loggers=[csv], fdp.run.report.loggers)
       mlflow.db            an MLflow run (trainer.loggers=[mlflow])
 
 >>> RunDir("outputs/run").last_checkpoint.as_posix()

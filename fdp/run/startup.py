@@ -57,7 +57,7 @@ from fdp.run.loop_controls import LoopControls, read_resumed, run_steps
 from fdp.run.micro_batch import fixed_accum
 from fdp.run.rank_loss import rank_loss_of
 from fdp.run.rejoin import Joining, enter_world
-from fdp.run.report import Report, evaluated_names
+from fdp.run.report.records import Report, evaluated_names
 from fdp.run.rundir import RUN_LOGGER, RunDir, own_run_dir, train_log_handler
 from fdp.run.validate import allowed_stages, validate, validate_run_dir
 from fdp.run.world import resolve_world

@@ -52,7 +52,7 @@ from fdp.run.loop_controls import LoopControls
 from fdp.run.out_of_memory import out_of_memory_message
 from fdp.run.rank_loss import lost_message, lost_rank_error, rank_loss_of
 from fdp.run.rejoin import Joining, RunEnded
-from fdp.run.report import Report
+from fdp.run.report.records import Report
 from fdp.run.rundir import RankStatus, RunDir
 from fdp.run.startup import rank_logging, start_rank, start_run
 from fdp.run.world import layout_of

@@ -39,7 +39,6 @@ from fdp.run.callbacks.specs import check_callbacks
 from fdp.run.checkpoint import format_of, saved_config, verify
 from fdp.run.config import SCHEMAS
 from fdp.run.keys import check_keys
-from fdp.run.loggers import check_loggers
 from fdp.run.loop_controls import check_loop_settings
 from fdp.run.micro_batch import AUTO, check_accum_setting
 from fdp.run.rank_loss import (
@@ -49,6 +48,7 @@ from fdp.run.rank_loss import (
     check_stage_kept,
     rank_loss_of,
 )
+from fdp.run.report.loggers import check_loggers
 from fdp.run.rundir import RunDir
 from fdp.state.replicas import check_sync_buffers
 from fdp.step.compiled import check_compile

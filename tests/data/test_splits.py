@@ -13,7 +13,7 @@ from fdp.data import Dataset, as_map_data, eval_batches, hold_out, load_stdlib_t
 from fdp.errors import ConfigError
 from fdp.run.build import build_data
 from fdp.run.compose import compose
-from fdp.run.metrics import read_metrics
+from fdp.run.report.metrics import read_metrics
 from fdp.run.trainer import run
 from fdp.run.validate import validate
 

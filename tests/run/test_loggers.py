@@ -7,8 +7,8 @@ import pytest
 
 from fdp.errors import ConfigError
 from fdp.run.compose import compose
-from fdp.run.loggers import CsvLog, check_loggers, mlflow_uri
-from fdp.run.metrics import read_metrics
+from fdp.run.report.loggers import CsvLog, check_loggers, mlflow_uri
+from fdp.run.report.metrics import read_metrics
 from fdp.run.trainer import run
 from fdp.run.validate import validate
 

@@ -17,8 +17,8 @@ from fdp.errors import ConfigError
 from fdp.run.checkpoint import last_of
 from fdp.run.compose import compose
 from fdp.run.loop_controls import Deadline, run_steps
-from fdp.run.metrics import read_metrics
 from fdp.run.monitor import Monitor, Stopping, ranked, stopping_update
+from fdp.run.report.metrics import read_metrics
 from fdp.run.rundir import RankStatus
 from fdp.run.trainer import run
 from fdp.run.validate import validate

@@ -8,7 +8,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from fdp.run.compose import compose
 from fdp.run.config import ConfigError
-from fdp.run.metrics import MetricsLog, read_metrics
+from fdp.run.report.metrics import MetricsLog, read_metrics
 from fdp.run.trainer import run
 from fdp.run.validate import validate
 

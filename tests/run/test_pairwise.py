@@ -144,7 +144,7 @@ def _tolerance(cfg) -> dict:
 def _controls(cfg, parts, comm, state, resumed=None):
     from fdp.data import SPLITS, has_split
     from fdp.run.loop_controls import LoopControls
-    from fdp.run.report import evaluated_names
+    from fdp.run.report.records import evaluated_names
 
     splits = tuple(split for split in SPLITS if has_split(parts.data, split))
     evaluated = evaluated_names(parts.metrics, bool(cfg.trainer.ema_decay)) if splits else ()

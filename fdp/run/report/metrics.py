@@ -29,7 +29,7 @@ class MetricsLog:
 
     With ``tensorboard=True`` each step's numbers also go to ``<run dir>/tb/`` as
     TensorBoard scalars (``TensorBoardLog``); each of ``loggers`` (objects with ``write(record)``
-    and ``close()``: ``fdp.run.loggers``) gets every record too.
+    and ``close()``: ``fdp.run.report.loggers``) gets every record too.
 
     >>> import tempfile
     >>> log = MetricsLog(tempfile.mkdtemp())

@@ -20,9 +20,9 @@ from fdp.data import SPLITS, has_split
 from fdp.optim.ema import averaged_as
 from fdp.run.build import RunParts, display_name
 from fdp.run.evaluate import evaluate
-from fdp.run.loggers import check_loggers, open_loggers
-from fdp.run.metrics import MetricsLog, StepTimes, progress
 from fdp.run.micro_batch import fixed_accum
+from fdp.run.report.loggers import check_loggers, open_loggers
+from fdp.run.report.metrics import MetricsLog, StepTimes, progress
 from fdp.run.rundir import RunDir
 from fdp.state.train_state import TrainState
 

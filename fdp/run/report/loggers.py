@@ -1,6 +1,6 @@
 """Where a run's records go besides ``metrics.jsonl``: ``trainer.loggers=[tensorboard,csv,mlflow,wandb]``.
 
-* ``tensorboard``: scalars under ``<run dir>/tb/`` (``fdp.run.metrics.TensorBoardLog``; also
+* ``tensorboard``: scalars under ``<run dir>/tb/`` (``fdp.run.report.metrics.TensorBoardLog``; also
   ``trainer.tensorboard=true``). View with ``tensorboard --logdir <run dir>/tb``.
 * ``csv``: ``<run dir>/metrics.csv``, a row per logged step, a column per metric (a metric
   first seen later, such as ``test_loss``, adds its column to every row).
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from fdp.errors import ConfigError
-from fdp.run.metrics import TensorBoardLog, check_tensorboard
+from fdp.run.report.metrics import TensorBoardLog, check_tensorboard
 
 __all__ = [
     "LOGGERS",
