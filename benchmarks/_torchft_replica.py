@@ -104,7 +104,7 @@ def main() -> None:
     from fdp.data import train_batches
     from fdp.model.losses import build_loss
     from fdp.run.build import build_data, build_module
-    from fdp.run.compose import compose
+    from fdp.run.config.compose import compose
 
     cfg = compose(*args.overrides)
     data = build_data(cfg.data)

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from fdp.run.compose import compose
+from fdp.run.config.compose import compose
 from fdp.run.rundir import RankStatus
 from fdp.run.trainer import run
 

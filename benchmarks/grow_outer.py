@@ -29,7 +29,7 @@ def main() -> None:
     from test_grow import COMMON, KILL_AT, RESPAWN
     from test_shrink import Signaller, final_params
 
-    from fdp.run.compose import compose
+    from fdp.run.config.compose import compose
     from fdp.run.trainer import run
 
     base = Path(tempfile.mkdtemp())

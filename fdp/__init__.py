@@ -60,7 +60,7 @@ or of packages above it in this list; ``tests/test_imports.py`` holds every impo
 * ``step``: the pure ``train_step(state, batch) -> (state, metrics)`` (``train_step``): gradients
   (``compiled``), the reduction (``reduce``, ``chains``), finiteness verdicts (``verdicts``), and the outer
   loop of local SGD and (streaming) DiLoCo (``outer``).
-* ``run``: from a config to a trained run: schemas, keys and validation (``config``, ``keys``, ``validate``),
+* ``run``: from a config to a trained run: schemas, keys and validation (``config``, a package),
   what it reports (``report``: records, ``metrics.jsonl``, loggers), evaluation and the run directory
   (``evaluate``, ``rundir``),
   the world on this machine (``world``), the one start-up (``startup``: the run's, then each rank's up to its

@@ -1,11 +1,11 @@
 """The error a refused setting raises, and the one wording of every refusal.
 
 This module imports nothing of fdp, so any module may use it: a rule is stated where the
-code that needs it lives, and ``fdp.run.validate`` calls those rules for a config without any
+code that needs it lives, and ``fdp.run.config.validate`` calls those rules for a config without any
 of them importing the config layer.
 
 Every refusal reads ``<setting>=<value>: expected <what>``. A module names a setting as
-its Python argument (``rank=0: expected an integer >= 1``); ``fdp.run.validate`` names it by
+its Python argument (``rank=0: expected an integer >= 1``); ``fdp.run.config.validate`` names it by
 its config key (``hooks.rank=0: ...``).
 
 >>> expected("trainer.max_steps", 0, "an integer >= 1")

@@ -24,7 +24,7 @@ from fdp.errors import ConfigError
 from fdp.procs.allocator import budget_accounting
 from fdp.run import auto_stage, build, cli, forecast, forecast_run
 from fdp.run.build import build_run, display_name
-from fdp.run.compose import compose
+from fdp.run.config.compose import compose
 
 JSON = "plan_json"  # this recipe's own setting, not a key of the run's config
 
@@ -42,7 +42,7 @@ def _split(argv: list[str]) -> tuple[list[str], str | None]:
 
 
 def main() -> None:
-    from fdp.run.validate import validate
+    from fdp.run.config.validate import validate
     from fdp.run.world import resolve_world
 
     overrides, json_path = _split(sys.argv[1:])
@@ -89,7 +89,7 @@ def main() -> None:
 def _auto_stage(cfg, fixed: float):
     """``cfg`` at the stage ``trainer.zero_stage=auto`` takes under ``world.memory_per_rank_mb`` (0 on the CPU if
     unset: stage 0), with the line the run prints at start."""
-    from fdp.run.validate import allowed_stages
+    from fdp.run.config.validate import allowed_stages
 
     allowed, budget = allowed_stages(cfg), cfg.world.memory_per_rank_mb
     world = cfg.world.nnodes * cfg.world.nproc_per_node

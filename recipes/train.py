@@ -7,7 +7,7 @@
     PYTHONPATH=. python recipes/train.py model=custom model._target_=my_pkg.models.Net +model.width=256 \
         data=custom data._target_=my_pkg.data.make      # your own model and data (docs/guide/your-own.md)
 
-Every setting is in conf/ and fdp/run/config.py; the logic lives in fdp/run/trainer.py, and how a run
+Every setting is in conf/ and fdp/run/config/schema.py; the logic lives in fdp/run/trainer.py, and how a run
 ends (one line, an exit status) in fdp/run/cli.py.
 """
 

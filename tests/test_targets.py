@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-from fdp.run.config import ConfigError
+from fdp.errors import ConfigError
 from fdp.targets import build, locate
 
 

@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 
-from fdp.run.compose import compose
+from fdp.run.config.compose import compose
 from fdp.run.trainer import run
 
 STEPS = 3

@@ -1,6 +1,6 @@
 """From a config to a trained, logged and checkpointed run: schemas, validation, the loop and the CLI.
 
-Its components: the configuration (``config``, ``compose``, ``keys``, ``validate``), the start of a run and of each
+Its components: the configuration (``config``: schemas, keys, compose, validate), the start of a run and of each
 rank, and its pieces (``startup``, ``world``, ``build``), the loop and a rank's run (``loop``, ``loop_controls``,
 ``monitor``, ``callbacks`` (a package), ``trainer``, ``rejoin``), checkpoints (``checkpoint``: one package, whose
 ``Checkpointer`` owns save, resume, wait and prune for both formats), what a lost rank does (``rank_loss``),

@@ -5,8 +5,9 @@ have another budget), as ``trainer.accum_steps=auto`` decides its micro-batch (`
 
 * the budget is ``world.memory_per_rank_mb``, or on a GPU its free memory (``fdp.run.micro_batch.budget_mib``);
   without one (0 on the CPU) the stage is 0;
-* the candidates are the stages the run's other settings allow (``fdp.run.validate.allowed_stages``: an outer loop
-  on a flat world, an optimizer a shard cannot step, a world that shrinks, ... rule some out), lowest first;
+* the candidates are the stages the run's other settings allow (``fdp.run.config.validate.allowed_stages``: an
+  outer loop on a flat world, an optimizer a shard cannot step, a world that shrinks, ... rule some out), lowest
+  first;
 * the forecast (``fdp.run.forecast_run.run_forecasts``) of every candidate is read from the run's plan, built on
   ``meta`` where the model can be (``fdp.run.build.planned_run``: no train state is made), and the run is then
   built once, at the stage chosen;
@@ -98,7 +99,7 @@ def lowest_fitting(
 def with_stage(cfg: DictConfig, stage: int) -> DictConfig:
     """``cfg`` with ``trainer.zero_stage`` set to ``stage`` (a copy; ``cfg`` is left as it is).
 
-    >>> from fdp.run.compose import compose
+    >>> from fdp.run.config.compose import compose
     >>> with_stage(compose("trainer.zero_stage=auto"), 2).trainer.zero_stage
     2
     """

@@ -95,7 +95,7 @@ def check_plan_settings(cfg: DictConfig, plan: BucketPlan, names: list[str]) -> 
     refuses them alike, before the first state is made (the run directory is then rolled back).
 
     >>> from fdp.plan import pack_into_buckets
-    >>> from fdp.run.compose import compose
+    >>> from fdp.run.config.compose import compose
     >>> plan = pack_into_buckets([("w", (3,), "float32", "cpu")])
     >>> check_plan_settings(compose("hooks=lowbit", "hooks.block=8"), plan, ["w"])
     Traceback (most recent call last):

@@ -36,7 +36,7 @@ from fdp.procs.interrupt import StoppedAtOnce, exit_code, requeue_job, stop_sign
 from fdp.procs.launch import RankLostError, RankOutOfMemoryError, WorkerFailedError
 from fdp.procs.launchers import launcher_of
 from fdp.run.checkpoint import CheckpointError, last_of
-from fdp.run.keys import unknown_key_line
+from fdp.run.config.keys import unknown_key_line
 from fdp.run.report.metrics import summary_line
 from fdp.run.rundir import CHECKPOINTS, run_log, train_log_handler
 
@@ -130,7 +130,7 @@ def hydra_error_line(error: BaseException, argv: list[str] | None = None) -> str
     """One line for an error Hydra raised while composing the config or making the run directory
     (``None``: not one of Hydra's; a bug to show in full).
 
-    >>> from fdp.run.compose import compose
+    >>> from fdp.run.config.compose import compose
     >>> try:
     ...     compose("trainer.max_stpes=5")
     ... except Exception as error:
@@ -200,7 +200,7 @@ def main(hydra_main: Callable[[], Any]) -> None:
 
 
 def _print_help(overrides: list[str]) -> None:
-    from fdp.run.compose import compose
+    from fdp.run.config.compose import compose
     from fdp.run.reference import help_text
 
     try:

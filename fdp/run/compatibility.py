@@ -1,7 +1,7 @@
 """Which features compose: every pair of them put to the config checks, the page of those refused.
 
 The page is not written by hand: ``compatibility_markdown`` composes each pair of
-``FEATURES`` on a world of two local ranks and runs ``fdp.run.validate.validate`` on it, so
+``FEATURES`` on a world of two local ranks and runs ``fdp.run.config.validate.validate`` on it, so
 a refusal the checks make is on the page with the reason its owner states, and a refusal
 removed from the code leaves the page (``tests/run/test_compatibility.py`` holds
 ``docs/reference/compatibility.md`` to what this module generates).
@@ -83,8 +83,8 @@ def refusal(a: Feature, b: Feature) -> str | None:
 def _checked(a: Feature, b: Feature) -> tuple[object, str | None]:
     """The config ``a`` with ``b`` composes to (``None`` where Hydra refuses it) and the checks' line for it."""
     from fdp.errors import ConfigError
-    from fdp.run.compose import compose
-    from fdp.run.validate import validate
+    from fdp.run.config.compose import compose
+    from fdp.run.config.validate import validate
 
     try:
         cfg = compose(*_merged(a, b))
@@ -110,7 +110,8 @@ def pair_configs() -> list[tuple[Feature, Feature, object, str | None]]:
 
 @functools.cache
 def _composed_pairs() -> tuple[tuple[Feature, Feature, object, str | None], ...]:
-    """``pair_configs``, composed (``fdp.run.compose.compose`` runs Hydra once for each choice of config groups)."""
+    """``pair_configs``, composed (``fdp.run.config.compose.compose`` runs Hydra once for each choice of config
+    groups)."""
     return tuple((a, b, *_checked(a, b)) for a, b in itertools.combinations_with_replacement(FEATURES, 2))
 
 

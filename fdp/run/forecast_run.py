@@ -42,7 +42,7 @@ def saves_mid_run(trainer) -> bool:
     """Whether a run saves before its last step (``trainer.checkpoint_every`` under its length; a run that ends by
     epochs, ``trainer.max_epochs``, may end sooner: counted as saving).
 
-    >>> from fdp.run.compose import compose
+    >>> from fdp.run.config.compose import compose
     >>> saves_mid_run(compose("trainer.max_steps=100").trainer), saves_mid_run(compose("trainer.max_steps=101").trainer)
     (False, True)
     """

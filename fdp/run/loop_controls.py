@@ -126,7 +126,7 @@ minutes field is 99, not below 60
 def check_loop_settings(tc: Any) -> None:
     """The settings of ``trainer`` (``tc``) this module uses, each refused in one line naming its key.
 
-    >>> from fdp.run.compose import compose
+    >>> from fdp.run.config.compose import compose
     >>> check_loop_settings(compose("trainer.early_stopping.patience=-1").trainer)
     Traceback (most recent call last):
     ...

@@ -1,7 +1,7 @@
 """What a rank that ran out of memory says: the part of the run it was in, and what to change for it.
 
 >>> from fdp.procs.budget import LateOutOfMemory, MemoryPhase
->>> from fdp.run.compose import compose
+>>> from fdp.run.config.compose import compose
 >>> phase = MemoryPhase()
 >>> out_of_memory_message(compose("world.memory_per_rank_mb=500"), 0, 1, phase, MemoryError())[:56]
 'rank 0 ran out of memory loading the data (MemoryError);'

@@ -22,7 +22,7 @@ the heartbeats found silent), ``lost_message`` when the world ends with it.
 Its settings are validated here too (``check_rank_loss``, ``check_one_process``,
 ``check_rank_loss_in_world``), each rule once, naming the config key.
 
->>> from fdp.run.compose import compose
+>>> from fdp.run.config.compose import compose
 >>> rank_loss_of(compose().world)
 Restart()
 >>> loss = rank_loss_of(compose("world=local2", "world.on_rank_loss=shrink", "world.respawn=true").world)
@@ -166,7 +166,7 @@ def check_on_rank_loss(value: str) -> str:
 def rank_loss_of(world: Any) -> RankLoss:
     """What a lost rank does in the world of a config's ``world`` group (refused if ``on_rank_loss`` is unknown).
 
-    >>> from fdp.run.compose import compose
+    >>> from fdp.run.config.compose import compose
     >>> rank_loss_of(compose("world.on_rank_loss=shrink").world)
     ShrinkWorld()
     """
@@ -185,7 +185,7 @@ def check_rank_loss(cfg: Any, kind: Any) -> None:
     """The rank-loss settings of ``cfg`` that need no world size, each refused in one line naming its key;
     ``kind`` is the launcher's class (``fdp.procs.launchers.launcher_of``).
 
-    >>> from fdp.run.compose import compose
+    >>> from fdp.run.config.compose import compose
     >>> from fdp.procs.launchers import launcher_of
     >>> try:
     ...     check_rank_loss(compose("world.respawn=true"), launcher_of("none"))
@@ -237,7 +237,7 @@ def _check_shrink(cfg: Any) -> None:
 def check_stage_kept(w: Any, stage: int) -> None:
     """Refuse, naming ``trainer.zero_stage``, a stage the world ``w`` cannot lose a rank at (``refuses_stage``).
 
-    >>> from fdp.run.compose import compose
+    >>> from fdp.run.config.compose import compose
     >>> check_stage_kept(compose("world.on_rank_loss=shrink").world, 1)
     """
     keeping = [s for s in ZERO_STAGES if stage_rules(s).refuses_mirror() is None]
@@ -255,7 +255,7 @@ def refuses_stage(w: Any, stage: int) -> str | None:
     rank's slices, ``Stage.refuses_mirror``; a hierarchical one loses whole nodes, each holding a replica of every
     slice: ``fdp.procs.shrink.whole_groups``), or ``None``.
 
-    >>> from fdp.run.compose import compose
+    >>> from fdp.run.config.compose import compose
     >>> refuses_stage(compose("world.on_rank_loss=shrink").world, 3).startswith("ZeRO stage 3 keeps no copy")
     True
     """
@@ -267,7 +267,7 @@ def refuses_stage(w: Any, stage: int) -> str | None:
 def check_one_process(w: Any, world: int) -> None:
     """``world.respawn`` on a world of ``world`` processes: refused on one (no world is left to rejoin).
 
-    >>> from fdp.run.compose import compose
+    >>> from fdp.run.config.compose import compose
     >>> try:
     ...     check_one_process(compose("world.on_rank_loss=shrink", "world.respawn=true").world, 1)
     ... except ConfigError as error:
@@ -286,7 +286,7 @@ def check_rank_loss_in_world(cfg: Any, world: int) -> None:
     """The rank-loss settings of ``cfg`` against its world of ``world`` ranks (a world that shrinks:
     ``world.min_ranks``, ``world.max_ranks``, and a batch that splits over each size it may take).
 
-    >>> from fdp.run.compose import compose
+    >>> from fdp.run.config.compose import compose
     >>> check_rank_loss_in_world(compose("world.on_rank_loss=shrink", "world.min_ranks=3"), 2)
     Traceback (most recent call last):
     ...

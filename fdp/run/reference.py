@@ -1,6 +1,6 @@
 """Every config key with its default and meaning, read from the schemas: one source for ``--help`` and the docs.
 
-A key's meaning is the comment its schema field carries in ``fdp.run.config`` (on the
+A key's meaning is the comment its schema field carries in ``fdp.run.config.schema`` (on the
 field's lines, or on the comment lines just above it), so the reference cannot drift
 from the schemas: a field without one fails ``tests/run/test_reference.py``.
 
@@ -22,7 +22,7 @@ from typing import Any, Iterator, NamedTuple
 
 from omegaconf import MISSING
 
-from fdp.run import config as schemas
+from fdp.run.config import schema as schemas
 
 __all__ = ["KeyDoc", "key_docs", "field_meanings", "reference_markdown", "help_text"]
 
@@ -116,7 +116,12 @@ def key_docs() -> list[KeyDoc]:
 
 def reference_markdown() -> str:
     """The config reference page: a table per group (and option), key, default, meaning."""
-    lines = ["# Config reference", "", "Generated from `fdp/run/config.py` by `fdp.run.reference`: do not edit.", ""]
+    lines = [
+        "# Config reference",
+        "",
+        "Generated from `fdp/run/config/schema.py` by `fdp.run.reference`: do not edit.",
+        "",
+    ]
     section = None
     for doc in key_docs():
         title = doc.option or doc.key.split(".")[0]

@@ -2,7 +2,7 @@
 rank's own, up to its first step.
 
 ``start_run(cfg, run_dir)`` resolves the world on this machine (``fdp.run.world``), validates
-the config once (``fdp.run.validate``), takes the run directory for the run (``fdp.run.rundir``;
+the config once (``fdp.run.config.validate``), takes the run directory for the run (``fdp.run.rundir``;
 under launchers that start every rank themselves, rank 0 holds it), checks what the
 directory holds (a run to resume, or none) and hands the resolved config to the block.
 ``fdp.run.trainer.run`` (the Python API) and the shell entry (``fdp.run.cli.run_from_shell``) both
@@ -50,6 +50,7 @@ from fdp.run.auto_stage import built_at_stage
 from fdp.run.build import RunParts, build_data, display_name, node_size_of
 from fdp.run.callbacks import Callbacks
 from fdp.run.checkpoint import resume
+from fdp.run.config.validate import allowed_stages, validate, validate_run_dir
 from fdp.run.forecast import built_mib, first_use_mib
 from fdp.run.forecast_run import start_line
 from fdp.run.loop import Loop
@@ -59,7 +60,6 @@ from fdp.run.rank_loss import rank_loss_of
 from fdp.run.rejoin import Joining, enter_world
 from fdp.run.report.records import Report, evaluated_names
 from fdp.run.rundir import RUN_LOGGER, RunDir, own_run_dir, train_log_handler
-from fdp.run.validate import allowed_stages, validate, validate_run_dir
 from fdp.run.world import resolve_world
 from fdp.state.train_state import TrainState
 from fdp.step import compiled
@@ -88,7 +88,7 @@ def start_run(cfg: DictConfig, run_dir: str | Path, say: Callable[[str], None] |
     ``fdp.run`` logger and stderr.
 
     >>> import tempfile
-    >>> from fdp.run.compose import compose
+    >>> from fdp.run.config.compose import compose
     >>> with start_run(compose(), tempfile.mkdtemp()) as resolved:
     ...     resolved.world.accelerator in ("cpu", "gpu")
     True

@@ -120,7 +120,7 @@ class SweepTable(Callback):
         from fdp.errors import ConfigError
         from fdp.procs.launchers import launcher_of
         from fdp.run.cli import REFUSED, hydra_error_line
-        from fdp.run.validate import validate
+        from fdp.run.config.validate import validate
         from fdp.run.world import resolve_world
 
         loader = GlobalHydra.instance().config_loader()

@@ -254,7 +254,7 @@ def run(cfg: DictConfig, run_dir: str | Path, callbacks: Sequence = ()) -> dict:
 
     Example::
 
-        from fdp.run.compose import compose
+        from fdp.run.config.compose import compose
         summary = run(compose("world=local2", "trainer.max_steps=20"), "outputs/run1")
     """
     check_given(callbacks)

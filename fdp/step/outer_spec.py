@@ -75,9 +75,9 @@ def check_outer(spec: dict | OuterSpec) -> OuterSpec:
     """The outer settings as an ``OuterSpec``; a ``ValueError`` naming the first bad one.
 
     ``spec`` is the config's ``outer`` group as a dict (every setting its loop reads, as
-    ``fdp.run.compose.compose("outer=diloco").outer`` has them).
+    ``fdp.run.config.compose.compose("outer=diloco").outer`` has them).
 
-    >>> from fdp.run.compose import compose
+    >>> from fdp.run.config.compose import compose
     >>> from omegaconf import OmegaConf
     >>> check_outer(OmegaConf.to_container(compose("outer=diloco", "outer.fragments=4").outer)).fragments
     4

@@ -12,10 +12,10 @@ from torch.utils.data import TensorDataset
 from fdp.data import Dataset, as_map_data, eval_batches, hold_out, load_stdlib_text, model_arguments
 from fdp.errors import ConfigError
 from fdp.run.build import build_data
-from fdp.run.compose import compose
+from fdp.run.config.compose import compose
+from fdp.run.config.validate import validate
 from fdp.run.report.metrics import read_metrics
 from fdp.run.trainer import run
-from fdp.run.validate import validate
 
 SMALL = ["model.hidden=16", "data.global_batch_size=16", "trainer.progress=false", "trainer.eval_batches=2"]
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

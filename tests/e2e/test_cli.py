@@ -13,7 +13,7 @@ import _recipe
 import pytest
 
 from fdp.run.cli import hydra_error_line
-from fdp.run.compose import compose
+from fdp.run.config.compose import compose
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["trainer.max_steps=2", "trainer.progress=false"]
@@ -180,8 +180,8 @@ def test_hydra_errors_translate_in_process(overrides, expected):
     ],
 )
 def test_a_key_of_ones_own_is_refused_where_nothing_reads_it(override, expected):
-    from fdp.run.config import ConfigError
-    from fdp.run.validate import validate
+    from fdp.errors import ConfigError
+    from fdp.run.config.validate import validate
 
     with pytest.raises(ConfigError) as caught:
         validate(compose(override))

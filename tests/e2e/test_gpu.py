@@ -23,7 +23,7 @@ from fdp.data import global_batch, load_dataset, rank_share
 from fdp.hooks import allreduce
 from fdp.model.builtin import build_model
 from fdp.procs.devices import batch_to_device, to_device
-from fdp.run.compose import compose
+from fdp.run.config.compose import compose
 from fdp.run.trainer import run
 
 pytestmark = pytest.mark.gpu

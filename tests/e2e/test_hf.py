@@ -176,7 +176,7 @@ SHORT = [
 
 def _in_process(run_dir, *overrides):
     """The README's command minus its world, run in this process (one rank)."""
-    from fdp.run.compose import compose
+    from fdp.run.config.compose import compose
     from fdp.run.trainer import run
 
     args = [a for a in example_command("hf_text") if not a.startswith("world=")]

@@ -13,8 +13,8 @@ from _recipe import recipe
 from omegaconf import OmegaConf
 
 from fdp.run.checkpoint import last_of
-from fdp.run.compose import compose
 from fdp.run.config import SCHEMAS, register_configs
+from fdp.run.config.compose import compose
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"

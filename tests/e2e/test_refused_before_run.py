@@ -1,7 +1,7 @@
 """Settings refused before the run starts, in one line saying why: those ``validate`` checks, and those
 the build checks once the data, the model and its bucket plan are known (before anything is announced).
 Each is ``error: ...`` on stderr, exit status 2, nothing on stdout and no run directory left
-(fdp.run.validate, fdp.run.build, fdp.run.loop_controls, fdp.run.cli)."""
+(fdp.run.config.validate, fdp.run.build, fdp.run.loop_controls, fdp.run.cli)."""
 
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ def test_a_low_bit_hook_inside_a_chain_is_refused_by_its_place_in_the_chain():
     """The block a chain's lowbit hook takes is checked against the plan as a lone one's is, named by its key."""
     from fdp.plan import pack_into_buckets
     from fdp.run.build import check_plan_settings
-    from fdp.run.compose import compose
+    from fdp.run.config.compose import compose
 
     plan = pack_into_buckets([("w", (3,), "float32", "cpu")])
     cfg = compose("hooks=fp16_powersgd", "hooks.chain=[fp16_compress,{name:lowbit,block:8},fp16_decompress]")

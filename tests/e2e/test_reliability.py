@@ -34,17 +34,18 @@ from omegaconf import OmegaConf
 from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
 from fdp.comm import Comm
 from fdp.data import dataset_share, load_digits
+from fdp.errors import ConfigError
 from fdp.model.functional import functionalize
 from fdp.optim import sgd
 from fdp.plan import plan_buckets
 from fdp.procs.launch import RankLostError, WorkerFailedError, WorldLayout, init_distributed, loopback_interface, spawn
 from fdp.run import checkpoint
 from fdp.run.checkpoint import whole
-from fdp.run.compose import compose as make_cfg
-from fdp.run.config import ConfigError, register_configs
+from fdp.run.config import register_configs
+from fdp.run.config.compose import compose as make_cfg
+from fdp.run.config.validate import validate
 from fdp.run.rundir import RankStatus
 from fdp.run.trainer import run, run_rank
-from fdp.run.validate import validate
 from fdp.run.world import layout_of
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,12 +5,12 @@ import torch
 from _saved import saved
 
 from fdp import Comm
+from fdp.errors import ConfigError
 from fdp.hooks import allreduce, build_hook, hierarchical, node_comms
 from fdp.hooks.base import init_hook_states
 from fdp.plan import pack_into_buckets
-from fdp.run.compose import compose
-from fdp.run.config import ConfigError
-from fdp.run.validate import validate
+from fdp.run.config.compose import compose
+from fdp.run.config.validate import validate
 from fdp.step.chains import Reduction
 
 

@@ -1054,8 +1054,8 @@ def test_a_custom_hook_that_does_not_import_or_returns_no_hook_is_refused_in_one
 
 
 def test_a_custom_hook_is_accepted_at_every_zero_stage_whether_or_not_it_declares_shardable(my_project):
-    from fdp.run.compose import compose
-    from fdp.run.validate import validate
+    from fdp.run.config.compose import compose
+    from fdp.run.config.validate import validate
 
     base = ["world=local2", "hooks=custom"]
     for target in ("my_project.hooks.clip_then_allreduce", "test_hooks._unshardable_clip"):

@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fdp.errors import ConfigError
 from fdp.model.fit import Names, check_first_batch
 from fdp.model.functional import functionalize
 from fdp.model.losses import TokenCrossEntropy, cross_entropy, mse
-from fdp.run.config import ConfigError
 
 NAMES = Names("model._target_='my.Net'", "data._target_='my.data'", "loss=cross_entropy", "+model.num_classes")
 BATCH = (torch.randn(8, 4), torch.tensor([0, 1, 2, 3, 4, 5, 6, 7]))
@@ -168,7 +168,7 @@ class Checkpointed(nn.Module):
 def test_torch_utils_checkpoint_in_a_model_is_one_line_naming_the_setting_to_use(reentrant, recwarn):
     from fdp.comm import Comm
     from fdp.run.build import build_run
-    from fdp.run.compose import compose
+    from fdp.run.config.compose import compose
 
     cfg = compose(
         "model=custom", f"model._target_={__name__}.Checkpointed", f"+model.use_reentrant={str(reentrant).lower()}"

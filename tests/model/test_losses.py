@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from fdp import cross_entropy_loss
 from fdp.comm import Comm
 from fdp.data import split_micro_batches
+from fdp.errors import ConfigError
 from fdp.model.functional import functionalize
 from fdp.model.losses import (
     TokenCrossEntropy,
@@ -20,7 +21,6 @@ from fdp.model.losses import (
     mse,
     weigh_micro_batches,
 )
-from fdp.run.config import ConfigError
 
 
 def test_cross_entropy_equals_the_train_step_loss_to_the_bit():

@@ -17,6 +17,7 @@ from torch import nn
 from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
 from fdp.comm import Comm
 from fdp.data import global_batch, load_digits, rank_share
+from fdp.errors import ConfigError
 from fdp.model.builtin import MLP
 from fdp.model.functional import functionalize
 from fdp.model.precision import LossScale, Precision, check_precision, init_loss_scale, update_loss_scale
@@ -25,9 +26,8 @@ from fdp.plan import plan_buckets
 from fdp.run import checkpoint
 from fdp.run.checkpoint.atomic import atomic_save
 from fdp.run.checkpoint.whole import rank_payload, restore, state_payload
-from fdp.run.compose import compose
-from fdp.run.config import ConfigError
-from fdp.run.validate import validate
+from fdp.run.config.compose import compose
+from fdp.run.config.validate import validate
 
 TOL = 1e-5
 DATA = load_digits()

@@ -138,8 +138,8 @@ def test_select_modes_and_refusals():
 
 
 def test_the_config_settings_are_checked_before_anything_runs():
-    from fdp.run.compose import compose as cfg
-    from fdp.run.validate import validate
+    from fdp.run.config.compose import compose as cfg
+    from fdp.run.config.validate import validate
 
     with pytest.raises(ConfigError, match=r"^trainer.activation_checkpointing=.all.: expected none, blocks or every_k"):
         validate(cfg("trainer.activation_checkpointing=all"))

@@ -17,10 +17,10 @@ from fdp.model.builtin import CharTransformer
 from fdp.model.losses import cross_entropy_loss
 from fdp.model.streams import SampleStreams
 from fdp.model.streams_functions import by_function, taking
-from fdp.run.compose import compose
+from fdp.run.config.compose import compose
+from fdp.run.config.validate import validate
 from fdp.run.rank_loss import rank_loss_of
 from fdp.run.trainer import run
-from fdp.run.validate import validate
 from fdp.state.replicas import setup_state
 from fdp.update import zero
 

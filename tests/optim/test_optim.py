@@ -374,8 +374,8 @@ def test_state_round_trips_through_torch_save(name, tmp_path):
 def test_the_adamw_preset_warms_up_over_a_tenth_of_any_run():
     """optim=adamw once warmed up over a fixed 30 steps, refusing every shorter run (a 20-step smoke test)."""
     from fdp.optim import build_optimizer
-    from fdp.run.compose import compose
-    from fdp.run.validate import validate
+    from fdp.run.config.compose import compose
+    from fdp.run.config.validate import validate
 
     params = {"w": torch.zeros(3)}
     for max_steps, warmup in ((20, 2), (300, 30)):
@@ -673,9 +673,9 @@ def test_a_custom_optimizer_that_is_not_importable_or_no_optimizer_is_refused_in
 def test_a_decay_rule_by_name_of_an_optimizer_that_cannot_step_slices_is_refused_at_zero_stages(my_project):
     """fdp's optimizers step ZeRO's slices by their runs of decayed elements (tests/update/test_zero_decay.py); an
     optimizer of one's own with a rule by name and no ``with_decay_mask`` cannot, and is refused in one line."""
-    from fdp.run.compose import compose
-    from fdp.run.config import ConfigError
-    from fdp.run.validate import validate
+    from fdp.errors import ConfigError
+    from fdp.run.config.compose import compose
+    from fdp.run.config.validate import validate
 
     validate(compose("world=local2", "optim=adamw", "optim.decay_filter=weights", "trainer.zero_stage=1"))
     lion = ["optim=custom", "optim._target_=my_project.optim.lion", "optim.decay_filter=weights"]
@@ -704,7 +704,7 @@ def test_a_run_built_from_config_exempts_the_model_s_embeddings_tied_head_includ
     tied to the first) and its norms and biases take no weight decay, its linear weights do."""
     from fdp.comm import Comm
     from fdp.run.build import build_run
-    from fdp.run.compose import compose
+    from fdp.run.config.compose import compose
 
     cfg = compose(
         "model=charlm",

@@ -11,6 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 import fdp.run.world
+from fdp.errors import ConfigError
 from fdp.procs.devices import (
     Placement,
     batch_to_device,
@@ -22,8 +23,7 @@ from fdp.procs.devices import (
     seeded_cuda_rng,
     use_device,
 )
-from fdp.run.compose import compose
-from fdp.run.config import ConfigError
+from fdp.run.config.compose import compose
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU, CUDA0, CUDA1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)

@@ -19,14 +19,14 @@ import torch.distributed as dist
 from _procs import alive
 from test_shrink import RUN, Signaller, assert_close_params, final_params, records
 
+from fdp.errors import ConfigError
 from fdp.procs.grow import GrowingWorld, JoinRefused
 from fdp.procs.shrink import died_key
 from fdp.run.checkpoint import last_of
-from fdp.run.compose import compose
-from fdp.run.config import ConfigError
+from fdp.run.config.compose import compose
+from fdp.run.config.validate import validate
 from fdp.run.rundir import RankStatus
 from fdp.run.trainer import run
-from fdp.run.validate import validate
 
 STEPS, KILL_AT, TIMEOUT_S = 40, 10, 10  # a dead rank is seen at once: the timeout only bounds start-up
 # Steps of ~0.2 s, so that the rank started again (its keeper imports what its first step needs, it builds its

@@ -19,10 +19,10 @@ from _procs import alive
 from test_grow import RESPAWN, SLOWER
 from test_shrink import RUN, Signaller, assert_close_params, final_params, records
 
-from fdp.run.compose import compose
-from fdp.run.config import ConfigError
+from fdp.errors import ConfigError
+from fdp.run.config.compose import compose
+from fdp.run.config.validate import validate
 from fdp.run.trainer import run
-from fdp.run.validate import validate
 
 STEPS, KILL_AT, TIMEOUT_S = 40, 12, 10
 COMMON = [

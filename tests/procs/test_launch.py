@@ -11,9 +11,9 @@ import _recipe
 import pytest
 import torch
 
+from fdp.errors import ConfigError
 from fdp.procs.launch import WorldLayout, init_distributed, spawn
-from fdp.run.compose import compose
-from fdp.run.config import ConfigError
+from fdp.run.config.compose import compose
 from fdp.run.world import layout_of
 
 # Everything below runs in `python -c`: `train` and `fail` live in __main__, which a spawned

@@ -16,8 +16,8 @@ from fdp.procs.interrupt import stop_signal_names
 from fdp.procs.launch import launch_rank
 from fdp.procs.launchers import LAUNCHERS, Launched, Launcher, launcher_of, register_launcher
 from fdp.procs.shrink import launched_world
-from fdp.run.compose import compose
-from fdp.run.validate import validate
+from fdp.run.config.compose import compose
+from fdp.run.config.validate import validate
 from fdp.run.world import layout_of, placement_of
 
 TORCHRUN = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}

@@ -21,14 +21,14 @@ from _loop_callbacks import Addresses
 from _procs import alive
 from _saved import saved
 
+from fdp.errors import ConfigError
 from fdp.procs.keeper import LostRank
 from fdp.procs.launch import WorkerFailedError
 from fdp.procs.shrink import ShrinkingWorld, check_shrinkable_batch, keep_rank, shrink_store
-from fdp.run.compose import compose
-from fdp.run.config import ConfigError
+from fdp.run.config.compose import compose
+from fdp.run.config.validate import validate
 from fdp.run.rundir import RankStatus
 from fdp.run.trainer import run
-from fdp.run.validate import validate
 
 STEPS, KILL_AT, TIMEOUT_S = 60, 30, 5
 RUN = [

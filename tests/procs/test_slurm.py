@@ -12,9 +12,9 @@ import pytest
 import torch
 from _saved import saved
 
+from fdp.errors import ConfigError
 from fdp.procs.launch import LOOPBACK, launch_rank
 from fdp.procs.slurm import JobWorld, expand_nodelist, job_world, port_for_job, slurm_world
-from fdp.run.config import ConfigError
 
 
 def _free_port() -> int:

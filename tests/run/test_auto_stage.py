@@ -18,10 +18,10 @@ from fdp.comm import Comm
 from fdp.procs.launch import WorkerFailedError
 from fdp.run import forecast
 from fdp.run.build import build_run
-from fdp.run.compose import compose
+from fdp.run.config.compose import compose
+from fdp.run.config.validate import allowed_stages
 from fdp.run.forecast_run import activations_of, run_forecasts
 from fdp.run.trainer import run
-from fdp.run.validate import allowed_stages
 
 COMMON = (
     "model=mlp",

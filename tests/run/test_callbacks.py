@@ -21,9 +21,9 @@ from fdp.errors import ConfigError
 from fdp.run.callbacks import Callbacks
 from fdp.run.callbacks.base import Callback, CallbackError
 from fdp.run.checkpoint.consolidate import consolidate
-from fdp.run.compose import compose
+from fdp.run.config.compose import compose
+from fdp.run.config.validate import validate
 from fdp.run.trainer import run
-from fdp.run.validate import validate
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = Path(__file__).resolve().parents[1]  # the helpers: _loop_callbacks

@@ -10,14 +10,15 @@ import pytest
 import torch
 
 from fdp._torch import tree_flatten, tree_map
+from fdp.errors import ConfigError
 from fdp.model.builtin import MLP
 from fdp.optim import warmup_cosine_schedule
 from fdp.run import checkpoint
 from fdp.run.checkpoint.atomic import atomic_save
 from fdp.run.checkpoint.files import LAST, POINTER
 from fdp.run.checkpoint.whole import _differing_buffers, rank_payload, restore, save, state_payload
-from fdp.run.compose import compose
-from fdp.run.config import ConfigError, register_configs
+from fdp.run.config import register_configs
+from fdp.run.config.compose import compose
 from fdp.run.trainer import run
 
 register_configs()

@@ -13,7 +13,7 @@ import fdp
 from fdp import Comm, cross_entropy_loss, functionalize, plan_buckets, planner_loss, sgd
 from fdp.errors import ConfigError
 from fdp.run.checkpoint import Checkpointer, CheckpointFormat, format_of, resume, saved_steps
-from fdp.run.compose import compose
+from fdp.run.config.compose import compose
 from fdp.update import zero
 
 PACKAGE = Path(fdp.__file__).parent

@@ -5,12 +5,13 @@ import inspect
 
 import pytest
 
+from fdp.errors import ConfigError
 from fdp.hooks import HOOKS
 from fdp.optim import OPTIMIZERS, build_optimizer
 from fdp.optim.registry import SHARED_SETTINGS
-from fdp.run.compose import compose
-from fdp.run.config import SCHEMAS, ConfigError
-from fdp.run.validate import validate
+from fdp.run.config import SCHEMAS
+from fdp.run.config.compose import compose
+from fdp.run.config.validate import validate
 
 
 def _fields(schema) -> dict:
@@ -93,7 +94,7 @@ def _restated(path) -> list[str]:
 
 def test_each_conf_file_carries_only_real_overrides_of_its_schema():
     """A default is stated once, in its schema: a YAML value equal to it would be a second statement."""
-    from fdp.run.compose import CONF_DIR
+    from fdp.run.config.compose import CONF_DIR
 
     files = sorted(p for p in CONF_DIR.glob("*/*.yaml"))
     assert len(files) > 20
@@ -117,7 +118,7 @@ def test_compose_gives_what_hydra_composes_for_the_same_overrides(overrides):
     its values' types and its struct flag are Hydra's own, and the copy it returns is the caller's."""
     from omegaconf import OmegaConf
 
-    from fdp.run.compose import CONF_DIR, _hydra_compose
+    from fdp.run.config.compose import CONF_DIR, _hydra_compose
 
     ours, hydra = compose(*overrides), _hydra_compose(overrides, str(CONF_DIR))
     assert OmegaConf.to_yaml(ours) == OmegaConf.to_yaml(hydra)
@@ -128,7 +129,7 @@ def test_compose_gives_what_hydra_composes_for_the_same_overrides(overrides):
 
 @pytest.mark.parametrize("overrides", REFUSED)
 def test_compose_refuses_as_hydra_does_in_its_words(overrides):
-    from fdp.run.compose import CONF_DIR, _hydra_compose
+    from fdp.run.config.compose import CONF_DIR, _hydra_compose
 
     with pytest.raises(Exception) as ours:
         compose(*overrides)

@@ -6,11 +6,11 @@ import sys
 import pytest
 
 from fdp.errors import ConfigError
-from fdp.run.compose import compose
+from fdp.run.config.compose import compose
+from fdp.run.config.validate import validate
 from fdp.run.report.loggers import CsvLog, check_loggers, mlflow_uri
 from fdp.run.report.metrics import read_metrics
 from fdp.run.trainer import run
-from fdp.run.validate import validate
 
 SMALL = [
     "model=mlp",

@@ -15,13 +15,13 @@ from fdp.comm import Comm
 from fdp.data import StepSampler, as_map_data, load_digits
 from fdp.errors import ConfigError
 from fdp.run.checkpoint import last_of
-from fdp.run.compose import compose
+from fdp.run.config.compose import compose
+from fdp.run.config.validate import validate
 from fdp.run.loop_controls import Deadline, run_steps
 from fdp.run.monitor import Monitor, Stopping, ranked, stopping_update
 from fdp.run.report.metrics import read_metrics
 from fdp.run.rundir import RankStatus
 from fdp.run.trainer import run
-from fdp.run.validate import validate
 
 SMALL = [
     "model=mlp",

@@ -6,11 +6,11 @@ import sys
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from fdp.run.compose import compose
-from fdp.run.config import ConfigError
+from fdp.errors import ConfigError
+from fdp.run.config.compose import compose
+from fdp.run.config.validate import validate
 from fdp.run.report.metrics import MetricsLog, read_metrics
 from fdp.run.trainer import run
-from fdp.run.validate import validate
 
 SMALL = [
     "model.hidden=16",

@@ -19,7 +19,7 @@ from _saved import same, trained_state
 from fdp.comm import Comm
 from fdp.run import forecast
 from fdp.run.build import build_run
-from fdp.run.compose import compose
+from fdp.run.config.compose import compose
 from fdp.run.forecast_run import activations_of, run_forecasts
 from fdp.run.micro_batch import accum_options, first_accum, halved
 from fdp.run.trainer import run

@@ -186,10 +186,10 @@ def _train(cfg, comm: Comm, resume: bool, directory: Path, straight: bool) -> tu
     from fdp.procs.budget import MemoryPhase
     from fdp.run import checkpoint
     from fdp.run.auto_stage import built_at_stage
+    from fdp.run.config.validate import allowed_stages
     from fdp.run.loop import Loop
     from fdp.run.loop_controls import read_resumed
     from fdp.run.rundir import RunDir
-    from fdp.run.validate import allowed_stages
     from fdp.trace import NullTimeline
 
     device = torch.device("cpu")
@@ -297,7 +297,7 @@ def _train_all(rank: int, world: int, jobs: list) -> dict:
 @pytest.fixture(scope="module")
 def pairs():
     """``(pair name, its config, its reference's config)`` for every pair the checks accept."""
-    from fdp.run.compose import compose
+    from fdp.run.config.compose import compose
 
     defaults = compose(*BASE)
     out = []
@@ -333,7 +333,7 @@ def _whole_run_overrides(names: tuple[str, ...]) -> list[str]:
 def trained(pairs, module_run_ranks):
     """Every pair, every reference and every whole run's reference trained, by world size: one start of the
     ranks each. ``{name: (its result, its reference's result, its reference's config)}``."""
-    from fdp.run.compose import compose
+    from fdp.run.config.compose import compose
 
     defaults = compose(*BASE)
     wholes = []
@@ -415,7 +415,7 @@ def _final(run_dir: Path) -> dict:
 @pytest.mark.parametrize("name", list(WHOLE_RUNS))
 def test_whole_runs_of_the_features_a_step_does_not_show_train_as_their_reference(name, trained, tmp_path):
     from fdp.run.checkpoint import BEST
-    from fdp.run.compose import compose
+    from fdp.run.config.compose import compose
     from fdp.run.trainer import run
 
     names, first = WHOLE_RUNS[name]

@@ -10,7 +10,7 @@ import pytest
 import fdp
 from fdp.errors import ConfigError
 from fdp.procs.launchers import launcher_of
-from fdp.run.compose import compose
+from fdp.run.config.compose import compose
 from fdp.run.rank_loss import Restart, ShrinkAndRespawn, ShrinkWorld, check_rank_loss, rank_loss_of
 
 PACKAGE = Path(fdp.__file__).parent

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import _recipe
 
-from fdp.run.compose import compose
+from fdp.run.config.compose import compose
 from fdp.run.reference import help_text, key_docs, reference_markdown
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -17,7 +17,7 @@ PAGE = ROOT / "docs" / "reference" / "config.md"
 
 def test_every_config_key_has_a_meaning_in_its_schema():
     missing = [f"{doc.option or doc.key.split('.')[0]}: {doc.key}" for doc in key_docs() if not doc.meaning]
-    assert not missing, f"schema fields without a comment saying what they mean (fdp/run/config.py): {missing}"
+    assert not missing, f"schema fields without a comment saying what they mean (fdp/run/config/schema.py): {missing}"
 
 
 def test_the_reference_page_is_the_one_the_schemas_generate():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import warnings
 
 from fdp.run.checkpoint.consolidate import consolidate
-from fdp.run.compose import compose
+from fdp.run.config.compose import compose
 from fdp.run.trainer import run
 
 SMALL = ["model.hidden=16", "trainer.progress=false", "data.global_batch_size=32", "trainer.eval_batches=1"]

@@ -14,8 +14,8 @@ import _recipe
 import pytest
 from _saved import saved
 
+from fdp.errors import ConfigError
 from fdp.run.checkpoint import last_of
-from fdp.run.config import ConfigError
 from fdp.run.rundir import LOCK, RankStatus, RunDirInUse, own_run_dir, owner_of
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -30,7 +30,7 @@ from fdp.run.checkpoint.consolidate import consolidate
 from fdp.run.checkpoint.files import is_sharded, read_meta, sharded_steps
 from fdp.run.checkpoint.integrity import MANIFEST
 from fdp.run.checkpoint.whole import host_leaves
-from fdp.run.compose import compose
+from fdp.run.config.compose import compose
 from fdp.step.train_step import make_train_step
 from fdp.update import zero
 

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
+import fdp.run.config.validate
 import fdp.run.rundir
-import fdp.run.validate
 import fdp.run.world
 from fdp.errors import ConfigError
-from fdp.run.compose import compose
+from fdp.run.config.compose import compose
 from fdp.run.rundir import owner_of
 from fdp.run.startup import start_run
 from fdp.run.trainer import run
@@ -38,8 +38,8 @@ def counted(monkeypatch):
 
         monkeypatch.setattr(owner, name, wrapper)
 
-    count(fdp.run.validate, "_validate_trainer", "settings validated")  # every validate() runs it
-    count(fdp.run.validate, "_validate_run_dir", "directory checked")
+    count(fdp.run.config.validate, "_validate_trainer", "settings validated")  # every validate() runs it
+    count(fdp.run.config.validate, "_validate_run_dir", "directory checked")
     count(fdp.run.world, "resolve_world", "world resolved")
     count(fdp.run.startup, "resolve_world", "world resolved")
     count(fdp.run.rundir.Ownership, "release", "directory owned")  # once per own_run_dir, nested or not

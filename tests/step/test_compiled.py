@@ -9,9 +9,10 @@ import pytest
 from _configs import quiet as _cfg
 from _paths import pythonpath_first
 
-from fdp.run.config import ConfigError, register_configs
+from fdp.errors import ConfigError
+from fdp.run.config import register_configs
+from fdp.run.config.validate import validate
 from fdp.run.trainer import run
-from fdp.run.validate import validate
 from fdp.step import compiled
 from fdp.step.compiled import CompileChoice, CompileCosts, check_compile, costs_from, decide_compile
 

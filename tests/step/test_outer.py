@@ -13,15 +13,16 @@ from _saved import saved
 from omegaconf import OmegaConf
 
 from fdp import Comm, adam, cross_entropy_loss, functionalize, init_train_state, plan_buckets, planner_loss, sgd
+from fdp.errors import ConfigError
 from fdp.hooks import allreduce, lowbit
 from fdp.plan import pack_into_buckets, split_fragments
 from fdp.procs.launch import spawn
 from fdp.run.checkpoint import last_of
 from fdp.run.checkpoint.files import is_sharded
-from fdp.run.compose import compose
-from fdp.run.config import ConfigError, DiLoCoConfig, LocalSGDConfig
+from fdp.run.config import DiLoCoConfig, LocalSGDConfig
+from fdp.run.config.compose import compose
+from fdp.run.config.validate import validate
 from fdp.run.trainer import run, run_rank
-from fdp.run.validate import validate
 from fdp.run.world import layout_of
 from fdp.step.outer import init_outer_state, make_outer_step
 from fdp.step.outer_spec import check_outer, fragment_offsets, sending_fragment

@@ -13,6 +13,7 @@ from _saved import saved
 
 from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
 from fdp.comm import Comm
+from fdp.errors import ConfigError
 from fdp.hooks import allreduce, int8, lowbit
 from fdp.hooks.base import init_hook_states
 from fdp.hooks.compress import reduced_in
@@ -22,9 +23,9 @@ from fdp.optim import adam, chain, clip_by_global_norm
 from fdp.plan import plan_buckets, split_fragments
 from fdp.run.checkpoint import last_of
 from fdp.run.checkpoint.consolidate import consolidate
-from fdp.run.config import ConfigError, DiLoCoConfig, LocalSGDConfig, register_configs
+from fdp.run.config import DiLoCoConfig, LocalSGDConfig, register_configs
+from fdp.run.config.validate import validate
 from fdp.run.trainer import run
-from fdp.run.validate import validate
 from fdp.step.chains import Reduction
 from fdp.step.outer import init_outer_state, make_outer_step
 from fdp.step.outer_spec import check_outer

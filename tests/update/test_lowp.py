@@ -8,14 +8,15 @@ from _configs import quiet as _cfg
 
 from fdp import init_train_state, make_train_step, planner_loss
 from fdp.comm import Comm
+from fdp.errors import ConfigError
 from fdp.hooks import bf16, powersgd
 from fdp.model.functional import functionalize
 from fdp.model.losses import make_loss_fn
 from fdp.model.precision import Precision, check_reduce_dtype
 from fdp.optim import adam
 from fdp.plan import plan_buckets
-from fdp.run.config import ConfigError, register_configs
-from fdp.run.validate import validate
+from fdp.run.config import register_configs
+from fdp.run.config.validate import validate
 from fdp.update import zero
 
 register_configs()

@@ -13,15 +13,16 @@ from _saved import saved
 
 from fdp import cross_entropy_loss, init_train_state, make_train_step, planner_loss
 from fdp.comm import Comm
+from fdp.errors import ConfigError
 from fdp.hooks import noop, topk
 from fdp.model.builtin import MLP, CharTransformer
 from fdp.model.functional import functionalize
 from fdp.optim import adam, chain, clip_by_global_norm
 from fdp.optim import sgd as momentum_sgd
 from fdp.plan import pack_into_buckets, plan_buckets
-from fdp.run.config import ConfigError, register_configs
+from fdp.run.config import register_configs
+from fdp.run.config.validate import validate
 from fdp.run.trainer import run
-from fdp.run.validate import validate
 from fdp.update import zero
 
 register_configs()

@@ -12,8 +12,8 @@ from fdp.comm import Comm
 from fdp.model.functional import functionalize
 from fdp.optim import adam, adamw, decay_rule, embedding_names, sgd
 from fdp.plan import pack_into_buckets, plan_buckets
-from fdp.run.compose import compose
-from fdp.run.validate import validate
+from fdp.run.config.compose import compose
+from fdp.run.config.validate import validate
 from fdp.update import zero
 from fdp.update.zero.decay import slice_decay
 

@@ -19,8 +19,8 @@ from fdp.optim import adam, sgd
 from fdp.plan import plan_buckets
 from fdp.run import checkpoint
 from fdp.run.checkpoint import ShardedSaver, load_sharded
-from fdp.run.compose import compose
-from fdp.run.validate import validate
+from fdp.run.config.compose import compose
+from fdp.run.config.validate import validate
 from fdp.update import zero
 
 TOL = 1e-5  # as tests/model/test_precision.py: float16 forward, float32 masters, the optimizers' rounding

@@ -12,7 +12,7 @@ the state a run built, whatever format this run writes. Nothing outside this pac
 
 >>> import tempfile, torch
 >>> from fdp import cross_entropy_loss, functionalize, plan_buckets, planner_loss, sgd
->>> from fdp.run.compose import compose
+>>> from fdp.run.config.compose import compose
 >>> from fdp.update import zero
 >>> model, params, buffers = functionalize(torch.nn.Linear(4, 3))
 >>> batch = (torch.randn(8, 4), torch.randint(0, 3, (8,)))

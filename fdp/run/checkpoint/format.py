@@ -8,7 +8,7 @@ rank, whole on one. ``format_of`` reads the settings once, refusing a bad one na
 ``CheckpointFormat`` that every other part of the run asks (the run's ``Checkpointer``, the memory forecast,
 what a save that ran out of memory says); resuming reads either format, whatever this run writes.
 
->>> from fdp.run.compose import compose
+>>> from fdp.run.config.compose import compose
 >>> format_of(compose().trainer, 4), format_of(compose().trainer, 1)
 (CheckpointFormat(name='sharded', asynchronous=True), CheckpointFormat(name='whole', asynchronous=False))
 """
@@ -145,7 +145,7 @@ def format_of(trainer: Any, world_size: int | None) -> CheckpointFormat:
     """The format a world of ``world_size`` ranks writes (``None``: a size known only at run time), from the
     ``trainer`` config's settings; a bad one is a ``ConfigError`` naming its key.
 
-    >>> from fdp.run.compose import compose
+    >>> from fdp.run.config.compose import compose
     >>> format_of(compose("trainer.checkpoint_async=false").trainer, 2)
     CheckpointFormat(name='sharded', asynchronous=False)
     """

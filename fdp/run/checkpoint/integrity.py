@@ -2,7 +2,7 @@
 
 ``verify(path)`` reads a checkpoint of either format through once and raises one
 ``CheckpointError`` naming the first file that is wrong and what is wrong with it; a run
-calls it (``fdp.run.validate``) before it writes anything into its directory, and
+calls it (``fdp.run.config.validate``) before it writes anything into its directory, and
 ``fdp.run.checkpoint.consolidate`` before it reads the pieces. Each process that starts a run checks for
 itself (under ``torchrun`` every rank), so every rank reaches the same verdict on the same files.
 

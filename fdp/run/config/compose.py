@@ -13,9 +13,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from fdp.run.config import SCHEMAS, register_configs
+from fdp.run.config.schema import SCHEMAS, register_configs
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
 _GROUPS = frozenset({*SCHEMAS, "trainer"})  # the config groups of conf/ (trainer: its one file, default)
 
 

@@ -6,7 +6,7 @@ setting, where its rule is stated once; ``validate`` calls those rules and names
 setting by its config key: a module says ``schedule='x': expected ...``, the run says
 ``trainer.schedule='x': expected ...``.
 
->>> from fdp.run.compose import compose
+>>> from fdp.run.config.compose import compose
 >>> validate(compose("trainer.accum_steps=0"))
 Traceback (most recent call last):
 ...
@@ -37,8 +37,8 @@ from fdp.procs.launchers import launcher_of
 from fdp.run.auto_stage import check_stage_setting
 from fdp.run.callbacks.specs import check_callbacks
 from fdp.run.checkpoint import format_of, saved_config, verify
-from fdp.run.config import SCHEMAS
-from fdp.run.keys import check_keys
+from fdp.run.config.keys import check_keys
+from fdp.run.config.schema import SCHEMAS
 from fdp.run.loop_controls import check_loop_settings
 from fdp.run.micro_batch import AUTO, check_accum_setting
 from fdp.run.rank_loss import (
@@ -139,7 +139,7 @@ def allowed_stages(cfg: Any) -> list[int]:
     """The ZeRO stages the run's other settings allow, lowest first: the one ``trainer.zero_stage`` names, or those
     ``auto`` may take (``fdp.run.auto_stage``); the lowest stage's refusal where none is allowed.
 
-    >>> from fdp.run.compose import compose
+    >>> from fdp.run.config.compose import compose
     >>> allowed_stages(compose("trainer.zero_stage=auto", "outer=diloco"))  # a flat world is one replica
     [0]
     """

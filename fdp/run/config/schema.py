@@ -2,7 +2,7 @@
 
 Every YAML file in ``conf/`` extends one of these dataclasses, so an unknown key or a
 value of the wrong type fails when the config is composed, with a message naming the
-key. Range checks that a type cannot express live in ``fdp.run.validate``.
+key. Range checks that a type cannot express live in ``fdp.run.config.validate``.
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
-
-from fdp.errors import ConfigError  # noqa: F401  (where callers of the config layer have long found it)
 
 
 # -- model -----------------------------------------------------------------------------

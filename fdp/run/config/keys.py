@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fdp.errors import ConfigError
-from fdp.run.config import SCHEMAS, Config, TrainerConfig, WorldConfig
+from fdp.run.config.schema import SCHEMAS, Config, TrainerConfig, WorldConfig
 
 __all__ = ["OWN_KEY_GROUPS", "check_keys", "closest_key", "schema_of", "takes_own_keys", "unknown_key_line"]
 
@@ -116,7 +116,7 @@ def unknown_key_line(group: str, key: str, nodes: Mapping | None = None, shown: 
 def check_keys(cfg: Mapping) -> None:
     """Refuse, in one line, a key that no schema has where no object of the user's own takes it.
 
-    >>> from fdp.run.compose import compose
+    >>> from fdp.run.config.compose import compose
     >>> check_keys(compose("+trainer.devices=2"))  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
         ...
