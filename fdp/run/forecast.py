@@ -64,10 +64,10 @@ __all__ = [
 
 MiB = 2**20
 PHASES = ("build", "step", "update", "save")
-# A recomputed block holds, while backward passes it, its own saves made again and the gradients of as many (traced
-# on the CPU, benchmarks/results/forecast.md: the char transformer on 4 ranks at stage 3, 46 MiB over what is held
-# between steps, of which 24.5 gathers, 3.2 kept and 2 x 7.0 recomputed; GPT-2 and the char transformer at stage 0
-# alike).
+# A recomputed block holds, while backward passes it, its own saves made again and, its graph kept for the pullback,
+# the gradients its backward makes beside them (traced on the CPU, VmHWM read at each block, benchmarks/results/
+# forecast.md: the char transformer at stage 0 on 2 ranks made 16.1 MiB again and 9.2 more in its backward, 1.6 x
+# the traced 16.0; on 4 ranks at stage 3, 8.1 and 5.5, 1.7 x; GPT-2 at stage 3, 36 and 24.8, 2.0 x a traced 30).
 RECOMPUTE_FACTOR = 2
 
 
