@@ -52,6 +52,19 @@ def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage a tensor reaches, ``(start, stop)``: a view keeps its whole storage alive, and views
+    of one storage saved apart (attention's query, key and value cut from one projection) reach all of it.
+
+    >>> qkv = torch.ones(2, 12)  # 96 bytes
+    >>> [_span(t) for t in qkv.view(2, 3, 4).unbind(1)]  # interleaved: of 32 bytes each, together all 96
+    [(0, 64), (16, 80), (32, 96)]
+    """
+    start = t.storage_offset()
+    stop = start + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1 if t.numel() else start
+    return start * t.element_size(), stop * t.element_size()
+
+
 class _FusedAttention(torch.overrides.TorchFunctionMode):
     """Attention on ``meta`` as a device runs it: the fused kernel, which saves its inputs, output and log-sum-exp
     for backward (on ``meta`` torch takes the unfused path, which saves the attention weights, a square per head:
@@ -84,19 +97,22 @@ def saved_activations(
     kept instead, and the most any one of them saved is ``recomputed``.
     """
     own = {_storage_key(p) for p in params.values()}
-    saved: dict[int, int] = {}  # storage -> bytes, outside the checkpointed modules
+    # storage -> the bytes its saved views reach (start, stop), outside the checkpointed modules
+    saved: dict[int, tuple[int, int]] = {}
     inputs: dict[int, int] = {}  # storage -> bytes of the checkpointed modules' inputs
-    inside: list[dict[int, int]] = []  # per checkpointed call: what it saved
+    inside: list[dict[int, tuple[int, int]]] = []  # per checkpointed call: what it saved
     largest = 0
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         nonlocal largest
         key = _storage_key(t)
         if key not in own:
-            nbytes = t.numel() * t.element_size()  # a view counts what it sees (a batch's first samples)
-            largest = max(largest, nbytes)
+            largest = max(largest, t.numel() * t.element_size())  # its gradient: the size of the tensor
             where = inside[-1] if inside else saved
-            where[key] = max(nbytes, where.get(key, 0))
+            # What its views reach together: a batch's first samples, or all of a projection cut in three.
+            start, stop = _span(t)
+            known = where.get(key, (start, stop))
+            where[key] = (min(start, known[0]), max(stop, known[1]))
         return t.detach()  # not the tensor itself: an output saved by its own node would keep the graph alive
 
     def enter(module: nn.Module, args: tuple) -> None:
@@ -109,7 +125,7 @@ def saved_activations(
     def leave(module: nn.Module, args: tuple, output: Any) -> None:
         calls.append(inside.pop())
 
-    calls: list[dict[int, int]] = []
+    calls: list[dict[int, tuple[int, int]]] = []
     handles = [h for m in checkpointed for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
     on_meta = any(p.is_meta for p in params.values())
     try:
@@ -123,8 +139,9 @@ def saved_activations(
     finally:
         for h in handles:
             h.remove()
-    kept = sum(saved.values()) + sum(n for k, n in inputs.items() if k not in saved and k not in own)
-    return Activations(kept, largest, max((sum(c.values()) for c in calls), default=0))
+    reach = lambda spans: sum(stop - start for start, stop in spans.values())  # noqa: E731
+    kept = reach(saved) + sum(n for k, n in inputs.items() if k not in saved and k not in own)
+    return Activations(kept, largest, max((reach(c) for c in calls), default=0))
 
 
 def traced_pair(

@@ -65,10 +65,10 @@ __all__ = [
 
 MiB = 2**20
 PHASES = ("build", "step", "update", "save")
-# A recomputed block holds, while backward passes it, its own saves made again and the gradients of as many (traced
-# on the CPU, benchmarks/results/forecast.md: the char transformer on 4 ranks at stage 3, 46 MiB over what is held
-# between steps, of which 24.5 gathers, 3.2 kept and 2 x 7.0 recomputed; GPT-2 and the char transformer at stage 0
-# alike).
+# A recomputed block holds, while backward passes it, its own saves made again and, its graph kept for the pullback,
+# the gradients its backward makes beside them (traced on the CPU, VmHWM read at each block, benchmarks/results/
+# forecast.md: the char transformer at stage 0 on 2 ranks made 16.1 MiB again and 9.2 more in its backward, 1.6 x
+# the traced 16.0; on 4 ranks at stage 3, 8.1 and 5.5, 1.7 x; GPT-2 at stage 3, 36 and 24.8, 2.0 x a traced 30).
 RECOMPUTE_FACTOR = 2
 
 
@@ -89,9 +89,9 @@ class Terms(NamedTuple):
     recomputed: int
     fixed: int
     build_params: int  # what a build makes at once beyond the state it keeps (the whole params at stages 0-2)
-    collectives: int  # gloo's own buffers for the buckets a step reduces (CPU worlds of more than one rank)
+    collectives: int  # gloo's own buffers for the buckets a step reduces (CPU worlds of more than one rank, stage 1 on)
     update: int  # the optimizer's temporaries over one bucket
-    grads_made: int = 0  # gradients backward returns beside the buckets, packed after it (a world of one rank)
+    grads_made: int = 0  # gradients backward returns beside the buckets (autograd's own, at stages 0-2)
     staging_kept: int = 0  # an asynchronous save's copy, held by the steps after a save made before the run's end
     after_save: int = 0  # what a forward adds after a save whose copy it keeps (evaluation or steps)
 
@@ -240,13 +240,17 @@ def forecast(
         fixed=fixed,
         build_params=plan.nbytes if stage < 3 else max(s.numel for b in plan.buckets for s in b.slots) * 4,
         update=update_temporaries(optimizer, plan, stage, opt),
-        # Measured on 2 CPU ranks: gloo holds about a bucket's size of its own for each bucket it reduces in a step;
-        # at stage 3, which maps its buckets, each is handed back once reduced: the largest one.
+        # Measured on 2 CPU ranks: from stage 1, whose steps gather params as well, gloo holds about a bucket's size
+        # of its own for each bucket it reduces in a step; at stage 3, which maps its buckets, each is handed back
+        # once reduced: the largest one. Stage 0 only all-reduces, in the bucket itself (fdp.comm): nothing of gloo's
+        # (the char transformer with checkpointed blocks on 2 ranks: its reduction ended 2 MiB over the step's start).
         collectives=(max(b.nbytes for b in plan.buckets) if stage == 3 else plan.nbytes)
-        if world > 1 and plan.buckets[0].device == "cpu"
+        if world > 1 and stage > 0 and plan.buckets[0].device == "cpu"
         else 0,
         staging_kept=staging if kept and saves_mid_run else 0,
-        grads_made=plan.nbytes if world == 1 else 0,
+        # Below stage 3 the bucket hooks keep autograd's own gradients, which backward returns at its end (stage 3
+        # puts a placeholder in their place).
+        grads_made=plan.nbytes if stage < 3 else 0,
         after_save=2 * activations.largest if kept else 0,
     )
     each = stage == 3 and accum > 1 and reduces_each(hook, plan)

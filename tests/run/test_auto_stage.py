@@ -2,8 +2,9 @@
 
 The run is an MLP of 4.2M params (16 MiB) in buckets of at most 2 MiB under Adam on 2 local ranks (their budgets are
 not this process's), saved asynchronously at its end. Its forecast peaks over what a rank adds whatever the model
-(``_peaks``): 114 MiB at stage 0, 98 at stages 1 and 2 (the whole params, gradients, gloo's buffers and the update),
-53 at stage 3; the budgets lie half-way between two stages' forecasts, over a fixed part of about 12 MiB.
+(``_peaks``): 90 MiB at stage 0 (its state and the gradients backward returns), 98 at stages 1 and 2 (the whole
+params, gradients, gloo's buffers and the update), 53 at stage 3; the budgets lie half-way between two stages'
+forecasts, over a fixed part of about 12 MiB.
 """
 
 from __future__ import annotations

@@ -78,6 +78,41 @@ def test_saved_activations_are_what_backward_keeps():
     assert per_sample(loss, params, batch, samples=8) == saved_activations(loss, leaves, big)
 
 
+def _graph_keeps(out: torch.Tensor, params: dict) -> int:
+    """Bytes of the storages ``out``'s graph saves for backward (its nodes' ``_saved_`` tensors), each whole."""
+    own = {p.untyped_storage()._cdata for p in params.values()}
+    kept, seen, nodes = {}, set(), [out.grad_fn]
+    while nodes:
+        node = nodes.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for name in dir(node):
+            value = getattr(node, name) if name.startswith("_saved_") else None
+            if isinstance(value, torch.Tensor) and value.untyped_storage()._cdata not in own:
+                kept[value.untyped_storage()._cdata] = value.untyped_storage().nbytes()
+        nodes.extend(next_node for next_node, _ in node.next_functions)
+    return sum(kept.values())
+
+
+def test_views_of_one_storage_saved_apart_keep_all_of_it():
+    """Attention's query, key and value are views of one projection's output: saved apart, they keep all of it
+    alive, as the graph holds them (a count by the largest view took a third: 2 MiB a block missing on the char
+    transformer's 8 samples, benchmarks/results/forecast.md)."""
+    torch.manual_seed(0)
+    qkv = torch.nn.Linear(8, 24)
+    params = {n: p.detach().requires_grad_() for n, p in qkv.named_parameters()}
+
+    def loss(p, x):
+        q, k, v = torch.func.functional_call(qkv, p, (x,)).chunk(3, dim=-1)
+        return (q * k * v).sum()
+
+    x = torch.randn(4, 8)
+    counted = saved_activations(loss, params, x)
+    assert counted.kept == _graph_keeps(loss(params, x), params) == 4 * (8 + 24 + 8) * 4  # x, the projection, q * k
+    assert counted.largest == 4 * 8 * 4  # the gradient of one view is a view's size
+
+
 def test_counting_the_activations_leaves_none_of_them_alive():
     """The trace runs on the real params at stages 0-2 (rank 0, before step 1): what its forward made is freed when
     it returns. A pack hook that hands back the saved tensor itself makes an output saved by its own node (a tanh's)
@@ -130,6 +165,23 @@ def test_stages_need_less_memory_as_they_shard_more():
     assert [r.bytes_sent["per_step"] for r in rows] == [
         forecast_parts.step_bytes_sent(plan, s, 4) for s in range(4)
     ] and rows[0].bytes_sent["per_step"] == plan.nbytes
+
+
+def test_stage_0_reduces_in_place_and_its_backward_returns_the_gradients():
+    """Stage 0 only all-reduces, in the bucket itself (gloo holds nothing of its own: the char transformer with
+    checkpointed blocks on 2 ranks ended its reduction 2 MiB over the step's start, where the forecast had counted a
+    bucket, 12 MiB, and was 11% high); from stage 1 gloo's buffers count. Below stage 3 backward returns autograd's
+    own gradients beside the buckets, on any world (the char transformer's backward ended 12.3 MiB over the step's
+    start on 2 ranks, its params' size, and dropped them at its end)."""
+    _, _, _, plan = _mlp()
+    rows = [
+        forecast.forecast(plan, sgd(0.1), allreduce(), Activations(0, 0), stage=s, world=2, rank=1) for s in range(4)
+    ]
+    assert [r.terms.collectives for r in rows] == [0, plan.nbytes, plan.nbytes, max(b.nbytes for b in plan.buckets)]
+    assert [r.terms.grads_made for r in rows] == [plan.nbytes] * 3 + [0]
+    # With no activations, the step at stage 0 holds its state and the gradients backward returns.
+    t = rows[0].terms
+    assert rows[0].phases["step"] == t.params + t.grads_held + t.optimizer + t.fixed + plan.nbytes
 
 
 def test_the_largest_micro_batch_is_the_last_that_fits():
