@@ -5,7 +5,7 @@ One fresh process, resident memory (RSS) after each first use a rank makes, in t
 gradient and a first build on ``meta`` import, loaded before ``world.memory_per_rank_mb`` starts counting, so
 outside the budget); the first ``meta`` operation; the first ``torch.func`` gradient; a gloo process group of one
 rank; and the heap's free memory handed back (``release_free_memory``). What follows the preload is what the
-forecast's ``fixed`` part measures (``fdp.run.forecast.first_use_mib``).
+forecast's ``fixed`` part measures (``fdp.run.memory.forecast.first_use_mib``).
 
     python benchmarks/fixed_costs.py
 

@@ -1,4 +1,4 @@
-"""Benchmark: the memory forecast (``fdp.run.forecast``) against the peak a run measures, per configuration.
+"""Benchmark: the memory forecast (``fdp.run.memory.forecast``) against the peak a run measures, per configuration.
 
 Each configuration is a real run of ``recipes/train.py`` (a few steps, a whole-file checkpoint and an
 evaluation at the end), started fresh: its ``train.log`` holds the forecast's line from the start
@@ -111,7 +111,7 @@ def table(rows: list[dict], meta: dict) -> str:
         "Each row a fresh run of `recipes/train.py` for a few steps, a checkpoint (whole-file on one rank, sharded "
         "and asynchronous on more) and a short evaluation at the end, under a budget it never reaches "
         f"(`world.memory_per_rank_mb={NEVER_REACHED_MB}`: "
-        "the allocator as a budget sets it). `forecast`: the peak the run logged at start (`fdp.run.forecast`, "
+        "the allocator as a budget sets it). `forecast`: the peak the run logged at start (`fdp.run.memory.forecast`, "
         "the worst rank); `measured`: rank 0's peak resident memory over what it held once its data was loaded "
         "(the summary's `peak_mib`). Goal: within 10%, never more than 5% below.",
         "",

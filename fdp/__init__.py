@@ -63,21 +63,18 @@ or of packages above it in this list; ``tests/test_imports.py`` holds every impo
 * ``run``: from a config to a trained run: schemas, keys and validation (``config``, a package),
   what it reports (``report``: records, ``metrics.jsonl``, loggers), evaluation and the run directory
   (``evaluate``, ``rundir``),
-  the world on this machine (``world``), the one start-up (``startup``: the run's, then each rank's up to its
-  first step), a run's pieces (``build``), its
-  report, epochs, time limits, early stopping and best checkpoints (``loop_controls``), your own code called
-  in the loop (``callbacks``, a package: what one is, from the config, the read-only view it is shown, the
-  loop's calls), the loop of one world (``loop``), a rank's run from start to summary
-  (``trainer``), what a lost rank does (``rank_loss``: restart, shrink, or shrink and respawn, chosen once),
-  what a rank out of memory says (``out_of_memory``), the memory a run will need, forecast from its plan
-  (``forecast``, its parts ``forecast_parts``, ``forecast_run``), and what fits it (``micro_batch``,
-  ``auto_stage``: ``trainer.accum_steps=auto``,
-  ``trainer.zero_stage=auto``), the shell entry (``cli``), its ``--help`` and the docs' pages drawn from
-  the schemas and the checks (``reference``, ``compatibility``) and sweeps (``sweep``); checkpoints, whole and
-  sharded, one component with one owner of save, resume, wait and prune (``checkpoint``, its
-  ``Checkpointer``; the format a world writes, whole, sharded or auto, chosen once; sharded asynchronous ones
-  in DCP's format, their consolidation into one file, and a checkpoint of either format checked whole before
-  use).
+  the world on this machine (``world``), the one start-up (``startup``: the run's, then each rank's up to its first
+  step), a run's pieces (``build``), its report, epochs, time limits, early stopping and best checkpoints
+  (``loop_controls``), your own code called in the loop (``callbacks``, a package: what one is, from the config, the
+  read-only view it is shown, the loop's calls), the loop of one world (``loop``), a rank's run from start to
+  summary (``trainer``), what a lost rank does (``rank_loss``: restart, shrink, or shrink and respawn, chosen once),
+  its memory (``memory``, a package: what a run will need, forecast from its plan, what fits it,
+  ``trainer.accum_steps=auto`` and ``trainer.zero_stage=auto``, and what a rank out of memory says), the shell entry
+  (``cli``), its ``--help`` and the docs' pages drawn from the schemas and the checks (``reference``,
+  ``compatibility``) and sweeps (``sweep``); checkpoints, whole and sharded, one component with one owner of save,
+  resume, wait and prune (``checkpoint``, its ``Checkpointer``; the format a world writes, whole, sharded or auto,
+  chosen once; sharded asynchronous ones in DCP's format, their consolidation into one file, and a checkpoint of
+  either format checked whole before use).
 * ``checkpoint``: the ``python -m fdp.checkpoint consolidate RUN_DIR`` command.
 """
 

@@ -6,7 +6,7 @@
     python recipes/plan.py world=local4 trainer.zero_stage=auto world.memory_per_rank_mb=500  # which stage fits?
 
 The plan is built exactly as ``recipes/train.py`` builds it before step 1, for the world
-and ZeRO stage the config names. Then the memory forecast (``fdp.run.forecast``): each rank's
+and ZeRO stage the config names. Then the memory forecast (``fdp.run.memory.forecast``): each rank's
 memory by part, the peak and its phase, the bytes a step sends, and the same run at stages 0-3
 (with ``world.memory_per_rank_mb``: which fit, and the largest micro-batch each allows). Nothing
 is written but the JSON asked for (its ``memory`` section holds the forecast; no run directory),
@@ -22,9 +22,10 @@ from fdp._torch import preload_compiler
 from fdp.comm import Comm
 from fdp.errors import ConfigError
 from fdp.procs.allocator import budget_accounting
-from fdp.run import auto_stage, build, cli, forecast, forecast_run
+from fdp.run import build, cli
 from fdp.run.build import build_run, display_name
 from fdp.run.config.compose import compose
+from fdp.run.memory import auto_stage, forecast, run_forecast
 
 JSON = "plan_json"  # this recipe's own setting, not a key of the run's config
 
@@ -72,18 +73,18 @@ def main() -> None:
     )
     print(plan)
     print(f"fingerprint: {plan.fingerprint()}")
-    activations = forecast_run.activations_of(cfg, parts)
-    mine = forecast_run.run_forecasts(cfg, parts, world, fixed, activations)
-    stages = forecast_run.run_forecasts(cfg, parts, world, fixed, activations, stages=range(4))
+    activations = run_forecast.activations_of(cfg, parts)
+    mine = run_forecast.run_forecasts(cfg, parts, world, fixed, activations)
+    stages = run_forecast.run_forecasts(cfg, parts, world, fixed, activations, stages=range(4))
     print()
     print(
-        forecast_run.describe(
+        run_forecast.describe(
             mine, stages, cfg.world.memory_per_rank_mb, _largest(cfg, parts, world, fixed, activations)
         )
     )
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({**plan.to_dict(), "memory": forecast_run.memory_section(mine, stages)}, f, indent=1)
+            json.dump({**plan.to_dict(), "memory": run_forecast.memory_section(mine, stages)}, f, indent=1)
 
 
 def _auto_stage(cfg, fixed: float):
@@ -112,7 +113,7 @@ def _largest(cfg, parts, world: int, fixed: float, activations) -> dict[int, int
         return None
 
     def fits(stage: int, micro: int) -> bool:
-        ranks = forecast_run.run_forecasts(cfg, parts, world, fixed, activations, [stage], micro)
+        ranks = run_forecast.run_forecasts(cfg, parts, world, fixed, activations, [stage], micro)
         return max(f.peak for f in ranks) <= budget * forecast.MiB
 
     most = max(1, cfg.data.global_batch_size // world)

@@ -3,7 +3,7 @@ part of the run a rank is in when it does.
 
 A GPU's memory is a budget every rank has; ``limit_memory`` gives a rank one on any device, so a run that needs
 more fails with an out-of-memory error (``is_out_of_memory`` tells one from any other) instead of slowing the
-machine down, and ``MemoryPhase`` lets its line say where (``fdp.run.out_of_memory``).
+machine down, and ``MemoryPhase`` lets its line say where (``fdp.run.memory.out_of_memory``).
 """
 
 from __future__ import annotations

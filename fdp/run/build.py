@@ -50,7 +50,7 @@ from fdp.procs.devices import batch_to_device, to_device
 from fdp.run.config import DATA_SETTINGS
 from fdp.run.evaluate import metric_names
 from fdp.run.loop_controls import run_steps
-from fdp.run.micro_batch import AUTO
+from fdp.run.memory.micro_batch import AUTO
 from fdp.run.rank_loss import rank_loss_of
 from fdp.state.train_state import TrainState
 from fdp.step.outer import init_outer_state
@@ -244,10 +244,10 @@ def build_run(
 
 
 def planned_run(cfg: DictConfig, comm: Comm, device: torch.device, data: Dataset | MapData) -> RunParts:
-    """What a memory forecast of the run reads (``fdp.run.forecast_run``), without its train state: the model built
-    on ``meta`` where it can be (else whole), its plan, hook and optimizer; ``state`` holds the params as built
+    """What a memory forecast of the run reads (``fdp.run.memory.run_forecast``), without its train state: the model
+    built on ``meta`` where it can be (else whole), its plan, hook and optimizer; ``state`` holds the params as built
     and the buffers, no optimizer or hook state (``trainer.zero_stage=auto`` decides the stage from it before the
-    run is built at that stage: ``fdp.run.auto_stage``)."""
+    run is built at that stage: ``fdp.run.memory.auto_stage``)."""
     precision = check_precision(cfg.trainer.precision, device.type, cfg.trainer.reduce_dtype)
     criterion = build_loss(OmegaConf.to_container(cfg.loss, resolve=True))
     pieces = _built_on_meta(cfg, data, device, precision, criterion, comm, quiet=True)

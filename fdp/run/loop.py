@@ -32,9 +32,9 @@ from fdp.procs.shrink import Shrink, ShrinkingWorld, whole_groups
 from fdp.run.build import RunParts, node_size_of, regrouped
 from fdp.run.callbacks import Callbacks
 from fdp.run.checkpoint import Checkpointer
-from fdp.run.forecast_run import forecast_accum
 from fdp.run.loop_controls import LoopControls
-from fdp.run.micro_batch import AUTO, Agreement, MicroBatchOutOfMemory, budget_mib, fixed_accum, halved
+from fdp.run.memory.micro_batch import AUTO, Agreement, MicroBatchOutOfMemory, budget_mib, fixed_accum, halved
+from fdp.run.memory.run_forecast import forecast_accum
 from fdp.run.rank_loss import rank_loss_of
 from fdp.run.rejoin import heal
 from fdp.run.report.records import Report
@@ -63,7 +63,7 @@ def make_step(
     after_backward=None,
 ) -> TrainStep:
     """The run's train step (``fdp.step``) for the world of ``comm``, from its settings and pieces; ``accum_steps``
-    and ``after_backward``: what ``trainer.accum_steps=auto`` decided (``fdp.run.micro_batch``)."""
+    and ``after_backward``: what ``trainer.accum_steps=auto`` decided (``fdp.run.memory.micro_batch``)."""
     tc = cfg.trainer
     options = dict(
         # donate: the loop never looks at a state again once it has the next (but a world that
@@ -129,8 +129,8 @@ class Loop:
         self.since = time.perf_counter()
         self.checkpoints: Checkpointer | None = None
         self.launched = comm.world_size
-        # trainer.accum_steps=auto (fdp.run.micro_batch): what the run's memory forecast starts from (the fixed part
-        # and the base, MiB), the choice and its records for metrics.jsonl.
+        # trainer.accum_steps=auto (fdp.run.memory.micro_batch): what the run's memory forecast starts from (the fixed
+        # part and the base, MiB), the choice and its records for metrics.jsonl.
         self.memory, self.auto = memory, cfg.trainer.accum_steps == AUTO
         self.accum, self.agreement, self.choices = fixed_accum(cfg.trainer.accum_steps), None, []
         self.join(comm)
@@ -158,10 +158,10 @@ class Loop:
         )
 
     def _make_step(self) -> None:
-        """The step function. Under ``trainer.accum_steps=auto`` on its own groups (``fdp.run.micro_batch.Agreement``),
-        ``world.hierarchical``'s made again too: a rank waiting in a collective of the update or the hook for a rank
-        that ran out of memory is woken as in the step's own, and a step abandoned with collectives in flight on
-        them leaves them behind."""
+        """The step function. Under ``trainer.accum_steps=auto`` on its own groups
+        (``fdp.run.memory.micro_batch.Agreement``), ``world.hierarchical``'s made again too: a rank waiting in a
+        collective of the update or the hook for a rank that ran out of memory is woken as in the step's own, and a
+        step abandoned with collectives in flight on them leaves them behind."""
         cfg = self.cfg
         self.train_step = None  # the last one's buffers freed before the next one's are made
         comm = self.agreement.step_comm() if self.agreement is not None else self.comm

@@ -43,7 +43,7 @@ from fdp.procs.heartbeat import Heartbeat
 from fdp.procs.launch import RankLostError, WorkerFailedError
 from fdp.procs.shrink import check_shrinkable_batch, launched_world
 from fdp.run.checkpoint import saved_steps
-from fdp.run.micro_batch import fixed_accum
+from fdp.run.memory.micro_batch import fixed_accum
 from fdp.run.rundir import RankStatus, RunDir
 from fdp.update.zero import ZERO_STAGES, stage_rules
 

@@ -15,7 +15,7 @@ A refusal raised in the block (a bad setting, a checkpoint that does not fit, a 
 world's worker refusing) leaves the directory as the run found it.
 
 Each rank then starts with ``start_rank`` (``fdp.run.trainer``'s ``_train`` calls it): its log, the data, the
-run's pieces (``fdp.run.build``, at the ZeRO stage ``fdp.run.auto_stage`` decides), its first state (built, or
+run's pieces (``fdp.run.build``, at the ZeRO stage ``fdp.run.memory.auto_stage`` decides), its first state (built, or
 read from the checkpoint it resumes from: ``fdp.run.checkpoint.resume``), the memory forecast's line, the compile
 choice, and the loop ready to run its first step (``fdp.run.loop.Loop``) with its report.
 """
@@ -46,16 +46,16 @@ from fdp.procs.allocator import PeakMemory, release_free_memory
 from fdp.procs.budget import MemoryPhase, limit_memory
 from fdp.procs.launchers import launcher_of
 from fdp.procs.shrink import ShrinkingWorld, check_shrinkable_batch
-from fdp.run.auto_stage import built_at_stage
 from fdp.run.build import RunParts, build_data, display_name, node_size_of
 from fdp.run.callbacks import Callbacks
 from fdp.run.checkpoint import resume
 from fdp.run.config.validate import allowed_stages, validate, validate_run_dir
-from fdp.run.forecast import built_mib, first_use_mib
-from fdp.run.forecast_run import start_line
 from fdp.run.loop import Loop
 from fdp.run.loop_controls import LoopControls, read_resumed, run_steps
-from fdp.run.micro_batch import fixed_accum
+from fdp.run.memory.auto_stage import built_at_stage
+from fdp.run.memory.forecast import built_mib, first_use_mib
+from fdp.run.memory.micro_batch import fixed_accum
+from fdp.run.memory.run_forecast import start_line
 from fdp.run.rank_loss import rank_loss_of
 from fdp.run.rejoin import Joining, enter_world
 from fdp.run.report.records import Report, evaluated_names
@@ -139,10 +139,10 @@ def start_rank(
     # would not count it): loaded before the budget starts.
     preload_compiler()
     limit_memory(cfg.world.memory_per_rank_mb, device)  # from here: what the run adds to the data it loaded
-    peak = PeakMemory(device)  # what the summary says the run held at most, over this (fdp.run.forecast's peak)
+    peak = PeakMemory(device)  # what the summary says the run held at most, over this (fdp.run.memory.forecast's peak)
     with phase("build"):  # to the first step: what setting up the loop holds is the build's too
         fixed = first_use_mib() if device.type == "cpu" else 0.0  # the first operations' buffers: the build's
-        # trainer.zero_stage=auto: the stage decided (fdp.run.auto_stage); from here cfg names it
+        # trainer.zero_stage=auto: the stage decided (fdp.run.memory.auto_stage); from here cfg names it
         cfg, parts, stage_choice = built_at_stage(cfg, comm, device, data, world, allowed_stages(cfg), fixed, peak.base)
         phase.stage = parts.update.stage
         source = None if joiner else _resume_source(cfg, run_dir)

@@ -49,7 +49,7 @@ from fdp.run.build import node_size_of, tune_allocator_for
 from fdp.run.callbacks import check_given
 from fdp.run.loop import Loop
 from fdp.run.loop_controls import LoopControls
-from fdp.run.out_of_memory import out_of_memory_message
+from fdp.run.memory.out_of_memory import out_of_memory_message
 from fdp.run.rank_loss import lost_message, lost_rank_error, rank_loss_of
 from fdp.run.rejoin import Joining, RunEnded
 from fdp.run.report.records import Report

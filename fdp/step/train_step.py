@@ -103,7 +103,7 @@ class StepOptions(NamedTuple):
     * ``after_backward``: called once the micro-batches' forwards and backwards are done, before anything of
       the state is written (even a donated one: the optimizer steps the buckets only after it), with the error
       they raised or ``None``; it raises to abandon the step with ``state`` intact, or returns to go on
-      (``fdp.run.micro_batch``: every rank agrees there on whether one ran out of memory). ``None``: an error
+      (``fdp.run.memory.micro_batch``: every rank agrees there on whether one ran out of memory). ``None``: an error
       in backward is raised as it is.
     """
 

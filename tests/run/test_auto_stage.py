@@ -1,4 +1,4 @@
-"""``trainer.zero_stage=auto`` (fdp.run.auto_stage): the lowest ZeRO stage whose memory forecast fits the budget.
+"""``trainer.zero_stage=auto`` (fdp.run.memory.auto_stage): the lowest ZeRO stage whose memory forecast fits the budget.
 
 The run is an MLP of 4.2M params (16 MiB) in buckets of at most 2 MiB under Adam on 2 local ranks (their budgets are
 not this process's), saved asynchronously at its end. Its forecast peaks over what a rank adds whatever the model
@@ -17,11 +17,11 @@ from _saved import same, trained_state
 
 from fdp.comm import Comm
 from fdp.procs.launch import WorkerFailedError
-from fdp.run import forecast
 from fdp.run.build import build_run
 from fdp.run.config.compose import compose
 from fdp.run.config.validate import allowed_stages
-from fdp.run.forecast_run import activations_of, run_forecasts
+from fdp.run.memory import forecast
+from fdp.run.memory.run_forecast import activations_of, run_forecasts
 from fdp.run.trainer import run
 
 COMMON = (
@@ -121,7 +121,7 @@ def test_no_stage_that_fits_is_refused_before_training_naming_the_smallest_peak(
 def test_under_a_budget_auto_takes_the_lowest_stage_that_fits_and_the_run_fits_its_asynchronous_save(tmp_path):
     """Under a budget over stage 0's forecast auto takes stage 0, and the run fits the budget to its end: the
     asynchronous save's staging copy of the rank's pieces, kept while the write and the last evaluation run
-    (``fdp.run.forecast_parts.piece_bytes``: what the save logs it staged). (Adam's update, stepped in place by the
+    (``fdp.run.memory.parts.piece_bytes``: what the save logs it staged). (Adam's update, stepped in place by the
     fused kernel, makes nothing at stage 0, where stage 1 gathers the whole params beside the old: on 2 ranks stage 0
     forecasts less than stage 1, and no budget fits stage 1 alone.)"""
     summary = run(

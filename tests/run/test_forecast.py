@@ -1,4 +1,4 @@
-"""The memory forecast (fdp.run.forecast): each part equals what it counts, the stages order as they shard, the
+"""The memory forecast (fdp.run.memory.forecast): each part equals what it counts, the stages order as they shard, the
 recipe's JSON section, and a run's measured peak within the forecast's goal."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from fdp.hooks import allreduce
 from fdp.model.activations import Activations, per_sample, saved_activations
 from fdp.model.losses import cross_entropy_loss, planner_loss
 from fdp.plan import plan_buckets
-from fdp.run import forecast, forecast_parts
+from fdp.run.memory import forecast, parts
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,10 +42,10 @@ def test_params_and_slices_count_every_element_and_the_padding():
     params, _, _, plan = _mlp()
     assert len(plan) > 1
     whole = sum(p.numel() * p.element_size() for p in params.values())
-    assert forecast_parts.params_bytes(plan, stage=0, world=3) == whole
+    assert parts.params_bytes(plan, stage=0, world=3) == whole
     for world in (1, 2, 3, 4):
         expected = sum(math.ceil(b.numel / world) * 4 for b in plan.buckets)  # each bucket padded to world slices
-        assert forecast_parts.params_bytes(plan, stage=3, world=world) == expected
+        assert parts.params_bytes(plan, stage=3, world=world) == expected
         assert whole <= world * expected < whole + world * 4 * len(plan)
 
 
@@ -53,16 +53,12 @@ def test_params_and_slices_count_every_element_and_the_padding():
 def test_optimizer_state_is_what_the_optimizer_makes(make, per_param):
     params, _, _, plan = _mlp()
     optimizer = make()
-    real = forecast_parts.tree_bytes(optimizer.init(params))  # the state the optimizer makes for real params
+    real = parts.tree_bytes(optimizer.init(params))  # the state the optimizer makes for real params
     whole = sum(p.numel() * 4 for p in params.values())
-    assert forecast_parts.optimizer_state_bytes(optimizer, plan, stage=0, world=2) == real
+    assert parts.optimizer_state_bytes(optimizer, plan, stage=0, world=2) == real
     assert per_param * whole <= real <= per_param * whole + 64  # momentum / two moments (and a step count)
-    sliced = forecast_parts.optimizer_state_bytes(optimizer, plan, stage=1, world=2)
-    assert (
-        per_param * forecast_parts.slice_bytes(plan, 2)
-        <= sliced
-        <= per_param * forecast_parts.slice_bytes(plan, 2) + 64 * len(plan)
-    )
+    sliced = parts.optimizer_state_bytes(optimizer, plan, stage=1, world=2)
+    assert per_param * parts.slice_bytes(plan, 2) <= sliced <= per_param * parts.slice_bytes(plan, 2) + 64 * len(plan)
 
 
 def test_saved_activations_are_what_backward_keeps():
@@ -162,9 +158,9 @@ def test_stages_need_less_memory_as_they_shard_more():
     assert held == sorted(held, reverse=True) and held[3] < held[2] < held[0]
     assert held[3] == min(held)
     assert rows[0].terms.optimizer == 2 * rows[0].terms.params  # Adam's two moments (its step count is no tensor)
-    assert [r.bytes_sent["per_step"] for r in rows] == [
-        forecast_parts.step_bytes_sent(plan, s, 4) for s in range(4)
-    ] and rows[0].bytes_sent["per_step"] == plan.nbytes
+    assert [r.bytes_sent["per_step"] for r in rows] == [parts.step_bytes_sent(plan, s, 4) for s in range(4)] and rows[
+        0
+    ].bytes_sent["per_step"] == plan.nbytes
 
 
 def test_stage_0_reduces_in_place_and_its_backward_returns_the_gradients():
@@ -279,9 +275,9 @@ def test_an_outer_loop_over_hybrid_sharded_replicas_syncs_and_keeps_its_slices(s
     assert row.bytes_sent["per_outer_sync"] == pieces
     assert row.bytes_sent["across_nodes"] == 0
     # Hybrid sharding hands each rank its slice at every stage: stage 1 reduces and checks as stage 2 does.
-    assert row.bytes_sent["inside_node"] == forecast_parts.step_bytes_sent(plan, max(stage, 2), world=2)
+    assert row.bytes_sent["inside_node"] == parts.step_bytes_sent(plan, max(stage, 2), world=2)
     assert row.terms.extra_state == 2 * pieces  # the anchor and the outer momentum of the slices
-    assert row.terms.optimizer == forecast_parts.optimizer_state_bytes(sgd(0.1, momentum=0.9), plan, stage, world=2)
+    assert row.terms.optimizer == parts.optimizer_state_bytes(sgd(0.1, momentum=0.9), plan, stage, world=2)
     assert row.terms.params == (pieces if stage == 3 else plan.nbytes)
     # Without the outer loop, hybrid sharding's step sends the rank's slice of each bucket across nodes.
     step = forecast.forecast(plan, sgd(0.1), allreduce(), Activations(0, 0), stage=stage, world=4, node_size=2)

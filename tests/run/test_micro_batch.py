@@ -1,5 +1,6 @@
-"""``trainer.accum_steps=auto`` (fdp.run.micro_batch): the largest micro-batch the forecast fits in the budget, halved
-when a step runs out of memory anyway; the run equals runs with each micro-batch it ran at fixed, bit for bit.
+"""``trainer.accum_steps=auto`` (fdp.run.memory.micro_batch): the largest micro-batch the forecast fits in the
+budget, halved when a step runs out of memory anyway; the run equals runs with each micro-batch it ran at
+fixed, bit for bit.
 
 The runs are an MLP whose forward keeps 32 MiB of activations per 512 samples (a hidden layer of 16384), one
 rank's share of 512 samples, on a local world (its ranks are this process's workers: their budgets are not this
@@ -17,11 +18,11 @@ import pytest
 from _saved import same, trained_state
 
 from fdp.comm import Comm
-from fdp.run import forecast
 from fdp.run.build import build_run
 from fdp.run.config.compose import compose
-from fdp.run.forecast_run import activations_of, run_forecasts
-from fdp.run.micro_batch import accum_options, first_accum, halved
+from fdp.run.memory import forecast
+from fdp.run.memory.micro_batch import accum_options, first_accum, halved
+from fdp.run.memory.run_forecast import activations_of, run_forecasts
 from fdp.run.trainer import run
 
 SHARE = 512
@@ -84,7 +85,7 @@ def _forecast_peak(cfg):
 
 def test_auto_takes_the_largest_micro_batch_the_forecast_fits_and_equals_the_fixed_run(tmp_path):
     """A budget between the forecasts of 256 and 512 samples per forward: the run starts at 256, the largest
-    divisor of its share the forecast fits (``fdp.run.forecast.largest_micro_batch`` agrees, with the part the
+    divisor of its share the forecast fits (``fdp.run.memory.forecast.largest_micro_batch`` agrees, with the part the
     rank measured), and equals a run with that micro-batch fixed (and with any its first steps halved it to, fixed
     from their step), params and optimizer state to the bit."""
     peak = _forecast_peak(compose(*COMMON))

@@ -17,7 +17,7 @@ compresses each node's sum, so it equals the run with one rank per node (two ran
 
 How, within the suite's time. The ranks start once (``run_ranks``: two, and four for ``hierarchical``, two nodes of
 two) and build each pair's run in-process from its config through the run's own path:
-``fdp.run.auto_stage.built_at_stage`` (the stage, then ``fdp.run.build.build_run``: data, model, plan, hook,
+``fdp.run.memory.auto_stage.built_at_stage`` (the stage, then ``fdp.run.build.build_run``: data, model, plan, hook,
 optimizer, ZeRO update, first state), ``fdp.run.loop.Loop`` (its step and this rank's
 batches, as ``fdp.run.trainer`` makes them) and ``fdp.run.loop_controls.LoopControls`` (the moving average,
 max_time's clock, the monitors' checks), three steps of a small model each. A pair with a checkpoint format saves
@@ -185,10 +185,10 @@ def _train(cfg, comm: Comm, resume: bool, directory: Path, straight: bool) -> tu
     reference where that is ``cfg`` itself): the second result, ``None`` otherwise."""
     from fdp.procs.budget import MemoryPhase
     from fdp.run import checkpoint
-    from fdp.run.auto_stage import built_at_stage
     from fdp.run.config.validate import allowed_stages
     from fdp.run.loop import Loop
     from fdp.run.loop_controls import read_resumed
+    from fdp.run.memory.auto_stage import built_at_stage
     from fdp.run.rundir import RunDir
     from fdp.trace import NullTimeline
 

@@ -245,7 +245,7 @@ def test_evaluation_in_pieces_gives_the_whole_batches_result():
 
 def test_out_of_memory_lines_name_the_phase_and_what_to_change():
     from fdp.procs.budget import MemoryPhase
-    from fdp.run.out_of_memory import out_of_memory_message
+    from fdp.run.memory.out_of_memory import out_of_memory_message
 
     common = ["world.memory_per_rank_mb=500", "data.global_batch_size=64", "trainer.accum_steps=2"]
     cfg = make_cfg(*common, "trainer.checkpoint_format=whole")
@@ -314,7 +314,7 @@ def test_an_asynchronous_write_that_runs_out_of_memory_is_the_saves_out_of_memor
     import sys
 
     from fdp.procs.budget import LateOutOfMemory, MemoryPhase
-    from fdp.run.out_of_memory import out_of_memory_message
+    from fdp.run.memory.out_of_memory import out_of_memory_message
 
     env = {**os.environ, "PYTHONPATH": pythonpath_first()}
     out = subprocess.run([sys.executable, "-c", _LATE_PROBE], capture_output=True, text=True, env=env, timeout=600)

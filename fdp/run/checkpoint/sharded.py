@@ -185,7 +185,9 @@ class ShardedSaver:
             self._thread.join()
             self._thread = None
         error, self._error = self._error, None
-        if error is not None and is_out_of_memory(error):  # the save's out-of-memory line (fdp.run.out_of_memory)
+        if error is not None and is_out_of_memory(
+            error
+        ):  # the save's out-of-memory line (fdp.run.memory.out_of_memory)
             raise LateOutOfMemory("save", self._writing, "the asynchronous checkpoint write", error) from error
         if error is not None:
             raise CheckpointError(f"the asynchronous checkpoint write failed: {error}") from error

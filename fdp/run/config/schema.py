@@ -194,7 +194,7 @@ class TrainerConfig:
     ema_decay: float = 0.0  # a moving average of the params, evaluated as ema_<metric> and checkpointed (0: off)
     stop_at: int = 0  # end this invocation early at this step, to resume later (0: run to max_steps)
     # micro-batches per step (gradients accumulated; the global batch stays) | auto: the largest micro-batch the memory
-    # forecast fits in the budget, halved when a step runs out of memory anyway (fdp.run.micro_batch)
+    # forecast fits in the budget, halved when a step runs out of memory anyway (fdp.run.memory.micro_batch)
     accum_steps: Any = 1
     log_every: int = 10  # steps between lines in train.log and metrics.jsonl (the end is always logged)
     eval_every: int = 100  # 0: evaluate only at the end
@@ -222,7 +222,7 @@ class TrainerConfig:
     # auto | true | false: torch.compile the gradient computation (auto: on a GPU, when the run repays the compile)
     compile: Any = "auto"
     # 0 | 1 (shard optimizer state over ranks) | 2 (and reduced gradients) | 3 (and params) | auto: the lowest stage
-    # whose memory forecast fits the budget (fdp.run.auto_stage)
+    # whose memory forecast fits the budget (fdp.run.memory.auto_stage)
     zero_stage: Any = 0
     sample_streams: Any = (
         "auto"  # auto | true | false: dropout masks per sample, alike on any world (auto: if it may shrink)

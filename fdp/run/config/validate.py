@@ -34,13 +34,13 @@ from fdp.plan.values import check_cap
 from fdp.procs.devices import BACKENDS
 from fdp.procs.interrupt import check_requeue_signal
 from fdp.procs.launchers import launcher_of
-from fdp.run.auto_stage import check_stage_setting
 from fdp.run.callbacks.specs import check_callbacks
 from fdp.run.checkpoint import format_of, saved_config, verify
 from fdp.run.config.keys import check_keys
 from fdp.run.config.schema import SCHEMAS
 from fdp.run.loop_controls import check_loop_settings
-from fdp.run.micro_batch import AUTO, check_accum_setting
+from fdp.run.memory.auto_stage import check_stage_setting
+from fdp.run.memory.micro_batch import AUTO, check_accum_setting
 from fdp.run.rank_loss import (
     check_one_process,
     check_rank_loss,
@@ -137,7 +137,7 @@ def _validate_trainer(cfg: Any) -> None:
 
 def allowed_stages(cfg: Any) -> list[int]:
     """The ZeRO stages the run's other settings allow, lowest first: the one ``trainer.zero_stage`` names, or those
-    ``auto`` may take (``fdp.run.auto_stage``); the lowest stage's refusal where none is allowed.
+    ``auto`` may take (``fdp.run.memory.auto_stage``); the lowest stage's refusal where none is allowed.
 
     >>> from fdp.run.config.compose import compose
     >>> allowed_stages(compose("trainer.zero_stage=auto", "outer=diloco"))  # a flat world is one replica

@@ -20,7 +20,7 @@ from fdp.data import SPLITS, has_split
 from fdp.optim.ema import averaged_as
 from fdp.run.build import RunParts, display_name
 from fdp.run.evaluate import evaluate
-from fdp.run.micro_batch import fixed_accum
+from fdp.run.memory.micro_batch import fixed_accum
 from fdp.run.report.loggers import check_loggers, open_loggers
 from fdp.run.report.metrics import MetricsLog, StepTimes, progress
 from fdp.run.rundir import RunDir
@@ -71,7 +71,7 @@ class Report:
         self.accum = fixed_accum(cfg.trainer.accum_steps)  # micro-batches per step (trainer.accum_steps=auto decides)
         self.micro_batches: list[dict] = []  # each micro-batch trainer.accum_steps=auto chose
         self.grows: list[dict] = []  # each time ranks joined it (fdp.procs.grow)
-        self.stage_choice = stage_choice  # the stage trainer.zero_stage=auto chose (fdp.run.auto_stage)
+        self.stage_choice = stage_choice  # the stage trainer.zero_stage=auto chose (fdp.run.memory.auto_stage)
         if self.log and stage_choice:
             self.log.write({"zero_stage": True, "step": first_step, **stage_choice})
 

@@ -201,7 +201,7 @@ class ParamGather:
 
     def abandon(self) -> None:
         """Leave the model for good, what is on the wire not waited for: a world that lost a rank mid-step goes on
-        with another gather (its group may be gone), and a step that failed for good (``fdp.run.micro_batch``) is
+        with another gather (its group may be gone), and a step that failed for good (``fdp.run.memory.micro_batch``) is
         redone by another step function; every bucket is released, and this one's hooks would gather again in its
         forwards."""
         for index in range(len(self.flats)):

@@ -2,8 +2,8 @@
 
 The global batch never changes, only how many forwards a rank splits its share into
 (``accum_steps``, a divisor of the share). At start, after a shrink and on resume the run
-takes the largest micro-batch whose forecast (``fdp.run.forecast``) fits the budget
-(``world.memory_per_rank_mb``, or on a GPU its memory; ``fdp.run.forecast_run.forecast_accum``), every rank the
+takes the largest micro-batch whose forecast (``fdp.run.memory.forecast``) fits the budget
+(``world.memory_per_rank_mb``, or on a GPU its memory; ``fdp.run.memory.run_forecast.forecast_accum``), every rank the
 smallest of theirs.
 The first step confirms it. When a step's forwards and backwards run out of memory anyway
 (CUDA's ``OutOfMemoryError``, the CPU budget's overrun), the step is abandoned before it
@@ -15,7 +15,7 @@ failed is woken through the store), and the step is done again from the same sta
 with half the micro-batch. A step is a pure function of its state and batch, so the run equals
 one with the micro-batch it ends on fixed from there, bit for bit. Out of memory at a micro-batch of
 one sample, or in another part of the step (the update: a smaller micro-batch does not help
-there), the run fails as it would with a fixed one (``fdp.run.out_of_memory``).
+there), the run fails as it would with a fixed one (``fdp.run.memory.out_of_memory``).
 
 >>> accum_options(12)
 [1, 2, 3, 4, 6, 12]
@@ -38,7 +38,7 @@ from fdp.comm import Comm
 from fdp.errors import require
 from fdp.procs.allocator import release_free_memory
 from fdp.procs.budget import is_out_of_memory
-from fdp.run.forecast import MiB
+from fdp.run.memory.forecast import MiB
 
 __all__ = [
     "AUTO",

@@ -1,14 +1,14 @@
 """``trainer.zero_stage=auto``: the lowest ZeRO stage whose memory forecast fits the budget.
 
 Each rank decides before the run's pieces are built for good, at start and on every resume (another machine may
-have another budget), as ``trainer.accum_steps=auto`` decides its micro-batch (``fdp.run.micro_batch``):
+have another budget), as ``trainer.accum_steps=auto`` decides its micro-batch (``fdp.run.memory.micro_batch``):
 
-* the budget is ``world.memory_per_rank_mb``, or on a GPU its free memory (``fdp.run.micro_batch.budget_mib``);
+* the budget is ``world.memory_per_rank_mb``, or on a GPU its free memory (``fdp.run.memory.micro_batch.budget_mib``);
   without one (0 on the CPU) the stage is 0;
 * the candidates are the stages the run's other settings allow (``fdp.run.config.validate.allowed_stages``: an
   outer loop on a flat world, an optimizer a shard cannot step, a world that shrinks, ... rule some out), lowest
   first;
-* the forecast (``fdp.run.forecast_run.run_forecasts``) of every candidate is read from the run's plan, built on
+* the forecast (``fdp.run.memory.run_forecast.run_forecasts``) of every candidate is read from the run's plan, built on
   ``meta`` where the model can be (``fdp.run.build.planned_run``: no train state is made), and the run is then
   built once, at the stage chosen;
 * the stage is the lowest candidate whose peak fits at the requested micro-batch (``trainer.accum_steps``'s).
@@ -48,9 +48,9 @@ from fdp.procs.allocator import release_free_memory
 from fdp.procs.launch import RunDoesNotFit
 from fdp.procs.shrink import shrink_store
 from fdp.run.build import RunParts, build_run, planned_run
-from fdp.run.forecast import MiB, built_mib
-from fdp.run.forecast_run import activations_of, run_forecasts
-from fdp.run.micro_batch import AUTO, accum_options, budget_mib, fixed_accum
+from fdp.run.memory.forecast import MiB, built_mib
+from fdp.run.memory.micro_batch import AUTO, accum_options, budget_mib, fixed_accum
+from fdp.run.memory.run_forecast import activations_of, run_forecasts
 from fdp.run.rejoin import Joining
 from fdp.update.zero import ZERO_STAGES
 

@@ -4,7 +4,7 @@ Everything here follows from the static plan (every bucket, slice and gather is 
 before step 1), the optimizer's and hooks' state made on ``meta`` (the sizes without the
 memory), and the activations a forward keeps, counted on a tiny trace of one and two
 samples and scaled to the micro-batch (``fdp.model.activations``). Each part is a small
-pure function of those values (``fdp.run.forecast_parts``); ``forecast`` adds them up phase by phase:
+pure function of those values (``fdp.run.memory.parts``); ``forecast`` adds them up phase by phase:
 
 * ``build``: building the model and its train state (stages 0-2 make the whole params
   and lay them out, stage 3 only its slices and one parameter);
@@ -37,7 +37,7 @@ from fdp.optim import GradientTransformation
 from fdp.plan import BucketPlan
 from fdp.procs.allocator import release_free_memory, resident_mib
 from fdp.run.checkpoint.format import CheckpointFormat
-from fdp.run.forecast_parts import (
+from fdp.run.memory.parts import (
     accumulated_grad_bytes,
     gathers_in_flight,
     grad_buffer_bytes,
@@ -271,7 +271,7 @@ def _links(
     each: bool = False,
 ) -> dict[str, int]:
     """Bytes a rank sends per step of ``accum`` micro-batches on each link: inside a node, across nodes
-    (``world.hierarchical``), and per outer sync (``fdp.run.forecast_parts.step_bytes_sent``; ``each``: stage 3
+    (``world.hierarchical``), and per outer sync (``fdp.run.memory.parts.step_bytes_sent``; ``each``: stage 3
     reduces each micro-batch's buckets). Under hybrid sharding a step's reductions and gathers stay in the node, and
     only the rank's slice of each reduced bucket crosses (through the hook chain), as often as the bucket is reduced;
     its stage 1 reduces and checks as stage 2 does, each rank handed its slice. Under an outer loop over

@@ -1,6 +1,6 @@
 """The parts of a rank's memory and of what a step sends, one small pure function each, from the static plan and
-the optimizer's and hooks' state made on ``meta`` (the sizes without the memory); ``fdp.run.forecast`` adds them up
-phase by phase.
+the optimizer's and hooks' state made on ``meta`` (the sizes without the memory); ``fdp.run.memory.forecast`` adds
+them up phase by phase.
 
 >>> from fdp.plan import pack_into_buckets
 >>> plan = pack_into_buckets([("w", (1000, 1000), "float32", "cpu")])

@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from fdp.model import remat
 from fdp.procs.budget import LateOutOfMemory, MemoryPhase
 from fdp.run.checkpoint import format_of
-from fdp.run.micro_batch import fixed_accum
+from fdp.run.memory.micro_batch import fixed_accum
 
 __all__ = ["out_of_memory_message"]
 

@@ -1,4 +1,4 @@
-"""A run's memory forecast (``fdp.run.forecast``) from its config and pieces: what ``recipes/plan.py`` prints and
+"""A run's memory forecast (``fdp.run.memory.forecast``) from its config and pieces: what ``recipes/plan.py`` prints and
 saves, and the line a run logs at start.
 
 >>> micro_samples(64, 4, 2)
@@ -14,8 +14,8 @@ import torch
 
 from fdp.plan import BucketPlan
 from fdp.run.checkpoint import format_of
-from fdp.run.forecast import Forecast, MiB, forecast
-from fdp.run.micro_batch import first_accum, fixed_accum
+from fdp.run.memory.forecast import Forecast, MiB, forecast
+from fdp.run.memory.micro_batch import first_accum, fixed_accum
 
 __all__ = [
     "activations_of",
