@@ -210,6 +210,9 @@ def test_plan_recipe_prints_the_forecast_and_saves_its_json_section(tmp_path):
     text = proc.stdout
     assert re.search(r"^peak +[\d.]+ +\w+ +[\d.]+ +\w+$", text, re.M), text
     assert re.search(r"^stage \| params .* \| fits 400 MiB \| largest micro-batch$", text, re.M), text
+    table = text[text.index("stage | params") :].splitlines()[:5]
+    bars = [[i for i, c in enumerate(line) if c == "|"] for line in table]
+    assert all(b == bars[0] for b in bars), "\n".join(table)  # the columns line up, whatever the phase
     memory = json.loads(out.read_text())["memory"]
     assert memory["peak_mib"] > 0 and memory["phase"] in forecast.PHASES
     assert [r["rank"] for r in memory["ranks"]] == [0, 1]

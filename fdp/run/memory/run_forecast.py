@@ -159,18 +159,18 @@ def describe(mine: list[Forecast], stages: list[Forecast], budget_mb: float = 0.
     lines.append("bytes sent: " + ", ".join(f"{k.replace('_', ' ')} {v / MiB:.2f} MiB" for k, v in sent.items()))
     lines.append("")
     fit = f" | fits {budget_mb:g} MiB | largest micro-batch" if budget_mb else ""
-    lines.append("stage | params | gradients | optimizer | gathers | peak MiB | phase" + fit)
+    lines.append(("stage | params | gradients | optimizer | gathers | peak MiB | phase " + fit).rstrip())
     for stage in range(4):
         worst = max((f for f in stages if f.stage == stage), key=lambda f: f.peak)
         t = worst.terms
         row = (
             f"{stage:5d} | {t.params / MiB:6.1f} | {max(t.grads_held, t.grads_step) / MiB:9.1f}"
-            f" | {t.optimizer / MiB:9.1f} | {t.gathers / MiB:7.1f} | {worst.peak / MiB:8.1f} | {worst.phase}"
+            f" | {t.optimizer / MiB:9.1f} | {t.gathers / MiB:7.1f} | {worst.peak / MiB:8.1f} | {worst.phase:<6}"
         )
         if budget_mb:
             fits = "yes" if worst.peak <= budget_mb * MiB else "no"
             row += f" | {fits:>{len(f'fits {budget_mb:g} MiB')}} | {largest[stage] if largest else '-'}"
-        lines.append(row)
+        lines.append(row.rstrip())
     return "\n".join(lines)
 
 
