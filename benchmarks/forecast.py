@@ -59,6 +59,20 @@ CONFIGS = {  # name: (ranks, overrides)
         4,
         (*CHAR, *TEXT, "optim=sgd", "trainer.zero_stage=3", "trainer.activation_checkpointing=blocks"),
     ),
+    # Long samples, the whole batch in one micro-batch on one rank: its activations are most of its peak (143 of 175)
+    "charlm block 128, 128 samples, 1 rank, micro-batch auto": (
+        1,
+        (
+            "model=charlm",
+            "model.d_model=64",
+            "model.n_layer=2",
+            "data=stdlib_text",
+            "data.block_size=128",
+            "data.max_chars=200000",
+            "data.global_batch_size=128",
+            "trainer.accum_steps=auto",
+        ),
+    ),
     "gpt2 stage 0": (2, (*GPT2, *TEXT, "optim=adamw")),
     "gpt2 stage 3 + ckpt": (
         2,
