@@ -40,7 +40,7 @@ def worker(stage: int, world: int) -> dict:
     from fdp.comm import Comm
     from fdp.procs.launch import WorldLayout, init_distributed
     from fdp.run.build import build_data, build_run
-    from fdp.run.compose import compose
+    from fdp.run.config.compose import compose
 
     init_distributed(WorldLayout("elastic", nproc_per_node=world, backend="gloo", timeout_s=600))
     torch.set_num_threads(1)

@@ -17,7 +17,7 @@ from fdp.model.deferred import NotDeferrable, record_build
 from fdp.model.losses import make_loss_fn
 from fdp.procs.budget import limit_memory
 from fdp.run.build import build_data, build_module, build_run
-from fdp.run.compose import compose
+from fdp.run.config.compose import compose
 from fdp.step.train_step import make_train_step
 from fdp.update.zero import whole_params
 

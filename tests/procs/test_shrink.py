@@ -343,17 +343,21 @@ WAIT_TIMEOUT_S = 8
 
 
 def _wait_on_a_live_peer(rank, world_size):
-    """Rank 0 never joins the all-reduce (its peers wait on it, alive) and reports the world broken after 1 s."""
+    """Rank 0 never joins the all-reduce (its peers wait on it, alive) and reports the world broken 1 s after they
+    are about to wait (each says so first: a peer slow to start would otherwise have waited less)."""
     world = ShrinkingWorld(shrink_store(WAIT_TIMEOUT_S), rank, world_size, "gloo", WAIT_TIMEOUT_S)
     try:
         if rank == 0:
+            world.store.wait([f"waiting/{peer}" for peer in range(1, world_size)])
             time.sleep(1.0)
             world.report_broken()
             world.store.wait(["waited/1", "waited/2"])  # alive until the others are done: no socket closes
             return None
+        comm = world.comm()
+        world.store.set(f"waiting/{rank}", "1")
         started = time.monotonic()
         try:
-            world.comm().allreduce(torch.ones(4)).wait()
+            comm.allreduce(torch.ones(4)).wait()
             outcome = "the all-reduce returned"
         except RuntimeError as error:
             outcome = str(error)
