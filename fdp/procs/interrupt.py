@@ -14,7 +14,8 @@
   ``StopSignals.install`` unblocks it once its handler is in place). A thread of the
   launcher waits for them: the first is passed on to the workers, a second one kills
   them at once (``StoppedAtOnce``; the last checkpoint is whole, checkpoints being
-  written atomically).
+  written atomically). The workers are found however they started: spawned or forked
+  (the launcher's children) or from its forkserver (the forkserver's children).
 * A burst of signals is one request (``Burst``): a terminal's Ctrl-C reaches every process
   of the foreground group, and a wrapper around the run (GNU ``timeout``, ``srun``, a
   shell ``trap``) relays what it gets to its child, so one key press arrives twice within
@@ -57,7 +58,7 @@ MAX_CHECK_STEPS = 1000
 GRACE_S = 1.0  # signals within this long of the first are the same request (a group's Ctrl-C relayed by a wrapper)
 _AGENT_SIGNALS = "TORCHELASTIC_SIGNALS_TO_HANDLE"  # read by torch's elastic agent when it starts workers
 _TRACKER_QUIET = "ignore::UserWarning:multiprocessing.resource_tracker"
-# Children of the launcher that are not workers: how multiprocessing starts its helpers.
+# Children of the launcher that are not workers: how multiprocessing starts its helpers (when their pids are unknown).
 _HELPERS = (b"from multiprocessing.resource_tracker import", b"from multiprocessing.forkserver import")
 _AGENT_DEFAULT = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 _UNCATCHABLE = ("SIGKILL", "SIGSTOP")
@@ -238,19 +239,53 @@ class StopSignals:
         self.restore()
 
 
-def _children() -> list[int]:
-    """This process's child processes but multiprocessing's helpers (its resource tracker, forkserver)."""
-    me, out = os.getpid(), []
+def _parents() -> dict[int, int]:
+    """Every process's parent: pid -> ppid (from /proc)."""
+    out = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                ppid = int(entry.joinpath("stat").read_text().rsplit(")", 1)[1].split()[1])
-                helper = ppid == me and any(h in entry.joinpath("cmdline").read_bytes() for h in _HELPERS)
+                out[int(entry.name)] = int(entry.joinpath("stat").read_text().rsplit(")", 1)[1].split()[1])
             except (OSError, IndexError, ValueError):
                 continue
-            if ppid == me and not helper:
-                out.append(int(entry.name))
     return out
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _helpers(children: list[int]) -> set[int]:
+    """Which of this process's ``children`` are multiprocessing's helpers (its resource tracker, its forkserver).
+
+    Known by the pids multiprocessing keeps, and else by a helper's command line where it differs from this
+    process's own: a helper is a fresh interpreter, while a forked worker keeps its parent's command line, which
+    is a helper's when the parent itself came from a forkserver (a worker must not pass for a helper).
+    """
+    from multiprocessing import forkserver, resource_tracker
+
+    known = {
+        getattr(resource_tracker._resource_tracker, "_pid", None),
+        getattr(forkserver._forkserver, "_forkserver_pid", None),
+    }
+    mine = _cmdline(os.getpid())
+    return {
+        pid
+        for pid in children
+        if pid in known or ((line := _cmdline(pid)) != mine and any(h in line for h in _HELPERS))
+    }
+
+
+def _workers() -> list[int]:
+    """The workers this process started: its children but multiprocessing's helpers, and the helpers' children
+    (the workers its forkserver forked for it: ``start_method="forkserver"``)."""
+    me, parents = os.getpid(), _parents()
+    children = [pid for pid, ppid in parents.items() if ppid == me]
+    helpers = _helpers(children)
+    return [pid for pid, ppid in parents.items() if (ppid == me or ppid in helpers) and pid not in helpers]
 
 
 def _send(pids: list[int], number: int) -> None:
@@ -286,7 +321,7 @@ class Relay:
             if self.received is None:
                 return
             first, kill = signal.Signals[self.received], self.stopped_at_once is not None
-            for pid in _children():
+            for pid in _workers():
                 sent = self._sent.get(pid)
                 if sent is None or (kill and sent != signal.SIGKILL):
                     self._sent[pid] = signal.SIGKILL if kill else first

@@ -40,10 +40,11 @@ LONG = [
 ]
 
 
-def start(run_dir, *overrides, env=None, wrapper=()):
+def start(run_dir, *overrides, env=None, wrapper=(), workers="spawn"):
     """The recipe in a session of its own (so the test can signal its process group as a terminal's Ctrl-C does),
     under ``wrapper`` (a command that runs it as its child: ``timeout``, ``srun``) from a fresh interpreter, else
-    forked from the preloaded server (tests/_recipe.py): a real process all the same, that takes the signals."""
+    forked from the preloaded server (tests/_recipe.py): a real process all the same, that takes the signals.
+    ``workers``: how its local worlds start their workers (fdp.spawn's ``start_method``)."""
     tag = uuid.uuid4().hex
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FDP_TEST_TAG": tag, **(env or {})}
     command = [
@@ -65,8 +66,9 @@ def start(run_dir, *overrides, env=None, wrapper=()):
             start_new_session=True,
         )
     else:
-        # Its local worlds spawn their workers, as from the shell: a terminal's Ctrl-C reaches them in the group.
-        proc = _recipe.start(command, env=env, cwd=ROOT, workers="spawn")
+        # Its local worlds spawn their workers unless told, as from the shell: a terminal's Ctrl-C reaches them in
+        # the group.
+        proc = _recipe.start(command, env=env, cwd=ROOT, workers=workers)
     proc.tag = tag
     return proc
 
@@ -157,10 +159,21 @@ def test_every_rank_of_a_local_world_stops_at_the_same_step(tmp_path, how):
     assert interrupted_line(step, signame, tmp_path) in (tmp_path / "train.log").read_text()
 
 
-def test_a_second_signal_stops_a_stuck_local_world_at_once(tmp_path):
+@pytest.mark.parametrize("workers", ["spawn", "fork", "forkserver"])
+def test_a_second_signal_stops_a_stuck_local_world_at_once(tmp_path, workers):
     """Rank 1 is stopped (SIGSTOP), so no step boundary comes: the first SIGTERM waits, the
-    second signal kills the workers and the run ends with one line naming the last checkpoint."""
-    proc = start(tmp_path, "world=local2", "world.backend=gloo", "world.timeout_s=60", "trainer.checkpoint_every=5")
+    second signal kills the workers and the run ends with one line naming the last checkpoint.
+    Whatever started the workers: spawned (a script), forked (a notebook, ``python -c``: the launcher's
+    children with its command line, here a forkserver's as the launcher came from one) or from the launcher's
+    forkserver (its grandchildren)."""
+    proc = start(
+        tmp_path,
+        "world=local2",
+        "world.backend=gloo",
+        "world.timeout_s=60",
+        "trainer.checkpoint_every=5",
+        workers=workers,
+    )
     wait_training(proc, tmp_path, ranks=(0, 1), steps=7)
     # Two ranks write sharded checkpoints in the background: step 5's complete (named by last) before rank 1 stops.
     while not (tmp_path / "checkpoints" / "last").exists():
@@ -171,7 +184,9 @@ def test_a_second_signal_stops_a_stuck_local_world_at_once(tmp_path):
     time.sleep(GRACE_S + 0.3)  # a second signal sooner would be the same request (test_a_burst_of_signals...)
     assert proc.poll() is None  # waiting for a step boundary that cannot come
     os.kill(proc.pid, signal.SIGINT)
-    out, err = finish(proc, timeout=60)
+    second = time.monotonic()
+    out, err = finish(proc, timeout=30)
+    assert time.monotonic() - second < 10, f"{time.monotonic() - second:.1f} s after the second signal"
     assert proc.returncode == 130, err[-3000:]
     step = checkpoint_step(tmp_path)
     assert step % 5 == 0 and lines(err) == [
