@@ -28,13 +28,17 @@ FOLDER_MARKS = {"e2e": pytest.mark.e2e, "docs": pytest.mark.docs}
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Tests in tests/e2e/ and tests/docs/ get their folder's mark. ``@pytest.mark.gpu`` tests need CUDA: skipped
-    where there is none. ``session.collected_files``: every file this run collected a test or doctest from, before
-    ``-k`` or ``-m`` deselect any (called before they are), paths from the root (tests/test_doctests.py reads it).
+    """Tests in tests/e2e/ and tests/docs/ get their folder's mark; modules marked heavy go first.
+    ``@pytest.mark.gpu`` tests need CUDA: skipped where there is none. ``session.collected_files``: every file this
+    run collected a test or doctest from, before ``-k`` or ``-m`` deselect any (called before they are), paths from
+    the root (tests/test_doctests.py reads it).
 
     The gpu mark belongs on a whole module (``pytestmark``): the other modules hide the GPUs.
     """
     session.collected_files = {item.nodeid.split("::", 1)[0] for item in items}
+    # Modules marked heavy run first: the suite's two workers take whole modules, and one of a minute or more
+    # handed out last would run alone while the other worker waits.
+    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
     for item in items:
         folder = item.path.relative_to(TESTS).parts[0] if item.path.is_relative_to(TESTS) else None
         if folder in FOLDER_MARKS:

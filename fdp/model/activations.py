@@ -65,6 +65,11 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return start * t.element_size(), stop * t.element_size()
 
 
+def _reach(spans: dict[int, tuple[int, int]]) -> int:
+    """The bytes saved views reach, summed over their storages (``_span`` of each, merged by storage)."""
+    return sum(stop - start for start, stop in spans.values())
+
+
 class _FusedAttention(torch.overrides.TorchFunctionMode):
     """Attention on ``meta`` as a device runs it: the fused kernel, which saves its inputs, output and log-sum-exp
     for backward (on ``meta`` torch takes the unfused path, which saves the attention weights, a square per head:
@@ -139,9 +144,8 @@ def saved_activations(
     finally:
         for h in handles:
             h.remove()
-    reach = lambda spans: sum(stop - start for start, stop in spans.values())  # noqa: E731
-    kept = reach(saved) + sum(n for k, n in inputs.items() if k not in saved and k not in own)
-    return Activations(kept, largest, max((reach(c) for c in calls), default=0))
+    kept = _reach(saved) + sum(n for k, n in inputs.items() if k not in saved and k not in own)
+    return Activations(kept, largest, max((_reach(c) for c in calls), default=0))
 
 
 def traced_pair(

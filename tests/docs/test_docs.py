@@ -15,7 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import _recipe
+import pytest
 from _paths import pythonpath_first
+
+pytestmark = pytest.mark.heavy  # run first (tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[2]
 # README.md first: its first command is the run started from a fresh interpreter

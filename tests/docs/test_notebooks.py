@@ -14,6 +14,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+pytestmark = pytest.mark.heavy  # run first (tests/conftest.py)
+
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 TESTS = Path(__file__).resolve().parents[1]
 # name -> figures (image/png outputs) it must draw; the longest first (run two at a time)

@@ -28,6 +28,8 @@ from fdp.procs.interrupt import GRACE_S, Burst, StoppedAtOnce, StopSignals, chec
 from fdp.run.checkpoint import last_of
 from fdp.run.rundir import RankStatus
 
+pytestmark = pytest.mark.heavy  # run first (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 LONG = [
     "model.hidden=16",

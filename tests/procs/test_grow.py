@@ -28,6 +28,8 @@ from fdp.run.config.validate import validate
 from fdp.run.rundir import RankStatus
 from fdp.run.trainer import run
 
+pytestmark = pytest.mark.heavy  # run first (tests/conftest.py)
+
 STEPS, KILL_AT, TIMEOUT_S = 40, 10, 10  # a dead rank is seen at once: the timeout only bounds start-up
 # Steps of ~0.2 s, so that the rank started again (its keeper imports what its first step needs, it builds its
 # model alone) is back long before the run's end; SGD with momentum (a state to heal), whose result does not

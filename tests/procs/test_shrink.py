@@ -30,6 +30,8 @@ from fdp.run.config.validate import validate
 from fdp.run.rundir import RankStatus
 from fdp.run.trainer import run
 
+pytestmark = pytest.mark.heavy  # run first (tests/conftest.py)
+
 STEPS, KILL_AT, TIMEOUT_S = 60, 30, 5
 RUN = [
     "model=charlm",

@@ -50,7 +50,7 @@ from fdp.run.compatibility import BASE, FEATURES, pair_configs
 
 # The first test to read ``trained`` trains ~260 runs on two ranks and ~26 on four: about a minute and a half on
 # an unloaded 2-core machine, several on a loaded one.
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.heavy]  # heavy: run first (tests/conftest.py)
 
 STEPS = 3
 SAVED_AT = 2  # a pair's checkpoint, resumed for its last step

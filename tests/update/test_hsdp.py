@@ -32,6 +32,8 @@ from fdp.step.outer_spec import check_outer
 from fdp.update import zero
 from fdp.update.zero.scatter import ScatterComm
 
+pytestmark = pytest.mark.heavy  # run first (tests/conftest.py)
+
 register_configs()
 
 STEPS = 4
