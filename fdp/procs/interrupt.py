@@ -130,6 +130,10 @@ class Burst:
             return False
         return now - self._at >= self.grace_s
 
+    def left(self) -> float:
+        """Seconds until a signal would be a second request (0 before the first, or once past the window)."""
+        return max(0.0, self._at + self.grace_s - time.monotonic()) if self.first is not None else 0.0
+
 
 class StopSignals:
     """This rank's stop flag, set by a signal handler and agreed on by every rank at step boundaries.
@@ -228,7 +232,13 @@ class StopSignals:
         return verdict
 
     def close(self, finished: bool = True) -> None:
-        """Wait for the flag in flight (``finished``: every rank reached this point) and restore the handlers."""
+        """Wait for the flag in flight (``finished``: every rank reached this point) and restore the handlers.
+
+        A process alone (``repeat_stops_at_once``) stopped by a signal keeps them until the signal's window has
+        passed: a wrapper relays the terminal's Ctrl-C a moment later (``Burst``), and that copy must not reach the
+        handler before fdp's (Python's raises ``KeyboardInterrupt`` wherever the exiting process is). A world's
+        ranks do not wait here: they leave their world together, and its store goes with rank 0.
+        """
         if self._pending is not None and finished:
             wait_watched(self._pending[0], self._watch)
         self._pending = None
@@ -236,6 +246,8 @@ class StopSignals:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group(self._group)
             self._group = None
+        if self.repeat_stops_at_once:
+            time.sleep(self._burst.left())
         self.restore()
 
 

@@ -249,6 +249,25 @@ def test_a_burst_of_signals_is_one_request_and_a_later_one_stops_at_once():
     assert burst.see("SIGINT")
 
 
+_LATE_COPY = """
+import os, signal, threading, time
+from fdp.procs.interrupt import StopSignals
+stop = StopSignals(("SIGINT",), repeat_stops_at_once=True).install().join(1)  # a process alone
+os.kill(os.getpid(), signal.SIGINT)  # the terminal's Ctrl-C
+threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()  # the wrapper's copy, a moment later
+stop.close()  # the run stopped at once, before the copy came
+time.sleep(0.5)
+print(stop.received)
+"""
+
+
+def test_a_relayed_copy_arriving_after_the_run_stopped_is_still_the_same_request():
+    """A one-process run that stops faster than a wrapper relays its Ctrl-C exits with one line, not a
+    KeyboardInterrupt's traceback from wherever the copy found the exiting interpreter."""
+    proc = subprocess.run([sys.executable, "-c", _LATE_COPY], capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stdout.strip(), proc.stderr) == (0, "SIGINT", "")
+
+
 def _fake_scontrol(bin_dir: Path, record: Path) -> None:
     """An ``scontrol`` on PATH that records how it was called (this machine has no SLURM)."""
     script = bin_dir / "scontrol"
