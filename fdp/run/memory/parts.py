@@ -83,6 +83,13 @@ def optimizer_state_bytes(optimizer: GradientTransformation, plan: BucketPlan, s
     return tree_bytes(optimizer.init(_meta_params(plan, stage, world)))
 
 
+def _meta_hook_states(hook: Hook, plan: BucketPlan) -> tuple:
+    """The hook chain's state for every bucket, made on ``meta`` (the sizes without the memory)."""
+    meta = plan.to_dict()
+    meta = BucketPlan.from_dict({**meta, "buckets": [{**b, "device": "meta"} for b in meta["buckets"]]})
+    return tuple(hook.init(b) for b in meta.buckets)
+
+
 def hook_state_bytes(hook: Hook, plan: BucketPlan) -> int:
     """Bytes of the hook chain's state over every bucket (PowerSGD's factors, error feedback), made on ``meta``.
 
@@ -92,9 +99,7 @@ def hook_state_bytes(hook: Hook, plan: BucketPlan) -> int:
     >>> hook_state_bytes(allreduce(), plan), hook_state_bytes(int8(), plan)  # int8 keeps its rounding error
     (0, 40)
     """
-    meta = plan.to_dict()
-    meta = BucketPlan.from_dict({**meta, "buckets": [{**b, "device": "meta"} for b in meta["buckets"]]})
-    return tree_bytes([hook.init(b) for b in meta.buckets])
+    return tree_bytes(_meta_hook_states(hook, plan))
 
 
 def grad_buffer_bytes(plan: BucketPlan, stage: int, held: bool) -> int:
@@ -125,9 +130,7 @@ def reduces_each(hook: Hook, plan: BucketPlan) -> bool:
     >>> reduces_each(allreduce(), plan), reduces_each(powersgd(), plan)
     (True, False)
     """
-    meta = plan.to_dict()
-    meta = BucketPlan.from_dict({**meta, "buckets": [{**b, "device": "meta"} for b in meta["buckets"]]})
-    return reduces_each_micro_batch(tuple(hook.init(b) for b in meta.buckets))
+    return reduces_each_micro_batch(_meta_hook_states(hook, plan))
 
 
 def accumulated_grad_bytes(plan: BucketPlan, stage: int, world: int, accum: int, hook: Hook) -> int:
@@ -181,10 +184,9 @@ def update_temporaries(optimizer: GradientTransformation, plan: BucketPlan, stag
     >>> update_temporaries(sgd(0.1, momentum=0.9), plan, stage=1, state=20)  # its momentum's slice, the params
     60
     """
-    opt = state
     if stage == 0:
-        return 0 if steps_in_place(optimizer, plan) else max(opt, plan.nbytes)
-    return opt if stage == 3 else opt + plan.nbytes
+        return 0 if steps_in_place(optimizer, plan) else max(state, plan.nbytes)
+    return state if stage == 3 else state + plan.nbytes
 
 
 def gathers_in_flight(plan: BucketPlan, world: int, itemsize: int | None = None, reshard: bool = True) -> int:
